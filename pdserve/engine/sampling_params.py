@@ -1,0 +1,103 @@
+"""Per-request sampling parameters (OpenAI / vLLM meaning), validated before admission."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class GuidedSpec:
+    """Constrained decoding request: exactly one of the fields is set."""
+
+    json_schema: str | None = None  # JSON text of a schema
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    grammar: str | None = None  # EBNF (GBNF dialect, as xgrammar reads it)
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    best_of: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    typical_p: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to the context limit
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = field(default_factory=list)
+    no_repeat_ngram_size: int = 0
+    logprobs: int | None = None  # number of top logprobs per generated token (0: only the chosen one)
+    prompt_logprobs: int | None = None
+    logprobs_mode: Literal["raw", "processed"] = "raw"
+    skip_special_tokens: bool = True
+    guided: GuidedSpec | None = None
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the offending field."""
+
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"invalid sampling parameter '{name}': {why}")
+
+        if self.n < 1:
+            bad("n", "must be >= 1")
+        if self.best_of is not None and self.best_of < self.n:
+            bad("best_of", "must be >= n")
+        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
+            bad("temperature", "must be >= 0 (0 means greedy)")
+        if not (0.0 < self.top_p <= 1.0):
+            bad("top_p", "must be in (0, 1]")
+        if self.top_k < -1:
+            bad("top_k", "must be -1, 0 (off) or a positive count")
+        if vocab_size is not None and self.top_k > vocab_size:
+            bad("top_k", f"must be <= vocabulary size {vocab_size}")
+        if not (0.0 <= self.min_p <= 1.0):
+            bad("min_p", "must be in [0, 1]")
+        if not (0.0 < self.typical_p <= 1.0):
+            bad("typical_p", "must be in (0, 1]")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad("max_tokens", "must be >= 1")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            bad("min_tokens", "must be in [0, max_tokens]")
+        if self.repetition_penalty <= 0:
+            bad("repetition_penalty", "must be > 0")
+        if not (-2.0 <= self.frequency_penalty <= 2.0):
+            bad("frequency_penalty", "must be in [-2, 2]")
+        if not (-2.0 <= self.presence_penalty <= 2.0):
+            bad("presence_penalty", "must be in [-2, 2]")
+        if self.no_repeat_ngram_size < 0:
+            bad("no_repeat_ngram_size", "must be >= 0")
+        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
+            bad("logprobs", "must be in [0, 20]")
+        if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= 20):
+            bad("prompt_logprobs", "must be in [0, 20]")
+        if self.logprobs_mode not in ("raw", "processed"):
+            bad("logprobs_mode", "must be 'raw' or 'processed'")
+        if vocab_size is not None:
+            for tid in list(self.logit_bias) + list(self.stop_token_ids) + list(self.allowed_token_ids or []):
+                if not (0 <= int(tid) < vocab_size):
+                    bad("logit_bias/stop_token_ids/allowed_token_ids", f"token id {tid} outside [0, {vocab_size})")
+        for v in self.logit_bias.values():
+            if not (-100.0 <= v <= 100.0):
+                bad("logit_bias", "values must be in [-100, 100]")
+        if any(not s for s in self.stop):
+            bad("stop", "empty stop string")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def num_branches(self) -> int:
+        return self.best_of or self.n
