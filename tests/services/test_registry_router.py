@@ -1,0 +1,64 @@
+"""Registry on real Redis and the Router gRPC service: least-loaded placement, lapsed workers never routed."""
+import asyncio
+import uuid
+
+import grpc
+import pytest
+
+from pdserve.services.grpc_util import channel
+from pdserve.services.pb import router_pb2, router_pb2_grpc
+from pdserve.services.registry import Registry, WorkerRecord
+from pdserve.services.router.policy import NoWorkers, Policy
+from pdserve.services.router.server import RouterService
+
+REDIS = "redis://127.0.0.1:6379/0"
+
+
+def rec(wid, role, running=0, **kw):
+    return WorkerRecord(wid, role, f"127.0.0.1:{abs(hash(wid)) % 1000 + 20000}", load={"num_running": running,
+                        "kv_blocks_total": 100}, **kw)
+
+
+def test_policy_least_loaded_and_ties_random():
+    pol = Policy()
+    ws = [rec("p1", "prefill", 3), rec("p2", "prefill", 1), rec("d1", "decode", 0), rec("d2", "decode", 5)]
+    p = pol.place(ws)
+    assert p.mode == "disagg" and p.prefill.worker_id == "p2" and p.decode.worker_id == "d1"
+    # placements since the last heartbeat count as load: a burst spreads over equal workers
+    pol = Policy()
+    eq = [rec("b1", "both"), rec("b2", "both")]
+    picks = {pol.place(eq).both.worker_id for _ in range(2)}
+    assert picks == {"b1", "b2"}
+    with pytest.raises(NoWorkers):
+        Policy().place([rec("p", "prefill")])
+    assert Policy().place(ws, exclude={"d1"}).decode.worker_id == "d2"
+
+
+def test_lapsed_heartbeat_never_routed():
+    async def main():
+        model = f"test-{uuid.uuid4().hex[:8]}"
+        reg = Registry(REDIS, model, ttl_s=0.5)
+        await reg.heartbeat(rec("alive", "both"))
+        await reg.heartbeat(rec("dying", "both"))
+        assert {w.worker_id for w in await reg.live_workers()} == {"alive", "dying"}
+        for _ in range(4):  # only "alive" keeps heartbeating
+            await asyncio.sleep(0.25)
+            await reg.heartbeat(rec("alive", "both"))
+        assert [w.worker_id for w in await reg.live_workers()] == ["alive"]
+
+        server = grpc.aio.server()
+        router_pb2_grpc.add_RouterServicer_to_server(RouterService(reg, view_ttl_s=0), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        stub = router_pb2_grpc.RouterStub(channel(f"127.0.0.1:{port}"))
+        for _ in range(10):
+            r = await stub.Route(router_pb2.RouteRequest(request_id="x"))
+            assert r.mode == "colocated" and r.both.worker_id == "alive"
+        await reg.deregister("alive")
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.Route(router_pb2.RouteRequest(request_id="y"))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        await server.stop(0)
+        await reg.close()
+
+    asyncio.run(main())
