@@ -1,0 +1,89 @@
+"""Paged attention: K/V live in fixed-size blocks; each sequence reads its context through its block table.
+
+The KV pool is one tensor `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`, so a block of one
+sequence is contiguous across all layers (one transfer descriptor / one swap copy per block). A layer's cache is
+the strided view `kv[:, layer, 0|1]`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    start: int  # first row of this sequence's tokens in the flat batch
+    q_len: int  # tokens computed in this step
+    context_len: int  # tokens of context after this step (cached + new)
+    block_table: torch.Tensor  # [n_blocks] int64
+    mask: torch.Tensor | None  # [q_len, context_len] bool, None when plain causal with no cached prefix
+
+
+@dataclass
+class AttentionMetadata:
+    slot_blocks: torch.Tensor  # [T] block id each new token's K/V is written to
+    slot_offsets: torch.Tensor  # [T] offset inside that block
+    prefills: list[PrefillSpan]
+    decode_rows: torch.Tensor  # [D] rows of the flat batch that are single-token decodes
+    decode_block_tables: torch.Tensor  # [D, max_blocks] (padded with block 0)
+    decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size] bool: True = attend
+
+
+def causal_mask(q_len: int, context_len: int, sliding_window: int | None, device) -> torch.Tensor | None:
+    """Query i sits at absolute position context_len - q_len + i and sees keys at positions <= its own."""
+    if q_len == context_len and sliding_window is None:
+        return None
+    q_pos = torch.arange(context_len - q_len, context_len, device=device).unsqueeze(1)
+    k_pos = torch.arange(context_len, device=device).unsqueeze(0)
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= k_pos > q_pos - sliding_window
+    return mask
+
+
+def decode_mask(context_lens: torch.Tensor, width: int, sliding_window: int | None) -> torch.Tensor:
+    k_pos = torch.arange(width, device=context_lens.device).unsqueeze(0)
+    mask = k_pos < context_lens.unsqueeze(1)
+    if sliding_window is not None:
+        mask &= k_pos >= (context_lens - sliding_window).unsqueeze(1)
+    return mask[:, None, None, :]
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, KVH, D]
+    v: torch.Tensor,
+    kv_layer: torch.Tensor,  # [num_blocks, 2, block_size, KVH, D] view of one layer
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    k_cache, v_cache = kv_layer[:, 0], kv_layer[:, 1]
+    # Write first: a token attends to its own key, and chunks attend to earlier chunks through the cache.
+    k_cache[meta.slot_blocks, meta.slot_offsets] = k.to(k_cache.dtype)
+    v_cache[meta.slot_blocks, meta.slot_offsets] = v.to(v_cache.dtype)
+    out = torch.empty_like(q)
+    n_kv = k.shape[1]
+    for span in meta.prefills:
+        qs = q[span.start:span.start + span.q_len].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+        if span.mask is None:  # whole prompt in this step: use the fresh K/V, no gather needed
+            ks = k[span.start:span.start + span.q_len]
+            vs = v[span.start:span.start + span.q_len]
+        else:
+            ks = k_cache[span.block_table].flatten(0, 1)[:span.context_len]
+            vs = v_cache[span.block_table].flatten(0, 1)[:span.context_len]
+        ks = ks.to(q.dtype).transpose(0, 1).unsqueeze(0)
+        vs = vs.to(q.dtype).transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=span.mask, is_causal=span.mask is None, scale=scale,
+            enable_gqa=n_kv != q.shape[1])
+        out[span.start:span.start + span.q_len] = o.squeeze(0).transpose(0, 1)
+    if meta.decode_rows.numel():
+        qd = q[meta.decode_rows].unsqueeze(2)  # [B, H, 1, D]
+        kd = k_cache[meta.decode_block_tables].flatten(1, 2).to(q.dtype).transpose(1, 2)  # [B, KVH, S, D]
+        vd = v_cache[meta.decode_block_tables].flatten(1, 2).to(q.dtype).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale,
+                                           enable_gqa=n_kv != q.shape[1])
+        out[meta.decode_rows] = o.squeeze(2)
+    return out

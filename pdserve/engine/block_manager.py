@@ -1,0 +1,223 @@
+"""Physical KV blocks: refcounts, prefix cache on exact full-block token prefixes, LRU eviction, copy-on-write.
+
+A full block's key is a chained hash: hash(parent key, its token ids, model fingerprint, tenant namespace).
+The namespace enters the first block and so every descendant: tenants never share blocks unless they use the
+same namespace (spec §4.3, Q22). A hit is verified against the stored token ids, so a hash collision can only
+cost a miss, never wrong KV. A block is registered in the cache only after its KV has been computed.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+from pdserve.engine.sequence import Sequence
+
+
+class NoFreeBlocks(RuntimeError):
+    pass
+
+
+@dataclass
+class KVEvent:
+    kind: str  # "stored" | "evicted"
+    block_hash: int
+    namespace: str
+
+
+def block_hash(parent: int | None, tokens: tuple[int, ...] | list[int], fingerprint: str, namespace: str) -> int:
+    h = hashlib.blake2b(digest_size=8)
+    h.update(b"root" if parent is None else parent.to_bytes(8, "little"))
+    if parent is None:  # the chain carries model and tenant from the first block on
+        h.update(fingerprint.encode())
+        h.update(b"\x00" + namespace.encode())
+    h.update(b"".join(int(t).to_bytes(4, "little", signed=False) for t in tokens))
+    return int.from_bytes(h.digest(), "little")
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, fingerprint: str = "", enable_prefix_caching: bool = True,
+                 num_cpu_blocks: int = 0, kv=None):
+        # `kv` (a KVCache) performs block copies at once, so a swap-out and a swap-in or copy-on-write decided
+        # in the same tick can never race on a block that changes hands; None when only bookkeeping is wanted.
+        self.kv = kv
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.fingerprint = fingerprint
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref = [0] * num_blocks
+        self.hash_of: list[int | None] = [None] * num_blocks
+        self.tokens_of: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.free_ids: deque[int] = deque(range(num_blocks))
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; least recently used first
+        self.cached: dict[int, int] = {}  # hash -> block id
+        self.cpu_free: deque[int] = deque(range(num_cpu_blocks))
+        self.num_cpu_blocks = num_cpu_blocks
+        self.events: deque[KVEvent] = deque(maxlen=100_000)
+        self.hit_tokens = 0
+        self.queried_tokens = 0
+
+    # ---- accounting -------------------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self.free_ids) + len(self.evictable)
+
+    @property
+    def blocks_in_use(self) -> int:
+        return self.num_blocks - self.num_free
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache -----------------------------------------------------------------------------------------
+    def lookup(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding a prefix of seq's tokens. The block with the last token is never a hit, so the
+        last prompt token is always recomputed and the first token has logits (spec §1.1)."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        parent = None
+        bs = self.block_size
+        for i in range((seq.num_tokens - 1) // bs):
+            toks = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            h = block_hash(parent, toks, self.fingerprint, seq.namespace)
+            b = self.cached.get(h)
+            if b is None or self.tokens_of[b] != toks:
+                break
+            hits.append(b)
+            parent = h
+        return hits
+
+    # ---- allocation -------------------------------------------------------------------------------------------
+    def _take(self) -> int:
+        if self.free_ids:
+            b = self.free_ids.popleft()
+        elif self.evictable:
+            b, _ = self.evictable.popitem(last=False)
+            self._unregister(b)
+        else:
+            raise NoFreeBlocks()
+        self.ref[b] = 1
+        return b
+
+    def _unregister(self, b: int) -> None:
+        h = self.hash_of[b]
+        if h is not None:
+            del self.cached[h]
+            self.events.append(KVEvent("evicted", h, ""))
+        self.hash_of[b] = None
+        self.tokens_of[b] = None
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] | None = None) -> bool:
+        return self._cost(seq, num_new_tokens, hits or []) <= self.num_free
+
+    def _cost(self, seq: Sequence, num_new_tokens: int, hits: list[int]) -> int:
+        computed = len(hits) * self.block_size if not seq.block_table else seq.num_computed_tokens
+        have = len(hits) if not seq.block_table else len(seq.block_table)
+        fresh = max(0, self.blocks_needed(computed + num_new_tokens) - have)
+        taken_from_free = sum(1 for b in hits if self.ref[b] == 0)  # evictable hits leave the free pool
+        cow = 1 if self._needs_cow(seq) else 0
+        return fresh + taken_from_free + cow
+
+    def _needs_cow(self, seq: Sequence) -> bool:
+        return bool(seq.block_table) and seq.num_computed_tokens % self.block_size != 0 \
+            and self.ref[seq.block_table[-1]] > 1
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] | None = None) -> None:
+        """Give seq room for `num_new_tokens` more tokens. On a sequence's first allocation `hits` (from lookup)
+        become its first blocks and its computed-token count. Raises NoFreeBlocks without side effects."""
+        hits = hits or []
+        if self._cost(seq, num_new_tokens, hits) > self.num_free:
+            raise NoFreeBlocks()
+        if not seq.block_table and hits:
+            for b in hits:
+                if self.ref[b] == 0:
+                    del self.evictable[b]
+                self.ref[b] += 1
+            seq.block_table = list(hits)
+            seq.num_computed_tokens = len(hits) * self.block_size
+            seq.num_cached_tokens = seq.num_computed_tokens
+            seq.block_hashes = [self.hash_of[b] for b in hits]
+        if seq.num_prompt_lookups == 0:
+            seq.num_prompt_lookups = 1
+            self.queried_tokens += seq.num_prompt_tokens
+            self.hit_tokens += len(hits) * self.block_size
+        if self._needs_cow(seq):
+            old = seq.block_table[-1]
+            new = self._take()
+            self.ref[old] -= 1
+            seq.block_table[-1] = new
+            if self.kv is not None:
+                self.kv.copy_blocks([(old, new)])
+        while len(seq.block_table) < self.blocks_needed(seq.num_computed_tokens + num_new_tokens):
+            seq.block_table.append(self._take())
+
+    def mark_computed(self, seq: Sequence) -> None:
+        """Register blocks that became full with computed KV, extending seq's hash chain."""
+        bs = self.block_size
+        while len(seq.block_hashes) < seq.num_computed_tokens // bs:
+            i = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            toks = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            h = block_hash(parent, toks, self.fingerprint, seq.namespace)
+            seq.block_hashes.append(h)
+            b = seq.block_table[i]
+            if self.enable_prefix_caching and h not in self.cached and self.hash_of[b] is None:
+                self.cached[h] = b
+                self.hash_of[b] = h
+                self.tokens_of[b] = toks
+                self.events.append(KVEvent("stored", h, seq.namespace))
+
+    def free(self, seq: Sequence) -> None:
+        """Drop seq's references; the tail is freed first so it is evicted before the shared head."""
+        for b in reversed(seq.block_table):
+            self.release_block(b)
+        seq.block_table = []
+
+    def release_block(self, b: int) -> None:
+        self.ref[b] -= 1
+        assert self.ref[b] >= 0, f"double free of block {b}"
+        if self.ref[b] == 0:
+            if self.hash_of[b] is not None:
+                self.evictable[b] = None
+            else:
+                self.free_ids.append(b)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """child shares all of parent's blocks; its first write into the shared tail copies it."""
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.num_prompt_lookups = 1
+        for b in child.block_table:
+            self.ref[b] += 1
+
+    # ---- swapping ---------------------------------------------------------------------------------------------
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return len(self.cpu_free) >= len(seq.block_table)
+
+    def swap_out(self, seq: Sequence) -> None:
+        pairs = [(b, self.cpu_free.popleft()) for b in seq.block_table]
+        if self.kv is not None:
+            self.kv.swap_out(pairs)
+        seq.host_table = [h for _, h in pairs]
+        self.free(seq)
+
+    def can_swap_in(self, seq: Sequence) -> bool:
+        return len(seq.host_table) <= self.num_free
+
+    def swap_in(self, seq: Sequence) -> None:
+        pairs = [(h, self._take()) for h in seq.host_table]
+        if self.kv is not None:
+            self.kv.swap_in(pairs)
+        seq.block_table = [d for _, d in pairs]
+        self.free_host(seq)
+
+    def free_host(self, seq: Sequence) -> None:
+        self.cpu_free.extend(seq.host_table)
+        seq.host_table = []

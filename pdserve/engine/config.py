@@ -1,0 +1,154 @@
+"""Model configuration read from a checkpoint's config.json, and the engine's own knobs."""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pdserve.engine.errors import CheckpointError
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    sliding_window: int | None
+    checkpoint_dtype: torch.dtype
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+
+    @property
+    def max_model_len(self) -> int:
+        return self.max_position_embeddings
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        model_dir = Path(model_dir)
+        path = model_dir / "config.json"
+        if not model_dir.is_dir():
+            raise CheckpointError(f"{model_dir}: not a checkpoint directory")
+        if not path.is_file():
+            raise CheckpointError(f"{model_dir}: missing config.json")
+        try:
+            cfg = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{path}: malformed JSON ({e})") from e
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else None
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise CheckpointError(
+                f"{path}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            # transformers >= 5 nests rope settings under rope_parameters; older files use rope_theta/rope_scaling.
+            rope = dict(cfg.get("rope_parameters") or {})
+            scaling = cfg.get("rope_scaling") or None
+            theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+            rope_type = rope.get("rope_type") or (scaling or {}).get("rope_type") or (scaling or {}).get("type")
+            if rope_type and rope_type != "default":
+                scaling = {**(scaling or {}), **rope, "rope_type": rope_type}
+            else:
+                scaling = None
+            sliding = cfg.get("sliding_window")
+            if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+                sliding = None
+            dtype_name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+            gen = _generation_config(model_dir)
+            eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
+            eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+            return cls(
+                architecture=arch,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=theta,
+                rope_scaling=scaling,
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+                o_bias=arch != "Qwen2ForCausalLM" and bool(cfg.get("attention_bias", False)),
+                mlp_bias=bool(cfg.get("mlp_bias", False)),
+                sliding_window=int(sliding) if sliding else None,
+                checkpoint_dtype=DTYPES.get(str(dtype_name), torch.float32),
+                eos_token_ids=[int(e) for e in eos_ids],
+                bos_token_id=gen.get("bos_token_id", cfg.get("bos_token_id")),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{path}: missing or invalid field {e}") from e
+
+    def fingerprint(self, weights_digest: str, kv_dtype: torch.dtype) -> str:
+        """Everything that makes KV of one deployment reusable by another (spec §4.3)."""
+        h = hashlib.blake2b(digest_size=8)
+        h.update(json.dumps(
+            [self.architecture, self.num_layers, self.num_kv_heads, self.head_dim, self.rope_theta,
+             self.rope_scaling, str(kv_dtype), weights_digest], sort_keys=True, default=str).encode())
+        return h.hexdigest()
+
+
+def _generation_config(model_dir: Path) -> dict:
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: malformed JSON ({e})") from e
+
+
+@dataclass
+class EngineConfig:
+    """Engine knobs. `num_gpu_blocks=None` sizes the KV pool from `kv_cache_bytes`."""
+
+    block_size: int = 16
+    num_gpu_blocks: int | None = None
+    kv_cache_bytes: int = 256 << 20
+    num_cpu_blocks: int = 0  # host swap space in blocks; 0 disables swapping
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    policy: str = "fcfs"  # fcfs | decode-priority | prefill-priority
+    preemption_mode: str = "recompute"  # recompute | swap
+    dtype: str = "auto"  # auto (checkpoint dtype) | float32 | bfloat16 | float16
+    device: str = "cpu"
+    max_model_len: int | None = None
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.policy not in ("fcfs", "decode-priority", "prefill-priority"):
+            raise ValueError(f"unknown scheduling policy {self.policy!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"unknown preemption mode {self.preemption_mode!r}")
+        if self.preemption_mode == "swap" and self.num_cpu_blocks <= 0:
+            raise ValueError("preemption_mode='swap' needs num_cpu_blocks > 0")
+        if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be positive")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}")

@@ -1,0 +1,406 @@
+"""The engine every worker role shares: add requests, step the scheduler, stream outputs, reclaim once.
+
+Terminal paths (finished, cancelled, timed out, failed) all go through `_reclaim`, which is idempotent: blocks
+are released by refcount, the batch slot is left, and exactly one usage record is written (spec §1.7).
+Usage counts: `generated` = tokens sampled by the model (all branches); `emitted` = tokens whose text reached
+the caller's stream; `committed` = tokens in the returned choices (what is billed: best_of drops the losers).
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import DTYPES, EngineConfig, ModelConfig
+from pdserve.engine.errors import RequestRejected
+from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.loader import load_state_dict
+from pdserve.engine.model import LlamaModel
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.outputs import CompletionOutput, RequestOutput
+from pdserve.engine.request_state import RequestState as S
+from pdserve.engine.sampler import Sampler, SamplingState
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.sequence import Sequence
+from pdserve.engine.stop import OutputProcessor
+from pdserve.engine.tokenizer import Tokenizer
+
+log = logging.getLogger("pdserve.engine")
+usage_log = logging.getLogger("pdserve.usage")
+
+__all__ = ["Engine", "EngineConfig", "RequestOutput", "CompletionOutput"]
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    namespace: str
+    seqs: list[Sequence]
+    prefill_only: bool = False
+    metrics: dict = field(default_factory=dict)
+    reclaimed: bool = False
+    state: S = S.QUEUED
+
+    @property
+    def finished(self) -> bool:
+        return self.reclaimed or (all(s.finished for s in self.seqs) and len(self.seqs) >= self.params.num_branches)
+
+
+def resolve_model_dir(model: str | Path) -> Path:
+    if str(model) == "builtin":
+        from pdserve.builtin import builtin_model_dir
+        return builtin_model_dir()
+    return Path(model)
+
+
+class Engine:
+    def __init__(self, model_config: ModelConfig, config: EngineConfig, model: LlamaModel, tokenizer: Tokenizer,
+                 fingerprint: str):
+        config.validate()
+        self.model_config = model_config
+        self.config = config
+        self.tokenizer = tokenizer
+        self.fingerprint = fingerprint
+        self.max_model_len = min(config.max_model_len or model_config.max_model_len, model_config.max_model_len)
+        dtype = next(model.parameters()).dtype
+        per_block = (model_config.num_layers * 2 * config.block_size * model_config.num_kv_heads
+                     * model_config.head_dim * torch.tensor([], dtype=dtype).element_size())
+        num_blocks = config.num_gpu_blocks or max(1, config.kv_cache_bytes // per_block)
+        self.kv_cache = KVCache(model_config, num_blocks, config.block_size, dtype, config.device,
+                                config.num_cpu_blocks, fingerprint)
+        self.block_manager = BlockManager(num_blocks, config.block_size, fingerprint, config.enable_prefix_caching,
+                                          config.num_cpu_blocks, kv=self.kv_cache)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.runner = ModelRunner(model, self.kv_cache)
+        self.sampler = Sampler(model_config.vocab_size)
+        self.eos_token_ids = sorted(set(model_config.eos_token_ids) | set(tokenizer.eos_token_ids))
+        self.requests: dict[str, Request] = {}
+        self.pinned: dict[str, tuple[list[int], int]] = {}
+        self.remote_pending: dict[str, Request] = {}
+        self.usage_records: list[dict] = []
+        self.terminal_counts: dict[str, int] = {}
+        self._pending_outputs: list[RequestOutput] = []
+        self._seq_ids = itertools.count()
+        self.num_steps = 0
+
+    @classmethod
+    def from_pretrained(cls, model: str | Path, config: EngineConfig | None = None) -> "Engine":
+        config = config or EngineConfig()
+        model_dir = resolve_model_dir(model)
+        mcfg = ModelConfig.from_dir(model_dir)
+        tokenizer = Tokenizer(model_dir, mcfg.eos_token_ids)
+        tensors, digest = load_state_dict(model_dir)
+        dtype = mcfg.checkpoint_dtype if config.dtype == "auto" else DTYPES[config.dtype]
+        torch.manual_seed(config.seed)
+        with torch.device(config.device):
+            net = LlamaModel(mcfg).to(dtype)
+        net.load_hf_weights(tensors)
+        net.eval()
+        return cls(mcfg, config, net, tokenizer, mcfg.fingerprint(digest, dtype))
+
+    # ---- admission --------------------------------------------------------------------------------------------
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError (bad parameters) or RequestRejected (can never be served) before anything is held."""
+        params.validate(self.model_config.vocab_size)
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("invalid prompt: it tokenizes to zero tokens")
+        if any(not (0 <= t < self.model_config.vocab_size) for t in prompt_token_ids):
+            raise ValueError("invalid prompt: token id outside the vocabulary")
+        if n >= self.max_model_len:
+            raise RequestRejected(
+                f"prompt has {n} tokens; this model's context is {self.max_model_len} tokens including output")
+        if not self.config.enable_chunked_prefill and n > self.config.max_num_batched_tokens:
+            raise RequestRejected(f"prompt has {n} tokens, more than max_num_batched_tokens "
+                                  f"{self.config.max_num_batched_tokens} with chunked prefill off")
+        if self.block_manager.blocks_needed(n + 1) > self.block_manager.num_blocks:
+            raise RequestRejected(f"prompt of {n} tokens needs more KV blocks than this worker has")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                    namespace: str = "", prefill_only: bool = False, arrival_time: float | None = None) -> None:
+        if request_id in self.requests or request_id in self.remote_pending:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        self.validate_request(prompt_token_ids, params)
+        req = self._new_request(request_id, prompt_token_ids, params, namespace, arrival_time)
+        req.prefill_only = prefill_only
+        self.requests[request_id] = req
+        self.scheduler.add(req.seqs[0])
+
+    def _new_request(self, request_id, prompt_token_ids, params, namespace, arrival_time) -> Request:
+        arrival = arrival_time if arrival_time is not None else time.time()
+        seq = Sequence(next(self._seq_ids), request_id, prompt_token_ids, namespace, 0, arrival)
+        seq.sampling = SamplingState(params, list(prompt_token_ids), self.model_config.vocab_size,
+                                     self.eos_token_ids, None, 0)
+        seq.output = OutputProcessor(params, self.tokenizer, self.eos_token_ids)
+        seq.set_state(S.QUEUED)
+        return Request(request_id, list(prompt_token_ids), params, namespace, [seq],
+                       metrics={"arrival_time": arrival, "queued_time": time.time()})
+
+    # ---- the step ---------------------------------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return bool(self.requests) or bool(self._pending_outputs)
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending_outputs = self._pending_outputs, []
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return outputs
+        self.num_steps += 1
+        now = time.time()
+        for item in sched.scheduled:
+            self.requests[item.seq.request_id].metrics.setdefault("first_scheduled_time", now)
+        logits, owner = self.runner.execute(sched.scheduled)
+        for item in sched.scheduled:
+            item.seq.num_computed_tokens += item.num_tokens
+            self.block_manager.mark_computed(item.seq)
+        # Rows to sample: a request's first sample forks its extra branches, which share the prompt's blocks.
+        rows, seqs = [], []
+        for row, (i, _) in enumerate(owner):
+            seq = sched.scheduled[i].seq
+            rows.append(row)
+            seqs.append(seq)
+            req = self.requests[seq.request_id]
+            if seq.branch == 0 and seq.num_output_tokens == 0 and len(req.seqs) < req.params.num_branches:
+                for child in self._fork(req, seq):
+                    rows.append(row)
+                    seqs.append(child)
+        results = self.sampler.sample(logits[rows], [s.sampling for s in seqs]) if seqs else []
+        touched: dict[str, Request] = {}
+        now = time.time()
+        for seq, res in zip(seqs, results):
+            req = self.requests[seq.request_id]
+            touched[req.request_id] = req
+            req.metrics.setdefault("first_token_time", now)
+            seq.token_ids.append(res.token_id)
+            delta, reason = seq.output.step(res.token_id, seq.sampling)
+            seq.new_text += delta
+            seq.new_token_ids.append(res.token_id)
+            if seq.sampling.params.logprobs is not None:
+                seq.logprobs.append(res)
+            if reason is None and seq.num_tokens >= self.max_model_len:
+                reason = "length"
+            if reason is None and req.prefill_only:
+                reason = "prefill"
+            if reason is not None:
+                seq.new_text += seq.output.flush()
+                seq.finish_reason = reason
+                self._finish_seq(req, seq, S.FINISHED)
+            elif seq.state == S.PREFILLING:
+                seq.set_state(S.DECODING)
+        for req in touched.values():
+            outputs.append(self._output(req))
+            if req.finished:
+                self._reclaim(req, S.FINISHED)
+        return outputs
+
+    def _fork(self, req: Request, parent: Sequence) -> list[Sequence]:
+        children = []
+        for b in range(len(req.seqs), req.params.num_branches):
+            child = Sequence(next(self._seq_ids), req.request_id, parent.token_ids, req.namespace, b,
+                             parent.arrival_time)
+            child.sampling = SamplingState(req.params, req.prompt_token_ids, self.model_config.vocab_size,
+                                           self.eos_token_ids, None, b)
+            child.output = OutputProcessor(req.params, self.tokenizer, self.eos_token_ids)
+            for st in (S.QUEUED, S.RUNNABLE, S.PREFILLING):
+                child.set_state(st)
+            self.block_manager.fork(parent, child)
+            self.scheduler.running.append(child)
+            req.seqs.append(child)
+            children.append(child)
+        return children
+
+    def _output(self, req: Request) -> RequestOutput:
+        live = self._chosen(req)
+        outs = []
+        for i, seq in enumerate(live):
+            outs.append(CompletionOutput(
+                index=i, text=seq.output.text if hasattr(seq.output, "text") else seq.text,
+                token_ids=seq.output_token_ids, new_text=seq.new_text, new_token_ids=seq.new_token_ids,
+                finish_reason=seq.finish_reason, cumulative_logprob=seq.sampling.cumulative_logprob,
+                logprobs=list(seq.logprobs) if seq.sampling.params.logprobs is not None else None))
+        for seq in req.seqs:
+            seq.new_text, seq.new_token_ids = "", []
+        cached = req.seqs[0].num_cached_tokens
+        return RequestOutput(req.request_id, req.prompt_token_ids, outs, req.finished,
+                             req.seqs[0].state.value if not req.finished else self._terminal_state(req).value,
+                             cached, dict(req.metrics))
+
+    def _chosen(self, req: Request) -> list[Sequence]:
+        """With best_of > n, only the n branches of highest cumulative logprob are returned (once finished)."""
+        p = req.params
+        if p.best_of is None or p.best_of == p.n:
+            return req.seqs
+        if not req.finished:
+            return []
+        return sorted(req.seqs, key=lambda s: -s.sampling.cumulative_logprob)[: p.n]
+
+    @staticmethod
+    def _terminal_state(req: Request) -> S:
+        states = [s.state for s in req.seqs]
+        for st in (S.FAILED, S.CANCELLED, S.TIMED_OUT):
+            if st in states:
+                return st
+        return S.FINISHED
+
+    # ---- termination: one idempotent reclaim ------------------------------------------------------------------
+    def _finish_seq(self, req: Request, seq: Sequence, state: S) -> None:
+        if seq.finished:
+            return
+        seq.set_state(state)
+        self.scheduler.remove(seq)
+        if req.prefill_only and state == S.FINISHED and seq.branch == 0:
+            # Prefill worker: the prompt's blocks stay pinned until the decode side has pulled them.
+            self.pinned[req.request_id] = (list(seq.block_table), seq.num_prompt_tokens)
+            seq.block_table = []
+        else:
+            self.block_manager.free(seq)
+        if seq.host_table:
+            self.block_manager.free_host(seq)
+
+    def _reclaim(self, req: Request, state: S) -> None:
+        if req.reclaimed:
+            return
+        for seq in req.seqs:
+            self._finish_seq(req, seq, state)
+        req.reclaimed = True
+        self.requests.pop(req.request_id, None)
+        self.remote_pending.pop(req.request_id, None)
+        final = self._terminal_state(req)
+        req.state = final
+        req.metrics["finished_time"] = time.time()
+        self.terminal_counts[final.value] = self.terminal_counts.get(final.value, 0) + 1
+        chosen = self._chosen(req) or req.seqs
+        record = {
+            "request_id": req.request_id,
+            "namespace": req.namespace,
+            "prompt_tokens": len(req.prompt_token_ids),
+            "cached_tokens": req.seqs[0].num_cached_tokens,
+            "generated_tokens": sum(s.output.num_generated for s in req.seqs),
+            "emitted_tokens": sum(s.output.num_emitted for s in req.seqs),
+            "committed_tokens": sum(len(s.output_token_ids) for s in chosen),
+            "state": final.value,
+            "finish_reasons": [s.finish_reason for s in chosen],
+            "num_preemptions": sum(s.num_preemptions for s in req.seqs),
+            **{k: v for k, v in req.metrics.items()},
+        }
+        self.usage_records.append(record)
+        usage_log.info(json.dumps(record))
+
+    def abort(self, request_id: str, state: str = "CANCELLED") -> None:
+        """Cancel, time out or fail a request now; a no-op for unknown or already finished requests."""
+        target = S[state]
+        if target not in (S.CANCELLED, S.TIMED_OUT, S.FAILED):
+            raise ValueError(f"abort state must be CANCELLED, TIMED_OUT or FAILED, not {state}")
+        req = self.requests.get(request_id) or self.remote_pending.get(request_id)
+        if req is None or req.reclaimed:
+            return
+        for seq in req.seqs:
+            if not seq.finished and seq.finish_reason is None:
+                seq.finish_reason = "abort"
+        self._reclaim(req, target)
+        self._pending_outputs.append(self._output(req))
+
+    # ---- disaggregation hooks ---------------------------------------------------------------------------------
+    def pinned_kv(self, request_id: str) -> tuple[list[int], int]:
+        return self.pinned[request_id]
+
+    def release_pinned(self, request_id: str) -> None:
+        blocks, _ = self.pinned.pop(request_id, ([], 0))
+        for b in reversed(blocks):
+            self.block_manager.release_block(b)
+
+    def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
+                              params: SamplingParams, *, namespace: str = "",
+                              arrival_time: float | None = None) -> tuple[list[int], int] | None:
+        """Decode side: allocate blocks for a prompt prefilled elsewhere. Returns (block ids, number of leading
+        blocks already valid from the local prefix cache) or None when the blocks cannot be had now."""
+        if request_id in self.requests or request_id in self.remote_pending:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        self.validate_request(prompt_token_ids, params)
+        req = self._new_request(request_id, prompt_token_ids, params, namespace, arrival_time)
+        seq = req.seqs[0]
+        bm = self.block_manager
+        hits = bm.lookup(seq)
+        n = len(prompt_token_ids) - len(hits) * bm.block_size
+        if not bm.can_allocate(seq, n, hits):
+            return None
+        bm.allocate(seq, n, hits)
+        seq.set_state(S.RUNNABLE)
+        seq.set_state(S.PREFILLING)  # prefilling remotely: the blocks are being filled by a transfer
+        req.metrics["first_token_id"] = first_token_id
+        self.remote_pending[request_id] = req
+        return list(seq.block_table), len(hits)
+
+    def commit_prefilled(self, request_id: str) -> None:
+        """The transferred blocks hold the prompt's KV: append the first token and join the decode batch."""
+        req = self.remote_pending.pop(request_id)
+        seq = req.seqs[0]
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.block_manager.mark_computed(seq)
+        tok = req.metrics.pop("first_token_id")
+        seq.sampling.append(tok)
+        seq.token_ids.append(tok)
+        delta, reason = seq.output.step(tok, seq.sampling)
+        seq.new_text += delta
+        seq.new_token_ids.append(tok)
+        req.metrics["first_token_time"] = time.time()
+        self.requests[request_id] = req
+        if reason is not None or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = reason or "length"
+            seq.new_text += seq.output.flush()
+            self._finish_seq(req, seq, S.FINISHED)
+            self._pending_outputs.append(self._output(req))
+            self._reclaim(req, S.FINISHED)
+            return
+        seq.set_state(S.DECODING)
+        self.scheduler.running.append(seq)
+        self._pending_outputs.append(self._output(req))
+
+    def fail_prefilled(self, request_id: str) -> None:
+        self.abort(request_id, "FAILED")
+
+    # ---- convenience ------------------------------------------------------------------------------------------
+    def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams],
+                 namespace: str = "") -> list[RequestOutput]:
+        """Run a batch to completion and return the final output of each prompt, in order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = []
+        for i, (prompt, p) in enumerate(zip(prompts, plist)):
+            toks = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            rid = f"gen-{id(prompts)}-{i}"
+            self.add_request(rid, toks, p, namespace=namespace)
+            ids.append(rid)
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[r] for r in ids]
+
+    def stats(self) -> dict:
+        bm = self.block_manager
+        logical = sum(s.num_computed_tokens for r in self.requests.values() for s in r.seqs if not s.finished)
+        return {
+            "kv_blocks_in_use": bm.blocks_in_use,
+            "kv_blocks_total": bm.num_blocks,
+            "kv_blocks_cached_free": len(bm.evictable),
+            "kv_blocks_pinned": sum(len(b) for b, _ in self.pinned.values()),
+            "kv_logical_slots": logical,
+            "kv_allocated_slots": bm.blocks_in_use * bm.block_size,
+            "cpu_blocks_in_use": bm.num_cpu_blocks - len(bm.cpu_free),
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_swapped": len(self.scheduler.swapped),
+            "prefix_hit_ratio": bm.hit_ratio,
+            "preemptions": dict(self.scheduler.num_preemptions),
+            "terminal": dict(self.terminal_counts),
+        }

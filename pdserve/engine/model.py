@@ -1,0 +1,143 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a flat batch of tokens with paged attention."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.engine.attention import AttentionMetadata, paged_attention
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.errors import CheckpointError
+from pdserve.engine.loader import take
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = cfg.rope_scaling
+    if not scaling:
+        return inv_freq.float()
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind == "linear":
+        return (inv_freq / float(scaling["factor"])).float()
+    if kind == "llama3":
+        # Llama 3.1 frequency-dependent scaling: long wavelengths scaled by `factor`, short kept, smooth between.
+        factor = float(scaling["factor"])
+        low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled).float()
+    raise CheckpointError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF convention: rotate the two halves of the head dimension."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        h, hd = cfg.hidden_size, cfg.head_dim
+        self.q_size, self.kv_size = cfg.num_heads * hd, cfg.num_kv_heads * hd
+        self.input_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.qkv = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)  # q, k, v fused: one GEMM
+        self.o = nn.Linear(self.q_size, h, bias=cfg.o_bias)
+        self.post_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down = nn.Linear(cfg.intermediate_size, h, bias=cfg.mlp_bias)
+
+    def forward(self, x, cos, sin, kv_layer, meta: AttentionMetadata) -> torch.Tensor:
+        cfg = self.cfg
+        t = x.shape[0]
+        q, k, v = self.qkv(self.input_norm(x)).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = apply_rope(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+        attn = paged_attention(q, k, v, kv_layer, meta, scale=cfg.head_dim ** -0.5)
+        x = x + self.o(attn.reshape(t, self.q_size))
+        gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor,
+                meta: AttentionMetadata, logits_rows: torch.Tensor) -> torch.Tensor:
+        """Run the decoder over the flat batch; return float32 logits only for `logits_rows`."""
+        freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)
+        freqs = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [T, 1, D] broadcast over heads
+        cos, sin = freqs.cos(), freqs.sin()
+        x = self.embed(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv[:, i], meta)
+        x = self.norm(x[logits_rows])
+        return self.lm_head(x).float()
+
+    def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up; every expected tensor must be present."""
+        cfg = self.cfg
+        h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+        dt = self.embed.weight.dtype
+
+        def put(param: torch.Tensor, value: torch.Tensor) -> None:
+            param.data.copy_(value.to(dt))
+
+        put(self.embed.weight, take(tensors, "model.embed_tokens.weight", (cfg.vocab_size, h)))
+        put(self.norm.weight, take(tensors, "model.norm.weight", (h,)))
+        if cfg.tie_word_embeddings and "lm_head.weight" not in tensors:
+            put(self.lm_head.weight, tensors["model.embed_tokens.weight"])
+        else:
+            put(self.lm_head.weight, take(tensors, "lm_head.weight", (cfg.vocab_size, h)))
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            qw = take(tensors, p + "self_attn.q_proj.weight", (cfg.num_heads * hd, h))
+            kw = take(tensors, p + "self_attn.k_proj.weight", (cfg.num_kv_heads * hd, h))
+            vw = take(tensors, p + "self_attn.v_proj.weight", (cfg.num_kv_heads * hd, h))
+            put(layer.qkv.weight, torch.cat([qw, kw, vw]))
+            if cfg.qkv_bias:
+                put(layer.qkv.bias, torch.cat([take(tensors, p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
+            put(layer.o.weight, take(tensors, p + "self_attn.o_proj.weight", (h, cfg.num_heads * hd)))
+            if cfg.o_bias:
+                put(layer.o.bias, take(tensors, p + "self_attn.o_proj.bias"))
+            gw = take(tensors, p + "mlp.gate_proj.weight", (inter, h))
+            uw = take(tensors, p + "mlp.up_proj.weight", (inter, h))
+            put(layer.gate_up.weight, torch.cat([gw, uw]))
+            put(layer.down.weight, take(tensors, p + "mlp.down_proj.weight", (h, inter)))
+            if cfg.mlp_bias:
+                put(layer.gate_up.bias, torch.cat([take(tensors, p + "mlp.gate_proj.bias"),
+                                                   take(tensors, p + "mlp.up_proj.bias")]))
+                put(layer.down.bias, take(tensors, p + "mlp.down_proj.bias"))
+            put(layer.input_norm.weight, take(tensors, p + "input_layernorm.weight", (h,)))
+            put(layer.post_norm.weight, take(tensors, p + "post_attention_layernorm.weight", (h,)))

@@ -1,0 +1,70 @@
+"""Turn a scheduler tick into one forward over a flat token batch and return the logits to sample from."""
+from __future__ import annotations
+
+import torch
+
+from pdserve.engine.attention import AttentionMetadata, PrefillSpan, causal_mask, decode_mask
+from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.model import LlamaModel
+from pdserve.engine.scheduler import ScheduledSeq
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv: KVCache):
+        self.model = model
+        self.kv = kv
+        self.device = kv.data.device
+        self.sliding_window = model.cfg.sliding_window
+
+    def prepare(self, batch: list[ScheduledSeq], prompt_logits: set[int] = frozenset()):
+        """Build flat inputs. Returns (input_ids, positions, metadata, logits_rows, row_owner) where row_owner[i]
+        is (index into batch, absolute position) of logits row i. Sequences in `prompt_logits` (by index) get
+        logits at every position of their chunk (for prompt logprobs), the others only at the last one."""
+        bs = self.kv.block_size
+        ids, pos, blocks, offsets = [], [], [], []
+        prefills: list[PrefillSpan] = []
+        decode_rows, decode_tables, decode_lens = [], [], []
+        logits_rows, row_owner = [], []
+        for i, item in enumerate(batch):
+            seq, n = item.seq, item.num_tokens
+            start = len(ids)
+            first = seq.num_computed_tokens
+            positions = range(first, first + n)
+            ids.extend(seq.token_ids[first:first + n])
+            pos.extend(positions)
+            blocks.extend(seq.block_table[p // bs] for p in positions)
+            offsets.extend(p % bs for p in positions)
+            ctx = first + n
+            if n == 1 and i not in prompt_logits:
+                decode_rows.append(start)
+                decode_tables.append(seq.block_table[: -(-ctx // bs)])
+                decode_lens.append(ctx)
+            else:
+                table = torch.tensor(seq.block_table[: -(-ctx // bs)], dtype=torch.long, device=self.device)
+                prefills.append(PrefillSpan(start, n, ctx, table, causal_mask(n, ctx, self.sliding_window,
+                                                                               self.device)))
+            if i in prompt_logits:
+                logits_rows.extend(range(start, start + n))
+                row_owner.extend((i, p) for p in positions)
+            elif item.samples:
+                logits_rows.append(start + n - 1)
+                row_owner.append((i, first + n - 1))
+        width = max((len(t) for t in decode_tables), default=0)
+        padded = [t + [0] * (width - len(t)) for t in decode_tables]
+        lens = torch.tensor(decode_lens, dtype=torch.long, device=self.device)
+        meta = AttentionMetadata(
+            slot_blocks=torch.tensor(blocks, dtype=torch.long, device=self.device),
+            slot_offsets=torch.tensor(offsets, dtype=torch.long, device=self.device),
+            prefills=prefills,
+            decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=self.device),
+            decode_block_tables=torch.tensor(padded, dtype=torch.long, device=self.device).view(len(padded), width),
+            decode_mask=decode_mask(lens, width * bs, self.sliding_window) if decode_rows else None,
+        )
+        return (torch.tensor(ids, dtype=torch.long, device=self.device),
+                torch.tensor(pos, dtype=torch.long, device=self.device), meta,
+                torch.tensor(logits_rows, dtype=torch.long, device=self.device), row_owner)
+
+    def execute(self, batch: list[ScheduledSeq], prompt_logits: set[int] = frozenset()):
+        ids, pos, meta, rows, owner = self.prepare(batch, prompt_logits)
+        logits = self.model(ids, pos, self.kv.data, meta, rows)
+        return logits, owner

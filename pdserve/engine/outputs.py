@@ -1,0 +1,29 @@
+"""What the engine hands back: per-branch completion deltas and one usage record per request."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str  # cumulative
+    token_ids: list[int]  # cumulative generated tokens
+    new_text: str  # since the previous output of this request
+    new_token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "prefill" | "abort" | None while running
+    cumulative_logprob: float = 0.0
+    logprobs: list | None = None  # per generated token: SampleResult-like (token_id, logprob, top_logprobs)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    state: str  # the request's state name (terminal state once finished)
+    num_cached_tokens: int = 0
+    metrics: dict = field(default_factory=dict)
+    prompt_logprobs: list | None = None
+    error: str | None = None

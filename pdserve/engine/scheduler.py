@@ -1,0 +1,171 @@
+"""Iteration-level scheduler: one `schedule()` per tick builds a mixed prefill/decode batch (spec §5.1).
+
+Per tick: running sequences keep their place (allocating blocks for this tick's tokens, preempting the
+lowest-priority running sequence by recompute or swap when blocks run out), swapped sequences come back when
+nothing was preempted this tick, then queued sequences are admitted while `max_num_seqs`, the token budget
+`max_num_batched_tokens` and free blocks allow. Physical blocks are taken only here, when a tick selects a
+sequence (spec §1.2: admission is a reservation, allocation happens on selection).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.engine.block_manager import BlockManager, NoFreeBlocks
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.request_state import RequestState as S
+from pdserve.engine.sequence import Sequence
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int  # tokens computed this tick, starting at seq.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the end of the sequence, so its last position yields the next token."""
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, cfg: EngineConfig, block_manager: BlockManager):
+        self.cfg = cfg
+        self.bm = block_manager
+        self.waiting: deque[Sequence] = deque()  # QUEUED, or PREEMPTED by recompute (at the front)
+        self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()
+        self.num_preemptions = {"recompute": 0, "swap": 0}
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        for q in (self.waiting, self.running, self.swapped):
+            if seq in q:
+                q.remove(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    # ---- policy -----------------------------------------------------------------------------------------------
+    def _key(self, seq: Sequence) -> tuple:
+        return (seq.priority, seq.arrival_time, seq.seq_id)
+
+    def _running_order(self) -> list[Sequence]:
+        by_age = sorted(self.running, key=self._key)
+        if self.cfg.policy == "decode-priority":
+            return [s for s in by_age if not s.is_prefill] + [s for s in by_age if s.is_prefill]
+        if self.cfg.policy == "prefill-priority":
+            return [s for s in by_age if s.is_prefill] + [s for s in by_age if not s.is_prefill]
+        return by_age
+
+    # ---- the tick ---------------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.cfg.max_num_batched_tokens
+        order = self._running_order()
+        if self.cfg.policy == "prefill-priority":
+            # New prompts go before running decodes: they take budget first, decodes get what is left.
+            prefills = [s for s in order if s.is_prefill]
+            decodes = [s for s in order if not s.is_prefill]
+            budget = self._schedule_running(prefills, out, budget)
+            budget = self._schedule_swapped(out, budget)
+            budget = self._schedule_waiting(out, budget)
+            self._schedule_running(decodes, out, budget)
+        else:
+            budget = self._schedule_running(order, out, budget)
+            budget = self._schedule_swapped(out, budget)
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, order: list[Sequence], out: SchedulerOutput, budget: int) -> int:
+        scheduled_ids = {id(s.seq) for s in out.scheduled}
+        for seq in order:
+            if seq not in self.running or budget <= 0:
+                continue
+            need = seq.num_tokens - seq.num_computed_tokens
+            n = min(need, budget) if self.cfg.enable_chunked_prefill else need
+            if n > budget:
+                continue
+            while True:
+                try:
+                    self.bm.allocate(seq, n)
+                    break
+                except NoFreeBlocks:
+                    victims = [s for s in self.running if s is not seq and id(s) not in scheduled_ids]
+                    victim = max(victims, key=self._key) if victims else seq
+                    self._preempt(victim, out)
+                    if victim is seq:
+                        break
+            if seq in self.running:
+                out.scheduled.append(ScheduledSeq(seq, n))
+                scheduled_ids.add(id(seq))
+                budget -= n
+        return budget
+
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
+        if out.preempted:  # blocks just freed by a swap-out must not be refilled by a swap-in in the same tick
+            return budget
+        while self.swapped and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            seq = self.swapped[0]
+            if len(seq.host_table) + 1 > self.bm.num_free:
+                break
+            self.swapped.popleft()
+            self.bm.swap_in(seq)
+            seq.set_state(S.RESUMED)
+            seq.set_state(S.RUNNABLE)
+            seq.set_state(S.PREFILLING if seq.is_prefill else S.DECODING)
+            self.running.append(seq)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            self.bm.allocate(seq, n)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            seq = self.waiting[0]
+            hits = self.bm.lookup(seq)
+            remaining = seq.num_tokens - len(hits) * self.bm.block_size
+            n = min(remaining, budget) if self.cfg.enable_chunked_prefill else remaining
+            if n > budget or not self.bm.can_allocate(seq, n, hits):
+                break  # first come, first served: a later request does not jump the head of the queue
+            self.waiting.popleft()
+            self.bm.allocate(seq, n, hits)
+            if seq.state == S.PREEMPTED:
+                seq.set_state(S.RESUMED)
+            seq.set_state(S.RUNNABLE)
+            seq.set_state(S.PREFILLING)
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        return budget
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Free seq's device blocks: swap them to host when configured and possible, else drop and recompute."""
+        self.running.remove(seq)
+        seq.set_state(S.PREEMPTED)
+        seq.num_preemptions += 1
+        out.preempted.append(seq)
+        if self.cfg.preemption_mode == "swap" and self.bm.can_swap_out(seq):
+            self.bm.swap_out(seq)
+            seq.set_state(S.SWAPPED)
+            self.swapped.append(seq)
+            self.num_preemptions["swap"] += 1
+        else:
+            self.bm.free(seq)
+            seq.num_computed_tokens = 0
+            seq.block_hashes = []
+            self.waiting.appendleft(seq)
+            self.num_preemptions["recompute"] += 1

@@ -1,0 +1,66 @@
+"""A sequence is one branch of a request: its tokens, its blocks, its place in the state machine."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pdserve.engine.request_state import RequestState, check_transition
+
+
+class Sequence:
+    def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int], namespace: str = "",
+                 branch: int = 0, arrival_time: float | None = None):
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.branch = branch
+        self.namespace = namespace
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0  # tokens whose KV is in this sequence's blocks
+        self.num_cached_tokens = 0  # of which came from the prefix cache
+        self.num_prompt_lookups = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []
+        self.host_table: list[int] = []
+        self.state: RequestState | None = None
+        self.history: list[RequestState] = []
+        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.priority = 0
+        # Filled by the engine: sampling state, output processor, per-branch results.
+        self.sampling: Any = None
+        self.output: Any = None
+        self.text = ""
+        self.new_text = ""
+        self.new_token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.logprobs: list = []
+        self.num_preemptions = 0
+
+    def set_state(self, new: RequestState) -> None:
+        check_transition(self.state, new)
+        self.state = new
+        self.history.append(new)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_prefill(self) -> bool:
+        """No token sampled yet, or more than one token lacks KV (a recompute after preemption)."""
+        return self.num_output_tokens == 0 or self.num_tokens - self.num_computed_tokens > 1
+
+    @property
+    def finished(self) -> bool:
+        return self.state is not None and self.state.terminal
+
+    def __repr__(self) -> str:
+        return f"Sequence({self.request_id}#{self.branch}, {self.state}, {self.num_computed_tokens}/{self.num_tokens})"

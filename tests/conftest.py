@@ -1,0 +1,67 @@
+"""Shared fixtures: tiny random Llama-family checkpoints written with `transformers` (the independent reference)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex every jolly "
+         "vexing sphinx of black quartz judge my vow and pack my box with five dozen liquor jugs").split()
+
+
+def make_tokenizer(out: Path, vocab_size: int = 96) -> None:
+    """A byte-level BPE trained on pangrams; special tokens <s>, </s>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = [" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))]
+    tok.train_from_iterator(corpus, trainer)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True,
+        "chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}assistant:{% endif %}"}))
+
+
+def make_checkpoint(out: Path, arch: str = "llama", *, vocab_size: int = 320, hidden: int = 64, layers: int = 2,
+                    heads: int = 4, kv_heads: int = 2, tie: bool = False, rope_scaling: dict | None = None,
+                    dtype: torch.dtype = torch.float32, seed: int = 0, max_pos: int = 512,
+                    sharded: bool = False) -> Path:
+    import transformers as tf
+
+    out.mkdir(parents=True, exist_ok=True)
+    common = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 2 + 8,
+                  num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                  max_position_embeddings=max_pos, tie_word_embeddings=tie, bos_token_id=0, eos_token_id=1,
+                  rms_norm_eps=1e-5)
+    if arch == "llama":
+        cfg = tf.LlamaConfig(**common, rope_scaling=rope_scaling)
+        cls = tf.LlamaForCausalLM
+    elif arch == "mistral":
+        cfg = tf.MistralConfig(**common, sliding_window=None)
+        cls = tf.MistralForCausalLM
+    elif arch == "qwen2":
+        cfg = tf.Qwen2Config(**common)
+        cls = tf.Qwen2ForCausalLM
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = cls(cfg).to(dtype)
+    with torch.no_grad():  # random init is near-uniform; scale up so greedy choices are decisive
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    model.save_pretrained(out, safe_serialization=True, max_shard_size="100KB" if sharded else "10GB")
+    make_tokenizer(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
