@@ -30,6 +30,7 @@ def _layout(block_bytes: int) -> dict:
 def _owner(conn, num_blocks: int, block_bytes: int, device: str):
     kv = torch.randint(0, 255, (num_blocks, block_bytes), dtype=torch.uint8, device=device)
     a = KVAgent("bench-src", kv, _layout(block_bytes))
+    a.start_pump()  # the owner must progress UCX for remote READs to complete
     conn.send(a.region())
     conn.recv()
 
@@ -52,7 +53,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--procs", action="store_true", help="source tensor in a second process")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--no-initiator-progress-thread", action="store_true")
+    ap.add_argument("--progress-thread", action="store_true", help="initiator uses NIXL's (busy) progress thread")
     ap.add_argument("--torch-threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.torch_threads)
@@ -60,7 +61,7 @@ def main() -> None:
     max_mb = 64
     nb = (max_mb << 20) // bb * 2  # room for scattered picks
     dst = torch.zeros((nb, bb), dtype=torch.uint8, device=args.device)
-    local = KVAgent("bench-dst", dst, _layout(bb), progress_thread=not args.no_initiator_progress_thread)
+    local = KVAgent("bench-dst", dst, _layout(bb), progress_thread=args.progress_thread)
     proc = None
     if args.procs:
         ctx = mp.get_context("spawn")
@@ -72,6 +73,7 @@ def main() -> None:
     else:
         src_t = torch.randint(0, 255, (nb, bb), dtype=torch.uint8, device=args.device)
         src_agent = KVAgent("bench-src", src_t, _layout(bb))  # keep a reference: the agent owns the registration
+        src_agent.start_pump()
         region = src_agent.region()
     where = "2 processes" if args.procs else "1 process, 2 agents"
     print(f"NIXL READ vs torch copy, {args.device}, block {args.block_kib} KiB, {where}")

@@ -49,7 +49,7 @@ def _descs(base: int, num_blocks: int, block_bytes: int, dev: int) -> np.ndarray
 
 class KVAgent:
     def __init__(self, name: str, kv: torch.Tensor, layout: KVLayout | dict, backends: list[str] | None = None,
-                 progress_thread: bool = True):
+                 progress_thread: bool = False):
         if not kv.is_contiguous():
             raise ValueError("KV tensor must be contiguous (one descriptor per block)")
         self.name = name
@@ -63,8 +63,10 @@ class KVAgent:
         self.device_id = 0 if kv.device.type == "cpu" else kv.device.index or 0
         # NIXL agents are not thread-safe in sync mode NONE: every call goes through this lock.
         self._lock = threading.Lock()
-        # The owner of the blocks (prefill side) needs the progress thread: UCX's TCP/shm RMA is served by it.
-        # A pure initiator can run without it (its own polling drives progress), which saves a busy core.
+        # NIXL's progress thread busy-polls (~50% of a core even when idle), which starves the engine's step loop
+        # on small CPU boxes. Instead an initiator drives progress by polling its own transfer, and the owner of
+        # blocks (prefill side) runs `start_pump`: a thread polling notifications every millisecond, which also
+        # progresses the UCX worker so remote READs complete.
         self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread,
                                                           backends=backends or ["UCX"]))
         self._reg = self._agent.register_memory(kv)
@@ -147,6 +149,31 @@ class KVAgent:
                 self._agent.remove_remote_agent(agent_name)
             except Exception:
                 pass
+
+    def start_pump(self, on_notif=None, interval_s: float = 0.001) -> None:
+        """Poll notifications (and thereby UCX progress) in a daemon thread; call on_notif(msg) for each."""
+        if getattr(self, "_pump", None):
+            return
+        self._pump_stop = threading.Event()
+
+        def run():
+            while not self._pump_stop.is_set():
+                for m in self.poll_notifs():
+                    if on_notif:
+                        try:
+                            on_notif(m)
+                        except Exception:  # a bad callback must not stop progress for everyone else
+                            pass
+                self._pump_stop.wait(interval_s)
+
+        self._pump = threading.Thread(target=run, name=f"nixl-pump-{self.name}", daemon=True)
+        self._pump.start()
+
+    def stop_pump(self) -> None:
+        if getattr(self, "_pump", None):
+            self._pump_stop.set()
+            self._pump.join(1)
+            self._pump = None
 
     def poll_notifs(self) -> list[bytes]:
         """Notifications peers attached to READs of our blocks (the lease id: the pull is done)."""

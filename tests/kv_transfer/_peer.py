@@ -23,12 +23,6 @@ def content(seed: int) -> torch.Tensor:
 def serve(conn, name: str, seed: int, layout_over: dict):
     kv = content(seed)
     agent = KVAgent(name, kv, layout(**layout_over))
+    agent.start_pump(lambda m: conn.send([m]))
     conn.send(agent.region())
-    deadline = time.time() + 30
-    got = []
-    while time.time() < deadline and not conn.poll():
-        got += agent.poll_notifs()
-        if got:
-            conn.send(got)
-            got = []
-        time.sleep(0.01)
+    conn.poll(60)  # until the test says stop
