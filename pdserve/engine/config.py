@@ -59,9 +59,15 @@ class ModelConfig:
             raise CheckpointError(
                 f"{path}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        def need(name: str) -> int:
+            try:
+                return int(cfg[name])
+            except (KeyError, TypeError, ValueError):
+                raise CheckpointError(f"{path}: missing or invalid field {name!r} ({cfg.get(name)!r})") from None
+
         try:
-            hidden = int(cfg["hidden_size"])
-            heads = int(cfg["num_attention_heads"])
+            hidden = need("hidden_size")
+            heads = need("num_attention_heads")
             # transformers >= 5 nests rope settings under rope_parameters; older files use rope_theta/rope_scaling.
             rope = dict(cfg.get("rope_parameters") or {})
             scaling = cfg.get("rope_scaling") or None
@@ -80,10 +86,10 @@ class ModelConfig:
             eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
             return cls(
                 architecture=arch,
-                vocab_size=int(cfg["vocab_size"]),
+                vocab_size=need("vocab_size"),
                 hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
-                num_layers=int(cfg["num_hidden_layers"]),
+                intermediate_size=need("intermediate_size"),
+                num_layers=need("num_hidden_layers"),
                 num_heads=heads,
                 num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
                 head_dim=int(cfg.get("head_dim") or hidden // heads),

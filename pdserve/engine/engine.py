@@ -11,6 +11,7 @@ import itertools
 import json
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -91,6 +92,7 @@ class Engine:
         self._pending_outputs: list[RequestOutput] = []
         self._seq_ids = itertools.count()
         self.num_steps = 0
+        self.batch_sizes: deque[tuple[int, int]] = deque(maxlen=4096)  # (sequences, tokens) of recent ticks
 
     @classmethod
     def from_pretrained(cls, model: str | Path, config: EngineConfig | None = None) -> "Engine":
@@ -155,6 +157,7 @@ class Engine:
         if not sched.scheduled:
             return outputs
         self.num_steps += 1
+        self.batch_sizes.append((len(sched.scheduled), sched.num_batched_tokens))
         now = time.time()
         for item in sched.scheduled:
             self.requests[item.seq.request_id].metrics.setdefault("first_scheduled_time", now)

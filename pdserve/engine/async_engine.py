@@ -1,0 +1,146 @@
+"""asyncio front of the engine: the step loop runs in its own thread; callers await outputs per request.
+
+Every engine call from the event loop is queued and executed by the engine thread between two steps, so the
+engine itself needs no locks. Cancelling a `generate` iterator aborts its request within one tick.
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from pdserve.engine.engine import Engine
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.on_step: Callable[[Engine, list[RequestOutput]], None] | None = None  # metrics hook (engine thread)
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._commands.put(None)
+        if self._thread:
+            await asyncio.to_thread(self._thread.join, 10)
+
+    # ---- engine thread ----------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopping:
+            block = not self.engine.has_unfinished()
+            try:
+                while True:
+                    cmd = self._commands.get(block=block, timeout=None if block else 0)
+                    block = False
+                    if cmd is None:
+                        if self._stopping:
+                            return
+                        continue
+                    fn, fut = cmd
+                    try:
+                        result = fn(self.engine)
+                    except BaseException as e:  # hand the error to the awaiting caller
+                        self._resolve(fut, None, e)
+                    else:
+                        self._resolve(fut, result, None)
+            except queue.Empty:
+                pass
+            if self.engine.has_unfinished():
+                try:
+                    outputs = self.engine.step()
+                except Exception as e:  # a failed step fails its requests, not the worker
+                    outputs = self._fail_all(e)
+                if self.on_step:
+                    self.on_step(self.engine, outputs)
+                for out in outputs:
+                    self._deliver(out)
+
+    def _fail_all(self, err: Exception) -> list[RequestOutput]:
+        import logging
+        logging.getLogger("pdserve.engine").exception("engine step failed; failing its requests")
+        for rid in list(self.engine.requests):
+            self.engine.abort(rid, "FAILED")
+        outs = self.engine.step() if self.engine.has_unfinished() else []
+        for o in outs:
+            o.error = f"engine step failed: {err}"
+        return outs
+
+    def _resolve(self, fut: asyncio.Future | None, result: Any, err: BaseException | None) -> None:
+        if fut is None:
+            return
+
+        def done() -> None:
+            if fut.done():
+                return
+            if err is not None:
+                fut.set_exception(err)
+            else:
+                fut.set_result(result)
+
+        self._loop.call_soon_threadsafe(done)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        q = self._streams.get(out.request_id)
+        if q is not None:
+            self._loop.call_soon_threadsafe(q.put_nowait, out)
+
+    # ---- event-loop side --------------------------------------------------------------------------------------
+    async def run(self, fn: Callable[[Engine], Any]) -> Any:
+        """Run fn(engine) in the engine thread between steps and return its result."""
+        fut = self._loop.create_future()
+        self._commands.put((fn, fut))
+        return await fut
+
+    def submit(self, fn: Callable[[Engine], Any]) -> None:
+        """Fire and forget (usable from any thread)."""
+        self._commands.put((fn, None))
+
+    async def abort(self, request_id: str, state: str = "CANCELLED") -> None:
+        await self.run(lambda e: e.abort(request_id, state))
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                       namespace: str = "", prefill_only: bool = False,
+                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+        stream = self.attach(request_id)
+        try:
+            await self.run(lambda e: e.add_request(request_id, prompt_token_ids, params, namespace=namespace,
+                                                   prefill_only=prefill_only, arrival_time=arrival_time))
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        async for out in stream:
+            yield out
+
+    def attach(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Register for a request's outputs now (before it is added or committed, so nothing is missed) and
+        return the iterator over them; leaving the iterator early aborts the request."""
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = q
+        return self._drain(request_id, q)
+
+    async def _drain(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                out = await q.get()
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:  # consumer went away (disconnect, cancel): free everything now
+                self.submit(lambda e: e.abort(request_id, "CANCELLED"))

@@ -1,0 +1,102 @@
+"""Scheduling must not change greedy results: chunking, prefix caching (incl. a full hit), preemption."""
+from __future__ import annotations
+
+import pytest
+
+from pdserve.engine.engine import Engine, EngineConfig
+from pdserve.engine.errors import RequestRejected
+from pdserve.engine.sampling_params import SamplingParams
+
+PROMPTS = [list(range(10, 10 + n)) for n in (3, 17, 32, 9, 40, 16)]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def run(ckpt, prompts=PROMPTS, params=GREEDY, **cfg):
+    eng = Engine.from_pretrained(ckpt, EngineConfig(block_size=4, **{"num_gpu_blocks": 128, **cfg}))
+    outs = eng.generate(prompts, params)
+    return [o.outputs[0].token_ids for o in outs], eng
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    toks, _ = run(tiny_llama, enable_chunked_prefill=False, enable_prefix_caching=False,
+                  max_num_batched_tokens=4096)
+    return toks
+
+
+def test_chunked_prefill_same_tokens(tiny_llama, reference):
+    toks, eng = run(tiny_llama, max_num_batched_tokens=7, enable_prefix_caching=False)
+    assert toks == reference
+    assert max(t for _, t in eng.batch_sizes) == 7  # prompts of up to 40 tokens really were chunked
+
+
+def test_prefix_cache_hits_same_tokens(tiny_llama, reference):
+    eng = Engine.from_pretrained(tiny_llama, EngineConfig(block_size=4, num_gpu_blocks=128))
+    first = [o.outputs[0].token_ids for o in eng.generate(PROMPTS, GREEDY)]
+    again = eng.generate(PROMPTS, GREEDY)  # every full block of every prompt is cached now
+    assert first == reference
+    assert [o.outputs[0].token_ids for o in again] == reference
+    # prompt of 32 tokens = 8 full blocks: a full hit still recomputes the block holding the last token
+    assert again[2].num_cached_tokens == 28
+    assert again[4].num_cached_tokens == 36
+    assert eng.block_manager.hit_ratio > 0.4
+    assert eng.block_manager.blocks_in_use == 0
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_same_tokens(tiny_llama, reference, mode):
+    # 14 blocks of 4 slots cannot hold six sequences of up to 52 tokens: running sequences get preempted.
+    toks, eng = run(tiny_llama, num_gpu_blocks=14, preemption_mode=mode, num_cpu_blocks=64,
+                    enable_prefix_caching=False)
+    assert toks == reference
+    assert eng.scheduler.num_preemptions[mode] > 0
+    assert eng.block_manager.blocks_in_use == 0
+    assert eng.stats()["cpu_blocks_in_use"] == 0
+
+
+@pytest.mark.parametrize("policy", ["decode-priority", "prefill-priority"])
+def test_policies_same_tokens(tiny_llama, reference, policy):
+    toks, _ = run(tiny_llama, policy=policy, max_num_batched_tokens=8, max_num_seqs=3)
+    assert toks == reference
+
+
+def test_n_branches_share_prompt_blocks(tiny_llama):
+    """Branch b of a seeded n=3 request draws exactly what a lone request seeded seed+b draws: the branches
+    read the shared prompt KV (copy-on-write tail) correctly."""
+    prompt = list(range(30, 48))  # 18 tokens: a partial tail block that the branches share then copy
+    sampled = dict(temperature=1.0, max_tokens=8, ignore_eos=True)
+    eng = Engine.from_pretrained(tiny_llama, EngineConfig(block_size=4, num_gpu_blocks=64,
+                                                          enable_prefix_caching=False))
+    eng.add_request("multi", prompt, SamplingParams(n=3, seed=7, **sampled))
+    eng.step()  # prefill + fork
+    # 5 prompt blocks are shared; each branch's first decode write copies the shared tail: 5 + 3 blocks
+    eng.step()
+    assert eng.block_manager.blocks_in_use == 5 - 1 + 3
+    while eng.has_unfinished():
+        outs = eng.step()
+        multi = [o for o in outs if o.finished]
+    branches = [o.token_ids for o in multi[0].outputs]
+    for b in range(3):
+        alone = eng.generate([prompt], SamplingParams(n=1, seed=7 + b, **sampled))[0].outputs[0].token_ids
+        assert branches[b] == alone
+    assert len(set(map(tuple, branches))) > 1
+
+
+def test_rejects_prompts_that_can_never_fit(tiny_llama):
+    eng = Engine.from_pretrained(tiny_llama, EngineConfig(block_size=4, num_gpu_blocks=8))
+    with pytest.raises(RequestRejected, match="context"):
+        eng.add_request("long", [5] * 600, GREEDY)
+    with pytest.raises(RequestRejected, match="KV blocks"):
+        eng.add_request("big", [5] * 40, GREEDY)
+    with pytest.raises(ValueError, match="top_p"):
+        eng.add_request("bad", [5, 6], SamplingParams(top_p=0))
+    assert not eng.requests
+
+
+def test_context_limit_finishes_with_length(tmp_path):
+    from tests.conftest import make_checkpoint
+    ck = make_checkpoint(tmp_path / "short", max_pos=24)
+    eng = Engine.from_pretrained(ck, EngineConfig(block_size=4, num_gpu_blocks=16))
+    out = eng.generate([list(range(5, 25 - 4))], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0]
+    assert out.outputs[0].finish_reason == "length"
+    assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 24
