@@ -19,12 +19,12 @@ import time
 
 import grpc
 
+from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.services import metrics as M
 from pdserve.services.convert import DeltaEncoder
 from pdserve.services.decode.service import DecodeSide
-from pdserve.services.engine_host import EngineHost
 from pdserve.services.grpc_util import WORKER_SERVICE, make_server, set_serving
 from pdserve.services.pb import common_pb2, layout_to_pb, params_from_pb, worker_pb2, worker_pb2_grpc
 from pdserve.services.prefill.service import PrefillSide
@@ -41,7 +41,7 @@ class Worker(worker_pb2_grpc.WorkerServicer):
         self.worker_id = worker_id
         self.address = address
         self.tokenizer = engine.tokenizer
-        self.host = EngineHost(engine)
+        self.host = AsyncEngine(engine)
         self.layout = KVLayout.from_dict(engine.kv_cache.layout())
         self.agent = None
         self.region_pb = common_pb2.KvRegion()

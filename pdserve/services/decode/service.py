@@ -7,6 +7,7 @@ prefill side is told to release, and the worker stays healthy.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -77,7 +78,6 @@ class DecodeSide:
             asyncio.ensure_future(self._release_remote(kv, rid))
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no KV capacity on the decode worker")
         dst_blocks, cached = alloc
-        q = w.host.open_stream(rid)
         finished = False
         xfer: asyncio.Future | None = None
         try:
@@ -110,20 +110,21 @@ class DecodeSide:
                 yield common_pb2.GenerateResponse(request_id=rid, finished=True, state="FAILED", error=err)
                 return
             # 4. commit: the request joins the decode batch; its first output carries the first token
+            stream = w.host.attach(rid)  # before the commit, so the first output (the first token) is not missed
             await w.host.run(lambda e: e.commit_prefilled(rid))
-            enc = DeltaEncoder(w.tokenizer)
-            first = True
-            async for out in w.host.drain(q):
-                msg = enc.encode(out)
-                if first:
-                    msg.times.kv_transfer_start, msg.times.kv_transfer_end = t0, t1
-                    first = False
-                if out.finished:
-                    finished = True
-                    M.TERMINAL.labels(out.state).inc()
-                yield msg
+            async with contextlib.aclosing(stream):
+                enc = DeltaEncoder(w.tokenizer)
+                first = True
+                async for out in stream:
+                    msg = enc.encode(out)
+                    if first:
+                        msg.times.kv_transfer_start, msg.times.kv_transfer_end = t0, t1
+                        first = False
+                    if out.finished:
+                        finished = True
+                        M.TERMINAL.labels(out.state).inc()
+                    yield msg
         finally:
-            w.host.close_stream(rid)
             if xfer is not None and not xfer.done():
                 # never free blocks NIXL may still be writing into
                 try:
@@ -132,4 +133,4 @@ class DecodeSide:
                     pass
             if not finished:  # the caller went away (disconnect / cancel)
                 M.TERMINAL.labels("CANCELLED").inc()
-                w.host.run_nowait(lambda e: e.abort(rid, "CANCELLED"))
+                w.host.submit(lambda e: e.abort(rid, "CANCELLED"))
