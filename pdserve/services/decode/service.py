@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from dataclasses import replace
 
 import grpc
 
@@ -52,7 +53,8 @@ class DecodeSide:
         w = self.w
         rid = request.request_id
         kv = request.kv
-        params = params_from_pb(request.params)
+        # exactly one sequence continues here (the gateway fans n > 1 out into separate requests)
+        params = replace(params_from_pb(request.params), n=1, best_of=None)
         region = region_from_pb(kv.region)
         try:
             check_compatible(w.layout, region.layout)
