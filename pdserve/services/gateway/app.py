@@ -185,7 +185,7 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
                 return _error_response(e)
             raise
         ctx = dict(rid=rid, created=int(time.time()), chat=chat, prompts=prompts, n_choices=len(subs),
-                   params=params)
+                   params=params, return_token_ids=bool(body.get("return_token_ids", False)))
         if stream:
             return StreamingResponse(_stream(first, agen, ctx, include_usage, timing),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -223,6 +223,7 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
     async def _collect(first, agen, ctx, timing: Timing):
         chat = ctx["chat"]
         texts = [""] * ctx["n_choices"]
+        ids: list[list[int]] = [[] for _ in texts]
         lps: list[list] = [[] for _ in texts]
         reasons: list[str | None] = [None] * len(texts)
         completion = cached = 0
@@ -232,6 +233,7 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
                 ntok = 0
                 for o in m.outputs:
                     texts[o.index] += o.text
+                    ids[o.index].extend(o.token_ids)
                     lps[o.index].extend(o.logprobs)
                     ntok += len(o.token_ids)
                     if o.finish_reason:
@@ -252,6 +254,8 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
                 c["message"] = {"role": "assistant", "content": t}
             else:
                 c["text"] = t
+            if ctx["return_token_ids"]:  # extension (vLLM-style): exact ids, for clients that detokenize
+                c["token_ids"] = ids[i]
             choices.append(c)
         return JSONResponse({"id": ctx["rid"], "object": "chat.completion" if chat else "text_completion",
                              "created": ctx["created"], "model": cfg.served_model_name, "choices": choices,
