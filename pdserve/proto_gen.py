@@ -17,7 +17,8 @@ PKG = "pdserve._proto.pdserve.v1"
 
 
 def generate(out_dir: Path = DEFAULT_OUT) -> list[Path]:
-    from grpc_tools import protoc
+    import subprocess
+
     import grpc_tools
 
     out_dir = Path(out_dir)
@@ -25,9 +26,10 @@ def generate(out_dir: Path = DEFAULT_OUT) -> list[Path]:
     target.mkdir(parents=True, exist_ok=True)
     protos = sorted(str(p.relative_to(PROTO_ROOT)) for p in (PROTO_ROOT / "pdserve" / "v1").glob("*.proto"))
     well_known = str(Path(grpc_tools.__file__).parent / "_proto")
-    args = ["protoc", f"-I{PROTO_ROOT}", f"-I{well_known}", f"--python_out={out_dir}", f"--pyi_out={out_dir}",
+    args = [sys.executable, "-m", "grpc_tools.protoc", f"-I{PROTO_ROOT}", f"-I{well_known}", f"--python_out={out_dir}", f"--pyi_out={out_dir}",
             f"--grpc_python_out={out_dir}", *protos]
-    if protoc.main(args) != 0:
+    # a subprocess: protoc in-process shares the C++ protobuf runtime with already imported stubs
+    if subprocess.run(args).returncode != 0:
         raise SystemExit("protoc failed")
     written = []
     for d in (out_dir, out_dir / "pdserve", target):

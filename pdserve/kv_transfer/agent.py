@@ -175,6 +175,22 @@ class KVAgent:
             self._pump.join(1)
             self._pump = None
 
+    def close(self) -> None:
+        """Tear down in order (pump, prepped lists, registration, agent) so no NIXL/UCX thread outlives it."""
+        self.stop_pump()
+        with self._lock:
+            for dl in list(self._remotes.values()) + [self._local]:
+                try:
+                    self._agent.release_dlist_handle(dl)
+                except Exception:
+                    pass
+            self._remotes.clear()
+            try:
+                self._agent.deregister_memory(self._reg)
+            except Exception:
+                pass
+            self._agent = None
+
     def poll_notifs(self) -> list[bytes]:
         """Notifications peers attached to READs of our blocks (the lease id: the pull is done)."""
         with self._lock:

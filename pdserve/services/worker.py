@@ -221,6 +221,8 @@ async def serve(args) -> None:
     await server.stop(grace=1)
     await w.prefill.stop()
     await w.host.stop()
+    if w.agent is not None:
+        w.agent.close()
     if registry is not None:
         await registry.close()
     log.info("worker %s stopped", worker_id)

@@ -1,4 +1,6 @@
 """`pdserve up --mode colocated`: one `both` worker serves whole requests."""
+import os
+
 import pytest
 
 from tests.e2e import _common
@@ -13,7 +15,13 @@ def up(tiny_llama):
         shutil.copytree(tiny_llama, model)  # served model name = dir basename "ck"
     d = Up(model, "--mode", "colocated", "--workers", "1")
     yield d
-    assert d.stop() == 0
+    assert d.stop() == 0  # SIGTERM: clean exit
+    for proc in d.info["processes"]:  # and every child (redis, router, workers, gateway) is gone
+        try:
+            os.kill(proc["pid"], 0)
+        except ProcessLookupError:
+            continue
+        raise AssertionError(f"{proc['name']} still running after pdserve up stopped")
 
 
 def test_greedy_matches_offline_engine(up, offline_greedy):
