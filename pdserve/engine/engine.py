@@ -200,9 +200,9 @@ class Engine:
             elif seq.state == S.PREFILLING:
                 seq.set_state(S.DECODING)
         for req in touched.values():
-            outputs.append(self._output(req))
             if req.finished:
                 self._reclaim(req, S.FINISHED)
+            outputs.append(self._output(req))
         return outputs
 
     def _fork(self, req: Request, parent: Sequence) -> list[Sequence]:
@@ -360,9 +360,8 @@ class Engine:
         if reason is not None or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = reason or "length"
             seq.new_text += seq.output.flush()
-            self._finish_seq(req, seq, S.FINISHED)
-            self._pending_outputs.append(self._output(req))
             self._reclaim(req, S.FINISHED)
+            self._pending_outputs.append(self._output(req))
             return
         seq.set_state(S.DECODING)
         self.scheduler.running.append(seq)
