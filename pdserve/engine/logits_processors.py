@@ -35,17 +35,19 @@ def top_k_keep(w: Tensor, keep: Tensor, k: Tensor) -> Tensor:
     return keep & (rank <= k.unsqueeze(-1))
 
 
-def top_p_keep(w: Tensor, keep: Tensor, p: Tensor) -> Tensor:
+def top_p_keep(w: Tensor, keep: Tensor, p: Tensor, outside: Tensor | None = None) -> Tensor:
     """Smallest prefix (by probability, descending) whose mass first reaches >= p; boundary token kept.
 
     A token at sorted position j is kept iff the mass strictly before it is < p (up to MASS_EPS).
     p: [B] float64 (1.0: off — kept exactly, not subject to rounding of the cumulative sum).
+    outside: [B] weight of supported tokens not laid out in `w` (candidate reduction), or None.
     """
     w = w * keep
     cum = w.cumsum(-1)
     # exclusive prefix mass, shifted rather than `cum - w` so the first token sees exactly 0
     before = torch.cat([torch.zeros_like(cum[..., :1]), cum[..., :-1]], dim=-1)
-    inside = before < (p.unsqueeze(-1) - MASS_EPS) * cum[..., -1:]
+    total = cum[..., -1:] if outside is None else cum[..., -1:] + outside.unsqueeze(-1)
+    inside = before < (p.unsqueeze(-1) - MASS_EPS) * total
     inside |= keep & (keep.long().cumsum(-1) == 1)  # the most probable token is always kept
     return keep & (inside | (p >= 1.0).unsqueeze(-1))
 

@@ -186,45 +186,93 @@ class Sampler:
                 dense_proc[i] = (scaled[j].double() - cdf[j, -1].log()).float()
 
     def _sample_filtered(self, z, rows, states, tokens, dense_proc, want_proc) -> None:
-        B, V = len(rows), z.shape[1]
-        idx = torch.tensor(rows)
+        """Rows with at least one truncation filter. Sorting the whole vocabulary is the expensive
+        part, so we first try a candidate set (the K best tokens by (-logit, id), found with topk)
+        and only escalate to a larger K / a full sort for rows whose filtered support provably
+        might reach outside it. The kept set, and therefore the draw, is the same either way."""
+        V = z.shape[1]
+        pending = list(rows)
+        for K in self.candidate_sizes(V):
+            if pending:
+                pending = self._filtered_pass(z, pending, K, states, tokens, dense_proc, want_proc)
+        assert not pending
+
+    @staticmethod
+    def candidate_sizes(V: int) -> list[int]:
+        return [k for k in (1024, 16384) if k < V // 2] + [V]
+
+    def _filtered_pass(self, z, rows, K, states, tokens, dense_proc, want_proc) -> list[int]:
+        """Sample the rows whose support fits in the K best tokens; return the others."""
+        V = z.shape[1]
         params = [states[i].params for i in rows]
         active = [_active(p, V) for p in params]
+        full = K >= V
+        if not full:
+            # Reduction is exact only if the first active filter bounds the support by a rule on
+            # sorted position (top_k <= K, top_p / min_p verified below); typical_p first is not.
+            first = [next(f for f in self.filter_order if a[f]) for a in active]
+            ok = [f != "typical_p" and (f != "top_k" or p.top_k <= K) for f, p in zip(first, params)]
+            if not all(ok):
+                later = [i for i, o in zip(rows, ok) if not o]
+                rows = [i for i, o in zip(rows, ok) if o]
+                if not rows:
+                    return later
+                return self._filtered_pass(z, rows, K, states, tokens, dense_proc, want_proc) + later
+            kmax = max([p.top_k for p, a in zip(params, active) if a["top_k"]], default=0)
+            K = max(K, kmax)
+        idx = torch.tensor(rows)
         zr = z[idx]
-        # Candidate reduction: if top_k runs first and every row uses it, only the kmax best tokens
-        # can survive, so a top-k selection replaces the full O(V log V) sort.
-        if self.filter_order[0] == "top_k" and all(a["top_k"] for a in active):
-            vals, ids = lp.topk_exact(zr, max(p.top_k for p in params))
-        else:
-            vals, ids = lp.sort_desc(zr)
+        vals, ids = lp.sort_desc(zr) if full else lp.topk_exact(zr, K)
         W = vals.shape[1]
         T = torch.tensor([p.temperature for p in params], dtype=torch.float64).unsqueeze(-1)
         v64 = vals.double()
         w = ((v64 - v64[:, :1]) / T).exp()  # weights relative to the row max (first column)
         keep = torch.isfinite(vals)
+        # weight of supported tokens outside the candidates, until a filter provably removes them
+        outside = torch.zeros(len(rows), dtype=torch.float64)
+        if not full and not all(a["top_k"] and self.filter_order.index("top_k") == min(
+                self.filter_order.index(f) for f in a if a[f]) for a in active):
+            allw = ((zr - zr.max(-1, keepdim=True).values) / T.float()).exp().sum(-1, dtype=torch.float64)
+            outside = (allw - w.sum(-1)).clamp_(min=0.0)
+        fits = torch.ones(len(rows), dtype=torch.bool)
         for name in self.filter_order:
             on = [a[name] for a in active]
             if not any(on):
                 continue
+            on_t = torch.tensor(on)
             if name == "top_k":
                 k = torch.tensor([p.top_k if a else W for p, a in zip(params, on)], dtype=torch.long)
                 keep = lp.top_k_keep(w, keep, k)
             elif name == "top_p":
-                keep = lp.top_p_keep(w, keep, torch.tensor([p.top_p for p in params], dtype=torch.float64))
+                pp = torch.tensor([p.top_p for p in params], dtype=torch.float64)
+                before = keep
+                keep = lp.top_p_keep(w, keep, pp, outside)
+                if not full:  # the boundary must be reached inside the candidates
+                    mass = (w * before).sum(-1)
+                    fits &= ~on_t | (outside == 0) | (mass >= (pp - lp.MASS_EPS) * (mass + outside))
             elif name == "min_p":
-                keep = lp.min_p_keep(w, keep, torch.tensor([p.min_p for p in params], dtype=torch.float64))
+                alpha = torch.tensor([p.min_p for p in params], dtype=torch.float64)
+                keep = lp.min_p_keep(w, keep, alpha)
+                if not full:  # every token outside weighs <= the last candidate, which must fail
+                    fits &= ~on_t | (outside == 0) | (w[:, -1] < alpha * w[:, 0])
             else:
                 keep = lp.typical_keep(w, keep, torch.tensor([p.typical_p for p in params], dtype=torch.float64))
+            outside = torch.where(on_t, torch.zeros_like(outside), outside)
         w = w * keep
         cdf = w.cumsum(-1)
-        u = self._uniforms(states, rows).unsqueeze(-1)
-        pick = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=W - 1)
-        tokens[idx] = ids.gather(-1, pick).squeeze(-1)
-        for j, i in enumerate(rows):
+        done = [j for j in range(len(rows)) if fits[j]]
+        if done:
+            d = torch.tensor(done)
+            u = self._uniforms(states, [rows[j] for j in done]).unsqueeze(-1)
+            pick = torch.searchsorted(cdf[d], u * cdf[d, -1:], right=True).clamp_(max=W - 1)
+            tokens[idx[d]] = ids[d].gather(-1, pick).squeeze(-1)
+        for j in done:
+            i = rows[j]
             if want_proc[i]:
                 row = torch.full((V,), _NEG_INF, dtype=torch.float32)
                 row[ids[j]] = (w[j] / cdf[j, -1]).log().float()
                 dense_proc[i] = row
+        return [rows[j] for j in range(len(rows)) if not fits[j]]
 
     @staticmethod
     def _top(row: Tensor, n: int) -> list[tuple[int, float]]:
