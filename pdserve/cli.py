@@ -34,7 +34,7 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pdserve", description="prefill/decode disaggregated LLM serving")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub = ap.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="start a whole local deployment (redis, router, workers, gateway)")
     _add_common(up)
@@ -101,24 +101,28 @@ def main(argv: list[str] | None = None) -> None:
     if getattr(args, "served_model_name", "x") is None:
         args.served_model_name = _default_served_name(args.model)
     from pdserve.services.procutil import setup_logging
-    if args.cmd == "up":
+    if hasattr(args, "func"):  # generate / bench: the lead's logging setup
+        import logging
+        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        sys.exit(args.func(args) or 0)
+    if args.command == "up":
         from pdserve.services.up import up
         sys.exit(up(args))
-    setup_logging(args.cmd)
-    if args.cmd == "gateway":
+    setup_logging(args.command)
+    if args.command == "gateway":
         from pdserve.services.gateway.server import serve
         asyncio.run(serve(args))
-    elif args.cmd == "router":
+    elif args.command == "router":
         from pdserve.services.router.server import serve
         asyncio.run(serve(args.host, args.port, args.redis_url, args.served_model_name, args.metrics_port,
                           args.heartbeat_ttl))
-    elif args.cmd == "worker":
+    elif args.command == "worker":
         from pdserve.services.worker import serve
         asyncio.run(serve(args))
-    elif hasattr(args, "func"):  # subcommands added by other modules set func
-        sys.exit(args.func(args))
+    elif hasattr(args, "func"):  # subcommands added by other modules (generate, bench) set func
+        sys.exit(args.func(args) or 0)
     else:
-        raise SystemExit(f"unknown command {args.cmd}")
+        raise SystemExit(f"unknown command {args.command}")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ from pdserve.engine.model import LlamaModel
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import CompletionOutput, RequestOutput
 from pdserve.engine.request_state import RequestState as S
-from pdserve.engine.sampler import Sampler, SamplingState
+from pdserve.engine.grammar import make_grammar_state
+from pdserve.engine.sampler import Sampler, SamplingState, bad_words_to_ids
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence
@@ -50,6 +51,7 @@ class Request:
     metrics: dict = field(default_factory=dict)
     reclaimed: bool = False
     state: S = S.QUEUED
+    prompt_logprobs: list | None = None
 
     @property
     def finished(self) -> bool:
@@ -140,9 +142,13 @@ class Engine:
     def _new_request(self, request_id, prompt_token_ids, params, namespace, arrival_time) -> Request:
         arrival = arrival_time if arrival_time is not None else time.time()
         seq = Sequence(next(self._seq_ids), request_id, prompt_token_ids, namespace, 0, arrival)
+        grammar = make_grammar_state(params.guided, self.tokenizer, self.model_config.vocab_size) \
+            if params.guided is not None else None
         seq.sampling = SamplingState(params, list(prompt_token_ids), self.model_config.vocab_size,
-                                     self.eos_token_ids, None, 0)
+                                     self.eos_token_ids, grammar, 0,
+                                     bad_words_ids=bad_words_to_ids(params.bad_words, self.tokenizer))
         seq.output = OutputProcessor(params, self.tokenizer, self.eos_token_ids)
+        seq.wants_prompt_logprobs = params.prompt_logprobs is not None
         seq.set_state(S.QUEUED)
         return Request(request_id, list(prompt_token_ids), params, namespace, [seq],
                        metrics={"arrival_time": arrival, "queued_time": time.time()})
@@ -161,14 +167,19 @@ class Engine:
         now = time.time()
         for item in sched.scheduled:
             self.requests[item.seq.request_id].metrics.setdefault("first_scheduled_time", now)
-        logits, owner = self.runner.execute(sched.scheduled)
+        want_prompt = {i for i, it in enumerate(sched.scheduled)
+                       if it.seq.wants_prompt_logprobs and it.seq.num_output_tokens == 0}
+        logits, owner = self.runner.execute(sched.scheduled, want_prompt)
         for item in sched.scheduled:
             item.seq.num_computed_tokens += item.num_tokens
             self.block_manager.mark_computed(item.seq)
         # Rows to sample: a request's first sample forks its extra branches, which share the prompt's blocks.
         rows, seqs = [], []
-        for row, (i, _) in enumerate(owner):
+        for row, (i, pos) in enumerate(owner):
             seq = sched.scheduled[i].seq
+            if i in want_prompt and pos < seq.num_prompt_tokens - 1:
+                self._collect_prompt_logits(seq, logits[row:row + 1])
+                continue
             rows.append(row)
             seqs.append(seq)
             req = self.requests[seq.request_id]
@@ -191,27 +202,35 @@ class Engine:
                 seq.logprobs.append(res)
             if reason is None and seq.num_tokens >= self.max_model_len:
                 reason = "length"
-            if reason is None and req.prefill_only:
+                seq.new_text += seq.output.finish(reason)
+            elif reason is None and req.prefill_only:
                 reason = "prefill"
             if reason is not None:
-                seq.new_text += seq.output.flush()
                 seq.finish_reason = reason
                 self._finish_seq(req, seq, S.FINISHED)
             elif seq.state == S.PREFILLING:
                 seq.set_state(S.DECODING)
         for req in touched.values():
-            outputs.append(self._output(req))
             if req.finished:
                 self._reclaim(req, S.FINISHED)
+            outputs.append(self._output(req))
         return outputs
+
+    def _collect_prompt_logits(self, seq: Sequence, row: torch.Tensor) -> None:
+        """Prompt logprobs need logits at every prompt position, gathered over the prefill chunks."""
+        seq.prompt_logit_rows.append(row)
+        if len(seq.prompt_logit_rows) == seq.num_prompt_tokens - 1:
+            req = self.requests[seq.request_id]
+            req.prompt_logprobs = self.sampler.prompt_logprobs(
+                torch.cat(seq.prompt_logit_rows), req.prompt_token_ids, req.params.prompt_logprobs)
+            seq.prompt_logit_rows = []
 
     def _fork(self, req: Request, parent: Sequence) -> list[Sequence]:
         children = []
         for b in range(len(req.seqs), req.params.num_branches):
             child = Sequence(next(self._seq_ids), req.request_id, parent.token_ids, req.namespace, b,
                              parent.arrival_time)
-            child.sampling = SamplingState(req.params, req.prompt_token_ids, self.model_config.vocab_size,
-                                           self.eos_token_ids, None, b)
+            child.sampling = parent.sampling.fork(b)  # own RNG stream, forked grammar matcher
             child.output = OutputProcessor(req.params, self.tokenizer, self.eos_token_ids)
             for st in (S.QUEUED, S.RUNNABLE, S.PREFILLING):
                 child.set_state(st)
@@ -235,7 +254,7 @@ class Engine:
         cached = req.seqs[0].num_cached_tokens
         return RequestOutput(req.request_id, req.prompt_token_ids, outs, req.finished,
                              req.seqs[0].state.value if not req.finished else self._terminal_state(req).value,
-                             cached, dict(req.metrics))
+                             cached, dict(req.metrics), req.prompt_logprobs)
 
     def _chosen(self, req: Request) -> list[Sequence]:
         """With best_of > n, only the n branches of highest cumulative logprob are returned (once finished)."""
@@ -358,11 +377,12 @@ class Engine:
         req.metrics["first_token_time"] = time.time()
         self.requests[request_id] = req
         if reason is not None or seq.num_tokens >= self.max_model_len:
-            seq.finish_reason = reason or "length"
-            seq.new_text += seq.output.flush()
-            self._finish_seq(req, seq, S.FINISHED)
-            self._pending_outputs.append(self._output(req))
+            if reason is None:
+                reason = "length"
+                seq.new_text += seq.output.finish(reason)
+            seq.finish_reason = reason
             self._reclaim(req, S.FINISHED)
+            self._pending_outputs.append(self._output(req))
             return
         seq.set_state(S.DECODING)
         self.scheduler.running.append(seq)

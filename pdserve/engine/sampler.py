@@ -1,65 +1,302 @@
-"""Minimal sampler (greedy, temperature, top-k, top-p, seed); the full spec §3 pipeline replaces it."""
+"""Batched sampler: logits [B, V] -> one token per sequence.
+
+Pipeline per row (spec §3.1):
+  1. hard constraints / logit_bias: logit_bias is added, then illegal tokens are set to -inf
+     (grammar bitmask, allowed_token_ids, bad words matched on the generated suffix,
+     no_repeat_ngram, min_tokens suppression of EOS / stop_token_ids);
+  2. penalties: sign-aware repetition (prompt + output), then frequency / presence (output only);
+  3. temperature: T = 0 is its own greedy branch (argmax, lowest token id on ties; truncation
+     filters do not apply); T > 0 divides the logits;
+  4. truncation filters in `filter_order` (default top_k -> top_p -> min_p -> typical_p), each
+     renormalising over the support left by the previous one;
+  5. renormalise and draw with the row's own generator: one float64 uniform per row, inverted
+     through the float64 cumulative sum of the kept probabilities.
+
+Logprobs (`params.logprobs`): "raw" = log_softmax of the model's logits as passed in;
+"processed" = log of the distribution actually sampled from (after the whole pipeline; -inf
+outside the support; for greedy rows, log_softmax of the constrained/penalised logits).
+`SamplingState.cumulative_logprob` always sums *raw* log-probs (best_of ranks by model likelihood).
+
+Dead ends: if a row has no legal token left (e.g. allowed_token_ids disjoint from the grammar,
+or min_tokens banning the only token the grammar allows), the sampler returns the first EOS id
+(0 if none), does not feed it to the grammar, and sets `state.dead_end`; the output processor
+then finishes the request with "stop" without emitting that token's text.
+"""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
+import xgrammar as xgr
+from torch import Tensor
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine import logits_processors as lp
+from pdserve.engine.sampling_state import SamplingState, bad_words_to_ids, select_best  # noqa: F401 (re-export)
 
-
-class SamplingState:
-    def __init__(self, params: SamplingParams, prompt_token_ids: list[int], vocab_size: int,
-                 eos_token_ids: list[int], grammar=None, branch_index: int = 0):
-        self.params = params
-        self.prompt_token_ids = prompt_token_ids
-        self.vocab_size = vocab_size
-        self.eos_token_ids = list(eos_token_ids)
-        self.output_token_ids: list[int] = []
-        self.cumulative_logprob = 0.0
-        self.grammar = grammar
-        self.grammar_terminated = False
-        self.generator = torch.Generator()
-        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        self.generator.manual_seed(seed + branch_index)
-
-    def append(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
+DEFAULT_FILTER_ORDER = ("top_k", "top_p", "min_p", "typical_p")
+_NEG_INF = float("-inf")
 
 
 @dataclass
 class SampleResult:
     token_id: int
-    logprob: float | None
-    top_logprobs: list[tuple[int, float]] | None
+    logprob: float | None  # chosen token's logprob in params.logprobs_mode; None if not requested
+    top_logprobs: list[tuple[int, float]] | None  # N alternatives sorted by (-logprob, id)
+
+
+def _active(p, V: int) -> dict[str, bool]:
+    return {
+        "top_k": 0 < p.top_k < V,
+        "top_p": p.top_p < 1.0,
+        "min_p": p.min_p > 0.0,
+        "typical_p": p.typical_p < 1.0,
+    }
 
 
 class Sampler:
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, filter_order: tuple[str, ...] = DEFAULT_FILTER_ORDER):
+        if sorted(filter_order) != sorted(lp.FILTERS):
+            raise ValueError(f"filter_order must be a permutation of {lp.FILTERS}, got {filter_order}")
         self.vocab_size = vocab_size
+        self.filter_order = tuple(filter_order)
 
-    def sample(self, logits: torch.Tensor, states: list[SamplingState]) -> list[SampleResult]:
-        out = []
-        logp_all = torch.log_softmax(logits, dim=-1)
-        for row, st in zip(logits, states):
-            p = st.params
-            if p.temperature == 0.0:
-                tok = int(torch.argmax(row))  # first maximum: lowest index wins ties
+    # ------------------------------------------------------------------------------------------
+    def sample(self, logits: Tensor, states: list[SamplingState]) -> list[SampleResult]:
+        B, V = logits.shape
+        assert len(states) == B, "one SamplingState per logits row"
+        raw = logits.float()
+        z = self.process_logits(raw, states)
+        dead = torch.isneginf(z).all(-1).tolist()
+        tokens = torch.zeros(B, dtype=torch.long)
+        dense_proc: dict[int, Tensor] = {}  # processed log-probs, only for rows that asked for them
+        want_proc = [s.params.logprobs is not None and s.params.logprobs_mode == "processed" for s in states]
+
+        greedy, direct, filtered = [], [], []
+        for i, s in enumerate(states):
+            if dead[i]:
+                continue
+            if s.params.temperature == 0.0:
+                greedy.append(i)
+            elif any(_active(s.params, V).values()):
+                filtered.append(i)
             else:
-                z = row / p.temperature
-                if p.top_k > 0:
-                    kth = torch.topk(z, p.top_k).values[-1]
-                    z = z.masked_fill(z < kth, float("-inf"))
-                probs = torch.softmax(z, -1)
-                if p.top_p < 1.0:
-                    sp, si = probs.sort(descending=True)
-                    keep = (sp.cumsum(0) - sp) < p.top_p
-                    mask = torch.zeros_like(probs, dtype=torch.bool).scatter(0, si, keep)
-                    probs = probs * mask
-                tok = int(torch.multinomial(probs / probs.sum(), 1, generator=st.generator))
-            lp = float(logp_all[len(out), tok])
-            st.cumulative_logprob += lp
-            st.append(tok)
-            out.append(SampleResult(tok, lp, None))
+                direct.append(i)
+
+        if greedy:
+            g = torch.tensor(greedy)
+            tokens[g] = z[g].argmax(-1)  # torch.argmax returns the first maximal index
+            for j, i in enumerate(greedy):
+                if want_proc[i]:
+                    dense_proc[i] = torch.log_softmax(z[i], -1)
+        if direct:
+            self._sample_direct(z, direct, states, tokens, dense_proc, want_proc)
+        if filtered:
+            self._sample_filtered(z, filtered, states, tokens, dense_proc, want_proc)
+
+        lse = torch.logsumexp(raw, dim=-1)
+        raw_chosen = (raw.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse).tolist()
+        results: list[SampleResult] = []
+        for i, s in enumerate(states):
+            tid = int(tokens[i])
+            if dead[i]:
+                tid = s.eos_token_ids[0] if s.eos_token_ids else 0
+                s.dead_end = True
+            n = s.params.logprobs
+            chosen_lp, top = None, None
+            if n is not None:
+                row = dense_proc[i] if want_proc[i] else torch.log_softmax(raw[i], -1)
+                chosen_lp = float(row[tid]) if not dead[i] else _NEG_INF
+                top = self._top(row, n)
+            s.cumulative_logprob += raw_chosen[i] if not dead[i] else _NEG_INF
+            s.append(tid)
+            results.append(SampleResult(tid, chosen_lp, top))
+        return results
+
+    # ------------------------------------------------------------------------------------------
+    def process_logits(self, raw: Tensor, states: list[SamplingState]) -> Tensor:
+        """Steps 1-2 of the pipeline (constraints, bias, penalties). Returns a new tensor when
+        anything applies, else `raw` itself (never modified)."""
+        if not any(s.needs_logit_edit for s in states):
+            return raw
+        z = raw.clone()
+        B, V = z.shape
+        rows, toks, vals = [], [], []
+        for i, s in enumerate(states):
+            if s.bias_ids.numel():
+                rows.append(torch.full_like(s.bias_ids, i)), toks.append(s.bias_ids), vals.append(s.bias_vals)
+        if rows:
+            r, t = torch.cat(rows), torch.cat(toks)
+            z[r, t] += torch.cat(vals)  # ids are distinct per row (dict keys)
+
+        # hard constraints -> -inf
+        ban_rows, ban_toks = [], []
+        for i, s in enumerate(states):
+            b = s.banned_tokens()
+            ban_rows += [i] * len(b)
+            ban_toks += b
+            if s.allowed_mask is not None:
+                z[i].masked_fill_(~s.allowed_mask[:V], _NEG_INF)
+        if ban_toks:
+            z[torch.tensor(ban_rows), torch.tensor(ban_toks)] = _NEG_INF
+        gram = [i for i, s in enumerate(states) if s.grammar is not None and not s.grammar_terminated]
+        if gram:
+            bitmask = xgr.allocate_token_bitmask(B, V)
+            for i in gram:
+                states[i].grammar.fill_bitmask(bitmask, i)
+            xgr.apply_token_bitmask_inplace(z, bitmask, indices=gram)
+
+        # penalties (masked tokens stay -inf: r * -inf = -inf, -inf - c = -inf)
+        rows, toks, rs = [], [], []
+        for i, s in enumerate(states):
+            if s.rep_counts is not None and s.rep_counts.n:
+                ids = s.rep_counts.ids()
+                rows.append(torch.full_like(ids, i)), toks.append(ids)
+                rs.append(torch.full((len(ids),), s.params.repetition_penalty))
+        if rows:
+            r, t, pen = torch.cat(rows), torch.cat(toks), torch.cat(rs)
+            v = z[r, t]
+            z[r, t] = torch.where(v > 0, v / pen, v * pen)  # sign-aware: always towards less likely
+        rows, toks, sub = [], [], []
+        for i, s in enumerate(states):
+            if s.out_counts is not None and s.out_counts.n:
+                ids, cnt = s.out_counts.ids(), s.out_counts.counts()
+                rows.append(torch.full_like(ids, i)), toks.append(ids)
+                sub.append(s.params.frequency_penalty * cnt + s.params.presence_penalty * (cnt > 0).float())
+        if rows:
+            z[torch.cat(rows), torch.cat(toks)] -= torch.cat(sub)
+        return z
+
+    # ------------------------------------------------------------------------------------------
+    def _uniforms(self, states: list[SamplingState], rows: list[int]) -> Tensor:
+        # One draw per row from that row's own generator: the draw never depends on batch mates.
+        return torch.stack([torch.rand((), generator=states[i].generator, dtype=torch.float64) for i in rows])
+
+    def _sample_direct(self, z, rows, states, tokens, dense_proc, want_proc) -> None:
+        """Rows with temperature only: sample from the full softmax(z / T)."""
+        idx = torch.tensor(rows)
+        zr = z[idx]
+        T = torch.tensor([states[i].params.temperature for i in rows], dtype=torch.float32).unsqueeze(-1)
+        scaled = (zr - zr.max(-1, keepdim=True).values) / T
+        cdf = scaled.exp().double().cumsum(-1)
+        u = self._uniforms(states, rows).unsqueeze(-1)
+        pick = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=zr.shape[1] - 1)
+        tokens[idx] = pick.squeeze(-1)
+        for j, i in enumerate(rows):
+            if want_proc[i]:
+                dense_proc[i] = (scaled[j].double() - cdf[j, -1].log()).float()
+
+    def _sample_filtered(self, z, rows, states, tokens, dense_proc, want_proc) -> None:
+        """Rows with at least one truncation filter. Sorting the whole vocabulary is the expensive
+        part, so we first try a candidate set (the K best tokens by (-logit, id), found with topk)
+        and only escalate to a larger K / a full sort for rows whose filtered support provably
+        might reach outside it. The kept set, and therefore the draw, is the same either way."""
+        V = z.shape[1]
+        pending = list(rows)
+        for K in self.candidate_sizes(V):
+            if pending:
+                pending = self._filtered_pass(z, pending, K, states, tokens, dense_proc, want_proc)
+        assert not pending
+
+    @staticmethod
+    def candidate_sizes(V: int) -> list[int]:
+        return [k for k in (1024, 16384) if k < V // 2] + [V]
+
+    def _filtered_pass(self, z, rows, K, states, tokens, dense_proc, want_proc) -> list[int]:
+        """Sample the rows whose support fits in the K best tokens; return the others."""
+        V = z.shape[1]
+        params = [states[i].params for i in rows]
+        active = [_active(p, V) for p in params]
+        full = K >= V
+        if not full:
+            # Reduction is exact only if the first active filter bounds the support by a rule on
+            # sorted position (top_k <= K, top_p / min_p verified below); typical_p first is not.
+            first = [next(f for f in self.filter_order if a[f]) for a in active]
+            ok = [f != "typical_p" and (f != "top_k" or p.top_k <= K) for f, p in zip(first, params)]
+            if not all(ok):
+                later = [i for i, o in zip(rows, ok) if not o]
+                rows = [i for i, o in zip(rows, ok) if o]
+                if not rows:
+                    return later
+                return self._filtered_pass(z, rows, K, states, tokens, dense_proc, want_proc) + later
+            kmax = max([p.top_k for p, a in zip(params, active) if a["top_k"]], default=0)
+            K = max(K, kmax)
+        idx = torch.tensor(rows)
+        zr = z[idx]
+        vals, ids = lp.sort_desc(zr) if full else lp.topk_exact(zr, K)
+        W = vals.shape[1]
+        T = torch.tensor([p.temperature for p in params], dtype=torch.float64).unsqueeze(-1)
+        v64 = vals.double()
+        w = ((v64 - v64[:, :1]) / T).exp()  # weights relative to the row max (first column)
+        keep = torch.isfinite(vals)
+        # weight of supported tokens outside the candidates, until a filter provably removes them
+        outside = torch.zeros(len(rows), dtype=torch.float64)
+        if not full and not all(a["top_k"] and self.filter_order.index("top_k") == min(
+                self.filter_order.index(f) for f in a if a[f]) for a in active):
+            allw = ((zr - zr.max(-1, keepdim=True).values) / T.float()).exp().sum(-1, dtype=torch.float64)
+            outside = (allw - w.sum(-1)).clamp_(min=0.0)
+        fits = torch.ones(len(rows), dtype=torch.bool)
+        for name in self.filter_order:
+            on = [a[name] for a in active]
+            if not any(on):
+                continue
+            on_t = torch.tensor(on)
+            if name == "top_k":
+                k = torch.tensor([p.top_k if a else W for p, a in zip(params, on)], dtype=torch.long)
+                keep = lp.top_k_keep(w, keep, k)
+            elif name == "top_p":
+                pp = torch.tensor([p.top_p for p in params], dtype=torch.float64)
+                before = keep
+                keep = lp.top_p_keep(w, keep, pp, outside)
+                if not full:  # the boundary must be reached inside the candidates
+                    mass = (w * before).sum(-1)
+                    fits &= ~on_t | (outside == 0) | (mass >= (pp - lp.MASS_EPS) * (mass + outside))
+            elif name == "min_p":
+                alpha = torch.tensor([p.min_p for p in params], dtype=torch.float64)
+                keep = lp.min_p_keep(w, keep, alpha)
+                if not full:  # every token outside weighs <= the last candidate, which must fail
+                    fits &= ~on_t | (outside == 0) | (w[:, -1] < alpha * w[:, 0])
+            else:
+                keep = lp.typical_keep(w, keep, torch.tensor([p.typical_p for p in params], dtype=torch.float64))
+            outside = torch.where(on_t, torch.zeros_like(outside), outside)
+        w = w * keep
+        cdf = w.cumsum(-1)
+        done = [j for j in range(len(rows)) if fits[j]]
+        if done:
+            d = torch.tensor(done)
+            u = self._uniforms(states, [rows[j] for j in done]).unsqueeze(-1)
+            pick = torch.searchsorted(cdf[d], u * cdf[d, -1:], right=True).clamp_(max=W - 1)
+            tokens[idx[d]] = ids[d].gather(-1, pick).squeeze(-1)
+        for j in done:
+            i = rows[j]
+            if want_proc[i]:
+                row = torch.full((V,), _NEG_INF, dtype=torch.float32)
+                row[ids[j]] = (w[j] / cdf[j, -1]).log().float()
+                dense_proc[i] = row
+        return [rows[j] for j in range(len(rows)) if not fits[j]]
+
+    @staticmethod
+    def _top(row: Tensor, n: int) -> list[tuple[int, float]]:
+        if n <= 0:
+            return []
+        vals, ids = lp.topk_exact(row.unsqueeze(0), n)
+        return [(int(t), float(v)) for t, v in zip(ids[0].tolist(), vals[0].tolist())]
+
+    # ------------------------------------------------------------------------------------------
+    def prompt_logprobs(self, logits: Tensor, prompt_token_ids: list[int], k: int) -> list[SampleResult | None]:
+        """Raw log-probs of each prompt token given its prefix. `logits[j]` is the model output at
+        prompt position j (it predicts token j+1); P may be len(prompt) or len(prompt) - 1.
+        Entry 0 is None (the first token has no prefix)."""
+        n = len(prompt_token_ids)
+        out: list[SampleResult | None] = [None]
+        if n < 2:
+            return out[:n]
+        lsm = torch.log_softmax(logits[: n - 1].float(), dim=-1)
+        target = torch.tensor(prompt_token_ids[1:], dtype=torch.long)
+        chosen = lsm.gather(-1, target.unsqueeze(-1)).squeeze(-1).tolist()
+        if k > 0:
+            vals, ids = lp.topk_exact(lsm, k)
+            vals, ids = vals.tolist(), ids.tolist()
+        for j in range(n - 1):
+            top = list(zip(ids[j], vals[j])) if k > 0 else []
+            out.append(SampleResult(prompt_token_ids[j + 1], chosen[j], top))
         return out

@@ -54,8 +54,10 @@ class SamplingParams:
             bad("n", "must be >= 1")
         if self.best_of is not None and self.best_of < self.n:
             bad("best_of", "must be >= n")
-        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
-            bad("temperature", "must be >= 0 (0 means greedy)")
+        if not (0.0 <= self.temperature < float("inf")):  # also rejects NaN
+            bad("temperature", "must be a finite number >= 0 (0 means greedy)")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
+            bad("top_k", "must be an integer")
         if not (0.0 < self.top_p <= 1.0):
             bad("top_p", "must be in (0, 1]")
         if self.top_k < -1:
@@ -70,7 +72,7 @@ class SamplingParams:
             bad("max_tokens", "must be >= 1")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             bad("min_tokens", "must be in [0, max_tokens]")
-        if self.repetition_penalty <= 0:
+        if not (0.0 < self.repetition_penalty < float("inf")):
             bad("repetition_penalty", "must be > 0")
         if not (-2.0 <= self.frequency_penalty <= 2.0):
             bad("frequency_penalty", "must be in [-2, 2]")
@@ -85,9 +87,25 @@ class SamplingParams:
         if self.logprobs_mode not in ("raw", "processed"):
             bad("logprobs_mode", "must be 'raw' or 'processed'")
         if vocab_size is not None:
-            for tid in list(self.logit_bias) + list(self.stop_token_ids) + list(self.allowed_token_ids or []):
-                if not (0 <= int(tid) < vocab_size):
-                    bad("logit_bias/stop_token_ids/allowed_token_ids", f"token id {tid} outside [0, {vocab_size})")
+            for name, ids in (
+                ("logit_bias", list(self.logit_bias)),
+                ("stop_token_ids", list(self.stop_token_ids)),
+                ("allowed_token_ids", list(self.allowed_token_ids or [])),
+            ):
+                for tid in ids:
+                    if not (0 <= int(tid) < vocab_size):
+                        bad(name, f"token id {tid} outside [0, {vocab_size})")
+        if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
+            bad("allowed_token_ids", "must not be empty (no token could ever be sampled)")
+        if self.seed is not None and not (0 <= self.seed < 2**63):
+            bad("seed", "must be in [0, 2**63)")
+        if any(not isinstance(w, str) or not w for w in self.bad_words):
+            bad("bad_words", "entries must be non-empty strings")
+        if self.guided is not None:
+            g = self.guided
+            n_set = sum([g.json_schema is not None, bool(g.json_object), g.regex is not None, g.grammar is not None])
+            if n_set != 1:
+                bad("guided", "exactly one of json_schema, json_object, regex, grammar must be set")
         for v in self.logit_bias.values():
             if not (-100.0 <= v <= 100.0):
                 bad("logit_bias", "values must be in [-100, 100]")

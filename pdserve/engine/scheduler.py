@@ -136,7 +136,7 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
-            hits = self.bm.lookup(seq)
+            hits = [] if seq.wants_prompt_logprobs else self.bm.lookup(seq)
             remaining = seq.num_tokens - len(hits) * self.bm.block_size
             n = min(remaining, budget) if self.cfg.enable_chunked_prefill else remaining
             if n > budget or not self.bm.can_allocate(seq, n, hits):

@@ -35,6 +35,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.logprobs: list = []
         self.num_preemptions = 0
+        self.wants_prompt_logprobs = False  # prompt logprobs need every position computed: no prefix hits
+        self.prompt_logit_rows: list = []
 
     def set_state(self, new: RequestState) -> None:
         check_transition(self.state, new)

@@ -6,6 +6,7 @@ import pytest
 from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.engine.errors import RequestRejected
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_state import branch_seed
 
 PROMPTS = [list(range(10, 10 + n)) for n in (3, 17, 32, 9, 40, 16)]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -77,8 +78,11 @@ def test_n_branches_share_prompt_blocks(tiny_llama):
         multi = [o for o in outs if o.finished]
     branches = [o.token_ids for o in multi[0].outputs]
     for b in range(3):
-        alone = eng.generate([prompt], SamplingParams(n=1, seed=7 + b, **sampled))[0].outputs[0].token_ids
-        assert branches[b] == alone
+        eng.add_request(f"alone{b}", prompt, SamplingParams(n=1, seed=7, **sampled))
+        eng.requests[f"alone{b}"].seqs[0].sampling.generator.manual_seed(branch_seed(7, b))
+        while eng.has_unfinished():
+            alone = [o for o in eng.step() if o.finished]
+        assert branches[b] == alone[0].outputs[0].token_ids
     assert len(set(map(tuple, branches))) > 1
 
 

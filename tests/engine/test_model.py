@@ -78,3 +78,20 @@ def test_bfloat16_close_to_fp32(tiny_llama):
     decisive = (a.topk(2).values[:, 0] - a.topk(2).values[:, 1]) > 0.1
     assert torch.equal(a.argmax(-1)[decisive], b.argmax(-1)[decisive])
     assert (a - b).abs().max().item() < 0.1
+
+
+def test_prompt_logprobs_match_transformers(tiny_llama):
+    hf = tf.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    engine = Engine.from_pretrained(tiny_llama, EngineConfig(num_gpu_blocks=64, block_size=4,
+                                                             max_num_batched_tokens=5))  # prompt spans chunks
+    prompt = PROMPTS[2]
+    engine.generate([prompt], SamplingParams(temperature=0, max_tokens=2))  # warm the prefix cache
+    out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3))[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
+    got = out.prompt_logprobs
+    assert got[0] is None and len(got) == len(prompt)
+    for j in range(1, len(prompt)):
+        assert got[j].token_id == prompt[j]
+        assert abs(got[j].logprob - ref[j - 1, prompt[j]].item()) < 1e-4
+        assert [t for t, _ in got[j].top_logprobs] == ref[j - 1].topk(3).indices.tolist()

@@ -1,0 +1,138 @@
+"""Engine throughput vs `transformers.generate`, same model, same threads, one run; decode step vs bandwidth bound.
+
+    python bench/engine_throughput.py [--requests 64] [--hf-batch 8,16] [--quick]
+
+Prints output tokens/s of the engine and of HF generate at each batch size (the best is the baseline), their
+ratio, and the decode step time at batch 1 and 32 against the bound (weights + KV bytes read per step /
+measured memory-copy bandwidth). The model is a random-weight Llama of ~124M parameters in bfloat16 written
+locally (random weights: every request runs to its max_tokens, which is what we want to time).
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import transformers as tf
+
+from pdserve.engine.engine import Engine, EngineConfig
+from pdserve.engine.sampling_params import SamplingParams
+
+
+def build_model(out: Path, quick: bool) -> Path:
+    cfg = tf.LlamaConfig(vocab_size=32000, hidden_size=768 if not quick else 256, intermediate_size=2048 if not quick else 688,
+                         num_hidden_layers=12 if not quick else 4, num_attention_heads=12 if not quick else 4,
+                         num_key_value_heads=4 if not quick else 2, max_position_embeddings=2048,
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(out, safe_serialization=True)
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.conftest import make_tokenizer
+    make_tokenizer(out)
+    return out
+
+
+def workload(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [([rng.randrange(100, 32000) for _ in range(rng.randint(32, 512))], rng.randint(16, 256)) for _ in range(n)]
+
+
+def run_engine(model_dir: Path, reqs) -> tuple[float, int]:
+    eng = Engine.from_pretrained(model_dir, EngineConfig(kv_cache_bytes=2 << 30, max_num_seqs=64,
+                                                         max_num_batched_tokens=2048))
+    for i, (p, n) in enumerate(reqs):
+        eng.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    t = time.perf_counter()
+    toks = 0
+    while eng.has_unfinished():
+        for o in eng.step():
+            toks += len(o.outputs[0].new_token_ids)
+    return time.perf_counter() - t, toks
+
+
+def run_hf(model_dir: Path, reqs, batch: int) -> tuple[float, int]:
+    model = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    # Sort by prompt length so each padded batch wastes little: the most favourable static batching.
+    order = sorted(reqs, key=lambda r: len(r[0]))
+    t = time.perf_counter()
+    toks = 0
+    for i in range(0, len(order), batch):
+        chunk = order[i:i + batch]
+        width = max(len(p) for p, _ in chunk)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk])
+        max_new = max(n for _, n in chunk)  # static batch: runs until its longest member is done
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
+                           do_sample=False, pad_token_id=0)
+        toks += sum(n for _, n in chunk)  # useful tokens only
+    return time.perf_counter() - t, toks
+
+
+def copy_bandwidth() -> float:
+    a = torch.empty(256 << 20, dtype=torch.uint8)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    t = time.perf_counter()
+    for _ in range(5):
+        b.copy_(a)
+    dt = (time.perf_counter() - t) / 5
+    return 2 * a.numel() / dt  # read + write
+
+
+def decode_step(model_dir: Path, batch: int, ctx: int = 256) -> tuple[float, int]:
+    eng = Engine.from_pretrained(model_dir, EngineConfig(kv_cache_bytes=1 << 30, max_num_seqs=batch,
+                                                         enable_prefix_caching=False))
+    for i in range(batch):
+        eng.add_request(str(i), [100 + (i + j) % 3000 for j in range(ctx)],
+                        SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    while any(s.is_prefill for r in eng.requests.values() for s in r.seqs):
+        eng.step()
+    for _ in range(3):
+        eng.step()
+    times = []
+    for _ in range(20):
+        t = time.perf_counter()
+        eng.step()
+        times.append(time.perf_counter() - t)
+    weight_bytes = sum(p.numel() * p.element_size() for p in eng.runner.model.parameters())
+    kv_bytes = batch * (ctx + 30) * eng.kv_cache.block_bytes // eng.kv_cache.block_size
+    return sorted(times)[len(times) // 2], weight_bytes + kv_bytes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--hf-batch", default="8,16")
+    ap.add_argument("--quick", action="store_true", help="small model, for a smoke run")
+    args = ap.parse_args()
+    print(f"threads: {torch.get_num_threads()}")
+    with tempfile.TemporaryDirectory() as d:
+        model_dir = build_model(Path(d), args.quick)
+        n_params = sum(p.numel() for p in tf.AutoModelForCausalLM.from_pretrained(model_dir).parameters())
+        print(f"model: random Llama, {n_params / 1e6:.0f}M parameters, bfloat16")
+        reqs = workload(args.requests)
+        e_t, e_tok = run_engine(model_dir, reqs)
+        print(f"pdserve engine : {e_tok} output tokens in {e_t:.1f}s = {e_tok / e_t:.1f} tok/s")
+        best = 0.0
+        for b in [int(x) for x in args.hf_batch.split(",")]:
+            h_t, h_tok = run_hf(model_dir, reqs, b)
+            print(f"transformers generate (batch {b}, length-sorted): {h_tok / h_t:.1f} tok/s")
+            best = max(best, h_tok / h_t)
+        print(f"ratio engine / best transformers: {e_tok / e_t / best:.2f}x")
+        bw = copy_bandwidth()
+        print(f"memory copy bandwidth: {bw / 1e9:.1f} GB/s")
+        for b in (1, 32):
+            step, nbytes = decode_step(model_dir, b)
+            bound = nbytes / bw
+            print(f"decode step batch {b}: {step * 1e3:.1f} ms; bound {bound * 1e3:.1f} ms "
+                  f"({nbytes / 1e6:.0f} MB read); ratio {step / bound:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""`pdserve generate`: run the engine offline on one prompt."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def add_generate_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("generate", help="generate text offline with the engine (no services)")
+    p.add_argument("--model", default="builtin", help="checkpoint directory, or 'builtin' (the demo model)")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    p.set_defaults(func=run_generate)
+    return p
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from pdserve.engine.engine import Engine, EngineConfig
+    from pdserve.engine.errors import CheckpointError, RequestRejected
+    from pdserve.engine.sampling_params import SamplingParams
+
+    t0 = time.time()
+    try:
+        engine = Engine.from_pretrained(args.model, EngineConfig(dtype=args.dtype, device=args.device))
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    load_s = time.time() - t0
+    prompt = args.prompt
+    if args.chat:
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    try:
+        out = engine.generate([prompt], params)[0]
+    except (ValueError, RequestRejected) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    c = out.outputs[0]
+    m = out.metrics
+    ttft = m["first_token_time"] - m["arrival_time"]
+    total = m["finished_time"] - m["arrival_time"]
+    if args.json:
+        print(json.dumps({
+            "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+            "prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(c.token_ids),
+            "timings": {"load_s": round(load_s, 4), "ttft_s": round(ttft, 4), "total_s": round(total, 4),
+                        "tpot_s": round((total - ttft) / (len(c.token_ids) - 1), 5) if len(c.token_ids) > 1 else None},
+        }))
+    else:
+        print(c.text)
+    return 0

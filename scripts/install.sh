@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Create .venv and install pdserve with its test tools. CPU torch first, from the pinned release, so that no
+# package pulls a multi-GB CUDA build of torch.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q torch==2.13.0
+.venv/bin/python -m pip install -q -e '.[test]'
+.venv/bin/python -c "import torch, pdserve; print('pdserve installed; torch', torch.__version__)"
