@@ -15,11 +15,17 @@ def check_greedy_batch(up, offline_greedy):
         r = httpx.post(up.base_url + "/v1/completions", json={"model": "ck", "prompt": p, "max_tokens": 12,
                                                               "temperature": 0, "return_token_ids": True}, timeout=30)
         assert r.status_code == 200, r.text
-        return r.json()["choices"][0]["token_ids"]
+        c = r.json()["choices"][0]
+        return c["token_ids"], c["text"]
 
     with cf.ThreadPoolExecutor(len(PROMPTS)) as ex:  # concurrently: they batch on the workers
-        got = list(ex.map(one, PROMPTS))
+        got = [tuple(x) for x in ex.map(one, PROMPTS)]
+    offline_greedy = [tuple(x) for x in offline_greedy]
     assert got == offline_greedy, (got, offline_greedy)
+    # gateway latency histograms carry the router's decision
+    mode = up.info["mode"]
+    assert metric(up.port, "pdserve_ttft_seconds_count", f'{{mode="{mode}"}}') >= len(PROMPTS)
+    assert metric(up.port, "pdserve_tpot_seconds_count", f'{{mode="{mode}"}}') >= len(PROMPTS)
 
 
 def check_openai_client(up):

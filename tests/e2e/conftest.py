@@ -92,9 +92,9 @@ PROMPTS = ["the quick brown fox", "judge my vow", "pack my box with five dozen l
 
 @pytest.fixture(scope="session")
 def offline_greedy(tiny_llama):
-    """Token ids the offline engine produces for PROMPTS, greedy, 12 tokens: the reference for both modes."""
+    """(token ids, text) the offline engine produces for PROMPTS, greedy, 12 tokens: the reference for both modes."""
     from pdserve.engine.engine import Engine, EngineConfig
     from pdserve.engine.sampling_params import SamplingParams
     eng = Engine.from_pretrained(str(tiny_llama), EngineConfig(num_gpu_blocks=NUM_BLOCKS))
     outs = eng.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=12))
-    return [o.outputs[0].token_ids for o in outs]
+    return [(o.outputs[0].token_ids, o.outputs[0].text) for o in outs]

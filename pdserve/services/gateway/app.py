@@ -174,7 +174,7 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
         stream = bool(body.get("stream", False))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
         timing = Timing()
-        agen = disp.generate_many(rid, subs)
+        agen = disp.generate_many(rid, subs, on_route=lambda mode: setattr(timing, "mode", mode))
         try:
             first = await agen.__anext__()
         except StopAsyncIteration:

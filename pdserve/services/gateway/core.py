@@ -66,13 +66,16 @@ class Dispatcher:
         except grpc.aio.AioRpcError as e:
             raise NoWorkersError(e.details() or str(e.code())) from None
 
-    async def generate(self, rid: str, sub: SubRequest, namespace: str = "") -> AsyncIterator[common_pb2.GenerateResponse]:
+    async def generate(self, rid: str, sub: SubRequest, namespace: str = "",
+                       on_route=None) -> AsyncIterator[common_pb2.GenerateResponse]:
         """One engine request (n may be > 1 only in colocated mode). Retries placement while nothing was emitted
         and the failure was a worker being unreachable."""
         exclude: list[str] = []
         pp = params_to_pb(sub.params)
         for attempt in range(self.max_attempts):
             route = await self.route(rid, len(sub.prompt_token_ids), namespace, exclude)
+            if on_route is not None:
+                on_route(route.mode)  # e.g. the latency histograms' mode label
             emitted = False
             failed_worker = ""
             try:
@@ -161,11 +164,11 @@ class Dispatcher:
             await self.stub(kv.worker_address).ReleaseKV(
                 worker_pb2.ReleaseKVRequest(request_id=rid, lease_id=kv.lease_id), timeout=2)
 
-    async def generate_many(self, rid: str, subs: list[SubRequest], namespace: str = "") -> AsyncIterator[tuple[int, common_pb2.GenerateResponse]]:
+    async def generate_many(self, rid: str, subs: list[SubRequest], namespace: str = "", on_route=None) -> AsyncIterator[tuple[int, common_pb2.GenerateResponse]]:
         """Several sub-requests (prompts x n) merged into one stream; yields (sub index, message) with each
         message's choice indexes already shifted to the response's numbering."""
         if len(subs) == 1:
-            async for m in self.generate(rid, subs[0], namespace):
+            async for m in self.generate(rid, subs[0], namespace, on_route):
                 _shift(m, subs[0].index_base)
                 yield 0, m
             return
@@ -173,7 +176,7 @@ class Dispatcher:
 
         async def pump(i: int, sub: SubRequest) -> None:
             try:
-                async for m in self.generate(f"{rid}-{i}", sub, namespace):
+                async for m in self.generate(f"{rid}-{i}", sub, namespace, on_route):
                     _shift(m, sub.index_base)
                     await q.put((i, m))
             except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
