@@ -51,6 +51,18 @@ def check_openai_client(up):
             usage = ch.usage
     assert "".join(parts) == chat_text
     assert usage is not None and usage.completion_tokens == r.usage.completion_tokens
+    # logprobs, both APIs
+    r = c.completions.create(model="ck", prompt="the quick brown fox", max_tokens=4, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.token_logprobs) == r.usage.completion_tokens and all(len(t) == 2 for t in lp.top_logprobs)
+    r = c.chat.completions.create(model="ck", messages=msgs, max_tokens=3, temperature=0, logprobs=True,
+                                  top_logprobs=2)
+    assert len(r.choices[0].logprobs.content) == r.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in r.choices[0].logprobs.content)
+    # n > 1 with a seed: n choices, reproducible
+    a = c.completions.create(model="ck", prompt="judge my vow", max_tokens=4, n=2, seed=5, temperature=1.0)
+    b = c.completions.create(model="ck", prompt="judge my vow", max_tokens=4, n=2, seed=5, temperature=1.0)
+    assert [x.index for x in a.choices] == [0, 1] and [x.text for x in a.choices] == [x.text for x in b.choices]
     # errors: 400 naming the field, 404 unknown model
     try:
         c.completions.create(model="ck", prompt="x", temperature=-1)

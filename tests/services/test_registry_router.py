@@ -62,3 +62,46 @@ def test_lapsed_heartbeat_never_routed():
         await reg.close()
 
     asyncio.run(main())
+
+
+def test_registry_survives_redis_restart(tmp_path):
+    """Redis keeps nothing (--save ''): after a restart the next heartbeat re-registers the worker."""
+    import subprocess
+    import time
+
+    from pdserve.services.up import free_port
+
+    port = free_port()
+
+    def start():
+        p = subprocess.Popen(["redis-server", "--port", str(port), "--save", "", "--appendonly", "no",
+                              "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
+        for _ in range(100):
+            try:
+                import redis
+                redis.Redis(port=port).ping()
+                return p
+            except Exception:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    async def main():
+        p = start()
+        reg = Registry(f"redis://127.0.0.1:{port}/0", "m", ttl_s=2)
+        try:
+            await reg.heartbeat(rec("w1", "both"))
+            assert [w.worker_id for w in await reg.live_workers()] == ["w1"]
+            p.kill()
+            p.wait()
+            with pytest.raises(Exception):
+                await reg.heartbeat(rec("w1", "both"))  # the worker's loop logs this and keeps going
+            p = start()
+            assert await reg.live_workers() == []  # nothing persisted
+            await reg.heartbeat(rec("w1", "both"))
+            assert [w.worker_id for w in await reg.live_workers()] == ["w1"]
+        finally:
+            await reg.close()
+            p.kill()
+            p.wait()
+
+    asyncio.run(main())

@@ -96,3 +96,36 @@ def test_layout_mismatch_refused_with_clear_error(mismatched):
             break
 
     asyncio.run(main())
+
+
+def test_sigterm_drains_in_flight_stream(tiny_llama):
+    """SIGTERM while a stream is running: health goes NOT_SERVING, the stream still completes, exit code 0."""
+    p, port = start_worker(tiny_llama, "both")
+
+    async def main():
+        await wait_serving(port)
+        stub = worker_pb2_grpc.WorkerStub(channel(f"127.0.0.1:{port}"))
+        health = health_pb2_grpc.HealthStub(channel(f"127.0.0.1:{port}"))
+        sp = params_to_pb(SamplingParams(temperature=0, max_tokens=300, ignore_eos=True))
+        n, last, signalled = 0, None, False
+        async for m in stub.Generate(worker_pb2.GenerateRequest(request_id="d1", prompt_token_ids=[2, 3, 4],
+                                                                params=sp)):
+            n += sum(len(o.token_ids) for o in m.outputs)
+            last = m
+            if not signalled:
+                p.send_signal(signal.SIGTERM)
+                signalled = True
+                for _ in range(50):
+                    st = (await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)).status
+                    if st == health_pb2.HealthCheckResponse.NOT_SERVING:
+                        break
+                    await asyncio.sleep(0.05)
+                assert st == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert last.finished and last.state == "FINISHED" and n == 300
+
+    try:
+        asyncio.run(main())
+        assert p.wait(30) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
