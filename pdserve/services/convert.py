@@ -17,6 +17,13 @@ class DeltaEncoder:
             return ""
         return self.tokenizer.decode([tid], skip_special_tokens=False)
 
+    def token_logprob(self, r) -> common_pb2.TokenLogprob:
+        lp = common_pb2.TokenLogprob(token_id=r.token_id, token=self._tok(r.token_id),
+                                     logprob=float(r.logprob if r.logprob is not None else 0.0))
+        for tid, v in (r.top_logprobs or []):
+            lp.top.add(token_id=tid, token=self._tok(tid), logprob=float(v))
+        return lp
+
     def encode(self, out: RequestOutput) -> common_pb2.GenerateResponse:
         msg = common_pb2.GenerateResponse(request_id=out.request_id, finished=out.finished, state=out.state or "")
         for c in out.outputs:
@@ -25,10 +32,7 @@ class DeltaEncoder:
             if c.logprobs is not None:
                 start = self._lp_sent.get(c.index, 0)
                 for r in c.logprobs[start:]:
-                    lp = d.logprobs.add(token_id=r.token_id, token=self._tok(r.token_id),
-                                        logprob=float(r.logprob if r.logprob is not None else 0.0))
-                    for tid, v in (r.top_logprobs or []):
-                        lp.top.add(token_id=tid, token=self._tok(tid), logprob=float(v))
+                    d.logprobs.append(self.token_logprob(r))
                 self._lp_sent[c.index] = len(c.logprobs)
         if out.error:
             msg.error = out.error

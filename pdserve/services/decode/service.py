@@ -88,11 +88,16 @@ class DecodeSide:
             src, dst = list(kv.block_ids[cached:need]), list(dst_blocks[cached:need])
             t0 = time.time()
             err = None
-            if kv.lease_expiry_unix and kv.lease_expiry_unix - time.time() < 1.0:
+            # The READ must give up before the prefill side's lease can free the source blocks (a READ
+            # racing the reaper would copy blocks that may already hold another request's KV).
+            timeout = self.transfer_timeout_s
+            if kv.lease_expiry_unix:
+                timeout = min(timeout, kv.lease_expiry_unix - time.time() - 0.5)
+            if timeout <= 0:
                 err = "KV lease expired before the transfer started"
             elif src:
                 xfer = asyncio.ensure_future(asyncio.to_thread(
-                    w.agent.read_blocks, region, src, dst, kv.lease_id.encode(), self.transfer_timeout_s))
+                    w.agent.read_blocks, region, src, dst, kv.lease_id.encode(), timeout))
                 try:
                     nbytes = await asyncio.shield(xfer)
                     M.KV_TRANSFER_BYTES.inc(nbytes)
@@ -121,6 +126,11 @@ class DecodeSide:
                     msg = enc.encode(out)
                     if first:
                         msg.times.kv_transfer_start, msg.times.kv_transfer_end = t0, t1
+                        if request.HasField("first_logprob") and msg.outputs:
+                            # the first token was sampled on the prefill worker, with its logprobs
+                            rest = list(msg.outputs[0].logprobs)
+                            del msg.outputs[0].logprobs[:]
+                            msg.outputs[0].logprobs.extend([request.first_logprob, *rest])
                         first = False
                     if out.finished:
                         finished = True

@@ -127,7 +127,8 @@ class Dispatcher:
         for attempt in range(self.max_attempts):
             call = self.stub(decode.address).GenerateFromPrefill(worker_pb2.GenerateFromPrefillRequest(
                 request_id=rid, prompt_token_ids=sub.prompt_token_ids, params=pp, namespace=namespace,
-                first_token_id=pre.first_token_id, kv=kv))
+                first_token_id=pre.first_token_id, kv=kv,
+                first_logprob=pre.first_logprob if pre.HasField("first_logprob") else None))
             emitted = False
             try:
                 async for m in call:

@@ -80,6 +80,9 @@ class PrefillSide:
             if final.state != "FINISHED":
                 M.TERMINAL.labels(final.state).inc()
             return resp
+        if params.logprobs is not None and comp.logprobs:
+            from pdserve.services.convert import DeltaEncoder
+            resp.first_logprob.CopyFrom(DeltaEncoder(self.w.tokenizer).token_logprob(comp.logprobs[0]))
         blocks, ntok = await self.w.host.run(lambda e: e.pinned_kv(rid))
         lease = self.leases.add(rid, blocks, ntok)
         kv = resp.kv
