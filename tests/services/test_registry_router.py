@@ -105,3 +105,51 @@ def test_registry_survives_redis_restart(tmp_path):
             p.wait()
 
     asyncio.run(main())
+
+
+def test_router_register_heartbeat_kvevents_and_gateway_503(tiny_llama):
+    """Workers may report through the router; with no live worker the gateway answers 503 (and /health 503)."""
+    import httpx
+
+    from pdserve.services.gateway.app import GatewayConfig, create_app
+    from pdserve.services.pb import common_pb2
+    from pdserve.services.registry import prefix_key
+
+    async def main():
+        model = f"test-{uuid.uuid4().hex[:8]}"
+        reg = Registry(REDIS, model, ttl_s=1.0)
+        server = grpc.aio.server()
+        router_pb2_grpc.add_RouterServicer_to_server(RouterService(reg, view_ttl_s=0), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            app = create_app(GatewayConfig(str(tiny_llama), model, f"127.0.0.1:{port}"))
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+                r = await c.post("/v1/completions", json={"model": model, "prompt": "the fox", "max_tokens": 2})
+                assert r.status_code == 503 and r.json()["error"]["code"] == "no_workers"
+                assert (await c.get("/health")).status_code == 503
+                r = await c.post("/v1/completions", json={"model": model, "prompt": list(range(2, 600))})
+                assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+                r = await c.post("/v1/chat/completions", json={"model": model, "messages": []})
+                assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+            stub = router_pb2_grpc.RouterStub(channel(f"127.0.0.1:{port}"))
+            w = common_pb2.WorkerInfo(worker_id="w9", role="both", address="127.0.0.1:1")
+            assert (await stub.Register(w)).heartbeat_ttl_s == 1
+            await stub.Heartbeat(router_pb2.HeartbeatRequest(worker=w, load=common_pb2.LoadReport(num_running=2)))
+            ws = await stub.ListWorkers(router_pb2.ListWorkersRequest(model=model))
+            assert [x.worker_id for x in ws.workers] == ["w9"] and ws.loads[0].num_running == 2
+
+            async def events():
+                yield router_pb2.KvEvent(worker_id="w9", kind="stored", namespace="t", block_hashes=["h1", "h2"])
+                yield router_pb2.KvEvent(worker_id="w9", kind="evicted", namespace="t", block_hashes=["h2"])
+
+            assert (await stub.KvEvents(events())).received == 2
+            assert await reg.r.smembers(prefix_key(model, "t", "h1")) == {b"w9"}
+            assert await reg.r.smembers(prefix_key(model, "t", "h2")) == set()
+            await asyncio.sleep(1.2)  # no more heartbeats: lapsed
+            assert (await stub.ListWorkers(router_pb2.ListWorkersRequest(model=model))).workers == []
+        finally:
+            await server.stop(0)
+            await reg.close()
+
+    asyncio.run(main())
