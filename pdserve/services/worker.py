@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import socket
 import time
 

@@ -22,7 +22,7 @@ from pdserve.engine.config import ModelConfig
 from pdserve.engine.engine import resolve_model_dir
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.services import metrics as M
-from pdserve.services.gateway.core import Dispatcher, NoWorkersError, SubRequest, UpstreamError, new_id, split
+from pdserve.services.gateway.core import Dispatcher, NoWorkersError, UpstreamError, new_id, split
 from pdserve.services.gateway.params import APIError, bad, to_sampling_params
 from pdserve.services.pb import common_pb2, gateway_pb2_grpc, params_from_pb
 

@@ -16,7 +16,6 @@ from typing import AsyncIterator
 import grpc
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.services import metrics as M
 from pdserve.services.grpc_util import channel
 from pdserve.services.pb import common_pb2, params_to_pb, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import replace
 
 import grpc
@@ -16,7 +15,7 @@ import grpc
 from pdserve.kv_transfer.lease import Lease, LeaseTable, reap_forever
 from pdserve.services import metrics as M
 from pdserve.services.convert import full_response
-from pdserve.services.pb import common_pb2, params_from_pb, worker_pb2
+from pdserve.services.pb import params_from_pb, worker_pb2
 
 log = logging.getLogger("pdserve.prefill")
 

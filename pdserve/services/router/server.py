@@ -1,7 +1,6 @@
 """`pdserve router`: gRPC Router service over the Redis registry."""
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
