@@ -85,15 +85,18 @@ class KVAgent:
         dl = self._remotes.get(key)
         if dl is None:
             check_compatible(self.layout, r.layout)
-            if r.mem_type != self.mem_type:
-                # Mixing DRAM and VRAM needs a backend that supports both; UCX does, but say what happened.
-                pass
-            name = self._agent.add_remote_agent(r.agent_metadata)
+            try:
+                name = self._agent.add_remote_agent(r.agent_metadata)
+            except Exception as e:  # the peer's endpoint is unreachable (e.g. the process died)
+                raise KVTransferError(f"cannot connect to NIXL peer {r.agent_name}: {e!r}") from e
             name = name.decode() if isinstance(name, bytes) else name
             if name != r.agent_name:
                 raise KVTransferError(f"remote metadata names agent {name!r}, expected {r.agent_name!r}")
-            dl = self._agent.prep_xfer_dlist(
-                r.agent_name, _descs(r.base_addr, r.num_blocks, self.block_bytes, r.device_id), r.mem_type)
+            try:
+                dl = self._agent.prep_xfer_dlist(
+                    r.agent_name, _descs(r.base_addr, r.num_blocks, self.block_bytes, r.device_id), r.mem_type)
+            except Exception as e:
+                raise KVTransferError(f"cannot prepare descriptors for {r.agent_name}: {e!r}") from e
             self._remotes[key] = dl
         return dl
 
@@ -111,10 +114,14 @@ class KVAgent:
                 min(remote_block_ids) < 0 or min(local_block_ids) < 0:
             raise ValueError("block id out of range")
         with self._lock:
-            rdl = self._remote_dlist(remote)
-            h = self._agent.make_prepped_xfer("READ", self._local, np.asarray(local_block_ids, dtype=np.int32),
-                                              rdl, np.asarray(remote_block_ids, dtype=np.int32), notif)
-            state = self._agent.transfer(h)
+            rdl = self._remote_dlist(remote)  # KVLayoutMismatch propagates as is
+            try:
+                h = self._agent.make_prepped_xfer("READ", self._local,
+                                                  np.asarray(local_block_ids, dtype=np.int32), rdl,
+                                                  np.asarray(remote_block_ids, dtype=np.int32), notif)
+                state = self._agent.transfer(h)
+            except Exception as e:  # nixlBackendError etc.: peer gone, connection refused
+                raise KVTransferError(f"KV transfer from {remote.agent_name} could not start: {e!r}") from e
         deadline = time.monotonic() + timeout_s
         sleep = 0.0
         try:

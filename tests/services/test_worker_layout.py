@@ -129,3 +129,40 @@ def test_sigterm_drains_in_flight_stream(tiny_llama):
     finally:
         if p.poll() is None:
             p.kill()
+
+
+def test_transfer_from_dead_prefill_worker_fails_cleanly(tiny_llama):
+    """The prefill worker dies (kill -9) after Prefill: the decode worker's pull fails, the request ends FAILED,
+    the decode worker frees its blocks, stays SERVING and serves the next request."""
+    (pp, pport), (dp, dport) = start_worker(tiny_llama, "prefill"), start_worker(tiny_llama, "decode")
+    (bp, bport) = start_worker(tiny_llama, "prefill")
+
+    async def main():
+        await asyncio.gather(wait_serving(pport), wait_serving(dport), wait_serving(bport))
+        sp = params_to_pb(SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        prompt = list(range(2, 40))
+        ds = worker_pb2_grpc.WorkerStub(channel(f"127.0.0.1:{dport}"))
+        pre = await worker_pb2_grpc.WorkerStub(channel(f"127.0.0.1:{pport}")).Prefill(
+            worker_pb2.PrefillRequest(request_id="x1", prompt_token_ids=prompt, params=sp))
+        pp.kill()
+        pp.wait()
+        msgs = [m async for m in ds.GenerateFromPrefill(worker_pb2.GenerateFromPrefillRequest(
+            request_id="x1", prompt_token_ids=prompt, params=sp, first_token_id=pre.first_token_id, kv=pre.kv))]
+        assert msgs[-1].finished and msgs[-1].state == "FAILED" and "transfer" in msgs[-1].error
+        assert (await ds.GetStats(worker_pb2.GetStatsRequest())).load.kv_blocks_in_use == 0
+        await wait_serving(dport, 5)
+        # the same decode worker then serves a request prefilled by a live worker
+        pre = await worker_pb2_grpc.WorkerStub(channel(f"127.0.0.1:{bport}")).Prefill(
+            worker_pb2.PrefillRequest(request_id="x2", prompt_token_ids=prompt, params=sp))
+        msgs = [m async for m in ds.GenerateFromPrefill(worker_pb2.GenerateFromPrefillRequest(
+            request_id="x2", prompt_token_ids=prompt, params=sp, first_token_id=pre.first_token_id, kv=pre.kv))]
+        assert msgs[-1].state == "FINISHED" and sum(len(o.token_ids) for m in msgs for o in m.outputs) == 8
+
+    try:
+        asyncio.run(main())
+    finally:
+        for p in (pp, dp, bp):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in (dp, bp):
+            assert p.wait(30) == 0
