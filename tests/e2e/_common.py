@@ -7,7 +7,7 @@ import json
 import httpx
 import openai
 
-from tests.e2e.conftest import PROMPTS, metric, wait_until
+from tests.e2e.conftest import PROMPTS, SEEDED, metric, wait_until
 
 
 def check_greedy_batch(up, offline_greedy):
@@ -95,3 +95,10 @@ def check_disconnect_frees_blocks(up):
     # the cancellation reached the engine (not just a finished request)
     assert any(metric(w["metrics_port"], "pdserve_requests_terminal_total", '{state="CANCELLED"}') >= 1
                for w in up.workers())
+
+
+def seeded_ids(up):
+    r = httpx.post(up.base_url + "/v1/completions", json={"model": "ck", "prompt": PROMPTS[0], **SEEDED,
+                                                          "return_token_ids": True}, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]

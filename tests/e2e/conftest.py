@@ -98,3 +98,15 @@ def offline_greedy(tiny_llama):
     eng = Engine.from_pretrained(str(tiny_llama), EngineConfig(num_gpu_blocks=NUM_BLOCKS))
     outs = eng.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=12))
     return [(o.outputs[0].token_ids, o.outputs[0].text) for o in outs]
+
+
+SEEDED = dict(temperature=1.0, top_p=0.9, seed=1234, max_tokens=10)
+
+
+@pytest.fixture(scope="session")
+def offline_seeded(tiny_llama):
+    """Token ids of a seeded sampled (not greedy) request on the offline engine."""
+    from pdserve.engine.engine import Engine, EngineConfig
+    from pdserve.engine.sampling_params import SamplingParams
+    eng = Engine.from_pretrained(str(tiny_llama), EngineConfig(num_gpu_blocks=NUM_BLOCKS))
+    return eng.generate([PROMPTS[0]], SamplingParams(**SEEDED))[0].outputs[0].token_ids

@@ -28,6 +28,10 @@ def test_greedy_matches_offline_engine(up, offline_greedy):
     _common.check_greedy_batch(up, offline_greedy)
 
 
+def test_seeded_sampling_matches_offline_engine(up, offline_seeded):
+    assert _common.seeded_ids(up) == offline_seeded
+
+
 def test_openai_client(up):
     _common.check_openai_client(up)
 

@@ -35,6 +35,10 @@ def test_greedy_matches_offline_engine(up, offline_greedy):
     assert pulled > 0
 
 
+def test_seeded_sampling_matches_offline_engine(up, offline_seeded):
+    assert _common.seeded_ids(up) == offline_seeded
+
+
 def test_openai_client(up):
     _common.check_openai_client(up)
 

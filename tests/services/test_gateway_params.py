@@ -44,3 +44,4 @@ def test_split_fans_out_n_with_distinct_seeds():
     subs = split([[1, 2], [3]], sp({"n": 2, "seed": 10}))
     assert [s.index_base for s in subs] == [0, 1, 2, 3]
     assert [s.params.seed for s in subs] == [10, 11, 10, 11] and all(s.params.n == 1 for s in subs)
+    assert split([[1]], sp({"seed": 7}))[0].params.seed == 7  # n == 1 keeps the seed as given

@@ -216,7 +216,7 @@ def split(prompts: list[list[int]], params: SamplingParams) -> list[SubRequest]:
     for pi, ids in enumerate(prompts):
         for j in range(n):
             p = replace(params, n=1, best_of=None,
-                        seed=None if params.seed is None or n == 1 else params.seed + j)
+                        seed=params.seed if params.seed is None or n == 1 else params.seed + j)
             subs.append(SubRequest(ids, p, pi * n + j))
     return subs
 
