@@ -59,6 +59,8 @@ def test_lapsed_heartbeat_never_routed():
             await stub.Route(router_pb2.RouteRequest(request_id="y"))
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
         await server.stop(0)
+        async for k in reg.r.scan_iter(f"pdserve:{model}:*"):
+            await reg.r.delete(k)
         await reg.close()
 
     asyncio.run(main())
@@ -150,6 +152,8 @@ def test_router_register_heartbeat_kvevents_and_gateway_503(tiny_llama):
             assert (await stub.ListWorkers(router_pb2.ListWorkersRequest(model=model))).workers == []
         finally:
             await server.stop(0)
+            async for k in reg.r.scan_iter(f"pdserve:{model}:*"):  # leave the shared Redis as found
+                await reg.r.delete(k)
             await reg.close()
 
     asyncio.run(main())
