@@ -29,20 +29,6 @@ def region_from_pb(r: common_pb2.KvRegion) -> KVRegion:
                     KVLayout.from_dict(layout_from_pb(r.layout)))
 
 
-def _advance_rng_past_first_token(engine, request_id: str) -> None:
-    """ENGINE WORKAROUND - delete once Engine.add_prefilled_request/commit_prefilled does this itself.
-
-    The sampler draws exactly one float64 uniform per sampled token from the request's own generator. The first
-    token was drawn on the prefill worker, so the decode side's freshly seeded generator must skip that draw, or a
-    seeded request samples differently disaggregated than colocated (tests/e2e: seeded sampling == offline).
-    """
-    import torch
-    req = engine.remote_pending.get(request_id)
-    gen = getattr(getattr(req.seqs[0], "sampling", None), "generator", None) if req is not None else None
-    if gen is not None:
-        torch.rand((), generator=gen, dtype=torch.float64)
-
-
 class DecodeSide:
     def __init__(self, worker, transfer_timeout_s: float, alloc_wait_s: float = 10.0):
         self.w = worker
@@ -94,8 +80,6 @@ class DecodeSide:
             asyncio.ensure_future(self._release_remote(kv, rid))
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no KV capacity on the decode worker")
         dst_blocks, cached = alloc
-        if params.temperature > 0:
-            await w.host.run(lambda e: _advance_rng_past_first_token(e, rid))
         finished = False
         xfer: asyncio.Future | None = None
         try:
