@@ -179,6 +179,8 @@ def engine_config_from_env(args) -> EngineConfig:
         kw["device"] = args.device
     if getattr(args, "dtype", None):
         kw["dtype"] = args.dtype
+    if getattr(args, "threads", None):
+        kw["num_threads"] = args.threads
     return EngineConfig(**kw)
 
 
