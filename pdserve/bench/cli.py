@@ -176,7 +176,7 @@ def print_points(points: list[dict], title: str = "results") -> None:
                   f"{s['throughput']['total_token_throughput_tok_per_s']:.1f}",
                   f"{s['slo']['attainment_ratio']:.3f}", f"{s['slo']['goodput_req_per_s']:.2f}",
                   "BOTTLENECK" if c.get("bottleneck") else "ok")
-    Console(stderr=True).print(t)
+    Console(stderr=True, width=max(160, Console(stderr=True).width)).print(t)
 
 
 def _finish(result: dict, a, title: str) -> int:
@@ -270,5 +270,5 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="pdserve")
     sub = ap.add_subparsers(dest="command", required=True)
     add_bench_parser(sub)
-    a = ap.parse_args(argv)
+    a = ap.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
     return a.func(a) or 0
