@@ -30,18 +30,20 @@ ROOT = str(Path(__file__).resolve().parents[2])
 
 def add_args(p) -> None:
     p.add_argument("--model", default="builtin", help="checkpoint dir or 'builtin'")
-    p.add_argument("--prompt-lens", default="32,384", help="comma-separated prompt lengths (tokens)")
-    p.add_argument("--output-lens", default="32", help="comma-separated output lengths (tokens)")
-    p.add_argument("--rates", default="1,4", help="comma-separated offered rates (req/s)")
-    p.add_argument("--requests-per-cell", type=int, default=16)
+    p.add_argument("--prompt-lens", default="32,512", help="comma-separated prompt lengths (tokens)")
+    p.add_argument("--output-lens", default="16,64", help="comma-separated output lengths (tokens)")
+    p.add_argument("--rates", default="2,6,12", help="comma-separated offered rates (req/s)")
+    p.add_argument("--cell-duration", type=float, default=6.0, help="seconds of arrivals per cell")
+    p.add_argument("--min-requests-per-cell", type=int, default=12)
+    p.add_argument("--requests-per-cell", type=int, default=None, help="fixed count (overrides --cell-duration)")
     p.add_argument("--modes", default="colocated,disagg")
     p.add_argument("--colocated-layout", choices=["1x2", "2x1"], default="1x2",
                    help="1x2: one worker with 2 threads on both cores; 2x1: two 1-thread replicas, one per core")
     p.add_argument("--cores", default="0,1", help="the two cores to use")
     p.add_argument("--no-pin", action="store_true", help="do not pin workers (threads still set)")
-    p.add_argument("--slo-ttft", type=float, default=1.0)
-    p.add_argument("--slo-tpot", type=float, default=0.1)
-    p.add_argument("--token-range", default="3:250")
+    p.add_argument("--slo-ttft", type=float, default=0.5, help="seconds")
+    p.add_argument("--slo-tpot", type=float, default=0.05, help="seconds")
+    p.add_argument("--token-range", default="3:250", help="LO:HI prompt token ids (inside the model's vocab)")
     p.add_argument("--num-gpu-blocks", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -172,6 +174,7 @@ def _cell_row(pt: dict, iso: dict) -> dict:
     st = pt.get("server_stages") or {}
     itl_iso = iso.get("itl_p50_s")
     return {"goodput_req_per_s": s["slo"]["goodput_req_per_s"], "attainment_ratio": s["slo"]["attainment_ratio"],
+            "n_slo": s["slo"]["n_slo"], "window_s": s["throughput"]["window_s"],
             "request_throughput_req_per_s": s["throughput"]["request_throughput_req_per_s"],
             "output_token_throughput_tok_per_s": s["throughput"]["output_token_throughput_tok_per_s"],
             "ttft_p50_s": L["ttft_s"].get("p50"), "ttft_p99_s": L["ttft_s"].get("p99"),
@@ -203,7 +206,8 @@ def run_mode(a, mode: str, grid: list[tuple[int, int, float]], on_cell, progress
         for plen, olen in sorted({(p, o) for p, o, _ in grid}):
             res["isolated"][f"{plen}x{olen}"] = asyncio.run(_isolated(target, a, plen, olen))
         for plen, olen, rate in grid:
-            specs = _specs(a, plen, olen, rate, a.requests_per_cell, a.seed)
+            n = a.requests_per_cell or max(a.min_requests_per_cell, round(rate * a.cell_duration))
+            specs = _specs(a, plen, olen, rate, n, a.seed)
             cfg = PointConfig(label=f"{mode} P={plen} O={olen} {rate:g}/s", offered_rate=rate,
                               drain_timeout_s=a.drain_timeout, metrics_urls=d.metrics_urls(), keep_records=False)
             pt = asyncio.run(run_point(target, specs, cfg, MX.SLO(a.slo_ttft, a.slo_tpot),
@@ -225,11 +229,15 @@ def compare(results: dict, grid) -> list[dict]:
         if not c or not g:
             continue
         gc, gd = c["goodput_req_per_s"], g["goodput_req_per_s"]
+        # Same seeded schedule in both modes: with equal N_SLO the goodput gap is only the drain tail of the window
+        noise = c["n_slo"] == g["n_slo"] and abs(gd - gc) <= 0.1 * max(gc, gd, 1e-9)
         rows.append({"prompt_len": plen, "output_len": olen, "rate_req_per_s": rate,
                      "goodput_colocated_req_per_s": gc, "goodput_disagg_req_per_s": gd,
                      "goodput_delta_req_per_s": gd - gc,
                      "goodput_ratio_disagg_over_colocated": (gd / gc) if gc else (math.inf if gd else None),
-                     "disagg_wins": gd > gc,
+                     "n_slo_colocated": c["n_slo"], "n_slo_disagg": g["n_slo"], "n": g["n"],
+                     "within_noise": noise,
+                     "winner": "tie" if noise else ("disagg" if gd > gc else "colocated"),
                      "kv_transfer_mean_s": g["kv_transfer_mean_s"],
                      "kv_transfer_share_of_ttft_p50": (g["kv_transfer_mean_s"] / g["ttft_p50_s"])
                      if g["kv_transfer_mean_s"] and g["ttft_p50_s"] else None,
@@ -261,7 +269,8 @@ def plot_heatmap(rows: list[dict], path: Path, slo: MX.SLO) -> Path | None:
             grid[i][j] = r["goodput_delta_req_per_s"] / r["rate_req_per_s"]
             ratio = r["goodput_ratio_disagg_over_colocated"]
             rt = "–" if ratio is None else ("∞" if ratio == math.inf else f"×{ratio:.2f}")
-            ax.text(j, i, f"{rt}\nD {r['goodput_disagg_req_per_s']:.2f}\nC {r['goodput_colocated_req_per_s']:.2f}",
+            ax.text(j, i, f"{'≈ ' if r['within_noise'] else ''}{rt}\nD {r['goodput_disagg_req_per_s']:.2f}\n"
+                          f"C {r['goodput_colocated_req_per_s']:.2f}",
                     ha="center", va="center", fontsize=8)
         im = ax.imshow(grid, cmap="RdBu", vmin=-1, vmax=1, origin="lower", aspect="auto")
         ax.set_xticks(range(len(rates)), [f"{x:g}" for x in rates])
@@ -269,8 +278,9 @@ def plot_heatmap(rows: list[dict], path: Path, slo: MX.SLO) -> Path | None:
         ax.set_xlabel("offered rate (req/s)")
         ax.set_ylabel("prompt length (tokens)")
         ax.set_title(f"output {o} tokens", fontsize=10)
-    fig.suptitle(f"disagg − colocated goodput / offered rate (blue: disagg wins)\nSLO TTFT ≤ {slo.ttft}s, "
-                 f"TPOT ≤ {slo.tpot}s; cells: ratio, D/C goodput req/s", fontsize=9)
+    fig.suptitle(f"(goodput disagg − colocated) / offered rate; blue: disagg wins\nSLO TTFT ≤ {slo.ttft}s, "
+                 f"TPOT ≤ {slo.tpot}s; cells: D/C ratio (≈: same N_SLO, within noise), D and C goodput req/s",
+                 fontsize=9, y=1.04)
     fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8)
     fig.savefig(path, dpi=90, bbox_inches="tight")
     plt.close(fig)
@@ -313,8 +323,9 @@ def verdict(rows: list[dict]) -> list[str]:
         ratio = r["goodput_ratio_disagg_over_colocated"]
         rt = "n/a (both 0)" if ratio is None else ("inf" if ratio == math.inf else f"{ratio:.2f}x")
         out.append(f"P={r['prompt_len']} O={r['output_len']} rate={r['rate_req_per_s']:g}: "
-                   f"{'DISAGG' if r['disagg_wins'] else ('tie' if r['goodput_delta_req_per_s'] == 0 else 'colocated')}"
+                   f"{r['winner'].upper()}"
                    f" (goodput D {r['goodput_disagg_req_per_s']:.2f} vs C {r['goodput_colocated_req_per_s']:.2f} req/s,"
+                   f" N_SLO D {r['n_slo_disagg']} vs C {r['n_slo_colocated']} of {r['n']},"
                    f" {rt}; KV transfer {(r['kv_transfer_mean_s'] or 0) * 1e3:.2f} ms/req; ITL p99 C "
                    f"{(r['itl_p99_colocated_s'] or 0) * 1e3:.1f} vs D {(r['itl_p99_disagg_s'] or 0) * 1e3:.1f} ms)")
     return out
@@ -331,7 +342,8 @@ def run_breakeven(a) -> int:
     slo = MX.SLO(a.slo_ttft, a.slo_tpot)
     results: dict = {}
     meta = {"kind": "breakeven", "argv": sys.argv[1:], "grid": {"prompt_lens": a.prompt_lens,
-            "output_lens": a.output_lens, "rates": a.rates, "requests_per_cell": a.requests_per_cell},
+            "output_lens": a.output_lens, "rates": a.rates, "requests_per_cell": a.requests_per_cell,
+            "cell_duration_s": a.cell_duration, "min_requests_per_cell": a.min_requests_per_cell},
             "slo": slo.as_dict(), "model": a.model, "cpu_count": os.cpu_count(),
             "note": "load generator, gateway, router and redis share the same cores as the workers"}
     interrupted = False
