@@ -48,6 +48,7 @@ class BlockManager:
         self.ref = [0] * num_blocks
         self.hash_of: list[int | None] = [None] * num_blocks
         self.tokens_of: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.namespace_of: list[str] = [""] * num_blocks
         self.free_ids: deque[int] = deque(range(num_blocks))
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; least recently used first
         self.cached: dict[int, int] = {}  # hash -> block id
@@ -108,7 +109,7 @@ class BlockManager:
         h = self.hash_of[b]
         if h is not None:
             del self.cached[h]
-            self.events.append(KVEvent("evicted", h, ""))
+            self.events.append(KVEvent("evicted", h, self.namespace_of[b]))
         self.hash_of[b] = None
         self.tokens_of[b] = None
 
@@ -170,6 +171,7 @@ class BlockManager:
                 self.cached[h] = b
                 self.hash_of[b] = h
                 self.tokens_of[b] = toks
+                self.namespace_of[b] = seq.namespace
                 self.events.append(KVEvent("stored", h, seq.namespace))
 
     def free(self, seq: Sequence) -> None:

@@ -356,6 +356,7 @@ class Engine:
         if not bm.can_allocate(seq, n, hits):
             return None
         bm.allocate(seq, n, hits)
+        Sampler.skip_draw(seq.sampling)  # the first token was drawn on the prefill worker
         seq.set_state(S.RUNNABLE)
         seq.set_state(S.PREFILLING)  # prefilling remotely: the blocks are being filled by a transfer
         req.metrics["first_token_id"] = first_token_id
@@ -390,6 +391,12 @@ class Engine:
 
     def fail_prefilled(self, request_id: str) -> None:
         self.abort(request_id, "FAILED")
+
+    def drain_kv_events(self) -> list:
+        """Block stored/evicted events since the last call (for the router's prefix index)."""
+        events = list(self.block_manager.events)
+        self.block_manager.events.clear()
+        return events
 
     # ---- convenience ------------------------------------------------------------------------------------------
     def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams],

@@ -53,6 +53,10 @@ def _active(p, V: int) -> dict[str, bool]:
     }
 
 
+def draw_uniform(state: SamplingState) -> Tensor:
+    return torch.rand((), generator=state.generator, dtype=torch.float64)
+
+
 class Sampler:
     def __init__(self, vocab_size: int, filter_order: tuple[str, ...] = DEFAULT_FILTER_ORDER):
         if sorted(filter_order) != sorted(lp.FILTERS):
@@ -169,7 +173,14 @@ class Sampler:
     # ------------------------------------------------------------------------------------------
     def _uniforms(self, states: list[SamplingState], rows: list[int]) -> Tensor:
         # One draw per row from that row's own generator: the draw never depends on batch mates.
-        return torch.stack([torch.rand((), generator=states[i].generator, dtype=torch.float64) for i in rows])
+        return torch.stack([draw_uniform(states[i]) for i in rows])
+
+    @staticmethod
+    def skip_draw(state: SamplingState) -> None:
+        """Consume the draw of a token sampled elsewhere (the prefill worker's first token), so a seeded request
+        continues with the same random stream disaggregated as colocated. Greedy rows draw nothing."""
+        if state.params.temperature > 0:
+            draw_uniform(state)
 
     def _sample_direct(self, z, rows, states, tokens, dense_proc, want_proc) -> None:
         """Rows with temperature only: sample from the full softmax(z / T)."""

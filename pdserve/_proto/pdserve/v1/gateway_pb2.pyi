@@ -1,0 +1,6 @@
+from pdserve._proto.pdserve.v1 import common_pb2 as _common_pb2
+from pdserve._proto.pdserve.v1 import worker_pb2 as _worker_pb2
+from google.protobuf import descriptor as _descriptor
+from typing import ClassVar as _ClassVar
+
+DESCRIPTOR: _descriptor.FileDescriptor

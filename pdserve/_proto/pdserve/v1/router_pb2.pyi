@@ -1,0 +1,84 @@
+from pdserve._proto.pdserve.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RouteRequest(_message.Message):
+    __slots__ = ("request_id", "num_prompt_tokens", "namespace", "model", "exclude_worker_ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    num_prompt_tokens: int
+    namespace: str
+    model: str
+    exclude_worker_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., namespace: _Optional[str] = ..., model: _Optional[str] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RouteResponse(_message.Message):
+    __slots__ = ("mode", "prefill", "decode", "both")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    BOTH_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    prefill: _common_pb2.WorkerInfo
+    decode: _common_pb2.WorkerInfo
+    both: _common_pb2.WorkerInfo
+    def __init__(self, mode: _Optional[str] = ..., prefill: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., decode: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., both: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("heartbeat_ttl_s",)
+    HEARTBEAT_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    heartbeat_ttl_s: int
+    def __init__(self, heartbeat_ttl_s: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("worker", "load")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    worker: _common_pb2.WorkerInfo
+    load: _common_pb2.LoadReport
+    def __init__(self, worker: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[_common_pb2.LoadReport, _Mapping]] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KvEvent(_message.Message):
+    __slots__ = ("worker_id", "kind", "namespace", "block_hashes")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    kind: str
+    namespace: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., kind: _Optional[str] = ..., namespace: _Optional[str] = ..., block_hashes: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class KvEventsAck(_message.Message):
+    __slots__ = ("received",)
+    RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    received: int
+    def __init__(self, received: _Optional[int] = ...) -> None: ...
+
+class ListWorkersRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class ListWorkersResponse(_message.Message):
+    __slots__ = ("workers", "loads")
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    LOADS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[_common_pb2.WorkerInfo]
+    loads: _containers.RepeatedCompositeFieldContainer[_common_pb2.LoadReport]
+    def __init__(self, workers: _Optional[_Iterable[_Union[_common_pb2.WorkerInfo, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[_common_pb2.LoadReport, _Mapping]]] = ...) -> None: ...

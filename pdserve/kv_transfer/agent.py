@@ -1,0 +1,205 @@
+"""NIXL agent wrapper around one engine KV tensor.
+
+The whole KV tensor ([num_blocks, ...], each block contiguous) is registered once. Descriptor lists with one
+entry per block are prepared once (locally, and per remote peer on first use), so a transfer is a
+`make_prepped_xfer` over block *indices*: one batched READ whatever the number of blocks, and no per-transfer
+descriptor building.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+try:  # the wheel is nixl-cu12; upstream builds install the module as `nixl`
+    from nixl_cu12._api import nixl_agent, nixl_agent_config
+except ImportError:  # pragma: no cover
+    from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[no-redef]
+
+from pdserve.kv_transfer.layout import KVLayout, check_compatible
+
+
+class KVTransferError(RuntimeError):
+    """A NIXL transfer ended in ERR or did not finish before its deadline."""
+
+
+@dataclass(frozen=True)
+class KVRegion:
+    """What a peer needs to address our blocks: shipped in Prefill responses and GetAgentMetadata."""
+
+    agent_name: str
+    agent_metadata: bytes
+    base_addr: int
+    num_blocks: int
+    device_id: int
+    mem_type: str
+    layout: KVLayout
+
+
+def _descs(base: int, num_blocks: int, block_bytes: int, dev: int) -> np.ndarray:
+    a = np.empty((num_blocks, 3), dtype=np.uint64)
+    a[:, 0] = base + np.arange(num_blocks, dtype=np.uint64) * np.uint64(block_bytes)
+    a[:, 1] = block_bytes
+    a[:, 2] = dev
+    return a
+
+
+class KVAgent:
+    def __init__(self, name: str, kv: torch.Tensor, layout: KVLayout | dict, backends: list[str] | None = None,
+                 progress_thread: bool = False):
+        if not kv.is_contiguous():
+            raise ValueError("KV tensor must be contiguous (one descriptor per block)")
+        self.name = name
+        self.kv = kv
+        self.layout = layout if isinstance(layout, KVLayout) else KVLayout.from_dict(layout)
+        self.num_blocks = kv.shape[0]
+        self.block_bytes = kv[0].numel() * kv.element_size()
+        if self.layout.block_bytes and self.layout.block_bytes != self.block_bytes:
+            raise ValueError(f"layout block_bytes {self.layout.block_bytes} != tensor block bytes {self.block_bytes}")
+        self.mem_type = "DRAM" if kv.device.type == "cpu" else "VRAM"
+        self.device_id = 0 if kv.device.type == "cpu" else kv.device.index or 0
+        # NIXL agents are not thread-safe in sync mode NONE: every call goes through this lock.
+        self._lock = threading.Lock()
+        # NIXL's progress thread busy-polls (~50% of a core even when idle), which starves the engine's step loop
+        # on small CPU boxes. Instead an initiator drives progress by polling its own transfer, and the owner of
+        # blocks (prefill side) runs `start_pump`: a thread polling notifications every millisecond, which also
+        # progresses the UCX worker so remote READs complete.
+        self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread,
+                                                          backends=backends or ["UCX"]))
+        self._reg = self._agent.register_memory(kv)
+        self._local = self._agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", _descs(kv.data_ptr(), self.num_blocks, self.block_bytes, self.device_id), self.mem_type)
+        self._remotes: dict[tuple[str, int], object] = {}  # (agent name, base addr) -> prepped remote dlist
+
+    def region(self) -> KVRegion:
+        with self._lock:
+            md = self._agent.get_agent_metadata()
+        return KVRegion(self.name, md, self.kv.data_ptr(), self.num_blocks, self.device_id, self.mem_type,
+                        self.layout)
+
+    def _remote_dlist(self, r: KVRegion):
+        key = (r.agent_name, r.base_addr)
+        dl = self._remotes.get(key)
+        if dl is None:
+            check_compatible(self.layout, r.layout)
+            try:
+                name = self._agent.add_remote_agent(r.agent_metadata)
+            except Exception as e:  # the peer's endpoint is unreachable (e.g. the process died)
+                raise KVTransferError(f"cannot connect to NIXL peer {r.agent_name}: {e!r}") from e
+            name = name.decode() if isinstance(name, bytes) else name
+            if name != r.agent_name:
+                raise KVTransferError(f"remote metadata names agent {name!r}, expected {r.agent_name!r}")
+            try:
+                dl = self._agent.prep_xfer_dlist(
+                    r.agent_name, _descs(r.base_addr, r.num_blocks, self.block_bytes, r.device_id), r.mem_type)
+            except Exception as e:
+                raise KVTransferError(f"cannot prepare descriptors for {r.agent_name}: {e!r}") from e
+            self._remotes[key] = dl
+        return dl
+
+    def read_blocks(self, remote: KVRegion, remote_block_ids: list[int], local_block_ids: list[int],
+                    notif: bytes = b"", timeout_s: float = 30.0) -> int:
+        """Pull remote blocks into local blocks with ONE batched READ; return bytes moved.
+
+        Blocks until DONE; raises KVTransferError on ERR or timeout, KVLayoutMismatch on an incompatible peer.
+        """
+        if len(remote_block_ids) != len(local_block_ids):
+            raise ValueError("remote and local block lists differ in length")
+        if not remote_block_ids:
+            return 0
+        if max(remote_block_ids) >= remote.num_blocks or max(local_block_ids) >= self.num_blocks or \
+                min(remote_block_ids) < 0 or min(local_block_ids) < 0:
+            raise ValueError("block id out of range")
+        with self._lock:
+            rdl = self._remote_dlist(remote)  # KVLayoutMismatch propagates as is
+            try:
+                h = self._agent.make_prepped_xfer("READ", self._local,
+                                                  np.asarray(local_block_ids, dtype=np.int32), rdl,
+                                                  np.asarray(remote_block_ids, dtype=np.int32), notif)
+                state = self._agent.transfer(h)
+            except Exception as e:  # nixlBackendError etc.: peer gone, connection refused
+                raise KVTransferError(f"KV transfer from {remote.agent_name} could not start: {e!r}") from e
+        deadline = time.monotonic() + timeout_s
+        sleep = 0.0
+        try:
+            while state not in ("DONE", "ERR"):
+                if time.monotonic() > deadline:
+                    raise KVTransferError(f"KV transfer from {remote.agent_name} timed out after {timeout_s}s")
+                if sleep:
+                    time.sleep(sleep)
+                sleep = min(sleep * 2 or 1e-5, 1e-3)  # spin briefly, then back off: small transfers finish fast
+                with self._lock:
+                    state = self._agent.check_xfer_state(h)
+            if state == "ERR":
+                raise KVTransferError(f"KV transfer from {remote.agent_name} failed (NIXL state ERR)")
+        finally:
+            with self._lock:
+                try:
+                    self._agent.release_xfer_handle(h)
+                except Exception:  # an in-flight handle cannot be released; NIXL reclaims it at agent teardown
+                    pass
+        return len(remote_block_ids) * self.block_bytes
+
+    def forget_remote(self, agent_name: str) -> None:
+        """Drop a peer (e.g. it died) so a restarted peer with the same name is re-added."""
+        with self._lock:
+            for key in [k for k in self._remotes if k[0] == agent_name]:
+                dl = self._remotes.pop(key)
+                try:
+                    self._agent.release_dlist_handle(dl)
+                except Exception:
+                    pass
+            try:
+                self._agent.remove_remote_agent(agent_name)
+            except Exception:
+                pass
+
+    def start_pump(self, on_notif=None, interval_s: float = 0.001) -> None:
+        """Poll notifications (and thereby UCX progress) in a daemon thread; call on_notif(msg) for each."""
+        if getattr(self, "_pump", None):
+            return
+        self._pump_stop = threading.Event()
+
+        def run():
+            while not self._pump_stop.is_set():
+                for m in self.poll_notifs():
+                    if on_notif:
+                        try:
+                            on_notif(m)
+                        except Exception:  # a bad callback must not stop progress for everyone else
+                            pass
+                self._pump_stop.wait(interval_s)
+
+        self._pump = threading.Thread(target=run, name=f"nixl-pump-{self.name}", daemon=True)
+        self._pump.start()
+
+    def stop_pump(self) -> None:
+        if getattr(self, "_pump", None):
+            self._pump_stop.set()
+            self._pump.join(1)
+            self._pump = None
+
+    def close(self) -> None:
+        """Tear down in order (pump, prepped lists, registration, agent) so no NIXL/UCX thread outlives it."""
+        self.stop_pump()
+        with self._lock:
+            for dl in list(self._remotes.values()) + [self._local]:
+                try:
+                    self._agent.release_dlist_handle(dl)
+                except Exception:
+                    pass
+            self._remotes.clear()
+            try:
+                self._agent.deregister_memory(self._reg)
+            except Exception:
+                pass
+            self._agent = None
+
+    def poll_notifs(self) -> list[bytes]:
+        """Notifications peers attached to READs of our blocks (the lease id: the pull is done)."""
+        with self._lock:
+            n = self._agent.get_new_notifs()
+        return [m for msgs in n.values() for m in msgs]

@@ -1,0 +1,49 @@
+"""KV block layout descriptor: two engines can exchange KV blocks only when their layouts are identical."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+# Fields that must match for a block copied byte-for-byte to mean the same thing on the other side.
+COMPAT_FIELDS = ("fingerprint", "block_size", "dtype", "num_layers", "num_kv_heads", "head_dim")
+
+
+class KVLayoutMismatch(ValueError):
+    """Raised when a peer's KV layout differs; the message names every mismatching field."""
+
+    def __init__(self, mismatches: dict[str, tuple[object, object]]):
+        self.mismatches = mismatches
+        parts = [f"{k}: local={a!r} remote={b!r}" for k, (a, b) in mismatches.items()]
+        super().__init__("KV layout mismatch between workers (" + "; ".join(parts) + ")")
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    fingerprint: str
+    block_size: int
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_bytes: int = 0
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "KVLayout":
+        names = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in d.items() if k in names}
+        kw["dtype"] = str(kw.get("dtype", "")).removeprefix("torch.")  # torch.float16 and float16 are one dtype
+        return cls(**kw)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def check_compatible(local: KVLayout | dict, remote: KVLayout | dict) -> None:
+    """Raise KVLayoutMismatch naming each field (fingerprint, block_size, dtype, ...) that differs."""
+    lo = local if isinstance(local, KVLayout) else KVLayout.from_dict(local)
+    re_ = remote if isinstance(remote, KVLayout) else KVLayout.from_dict(remote)
+    mism = {k: (getattr(lo, k), getattr(re_, k)) for k in COMPAT_FIELDS if getattr(lo, k) != getattr(re_, k)}
+    # block_bytes follows from the others; check it too so a layout bug cannot copy a short block.
+    if not mism and lo.block_bytes and re_.block_bytes and lo.block_bytes != re_.block_bytes:
+        mism["block_bytes"] = (lo.block_bytes, re_.block_bytes)
+    if mism:
+        raise KVLayoutMismatch(mism)

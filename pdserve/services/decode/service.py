@@ -1,0 +1,148 @@
+"""Decode side: allocate blocks, pull the prompt's KV with one batched NIXL READ, release the prefill side,
+commit, then stream tokens (the first message carries the first token sampled by the prefill worker).
+
+A failed or timed-out pull ends the request FAILED (engine.fail_prefilled reclaims the local blocks), the
+prefill side is told to release, and the worker stays healthy.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import replace
+
+import grpc
+
+from pdserve.kv_transfer.agent import KVRegion, KVTransferError
+from pdserve.kv_transfer.layout import KVLayout, KVLayoutMismatch, check_compatible
+from pdserve.services import metrics as M
+from pdserve.services.convert import DeltaEncoder
+from pdserve.services.grpc_util import channel
+from pdserve.services.pb import common_pb2, layout_from_pb, params_from_pb, worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger("pdserve.decode")
+
+
+def region_from_pb(r: common_pb2.KvRegion) -> KVRegion:
+    return KVRegion(r.agent_name, r.agent_metadata, r.base_addr, r.num_blocks, r.device_id, r.mem_type,
+                    KVLayout.from_dict(layout_from_pb(r.layout)))
+
+
+class DecodeSide:
+    def __init__(self, worker, transfer_timeout_s: float, alloc_wait_s: float = 10.0):
+        self.w = worker
+        self.transfer_timeout_s = transfer_timeout_s
+        self.alloc_wait_s = alloc_wait_s
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = channel(address)
+        return worker_pb2_grpc.WorkerStub(ch)
+
+    async def _release_remote(self, kv: common_pb2.KvHandle, request_id: str) -> None:
+        try:
+            await self._stub(kv.worker_address).ReleaseKV(
+                worker_pb2.ReleaseKVRequest(request_id=request_id, lease_id=kv.lease_id), timeout=5)
+        except grpc.aio.AioRpcError as e:  # the lease reaper on the prefill side is the backstop
+            log.warning("ReleaseKV %s on %s failed: %s", request_id, kv.worker_address, e.code())
+
+    async def GenerateFromPrefill(self, request: worker_pb2.GenerateFromPrefillRequest, context):
+        w = self.w
+        rid = request.request_id
+        kv = request.kv
+        # exactly one sequence continues here (the gateway fans n > 1 out into separate requests)
+        params = replace(params_from_pb(request.params), n=1, best_of=None)
+        region = region_from_pb(kv.region)
+        try:
+            check_compatible(w.layout, region.layout)
+        except KVLayoutMismatch as e:
+            M.REJECTIONS.labels("kv_layout_mismatch").inc()
+            asyncio.ensure_future(self._release_remote(kv, rid))
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        prompt = list(request.prompt_token_ids)
+        # 1. allocate (waiting a little for capacity: decode blocks free up as other requests finish)
+        deadline = time.monotonic() + self.alloc_wait_s
+        while True:
+            try:
+                alloc = await w.host.run(lambda e: e.add_prefilled_request(
+                    rid, prompt, request.first_token_id, params, namespace=request.namespace))
+            except ValueError as e:
+                asyncio.ensure_future(self._release_remote(kv, rid))
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            if alloc is not None or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.02)
+        if alloc is None:
+            M.REJECTIONS.labels("decode_kv_full").inc()
+            asyncio.ensure_future(self._release_remote(kv, rid))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no KV capacity on the decode worker")
+        dst_blocks, cached = alloc
+        finished = False
+        xfer: asyncio.Future | None = None
+        try:
+            # 2. pull the blocks the local prefix cache does not already hold: ONE batched READ
+            need = -(-kv.num_tokens // w.layout.block_size)
+            src, dst = list(kv.block_ids[cached:need]), list(dst_blocks[cached:need])
+            t0 = time.time()
+            err = None
+            # The READ must give up before the prefill side's lease can free the source blocks (a READ
+            # racing the reaper would copy blocks that may already hold another request's KV).
+            timeout = self.transfer_timeout_s
+            if kv.lease_expiry_unix:
+                timeout = min(timeout, kv.lease_expiry_unix - time.time() - 0.5)
+            if timeout <= 0:
+                err = "KV lease expired before the transfer started"
+            elif src:
+                xfer = asyncio.ensure_future(asyncio.to_thread(
+                    w.agent.read_blocks, region, src, dst, kv.lease_id.encode(), timeout))
+                try:
+                    nbytes = await asyncio.shield(xfer)
+                    M.KV_TRANSFER_BYTES.inc(nbytes)
+                except (KVTransferError, KVLayoutMismatch, ValueError, RuntimeError) as e:
+                    err = f"KV transfer failed: {e}"
+                    w.agent.forget_remote(region.agent_name)  # a dead peer must be re-added if it comes back
+            t1 = time.time()
+            M.KV_TRANSFER_SECONDS.observe(t1 - t0)
+            # 3. the prefill side may free its copy now (the READ's notification says the same)
+            asyncio.ensure_future(self._release_remote(kv, rid))
+            if err is not None:
+                M.KV_TRANSFER_FAILURES.labels("timeout" if "timed out" in err else "error").inc()
+                await w.host.run(lambda e: e.fail_prefilled(rid))
+                M.TERMINAL.labels("FAILED").inc()
+                finished = True
+                log.warning("request %s: %s", rid, err)
+                yield common_pb2.GenerateResponse(request_id=rid, finished=True, state="FAILED", error=err)
+                return
+            # 4. commit: the request joins the decode batch; its first output carries the first token
+            stream = w.host.attach(rid)  # before the commit, so the first output (the first token) is not missed
+            await w.host.run(lambda e: e.commit_prefilled(rid))
+            async with contextlib.aclosing(stream):
+                enc = DeltaEncoder(w.tokenizer)
+                first = True
+                async for out in stream:
+                    msg = enc.encode(out)
+                    if first:
+                        msg.times.kv_transfer_start, msg.times.kv_transfer_end = t0, t1
+                        if request.HasField("first_logprob") and msg.outputs:
+                            # the first token was sampled on the prefill worker, with its logprobs
+                            rest = list(msg.outputs[0].logprobs)
+                            del msg.outputs[0].logprobs[:]
+                            msg.outputs[0].logprobs.extend([request.first_logprob, *rest])
+                        first = False
+                    if out.finished:
+                        finished = True
+                        M.TERMINAL.labels(out.state).inc()
+                    yield msg
+        finally:
+            if xfer is not None and not xfer.done():
+                # never free blocks NIXL may still be writing into
+                try:
+                    await asyncio.wait_for(asyncio.shield(xfer), self.transfer_timeout_s + 1)
+                except BaseException:  # noqa: BLE001
+                    pass
+            if not finished:  # the caller went away (disconnect / cancel)
+                M.TERMINAL.labels("CANCELLED").inc()
+                w.host.submit(lambda e: e.abort(rid, "CANCELLED"))

@@ -1,0 +1,388 @@
+"""OpenAI-compatible HTTP API (FastAPI) and the gRPC Gateway front door.
+
+Latency metrics use the gateway as the system boundary (spec §2.1): arrival = request received here, emit = a
+chunk with new tokens handed to the client.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.engine import resolve_model_dir
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.services import metrics as M
+from pdserve.services.gateway.core import Dispatcher, NoWorkersError, UpstreamError, new_id, split
+from pdserve.services.gateway.params import APIError, bad, to_sampling_params
+from pdserve.services.pb import common_pb2, gateway_pb2_grpc, params_from_pb
+
+log = logging.getLogger("pdserve.gateway")
+
+_FINISH = {"stop": "stop", "length": "length"}
+
+
+@dataclass
+class GatewayConfig:
+    model: str  # dir or "builtin"
+    served_model_name: str
+    router_address: str
+
+
+class Timing:
+    """Per-request emit times -> TTFT / ITL / TPOT / E2E histograms (spec §2.1)."""
+
+    def __init__(self, mode: str = "unknown"):
+        self.arrival = time.time()
+        self.mode = mode
+        self.first: float | None = None
+        self.last: float | None = None
+        self.n = 0
+
+    def emit(self, ntok: int) -> None:
+        if ntok <= 0:
+            return
+        now = time.time()
+        if self.first is None:
+            self.first = now
+            M.TTFT.labels(self.mode).observe(now - self.arrival)
+        else:
+            M.ITL.labels(self.mode).observe(now - self.last)
+        self.last = now
+        self.n += ntok
+
+    def done(self) -> None:
+        if self.last is not None:
+            M.E2E.labels(self.mode).observe(self.last - self.arrival)
+            if self.n >= 2:
+                M.TPOT.labels(self.mode).observe((self.last - self.first) / (self.n - 1))
+
+
+def _error_response(e: Exception) -> JSONResponse:
+    if isinstance(e, APIError):
+        M.REJECTIONS.labels(e.code or e.type).inc()
+        return JSONResponse(e.body(), status_code=e.status)
+    if isinstance(e, NoWorkersError):
+        M.REJECTIONS.labels("no_workers").inc()
+        return JSONResponse(APIError(503, f"no workers available: {e}", "service_unavailable_error",
+                                     code="no_workers").body(), status_code=503)
+    if isinstance(e, UpstreamError):
+        if e.code == grpc.StatusCode.INVALID_ARGUMENT:
+            import re
+            m = re.search(r"'([^']+)'", e.details)
+            M.REJECTIONS.labels("invalid_request").inc()
+            return JSONResponse(APIError(400, e.details, param=m.group(1) if m else None,
+                                         code="invalid_parameter").body(), status_code=400)
+        if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            M.REJECTIONS.labels("capacity").inc()
+            return JSONResponse(APIError(503, e.details, "service_unavailable_error", code="capacity").body(),
+                                status_code=503, headers={"Retry-After": "1"})
+        return JSONResponse(APIError(500, f"{e.code.name}: {e.details}", "server_error", code=e.code.name.lower())
+                            .body(), status_code=500)
+    log.exception("unexpected error")
+    return JSONResponse(APIError(500, f"internal error: {e!r}", "server_error").body(), status_code=500)
+
+
+def _sse(obj) -> bytes:
+    return f"data: {json.dumps(obj)}\n\n".encode()
+
+
+def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> FastAPI:
+    model_dir = resolve_model_dir(cfg.model)
+    tok = Tokenizer(model_dir)
+    mcfg = ModelConfig.from_dir(model_dir)
+    vocab = mcfg.vocab_size
+    max_len = mcfg.max_model_len
+    disp = dispatcher or Dispatcher(cfg.router_address, cfg.served_model_name)
+    app = FastAPI(title="pdserve gateway")
+    app.state.dispatcher = disp
+    app.state.tokenizer = tok
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
+        return _error_response(exc)
+
+    async def _body(request: Request) -> dict:
+        try:
+            body = await request.json()
+        except Exception:
+            raise APIError(400, "request body is not valid JSON", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "request body must be a JSON object", code="invalid_json")
+        model = body.get("model")
+        if model is not None and model != cfg.served_model_name:
+            raise APIError(404, f"The model '{model}' does not exist", "invalid_request_error", "model",
+                           "model_not_found")
+        return body
+
+    def _check_prompt(ids: list[int]) -> list[int]:
+        if not ids:
+            raise bad("prompt", "is empty")
+        if len(ids) >= max_len:
+            raise APIError(400, f"prompt has {len(ids)} tokens; the context is {max_len} tokens including output",
+                           param="prompt", code="context_length_exceeded")
+        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in ids):
+            raise bad("prompt", "token id outside the vocabulary")
+        return ids
+
+    def _completion_prompts(body: dict) -> list[list[int]]:
+        p = body.get("prompt")
+        if isinstance(p, str):
+            return [_check_prompt(tok.encode(p))]
+        if isinstance(p, list) and p and all(isinstance(x, int) for x in p):
+            return [_check_prompt(list(p))]
+        if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+            return [_check_prompt(tok.encode(x)) for x in p]
+        if isinstance(p, list) and p and all(isinstance(x, list) for x in p):
+            return [_check_prompt(list(x)) for x in p]
+        raise bad("prompt", "must be a string, a list of strings, or token ids")
+
+    def _chat_prompt(body: dict) -> list[int]:
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise bad("messages", "must be a non-empty list")
+        norm = []
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or "role" not in m:
+                raise bad(f"messages[{i}]", "must be an object with a role")
+            c = m.get("content", "")
+            if isinstance(c, list):  # content parts: only text is supported
+                c = "".join(part.get("text", "") for part in c if isinstance(part, dict) and part.get("type") == "text")
+            norm.append({**m, "content": c if c is not None else ""})
+        try:
+            text = tok.apply_chat_template(norm, add_generation_prompt=True)
+        except ValueError as e:
+            raise bad("messages", str(e)) from None
+        # a template that writes BOS itself must not get a second one from the tokenizer
+        special = not (tok.bos_token and text.startswith(tok.bos_token))
+        return _check_prompt(tok.encode(text, add_special_tokens=special))
+
+    async def _run(request: Request, body: dict, chat: bool):
+        params = to_sampling_params(body, chat=chat, vocab_size=vocab)
+        prompts = [_chat_prompt(body)] if chat else _completion_prompts(body)
+        rid = new_id("chatcmpl" if chat else "cmpl")
+        subs = split(prompts, params)
+        stream = bool(body.get("stream", False))
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
+        timing = Timing()
+        agen = disp.generate_many(rid, subs, on_route=lambda mode: setattr(timing, "mode", mode))
+        try:
+            first = await agen.__anext__()
+        except StopAsyncIteration:
+            first = None
+        except BaseException as e:
+            await agen.aclose()
+            if isinstance(e, (APIError, NoWorkersError, UpstreamError)):
+                return _error_response(e)
+            raise
+        ctx = dict(rid=rid, created=int(time.time()), chat=chat, prompts=prompts, n_choices=len(subs),
+                   params=params, return_token_ids=bool(body.get("return_token_ids", False)))
+        if stream:
+            return StreamingResponse(_stream(first, agen, ctx, include_usage, timing),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        task = asyncio.create_task(_collect(first, agen, ctx, timing))
+        # a non-streaming client that disconnects must not keep the workers busy
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if not done and await request.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+                return Response(status_code=499)
+        return task.result()
+
+    def _choice_logprobs(chat: bool, lps: list) -> dict | None:
+        if chat:
+            return {"content": [{"token": l.token, "logprob": l.logprob, "bytes": list(l.token.encode()),
+                                 "top_logprobs": [{"token": t.token, "logprob": t.logprob,
+                                                   "bytes": list(t.token.encode())} for t in l.top]}
+                                for l in lps]}
+        return {"tokens": [l.token for l in lps], "token_logprobs": [l.logprob for l in lps],
+                "top_logprobs": [{t.token: t.logprob for t in l.top} for l in lps], "text_offset": []}
+
+    def _usage(prompts, completion: int, cached: int) -> dict:
+        pt = sum(len(p) for p in prompts)
+        return {"prompt_tokens": pt, "completion_tokens": completion, "total_tokens": pt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    async def _messages(first, agen) -> AsyncIterator[common_pb2.GenerateResponse]:
+        if first is not None:
+            yield first
+        async for x in agen:
+            yield x
+
+    async def _collect(first, agen, ctx, timing: Timing):
+        chat = ctx["chat"]
+        texts = [""] * ctx["n_choices"]
+        ids: list[list[int]] = [[] for _ in texts]
+        lps: list[list] = [[] for _ in texts]
+        reasons: list[str | None] = [None] * len(texts)
+        completion = cached = 0
+        want_lp = ctx["params"].logprobs is not None
+        async with contextlib.aclosing(agen):
+            async for _, m in _messages(first, agen):
+                ntok = 0
+                for o in m.outputs:
+                    texts[o.index] += o.text
+                    ids[o.index].extend(o.token_ids)
+                    lps[o.index].extend(o.logprobs)
+                    ntok += len(o.token_ids)
+                    if o.finish_reason:
+                        reasons[o.index] = _FINISH.get(o.finish_reason, "stop")
+                completion += ntok
+                timing.emit(ntok)
+                if m.finished:
+                    cached += m.usage.cached_tokens
+                    M.TERMINAL.labels(m.state or "FINISHED").inc()
+                    if m.state and m.state != "FINISHED":
+                        raise _Failed(m.error or m.state)
+        timing.done()
+        choices = []
+        for i, t in enumerate(texts):
+            c = {"index": i, "finish_reason": reasons[i] or "stop",
+                 "logprobs": _choice_logprobs(chat, lps[i]) if want_lp else None}
+            if chat:
+                c["message"] = {"role": "assistant", "content": t}
+            else:
+                c["text"] = t
+            if ctx["return_token_ids"]:  # extension (vLLM-style): exact ids, for clients that detokenize
+                c["token_ids"] = ids[i]
+            choices.append(c)
+        return JSONResponse({"id": ctx["rid"], "object": "chat.completion" if chat else "text_completion",
+                             "created": ctx["created"], "model": cfg.served_model_name, "choices": choices,
+                             "usage": _usage(ctx["prompts"], completion, cached)})
+
+    async def _stream(first, agen, ctx, include_usage: bool, timing: Timing) -> AsyncIterator[bytes]:
+        chat = ctx["chat"]
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        base = {"id": ctx["rid"], "object": obj, "created": ctx["created"], "model": cfg.served_model_name}
+        want_lp = ctx["params"].logprobs is not None
+        completion = cached = 0
+        ok = False
+        try:
+            if chat:
+                yield _sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                 "logprobs": None, "finish_reason": None}
+                                                for i in range(ctx["n_choices"])]})
+            async with contextlib.aclosing(agen):
+                async for _, m in _messages(first, agen):
+                    choices = []
+                    ntok = 0
+                    for o in m.outputs:
+                        ntok += len(o.token_ids)
+                        fr = _FINISH.get(o.finish_reason, "stop") if o.finish_reason else None
+                        if not o.text and not o.token_ids and fr is None:
+                            continue
+                        c = {"index": o.index, "finish_reason": fr,
+                             "logprobs": _choice_logprobs(chat, list(o.logprobs)) if want_lp and o.logprobs else None}
+                        if chat:
+                            c["delta"] = {"content": o.text} if o.text or fr is None else {}
+                        else:
+                            c["text"] = o.text
+                        choices.append(c)
+                    completion += ntok
+                    if m.finished:
+                        cached += m.usage.cached_tokens
+                        M.TERMINAL.labels(m.state or "FINISHED").inc()
+                        if m.state and m.state != "FINISHED":
+                            # the request failed mid-stream (e.g. its decode worker died): an error event, no [DONE]
+                            yield _sse({"error": {"message": m.error or f"request {m.state}", "type": "server_error",
+                                                  "param": None, "code": m.state.lower()}})
+                            return
+                    if choices:
+                        yield _sse({**base, "choices": choices})
+                    timing.emit(ntok)
+            timing.done()
+            if include_usage:
+                yield _sse({**base, "choices": [], "usage": _usage(ctx["prompts"], completion, cached)})
+            yield b"data: [DONE]\n\n"
+            ok = True
+        except (NoWorkersError, UpstreamError) as e:
+            r = _error_response(e)
+            yield _sse(json.loads(r.body))
+        finally:
+            if not ok:
+                await agen.aclose()
+
+    class _Failed(Exception):
+        pass
+
+    @app.exception_handler(_Failed)
+    async def _failed(request, exc):
+        return JSONResponse(APIError(500, f"request failed: {exc}", "server_error", code="failed").body(),
+                            status_code=500)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        try:
+            return await _run(request, await _body(request), chat=False)
+        except (APIError, NoWorkersError, UpstreamError) as e:
+            return _error_response(e)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        try:
+            return await _run(request, await _body(request), chat=True)
+        except (APIError, NoWorkersError, UpstreamError) as e:
+            return _error_response(e)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": cfg.served_model_name, "object": "model", "created": 0,
+                                            "owned_by": "pdserve", "max_model_len": max_len}]}
+
+    @app.get("/health")
+    async def health():
+        try:
+            ws = await disp.list_workers()
+        except grpc.aio.AioRpcError as e:
+            return JSONResponse({"status": "unavailable", "reason": f"router: {e.code().name}"}, status_code=503)
+        roles: dict[str, int] = {}
+        for w in ws.workers:
+            roles[w.role] = roles.get(w.role, 0) + 1
+        ready = roles.get("both", 0) > 0 or (roles.get("prefill", 0) > 0 and roles.get("decode", 0) > 0)
+        return JSONResponse({"status": "ok" if ready else "no_workers", "workers": roles},
+                            status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(generate_latest().decode(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+class GatewayGrpc(gateway_pb2_grpc.GatewayServicer):
+    """gRPC front door: same request path as the HTTP API, GenerateResponse deltas straight through."""
+
+    def __init__(self, dispatcher: Dispatcher, tokenizer: Tokenizer, vocab_size: int):
+        self.disp, self.tok, self.vocab = dispatcher, tokenizer, vocab_size
+
+    async def Generate(self, request, context):
+        params = params_from_pb(request.params)
+        try:
+            params.validate(self.vocab)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        ids = list(request.prompt_token_ids) or self.tok.encode(request.prompt)
+        if not ids:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty prompt")
+        rid = request.request_id or new_id("grpc")
+        agen = self.disp.generate_many(rid, split([ids], params), request.namespace)
+        try:
+            async with contextlib.aclosing(agen):
+                async for _, m in agen:
+                    m.request_id = rid
+                    yield m
+        except NoWorkersError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except UpstreamError as e:
+            await context.abort(e.code, e.details)

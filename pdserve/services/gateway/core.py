@@ -1,0 +1,225 @@
+"""Gateway request path: route, then either one Generate stream on a `both` worker (colocated) or
+Prefill on a prefill worker + GenerateFromPrefill on a decode worker (disaggregated).
+
+Everything yields `GenerateResponse` deltas; the HTTP and gRPC front doors format them. Cancelling the
+consumer cancels the in-flight gRPC calls, which aborts the request on every worker holding it.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from dataclasses import dataclass, replace
+from typing import AsyncIterator
+
+import grpc
+
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.services.grpc_util import channel
+from pdserve.services.pb import common_pb2, params_to_pb, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger("pdserve.gateway")
+
+
+class NoWorkersError(Exception):
+    pass
+
+
+class UpstreamError(Exception):
+    """A worker refused the request (INVALID_ARGUMENT -> 400, layout mismatch -> 500, ...)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+@dataclass
+class SubRequest:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    index_base: int  # where this sub-request's choices go in the response
+
+
+class Dispatcher:
+    def __init__(self, router_address: str, model: str, max_attempts: int = 3):
+        self.model = model
+        self.max_attempts = max_attempts
+        self._router = router_pb2_grpc.RouterStub(channel(router_address))
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = channel(address)
+        return worker_pb2_grpc.WorkerStub(ch)
+
+    async def list_workers(self) -> router_pb2.ListWorkersResponse:
+        return await self._router.ListWorkers(router_pb2.ListWorkersRequest(model=self.model), timeout=5)
+
+    async def route(self, rid: str, n_prompt: int, namespace: str, exclude: list[str]) -> router_pb2.RouteResponse:
+        try:
+            return await self._router.Route(router_pb2.RouteRequest(
+                request_id=rid, num_prompt_tokens=n_prompt, namespace=namespace, model=self.model,
+                exclude_worker_ids=exclude), timeout=5)
+        except grpc.aio.AioRpcError as e:
+            raise NoWorkersError(e.details() or str(e.code())) from None
+
+    async def generate(self, rid: str, sub: SubRequest, namespace: str = "",
+                       on_route=None) -> AsyncIterator[common_pb2.GenerateResponse]:
+        """One engine request (n may be > 1 only in colocated mode). Retries placement while nothing was emitted
+        and the failure was a worker being unreachable."""
+        exclude: list[str] = []
+        pp = params_to_pb(sub.params)
+        for attempt in range(self.max_attempts):
+            route = await self.route(rid, len(sub.prompt_token_ids), namespace, exclude)
+            if on_route is not None:
+                on_route(route.mode)  # e.g. the latency histograms' mode label
+            emitted = False
+            failed_worker = ""
+            try:
+                if route.mode == "colocated":
+                    failed_worker = route.both.worker_id
+                    call = self.stub(route.both.address).Generate(worker_pb2.GenerateRequest(
+                        request_id=rid, prompt_token_ids=sub.prompt_token_ids, params=pp, namespace=namespace))
+                    try:
+                        async for m in call:
+                            emitted = True
+                            yield m
+                    finally:
+                        call.cancel()
+                    return
+                # disaggregated
+                failed_worker = route.prefill.worker_id
+                pcall = self.stub(route.prefill.address).Prefill(worker_pb2.PrefillRequest(
+                    request_id=rid, prompt_token_ids=sub.prompt_token_ids, params=pp, namespace=namespace))
+                try:
+                    pre = await pcall
+                finally:
+                    pcall.cancel()
+                if pre.finished:
+                    emitted = True
+                    yield pre.final
+                    return
+                async for m in self._decode(rid, sub, pp, namespace, route, pre):
+                    emitted = True
+                    yield m
+                return
+            except grpc.aio.AioRpcError as e:
+                retryable = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+                if emitted or not retryable or attempt == self.max_attempts - 1:
+                    if e.code() == grpc.StatusCode.INVALID_ARGUMENT or not emitted and not retryable:
+                        raise UpstreamError(e.code(), e.details() or "") from None
+                    # the stream broke after tokens went out: the request ends FAILED (no silent retry: the
+                    # client already has a partial output, spec §1.7)
+                    yield common_pb2.GenerateResponse(request_id=rid, finished=True, state="FAILED",
+                                                      error=f"worker {failed_worker} failed: {e.code().name}: "
+                                                            f"{e.details()}")
+                    return
+                log.warning("request %s: worker %s unavailable (%s), rerouting", rid, failed_worker, e.code().name)
+                exclude.append(failed_worker)
+
+    async def _decode(self, rid, sub, pp, namespace, route, pre) -> AsyncIterator[common_pb2.GenerateResponse]:
+        kv = pre.kv
+        exclude = [route.decode.worker_id]
+        decode = route.decode
+        for attempt in range(self.max_attempts):
+            call = self.stub(decode.address).GenerateFromPrefill(worker_pb2.GenerateFromPrefillRequest(
+                request_id=rid, prompt_token_ids=sub.prompt_token_ids, params=pp, namespace=namespace,
+                first_token_id=pre.first_token_id, kv=kv,
+                first_logprob=pre.first_logprob if pre.HasField("first_logprob") else None))
+            emitted = False
+            try:
+                async for m in call:
+                    emitted = True
+                    yield m
+                return
+            except grpc.aio.AioRpcError as e:
+                unreachable = e.code() == grpc.StatusCode.UNAVAILABLE and not emitted
+                if not unreachable or attempt == self.max_attempts - 1:
+                    await self._release(kv, rid)
+                    if not emitted and e.code() != grpc.StatusCode.UNAVAILABLE:
+                        raise UpstreamError(e.code(), e.details() or "") from None
+                    yield common_pb2.GenerateResponse(
+                        request_id=rid, finished=True, state="FAILED",
+                        error=f"decode worker {decode.worker_id} failed: {e.code().name}: {e.details()}")
+                    return
+                # the KV is still pinned on the prefill side: another decode worker can pull it
+                log.warning("request %s: decode worker %s unreachable, trying another", rid, decode.worker_id)
+                try:
+                    r2 = await self.route(rid, len(sub.prompt_token_ids), namespace, exclude)
+                except NoWorkersError:
+                    await self._release(kv, rid)
+                    raise
+                if r2.mode != "disagg":
+                    await self._release(kv, rid)
+                    raise NoWorkersError("no decode worker left")
+                decode = r2.decode
+                exclude.append(decode.worker_id)
+            finally:
+                call.cancel()
+
+    async def _release(self, kv: common_pb2.KvHandle, rid: str) -> None:
+        with contextlib.suppress(Exception):
+            await self.stub(kv.worker_address).ReleaseKV(
+                worker_pb2.ReleaseKVRequest(request_id=rid, lease_id=kv.lease_id), timeout=2)
+
+    async def generate_many(self, rid: str, subs: list[SubRequest], namespace: str = "", on_route=None) -> AsyncIterator[tuple[int, common_pb2.GenerateResponse]]:
+        """Several sub-requests (prompts x n) merged into one stream; yields (sub index, message) with each
+        message's choice indexes already shifted to the response's numbering."""
+        if len(subs) == 1:
+            async for m in self.generate(rid, subs[0], namespace, on_route):
+                _shift(m, subs[0].index_base)
+                yield 0, m
+            return
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, sub: SubRequest) -> None:
+            try:
+                async for m in self.generate(f"{rid}-{i}", sub, namespace, on_route):
+                    _shift(m, sub.index_base)
+                    await q.put((i, m))
+            except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
+                await q.put((i, e))
+            finally:
+                await q.put((i, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(subs)]
+        try:
+            live = len(tasks)
+            while live:
+                i, m = await q.get()
+                if m is None:
+                    live -= 1
+                elif isinstance(m, BaseException):
+                    raise m
+                else:
+                    yield i, m
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _shift(m: common_pb2.GenerateResponse, base: int) -> None:
+    if base:
+        for o in m.outputs:
+            o.index += base
+
+
+def split(prompts: list[list[int]], params: SamplingParams) -> list[SubRequest]:
+    """prompts x n -> single-branch sub-requests. A decode worker continues exactly one sequence, so n > 1 is
+    fanned out the same way in both modes (identical results either way); the prefix cache shares the prompt's
+    KV between the branches. Seeded requests get seed + j so branches differ yet stay reproducible."""
+    subs = []
+    n = params.n
+    for pi, ids in enumerate(prompts):
+        for j in range(n):
+            p = replace(params, n=1, best_of=None,
+                        seed=params.seed if params.seed is None or n == 1 else params.seed + j)
+            subs.append(SubRequest(ids, p, pi * n + j))
+    return subs
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"

@@ -1,0 +1,101 @@
+"""OpenAI request bodies -> SamplingParams, with errors that name the offending field (HTTP 400)."""
+from __future__ import annotations
+
+import json
+import re
+
+from pdserve.engine.sampling_params import GuidedSpec, SamplingParams
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(param: str, why: str) -> APIError:
+    return APIError(400, f"invalid parameter '{param}': {why}", param=param, code="invalid_parameter")
+
+
+def _num(body: dict, name: str, kind=float, default=None):
+    v = body.get(name, None)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
+        raise bad(name, f"must be {'an integer' if kind is int else 'a number'}")
+    return kind(v)
+
+
+def _guided(rf) -> GuidedSpec | None:
+    if rf is None:
+        return None
+    if not isinstance(rf, dict) or "type" not in rf:
+        raise bad("response_format", "must be an object with a 'type'")
+    t = rf["type"]
+    if t == "text":
+        return None
+    if t == "json_object":
+        return GuidedSpec(json_object=True)
+    if t == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
+            raise bad("response_format.json_schema.schema", "must be a JSON schema object")
+        return GuidedSpec(json_schema=json.dumps(js["schema"]))
+    raise bad("response_format.type", f"unsupported type {t!r} (text, json_object, json_schema)")
+
+
+def to_sampling_params(body: dict, *, chat: bool, vocab_size: int) -> SamplingParams:
+    p = SamplingParams()
+    p.n = _num(body, "n", int, 1)
+    if not chat and body.get("best_of") is not None and _num(body, "best_of", int) != p.n:
+        raise bad("best_of", "only best_of == n is supported")
+    p.temperature = _num(body, "temperature", float, 1.0)
+    p.top_p = _num(body, "top_p", float, 1.0)
+    p.top_k = _num(body, "top_k", int, 0)
+    p.min_p = _num(body, "min_p", float, 0.0)
+    p.seed = _num(body, "seed", int, None)
+    mt = _num(body, "max_completion_tokens", int, None) if chat else None
+    if mt is None:
+        mt = _num(body, "max_tokens", int, None if chat else 16)
+    p.max_tokens = mt
+    p.min_tokens = _num(body, "min_tokens", int, 0)
+    p.presence_penalty = _num(body, "presence_penalty", float, 0.0)
+    p.frequency_penalty = _num(body, "frequency_penalty", float, 0.0)
+    p.repetition_penalty = _num(body, "repetition_penalty", float, 1.0)
+    stop = body.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 16:
+            raise bad("stop", "must be a string or a list of up to 16 strings")
+        p.stop = stop
+    if body.get("ignore_eos") is not None:
+        p.ignore_eos = bool(body["ignore_eos"])
+    lb = body.get("logit_bias")
+    if lb is not None:
+        if not isinstance(lb, dict):
+            raise bad("logit_bias", "must map token ids to biases")
+        try:
+            p.logit_bias = {int(k): float(v) for k, v in lb.items()}
+        except (TypeError, ValueError):
+            raise bad("logit_bias", "keys must be token ids and values numbers") from None
+    if chat:
+        if body.get("logprobs"):
+            p.logprobs = _num(body, "top_logprobs", int, 0)
+        elif body.get("top_logprobs") is not None:
+            raise bad("top_logprobs", "requires logprobs=true")
+    else:
+        p.logprobs = _num(body, "logprobs", int, None)
+    p.guided = _guided(body.get("response_format"))
+    if body.get("echo"):
+        raise bad("echo", "not supported")
+    try:
+        p.validate(vocab_size)
+    except ValueError as e:
+        m = re.search(r"'([^']+)'", str(e))
+        raise APIError(400, str(e), param=m.group(1) if m else None, code="invalid_parameter") from None
+    return p

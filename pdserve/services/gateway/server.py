@@ -1,0 +1,33 @@
+"""`pdserve gateway`: the OpenAI HTTP API (uvicorn) and the gRPC Gateway service in one process."""
+from __future__ import annotations
+
+import logging
+
+import uvicorn
+
+from pdserve.services.gateway.app import GatewayConfig, GatewayGrpc, create_app
+from pdserve.services.grpc_util import GATEWAY_SERVICE, make_server, set_serving
+from pdserve.services.pb import gateway_pb2_grpc
+
+log = logging.getLogger("pdserve.gateway")
+
+
+async def serve(args) -> None:
+    app = create_app(GatewayConfig(args.model, args.served_model_name, args.router))
+    grpc_server = None
+    if args.grpc_port:
+        from pdserve.engine.config import ModelConfig
+        from pdserve.engine.engine import resolve_model_dir
+        grpc_server, hs = make_server([GATEWAY_SERVICE])
+        vocab = ModelConfig.from_dir(resolve_model_dir(args.model)).vocab_size
+        gateway_pb2_grpc.add_GatewayServicer_to_server(
+            GatewayGrpc(app.state.dispatcher, app.state.tokenizer, vocab), grpc_server)
+        grpc_server.add_insecure_port(f"{args.host}:{args.grpc_port}")
+        await grpc_server.start()
+        await set_serving(hs, [GATEWAY_SERVICE], True)
+    cfg = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    server = uvicorn.Server(cfg)
+    log.info("gateway on http://%s:%d (grpc %s), router %s", args.host, args.port, args.grpc_port, args.router)
+    await server.serve()  # returns after SIGTERM/SIGINT, having drained open connections
+    if grpc_server is not None:
+        await grpc_server.stop(grace=2)

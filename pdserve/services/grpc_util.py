@@ -1,0 +1,34 @@
+"""gRPC server/channel helpers: every server gets the standard health service and server reflection."""
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pdserve._proto.pdserve.v1 import common_pb2, gateway_pb2, router_pb2, worker_pb2  # noqa: F401
+
+# Streams carry small token deltas but Prefill responses carry NIXL agent metadata (a few KB to MB).
+OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+
+
+def make_server(service_names: list[str]) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    server = grpc.aio.server(options=OPTIONS)
+    hs = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+    reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    return server, hs
+
+
+async def set_serving(hs: health.aio.HealthServicer, service_names: list[str], serving: bool) -> None:
+    st = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ["", *service_names]:
+        await hs.set(name, st)
+
+
+def channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=OPTIONS)
+
+
+WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+ROUTER_SERVICE = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
+GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name

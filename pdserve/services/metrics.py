@@ -1,0 +1,31 @@
+"""Prometheus metrics, all prefixed `pdserve_`. Every process imports this module, so each exposes the same
+names; a metric a process never touches stays at zero. Latency definitions follow spec §2.1 with the gateway
+as the system boundary for TTFT/ITL/TPOT/E2E (arrival = HTTP request received, emit = SSE chunk written)."""
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_FAST = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+TTFT = Histogram("pdserve_ttft_seconds", "Time to first token (arrival -> first emit)", ["mode"], buckets=_LAT)
+ITL = Histogram("pdserve_itl_seconds", "Inter-token latency (emit j - emit j-1)", ["mode"], buckets=_FAST)
+TPOT = Histogram("pdserve_tpot_seconds", "(last emit - first emit) / (N_out - 1), N_out >= 2", ["mode"],
+                 buckets=_FAST)
+E2E = Histogram("pdserve_e2e_seconds", "Arrival -> last emit", ["mode"], buckets=_LAT)
+QUEUE_TIME = Histogram("pdserve_queue_time_seconds", "Engine arrival -> first scheduled", ["role"], buckets=_LAT)
+PREFILL_TIME = Histogram("pdserve_prefill_time_seconds", "First scheduled -> first token", ["role"], buckets=_LAT)
+KV_TRANSFER_SECONDS = Histogram("pdserve_kv_transfer_seconds", "One batched NIXL READ of a request's blocks",
+                                buckets=_FAST)
+KV_TRANSFER_BYTES = Counter("pdserve_kv_transfer_bytes_total", "Bytes pulled over NIXL")
+KV_TRANSFER_FAILURES = Counter("pdserve_kv_transfer_failures_total", "Failed or timed-out KV pulls", ["reason"])
+KV_BLOCKS_IN_USE = Gauge("pdserve_kv_blocks_in_use", "KV blocks allocated (incl. pinned for transfer)")
+KV_BLOCKS_TOTAL = Gauge("pdserve_kv_blocks_total", "KV blocks in the pool")
+KV_BLOCKS_PINNED = Gauge("pdserve_kv_blocks_pinned", "Prefill-side blocks pinned under a lease")
+PREFIX_HIT_RATIO = Gauge("pdserve_prefix_hit_ratio", "Engine prefix-cache hit ratio")
+NUM_RUNNING = Gauge("pdserve_num_running", "Requests running in the engine")
+NUM_WAITING = Gauge("pdserve_num_waiting", "Requests waiting in the engine")
+LEASES_EXPIRED = Counter("pdserve_kv_leases_expired_total", "Pinned KV freed by lease expiry (nobody pulled)")
+TERMINAL = Counter("pdserve_requests_terminal_total", "Requests reaching a terminal state", ["state"])
+REJECTIONS = Counter("pdserve_rejections_total", "Requests rejected before running", ["reason"])
+ROUTED = Counter("pdserve_routed_total", "Router placements", ["mode"])

@@ -1,0 +1,99 @@
+"""Prefill side: run prefill, sample the first token, pin the prompt's KV under a lease, hand out a KvHandle.
+
+Pinned blocks are freed by whichever comes first: the decode worker's ReleaseKV RPC, the NIXL notification the
+decode worker attaches to its READ (message = lease id), or lease expiry (decode worker died / never pulled).
+All three go through `release`, which is idempotent.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import replace
+
+import grpc
+
+from pdserve.kv_transfer.lease import Lease, LeaseTable, reap_forever
+from pdserve.services import metrics as M
+from pdserve.services.convert import full_response
+from pdserve.services.pb import params_from_pb, worker_pb2
+
+log = logging.getLogger("pdserve.prefill")
+
+
+class PrefillSide:
+    def __init__(self, worker, lease_ttl_s: float):
+        self.w = worker
+        self.leases = LeaseTable(ttl_s=lease_ttl_s)
+        self._reaper: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+
+        def on_notif(msg: bytes) -> None:  # NIXL pump thread: the decode side finished its READ
+            asyncio.run_coroutine_threadsafe(self.release(lease_id=msg.decode(errors="replace")), loop)
+
+        if self.w.agent is not None:
+            self.w.agent.start_pump(on_notif)
+        self._reaper = asyncio.create_task(reap_forever(self.leases, self._free, interval_s=0.25,
+                                                        on_reaped=lambda l: M.LEASES_EXPIRED.inc()))
+
+    async def stop(self) -> None:
+        if self._reaper:
+            self._reaper.cancel()
+        for lease in self.leases.pop_expired(now=float("inf")):
+            await self._free(lease)
+
+    async def _free(self, lease: Lease) -> None:
+        rid = lease.request_id
+        await self.w.host.run(lambda e: e.release_pinned(rid))
+
+    async def release(self, lease_id: str = "", request_id: str = "") -> bool:
+        lease = self.leases.pop(lease_id=lease_id, request_id=request_id)
+        if lease is None:
+            return False
+        await self._free(lease)
+        return True
+
+    async def Prefill(self, request: worker_pb2.PrefillRequest, context) -> worker_pb2.PrefillResponse:
+        rid = request.request_id
+        # One branch: n > 1 is fanned out by the gateway (the decode side continues exactly one sequence).
+        params = replace(params_from_pb(request.params), n=1, best_of=None)
+        final = None
+        try:
+            async for out in self.w.host.generate(rid, list(request.prompt_token_ids), params,
+                                                  namespace=request.namespace, prefill_only=True):
+                final = out
+        except ValueError as e:
+            M.REJECTIONS.labels("invalid_request").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        self.w.observe_engine_times(final)
+        comp = final.outputs[0] if final.outputs else None
+        resp = worker_pb2.PrefillResponse(request_id=rid, num_cached_tokens=final.num_cached_tokens or 0)
+        if comp is not None and comp.token_ids:
+            resp.first_token_id = comp.token_ids[0]
+        if comp is None or comp.finish_reason != "prefill" or final.state != "FINISHED":
+            # The first token already ended the request (or it failed): nothing to hand over.
+            await self.w.host.run(lambda e: e.release_pinned(rid))
+            resp.finished = True
+            resp.final.CopyFrom(full_response(final, self.w.tokenizer))
+            if final.state != "FINISHED":
+                M.TERMINAL.labels(final.state).inc()
+            return resp
+        if params.logprobs is not None and comp.logprobs:
+            from pdserve.services.convert import DeltaEncoder
+            resp.first_logprob.CopyFrom(DeltaEncoder(self.w.tokenizer).token_logprob(comp.logprobs[0]))
+        blocks, ntok = await self.w.host.run(lambda e: e.pinned_kv(rid))
+        lease = self.leases.add(rid, blocks, ntok)
+        kv = resp.kv
+        kv.worker_id = self.w.worker_id
+        kv.worker_address = self.w.address
+        kv.region.CopyFrom(self.w.region_pb)
+        kv.block_ids.extend(blocks)
+        kv.num_tokens = ntok
+        kv.lease_id = lease.lease_id
+        kv.lease_expiry_unix = lease.expiry
+        return resp
+
+    async def ReleaseKV(self, request, context):
+        ok = await self.release(lease_id=request.lease_id, request_id=request.request_id)
+        return worker_pb2.ReleaseKVResponse(released=ok)

@@ -1,0 +1,156 @@
+"""`pdserve up`: a whole local deployment as separate processes.
+
+Order: Redis (private `redis-server` found on PATH unless --redis-url), router, workers, gateway; then wait for
+the gateway's /health (all roles registered) and print the base URL plus one machine-readable line
+`PDSERVE_UP {json}` (pids, ports, metrics ports: what tests and scripts need). Ctrl-C / SIGTERM stops all in
+reverse order (SIGTERM, which drains, then SIGKILL after a grace period). If any child dies, everything stops.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = str(Path(__file__).resolve().parent.parent.parent)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_tcp(port: int, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return True
+        time.sleep(0.05)
+    return False
+
+
+class Deployment:
+    def __init__(self):
+        self.procs: list[tuple[str, subprocess.Popen, dict]] = []
+        env = dict(os.environ)
+        env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        self.env = env
+
+    def spawn(self, name: str, cmd: list[str], info: dict) -> subprocess.Popen:
+        # own process group: a Ctrl-C on the terminal reaches `up` only, which then stops children in order
+        p = subprocess.Popen(cmd, env=self.env, start_new_session=True)
+        self.procs.append((name, p, {"name": name, "pid": p.pid, **info}))
+        return p
+
+    def pdserve(self, name: str, args: list[str], info: dict) -> subprocess.Popen:
+        return self.spawn(name, [sys.executable, "-m", "pdserve", *args], info)
+
+    def dead(self) -> str | None:
+        for name, p, _ in self.procs:
+            if p.poll() is not None:
+                return f"{name} exited with {p.returncode}"
+        return None
+
+    def stop(self, grace: float = 15.0) -> None:
+        for name, p, _ in reversed(self.procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+            end = time.monotonic() + grace
+            while p.poll() is None and time.monotonic() < end:
+                time.sleep(0.05)
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def up(args) -> int:
+    d = Deployment()
+    stopping = {"flag": False}
+
+    def on_signal(signum, frame):
+        stopping["flag"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        redis_url = args.redis_url
+        if not redis_url:
+            binary = shutil.which("redis-server")
+            if binary is None:
+                print("pdserve up: redis-server not found on PATH; install it (Debian: apt-get install "
+                      "redis-server) or pass --redis-url", file=sys.stderr)
+                return 2
+            rport = free_port()
+            d.spawn("redis", [binary, "--port", str(rport), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+                              "no", "--loglevel", "warning"], {"port": rport})
+            if not _wait_tcp(rport, 10):
+                print("pdserve up: redis-server did not start", file=sys.stderr)
+                return 1
+            redis_url = f"redis://127.0.0.1:{rport}/0"
+        common = ["--model", args.model, "--served-model-name", args.served_model_name]
+        eng = []
+        for flag in ("num_gpu_blocks", "max_num_seqs", "device", "dtype"):
+            v = getattr(args, flag)
+            if v:
+                eng += ["--" + flag.replace("_", "-"), str(v)]
+        rt_port, rt_metrics = free_port(), free_port()
+        d.pdserve("router", ["router", *common, "--port", str(rt_port), "--redis-url", redis_url,
+                             "--metrics-port", str(rt_metrics), "--heartbeat-ttl", str(args.heartbeat_ttl)],
+                  {"port": rt_port, "metrics_port": rt_metrics})
+        roles = (["prefill"] * args.prefill + ["decode"] * args.decode) if args.mode == "disagg" \
+            else ["both"] * args.workers
+        for i, role in enumerate(roles):
+            port, mport = free_port(), free_port()
+            wid = f"{role}-{i}-{port}"
+            d.pdserve(wid, ["worker", *common, *eng, "--role", role, "--port", str(port), "--worker-id", wid,
+                            "--redis-url", redis_url, "--metrics-port", str(mport),
+                            "--heartbeat-ttl", str(args.heartbeat_ttl), "--lease-ttl", str(args.lease_ttl)],
+                      {"role": role, "port": port, "metrics_port": mport, "worker_id": wid})
+        gport = args.grpc_port or free_port()
+        d.pdserve("gateway", ["gateway", *common, "--port", str(args.port), "--grpc-port", str(gport),
+                              "--router", f"127.0.0.1:{rt_port}"], {"port": args.port, "grpc_port": gport})
+        base = f"http://127.0.0.1:{args.port}"
+        end = time.monotonic() + args.ready_timeout
+        ready = False
+        while time.monotonic() < end and not stopping["flag"]:
+            why = d.dead()
+            if why:
+                print(f"pdserve up: {why}", file=sys.stderr)
+                return 1
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        ready = True
+                        break
+            except Exception:
+                pass
+            time.sleep(0.2)
+        if not ready:
+            if not stopping["flag"]:
+                print("pdserve up: not healthy before --ready-timeout", file=sys.stderr)
+            return 1
+        print(f"pdserve up: {args.mode} deployment of {args.served_model_name} ready at {base}/v1", flush=True)
+        print("PDSERVE_UP " + json.dumps({"base_url": base, "mode": args.mode, "redis_url": redis_url,
+                                          "processes": [info for _, _, info in d.procs]}), flush=True)
+        while not stopping["flag"]:
+            why = d.dead()
+            if why and not any(info.get("role") for n, p, info in d.procs if p.poll() is None):
+                print(f"pdserve up: {why}; no workers left, stopping", file=sys.stderr)
+                return 1
+            if why and any(n in ("gateway", "router", "redis") for n, p, _ in d.procs if p.poll() is not None):
+                print(f"pdserve up: {why}; stopping", file=sys.stderr)
+                return 1
+            time.sleep(0.2)
+        return 0
+    finally:
+        d.stop()
+        print("pdserve up: stopped", flush=True)

@@ -1,0 +1,227 @@
+"""`pdserve worker --role prefill|decode|both`: a gRPC Worker server around one engine.
+
+prefill: Prefill + ReleaseKV (blocks pinned under leases, NIXL agent serving READs).
+decode:  GenerateFromPrefill (pull with NIXL, then stream).
+both:    Generate (the whole request here: colocated mode). Every role also answers Generate, so a
+         deployment degrades to colocated serving rather than failing.
+The worker heartbeats its record + load into Redis; SIGTERM drains (deregister, NOT_SERVING, wait for
+in-flight requests, stop).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import time
+
+import grpc
+
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.engine import Engine, EngineConfig
+from pdserve.kv_transfer.layout import KVLayout
+from pdserve.services import metrics as M
+from pdserve.services.convert import DeltaEncoder
+from pdserve.services.decode.service import DecodeSide
+from pdserve.services.grpc_util import WORKER_SERVICE, make_server, set_serving
+from pdserve.services.pb import common_pb2, layout_to_pb, params_from_pb, worker_pb2, worker_pb2_grpc
+from pdserve.services.prefill.service import PrefillSide
+from pdserve.services.registry import Registry, WorkerRecord
+
+log = logging.getLogger("pdserve.worker")
+
+
+class Worker(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, engine: Engine, role: str, worker_id: str, address: str, lease_ttl_s: float = 30.0,
+                 transfer_timeout_s: float = 10.0):
+        self.engine = engine
+        self.role = role
+        self.worker_id = worker_id
+        self.address = address
+        self.tokenizer = engine.tokenizer
+        self.host = AsyncEngine(engine)
+        self.layout = KVLayout.from_dict(engine.kv_cache.layout())
+        self.agent = None
+        self.region_pb = common_pb2.KvRegion()
+        if role in ("prefill", "decode"):
+            from pdserve.kv_transfer.agent import KVAgent
+            self.agent = KVAgent(worker_id, engine.kv_cache.data, self.layout)
+            r = self.agent.region()
+            self.region_pb = common_pb2.KvRegion(agent_name=r.agent_name, agent_metadata=r.agent_metadata,
+                                                 base_addr=r.base_addr, num_blocks=r.num_blocks,
+                                                 device_id=r.device_id, mem_type=r.mem_type,
+                                                 layout=layout_to_pb(self.layout.to_dict()))
+        self.prefill = PrefillSide(self, lease_ttl_s)
+        self.decode = DecodeSide(self, transfer_timeout_s)
+        self.inflight = 0
+        self.last_stats: dict = {}
+
+    # ---- helpers ----------------------------------------------------------------------------------------------
+    def record(self) -> WorkerRecord:
+        return WorkerRecord(self.worker_id, self.role, self.address, self.agent.name if self.agent else "",
+                            self.engine.kv_cache.num_blocks, self.layout.to_dict(),
+                            self.load())
+
+    def load(self) -> dict:
+        s = self.last_stats
+        return {"num_running": s.get("num_running", 0), "num_waiting": s.get("num_waiting", 0) + self.inflight,
+                "kv_blocks_in_use": s.get("kv_blocks_in_use", 0), "kv_blocks_total": s.get("kv_blocks_total", 0),
+                "pinned_blocks": self.prefill.leases.pinned_blocks(),
+                "prefix_hit_ratio": float(s.get("prefix_hit_ratio", 0.0) or 0.0)}
+
+    async def refresh_stats(self) -> dict:
+        s = await self.host.run(lambda e: e.stats())
+        self.last_stats = s
+        M.KV_BLOCKS_IN_USE.set(s.get("kv_blocks_in_use", 0))
+        M.KV_BLOCKS_TOTAL.set(s.get("kv_blocks_total", 0))
+        M.KV_BLOCKS_PINNED.set(s.get("kv_blocks_pinned", 0))
+        M.PREFIX_HIT_RATIO.set(float(s.get("prefix_hit_ratio", 0.0) or 0.0))
+        M.NUM_RUNNING.set(s.get("num_running", 0))
+        M.NUM_WAITING.set(s.get("num_waiting", 0))
+        return s
+
+    def observe_engine_times(self, out) -> None:
+        m = (out.metrics or {}) if out is not None else {}
+        a, s, f = m.get("arrival_time"), m.get("first_scheduled_time"), m.get("first_token_time")
+        if a and s:
+            M.QUEUE_TIME.labels(self.role).observe(max(0.0, s - a))
+        if s and f:
+            M.PREFILL_TIME.labels(self.role).observe(max(0.0, f - s))
+
+    @contextlib.contextmanager
+    def _track(self):
+        self.inflight += 1
+        try:
+            yield
+        finally:
+            self.inflight -= 1
+
+    # ---- RPCs -------------------------------------------------------------------------------------------------
+    async def Generate(self, request, context):
+        with self._track():
+            params = params_from_pb(request.params)
+            prompt = list(request.prompt_token_ids)
+            if not prompt and request.prompt:
+                prompt = self.tokenizer.encode(request.prompt)
+            enc = DeltaEncoder(self.tokenizer)
+            finished = False
+            gen = self.host.generate(request.request_id, prompt, params, namespace=request.namespace)
+            try:
+                async with contextlib.aclosing(gen):
+                    first = True
+                    async for out in gen:
+                        if first and out.outputs and any(c.new_token_ids for c in out.outputs):
+                            self.observe_engine_times(out)
+                            first = False
+                        if out.finished:
+                            finished = True
+                            M.TERMINAL.labels(out.state).inc()
+                        yield enc.encode(out)
+            except ValueError as e:
+                M.REJECTIONS.labels("invalid_request").inc()
+                finished = True
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            finally:
+                if not finished:
+                    M.TERMINAL.labels("CANCELLED").inc()
+
+    async def Prefill(self, request, context):
+        if self.role != "prefill":
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"worker role is {self.role}, not prefill")
+        with self._track():
+            return await self.prefill.Prefill(request, context)
+
+    async def GenerateFromPrefill(self, request, context):
+        if self.role != "decode":
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"worker role is {self.role}, not decode")
+        with self._track():
+            async for msg in self.decode.GenerateFromPrefill(request, context):
+                yield msg
+
+    async def ReleaseKV(self, request, context):
+        return await self.prefill.ReleaseKV(request, context)
+
+    async def Abort(self, request, context):
+        rid = request.request_id
+        await self.host.abort(rid, request.state or "CANCELLED")
+        await self.prefill.release(request_id=rid)
+        return worker_pb2.AbortResponse()
+
+    async def GetAgentMetadata(self, request, context):
+        return self.region_pb
+
+    async def GetStats(self, request, context):
+        s = await self.refresh_stats()
+        ld = self.load()
+        return worker_pb2.GetStatsResponse(load=common_pb2.LoadReport(worker_id=self.worker_id, **ld),
+                                           stats_json=json.dumps(s, default=str))
+
+
+async def _heartbeat_loop(w: Worker, registry: Registry | None, interval_s: float) -> None:
+    while True:
+        try:
+            await w.refresh_stats()
+            if registry is not None:
+                await registry.heartbeat(w.record())
+        except Exception as e:  # Redis blips must not kill the worker; the TTL says whether it is live
+            log.warning("heartbeat failed: %s", e)
+        await asyncio.sleep(interval_s)
+
+
+def engine_config_from_env(args) -> EngineConfig:
+    kw = {}
+    if getattr(args, "num_gpu_blocks", None):
+        kw["num_gpu_blocks"] = args.num_gpu_blocks
+    if getattr(args, "max_num_seqs", None):
+        kw["max_num_seqs"] = args.max_num_seqs
+    if getattr(args, "device", None):
+        kw["device"] = args.device
+    if getattr(args, "dtype", None):
+        kw["dtype"] = args.dtype
+    return EngineConfig(**kw)
+
+
+async def serve(args) -> None:
+    from pdserve.services.procutil import install_stop_signals, start_metrics_server
+    if args.metrics_port:
+        start_metrics_server(args.metrics_port)
+    host = args.advertise_host or "127.0.0.1"
+    worker_id = args.worker_id or f"{args.role}-{socket.gethostname()}-{args.port}"
+    engine = Engine.from_pretrained(args.model, engine_config_from_env(args))
+    w = Worker(engine, args.role, worker_id, f"{host}:{args.port}", lease_ttl_s=args.lease_ttl,
+               transfer_timeout_s=args.transfer_timeout)
+    await w.host.start()
+    await w.prefill.start()
+    server, hs = make_server([WORKER_SERVICE])
+    worker_pb2_grpc.add_WorkerServicer_to_server(w, server)
+    server.add_insecure_port(f"{args.host}:{args.port}")
+    await server.start()
+    registry = Registry(args.redis_url, args.served_model_name, ttl_s=args.heartbeat_ttl) if args.redis_url else None
+    await w.refresh_stats()
+    if registry is not None:
+        await registry.heartbeat(w.record())
+    hb = asyncio.create_task(_heartbeat_loop(w, registry, args.heartbeat_ttl / 3))
+    await set_serving(hs, [WORKER_SERVICE], True)
+    log.info("worker %s (%s) listening on %s:%d, %d KV blocks of %d bytes", worker_id, args.role, args.host,
+             args.port, engine.kv_cache.num_blocks, engine.kv_cache.block_bytes)
+    stop = install_stop_signals()
+    await stop.wait()
+    # drain: leave the registry first so nothing new is routed here, then let in-flight requests finish
+    log.info("draining (%d in flight)", w.inflight)
+    hb.cancel()
+    await set_serving(hs, [WORKER_SERVICE], False)
+    if registry is not None:
+        with contextlib.suppress(Exception):
+            await registry.deregister(worker_id)
+    t_end = time.monotonic() + args.drain_timeout
+    while w.inflight and time.monotonic() < t_end:
+        await asyncio.sleep(0.05)
+    await server.stop(grace=1)
+    await w.prefill.stop()
+    await w.host.stop()
+    if w.agent is not None:
+        w.agent.close()
+    if registry is not None:
+        await registry.close()
+    log.info("worker %s stopped", worker_id)

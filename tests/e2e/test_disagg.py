@@ -1,0 +1,121 @@
+"""`pdserve up --mode disagg`: 1 prefill + 2 decode workers; KV moves over NIXL between processes."""
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+
+import grpc
+import httpx
+import pytest
+
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.services.grpc_util import channel
+from pdserve.services.pb import params_to_pb, worker_pb2, worker_pb2_grpc, gateway_pb2_grpc
+from tests.e2e import _common
+from tests.e2e.conftest import Up, metric, wait_until
+
+
+@pytest.fixture(scope="module")
+def up(tiny_llama):
+    import shutil
+    model = tiny_llama.parent / "ck"
+    if not model.exists():
+        shutil.copytree(tiny_llama, model)
+    d = Up(model, "--mode", "disagg", "--prefill", "1", "--decode", "2", "--lease-ttl", "4")
+    yield d
+    d.stop()
+
+
+def test_greedy_matches_offline_engine(up, offline_greedy):
+    _common.check_greedy_batch(up, offline_greedy)
+    # the KV really moved: decode workers pulled bytes over NIXL
+    pulled = sum(metric(w["metrics_port"], "pdserve_kv_transfer_bytes_total") for w in up.workers("decode"))
+    assert pulled > 0
+
+
+def test_seeded_sampling_matches_offline_engine(up, offline_seeded):
+    assert _common.seeded_ids(up) == offline_seeded
+
+
+def test_openai_client(up):
+    _common.check_openai_client(up)
+
+
+def test_grpc_front_door(up):
+    async def main():
+        gw = up.process("gateway")
+        stub = gateway_pb2_grpc.GatewayStub(channel(f"127.0.0.1:{gw['grpc_port']}"))
+        toks, last = [], None
+        async for m in stub.Generate(worker_pb2.GenerateRequest(
+                prompt="the quick brown fox", params=params_to_pb(SamplingParams(temperature=0, max_tokens=12)))):
+            for o in m.outputs:
+                toks += list(o.token_ids)
+            last = m
+        return toks, last
+
+    toks, last = asyncio.run(main())
+    assert last.finished and last.state == "FINISHED" and last.usage.completion_tokens == len(toks) == 12
+
+
+def test_disconnect_frees_blocks(up):
+    _common.check_disconnect_frees_blocks(up)
+
+
+def test_orphaned_prefill_blocks_freed_by_lease(up):
+    """A Prefill whose KV nobody pulls (its gateway/decode died): the lease reaper frees the blocks."""
+    pw = up.workers("prefill")[0]
+
+    async def prefill():
+        stub = worker_pb2_grpc.WorkerStub(channel(f"127.0.0.1:{pw['port']}"))
+        return await stub.Prefill(worker_pb2.PrefillRequest(
+            request_id="orphan-1", prompt_token_ids=list(range(2, 60)),
+            params=params_to_pb(SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))))
+
+    r = asyncio.run(prefill())
+    assert not r.finished and len(r.kv.block_ids) == 4 and r.kv.lease_expiry_unix > time.time()
+    assert wait_until(lambda: metric(pw["metrics_port"], "pdserve_kv_blocks_in_use") >= 4, 5)
+    assert wait_until(lambda: metric(pw["metrics_port"], "pdserve_kv_blocks_in_use") == 0, 15)
+    assert metric(pw["metrics_port"], "pdserve_kv_leases_expired_total") >= 1
+
+
+def test_kill_decode_worker_mid_stream(up):
+    """kill -9 of the decode worker serving a stream: the stream ends with an error event, the gateway stays up,
+    new requests go to the surviving decode worker."""
+    decs = up.workers("decode")
+
+    async def running(w):
+        stub = worker_pb2_grpc.WorkerStub(channel(f"127.0.0.1:{w['port']}"))
+        s = await stub.GetStats(worker_pb2.GetStatsRequest(), timeout=2)
+        return json.loads(s.stats_json)["num_running"]
+
+    body = {"model": "ck", "prompt": "pack my box", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    victim = None
+    events = []
+    with httpx.stream("POST", up.base_url + "/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line[6:])
+            if len(events) == 3 and victim is None:
+                busy = [w for w in decs if asyncio.run(running(w)) > 0]
+                assert len(busy) == 1, busy
+                victim = busy[0]
+                os.kill(victim["pid"], signal.SIGKILL)
+    assert victim is not None
+    assert events[-1] != "[DONE]"
+    err = json.loads(events[-1])
+    assert "error" in err and err["error"]["code"] == "failed", err
+    # the gateway is up and routes around the dead worker (before and after its registry entry lapses)
+    survivor = next(w for w in decs if w is not victim)
+    for _ in range(4):
+        r = httpx.post(up.base_url + "/v1/completions", json={"model": "ck", "prompt": "judge my vow",
+                                                              "max_tokens": 4, "temperature": 0}, timeout=30)
+        assert r.status_code == 200, r.text
+    assert httpx.get(up.base_url + "/health", timeout=5).status_code == 200
+    assert metric(survivor["metrics_port"], "pdserve_requests_terminal_total", '{state="FINISHED"}') >= 1
+    # the prefill side holds nothing for the dead worker's requests (released after the pull, or by lease)
+    pw = up.workers("prefill")[0]
+    assert wait_until(lambda: metric(pw["metrics_port"], "pdserve_kv_blocks_in_use") == 0, 15)

@@ -1,0 +1,96 @@
+"""Real NIXL (UCX, DRAM) transfers between two processes; layout checks; lease expiry."""
+import asyncio
+import multiprocessing as mp
+import time
+
+import pytest
+import torch
+
+from pdserve.kv_transfer.agent import KVAgent
+from pdserve.kv_transfer.layout import KVLayout, KVLayoutMismatch, check_compatible
+from pdserve.kv_transfer.lease import LeaseTable, reap_forever
+from tests.kv_transfer import _peer
+
+
+@pytest.fixture
+def peer():
+    ctx = mp.get_context("spawn")
+    procs = []
+
+    def start(name, seed, **layout_over):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=_peer.serve, args=(child, name, seed, layout_over), daemon=True)
+        p.start()
+        procs.append((p, parent))
+        assert parent.poll(30), "peer did not start"
+        return parent.recv(), parent
+
+    yield start
+    for p, conn in procs:
+        conn.send("stop")
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+
+
+def test_read_blocks_across_processes_moves_exactly_the_right_blocks(peer):
+    region, conn = peer("prefill-peer", seed=1)
+    remote = _peer.content(1)
+    local = torch.zeros(_peer.SHAPE)
+    agent = KVAgent("decode-local", local, _peer.layout())
+    src, dst = [3, 17, 0, 31, 8], [5, 6, 30, 1, 12]
+    moved = agent.read_blocks(region, src, dst, notif=b"lease-123")
+    assert moved == len(src) * agent.block_bytes
+    for s, d in zip(src, dst):
+        assert torch.equal(local[d], remote[s])
+    untouched = [i for i in range(_peer.SHAPE[0]) if i not in dst]
+    assert local[untouched].abs().sum() == 0  # nothing else was written
+    assert conn.poll(10) and conn.recv() == [b"lease-123"]  # the owner learns the pull is done
+    # a second transfer reuses the prepped remote dlist
+    agent.read_blocks(region, [2], [2])
+    assert torch.equal(local[2], remote[2])
+
+
+def test_layout_mismatch_names_each_field(peer):
+    region, _ = peer("prefill-bad", seed=2, fingerprint="other-model", head_dim=8, dtype="float16")
+    agent = KVAgent("decode-chk", torch.zeros(_peer.SHAPE), _peer.layout())
+    with pytest.raises(KVLayoutMismatch) as e:
+        agent.read_blocks(region, [0], [0])
+    msg = str(e.value)
+    assert "fingerprint" in msg and "dtype" in msg and "head_dim" not in msg
+
+
+@pytest.mark.parametrize("field,val", [("fingerprint", "x"), ("block_size", 32), ("dtype", "bfloat16"),
+                                       ("num_layers", 3), ("num_kv_heads", 1), ("head_dim", 64)])
+def test_check_compatible_each_field(field, val):
+    a = KVLayout.from_dict(_peer.layout())
+    b = KVLayout.from_dict({**_peer.layout(), field: val})
+    check_compatible(a, a)
+    with pytest.raises(KVLayoutMismatch, match=field):
+        check_compatible(a, b)
+
+
+def test_torch_dtype_spelling_is_normalised():
+    check_compatible({**_peer.layout(), "dtype": "torch.float32"}, _peer.layout())
+
+
+def test_lease_expiry_frees():
+    table = LeaseTable(ttl_s=0.2)
+    freed = []
+
+    async def release(lease):
+        freed.append(lease.request_id)
+
+    async def main():
+        keep = table.add("pulled", [1, 2], 8, ttl_s=60)
+        table.add("orphan", [3, 4, 5], 12)
+        assert table.pinned_blocks() == 5
+        task = asyncio.create_task(reap_forever(table, release, interval_s=0.05))
+        await asyncio.sleep(0.5)
+        task.cancel()
+        assert freed == ["orphan"]
+        assert table.pop(lease_id=keep.lease_id) is keep
+        assert table.pop(lease_id=keep.lease_id) is None  # idempotent
+        assert table.pinned_blocks() == 0
+
+    asyncio.run(main())

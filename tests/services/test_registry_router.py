@@ -1,0 +1,159 @@
+"""Registry on real Redis and the Router gRPC service: least-loaded placement, lapsed workers never routed."""
+import asyncio
+import uuid
+
+import grpc
+import pytest
+
+from pdserve.services.grpc_util import channel
+from pdserve.services.pb import router_pb2, router_pb2_grpc
+from pdserve.services.registry import Registry, WorkerRecord
+from pdserve.services.router.policy import NoWorkers, Policy
+from pdserve.services.router.server import RouterService
+
+REDIS = "redis://127.0.0.1:6379/0"
+
+
+def rec(wid, role, running=0, **kw):
+    return WorkerRecord(wid, role, f"127.0.0.1:{abs(hash(wid)) % 1000 + 20000}", load={"num_running": running,
+                        "kv_blocks_total": 100}, **kw)
+
+
+def test_policy_least_loaded_and_ties_random():
+    pol = Policy()
+    ws = [rec("p1", "prefill", 3), rec("p2", "prefill", 1), rec("d1", "decode", 0), rec("d2", "decode", 5)]
+    p = pol.place(ws)
+    assert p.mode == "disagg" and p.prefill.worker_id == "p2" and p.decode.worker_id == "d1"
+    # placements since the last heartbeat count as load: a burst spreads over equal workers
+    pol = Policy()
+    eq = [rec("b1", "both"), rec("b2", "both")]
+    picks = {pol.place(eq).both.worker_id for _ in range(2)}
+    assert picks == {"b1", "b2"}
+    with pytest.raises(NoWorkers):
+        Policy().place([rec("p", "prefill")])
+    assert Policy().place(ws, exclude={"d1"}).decode.worker_id == "d2"
+
+
+def test_lapsed_heartbeat_never_routed():
+    async def main():
+        model = f"test-{uuid.uuid4().hex[:8]}"
+        reg = Registry(REDIS, model, ttl_s=0.5)
+        await reg.heartbeat(rec("alive", "both"))
+        await reg.heartbeat(rec("dying", "both"))
+        assert {w.worker_id for w in await reg.live_workers()} == {"alive", "dying"}
+        for _ in range(4):  # only "alive" keeps heartbeating
+            await asyncio.sleep(0.25)
+            await reg.heartbeat(rec("alive", "both"))
+        assert [w.worker_id for w in await reg.live_workers()] == ["alive"]
+
+        server = grpc.aio.server()
+        router_pb2_grpc.add_RouterServicer_to_server(RouterService(reg, view_ttl_s=0), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        stub = router_pb2_grpc.RouterStub(channel(f"127.0.0.1:{port}"))
+        for _ in range(10):
+            r = await stub.Route(router_pb2.RouteRequest(request_id="x"))
+            assert r.mode == "colocated" and r.both.worker_id == "alive"
+        await reg.deregister("alive")
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.Route(router_pb2.RouteRequest(request_id="y"))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        await server.stop(0)
+        async for k in reg.r.scan_iter(f"pdserve:{model}:*"):
+            await reg.r.delete(k)
+        await reg.close()
+
+    asyncio.run(main())
+
+
+def test_registry_survives_redis_restart(tmp_path):
+    """Redis keeps nothing (--save ''): after a restart the next heartbeat re-registers the worker."""
+    import subprocess
+    import time
+
+    from pdserve.services.up import free_port
+
+    port = free_port()
+
+    def start():
+        p = subprocess.Popen(["redis-server", "--port", str(port), "--save", "", "--appendonly", "no",
+                              "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
+        for _ in range(100):
+            try:
+                import redis
+                redis.Redis(port=port).ping()
+                return p
+            except Exception:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    async def main():
+        p = start()
+        reg = Registry(f"redis://127.0.0.1:{port}/0", "m", ttl_s=2)
+        try:
+            await reg.heartbeat(rec("w1", "both"))
+            assert [w.worker_id for w in await reg.live_workers()] == ["w1"]
+            p.kill()
+            p.wait()
+            with pytest.raises(Exception):
+                await reg.heartbeat(rec("w1", "both"))  # the worker's loop logs this and keeps going
+            p = start()
+            assert await reg.live_workers() == []  # nothing persisted
+            await reg.heartbeat(rec("w1", "both"))
+            assert [w.worker_id for w in await reg.live_workers()] == ["w1"]
+        finally:
+            await reg.close()
+            p.kill()
+            p.wait()
+
+    asyncio.run(main())
+
+
+def test_router_register_heartbeat_kvevents_and_gateway_503(tiny_llama):
+    """Workers may report through the router; with no live worker the gateway answers 503 (and /health 503)."""
+    import httpx
+
+    from pdserve.services.gateway.app import GatewayConfig, create_app
+    from pdserve.services.pb import common_pb2
+    from pdserve.services.registry import prefix_key
+
+    async def main():
+        model = f"test-{uuid.uuid4().hex[:8]}"
+        reg = Registry(REDIS, model, ttl_s=1.0)
+        server = grpc.aio.server()
+        router_pb2_grpc.add_RouterServicer_to_server(RouterService(reg, view_ttl_s=0), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            app = create_app(GatewayConfig(str(tiny_llama), model, f"127.0.0.1:{port}"))
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+                r = await c.post("/v1/completions", json={"model": model, "prompt": "the fox", "max_tokens": 2})
+                assert r.status_code == 503 and r.json()["error"]["code"] == "no_workers"
+                assert (await c.get("/health")).status_code == 503
+                r = await c.post("/v1/completions", json={"model": model, "prompt": list(range(2, 600))})
+                assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+                r = await c.post("/v1/chat/completions", json={"model": model, "messages": []})
+                assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+            stub = router_pb2_grpc.RouterStub(channel(f"127.0.0.1:{port}"))
+            w = common_pb2.WorkerInfo(worker_id="w9", role="both", address="127.0.0.1:1")
+            assert (await stub.Register(w)).heartbeat_ttl_s == 1
+            await stub.Heartbeat(router_pb2.HeartbeatRequest(worker=w, load=common_pb2.LoadReport(num_running=2)))
+            ws = await stub.ListWorkers(router_pb2.ListWorkersRequest(model=model))
+            assert [x.worker_id for x in ws.workers] == ["w9"] and ws.loads[0].num_running == 2
+
+            async def events():
+                yield router_pb2.KvEvent(worker_id="w9", kind="stored", namespace="t", block_hashes=["h1", "h2"])
+                yield router_pb2.KvEvent(worker_id="w9", kind="evicted", namespace="t", block_hashes=["h2"])
+
+            assert (await stub.KvEvents(events())).received == 2
+            assert await reg.r.smembers(prefix_key(model, "t", "h1")) == {b"w9"}
+            assert await reg.r.smembers(prefix_key(model, "t", "h2")) == set()
+            await asyncio.sleep(1.2)  # no more heartbeats: lapsed
+            assert (await stub.ListWorkers(router_pb2.ListWorkersRequest(model=model))).workers == []
+        finally:
+            await server.stop(0)
+            async for k in reg.r.scan_iter(f"pdserve:{model}:*"):  # leave the shared Redis as found
+                await reg.r.delete(k)
+            await reg.close()
+
+    asyncio.run(main())
