@@ -161,9 +161,10 @@ def _specs(a, plen: int, olen: int, rate: float, n: int, seed: int):
 async def _isolated(target, a, plen, olen) -> dict:
     """One request alone (after warm-up): the deployment's unloaded TTFT and decode ITL."""
     from pdserve.bench.runner import PointConfig, run_point
-    specs = _specs(a, plen, olen, 0.0, 1, a.seed + 999)
+    s0 = a.seed + 100_000 + 7 * plen + 13 * olen  # distinct from the cells and from other (P, O)
+    specs = _specs(a, plen, olen, 0.0, 1, s0)
     pt = await run_point(target, specs, PointConfig(keep_records=False), MX.SLO(a.slo_ttft, a.slo_tpot),
-                         warmup=_specs(a, plen, olen, 0.0, 2, a.seed + 998))
+                         warmup=_specs(a, plen, olen, 0.0, 2, s0 + 1))
     L = pt["steady"]["latency"]
     return {"ttft_s": L["ttft_s"].get("p50"), "itl_p50_s": L["itl_s"].get("p50")}
 
@@ -175,6 +176,7 @@ def _cell_row(pt: dict, iso: dict) -> dict:
     itl_iso = iso.get("itl_p50_s")
     return {"goodput_req_per_s": s["slo"]["goodput_req_per_s"], "attainment_ratio": s["slo"]["attainment_ratio"],
             "n_slo": s["slo"]["n_slo"], "window_s": s["throughput"]["window_s"],
+            "prefix_cached_prompt_token_fraction": s.get("prefix_cached_prompt_token_fraction"),
             "request_throughput_req_per_s": s["throughput"]["request_throughput_req_per_s"],
             "output_token_throughput_tok_per_s": s["throughput"]["output_token_throughput_tok_per_s"],
             "ttft_p50_s": L["ttft_s"].get("p50"), "ttft_p99_s": L["ttft_s"].get("p99"),
@@ -205,9 +207,10 @@ def run_mode(a, mode: str, grid: list[tuple[int, int, float]], on_cell, progress
         target = Target(d.base_url, None, "completions", ignore_eos=True, timeout_s=60)
         for plen, olen in sorted({(p, o) for p, o, _ in grid}):
             res["isolated"][f"{plen}x{olen}"] = asyncio.run(_isolated(target, a, plen, olen))
-        for plen, olen, rate in grid:
+        for ci, (plen, olen, rate) in enumerate(grid):
             n = a.requests_per_cell or max(a.min_requests_per_cell, round(rate * a.cell_duration))
-            specs = _specs(a, plen, olen, rate, n, a.seed)
+            # a fresh seed per cell (same in both modes): repeated prompts would hit the prefix cache
+            specs = _specs(a, plen, olen, rate, n, a.seed + 1000 * (ci + 1))
             cfg = PointConfig(label=f"{mode} P={plen} O={olen} {rate:g}/s", offered_rate=rate,
                               drain_timeout_s=a.drain_timeout, metrics_urls=d.metrics_urls(), keep_records=False)
             pt = asyncio.run(run_point(target, specs, cfg, MX.SLO(a.slo_ttft, a.slo_tpot),

@@ -99,18 +99,21 @@ def make_slo(a) -> MX.SLO:
     return MX.SLO(a.slo_ttft, a.slo_tpot, a.slo_e2e)
 
 
-def make_specs(a, rate: float | None, n_default: int | None = None):
+def make_specs(a, rate: float | None, n_default: int | None = None, seed_offset: int = 0):
+    """Warm-up + measured specs. Each sweep point gets its own seed (seed_offset): identical prompts in a later
+    point would hit the server's prefix cache and skip prefill."""
     from pdserve.bench.workload import LengthDist, PromptMaker, load_trace, synthetic
     lo, hi = (int(x) for x in a.token_range.split(":"))
     maker = PromptMaker(a.prompt_format, (lo, hi), a.shared_prefix_len, a.shared_prefix_frac, a.tenants)
+    seed = a.seed + seed_offset
     n = a.num_requests or n_default or max(a.min_requests, min(a.max_requests, round((rate or 2) * a.duration)))
     chat = a.endpoint == "chat"
     if a.trace:
-        specs = load_trace(a.trace, n=n + a.warmup, rate=rate, seed=a.seed, process=a.arrival, cv=a.cv,
+        specs = load_trace(a.trace, n=n + a.warmup, rate=rate, seed=seed, process=a.arrival, cv=a.cv,
                            time_scale=a.trace_time_scale, tenants=a.tenants, chat=chat, maker=maker)
     else:
         specs = synthetic(n + a.warmup, rate or 0.0, LengthDist.parse(a.prompt_len), LengthDist.parse(a.output_len),
-                          seed=a.seed, process=a.arrival, cv=a.cv, maker=maker, chat=chat)
+                          seed=seed, process=a.arrival, cv=a.cv, maker=maker, chat=chat)
     warm, specs = specs[:a.warmup], specs[a.warmup:]
     if specs:
         t0 = specs[0].arrival
@@ -236,8 +239,8 @@ def cmd_sweep(a) -> int:
     result = {"meta": _meta(a, "sweep"), "points": []}
     broken_seen = False
     with Progress(not a.no_progress) as prog:
-        for rate in rate_schedule(rates, a.rate_start, a.rate_factor, a.max_points):
-            warm, specs = make_specs(a, rate)
+        for i, rate in enumerate(rate_schedule(rates, a.rate_start, a.rate_factor, a.max_points)):
+            warm, specs = make_specs(a, rate, seed_offset=1000 * i)
             cfg = PointConfig(label=f"{rate:g} req/s", offered_rate=rate, warmup_s=a.warmup_seconds,
                               drain_timeout_s=a.drain_timeout, metrics_urls=a.metrics_url,
                               keep_records=not a.no_records, workload=workload_meta(a, rate))

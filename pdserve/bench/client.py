@@ -111,6 +111,7 @@ async def send(client: httpx.AsyncClient, target: Target, spec: RequestSpec, rec
                 if u:
                     rec.prompt_tokens = u.get("prompt_tokens")
                     rec.output_tokens = u.get("completion_tokens")
+                    rec.cached_tokens = (u.get("prompt_tokens_details") or {}).get("cached_tokens")
                     if u.get("stage_times"):  # proposed per-request stage timestamps (not served by pdserve yet)
                         rec.stages = u["stage_times"]
         if not done:

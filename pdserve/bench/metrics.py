@@ -35,6 +35,7 @@ class RequestRecord:
     tenant: int = 0
     warmup: bool = False
     stages: dict | None = None   # per-request server stage times when the server exposes them
+    cached_tokens: int | None = None  # prompt tokens served from the prefix cache (usage.prompt_tokens_details)
 
     @property
     def n_out(self) -> int:
@@ -222,6 +223,9 @@ def summarize(records: Sequence[RequestRecord], slo: SLO) -> dict:
             key = (r.error or "unknown")[:80]
             errors[key] = errors.get(key, 0) + 1
     max_res = max((abs(identity_residual(r)) for r in records if r.ok), default=0.0)
+    known = [r for r in records if r.ok and r.cached_tokens is not None and r.prompt_tokens]
+    cached = (sum(r.cached_tokens for r in known) / sum(r.prompt_tokens for r in known)) if known else None
     return {"n_requests": len(records), "n_ok": sum(r.ok for r in records), "errors": errors,
             "latency": latency_summary(records), "throughput": throughput(records, dt),
-            "slo": slo_summary(records, slo, dt), "identity_max_abs_residual_s": max_res}
+            "slo": slo_summary(records, slo, dt), "identity_max_abs_residual_s": max_res,
+            "prefix_cached_prompt_token_fraction": cached}

@@ -47,6 +47,7 @@ def test_short_sweep_against_pdserve_up(up, tmp_path):
         # ignore_eos + min_tokens gave exact output lengths; the usage record gave exact prompt lengths
         assert all(row["n_out"] == 8 and row["prompt_tokens"] == 24 for row in p["records"] if not row["warmup"])
         assert s["identity_max_abs_residual_s"] < 1e-9
+        assert s["prefix_cached_prompt_token_fraction"] == 0  # each point has its own prompts: no cache hits
         st = p["server_stages"]
         assert st["gateway_ttft_count"] >= 6 and st["queue_both_worker_count"] >= 6
         # the gateway's own TTFT (its arrival -> first chunk) is inside ours (scheduled arrival -> chunk read)
