@@ -111,3 +111,11 @@ def test_quantile_ci_coverage():
         lo, hi = MX.quantile_ci([rng.expovariate(1.0) for _ in range(120)], 0.9)
         hits += lo <= true <= hi
     assert hits / trials >= 0.92
+
+
+def test_breakeven_noise_rule():
+    from pdserve.bench.breakeven import within_noise
+    assert within_noise(12, 12, 12)          # same N_SLO: only the window's drain tail differs
+    assert within_noise(8, 9, 12)            # one request of 12 is noise
+    assert not within_noise(72, 1, 72)       # a collapse is not
+    assert not within_noise(12, 6, 12)
