@@ -113,7 +113,9 @@ def throughput(records: Sequence[RequestRecord], dt: float | None = None) -> dic
     out = sum(r.n_out for r in done)
     tot = out + sum(r.prompt_tokens or 0 for r in done)
     rate = (lambda x: x / dt) if dt > 0 else (lambda x: float("nan"))
-    return {"window_s": dt,
+    sched = sorted(r.scheduled for r in records)
+    realized = (len(sched) - 1) / (sched[-1] - sched[0]) if len(sched) >= 2 and sched[-1] > sched[0] else float("nan")
+    return {"window_s": dt, "realized_arrival_rate_req_per_s": realized,
             "request_throughput_req_per_s": rate(len(done)),
             "output_token_throughput_tok_per_s": rate(out),
             "total_token_throughput_tok_per_s": rate(tot),
