@@ -12,7 +12,6 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from pdserve.bench.metrics import e2e, itls, tpot, ttft  # noqa: E402,F401
 
 
 def _clean(o):
