@@ -14,10 +14,13 @@
   worker's KV pulls. Priors apply only until a worker has measured something.
 - kv_pressure: a decode slows down (preemption, waiting for blocks) as its worker's KV fills; above `kv_knee`
   the factor grows linearly, and a request whose blocks do not fit now waits about one decode of a request.
-- interference(w) = weight * (prefill seconds on w) * (sequences decoding on w): a local prefill stalls every
-  sequence decoding there for that long (spec §6.3: why disaggregation exists). The router minimises this
-  request's completion time plus the delay it imposes on running requests - the marginal total completion
-  time - so a long prompt on a busy decode worker is disaggregated, a short one is not.
+- interference(w) = weight * (uncached / rate(w)) * (sequences decoding on w): a local prefill's compute is
+  added to the steps every sequence decoding there waits for (spec §6.3: why disaggregation exists).
+- work = work_weight * uncached / rate: the compute itself is capacity that later arrivals queue behind (and
+  the blocks it writes evict cached ones). Without it the policy is myopic: it spreads a chat over workers to
+  save a few ms now and loses the cache hits later (measured in the simulator: docs/routing.md).
+The router minimises cost = e2e + interference + work - this request's completion time plus the delay it
+imposes on others - so a long prompt on a busy decode worker is disaggregated, a short one is not.
 """
 from __future__ import annotations
 
@@ -44,10 +47,11 @@ class CostParams:
     default_out_tokens: int = 64    # when the request does not say max_tokens
     max_out_tokens: int = 1024      # cap on the prediction (a huge max_tokens is rarely generated in full)
     interference_weight: float = 1.0
+    work_weight: float = 1.0        # price of the prefill compute itself (capacity later arrivals queue behind)
     kv_knee: float = 0.8
     disagg_margin_s: float = 0.0    # extra gain required before disaggregating (on top of transfer + handoff)
-    tie_rel: float = 0.05           # candidates within 5% ...
-    tie_abs_s: float = 0.002        # ... or 2 ms of the best are "near-equal": picked at random
+    tie_rel: float = 0.01           # candidates within 1% ...
+    tie_abs_s: float = 0.001        # ... + 1 ms of the best are "near-equal": picked at random
 
 
 @dataclass
@@ -76,7 +80,8 @@ class WorkerCost:
     block_bytes: int
 
     @classmethod
-    def of(cls, rec: WorkerRecord, pri: Priors, extra: Inflight | None = None) -> "WorkerCost":
+    def of(cls, rec: WorkerRecord, pri: Priors, extra: Inflight | None = None,
+           now: float | None = None) -> "WorkerCost":
         ld = rec.load or {}
         ex = extra or Inflight()
         lay = rec.layout or {}
@@ -92,12 +97,19 @@ class WorkerCost:
         # router added since the report grow it further.
         step = float(ld.get("decode_step_s", 0) or 0) or (pri.decode_step_s + per_seq * running)
         step += per_seq * ex.seqs
-        return cls(rec=rec, rate=m("prefill_tokens_per_s", pri.prefill_tokens_per_s),
+        rate = m("prefill_tokens_per_s", pri.prefill_tokens_per_s)
+        # The report is up to a heartbeat old: the worker kept computing since, at its measured rate. Without
+        # this, a worker that just reported a burst looks busy long after it drained it.
+        pending = int(ld.get("pending_prefill_tokens", 0) or 0) + ex.prefill_tokens
+        seen = float(ld.get("report_time", 0) or rec.updated or 0)
+        if now is not None and seen > 0:
+            pending = max(0, pending - int(rate * min(10.0, max(0.0, now - seen))))
+        return cls(rec=rec, rate=rate,
                    overhead=float(ld.get("prefill_overhead_s", 0) or 0) if ld.get("prefill_tokens_per_s")
                    else pri.prefill_overhead_s,
                    step=step, step_per_seq=per_seq,
                    bw=m("kv_bytes_per_s", pri.kv_bytes_per_s), handoff=m("handoff_overhead_s", pri.handoff_overhead_s),
-                   pending_tokens=int(ld.get("pending_prefill_tokens", 0) or 0) + ex.prefill_tokens,
+                   pending_tokens=pending,
                    running=running + ex.seqs,
                    kv_total=max(total, 1), kv_used=int(ld.get("kv_blocks_in_use", 0) or 0) + ex.blocks,
                    block_size=int(lay.get("block_size", 16) or 16),
@@ -157,7 +169,10 @@ class CostModel:
         ttft = w.queue_s + pre
         need = -(-(n_prompt + out) // w.block_size)
         e2e = ttft + w.decode_s(out, need, self.p.kv_knee)
-        interf = self.p.interference_weight * pre * w.running
+        # running sequences share the steps the prefill's tokens are added to: they lose its compute time (the
+        # per-request overhead is latency, not compute they wait for)
+        compute = max(0, uncached) / w.rate
+        interf = (self.p.interference_weight * w.running + self.p.work_weight) * compute
         return Estimate("local", w, w, cached, ttft, e2e, interf)
 
     def disagg(self, p: WorkerCost, d: WorkerCost, n_prompt: int, cached_p: int, cached_d: int,
@@ -168,4 +183,5 @@ class CostModel:
         ttft = p.queue_s + p.prefill_s(n_prompt - cached_p) + xfer + d.handoff
         need = -(-(n_prompt + out) // d.block_size)
         e2e = ttft + d.decode_s(out, need, self.p.kv_knee)
-        return Estimate("disagg", p, d, cached_p, ttft, e2e, 0.0, xfer)
+        work = self.p.work_weight * (n_prompt - cached_p) / p.rate
+        return Estimate("disagg", p, d, cached_p, ttft, e2e, work, xfer)

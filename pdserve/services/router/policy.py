@@ -126,7 +126,8 @@ class Policy:
         excl = set(req.exclude) | set(exclude)
         live = [w for w in workers if w.worker_id not in excl]
         pri = self.cost.p.priors
-        wc = {w.worker_id: WorkerCost.of(w, pri, self._inflight(w)) for w in live}
+        now = self.clock()
+        wc = {w.worker_id: WorkerCost.of(w, pri, self._inflight(w), now) for w in live}
         pre = [wc[w.worker_id] for w in live if w.role == "prefill"]
         dec = [wc[w.worker_id] for w in live if w.role == "decode"]
         both = [wc[w.worker_id] for w in live if w.role == "both"]

@@ -167,6 +167,7 @@ class Sim:
         self._outbox: list[tuple[float, str, list[KVEvent]]] = []
         self.done: list[SimRequest] = []
         self.decisions: dict[str, int] = {}
+        self._reset_done = False
 
     def clock(self) -> float:
         return self.now
@@ -230,13 +231,15 @@ class Sim:
 
     async def run(self, requests: list[SimRequest]) -> "SimResult":
         if self.sync is not None:
-            for p in self.pubs.values():
-                await p.reset()
+            if not self._reset_done:  # a second run continues with the caches as they are
+                for p in self.pubs.values():
+                    await p.reset()
+                self._reset_done = True
             await self.sync.sync_workers(self.workers)
         for r in requests:
             self._at(r.arrival, "arrival", r)
         end = max(r.arrival for r in requests)
-        t = 0.0
+        t = self.now
         while t <= end + 1:
             self._at(t, "report", None)
             t += self.report_s
