@@ -27,6 +27,7 @@ from collections.abc import Iterable
 import redis.asyncio as aioredis
 
 from pdserve.engine.block_manager import block_hash
+from pdserve.services import metrics as M
 
 log = logging.getLogger("pdserve.router.index")
 
@@ -158,6 +159,11 @@ class KvEventPublisher:
             p.pexpire(key, self.ttl_ms)  # also the keep-alive of an idle worker's set
             await p.execute()
         self.published += len(events)
+        stored = sum(1 for ev in events if ev.kind == "stored")
+        if stored:
+            M.KV_EVENTS_PUBLISHED.labels("stored").inc(stored)
+        if len(events) - stored:
+            M.KV_EVENTS_PUBLISHED.labels("evicted").inc(len(events) - stored)
 
 
 async def publish_forever(engine_host, pub: KvEventPublisher, interval_s: float = 0.1) -> None:
