@@ -22,6 +22,8 @@ from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.services import metrics as M
+from pdserve.engine.request_state import RequestState
+from pdserve.services.admission import lifecycle_from_context
 from pdserve.services.convert import DeltaEncoder
 from pdserve.services.decode.service import DecodeSide
 from pdserve.services.grpc_util import WORKER_SERVICE, make_server, set_serving
@@ -68,6 +70,7 @@ class Worker(worker_pb2_grpc.WorkerServicer):
         return {"num_running": s.get("num_running", 0), "num_waiting": s.get("num_waiting", 0) + self.inflight,
                 "kv_blocks_in_use": s.get("kv_blocks_in_use", 0), "kv_blocks_total": s.get("kv_blocks_total", 0),
                 "pinned_blocks": self.prefill.leases.pinned_blocks(),
+                "max_num_seqs": self.engine.config.max_num_seqs,  # admission capacity (sequence slots)
                 "prefix_hit_ratio": float(s.get("prefix_hit_ratio", 0.0) or 0.0)}
 
     async def refresh_stats(self) -> dict:
@@ -79,6 +82,7 @@ class Worker(worker_pb2_grpc.WorkerServicer):
         M.PREFIX_HIT_RATIO.set(float(s.get("prefix_hit_ratio", 0.0) or 0.0))
         M.NUM_RUNNING.set(s.get("num_running", 0))
         M.NUM_WAITING.set(s.get("num_waiting", 0))
+        M.set_state_gauges(s.get("states", {}), [st.value for st in RequestState if not st.terminal])
         return s
 
     def observe_engine_times(self, out) -> None:
@@ -106,7 +110,8 @@ class Worker(worker_pb2_grpc.WorkerServicer):
                 prompt = self.tokenizer.encode(request.prompt)
             enc = DeltaEncoder(self.tokenizer)
             finished = False
-            gen = self.host.generate(request.request_id, prompt, params, namespace=request.namespace)
+            gen = self.host.generate(request.request_id, prompt, params, namespace=request.namespace,
+                                     **lifecycle_from_context(context))
             try:
                 async with contextlib.aclosing(gen):
                     first = True
@@ -179,6 +184,8 @@ def engine_config_from_env(args) -> EngineConfig:
         kw["device"] = args.device
     if getattr(args, "dtype", None):
         kw["dtype"] = args.dtype
+    if getattr(args, "policy", None):
+        kw["policy"] = args.policy
     return EngineConfig(**kw)
 
 
