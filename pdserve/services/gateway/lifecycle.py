@@ -33,7 +33,7 @@ billing_log = logging.getLogger("pdserve.billing")
 class RequestRecord:
     request_id: str
     model: str
-    tenant: Tenant = DEFAULT_TENANT
+    tenant: Tenant = field(default_factory=lambda: DEFAULT_TENANT)
     arrival: float = field(default_factory=time.time)
     deadline: float | None = None
     prompt_tokens: int = 0
