@@ -290,6 +290,9 @@ class Admission:
                 await self.release(rid)
             with contextlib.suppress(Exception):
                 await self.ledger.renew(dict(self.held))
+                blocks, reqs = await self.ledger.usage()
+                M.RESERVED_BLOCKS.set(blocks)
+                M.RESERVED_REQUESTS.set(reqs)
 
     async def admit(self, rid: str, tenant: str, prompt_tokens: int, max_tokens: int | None, n: int,
                     context_len: int, deadline: float, cached_tokens: int = 0,

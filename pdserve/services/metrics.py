@@ -72,3 +72,5 @@ _register_state_entries()
 def set_state_gauges(counts: dict[str, int], states: list[str]) -> None:
     for s in states:
         STATE_GAUGE.labels(s).set(counts.get(s, 0))
+REJECT_LATENCY = Histogram("pdserve_rejection_latency_seconds", "Gateway: arrival -> rejection response written "
+                           "(ingress or admission)", buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1))

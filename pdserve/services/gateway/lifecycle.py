@@ -144,6 +144,7 @@ class Lifecycle:
                     self.admission.predictor.observe(rec.tenant.name, n_out)
         if state == "REJECTED":
             M.TERMINAL.labels("REJECTED").inc()
+            M.REJECT_LATENCY.observe(time.time() - rec.arrival)
         billed = rec.prompt_tokens + rec.committed if state != "REJECTED" else 0
         await self.gate.charge(rec.tenant, billed)
         t = rec.tenant.name
