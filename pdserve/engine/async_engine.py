@@ -30,6 +30,7 @@ class AsyncEngine:
         self._delivered: dict[str, int] = {}  # written by the engine thread only
         self._consumed: dict[str, int] = {}  # written by the event loop only
         self._paused: set[str] = set()  # engine thread only
+        self._wake = threading.Event()  # set with every command: ends an idle wait early
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -84,11 +85,8 @@ class AsyncEngine:
     def _idle_wait(self) -> None:
         """Nothing could run (all requests backpressured or waiting for blocks): wait for a command or a few ms
         instead of spinning a core (deadlines and drained buffers are checked again after)."""
-        try:
-            cmd = self._commands.get(timeout=0.005)
-        except queue.Empty:
-            return
-        self._commands.put(cmd)  # keep it for the command loop, in order
+        self._wake.wait(0.005)
+        self._wake.clear()
 
     def _backpressure(self) -> None:
         limit = self.engine.config.max_buffered_outputs
@@ -145,11 +143,13 @@ class AsyncEngine:
         """Run fn(engine) in the engine thread between steps and return its result."""
         fut = self._loop.create_future()
         self._commands.put((fn, fut))
+        self._wake.set()
         return await fut
 
     def submit(self, fn: Callable[[Engine], Any]) -> None:
         """Fire and forget (usable from any thread)."""
         self._commands.put((fn, None))
+        self._wake.set()
 
     async def abort(self, request_id: str, state: str = "CANCELLED") -> None:
         await self.run(lambda e: e.abort(request_id, state))
@@ -184,6 +184,8 @@ class AsyncEngine:
             while True:
                 out = await q.get()
                 self._consumed[request_id] = self._consumed.get(request_id, 0) + 1
+                if request_id in self._paused:
+                    self._wake.set()  # a parked request may be resumable now
                 finished = out.finished
                 yield out
                 if finished:

@@ -63,14 +63,14 @@ class Worker(worker_pb2_grpc.WorkerServicer):
     def record(self) -> WorkerRecord:
         return WorkerRecord(self.worker_id, self.role, self.address, self.agent.name if self.agent else "",
                             self.engine.kv_cache.num_blocks, self.layout.to_dict(),
-                            self.load())
+                            # + sequence slots: the gateway's admission capacity (not in the LoadReport proto)
+                            {**self.load(), "max_num_seqs": self.engine.config.max_num_seqs})
 
     def load(self) -> dict:
         s = self.last_stats
         return {"num_running": s.get("num_running", 0), "num_waiting": s.get("num_waiting", 0) + self.inflight,
                 "kv_blocks_in_use": s.get("kv_blocks_in_use", 0), "kv_blocks_total": s.get("kv_blocks_total", 0),
                 "pinned_blocks": self.prefill.leases.pinned_blocks(),
-                "max_num_seqs": self.engine.config.max_num_seqs,  # admission capacity (sequence slots)
                 "prefix_hit_ratio": float(s.get("prefix_hit_ratio", 0.0) or 0.0)}
 
     async def refresh_stats(self) -> dict:
