@@ -32,6 +32,8 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=_env("dtype"))
     p.add_argument("--policy", default=_env("policy"),
                    help="fcfs | decode-priority | prefill-priority | priority | shortest-predicted-first")
+    p.add_argument("--threads", type=int, default=_env("threads") and int(_env("threads")),
+                   help="torch intra-op threads (default: all cores; `up` splits the cores between workers)")
 
 
 def _add_lifecycle(p: argparse.ArgumentParser) -> None:

@@ -101,6 +101,8 @@ class Engine:
     @classmethod
     def from_pretrained(cls, model: str | Path, config: EngineConfig | None = None) -> "Engine":
         config = config or EngineConfig()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
         model_dir = resolve_model_dir(model)
         mcfg = ModelConfig.from_dir(model_dir)
         tokenizer = Tokenizer(model_dir, mcfg.eos_token_ids)
@@ -204,6 +206,8 @@ class Engine:
                 for child in self._fork(req, seq):
                     rows.append(row)
                     seqs.append(child)
+        if logits.device.type != "cpu":  # the sampler's per-request generators are CPU generators
+            logits = logits.cpu()
         results = self.sampler.sample(logits[rows], [s.sampling for s in seqs]) if seqs else []
         touched: dict[str, Request] = {}
         now = time.time()
