@@ -122,7 +122,7 @@ def container_env(container: dict) -> dict[str, str]:
 
 
 # Flags the chart passes behind a values switch that land in pdserve from other work: {flag: where}.
-PENDING_FLAGS = {"--api-keys-file": "gateway admission (branch admission)"}
+PENDING_FLAGS: dict[str, str] = {}  # flags the chart renders before the CLI has them (none now)
 
 
 def parse_pdserve(container: dict, monkeypatch, pending: list | None = None) -> "object":
