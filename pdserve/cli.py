@@ -30,6 +30,8 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=_env("max_num_seqs") and int(_env("max_num_seqs")))
     p.add_argument("--device", default=_env("device"))
     p.add_argument("--dtype", default=_env("dtype"))
+    p.add_argument("--threads", type=int, default=_env("threads") and int(_env("threads")),
+                   help="torch intra-op threads (default: all cores; `up` splits the cores between workers)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -51,15 +51,27 @@ def decode_mask(context_lens: torch.Tensor, width: int, sliding_window: int | No
     return mask[:, None, None, :]
 
 
+def gather_blocks(kv: torch.Tensor, layer: int, tables: torch.Tensor, which: int) -> torch.Tensor:
+    """K (which=0) or V (1) of `layer` for the blocks in `tables` (any shape) -> [*tables.shape, bs, KVH, D].
+
+    The pool is viewed as rows of one (block, layer, K|V) each, so this is an `index_select` of whole
+    contiguous rows: several times faster on CPU than advanced indexing of the strided per-layer view."""
+    n, layers = kv.shape[0], kv.shape[1]
+    rows = kv.view(n * layers * 2, -1)
+    idx = tables * (layers * 2) + (layer * 2 + which)
+    return rows.index_select(0, idx.reshape(-1)).view(*tables.shape, *kv.shape[3:])
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, KVH, D]
     v: torch.Tensor,
-    kv_layer: torch.Tensor,  # [num_blocks, 2, block_size, KVH, D] view of one layer
+    kv: torch.Tensor,  # the whole pool [num_blocks, num_layers, 2, block_size, KVH, D]
+    layer: int,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    k_cache, v_cache = kv_layer[:, 0], kv_layer[:, 1]
+    k_cache, v_cache = kv[:, layer, 0], kv[:, layer, 1]
     # Write first: a token attends to its own key, and chunks attend to earlier chunks through the cache.
     k_cache[meta.slot_blocks, meta.slot_offsets] = k.to(k_cache.dtype)
     v_cache[meta.slot_blocks, meta.slot_offsets] = v.to(v_cache.dtype)
@@ -71,8 +83,8 @@ def paged_attention(
             ks = k[span.start:span.start + span.q_len]
             vs = v[span.start:span.start + span.q_len]
         else:
-            ks = k_cache[span.block_table].flatten(0, 1)[:span.context_len]
-            vs = v_cache[span.block_table].flatten(0, 1)[:span.context_len]
+            ks = gather_blocks(kv, layer, span.block_table, 0).flatten(0, 1)[:span.context_len]
+            vs = gather_blocks(kv, layer, span.block_table, 1).flatten(0, 1)[:span.context_len]
         ks = ks.to(q.dtype).transpose(0, 1).unsqueeze(0)
         vs = vs.to(q.dtype).transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(
@@ -82,8 +94,8 @@ def paged_attention(
     if meta.decode_rows.numel():
         # Single-query attention runs in fp32: on CPU the masked bf16 SDPA path is ~2x slower than converting.
         qd = q[meta.decode_rows].unsqueeze(2).float()  # [B, H, 1, D]
-        kd = k_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2).float()  # [B, KVH, S, D]
-        vd = v_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2).float()
+        kd = gather_blocks(kv, layer, meta.decode_block_tables, 0).flatten(1, 2).transpose(1, 2).float()
+        vd = gather_blocks(kv, layer, meta.decode_block_tables, 1).flatten(1, 2).transpose(1, 2).float()
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale,
                                            enable_gqa=n_kv != q.shape[1])
         out[meta.decode_rows] = o.squeeze(2).to(q.dtype)

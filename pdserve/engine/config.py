@@ -146,6 +146,9 @@ class EngineConfig:
     device: str = "cpu"
     max_model_len: int | None = None
     seed: int = 0
+    # Intra-op threads for this engine's process (None: torch's default, all cores). Several workers on one
+    # host must split the cores: oversubscribed OpenMP threads turn every op into a ~5 ms scheduling wait.
+    num_threads: int | None = None
 
     def validate(self) -> None:
         if self.policy not in ("fcfs", "decode-priority", "prefill-priority"):

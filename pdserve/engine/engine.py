@@ -99,6 +99,8 @@ class Engine:
     @classmethod
     def from_pretrained(cls, model: str | Path, config: EngineConfig | None = None) -> "Engine":
         config = config or EngineConfig()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
         model_dir = resolve_model_dir(model)
         mcfg = ModelConfig.from_dir(model_dir)
         tokenizer = Tokenizer(model_dir, mcfg.eos_token_ids)

@@ -68,14 +68,14 @@ class DecoderLayer(nn.Module):
         self.gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down = nn.Linear(cfg.intermediate_size, h, bias=cfg.mlp_bias)
 
-    def forward(self, x, cos, sin, kv_layer, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x, cos, sin, kv, layer: int, meta: AttentionMetadata) -> torch.Tensor:
         cfg = self.cfg
         t = x.shape[0]
         q, k, v = self.qkv(self.input_norm(x)).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rope(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
         k = apply_rope(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
         v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
-        attn = paged_attention(q, k, v, kv_layer, meta, scale=cfg.head_dim ** -0.5)
+        attn = paged_attention(q, k, v, kv, layer, meta, scale=cfg.head_dim ** -0.5)
         x = x + self.o(attn.reshape(t, self.q_size))
         gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
@@ -99,7 +99,7 @@ class LlamaModel(nn.Module):
         x = self.embed(input_ids)
         cos, sin = freqs.cos().to(x.dtype), freqs.sin().to(x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv[:, i], meta)
+            x = layer(x, cos, sin, kv, i, meta)
         x = self.norm(x[logits_rows])
         return self.lm_head(x).float()
 

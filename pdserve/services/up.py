@@ -98,7 +98,7 @@ def up(args) -> int:
             redis_url = f"redis://127.0.0.1:{rport}/0"
         common = ["--model", args.model, "--served-model-name", args.served_model_name]
         eng = []
-        for flag in ("num_gpu_blocks", "max_num_seqs", "device", "dtype"):
+        for flag in ("num_gpu_blocks", "max_num_seqs", "device", "dtype", "threads"):
             v = getattr(args, flag)
             if v:
                 eng += ["--" + flag.replace("_", "-"), str(v)]
@@ -108,6 +108,8 @@ def up(args) -> int:
                   {"port": rt_port, "metrics_port": rt_metrics})
         roles = (["prefill"] * args.prefill + ["decode"] * args.decode) if args.mode == "disagg" \
             else ["both"] * args.workers
+        if not args.threads:  # split the host's cores between workers rather than oversubscribe them
+            eng += ["--threads", str(max(1, (os.cpu_count() or 1) // len(roles)))]
         for i, role in enumerate(roles):
             port, mport = free_port(), free_port()
             wid = f"{role}-{i}-{port}"

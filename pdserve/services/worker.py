@@ -179,6 +179,8 @@ def engine_config_from_env(args) -> EngineConfig:
         kw["device"] = args.device
     if getattr(args, "dtype", None):
         kw["dtype"] = args.dtype
+    if getattr(args, "threads", None):
+        kw["num_threads"] = args.threads
     return EngineConfig(**kw)
 
 
@@ -215,7 +217,9 @@ async def serve(args) -> None:
         with contextlib.suppress(Exception):
             await registry.deregister(worker_id)
     t_end = time.monotonic() + args.drain_timeout
-    while w.inflight and time.monotonic() < t_end:
+    # A prefill worker's requests outlive their RPC: their KV stays pinned under a lease until a decode worker
+    # pulls it. Wait for those pulls too (or the leases' own expiry), or a pull right after SIGTERM would fail.
+    while (w.inflight or len(w.prefill.leases)) and time.monotonic() < t_end:
         await asyncio.sleep(0.05)
     await server.stop(grace=1)
     await w.prefill.stop()

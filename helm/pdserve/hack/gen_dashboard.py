@@ -1,0 +1,87 @@
+"""Write dashboards/pdserve.json, the Grafana dashboard the chart ships (metrics.dashboard.enabled).
+
+Every query uses metrics that pdserve/services/metrics.py defines (tests/helm checks this).
+Run from the repository root: python helm/pdserve/hack/gen_dashboard.py
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parents[1] / "dashboards" / "pdserve.json"
+SEL = 'namespace="$namespace"'
+
+
+def q(h: str, metric: str, by: str = "") -> str:
+    grp = f"le{', ' + by if by else ''}"
+    return f"histogram_quantile({h}, sum by ({grp}) (rate({metric}_bucket{{{SEL}}}[$__rate_interval])))"
+
+
+PANELS = [
+    # (title, unit, [(expr, legend)])
+    ("TTFT (gateway)", "s", [(q("0.5", "pdserve_ttft_seconds", "mode"), "p50 {{mode}}"),
+                             (q("0.9", "pdserve_ttft_seconds", "mode"), "p90 {{mode}}"),
+                             (q("0.99", "pdserve_ttft_seconds", "mode"), "p99 {{mode}}")]),
+    ("ITL (gateway)", "s", [(q("0.5", "pdserve_itl_seconds", "mode"), "p50 {{mode}}"),
+                            (q("0.9", "pdserve_itl_seconds", "mode"), "p90 {{mode}}"),
+                            (q("0.99", "pdserve_itl_seconds", "mode"), "p99 {{mode}}")]),
+    ("TPOT (gateway)", "s", [(q("0.5", "pdserve_tpot_seconds", "mode"), "p50 {{mode}}"),
+                             (q("0.9", "pdserve_tpot_seconds", "mode"), "p90 {{mode}}")]),
+    ("End-to-end latency (gateway)", "s", [(q("0.5", "pdserve_e2e_seconds", "mode"), "p50 {{mode}}"),
+                                           (q("0.9", "pdserve_e2e_seconds", "mode"), "p90 {{mode}}")]),
+    ("Request rate by terminal state", "reqps",
+     [(f"sum by (state) (rate(pdserve_requests_terminal_total{{{SEL},service=~\".*-gateway\"}}[$__rate_interval]))",
+       "{{state}}")]),
+    ("Rejections by reason", "reqps",
+     [(f"sum by (reason) (rate(pdserve_rejections_total{{{SEL}}}[$__rate_interval]))", "{{reason}}")]),
+    ("Router placements", "reqps",
+     [(f"sum by (mode) (rate(pdserve_routed_total{{{SEL}}}[$__rate_interval]))", "{{mode}}")]),
+    ("Queue time (engine arrival -> scheduled)", "s",
+     [(q("0.9", "pdserve_queue_time_seconds", "role"), "p90 {{role}}")]),
+    ("Prefill time (scheduled -> first token)", "s",
+     [(q("0.9", "pdserve_prefill_time_seconds", "role"), "p90 {{role}}")]),
+    ("Waiting requests per pod", "short", [(f"pdserve_num_waiting{{{SEL}}}", "{{pod}}")]),
+    ("Running requests per pod", "short", [(f"pdserve_num_running{{{SEL}}}", "{{pod}}")]),
+    ("KV usage per pod", "percentunit",
+     [(f"pdserve_kv_blocks_in_use{{{SEL}}} / clamp_min(pdserve_kv_blocks_total{{{SEL}}}, 1)", "{{pod}}")]),
+    ("KV blocks pinned for transfer (prefill)", "short", [(f"pdserve_kv_blocks_pinned{{{SEL}}}", "{{pod}}")]),
+    ("Prefix cache hit ratio", "percentunit", [(f"pdserve_prefix_hit_ratio{{{SEL}}}", "{{pod}}")]),
+    ("KV transfer time (one batched NIXL READ)", "s",
+     [(q("0.5", "pdserve_kv_transfer_seconds"), "p50"), (q("0.9", "pdserve_kv_transfer_seconds"), "p90")]),
+    ("KV transfer throughput", "Bps",
+     [(f"sum by (pod) (rate(pdserve_kv_transfer_bytes_total{{{SEL}}}[$__rate_interval]))", "{{pod}}")]),
+    ("KV transfer failures / lease expiries", "short",
+     [(f"sum by (reason) (increase(pdserve_kv_transfer_failures_total{{{SEL}}}[$__rate_interval]))",
+       "failed {{reason}}"),
+      (f"sum (increase(pdserve_kv_leases_expired_total{{{SEL}}}[$__rate_interval]))", "leases expired")]),
+]
+
+
+def build() -> dict:
+    panels = []
+    for i, (title, unit, targets) in enumerate(PANELS):
+        panels.append({
+            "id": i + 1, "type": "timeseries", "title": title,
+            "datasource": {"type": "prometheus", "uid": "${datasource}"},
+            "gridPos": {"h": 8, "w": 12, "x": (i % 2) * 12, "y": (i // 2) * 8},
+            "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+            "targets": [{"refId": chr(ord("A") + j), "expr": e, "legendFormat": lg}
+                        for j, (e, lg) in enumerate(targets)],
+        })
+    return {
+        "title": "pdserve", "uid": "pdserve", "schemaVersion": 39, "version": 1, "editable": True,
+        "time": {"from": "now-1h", "to": "now"}, "refresh": "30s", "tags": ["pdserve", "llm"],
+        "templating": {"list": [
+            {"name": "datasource", "type": "datasource", "query": "prometheus", "label": "Data source"},
+            {"name": "namespace", "type": "query", "label": "Namespace",
+             "datasource": {"type": "prometheus", "uid": "${datasource}"},
+             "query": "label_values(pdserve_kv_blocks_total, namespace)", "refresh": 2},
+        ]},
+        "panels": panels,
+    }
+
+
+if __name__ == "__main__":
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps(build(), indent=1) + "\n")
+    print(f"wrote {OUT}")

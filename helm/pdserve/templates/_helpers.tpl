@@ -1,0 +1,221 @@
+{{/* Names and labels */}}
+{{- define "pdserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "pdserve.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pdserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "pdserve.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "pdserve.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{ include "pdserve.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{/* component selector labels: (dict "ctx" $ "component" "gateway") */}}
+{{- define "pdserve.componentSelector" -}}
+{{ include "pdserve.selectorLabels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "pdserve.componentLabels" -}}
+{{ include "pdserve.labels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "pdserve.image" -}}
+{{ printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end -}}
+
+{{- define "pdserve.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "pdserve.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Worker pools of the selected mode, as a space-separated list of values keys */}}
+{{- define "pdserve.pools" -}}
+{{- if eq .Values.mode "colocated" -}}worker{{- else -}}prefill decode{{- end -}}
+{{- end -}}
+
+{{- define "pdserve.poolRole" -}}
+{{- if eq . "worker" -}}both{{- else -}}{{ . }}{{- end -}}
+{{- end -}}
+
+{{/* Model: the path passed as --model, and the name every component registers under */}}
+{{- define "pdserve.modelPath" -}}
+{{- if eq .Values.model.source "builtin" -}}
+builtin
+{{- else if .Values.model.subPath -}}
+{{ printf "%s/%s" (trimSuffix "/" .Values.model.mountPath) (trimPrefix "/" .Values.model.subPath) }}
+{{- else -}}
+{{ .Values.model.mountPath }}
+{{- end -}}
+{{- end -}}
+
+{{- define "pdserve.servedModelName" -}}
+{{- if .Values.model.servedModelName -}}
+{{ .Values.model.servedModelName }}
+{{- else -}}
+{{ include "pdserve.modelPath" . | trimSuffix "/" | base }}
+{{- end -}}
+{{- end -}}
+
+{{/* Model volume, mount and init container (nothing for builtin) */}}
+{{- define "pdserve.modelVolume" -}}
+{{- $m := .Values.model -}}
+{{- if eq $m.source "pvc" }}
+- name: model
+  persistentVolumeClaim:
+    claimName: {{ required "model.pvc.claimName is required with model.source=pvc" $m.pvc.claimName }}
+    readOnly: {{ $m.pvc.readOnly }}
+{{- else if eq $m.source "hostPath" }}
+- name: model
+  hostPath:
+    path: {{ required "model.hostPath.path is required with model.source=hostPath" $m.hostPath.path }}
+    type: {{ $m.hostPath.type }}
+{{- else if eq $m.source "download" }}
+{{- if eq $m.download.volume.type "pvc" }}
+- name: model
+  persistentVolumeClaim:
+    claimName: {{ required "model.download.volume.claimName is required with volume.type=pvc" $m.download.volume.claimName }}
+{{- else }}
+- name: model
+  emptyDir:
+    sizeLimit: {{ $m.download.volume.sizeLimit }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "pdserve.modelMount" -}}
+{{- if ne .Values.model.source "builtin" }}
+- name: model
+  mountPath: {{ .Values.model.mountPath }}
+  readOnly: {{ ne .Values.model.source "download" }}
+{{- end }}
+{{- end -}}
+
+{{- define "pdserve.modelInit" -}}
+{{- $m := .Values.model -}}
+{{- if eq $m.source "download" }}
+- name: fetch-model
+  image: {{ $m.download.image }}
+  imagePullPolicy: IfNotPresent
+  command:
+    {{- toYaml $m.download.command | nindent 4 }}
+  env:
+    - name: MODEL_URL
+      value: {{ required "model.download.url is required with model.source=download" $m.download.url | quote }}
+    - name: MODEL_DIR
+      value: {{ include "pdserve.modelPath" . | quote }}
+    {{- with $m.download.env }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  {{- with $m.download.envFrom }}
+  envFrom:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $m.download.resources }}
+  resources:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  volumeMounts:
+    - name: model
+      mountPath: {{ $m.mountPath }}
+{{- end }}
+{{- end -}}
+
+{{/* Redis URL env (the URL carries credentials, so an external one always comes from a Secret) */}}
+{{- define "pdserve.redisSecretName" -}}
+{{- if .Values.redis.external.existingSecret -}}
+{{ .Values.redis.external.existingSecret }}
+{{- else -}}
+{{ include "pdserve.fullname" . }}-redis-url
+{{- end -}}
+{{- end -}}
+
+{{- define "pdserve.redisEnv" -}}
+- name: PDSERVE_REDIS_URL
+{{- if .Values.redis.enabled }}
+  value: {{ printf "redis://%s-redis:%d/0" (include "pdserve.fullname" .) (int .Values.redis.port) | quote }}
+{{- else }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "pdserve.redisSecretName" . }}
+      key: {{ if .Values.redis.external.existingSecret }}{{ .Values.redis.external.existingSecretKey }}{{ else }}redis-url{{ end }}
+{{- end }}
+{{- end -}}
+
+{{- define "pdserve.commonEnv" -}}
+- name: PDSERVE_LOG_LEVEL
+  value: INFO
+- name: PDSERVE_SERVED_MODEL_NAME
+  value: {{ include "pdserve.servedModelName" . | quote }}
+{{- end -}}
+
+{{/* Pod-level scheduling keys: (dict "v" $poolValues) */}}
+{{- define "pdserve.scheduling" -}}
+{{- with .v.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .v.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .v.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .v.topologySpreadConstraints }}
+topologySpreadConstraints:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{- define "pdserve.podCommon" -}}
+serviceAccountName: {{ include "pdserve.serviceAccountName" . }}
+{{- /* Service links would inject e.g. PDSERVE_PORT=tcp://... for a Service named "pdserve", which every
+       pdserve flag reads as its default (PDSERVE_<FLAG>): never inject them. */}}
+enableServiceLinks: false
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.podSecurityContext }}
+securityContext:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* Worker grace period: drain timeout + time to stop gRPC, the engine and NIXL */}}
+{{- define "pdserve.workerGrace" -}}
+{{- if .terminationGracePeriodSeconds -}}
+{{ int .terminationGracePeriodSeconds }}
+{{- else -}}
+{{ add (int .drainTimeout) 15 }}
+{{- end -}}
+{{- end -}}
+
+{{/* gRPC service names the health checks ask for (SERVING only once the component is ready) */}}
+{{- define "pdserve.workerHealthService" -}}pdserve.v1.Worker{{- end -}}
+{{- define "pdserve.routerHealthService" -}}pdserve.v1.Router{{- end -}}
+{{- define "pdserve.gatewayHealthService" -}}pdserve.v1.Gateway{{- end -}}

@@ -1,0 +1,149 @@
+"""Render helm/pdserve with the real Helm engine (helm-python-sdk: Helm's Go SDK behind a C ABI, in a PyPI wheel;
+no helm binary, no cluster) and helpers shared by the chart tests."""
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+helm = pytest.importorskip("helm_python", reason="helm-python-sdk (pyproject test extra) renders the chart")
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "pdserve"
+RELEASE, NAMESPACE = "rel", "llm"
+FULL = f"{RELEASE}-pdserve"
+
+# Values for the scenarios the issue names (plus the other switches), each rendered, linted and validated.
+GPU_SCHED = {
+    "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
+        "weight": 100, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
+                                           "labelSelector": {"matchLabels": {"app.kubernetes.io/component": "decode"}}}}]}},
+    "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
+                                   "whenUnsatisfiable": "ScheduleAnyway",
+                                   "labelSelector": {"matchLabels": {"app.kubernetes.io/instance": RELEASE}}}],
+}
+SCENARIOS: dict[str, dict] = {
+    "defaults": {},
+    "disagg_hpa": {
+        "prefill": {"replicas": 2, "autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 6}},
+        "decode": {"replicas": 3, "autoscaling": {"enabled": True, "maxReplicas": 12,
+                                                  "targets": {"queueDepth": 8}}},
+        "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "kps"}},
+                    "dashboard": {"enabled": True}},
+        "networkPolicy": {"enabled": True,
+                          "metricsFrom": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]},
+    },
+    "disagg_keda": {
+        "autoscaling": {"provider": "keda"},
+        "prefill": {"autoscaling": {"enabled": True}},
+        "decode": {"autoscaling": {"enabled": True}},
+        "metrics": {"serviceMonitor": {"enabled": True}},
+    },
+    "colocated": {
+        "mode": "colocated",
+        "worker": {"replicas": 2, "autoscaling": {"enabled": True, "maxReplicas": 4}},
+        "model": {"source": "pvc", "pvc": {"claimName": "llama-weights"}, "subPath": "Llama-3.1-8B-Instruct"},
+        "networkPolicy": {"enabled": True},
+    },
+    "external_redis": {
+        "redis": {"enabled": False, "external": {"url": "rediss://:s3cret@redis.example.internal:6380/2"}},
+    },
+    "external_redis_secret": {
+        "redis": {"enabled": False, "external": {"existingSecret": "team-redis", "existingSecretKey": "url"}},
+        "model": {"source": "hostPath", "hostPath": {"path": "/mnt/models/qwen2"}, "servedModelName": "qwen"},
+    },
+    "gpu": {
+        "workers": {"gpuResourceName": "nvidia.com/gpu", "dtype": "bfloat16",
+                    "shm": {"sizeLimit": "32Gi"},
+                    "rdma": {"enabled": True, "resources": {"rdma/ib": 1, "nvidia.com/hostdev": 2},
+                             "podAnnotations": {"k8s.v1.cni.cncf.io/networks": "rdma-net"}},
+                    "extraEnv": [{"name": "UCX_TLS", "value": "rc,cuda_copy,cuda_ipc"}]},
+        "prefill": {"gpus": 2, "numGpuBlocks": 4096, "maxNumSeqs": 64, **GPU_SCHED},
+        "decode": {"gpus": 1, "drainTimeout": 60, "priorityClassName": "inference", **GPU_SCHED},
+        "model": {"source": "download", "download": {"url": "s3:models/llama", "envFrom": [
+            {"secretRef": {"name": "model-store"}}]}, "subPath": "llama"},
+        "gateway": {"apiKeys": {"enabled": True, "keys": ["sk-one", "sk-two"]}, "replicas": 2,
+                    "service": {"type": "LoadBalancer"}},
+    },
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _render_json(values_json: str) -> dict[str, str]:
+    with helm.Chart.load(str(CHART)) as chart:
+        return chart.render(json.loads(values_json), name=RELEASE, namespace=NAMESPACE, is_install=True)
+
+
+def render(values: dict | None = None) -> dict[str, str]:
+    """template path -> rendered text (NOTES.txt included)."""
+    return _render_json(json.dumps(values or {}, sort_keys=True))
+
+
+def objects(values: dict | None = None) -> list[dict]:
+    out = []
+    for path, text in sorted(render(values).items()):
+        if path.endswith("NOTES.txt"):
+            continue
+        for doc in yaml.safe_load_all(text):
+            if doc:
+                out.append(doc)
+    return out
+
+
+def by_kind(objs: list[dict], kind: str) -> dict[str, dict]:
+    return {o["metadata"]["name"]: o for o in objs if o["kind"] == kind}
+
+
+def pod_template(obj: dict) -> dict:
+    return obj["spec"]["template"]["spec"]
+
+
+def container_env(container: dict) -> dict[str, str]:
+    """The env a container would see, with stand-ins for downward-API / Secret references."""
+    env = {}
+    for e in container.get("env", []):
+        if "value" in e:
+            env[e["name"]] = str(e["value"])
+        else:
+            src = e["valueFrom"]
+            if "fieldRef" in src:
+                env[e["name"]] = {"status.podIP": "10.1.2.3", "metadata.name": "pod-0"}[src["fieldRef"]["fieldPath"]]
+            elif "secretKeyRef" in src:
+                env[e["name"]] = f"secret:{src['secretKeyRef']['name']}/{src['secretKeyRef']['key']}"
+            else:
+                raise AssertionError(f"unexpected env source {src}")
+    return env
+
+
+# Flags the chart passes behind a values switch that land in pdserve from other work: {flag: where}.
+PENDING_FLAGS = {"--api-keys-file": "gateway admission (branch admission)"}
+
+
+def parse_pdserve(container: dict, monkeypatch, pending: list | None = None) -> "object":
+    """Run a rendered container's command line through pdserve's own parser, with the container's env applied
+    (every flag's default is read from PDSERVE_<FLAG> when the parser is built). A PENDING_FLAGS flag the parser
+    does not know yet is taken out (with its value) and reported in `pending`."""
+    from pdserve.cli import build_parser
+
+    assert container["command"] == ["pdserve"], container["command"]
+    for k in [k for k in os.environ if k.startswith("PDSERVE_")]:
+        monkeypatch.delenv(k)
+    for k, v in container_env(container).items():
+        monkeypatch.setenv(k, v)
+    parser = build_parser()
+    args = [str(a) for a in container["args"]]
+    sub = parser._subparsers._group_actions[0].choices[args[0]]  # noqa: SLF001 - the subcommand's own parser
+    known = set(sub._option_string_actions)  # noqa: SLF001
+    for flag in PENDING_FLAGS:
+        if flag in args and flag not in known:
+            i = args.index(flag)
+            del args[i:i + 2]
+            if pending is not None:
+                pending.append(flag)
+    return parser.parse_args(args)

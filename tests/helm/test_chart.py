@@ -1,0 +1,463 @@
+"""helm/pdserve rendered by the real Helm engine: lint, Kubernetes API schema validation (offline), every container
+command through pdserve's own argument parser, and every metric the autoscalers / dashboard use is one the
+services export."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import yaml
+
+from tests.helm._chart import (CHART, FULL, NAMESPACE, PENDING_FLAGS, SCENARIOS, by_kind, container_env, helm,
+                               objects, parse_pdserve, pod_template, render)
+
+kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate (pyproject test extra) bundles the "
+                                                       "Kubernetes API JSON schemas")
+
+# Oldest Kubernetes the chart supports (Chart.yaml kubeVersion; gRPC probes are GA in 1.27) and the newest
+# schema kubernetes-validate ships.
+KUBE_VERSIONS = ["1.27.0", kv.utils.latest_version()]
+
+# CRDs have no schema in the Kubernetes API; these pin the fields the chart uses to the CRDs' own (KEDA v2
+# ScaledObject, prometheus-operator v1 ServiceMonitor), unknown fields refused.
+_OBJ = {"type": "object"}
+CRD_SCHEMAS = {
+    ("keda.sh/v1alpha1", "ScaledObject"): {
+        "type": "object", "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {"apiVersion": {}, "kind": {}, "metadata": _OBJ, "spec": {
+            "type": "object", "additionalProperties": False, "required": ["scaleTargetRef", "triggers"],
+            "properties": {
+                "scaleTargetRef": {"type": "object", "required": ["name"], "additionalProperties": False,
+                                   "properties": {"apiVersion": {"type": "string"}, "kind": {"type": "string"},
+                                                  "name": {"type": "string"}}},
+                "minReplicaCount": {"type": "integer"}, "maxReplicaCount": {"type": "integer"},
+                "pollingInterval": {"type": "integer"}, "cooldownPeriod": {"type": "integer"},
+                "advanced": {"type": "object", "additionalProperties": False, "properties": {
+                    "horizontalPodAutoscalerConfig": {"type": "object", "additionalProperties": False,
+                                                      "properties": {"behavior": _OBJ, "name": {"type": "string"}}},
+                    "restoreToOriginalReplicaCount": {"type": "boolean"}}},
+                "triggers": {"type": "array", "minItems": 1, "items": {
+                    "type": "object", "additionalProperties": False, "required": ["type", "metadata"],
+                    "properties": {"type": {"const": "prometheus"}, "name": {"type": "string"},
+                                   "metricType": {"enum": ["AverageValue", "Value", "Utilization"]},
+                                   "metadata": {"type": "object", "required": ["serverAddress", "query", "threshold"],
+                                                "additionalProperties": {"type": "string"}}}}}}}}},
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): {
+        "type": "object", "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {"apiVersion": {}, "kind": {}, "metadata": _OBJ, "spec": {
+            "type": "object", "additionalProperties": False, "required": ["selector", "endpoints"],
+            "properties": {"selector": _OBJ, "namespaceSelector": {
+                "type": "object", "additionalProperties": False,
+                "properties": {"matchNames": {"type": "array", "items": {"type": "string"}}, "any": {"type": "boolean"}}},
+                "endpoints": {"type": "array", "items": {
+                    "type": "object", "additionalProperties": False,
+                    "properties": {"port": {"type": "string"}, "path": {"type": "string"},
+                                   "interval": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"}}}}}}}},
+}
+
+
+def exported_metric_names() -> set[str]:
+    """Sample names the services expose, straight from pdserve/services/metrics.py."""
+    from prometheus_client.metrics import MetricWrapperBase
+
+    import pdserve.services.metrics as M
+    names = set()
+    for m in vars(M).values():
+        if isinstance(m, MetricWrapperBase):
+            if m._type == "histogram":
+                names |= {m._name + "_bucket", m._name + "_sum", m._name + "_count"}
+            elif m._type == "counter":
+                names.add(m._name + "_total")
+            else:
+                names.add(m._name)
+    return names
+
+
+def promql_metrics(expr: str) -> set[str]:
+    return set(re.findall(r"\bpdserve_[a-z0-9_]+\b", expr))
+
+
+# ---- render, lint, validate ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_lint_clean(scenario):
+    rep = helm.lint(str(CHART), SCENARIOS[scenario], strict=True, namespace=NAMESPACE, kube_version="v1.30.0")
+    bad = [m for m in rep["messages"] if m["severity"] >= 2]
+    assert not rep["errors"] and not bad, rep
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_objects_validate_against_kubernetes_schema(scenario):
+    import jsonschema
+
+    objs = objects(SCENARIOS[scenario])
+    seen = set()
+    for o in objs:
+        key = (o["kind"], o["metadata"]["name"])
+        assert key not in seen, f"duplicate {key}"
+        seen.add(key)
+        assert len(o["metadata"]["name"]) <= 63
+        crd = CRD_SCHEMAS.get((o["apiVersion"], o["kind"]))
+        if crd is not None:
+            jsonschema.validate(o, crd)
+            continue
+        for v in KUBE_VERSIONS:
+            try:
+                kv.validate(o, v, strict=True)
+            except kv.ValidationError as e:
+                raise AssertionError(f"{key} against {v}: {'.'.join(map(str, e.path))}: {e.message}") from None
+    kinds = {o["kind"] for o in objs}
+    assert {"Deployment", "Service", "PodDisruptionBudget", "ServiceAccount"} <= kinds
+
+
+def test_values_schema_refuses_bad_values():
+    for bad in ({"mode": "split"}, {"prefil": {"replicas": 2}}, {"decode": {"replicas": -1}},
+                {"model": {"source": "s3"}}, {"decode": {"autoscaling": {"targets": {"kvUsageRatio": 1.5}}}},
+                {"autoscaling": {"provider": "hpa"}}, {"redis": {"external": {"url": "http://x"}}}):
+        with pytest.raises(helm.HelmError):
+            render(bad)
+    with pytest.raises(helm.HelmError, match="claimName"):
+        render({"model": {"source": "pvc"}})
+    with pytest.raises(helm.HelmError, match="redis.external.url"):
+        render({"redis": {"enabled": False}})
+    with pytest.raises(helm.HelmError, match="at least one target"):
+        render({"prefill": {"autoscaling": {"enabled": True, "targets": {"queueDepth": None, "ttftP90Seconds": None}}}})
+
+
+# ---- commands ----------------------------------------------------------------------------------------------------
+
+def _pdserve_containers(objs):
+    for o in objs:
+        if o["kind"] in ("Deployment", "StatefulSet"):
+            for c in pod_template(o)["containers"]:
+                if c.get("command") == ["pdserve"]:
+                    yield o, c
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_every_command_is_one_pdserve_accepts(scenario, monkeypatch):
+    from pdserve.cli import _default_served_name
+
+    vals = SCENARIOS[scenario]
+    objs = objects(vals)
+    svcs = by_kind(objs, "Service")
+    parsed = {}
+    for o, c in _pdserve_containers(objs):
+        pending: list = []
+        a = parse_pdserve(c, monkeypatch, pending)
+        parsed[o["metadata"]["name"]] = a
+        assert a.host == "0.0.0.0"
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        # the model path is mounted (or the builtin model needs nothing)
+        mounts = {m["mountPath"] for m in c.get("volumeMounts", [])}
+        assert a.model == "builtin" or any(a.model.startswith(m) for m in mounts), (a.model, mounts)
+        if a.command == "gateway":
+            assert (a.port, a.grpc_port) == (ports["http"], ports["grpc"])
+            host, port = a.router.rsplit(":", 1)
+            router_svc = svcs[host]
+            assert int(port) in {p["port"] for p in router_svc["spec"]["ports"]}
+            assert pending == (["--api-keys-file"] if vals.get("gateway", {}).get("apiKeys", {}).get("enabled")
+                               and "--api-keys-file" in PENDING_FLAGS else [])
+        elif a.command in ("router", "worker"):
+            assert (a.port, a.metrics_port) == (ports["grpc"], ports["metrics"])
+            env = container_env(c)
+            if vals.get("redis", {}).get("enabled", True):
+                assert a.redis_url == f"redis://{FULL}-redis:6379/0" and f"{FULL}-redis" in svcs
+            else:
+                assert a.redis_url.startswith("secret:") and a.redis_url == env["PDSERVE_REDIS_URL"]
+            if a.command == "worker":
+                assert a.advertise_host == "10.1.2.3" and a.worker_id == "pod-0"  # pod IP, pod name
+                pool = o["metadata"]["name"].removeprefix(FULL + "-")
+                assert a.role == {"worker": "both"}.get(pool, pool)
+                pv = vals.get(pool, {})
+                assert a.drain_timeout == pv.get("drainTimeout", 30)
+                assert a.num_gpu_blocks == pv.get("numGpuBlocks")
+        else:
+            raise AssertionError(a.command)
+    # every component registers / routes under one model name (the Redis keys are pdserve:{model}:...)
+    names = {a.served_model_name for a in parsed.values()}
+    model = parsed[f"{FULL}-gateway"].model
+    assert names == {vals.get("model", {}).get("servedModelName") or _default_served_name(model)}, names
+    roles = sorted(a.role for a in parsed.values() if a.command == "worker")
+    assert roles == (["both"] if vals.get("mode") == "colocated" else ["decode", "prefill"])
+    assert {a.command for a in parsed.values()} == {"gateway", "router", "worker"}
+
+
+def test_service_links_off_because_they_collide_with_pdserve_env(monkeypatch):
+    """A Service named `pdserve` would inject PDSERVE_PORT=tcp://..., which every pdserve parser reads as --port."""
+    from pdserve.cli import build_parser
+
+    monkeypatch.setenv("PDSERVE_PORT", "tcp://10.0.0.1:8000")
+    with pytest.raises(ValueError):
+        build_parser()
+    for scenario, vals in SCENARIOS.items():
+        for o in objects(vals):
+            if o["kind"] in ("Deployment", "StatefulSet"):
+                assert pod_template(o)["enableServiceLinks"] is False, (scenario, o["metadata"]["name"])
+
+
+# ---- pools, resources, probes, drain ----------------------------------------------------------------------------
+
+def test_pools_follow_mode():
+    d = by_kind(objects(), "Deployment")
+    assert set(d) == {f"{FULL}-{c}" for c in ("gateway", "router", "prefill", "decode")}
+    c = by_kind(objects(SCENARIOS["colocated"]), "Deployment")
+    assert set(c) == {f"{FULL}-{c}" for c in ("gateway", "router", "worker")}
+    assert c[f"{FULL}-worker"]["spec"]["template"]["metadata"]["labels"]["pdserve.io/role"] == "both"
+    # replicas are per pool; an autoscaled pool leaves replicas to its HPA
+    d = by_kind(objects({"prefill": {"replicas": 3}, "decode": {"replicas": 5}}), "Deployment")
+    assert d[f"{FULL}-prefill"]["spec"]["replicas"] == 3 and d[f"{FULL}-decode"]["spec"]["replicas"] == 5
+    h = by_kind(objects(SCENARIOS["disagg_hpa"]), "Deployment")
+    assert "replicas" not in h[f"{FULL}-prefill"]["spec"]
+
+
+def test_gpu_rdma_shm_and_scheduling():
+    vals = SCENARIOS["gpu"]
+    d = by_kind(objects(vals), "Deployment")
+    pre, dec = d[f"{FULL}-prefill"], d[f"{FULL}-decode"]
+    for dep, gpus in ((pre, 2), (dec, 1)):
+        spec = pod_template(dep)
+        c = spec["containers"][0]
+        for k in ("limits", "requests"):
+            assert c["resources"][k]["nvidia.com/gpu"] == gpus
+            assert c["resources"][k]["rdma/ib"] == 1 and c["resources"][k]["nvidia.com/hostdev"] == 2
+        assert c["resources"]["limits"]["memory"] == "64Gi"
+        assert "IPC_LOCK" in c["securityContext"]["capabilities"]["add"]
+        shm = next(v for v in spec["volumes"] if v["name"] == "dshm")
+        assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "32Gi"}
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+        for k in ("nodeSelector", "tolerations", "affinity", "topologySpreadConstraints"):
+            assert spec[k] == GPU_SCHED_EXPECTED[k]
+        assert dep["spec"]["template"]["metadata"]["annotations"]["k8s.v1.cni.cncf.io/networks"] == "rdma-net"
+        assert {"name": "UCX_TLS", "value": "rc,cuda_copy,cuda_ipc"} in c["env"]
+        # model downloaded by an init container into the volume --model points at
+        init = spec["initContainers"][0]
+        assert {"name": "MODEL_DIR", "value": "/models/llama"} in init["env"]
+        assert init["envFrom"] == [{"secretRef": {"name": "model-store"}}]
+    assert pod_template(dec)["priorityClassName"] == "inference"
+    assert pod_template(dec)["terminationGracePeriodSeconds"] == 75  # drainTimeout 60 + 15
+    # defaults: one GPU each, none for gateway/router; rdma off
+    d = by_kind(objects(), "Deployment")
+    assert pod_template(d[f"{FULL}-decode"])["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert "securityContext" not in pod_template(d[f"{FULL}-decode"])["containers"][0]
+    for comp in ("gateway", "router"):
+        assert "nvidia.com/gpu" not in json.dumps(d[f"{FULL}-{comp}"])
+    cpu = by_kind(objects({"workers": {"device": "cpu"}, "prefill": {"gpus": 0}}), "Deployment")
+    assert "nvidia.com/gpu" not in json.dumps(cpu[f"{FULL}-prefill"])
+
+
+GPU_SCHED_EXPECTED = __import__("tests.helm._chart", fromlist=["GPU_SCHED"]).GPU_SCHED
+
+
+def test_probes_ask_the_services_own_health_names():
+    from pdserve.services.grpc_util import GATEWAY_SERVICE, ROUTER_SERVICE, WORKER_SERVICE
+
+    d = by_kind(objects(), "Deployment")
+    w = pod_template(d[f"{FULL}-decode"])["containers"][0]
+    assert w["startupProbe"]["grpc"] == {"port": 7100, "service": WORKER_SERVICE}
+    assert w["readinessProbe"]["grpc"] == {"port": 7100, "service": WORKER_SERVICE}
+    assert "tcpSocket" in w["livenessProbe"]  # a draining worker is NOT_SERVING, not dead
+    r = pod_template(d[f"{FULL}-router"])["containers"][0]
+    assert r["readinessProbe"]["grpc"]["service"] == ROUTER_SERVICE
+    g = pod_template(d[f"{FULL}-gateway"])["containers"][0]
+    assert g["livenessProbe"]["grpc"] == {"port": 50051, "service": GATEWAY_SERVICE}
+    assert g["readinessProbe"]["httpGet"]["path"] == "/v1/models"
+    g = pod_template(by_kind(objects({"gateway": {"readinessRequiresWorkers": True}}), "Deployment")[
+        f"{FULL}-gateway"])["containers"][0]
+    assert g["readinessProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_named_health_service_is_not_serving_until_set():
+    """Why the probes name the service: grpc's HealthServicer answers SERVING for "" from the start, while a named
+    service is NOT_FOUND until the worker calls set_serving (after the model is loaded and it registered)."""
+    import asyncio
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from pdserve.services.grpc_util import WORKER_SERVICE, channel, make_server, set_serving
+    from pdserve.services.up import free_port
+
+    async def main():
+        server, hs = make_server([WORKER_SERVICE])
+        port = free_port()
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        try:
+            stub = health_pb2_grpc.HealthStub(channel(f"127.0.0.1:{port}"))
+            chk = lambda s: stub.Check(health_pb2.HealthCheckRequest(service=s), timeout=5)  # noqa: E731
+            assert (await chk("")).status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await chk(WORKER_SERVICE)
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND
+            await set_serving(hs, [WORKER_SERVICE], True)
+            assert (await chk(WORKER_SERVICE)).status == health_pb2.HealthCheckResponse.SERVING
+            await set_serving(hs, [WORKER_SERVICE], False)
+            assert (await chk(WORKER_SERVICE)).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        finally:
+            await server.stop(0)
+
+    asyncio.run(main())
+
+
+def test_pdbs_and_grace_periods():
+    objs = objects()
+    pdbs = by_kind(objs, "PodDisruptionBudget")
+    assert set(pdbs) == {f"{FULL}-{c}" for c in ("gateway", "router", "prefill", "decode")}
+    d = by_kind(objs, "Deployment")
+    for pool in ("prefill", "decode"):
+        assert pdbs[f"{FULL}-{pool}"]["spec"]["selector"]["matchLabels"] == \
+            d[f"{FULL}-{pool}"]["spec"]["selector"]["matchLabels"]
+        assert pod_template(d[f"{FULL}-{pool}"])["terminationGracePeriodSeconds"] == 45  # drain 30 + 15
+        assert d[f"{FULL}-{pool}"]["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+
+
+# ---- redis, model ------------------------------------------------------------------------------------------------
+
+def test_redis_bundled_or_external():
+    objs = objects()
+    ss = by_kind(objs, "StatefulSet")[f"{FULL}-redis"]
+    args = pod_template(ss)["containers"][0]["args"]
+    assert args[args.index("--save") + 1] == "" and args[args.index("--appendonly") + 1] == "no"
+    assert not by_kind(objs, "Secret")
+
+    ext = objects(SCENARIOS["external_redis"])
+    assert not by_kind(ext, "StatefulSet")
+    sec = by_kind(ext, "Secret")[f"{FULL}-redis-url"]
+    assert sec["stringData"]["redis-url"] == "rediss://:s3cret@redis.example.internal:6380/2"
+    for name in (f"{FULL}-router", f"{FULL}-prefill", f"{FULL}-decode"):
+        env = pod_template(by_kind(ext, "Deployment")[name])["containers"][0]["env"]
+        ref = next(e for e in env if e["name"] == "PDSERVE_REDIS_URL")["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": f"{FULL}-redis-url", "key": "redis-url"}
+    assert "s3cret" not in json.dumps(by_kind(ext, "Deployment"))
+
+    own = objects(SCENARIOS["external_redis_secret"])
+    assert not by_kind(own, "Secret") and not by_kind(own, "StatefulSet")
+    env = pod_template(by_kind(own, "Deployment")[f"{FULL}-router"])["containers"][0]["env"]
+    assert next(e for e in env if e["name"] == "PDSERVE_REDIS_URL")["valueFrom"]["secretKeyRef"] == \
+        {"name": "team-redis", "key": "url"}
+
+
+@pytest.mark.parametrize("source,vol_key", [("pvc", "persistentVolumeClaim"), ("hostPath", "hostPath"),
+                                            ("download", "emptyDir")])
+def test_model_sources(source, vol_key):
+    vals = {"model": {"source": source, "subPath": "m", "pvc": {"claimName": "c"}, "hostPath": {"path": "/w"},
+                      "download": {"url": "s3:b/m"}}}
+    d = by_kind(objects(vals), "Deployment")
+    for name in (f"{FULL}-gateway", f"{FULL}-prefill", f"{FULL}-decode"):
+        spec = pod_template(d[name])
+        vol = next(v for v in spec["volumes"] if v["name"] == "model")
+        assert vol_key in vol
+        c = spec["containers"][0]
+        assert c["args"][c["args"].index("--model") + 1] == "/models/m"
+        assert {"name": "model", "mountPath": "/models", "readOnly": source != "download"} in c["volumeMounts"]
+        assert ("initContainers" in spec) == (source == "download")
+    # builtin: no volume, no init container (router never needs the model)
+    d = by_kind(objects(), "Deployment")
+    for name, dep in d.items():
+        spec = pod_template(dep)
+        assert "initContainers" not in spec and all(v["name"] != "model" for v in spec.get("volumes", []))
+
+
+def test_api_keys_secret():
+    objs = objects(SCENARIOS["gpu"])
+    sec = by_kind(objs, "Secret")[f"{FULL}-api-keys"]
+    assert sec["stringData"]["api-keys"].split() == ["sk-one", "sk-two"]
+    g = pod_template(by_kind(objs, "Deployment")[f"{FULL}-gateway"])
+    assert g["containers"][0]["args"][-2:] == ["--api-keys-file", "/etc/pdserve/api-keys/api-keys"]
+    assert next(v for v in g["volumes"] if v["name"] == "api-keys")["secret"]["secretName"] == f"{FULL}-api-keys"
+    own = objects({"gateway": {"apiKeys": {"enabled": True, "existingSecret": "keys"}}})
+    assert not by_kind(own, "Secret")
+
+
+# ---- autoscaling and metrics -------------------------------------------------------------------------------------
+
+def _adapter_rules(objs) -> dict:
+    cm = by_kind(objs, "ConfigMap")[f"{FULL}-prometheus-adapter-rules"]
+    return yaml.safe_load(cm["data"]["rules.yaml"])
+
+
+def test_hpa_metrics_are_exported_via_adapter_rules():
+    exported = exported_metric_names()
+    objs = objects(SCENARIOS["disagg_hpa"])
+    rules = _adapter_rules(objs)
+    served = {}  # adapter metric name -> (kind, metrics its query reads)
+    for kind, key in (("Pods", "rules"), ("External", "externalRules")):
+        for r in rules[key]:
+            used = promql_metrics(r["seriesQuery"]) | promql_metrics(r["metricsQuery"])
+            if "<<.Series>>" in r["metricsQuery"]:
+                used |= promql_metrics(r["seriesQuery"])
+            assert used and used <= exported, used - exported
+            assert any(re.search(r["name"]["matches"], m) for m in exported)
+            served[r["name"]["as"]] = kind
+    hpas = by_kind(objs, "HorizontalPodAutoscaler")
+    assert set(hpas) == {f"{FULL}-prefill", f"{FULL}-decode"}
+    want = {"prefill": {"pdserve_num_waiting", "pdserve_ttft_seconds_p90"},
+            "decode": {"pdserve_num_waiting", "pdserve_itl_seconds_p90", "pdserve_kv_usage_ratio"}}
+    for pool, names in want.items():
+        h = hpas[f"{FULL}-{pool}"]["spec"]
+        assert h["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"{FULL}-{pool}"}
+        got = set()
+        for m in h["metrics"]:
+            spec = m[m["type"].lower()]
+            name = spec["metric"]["name"]
+            assert served[name] == m["type"], name
+            if m["type"] == "External":  # gateway-measured latency, selected by the gateway Service
+                assert spec["metric"]["selector"]["matchLabels"] == {"service": f"{FULL}-gateway"}
+            got.add(name)
+        assert got == names
+    assert hpas[f"{FULL}-prefill"]["spec"]["minReplicas"] == 2
+    dec = {m[m["type"].lower()]["metric"]["name"]: m for m in hpas[f"{FULL}-decode"]["spec"]["metrics"]}
+    assert dec["pdserve_itl_seconds_p90"]["external"]["target"] == {"type": "Value", "value": "100m"}
+    assert dec["pdserve_kv_usage_ratio"]["pods"]["target"] == {"type": "AverageValue", "averageValue": "800m"}
+    # the ServiceMonitor scrapes what the queries select on: gateway Service (http /metrics), pools (metrics port)
+    sm = by_kind(objs, "ServiceMonitor")[FULL]
+    scraped = {s for s, o in by_kind(objs, "Service").items()
+               if all(o["metadata"]["labels"].get(k) == v for k, v in sm["spec"]["selector"]["matchLabels"].items())}
+    assert scraped == {f"{FULL}-{c}" for c in ("gateway", "router", "prefill", "decode")}
+
+
+def test_keda_scaled_objects_query_exported_metrics():
+    exported = exported_metric_names()
+    objs = objects(SCENARIOS["disagg_keda"])
+    assert not by_kind(objs, "HorizontalPodAutoscaler") and not by_kind(objs, "ConfigMap")
+    sos = by_kind(objs, "ScaledObject")
+    assert set(sos) == {f"{FULL}-prefill", f"{FULL}-decode"}
+    names = {}
+    for n, so in sos.items():
+        names[n] = {t["name"] for t in so["spec"]["triggers"]}
+        for t in so["spec"]["triggers"]:
+            used = promql_metrics(t["metadata"]["query"])
+            assert used and used <= exported, used - exported
+            assert f'namespace="{NAMESPACE}"' in t["metadata"]["query"]
+            float(t["metadata"]["threshold"])
+    assert names == {f"{FULL}-prefill": {"queue-depth", "ttft-p90"}, f"{FULL}-decode": {"kv-usage", "itl-p90"}}
+
+
+def test_dashboard_configmap():
+    exported = exported_metric_names()
+    cm = by_kind(objects(SCENARIOS["disagg_hpa"]), "ConfigMap")[f"{FULL}-dashboard"]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dash = json.loads(cm["data"]["pdserve.json"])
+    used = set()
+    for p in dash["panels"]:
+        for t in p["targets"]:
+            m = promql_metrics(t["expr"])
+            assert m, t["expr"]
+            used |= m
+    used |= promql_metrics(json.dumps(dash["templating"]))
+    assert used <= exported, used - exported
+    # every metric family the services export is on the dashboard
+    families = {re.sub(r"_(bucket|sum|count)$", "", m) for m in exported}
+    shown = {re.sub(r"_(bucket|sum|count)$", "", m) for m in used}
+    assert families == shown, families - shown
+
+
+def test_network_policy_lets_workers_talk_nixl():
+    nps = by_kind(objects(SCENARIOS["disagg_hpa"]), "NetworkPolicy")
+    assert set(nps) == {f"{FULL}-{c}" for c in ("gateway", "router", "workers", "redis")}
+    w = nps[f"{FULL}-workers"]["spec"]
+    peer = next(r for r in w["ingress"] if "ports" not in r)  # all ports between workers (UCX picks them)
+    exprs = {e["key"]: e["values"] for e in peer["from"][0]["podSelector"]["matchExpressions"]}
+    assert sorted(exprs["app.kubernetes.io/component"]) == ["decode", "prefill"]
