@@ -22,7 +22,8 @@ class StepShape:
     prefill_seqs: int = 0
     decode_seqs: int = 0      # sequences computing exactly their one new token
     sum_context: int = 0      # over scheduled sequences: KV positions the last computed position attends to
-    prefill_attn: int = 0     # over prefill chunks: sum of (tokens x context) / ... see of_scheduled
+    attn_pairs: int = 0       # causal (query, key) pairs computed: n*start + n(n+1)/2 per chunk, start+1 per decode
+    samples: int = 0          # sequences whose chunk reaches their end (one logits row, one sampled token each)
 
     @property
     def tokens(self) -> int:
@@ -31,11 +32,12 @@ class StepShape:
     @classmethod
     def of_scheduled(cls, scheduled) -> "StepShape":
         """From a `SchedulerOutput.scheduled` list, before the step advances `num_computed_tokens`."""
-        pt = ps = ds = ctx = attn = 0
+        pt = ps = ds = ctx = attn = smp = 0
         for it in scheduled:
             seq, n = it.seq, it.num_tokens
             start = seq.num_computed_tokens
             ctx += start + n
+            smp += start + n == seq.num_tokens
             if seq.is_prefill:
                 pt += n
                 ps += 1
@@ -43,7 +45,7 @@ class StepShape:
             else:
                 ds += 1
                 attn += start + 1
-        return cls(pt, ps, ds, ctx, attn)
+        return cls(pt, ps, ds, ctx, attn, smp)
 
 
 @dataclass
