@@ -82,6 +82,24 @@ class LinearCostModel:
         return cls(**d)
 
     # ---- fitting ----------------------------------------------------------------------------------------------
+    @staticmethod
+    def _nnls(X, y):
+        """Active-set least squares: drop the most negative slope and refit (a step never gets cheaper with
+        more work); the intercept is clipped at 0."""
+        import numpy as np
+
+        active = [0, 1, 2, 3]
+        coef = np.zeros(4)
+        while active:
+            sol, *_ = np.linalg.lstsq(X[:, active], y, rcond=None)
+            neg = [(v, a) for v, a in zip(sol, active) if v < 0 and a != 0]
+            if not neg:
+                coef[active] = sol
+                coef[0] = max(coef[0], 0.0)
+                return coef
+            active.remove(min(neg)[1])
+        return coef
+
     @classmethod
     def fit(cls, samples: list[tuple[StepShape, float]], **extra) -> "LinearCostModel":
         """Least squares with non-negative coefficients (a coefficient that comes out negative is dropped and
@@ -90,19 +108,14 @@ class LinearCostModel:
 
         X = np.array([[1.0, s.prefill_tokens, s.decode_seqs, s.sum_context] for s, _ in samples])
         y = np.array([t for _, t in samples])
-        active = [0, 1, 2, 3]
-        coef = np.zeros(4)
-        while active:  # active-set: drop the most negative slope and refit
-            sol, *_ = np.linalg.lstsq(X[:, active], y, rcond=None)
-            neg = [(v, a) for v, a in zip(sol, active) if v < 0 and a != 0]
-            if not neg:
-                coef[active] = sol
-                coef[0] = max(coef[0], 0.0)
-                break
-            active.remove(min(neg)[1])
+        keep = np.ones(len(y), dtype=bool)
+        for _ in range(2):  # relative-error least squares; the second pass drops outliers (contended steps)
+            coef = cls._nnls(X[keep] / y[keep, None], np.ones(int(keep.sum())))
+            rel = np.abs(X @ coef - y) / y
+            keep = rel <= max(3 * np.median(rel), 0.05)
         pred = X @ coef
         rel = np.abs(pred - y) / np.maximum(y, 1e-9)
-        meta = {"n_samples": len(samples), "median_rel_err": float(np.median(rel)),
+        meta = {"n_samples": len(samples), "n_outliers_dropped": int((~keep).sum()), "median_rel_err": float(np.median(rel)),
                 "p90_rel_err": float(np.quantile(rel, 0.9)), **extra.pop("meta", {})}
         return cls(*map(float, coef), meta=meta, **extra)
 
@@ -148,7 +161,8 @@ DEFAULT_GRID = {
     # (prompt_len, batch, max_tokens): pure prefills of several sizes, decode batches at several contexts,
     # and mixes (arrivals during decodes come from the staggered adds below).
     "prefill": [(16, 1), (64, 1), (128, 2), (256, 1), (512, 1), (512, 2), (1000, 1)],
-    "decode": [(16, 1, 12), (16, 4, 12), (16, 16, 12), (16, 32, 12), (256, 8, 12), (512, 4, 12), (128, 24, 8)],
+    "decode": [(16, 1, 12), (16, 2, 12), (16, 4, 12), (16, 8, 12), (16, 16, 12), (16, 32, 12), (16, 64, 8),
+               (256, 8, 12), (512, 4, 12), (128, 24, 8), (700, 2, 8)],
 }
 
 
