@@ -110,7 +110,10 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--hf-batch", default="8,16")
     ap.add_argument("--quick", action="store_true", help="small model, for a smoke run")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads for both sides (default: all)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(f"threads: {torch.get_num_threads()}")
     with tempfile.TemporaryDirectory() as d:
         model_dir = build_model(Path(d), args.quick)

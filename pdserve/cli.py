@@ -41,9 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start a whole local deployment (redis, router, workers, gateway)")
     _add_common(up)
     _add_engine(up)
-    up.add_argument("--mode", choices=["disagg", "colocated"], default=_env("mode", "disagg"))
-    up.add_argument("--prefill", type=int, default=int(_env("prefill", 1)), help="prefill workers (disagg)")
-    up.add_argument("--decode", type=int, default=int(_env("decode", 1)), help="decode workers (disagg)")
+    up.add_argument("--mode", choices=["auto", "disagg", "colocated"], default=_env("mode", "auto"),
+                    help="auto: prefill + decode pools, the router disaggregates a request only when that is "
+                         "predicted faster (docs/routing.md); disagg: always; colocated: `both` workers only")
+    up.add_argument("--prefill", type=int, default=int(_env("prefill", 1)), help="prefill workers (auto/disagg)")
+    up.add_argument("--decode", type=int, default=int(_env("decode", 1)), help="decode workers (auto/disagg)")
     up.add_argument("--workers", type=int, default=int(_env("workers", 1)), help="'both' workers (colocated)")
     up.add_argument("--port", type=int, default=int(_env("port", 8000)), help="gateway HTTP port")
     up.add_argument("--grpc-port", type=int, default=int(_env("grpc_port", 0)), help="gateway gRPC port (0: auto)")
@@ -64,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--redis-url", default=_env("redis_url", "redis://127.0.0.1:6379/0"))
     rt.add_argument("--metrics-port", type=int, default=int(_env("metrics_port", 0)))
     rt.add_argument("--heartbeat-ttl", type=float, default=float(_env("heartbeat_ttl", 3)))
+    rt.add_argument("--mode", choices=["auto", "disagg", "colocated"], default=_env("mode", "auto"),
+                    help="placement policy (docs/routing.md)")
 
     wk = sub.add_parser("worker", help="engine worker: --role prefill|decode|both")
     _add_common(wk)
@@ -119,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "router":
         from pdserve.services.router.server import serve
         asyncio.run(serve(args.host, args.port, args.redis_url, args.served_model_name, args.metrics_port,
-                          args.heartbeat_ttl))
+                          args.heartbeat_ttl, args.mode))
     elif args.command == "worker":
         from pdserve.services.worker import serve
         asyncio.run(serve(args))

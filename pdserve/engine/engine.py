@@ -189,6 +189,8 @@ class Engine:
                 for child in self._fork(req, seq):
                     rows.append(row)
                     seqs.append(child)
+        if logits.device.type != "cpu":  # the sampler's per-request generators are CPU generators
+            logits = logits.cpu()
         results = self.sampler.sample(logits[rows], [s.sampling for s in seqs]) if seqs else []
         touched: dict[str, Request] = {}
         now = time.time()

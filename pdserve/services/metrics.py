@@ -29,3 +29,18 @@ LEASES_EXPIRED = Counter("pdserve_kv_leases_expired_total", "Pinned KV freed by 
 TERMINAL = Counter("pdserve_requests_terminal_total", "Requests reaching a terminal state", ["state"])
 REJECTIONS = Counter("pdserve_rejections_total", "Requests rejected before running", ["reason"])
 ROUTED = Counter("pdserve_routed_total", "Router placements", ["mode"])
+# router (docs/routing.md)
+ROUTE_DECISIONS = Counter("pdserve_route_decisions_total", "Router decisions by placement mode and reason",
+                          ["mode", "reason"])
+ROUTE_DEGRADED = Counter("pdserve_route_degraded_total",
+                         "Requests prefilled locally on a decode worker because the prefill pool was down/failing",
+                         ["reason"])
+ROUTE_PREDICTED_TTFT = Histogram("pdserve_route_predicted_ttft_seconds", "The router's TTFT prediction",
+                                 buckets=_LAT)
+ROUTE_PROMPT_TOKENS = Counter("pdserve_route_prompt_tokens_total", "Prompt tokens routed")
+ROUTE_CACHED_TOKENS = Counter("pdserve_route_cached_tokens_total",
+                              "Prompt tokens the prefix index predicted cached where the request went "
+                              "(ratio to pdserve_route_prompt_tokens_total = routed prefix hit ratio)")
+PREFIX_INDEX_BLOCKS = Gauge("pdserve_prefix_index_blocks", "Distinct (namespace, block) keys in the router index")
+PREFIX_INDEX_EVENTS = Counter("pdserve_prefix_index_events_total", "KV events applied to the router index")
+KV_EVENTS_PUBLISHED = Counter("pdserve_kv_events_published_total", "KV events a worker published", ["kind"])

@@ -3,7 +3,7 @@
 Key `pdserve:{model}:workers:{id}` is a hash (role, address, agent_name, capacity_blocks, layout, load,
 updated) whose TTL is refreshed by every heartbeat: a worker that stops heartbeating disappears by itself, so a
 lapsed worker can never be routed to. `pdserve:{model}:worker_ids` is a set indexing the hashes (stale members
-are pruned on read). KV events go to `pdserve:{model}:prefix:{namespace}:{block_hash}` (set of worker ids).
+are pruned on read). KV events (the prefix index) live in router/prefix_index.py's keys.
 """
 from __future__ import annotations
 
@@ -22,10 +22,6 @@ def workers_key(model: str, worker_id: str) -> str:
 
 def index_key(model: str) -> str:
     return f"pdserve:{model}:worker_ids"
-
-
-def prefix_key(model: str, namespace: str, block_hash: str) -> str:
-    return f"pdserve:{model}:prefix:{namespace}:{block_hash}"
 
 
 @dataclass
@@ -98,16 +94,6 @@ class Registry:
         if stale:
             await self.r.srem(index_key(self.model), *stale)
         return out
-
-    async def kv_event(self, worker_id: str, kind: str, namespace: str, block_hashes: list[str]) -> None:
-        async with self.r.pipeline(transaction=False) as p:
-            for h in block_hashes:
-                k = prefix_key(self.model, namespace, h)
-                if kind == "stored":
-                    p.sadd(k, worker_id)
-                else:
-                    p.srem(k, worker_id)
-            await p.execute()
 
     async def close(self) -> None:
         await self.r.aclose()

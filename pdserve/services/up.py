@@ -104,9 +104,12 @@ def up(args) -> int:
                 eng += ["--" + flag.replace("_", "-"), str(v)]
         rt_port, rt_metrics = free_port(), free_port()
         d.pdserve("router", ["router", *common, "--port", str(rt_port), "--redis-url", redis_url,
-                             "--metrics-port", str(rt_metrics), "--heartbeat-ttl", str(args.heartbeat_ttl)],
+                             "--metrics-port", str(rt_metrics), "--heartbeat-ttl", str(args.heartbeat_ttl),
+                             "--mode", args.mode],
                   {"port": rt_port, "metrics_port": rt_metrics})
-        roles = (["prefill"] * args.prefill + ["decode"] * args.decode) if args.mode == "disagg" \
+        # auto and disagg deploy the same two pools; the router's policy differs (a decode worker also
+        # answers Generate, so in auto it prefills short prompts itself)
+        roles = (["prefill"] * args.prefill + ["decode"] * args.decode) if args.mode in ("auto", "disagg") \
             else ["both"] * args.workers
         if not args.threads:  # split the host's cores between workers rather than oversubscribe them
             eng += ["--threads", str(max(1, (os.cpu_count() or 1) // len(roles)))]

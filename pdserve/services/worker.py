@@ -28,6 +28,8 @@ from pdserve.services.grpc_util import WORKER_SERVICE, make_server, set_serving
 from pdserve.services.pb import common_pb2, layout_to_pb, params_from_pb, worker_pb2, worker_pb2_grpc
 from pdserve.services.prefill.service import PrefillSide
 from pdserve.services.registry import Registry, WorkerRecord
+from pdserve.services.router.load import LoadMeter
+from pdserve.services.router.prefix_index import KvEventPublisher, publish_forever
 
 log = logging.getLogger("pdserve.worker")
 
@@ -41,6 +43,10 @@ class Worker(worker_pb2_grpc.WorkerServicer):
         self.address = address
         self.tokenizer = engine.tokenizer
         self.host = AsyncEngine(engine)
+        # measured prefill rate / decode step / KV bandwidth for the router's cost model (docs/routing.md)
+        self.meter = LoadMeter()
+        self.meter.chain(self.host.on_step)
+        self.host.on_step = self.meter.on_step
         self.layout = KVLayout.from_dict(engine.kv_cache.layout())
         self.agent = None
         self.region_pb = common_pb2.KvRegion()
@@ -68,7 +74,7 @@ class Worker(worker_pb2_grpc.WorkerServicer):
         return {"num_running": s.get("num_running", 0), "num_waiting": s.get("num_waiting", 0) + self.inflight,
                 "kv_blocks_in_use": s.get("kv_blocks_in_use", 0), "kv_blocks_total": s.get("kv_blocks_total", 0),
                 "pinned_blocks": self.prefill.leases.pinned_blocks(),
-                "prefix_hit_ratio": float(s.get("prefix_hit_ratio", 0.0) or 0.0)}
+                "prefix_hit_ratio": float(s.get("prefix_hit_ratio", 0.0) or 0.0), **self.meter.report()}
 
     async def refresh_stats(self) -> dict:
         s = await self.host.run(lambda e: e.stats())
@@ -204,6 +210,11 @@ async def serve(args) -> None:
     if registry is not None:
         await registry.heartbeat(w.record())
     hb = asyncio.create_task(_heartbeat_loop(w, registry, args.heartbeat_ttl / 3))
+    kv_pub = None
+    if registry is not None:  # KV events -> the routers' prefix index (router/prefix_index.py)
+        kv_pub = asyncio.create_task(publish_forever(
+            w.host, KvEventPublisher(registry.r, args.served_model_name, worker_id,
+                                     ttl_s=max(30.0, 10 * args.heartbeat_ttl))))
     await set_serving(hs, [WORKER_SERVICE], True)
     log.info("worker %s (%s) listening on %s:%d, %d KV blocks of %d bytes", worker_id, args.role, args.host,
              args.port, engine.kv_cache.num_blocks, engine.kv_cache.block_bytes)
@@ -212,6 +223,8 @@ async def serve(args) -> None:
     # drain: leave the registry first so nothing new is routed here, then let in-flight requests finish
     log.info("draining (%d in flight)", w.inflight)
     hb.cancel()
+    if kv_pub is not None:
+        kv_pub.cancel()
     await set_serving(hs, [WORKER_SERVICE], False)
     if registry is not None:
         with contextlib.suppress(Exception):

@@ -95,3 +95,12 @@ def test_prompt_logprobs_match_transformers(tiny_llama):
         assert got[j].token_id == prompt[j]
         assert abs(got[j].logprob - ref[j - 1, prompt[j]].item()) < 1e-4
         assert [t for t, _ in got[j].top_logprobs] == ref[j - 1].topk(3).indices.tolist()
+
+
+def test_float16_checkpoint_runs_and_agrees(tmp_path):
+    fp16 = make_checkpoint(tmp_path / "fp16", dtype=torch.float16)
+    e16 = Engine.from_pretrained(fp16, EngineConfig(num_gpu_blocks=32, block_size=4))
+    assert e16.kv_cache.data.dtype == torch.float16  # "auto" keeps the checkpoint dtype
+    e32 = Engine.from_pretrained(fp16, EngineConfig(num_gpu_blocks=32, block_size=4, dtype="float32"))
+    a, b = engine_logits(e32, PROMPTS[2]), engine_logits(e16, PROMPTS[2])
+    assert (a - b).abs().max().item() < 0.05

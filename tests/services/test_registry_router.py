@@ -15,12 +15,13 @@ REDIS = "redis://127.0.0.1:6379/0"
 
 
 def rec(wid, role, running=0, **kw):
+    # queued prefill work follows the running count (the cost model reads pending_prefill_tokens)
     return WorkerRecord(wid, role, f"127.0.0.1:{abs(hash(wid)) % 1000 + 20000}", load={"num_running": running,
-                        "kv_blocks_total": 100}, **kw)
+                        "kv_blocks_total": 100, "pending_prefill_tokens": 500 * running}, **kw)
 
 
 def test_policy_least_loaded_and_ties_random():
-    pol = Policy()
+    pol = Policy("disagg")
     ws = [rec("p1", "prefill", 3), rec("p2", "prefill", 1), rec("d1", "decode", 0), rec("d2", "decode", 5)]
     p = pol.place(ws)
     assert p.mode == "disagg" and p.prefill.worker_id == "p2" and p.decode.worker_id == "d1"
@@ -31,7 +32,7 @@ def test_policy_least_loaded_and_ties_random():
     assert picks == {"b1", "b2"}
     with pytest.raises(NoWorkers):
         Policy().place([rec("p", "prefill")])
-    assert Policy().place(ws, exclude={"d1"}).decode.worker_id == "d2"
+    assert Policy("disagg").place(ws, exclude={"d1"}).decode.worker_id == "d2"
 
 
 def test_lapsed_heartbeat_never_routed():
@@ -115,7 +116,7 @@ def test_router_register_heartbeat_kvevents_and_gateway_503(tiny_llama):
 
     from pdserve.services.gateway.app import GatewayConfig, create_app
     from pdserve.services.pb import common_pb2
-    from pdserve.services.registry import prefix_key
+    from pdserve.services.router.prefix_index import blocks_key
 
     async def main():
         model = f"test-{uuid.uuid4().hex[:8]}"
@@ -142,12 +143,11 @@ def test_router_register_heartbeat_kvevents_and_gateway_503(tiny_llama):
             assert [x.worker_id for x in ws.workers] == ["w9"] and ws.loads[0].num_running == 2
 
             async def events():
-                yield router_pb2.KvEvent(worker_id="w9", kind="stored", namespace="t", block_hashes=["h1", "h2"])
-                yield router_pb2.KvEvent(worker_id="w9", kind="evicted", namespace="t", block_hashes=["h2"])
+                yield router_pb2.KvEvent(worker_id="w9", kind="stored", namespace="t", block_hashes=["a1", "b2"])
+                yield router_pb2.KvEvent(worker_id="w9", kind="evicted", namespace="t", block_hashes=["b2"])
 
             assert (await stub.KvEvents(events())).received == 2
-            assert await reg.r.smembers(prefix_key(model, "t", "h1")) == {b"w9"}
-            assert await reg.r.smembers(prefix_key(model, "t", "h2")) == set()
+            assert await reg.r.smembers(blocks_key(model, "w9")) == {b"a1:t"}  # hex hash : namespace
             await asyncio.sleep(1.2)  # no more heartbeats: lapsed
             assert (await stub.ListWorkers(router_pb2.ListWorkersRequest(model=model))).workers == []
         finally:

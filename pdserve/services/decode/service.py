@@ -63,6 +63,7 @@ class DecodeSide:
             asyncio.ensure_future(self._release_remote(kv, rid))
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         prompt = list(request.prompt_token_ids)
+        t_start = time.time()
         # 1. allocate (waiting a little for capacity: decode blocks free up as other requests finish)
         deadline = time.monotonic() + self.alloc_wait_s
         while True:
@@ -88,6 +89,7 @@ class DecodeSide:
             src, dst = list(kv.block_ids[cached:need]), list(dst_blocks[cached:need])
             t0 = time.time()
             err = None
+            nbytes = 0
             # The READ must give up before the prefill side's lease can free the source blocks (a READ
             # racing the reaper would copy blocks that may already hold another request's KV).
             timeout = self.transfer_timeout_s
@@ -119,6 +121,9 @@ class DecodeSide:
             # 4. commit: the request joins the decode batch; its first output carries the first token
             stream = w.host.attach(rid)  # before the commit, so the first output (the first token) is not missed
             await w.host.run(lambda e: e.commit_prefilled(rid))
+            meter = getattr(w, "meter", None)
+            if meter is not None:  # the router's link bandwidth and hand-off cost are these measurements
+                meter.observe_transfer(nbytes, t1 - t0, time.time() - t_start)
             async with contextlib.aclosing(stream):
                 enc = DeltaEncoder(w.tokenizer)
                 first = True

@@ -174,7 +174,13 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
         stream = bool(body.get("stream", False))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
         timing = Timing()
-        agen = disp.generate_many(rid, subs, on_route=lambda mode: setattr(timing, "mode", mode))
+        routes: list[str] = []  # the router's decision(s): `x-pdserve-debug: route` returns them (docs/routing.md)
+
+        def on_route(r) -> None:
+            timing.mode = r.mode
+            routes.append(r.debug)
+
+        agen = disp.generate_many(rid, subs, on_route=on_route)
         try:
             first = await agen.__anext__()
         except StopAsyncIteration:
@@ -186,9 +192,10 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
             raise
         ctx = dict(rid=rid, created=int(time.time()), chat=chat, prompts=prompts, n_choices=len(subs),
                    params=params, return_token_ids=bool(body.get("return_token_ids", False)))
+        dbg = {"x-pdserve-route": " | ".join(routes)} if request.headers.get("x-pdserve-debug") == "route" else {}
         if stream:
             return StreamingResponse(_stream(first, agen, ctx, include_usage, timing),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache", **dbg})
         task = asyncio.create_task(_collect(first, agen, ctx, timing))
         # a non-streaming client that disconnects must not keep the workers busy
         while not task.done():
@@ -198,7 +205,9 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
                 with contextlib.suppress(BaseException):
                     await task
                 return Response(status_code=499)
-        return task.result()
+        res = task.result()
+        res.headers.update(dbg)
+        return res
 
     def _choice_logprobs(chat: bool, lps: list) -> dict | None:
         if chat:

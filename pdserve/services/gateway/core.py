@@ -57,11 +57,14 @@ class Dispatcher:
     async def list_workers(self) -> router_pb2.ListWorkersResponse:
         return await self._router.ListWorkers(router_pb2.ListWorkersRequest(model=self.model), timeout=5)
 
-    async def route(self, rid: str, n_prompt: int, namespace: str, exclude: list[str]) -> router_pb2.RouteResponse:
+    async def route(self, rid: str, n_prompt: int, namespace: str, exclude: list[str],
+                    prompt: list[int] | None = None, max_tokens: int = 0, prefer: str = "") -> router_pb2.RouteResponse:
         try:
+            # the token ids let the router look the prompt's prefix up in its index (docs/routing.md)
             return await self._router.Route(router_pb2.RouteRequest(
                 request_id=rid, num_prompt_tokens=n_prompt, namespace=namespace, model=self.model,
-                exclude_worker_ids=exclude), timeout=5)
+                exclude_worker_ids=exclude, prompt_token_ids=prompt or [], max_tokens=max_tokens or 0,
+                prefer=prefer), timeout=5)
         except grpc.aio.AioRpcError as e:
             raise NoWorkersError(e.details() or str(e.code())) from None
 
@@ -72,9 +75,10 @@ class Dispatcher:
         exclude: list[str] = []
         pp = params_to_pb(sub.params)
         for attempt in range(self.max_attempts):
-            route = await self.route(rid, len(sub.prompt_token_ids), namespace, exclude)
+            route = await self.route(rid, len(sub.prompt_token_ids), namespace, exclude, sub.prompt_token_ids,
+                                     sub.params.max_tokens or 0)
             if on_route is not None:
-                on_route(route.mode)  # e.g. the latency histograms' mode label
+                on_route(route)  # e.g. the latency histograms' mode label, the x-pdserve-route debug header
             emitted = False
             failed_worker = ""
             try:
@@ -147,7 +151,8 @@ class Dispatcher:
                 # the KV is still pinned on the prefill side: another decode worker can pull it
                 log.warning("request %s: decode worker %s unreachable, trying another", rid, decode.worker_id)
                 try:
-                    r2 = await self.route(rid, len(sub.prompt_token_ids), namespace, exclude)
+                    # the prompt is already prefilled: only another decode worker helps now
+                    r2 = await self.route(rid, len(sub.prompt_token_ids), namespace, exclude, prefer="disagg")
                 except NoWorkersError:
                     await self._release(kv, rid)
                     raise

@@ -1,8 +1,9 @@
-"""`pdserve router`: gRPC Router service over the Redis registry."""
+"""`pdserve router`: gRPC Router service: live worker view + prefix index (both from Redis) + cost-based policy."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-import time
 
 import grpc
 
@@ -10,7 +11,9 @@ from pdserve.services import metrics as M
 from pdserve.services.grpc_util import ROUTER_SERVICE, make_server, set_serving
 from pdserve.services.pb import common_pb2, router_pb2, router_pb2_grpc
 from pdserve.services.registry import Registry, WorkerRecord
-from pdserve.services.router.policy import NoWorkers, Policy
+from pdserve.services.router.policy import NoWorkers, Policy, RouteInput
+from pdserve.services.router.prefix_index import IndexSync, KvEventPublisher
+from pdserve.services.router.view import LiveView
 
 log = logging.getLogger("pdserve.router")
 
@@ -29,28 +32,41 @@ def record_from_pb(w: common_pb2.WorkerInfo, load: common_pb2.LoadReport | None 
 
 
 class RouterService(router_pb2_grpc.RouterServicer):
-    def __init__(self, registry: Registry, view_ttl_s: float = 0.2):
+    def __init__(self, registry: Registry, view_ttl_s: float = 0.2, mode: str = "auto", policy: Policy | None = None):
         self.registry = registry
-        self.policy = Policy()
-        self.view_ttl_s = view_ttl_s
-        self._view: list[WorkerRecord] = []
-        self._view_at = 0.0
+        self.sync = IndexSync(registry.r, registry.model)
+        self.view = LiveView(registry, self.sync, refresh_s=view_ttl_s)
+        self.policy = policy or Policy(mode, index=self.sync.index)
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        """Build the view and the index from Redis (a restarted router resumes warm), then follow it."""
+        await self.sync.start()
+        await self.view.refresh()
+        self._task = asyncio.create_task(self.view.run_forever())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._task
 
     async def _workers(self) -> list[WorkerRecord]:
-        # A short-lived cache: Redis is local and fast, but not worth one round trip per request under load.
-        if time.monotonic() - self._view_at > self.view_ttl_s:
-            self._view = await self.registry.live_workers()
-            self._view_at = time.monotonic()
-        return self._view
+        if self._task is None:  # used without start() (tests): read the registry directly
+            await self.view.refresh()
+        return self.view.records()
 
     async def Route(self, request, context):
+        req = RouteInput(request.request_id, list(request.prompt_token_ids), request.num_prompt_tokens,
+                         request.namespace, request.max_tokens, set(request.exclude_worker_ids), request.prefer)
         try:
-            p = self.policy.place(await self._workers(), exclude=set(request.exclude_worker_ids))
+            p = self.policy.place(await self._workers(), req=req)
         except NoWorkers as e:
             M.REJECTIONS.labels("no_workers").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         M.ROUTED.labels(p.mode).inc()
-        resp = router_pb2.RouteResponse(mode=p.mode)
+        resp = router_pb2.RouteResponse(mode=p.mode, reason=p.reason, cached_tokens=p.cached_tokens,
+                                        predicted_ttft_s=p.ttft_s, predicted_e2e_s=p.e2e_s, debug=p.header())
         for name in ("prefill", "decode", "both"):
             rec = getattr(p, name)
             if rec is not None:
@@ -59,7 +75,6 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
     async def Register(self, request, context):
         await self.registry.heartbeat(record_from_pb(request))
-        self._view_at = 0.0
         return router_pb2.RegisterResponse(heartbeat_ttl_s=int(self.registry.ttl_s))
 
     async def Heartbeat(self, request, context):
@@ -67,9 +82,12 @@ class RouterService(router_pb2_grpc.RouterServicer):
         return router_pb2.HeartbeatResponse()
 
     async def KvEvents(self, request_iterator, context):
+        # A worker without Redis access reports through here; the same keys/stream as KvEventPublisher.
+        from pdserve.engine.block_manager import KVEvent
         n = 0
         async for ev in request_iterator:
-            await self.registry.kv_event(ev.worker_id, ev.kind, ev.namespace, list(ev.block_hashes))
+            pub = KvEventPublisher(self.registry.r, self.registry.model, ev.worker_id)
+            await pub.publish([KVEvent(ev.kind, int(h, 16), ev.namespace) for h in ev.block_hashes])
             n += 1
         return router_pb2.KvEventsAck(received=n)
 
@@ -83,20 +101,24 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
 
 async def serve(host: str, port: int, redis_url: str, model: str, metrics_port: int | None = None,
-                ttl_s: float = 3.0) -> None:
+                ttl_s: float = 3.0, mode: str = "auto") -> None:
     from pdserve.services.procutil import install_stop_signals, start_metrics_server
     if metrics_port:
         start_metrics_server(metrics_port)
     registry = Registry(redis_url, model, ttl_s=ttl_s)
     await registry.r.ping()  # fail fast with a clear error when Redis is not there
     server, hs = make_server([ROUTER_SERVICE])
-    router_pb2_grpc.add_RouterServicer_to_server(RouterService(registry), server)
+    svc = RouterService(registry, mode=mode)
+    await svc.start()
+    router_pb2_grpc.add_RouterServicer_to_server(svc, server)
     server.add_insecure_port(f"{host}:{port}")
     await server.start()
     await set_serving(hs, [ROUTER_SERVICE], True)
-    log.info("router listening on %s:%d (model %s)", host, port, model)
+    log.info("router listening on %s:%d (model %s, mode %s, index rebuilt with %d blocks)", host, port, model,
+             mode, len(svc.sync.index))
     stop = install_stop_signals()
     await stop.wait()
     await set_serving(hs, [ROUTER_SERVICE], False)
     await server.stop(grace=2)
+    await svc.stop()
     await registry.close()

@@ -1,0 +1,416 @@
+"""`pdserve bench breakeven`: colocated vs disaggregated on the same cores; where does disaggregation pay off?
+
+For each mode, one `pdserve up` deployment; after it is ready its worker processes (every thread) are pinned
+with sched_setaffinity and each worker's torch pool is sized by OMP_NUM_THREADS in its environment:
+  colocated "1x2": one `both` worker, 2 threads, cores {0,1}
+  colocated "2x1": two `both` workers, 1 thread each, cores {0} and {1}
+  disagg:          one prefill worker on core {0} + one decode worker on core {1}, 1 thread each
+Gateway, router and redis float over the same cores in both modes (and so does the load generator: this is a
+2-core box; the client's own lag is reported). Grid: prompt length x offered rate (x output length); per cell an
+open-loop Poisson run; goodput under the SLO per mode; KV transfer cost from `pdserve_kv_transfer_seconds`;
+prefill-decode interference as decode ITL at load over the isolated-decode ITL of the same deployment.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from pdserve.bench import metrics as MX
+
+ROOT = str(Path(__file__).resolve().parents[2])
+
+
+def add_args(p) -> None:
+    p.add_argument("--model", default="builtin", help="checkpoint dir or 'builtin'")
+    p.add_argument("--prompt-lens", default="32,512", help="comma-separated prompt lengths (tokens)")
+    p.add_argument("--output-lens", default="16,64", help="comma-separated output lengths (tokens)")
+    p.add_argument("--rates", default="2,6,12", help="comma-separated offered rates (req/s)")
+    p.add_argument("--cell-duration", type=float, default=6.0, help="seconds of arrivals per cell")
+    p.add_argument("--min-requests-per-cell", type=int, default=12)
+    p.add_argument("--requests-per-cell", type=int, default=None, help="fixed count (overrides --cell-duration)")
+    p.add_argument("--modes", default="colocated,disagg")
+    p.add_argument("--colocated-layout", choices=["1x2", "2x1"], default="1x2",
+                   help="1x2: one worker with 2 threads on both cores; 2x1: two 1-thread replicas, one per core")
+    p.add_argument("--cores", default="0,1", help="the two cores to use")
+    p.add_argument("--no-pin", action="store_true", help="do not pin workers (threads still set)")
+    p.add_argument("--slo-ttft", type=float, default=0.5, help="seconds")
+    p.add_argument("--slo-tpot", type=float, default=0.05, help="seconds")
+    p.add_argument("--token-range", default="3:250", help="LO:HI prompt token ids (inside the model's vocab)")
+    p.add_argument("--num-gpu-blocks", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.add_argument("--ready-timeout", type=float, default=180.0)
+    p.add_argument("--out", default="bench-breakeven")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--replot", default=None, metavar="BREAKEVEN_JSON",
+                   help="re-render the comparison, heat map and HTML from an earlier breakeven.json (no runs)")
+
+
+def _csv(s: str, kind=float) -> list:
+    return [kind(x) for x in str(s).split(",") if x.strip()]
+
+
+# ---- deployments -------------------------------------------------------------------------------------------
+def pin(pid: int, cores: set[int]) -> int:
+    """Pin every thread of a process; returns how many threads were pinned."""
+    n = 0
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except FileNotFoundError:
+        return 0
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cores)
+            n += 1
+        except OSError:
+            pass
+    return n
+
+
+class Deployment:
+    """`pdserve up` as a subprocess; parses its PDSERVE_UP line."""
+
+    def __init__(self, model: str, mode: str, threads: int, extra: list[str], ready_timeout: float):
+        from pdserve.services.up import free_port
+        self.port = free_port()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env["OMP_NUM_THREADS"] = str(threads)
+        env["MKL_NUM_THREADS"] = str(threads)
+        env.setdefault("PDSERVE_LOG_LEVEL", "WARNING")
+        cmd = [sys.executable, "-m", "pdserve", "up", "--model", model, "--mode", mode, "--port", str(self.port),
+               *extra]
+        self.cmd = cmd
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        self.lines: list[str] = []
+        self.info: dict | None = None
+        ready = threading.Event()
+
+        def read():
+            for line in self.proc.stdout:
+                self.lines.append(line)
+                if line.startswith("PDSERVE_UP "):
+                    self.info = json.loads(line[len("PDSERVE_UP "):])
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        if not ready.wait(ready_timeout) or self.info is None:
+            self.stop()
+            raise RuntimeError("pdserve up did not become ready:\n" + "".join(self.lines[-40:]))
+        self.base_url = self.info["base_url"]
+
+    def workers(self) -> list[dict]:
+        return [p for p in self.info["processes"] if p.get("role")]
+
+    def metrics_urls(self) -> list[str]:
+        return [self.base_url + "/metrics"] + [f"http://127.0.0.1:{w['metrics_port']}/metrics" for w in self.workers()]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(40)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def start_mode(a, mode: str) -> tuple[Deployment, dict]:
+    cores = _csv(a.cores, int)
+    extra = []
+    if a.num_gpu_blocks:
+        extra += ["--num-gpu-blocks", str(a.num_gpu_blocks)]
+    if a.max_num_seqs:
+        extra += ["--max-num-seqs", str(a.max_num_seqs)]
+    if mode == "disagg":
+        d = Deployment(a.model, "disagg", 1, extra + ["--prefill", "1", "--decode", "1"], a.ready_timeout)
+        plan = {w["name"]: {cores[0]} if w["role"] == "prefill" else {cores[1]} for w in d.workers()}
+        layout = f"1 prefill (core {cores[0]}) + 1 decode (core {cores[1]}), 1 thread each"
+    elif a.colocated_layout == "2x1":
+        d = Deployment(a.model, "colocated", 1, extra + ["--workers", "2"], a.ready_timeout)
+        plan = {w["name"]: {cores[i % len(cores)]} for i, w in enumerate(d.workers())}
+        layout = "2 colocated replicas, 1 thread each, one per core"
+    else:
+        d = Deployment(a.model, "colocated", len(cores), extra + ["--workers", "1"], a.ready_timeout)
+        plan = {w["name"]: set(cores) for w in d.workers()}
+        layout = f"1 colocated worker, {len(cores)} threads on cores {sorted(cores)}"
+    pinned = {}
+    if not a.no_pin:
+        for w in d.workers():
+            pinned[w["name"]] = {"cores": sorted(plan[w["name"]]), "threads_pinned": pin(w["pid"], plan[w["name"]])}
+    return d, {"mode": mode, "layout": layout, "pinning": pinned or "off", "cmd": d.cmd}
+
+
+# ---- measurement -------------------------------------------------------------------------------------------
+def _specs(a, plen: int, olen: int, rate: float, n: int, seed: int):
+    from pdserve.bench.workload import LengthDist, PromptMaker, synthetic
+    lo, hi = _csv(a.token_range.replace(":", ","), int)
+    return synthetic(n, rate, LengthDist("fixed", plen), LengthDist("fixed", olen), seed=seed,
+                     maker=PromptMaker("ids", (lo, hi)))
+
+
+async def _isolated(target, a, plen, olen) -> dict:
+    """One request alone (after warm-up): the deployment's unloaded TTFT and decode ITL."""
+    from pdserve.bench.runner import PointConfig, run_point
+    s0 = a.seed + 100_000 + 7 * plen + 13 * olen  # distinct from the cells and from other (P, O)
+    specs = _specs(a, plen, olen, 0.0, 1, s0)
+    pt = await run_point(target, specs, PointConfig(keep_records=False), MX.SLO(a.slo_ttft, a.slo_tpot),
+                         warmup=_specs(a, plen, olen, 0.0, 2, s0 + 1))
+    L = pt["steady"]["latency"]
+    return {"ttft_s": L["ttft_s"].get("p50"), "itl_p50_s": L["itl_s"].get("p50")}
+
+
+def _cell_row(pt: dict, iso: dict) -> dict:
+    s = pt["steady"]
+    L = s["latency"]
+    st = pt.get("server_stages") or {}
+    itl_iso = iso.get("itl_p50_s")
+    return {"goodput_req_per_s": s["slo"]["goodput_req_per_s"], "attainment_ratio": s["slo"]["attainment_ratio"],
+            "n_slo": s["slo"]["n_slo"], "window_s": s["throughput"]["window_s"],
+            "prefix_cached_prompt_token_fraction": s.get("prefix_cached_prompt_token_fraction"),
+            "request_throughput_req_per_s": s["throughput"]["request_throughput_req_per_s"],
+            "output_token_throughput_tok_per_s": s["throughput"]["output_token_throughput_tok_per_s"],
+            "ttft_p50_s": L["ttft_s"].get("p50"), "ttft_p99_s": L["ttft_s"].get("p99"),
+            "itl_p50_s": L["itl_s"].get("p50"), "itl_p99_s": L["itl_s"].get("p99"),
+            "tpot_p50_s": L["tpot_s"].get("p50"), "tpot_p99_s": L["tpot_s"].get("p99"),
+            "n": s["n_requests"], "n_ok": s["n_ok"], "errors": s["errors"],
+            "kv_transfer_mean_s": st.get("kv_transfer_mean_s"), "kv_transfer_count": st.get("kv_transfer_count"),
+            "kv_transfer_bytes": st.get("kv_transfer_bytes"),
+            "queue_mean_s": st.get("queue_prefill_worker_mean_s") or st.get("queue_both_worker_mean_s"),
+            "prefill_mean_s": st.get("prefill_prefill_worker_mean_s") or st.get("prefill_both_worker_mean_s"),
+            "interference_itl_p50_over_isolated": (L["itl_s"]["p50"] / itl_iso)
+            if itl_iso and L["itl_s"].get("p50") else None,
+            "interference_itl_p99_over_isolated": (L["itl_s"]["p99"] / itl_iso)
+            if itl_iso and L["itl_s"].get("p99") else None,
+            "client_bottleneck": (pt.get("client") or {}).get("bottleneck"),
+            "stage_breakdown_mean_s": pt.get("stage_breakdown_mean_s")}
+
+
+def run_mode(a, mode: str, grid: list[tuple[int, int, float]], on_cell, progress, res: dict) -> dict:
+    """Fills `res` as cells finish (so an interrupt keeps them)."""
+    from pdserve.bench.client import Target
+    from pdserve.bench.runner import PointConfig, run_point
+    t_start = time.perf_counter()
+    d, info = start_mode(a, mode)
+    info["startup_s"] = time.perf_counter() - t_start
+    res.update({"deployment": info, "isolated": {}, "cells": {}})
+    try:
+        target = Target(d.base_url, None, "completions", ignore_eos=True, timeout_s=60)
+        for plen, olen in sorted({(p, o) for p, o, _ in grid}):
+            res["isolated"][f"{plen}x{olen}"] = asyncio.run(_isolated(target, a, plen, olen))
+        for ci, (plen, olen, rate) in enumerate(grid):
+            n = a.requests_per_cell or max(a.min_requests_per_cell, round(rate * a.cell_duration))
+            # a fresh seed per cell (same in both modes): repeated prompts would hit the prefix cache
+            specs = _specs(a, plen, olen, rate, n, a.seed + 1000 * (ci + 1))
+            cfg = PointConfig(label=f"{mode} P={plen} O={olen} {rate:g}/s", offered_rate=rate,
+                              drain_timeout_s=a.drain_timeout, metrics_urls=d.metrics_urls(), keep_records=False)
+            pt = asyncio.run(run_point(target, specs, cfg, MX.SLO(a.slo_ttft, a.slo_tpot),
+                                       on_done=progress(cfg.label, len(specs))))
+            row = _cell_row(pt, res["isolated"][f"{plen}x{olen}"])
+            res["cells"][f"{plen}x{olen}x{rate:g}"] = row
+            on_cell(mode, plen, olen, rate, row)
+    finally:
+        d.stop()
+    return res
+
+
+def within_noise(n_slo_c: int, n_slo_d: int, n: int) -> bool:
+    """Both modes ran the same seeded schedule of n requests. Equal N_SLO: the goodput gap is only the drain tail
+    of the window. Otherwise a two-proportion test: a gap in attainment under 2 standard errors is a tie."""
+    if n_slo_c == n_slo_d or n <= 0:
+        return True
+    pc, pd = n_slo_c / n, n_slo_d / n
+    p = (pc + pd) / 2
+    se = math.sqrt(max(p * (1 - p), 0.25 / n) * 2 / n)
+    return abs(pd - pc) < 2 * se
+
+
+def compare(results: dict, grid) -> list[dict]:
+    rows = []
+    for plen, olen, rate in grid:
+        k = f"{plen}x{olen}x{rate:g}"
+        c = results.get("colocated", {}).get("cells", {}).get(k)
+        g = results.get("disagg", {}).get("cells", {}).get(k)
+        if not c or not g:
+            continue
+        gc, gd = c["goodput_req_per_s"], g["goodput_req_per_s"]
+        noise = within_noise(c["n_slo"], g["n_slo"], g["n"])
+        rows.append({"prompt_len": plen, "output_len": olen, "rate_req_per_s": rate,
+                     "goodput_colocated_req_per_s": gc, "goodput_disagg_req_per_s": gd,
+                     "goodput_delta_req_per_s": gd - gc,
+                     "goodput_ratio_disagg_over_colocated": (gd / gc) if gc else (math.inf if gd else None),
+                     "n_slo_colocated": c["n_slo"], "n_slo_disagg": g["n_slo"], "n": g["n"],
+                     "within_noise": noise,
+                     "winner": "tie" if noise else ("disagg" if gd > gc else "colocated"),
+                     "kv_transfer_mean_s": g["kv_transfer_mean_s"],
+                     "kv_transfer_share_of_ttft_p50": (g["kv_transfer_mean_s"] / g["ttft_p50_s"])
+                     if g["kv_transfer_mean_s"] and g["ttft_p50_s"] else None,
+                     "itl_p99_colocated_s": c["itl_p99_s"], "itl_p99_disagg_s": g["itl_p99_s"],
+                     "ttft_p50_colocated_s": c["ttft_p50_s"], "ttft_p50_disagg_s": g["ttft_p50_s"],
+                     "interference_colocated_itl_p99_over_isolated": c["interference_itl_p99_over_isolated"],
+                     "interference_disagg_itl_p99_over_isolated": g["interference_itl_p99_over_isolated"]})
+    return rows
+
+
+def plot_heatmap(rows: list[dict], path: Path, slo: MX.SLO) -> Path | None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    if not rows:
+        return None
+    olens = sorted({r["output_len"] for r in rows})
+    plens = sorted({r["prompt_len"] for r in rows})
+    rates = sorted({r["rate_req_per_s"] for r in rows})
+    fig, axes = plt.subplots(1, len(olens), figsize=(3.2 + 1.6 * len(rates) * len(olens), 1.6 + 1.0 * len(plens)),
+                             squeeze=False)
+    im = None
+    for ax, o in zip(axes[0], olens):
+        grid = [[float("nan")] * len(rates) for _ in plens]
+        for r in rows:
+            if r["output_len"] != o:
+                continue
+            i, j = plens.index(r["prompt_len"]), rates.index(r["rate_req_per_s"])
+            grid[i][j] = 0.0 if r["within_noise"] else r["goodput_delta_req_per_s"] / r["rate_req_per_s"]
+            ratio = r["goodput_ratio_disagg_over_colocated"]
+            rt = "–" if ratio is None else ("∞" if ratio == math.inf else f"×{ratio:.2f}")
+            ax.text(j, i, f"{'≈ ' if r['within_noise'] else ''}{rt}\nD {r['goodput_disagg_req_per_s']:.2f}\n"
+                          f"C {r['goodput_colocated_req_per_s']:.2f}",
+                    ha="center", va="center", fontsize=8)
+        im = ax.imshow(grid, cmap="RdBu", vmin=-1, vmax=1, origin="lower", aspect="auto")
+        ax.set_xticks(range(len(rates)), [f"{x:g}" for x in rates])
+        ax.set_yticks(range(len(plens)), [str(x) for x in plens])
+        ax.set_xlabel("offered rate (req/s)")
+        ax.set_ylabel("prompt length (tokens)")
+        ax.set_title(f"output {o} tokens", fontsize=10)
+    fig.suptitle(f"(goodput disagg − colocated) / offered rate; blue: disagg wins\nSLO TTFT ≤ {slo.ttft}s, "
+                 f"TPOT ≤ {slo.tpot}s; cells: D/C ratio (≈: within noise, a tie, drawn white), D and C goodput req/s",
+                 fontsize=9, y=1.04)
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8)
+    fig.savefig(path, dpi=90, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def plot_detail(results: dict, grid, path: Path) -> Path | None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for mode, style in (("colocated", "o-"), ("disagg", "s--")):
+        cells = results.get(mode, {}).get("cells", {})
+        for plen, olen in sorted({(p, o) for p, o, _ in grid}):
+            rs = sorted(r for p, o, r in grid if p == plen and o == olen and f"{p}x{o}x{r:g}" in cells)
+            if not rs:
+                continue
+            cs = [cells[f"{plen}x{olen}x{r:g}"] for r in rs]
+            lab = f"{mode} P={plen} O={olen}"
+            axes[0].plot(rs, [(c["ttft_p99_s"] or float("nan")) * 1e3 for c in cs], style, label=lab)
+            axes[1].plot(rs, [(c["itl_p99_s"] or float("nan")) * 1e3 for c in cs], style, label=lab)
+            if mode == "disagg":
+                axes[2].plot(rs, [(c["kv_transfer_mean_s"] or float("nan")) * 1e3 for c in cs], style, label=lab)
+    for ax, t in zip(axes, ("TTFT p99 (ms)", "ITL p99 (ms): interference shows here", "KV transfer mean (ms), disagg")):
+        ax.set_title(t, fontsize=10)
+        ax.set_xlabel("offered rate (req/s)")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    axes[0].set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def verdict(rows: list[dict]) -> list[str]:
+    out = []
+    for r in rows:
+        ratio = r["goodput_ratio_disagg_over_colocated"]
+        rt = "n/a (both 0)" if ratio is None else ("inf" if ratio == math.inf else f"{ratio:.2f}x")
+        out.append(f"P={r['prompt_len']} O={r['output_len']} rate={r['rate_req_per_s']:g}: "
+                   f"{r['winner'].upper()}"
+                   f" (goodput D {r['goodput_disagg_req_per_s']:.2f} vs C {r['goodput_colocated_req_per_s']:.2f} req/s,"
+                   f" N_SLO D {r['n_slo_disagg']} vs C {r['n_slo_colocated']} of {r['n']},"
+                   f" {rt}; KV transfer {(r['kv_transfer_mean_s'] or 0) * 1e3:.2f} ms/req; ITL p99 C "
+                   f"{(r['itl_p99_colocated_s'] or 0) * 1e3:.1f} vs D {(r['itl_p99_disagg_s'] or 0) * 1e3:.1f} ms)")
+    return out
+
+
+def run_breakeven(a) -> int:
+    from pdserve.bench.cli import Progress
+    from pdserve.bench.report import _clean, write_html, write_json, _img
+    import html as H
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    grid = [(p, o, r) for o in _csv(a.output_lens, int) for p in _csv(a.prompt_lens, int) for r in _csv(a.rates)]
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    slo = MX.SLO(a.slo_ttft, a.slo_tpot)
+    results: dict = {}
+    meta = {"kind": "breakeven", "argv": sys.argv[1:], "grid": {"prompt_lens": a.prompt_lens,
+            "output_lens": a.output_lens, "rates": a.rates, "requests_per_cell": a.requests_per_cell,
+            "cell_duration_s": a.cell_duration, "min_requests_per_cell": a.min_requests_per_cell},
+            "slo": slo.as_dict(), "model": a.model, "cpu_count": os.cpu_count(),
+            "note": "load generator, gateway, router and redis share the same cores as the workers"}
+    interrupted = False
+    t0 = time.perf_counter()
+
+    def on_cell(mode, plen, olen, rate, row):
+        print(f"[{time.perf_counter() - t0:6.1f}s] {mode:9s} P={plen:<5d} O={olen:<4d} rate={rate:<5g} goodput "
+              f"{row['goodput_req_per_s']:.2f} req/s attain {row['attainment_ratio']:.2f} TTFT p50 "
+              f"{(row['ttft_p50_s'] or 0) * 1e3:.0f} ms ITL p99 {(row['itl_p99_s'] or 0) * 1e3:.1f} ms KV "
+              f"{(row['kv_transfer_mean_s'] or 0) * 1e3:.2f} ms", file=sys.stderr, flush=True)
+
+    if a.replot:
+        old = json.loads(Path(a.replot).read_text())
+        results, meta = old["results"], {**old["meta"], "replotted_from": a.replot}
+        g = old["meta"]["grid"]
+        grid = [(p, o, r) for o in _csv(g["output_lens"], int) for p in _csv(g["prompt_lens"], int) for r in _csv(g["rates"])]
+        slo = MX.SLO(old["meta"]["slo"]["ttft_s"], old["meta"]["slo"]["tpot_s"])
+        interrupted = old.get("interrupted", False)
+        modes = []
+    with Progress(not a.no_progress) as prog:
+        for mode in modes:
+            try:
+                run_mode(a, mode, grid, on_cell, prog.task, results.setdefault(mode, {}))
+            except KeyboardInterrupt:
+                interrupted = True
+                print("interrupted: reporting what was measured so far", file=sys.stderr)
+                break
+    rows = compare(results, grid)
+    result = {"meta": meta, "results": results, "comparison": rows, "interrupted": interrupted,
+              "wall_s": time.perf_counter() - t0}
+    files = {"json": write_json(result, out / "breakeven.json")}
+    hm = plot_heatmap(rows, out / "breakeven_heatmap.png", slo)
+    dt = plot_detail(results, grid, out / "breakeven_detail.png")
+    lines = verdict(rows)
+    deps = "".join(f"<li><b>{m}</b>: {H.escape(r['deployment']['layout'])}; startup "
+                   f"{r['deployment']['startup_s']:.1f} s; pinning {H.escape(json.dumps(r['deployment']['pinning']))}</li>"
+                   for m, r in results.items() if "deployment" in r)
+    table = ("<table><tr>" + "".join(f"<th>{k}</th>" for k in (rows[0].keys() if rows else [])) + "</tr>" +
+             "".join("<tr>" + "".join(f"<td>{'' if v is None else (f'{v:.4g}' if isinstance(v, float) else v)}</td>"
+                                      for v in r.values()) + "</tr>" for r in rows) + "</table>")
+    sections = [("Headline: where disaggregation's goodput beats colocated", _img(hm) if hm else "<p>no comparable cells</p>"),
+                ("Verdict per cell", "<ul>" + "".join(f"<li>{H.escape(x)}</li>" for x in lines) + "</ul>"),
+                ("Deployments (same cores)", f"<ul>{deps}</ul>"),
+                ("Latency, interference and KV transfer", _img(dt) if dt else ""),
+                ("All cells", table)]
+    files["html"] = write_html(out / "breakeven.html", "pdserve bench breakeven", sections, _clean(meta))
+    if hm:
+        files["heatmap_png"] = hm
+    if dt:
+        files["detail_png"] = dt
+    for x in lines:
+        print(x, file=sys.stderr)
+    for k, v in files.items():
+        print(f"{k}: {v}")
+    return 130 if interrupted else 0

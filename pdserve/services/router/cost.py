@@ -1,0 +1,187 @@
+"""Cost model: predicted TTFT and completion time of a request on a candidate placement (docs/routing.md).
+
+    local (prefill on the worker that decodes, a `both` or `decode` worker w):
+        ttft  = queue(w) + overhead(w) + uncached(w) / rate(w)
+        cost  = ttft + out * step(w) * kv_pressure(w) + interference(w)
+    disaggregated (prefill worker p, decode worker d):
+        ttft  = queue(p) + overhead(p) + uncached(p) / rate(p) + bytes(p->d) / bandwidth(d) + handoff(d)
+        cost  = ttft + out * step(d) * kv_pressure(d)
+
+- queue(w): prompt tokens already admitted but not computed (from the load report, plus what this router
+  placed there since that report) / rate(w).
+- rate, overhead: the worker's measured prefill line (LoadMeter); step: measured decode step time at the current
+  batch plus the measured per-sequence increment for the one we add; bandwidth/handoff: measured on the decode
+  worker's KV pulls. Priors apply only until a worker has measured something.
+- kv_pressure: a decode slows down (preemption, waiting for blocks) as its worker's KV fills; above `kv_knee`
+  the factor grows linearly, and a request whose blocks do not fit now waits about one decode of a request.
+- interference(w) = weight * (uncached / rate(w)) * (sequences decoding on w): a local prefill's compute is
+  added to the steps every sequence decoding there waits for (spec §6.3: why disaggregation exists).
+- work = work_weight * uncached / rate: the compute itself is capacity that later arrivals queue behind (and
+  the blocks it writes evict cached ones). Without it the policy is myopic: it spreads a chat over workers to
+  save a few ms now and loses the cache hits later (measured in the simulator: docs/routing.md).
+The router minimises cost = e2e + interference + work - this request's completion time plus the delay it
+imposes on others - so a long prompt on a busy decode worker is disaggregated, a short one is not.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.services.registry import WorkerRecord
+
+
+@dataclass
+class Priors:
+    """Used for a field a worker has not measured yet (0 in its report). Deliberately conservative."""
+    prefill_tokens_per_s: float = 2000.0
+    prefill_overhead_s: float = 0.01
+    decode_step_s: float = 0.02
+    decode_step_per_seq_s: float = 0.0005
+    kv_bytes_per_s: float = 1e9
+    handoff_overhead_s: float = 0.005
+    block_bytes: int = 0  # 0: from the worker's layout
+
+
+@dataclass
+class CostParams:
+    priors: Priors = field(default_factory=Priors)
+    default_out_tokens: int = 64    # when the request does not say max_tokens
+    max_out_tokens: int = 1024      # cap on the prediction (a huge max_tokens is rarely generated in full)
+    interference_weight: float = 1.0
+    work_weight: float = 1.0        # price of the prefill compute itself (capacity later arrivals queue behind)
+    kv_knee: float = 0.8
+    disagg_margin_s: float = 0.0    # extra gain required before disaggregating (on top of transfer + handoff)
+    tie_rel: float = 0.01           # candidates within 1% ...
+    tie_abs_s: float = 0.001        # ... + 1 ms of the best are "near-equal": picked at random
+
+
+@dataclass
+class Inflight:
+    """What this router placed on a worker since its last load report (reports lag a burst)."""
+    prefill_tokens: int = 0
+    seqs: int = 0
+    blocks: int = 0
+
+
+@dataclass
+class WorkerCost:
+    """One worker's rates with priors filled in (also what admission reads: view.py)."""
+    rec: WorkerRecord
+    rate: float
+    overhead: float
+    step: float
+    step_per_seq: float
+    bw: float
+    handoff: float
+    pending_tokens: int
+    running: int
+    kv_total: int
+    kv_used: int
+    block_size: int
+    block_bytes: int
+
+    @classmethod
+    def of(cls, rec: WorkerRecord, pri: Priors, extra: Inflight | None = None,
+           now: float | None = None) -> "WorkerCost":
+        ld = rec.load or {}
+        ex = extra or Inflight()
+        lay = rec.layout or {}
+
+        def m(name: str, prior: float) -> float:
+            v = float(ld.get(name, 0) or 0)
+            return v if v > 0 else prior
+
+        total = int(ld.get("kv_blocks_total", 0) or rec.capacity_blocks or 1)
+        running = int(ld.get("num_running", 0) or 0) + int(ld.get("num_waiting", 0) or 0)
+        per_seq = m("decode_step_per_seq_s", pri.decode_step_per_seq_s)
+        # the measured step is at the reported batch; unmeasured: the prior grown by the batch. Sequences this
+        # router added since the report grow it further.
+        step = float(ld.get("decode_step_s", 0) or 0) or (pri.decode_step_s + per_seq * running)
+        step += per_seq * ex.seqs
+        rate = m("prefill_tokens_per_s", pri.prefill_tokens_per_s)
+        # The report is up to a heartbeat old: the worker kept computing since, at its measured rate. Without
+        # this, a worker that just reported a burst looks busy long after it drained it.
+        pending = int(ld.get("pending_prefill_tokens", 0) or 0) + ex.prefill_tokens
+        seen = float(ld.get("report_time", 0) or rec.updated or 0)
+        if now is not None and seen > 0:
+            pending = max(0, pending - int(rate * min(10.0, max(0.0, now - seen))))
+        return cls(rec=rec, rate=rate,
+                   overhead=float(ld.get("prefill_overhead_s", 0) or 0) if ld.get("prefill_tokens_per_s")
+                   else pri.prefill_overhead_s,
+                   step=step, step_per_seq=per_seq,
+                   bw=m("kv_bytes_per_s", pri.kv_bytes_per_s), handoff=m("handoff_overhead_s", pri.handoff_overhead_s),
+                   pending_tokens=pending,
+                   running=running + ex.seqs,
+                   kv_total=max(total, 1), kv_used=int(ld.get("kv_blocks_in_use", 0) or 0) + ex.blocks,
+                   block_size=int(lay.get("block_size", 16) or 16),
+                   block_bytes=int(pri.block_bytes or lay.get("block_bytes", 0) or 0))
+
+    @property
+    def queue_s(self) -> float:
+        return self.pending_tokens / self.rate
+
+    @property
+    def kv_usage(self) -> float:
+        return min(1.0, self.kv_used / self.kv_total)
+
+    @property
+    def kv_free_blocks(self) -> int:
+        return max(0, self.kv_total - self.kv_used)
+
+    def prefill_s(self, uncached: int) -> float:
+        return self.overhead + max(0, uncached) / self.rate
+
+    def decode_s(self, out_tokens: int, need_blocks: int, knee: float) -> float:
+        step = self.step + self.step_per_seq  # the batch grows by this request
+        u = self.kv_usage
+        factor = 1.0 + (max(0.0, u - knee) / max(1e-6, 1.0 - knee))
+        wait = 0.0
+        if need_blocks > self.kv_free_blocks:  # must wait for blocks (or preempt someone)
+            wait = out_tokens * step
+        return out_tokens * step * factor + wait
+
+
+@dataclass
+class Estimate:
+    kind: str               # local | disagg
+    prefill: WorkerCost     # the worker that prefills
+    decode: WorkerCost      # the worker that decodes (same as prefill when local)
+    cached_tokens: int
+    ttft_s: float
+    e2e_s: float
+    interference_s: float
+    transfer_s: float = 0.0
+
+    @property
+    def cost(self) -> float:
+        return self.e2e_s + self.interference_s
+
+
+class CostModel:
+    def __init__(self, params: CostParams | None = None):
+        self.p = params or CostParams()
+
+    def out_tokens(self, max_tokens: int) -> int:
+        return min(max_tokens, self.p.max_out_tokens) if max_tokens > 0 else self.p.default_out_tokens
+
+    def local(self, w: WorkerCost, n_prompt: int, cached: int, out: int) -> Estimate:
+        uncached = n_prompt - cached
+        pre = w.prefill_s(uncached)
+        ttft = w.queue_s + pre
+        need = -(-(n_prompt + out) // w.block_size)
+        e2e = ttft + w.decode_s(out, need, self.p.kv_knee)
+        # running sequences share the steps the prefill's tokens are added to: they lose its compute time (the
+        # per-request overhead is latency, not compute they wait for)
+        compute = max(0, uncached) / w.rate
+        interf = (self.p.interference_weight * w.running + self.p.work_weight) * compute
+        return Estimate("local", w, w, cached, ttft, e2e, interf)
+
+    def disagg(self, p: WorkerCost, d: WorkerCost, n_prompt: int, cached_p: int, cached_d: int,
+               out: int) -> Estimate:
+        # the decode worker pulls only the blocks its own prefix cache lacks (decode/service.py)
+        blocks = max(0, -(-n_prompt // p.block_size) - cached_d // p.block_size)
+        xfer = blocks * (p.block_bytes or d.block_bytes) / d.bw
+        ttft = p.queue_s + p.prefill_s(n_prompt - cached_p) + xfer + d.handoff
+        need = -(-(n_prompt + out) // d.block_size)
+        e2e = ttft + d.decode_s(out, need, self.p.kv_knee)
+        work = self.p.work_weight * (n_prompt - cached_p) / p.rate
+        return Estimate("disagg", p, d, cached_p, ttft, e2e, work, xfer)

@@ -1,0 +1,151 @@
+"""Online measurements a worker puts in its load report; the router's cost model reads them (docs/routing.md).
+
+Everything here is measured from what the engine actually did, smoothed with exponentially weighted moving
+averages, so the router follows a worker that slows down (long contexts, a noisy neighbour, another device)
+instead of trusting configured constants. Until the first sample a field is 0 and the router uses its prior.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+
+class Ewma:
+    """Exponentially weighted mean; `alpha` is the weight of a new sample."""
+
+    def __init__(self, alpha: float = 0.2):
+        self.alpha = alpha
+        self.value = 0.0
+        self.n = 0
+
+    def add(self, x: float) -> None:
+        self.value = x if self.n == 0 else (1 - self.alpha) * self.value + self.alpha * x
+        self.n += 1
+
+
+class EwmaLine:
+    """y ~ a + b*x by exponentially forgotten least squares: prefill time = overhead + tokens / rate.
+
+    A plain EWMA of tokens/seconds would charge the per-request fixed cost to the rate, so short prompts would
+    make long prompts look slow; fitting a line separates the two.
+    """
+
+    def __init__(self, alpha: float = 0.1):
+        self.alpha = alpha
+        self.n = 0
+        self.mx = self.my = self.mxx = self.mxy = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        a = 1.0 if self.n == 0 else self.alpha
+        self.mx += a * (x - self.mx)
+        self.my += a * (y - self.my)
+        self.mxx += a * (x * x - self.mxx)
+        self.mxy += a * (x * y - self.mxy)
+        self.n += 1
+
+    def fit(self) -> tuple[float, float]:
+        """(intercept, slope). With too little spread in x, a line through the origin (slope only)."""
+        var = self.mxx - self.mx * self.mx
+        if self.n >= 3 and var > 1e-9 * max(1.0, self.mxx):
+            b = (self.mxy - self.mx * self.my) / var
+            if b > 0:
+                return max(0.0, self.my - b * self.mx), b
+        return 0.0, (self.my / self.mx if self.mx > 0 else 0.0)
+
+
+class LoadMeter:
+    """Measures prefill rate, decode step time and KV link bandwidth on a worker.
+
+    `on_step` is installed as the AsyncEngine step hook (engine thread); `observe_transfer` is called by the
+    decode side after each KV pull (event loop). A lock keeps `report` consistent across the two threads.
+    """
+
+    MIN_PREFILL_TOKENS = 1  # a request whose whole prompt hit the cache says nothing about the prefill rate
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.prefill = EwmaLine()          # x = uncached prompt tokens, y = first scheduled -> first token (s)
+        self.decode = EwmaLine(alpha=0.05)  # x = sequences in a pure-decode step, y = step time (s)
+        self.decode_now = Ewma(alpha=0.2)   # recent decode step time at the current batch
+        self.kv_bw = Ewma(alpha=0.2)        # bytes / s of KV pulls
+        self.handoff = Ewma(alpha=0.2)      # hand-off seconds beyond the transfer (alloc, RPCs, commit)
+        self.pending_prefill_tokens = 0
+        self._seen: set[str] = set()
+        self._last_step: float | None = None
+        self._busy = False
+        self._chain = None
+
+    # ---- engine thread ---------------------------------------------------------------------------------------
+    def on_step(self, engine, outputs) -> None:
+        now = time.time()
+        with self._lock:
+            self._step_time(engine, now)
+            for out in outputs:
+                self._prefill_sample(out)
+            self.pending_prefill_tokens = _pending_prefill(engine)
+            self._busy = engine.has_unfinished()
+            self._last_step = now
+        if self._chain is not None:
+            self._chain(engine, outputs)
+
+    def _step_time(self, engine, now: float) -> None:
+        # The interval between two step ends while the engine stayed busy is one step (plus the few commands
+        # queued in between). The first step after idle has no start mark and is skipped.
+        if not self._busy or self._last_step is None or not getattr(engine, "batch_sizes", None):
+            return
+        nseq, ntok = engine.batch_sizes[-1]
+        dt = now - self._last_step
+        if nseq and ntok == nseq and 0 < dt < 5.0:  # pure decode step: one token per sequence
+            self.decode.add(nseq, dt)
+            self.decode_now.add(dt)
+
+    def _prefill_sample(self, out) -> None:
+        rid = out.request_id
+        m = out.metrics or {}
+        if rid not in self._seen:
+            s, f = m.get("first_scheduled_time"), m.get("first_token_time")
+            if s and f and f >= s:
+                self._seen.add(rid)
+                n_prompt = len(out.prompt_token_ids or [])
+                uncached = n_prompt - int(out.num_cached_tokens or 0)
+                if uncached >= self.MIN_PREFILL_TOKENS:
+                    self.prefill.add(uncached, f - s)
+        if out.finished:
+            self._seen.discard(rid)
+
+    # ---- event loop ------------------------------------------------------------------------------------------
+    def observe_transfer(self, nbytes: int, transfer_s: float, handoff_s: float) -> None:
+        with self._lock:
+            if nbytes > 0 and transfer_s > 0:
+                self.kv_bw.add(nbytes / transfer_s)
+            self.handoff.add(max(0.0, handoff_s - transfer_s))
+
+    def chain(self, hook) -> None:
+        """Keep another on_step hook working (e.g. someone else's metrics)."""
+        self._chain = hook
+
+    def report(self) -> dict:
+        with self._lock:
+            ov, slope = self.prefill.fit()
+            d0, d1 = self.decode.fit()
+            return {
+                "prefill_tokens_per_s": (1.0 / slope) if slope > 0 else 0.0,
+                "prefill_overhead_s": ov,
+                "decode_step_s": self.decode_now.value,
+                "decode_step_per_seq_s": d1 if d0 > 0 or d1 > 0 else 0.0,
+                "pending_prefill_tokens": int(self.pending_prefill_tokens),
+                "kv_bytes_per_s": self.kv_bw.value,
+                "handoff_overhead_s": self.handoff.value,
+                "report_time": time.time(),
+            }
+
+
+def _pending_prefill(engine) -> int:
+    """Prompt tokens admitted but not yet computed: the prefill work queued ahead of a new request."""
+    n = 0
+    for req in list(getattr(engine, "requests", {}).values()):
+        for s in getattr(req, "seqs", ())[:1]:  # branches share the prompt
+            if getattr(s, "finished", False):
+                continue
+            n += max(0, s.num_prompt_tokens - s.num_computed_tokens)
+    return n

@@ -1,0 +1,72 @@
+"""Against a real `pdserve up` (tiny random checkpoint): a short sweep produces the JSON, PNG and HTML files with
+per-stage server metrics, and the break-even study runs both deployments on one cell."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.bench.conftest import env
+
+pytest.importorskip("pdserve.services.up", reason="services (pdserve up) not on this branch yet")
+if shutil.which("redis-server") is None:
+    pytest.skip("redis-server not on PATH (pdserve up needs it)", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from tests.conftest import make_checkpoint
+    return make_checkpoint(tmp_path_factory.mktemp("bench_ck") / "ck", "llama")
+
+
+@pytest.fixture(scope="module")
+def up(ckpt):
+    from pdserve.bench.breakeven import Deployment
+    d = Deployment(str(ckpt), "colocated", 2, ["--workers", "1", "--num-gpu-blocks", "128"], 90)
+    yield d
+    d.stop()
+
+
+def test_short_sweep_against_pdserve_up(up, tmp_path):
+    out = tmp_path / "sweep"
+    murls = sum((["--metrics-url", u] for u in up.metrics_urls()), [])
+    r = subprocess.run([sys.executable, "-m", "pdserve", "bench", "sweep", "--base-url", up.base_url, "--rates", "2,8",
+                        "--num-requests", "6", "--prompt-len", "fixed:24", "--output-len", "fixed:8", "--warmup", "1",
+                        "--no-progress", "--out", str(out), *murls],
+                       env=env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    for f in ("results.json", "cdf.png", "latency_throughput.png", "stages.png", "report.html"):
+        assert (out / f).stat().st_size > 1000, f
+    res = json.loads((out / "results.json").read_text())
+    for p in res["points"]:
+        s = p["steady"]
+        assert s["n_ok"] == 6, s["errors"]
+        # ignore_eos + min_tokens gave exact output lengths; the usage record gave exact prompt lengths
+        assert all(row["n_out"] == 8 and row["prompt_tokens"] == 24 for row in p["records"] if not row["warmup"])
+        assert s["identity_max_abs_residual_s"] < 1e-9
+        assert s["prefix_cached_prompt_token_fraction"] == 0  # each point has its own prompts: no cache hits
+        st = p["server_stages"]
+        assert st["gateway_ttft_count"] >= 6 and st["queue_both_worker_count"] >= 6
+        # the gateway's own TTFT (its arrival -> first chunk) is inside ours (scheduled arrival -> chunk read)
+        assert st["gateway_ttft_mean_s"] <= s["latency"]["ttft_s"]["mean"] + 1e-3
+    assert "data:image/png;base64," in (out / "report.html").read_text()
+
+
+def test_breakeven_one_cell(ckpt, tmp_path):
+    out = tmp_path / "be"
+    r = subprocess.run([sys.executable, "-m", "pdserve", "bench", "breakeven", "--model", str(ckpt),
+                        "--prompt-lens", "48", "--output-lens", "8", "--rates", "4", "--requests-per-cell", "6",
+                        "--num-gpu-blocks", "128", "--no-progress", "--out", str(out)],
+                       env=env(), capture_output=True, text=True, timeout=150)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads((out / "breakeven.json").read_text())
+    (row,) = res["comparison"]
+    assert row["winner"] in ("disagg", "colocated", "tie")
+    assert row["kv_transfer_mean_s"] and row["kv_transfer_mean_s"] > 0  # measured on the decode worker
+    dis = res["results"]["disagg"]["deployment"]["pinning"]
+    assert sorted(v["cores"] for v in dis.values()) == [[0], [1]]
+    for f in ("breakeven_heatmap.png", "breakeven_detail.png", "breakeven.html"):
+        assert (out / f).stat().st_size > 1000, f
