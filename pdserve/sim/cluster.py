@@ -37,6 +37,7 @@ class ClusterSpec:
     max_model_len: int | None = None
     report_s: float = 1.0            # load-report interval seen by the router (0: exact load every placement)
     seed: int = 0
+    router_mode: str | None = None   # the router's mode; default: disagg with P/D pools, colocated otherwise
 
     @property
     def replicas(self) -> int:
@@ -52,28 +53,100 @@ class ClusterSpec:
 
 
 class RouterPlacer:
-    """The router's real placement policy over simulated workers."""
+    """The router's real `Policy` (cost model, prefix index, in-flight bookkeeping) over simulated workers.
 
-    def __init__(self, replicas: list[SimReplica], report_s: float, seed: int = 0):
+    Load reports are rebuilt every `report_s` of virtual time from the replicas' real scheduler/block-manager
+    state, with the rates a worker would have measured taken from the sim's cost model; the policy's clock is
+    virtual time, so it ages reports and in-flight placements as in a deployment. The prefix index is fed with
+    the replicas' real BlockManager stored/evicted events at each report. With pools larger than `candidates`,
+    each decision sees a random sample of `candidates` workers per pool (power-of-k choices): the policy scores
+    every (prefill, decode) pair, which is O(P x D) per request and too slow at 64 x 64 in a simulation; this
+    sampling is the sim's, not the router's.
+    """
+
+    def __init__(self, replicas: list[SimReplica], report_s: float, seed: int = 0, mode: str | None = None,
+                 clock=None, cost=None, candidates: int = 8):
         from pdserve.services.registry import WorkerRecord
         from pdserve.services.router.policy import Policy
+        from pdserve.services.router.prefix_index import PrefixIndex
 
-        self.policy = Policy(random.Random(seed))
+        roles = {r.role for r in replicas}
+        mode = mode or ("disagg" if {"prefill", "decode"} <= roles else "colocated")
+        self.index = PrefixIndex()
+        self.clock = clock or (lambda: 0.0)
+        self.policy = Policy(mode, self.index, rng=random.Random(seed), clock=self.clock)
+        self.rng = random.Random(seed + 1)
         self.replicas = replicas
+        self.cost = cost
+        self.candidates = candidates
         self.by_id = {r.name: r for r in replicas}
-        self.records = [WorkerRecord(r.name, r.role, f"sim:{r.name}", capacity_blocks=r.bm.num_blocks)
-                        for r in replicas]
+        bs = replicas[0].bm.block_size if replicas else 16
+        kvb = getattr(cost, "kv_bytes_per_token", 0) or getattr(getattr(cost, "model", None), "kv_bytes_per_token", 0)
+        self.records = {r.name: WorkerRecord(r.name, r.role, f"sim:{r.name}", capacity_blocks=r.bm.num_blocks,
+                                             layout={"fingerprint": r.bm.fingerprint, "block_size": bs,
+                                                     "block_bytes": int(kvb * bs)})
+                        for r in replicas}
+        self.pools = {role: [r.name for r in replicas if r.role == role] for role in ("prefill", "decode", "both")}
         self.report_s = report_s
         self.next_report = -1.0
+        self._rates = self._prefill_line()
+
+    def _prefill_line(self) -> tuple[float, float]:
+        from pdserve.sim.costmodel import StepShape
+        if self.cost is None:
+            return 0.0, 0.0
+        t1 = self.cost.step_time(StepShape(512, 1, 0, 512, 512 * 513 // 2, 1))
+        t2 = self.cost.step_time(StepShape(2048, 1, 0, 2048, 2048 * 2049 // 2, 1))
+        slope = (t2 - t1) / 1536
+        return (1.0 / slope if slope > 0 else 0.0), max(0.0, t1 - 512 * slope)
+
+    def _report(self, rep: SimReplica, now: float) -> dict:
+        from pdserve.sim.costmodel import StepShape
+        ld = rep.load()
+        sch = rep.scheduler
+        pending = sum(s.num_tokens - s.num_computed_tokens for s in sch.waiting) + \
+            sum(s.num_tokens - s.num_computed_tokens for s in sch.running if s.is_prefill)
+        ld.update(pending_prefill_tokens=pending, report_time=now)
+        if self.cost is not None:
+            dec = [s for s in sch.running if not s.is_prefill]
+            ctx = sum(s.num_tokens for s in dec)
+            n = len(dec)
+            step = self.cost.step_time(StepShape(0, 0, n, ctx, ctx, n)) if n else 0.0
+            mean = ctx // n if n else 512
+            step1 = self.cost.step_time(StepShape(0, 0, n + 1, ctx + mean, ctx + mean, n + 1))
+            rate, overhead = self._rates
+            ld.update(prefill_tokens_per_s=rate, prefill_overhead_s=overhead, decode_step_s=step,
+                      decode_step_per_seq_s=max(0.0, step1 - step) if n else 0.0)
+            bw = getattr(self.cost, "link_bytes_per_s", 0)
+            if bw:
+                ld["kv_bytes_per_s"] = bw
+            ld["handoff_overhead_s"] = getattr(self.cost, "handoff_s", 0.0) or 1e-6
+        return ld
+
+    def _refresh(self, now: float) -> None:
+        for rep in self.replicas:
+            rec = self.records[rep.name]
+            rec.load = self._report(rep, now)
+            rec.updated = now
+            ev = rep.bm.events
+            while ev:
+                e = ev.popleft()
+                key = (e.namespace, e.block_hash)
+                if e.kind == "stored":
+                    self.index.add(rep.name, key)
+                else:
+                    self.index.remove(rep.name, key)
 
     def place(self, req: SimRequest, now: float):
+        from pdserve.services.router.policy import RouteInput
         if now >= self.next_report:
-            wall = time.time()  # the policy compares its own placement stamps (wall clock) with `updated`
-            for rec, rep in zip(self.records, self.replicas):
-                rec.load = rep.load()
-                rec.updated = wall
+            self._refresh(now)
             self.next_report = now + self.report_s if self.report_s > 0 else now
-        pl = self.policy.place(self.records)
+        names = []
+        for pool in self.pools.values():
+            names += pool if len(pool) <= self.candidates else self.rng.sample(pool, self.candidates)
+        pl = self.policy.place([self.records[n] for n in names],
+                               req=RouteInput(req.rid, req.prompt, len(req.prompt), req.namespace, req.output_len))
         if pl.mode == "colocated":
             return "colocated", self.by_id[pl.both.worker_id], None
         return "disagg", self.by_id[pl.prefill.worker_id], self.by_id[pl.decode.worker_id]
@@ -88,7 +161,8 @@ class Cluster:
             for i in range(n):
                 self.replicas.append(SimReplica(f"{role}-{i}", role, EngineConfig(**vars(spec.engine)),
                                                 spec.num_blocks, cost, fingerprint, spec.max_model_len, vocab_size))
-        self.placer = placer or RouterPlacer(self.replicas, spec.report_s, spec.seed)
+        self.placer = placer or RouterPlacer(self.replicas, spec.report_s, spec.seed, spec.router_mode,
+                                             clock=lambda: self.now, cost=cost)
         self.now = 0.0
         self._heap: list = []
         self._tie = itertools.count()
