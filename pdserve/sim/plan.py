@@ -56,12 +56,15 @@ def _meets(s: dict, target: float) -> bool:
     return s["slo"]["attainment_ratio"] >= target
 
 
-def replica_goodput(pi: PlanInput, spec: ClusterSpec, slo: SLO) -> tuple[float, float]:
+def replica_goodput(pi: PlanInput, spec: ClusterSpec, slo: SLO, cap: float = math.inf) -> tuple[float, float]:
     """Highest offered rate (req/s) at which `spec` meets `slo` with the target attainment, by doubling then
     bisection; returns (that rate, the goodput measured there)."""
     lo, hi, good = 0.0, None, 0.0
     r = max(pi.rate / 64, 0.05)
-    for _ in range(24):  # doubling
+    for _ in range(24):  # doubling, up to `cap` (beyond it the other pool, not this replica, is the limit)
+        if r > cap:
+            hi = cap
+            break
         s = _run(pi, spec, r, pi.sweep_requests, slo)
         if _meets(s, pi.attainment):
             lo, good = r, s["slo"]["goodput_req_per_s"]
@@ -110,7 +113,9 @@ def plan(pi: PlanInput) -> dict:
                                                    peak, n))
     if "disagg" in pi.modes:
         p_rate, _ = replica_goodput(pi, ClusterSpec(prefill=1, decode=4), SLO(ttft=slo.ttft))
-        d_rate, _ = replica_goodput(pi, ClusterSpec(prefill=4, decode=1), SLO(tpot=slo.tpot))
+        # the decode replica is fed by a prefill pool 8x one replica's capacity; rates beyond that measure the
+        # prefill pool, so the sweep stops there
+        d_rate, _ = replica_goodput(pi, ClusterSpec(prefill=8, decode=1), SLO(tpot=slo.tpot), cap=8 * p_rate)
         log(f"disagg: one prefill replica meets the TTFT SLO up to {p_rate:.3g} req/s, one decode replica the "
             f"TPOT SLO up to {d_rate:.3g} req/s")
         if p_rate > 0 and d_rate > 0:
