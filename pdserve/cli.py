@@ -30,8 +30,37 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=_env("max_num_seqs") and int(_env("max_num_seqs")))
     p.add_argument("--device", default=_env("device"))
     p.add_argument("--dtype", default=_env("dtype"))
+    p.add_argument("--policy", default=_env("policy"),
+                   help="fcfs | decode-priority | prefill-priority | priority | shortest-predicted-first")
     p.add_argument("--threads", type=int, default=_env("threads") and int(_env("threads")),
                    help="torch intra-op threads (default: all cores; `up` splits the cores between workers)")
+
+
+def _add_lifecycle(p: argparse.ArgumentParser) -> None:
+    """Gateway ingress gate + admission (docs/admission.md)."""
+    p.add_argument("--redis-url", default=_env("redis_url"),
+                   help="shared rate limits, quotas and KV reservations (unset: none of them shared)")
+    p.add_argument("--api-keys-file", default=_env("api_keys_file"),
+                   help="JSON/YAML tenants + keys (a mounted Secret); unset: no keys required")
+    p.add_argument("--max-body-bytes", type=int, default=int(_env("max_body_bytes", 1 << 20)))
+    p.add_argument("--default-timeout", type=float, default=float(_env("default_timeout", 60)),
+                   help="request deadline in seconds when the body has no `timeout`")
+    p.add_argument("--max-timeout", type=float, default=float(_env("max_timeout", 600)))
+    p.add_argument("--admission-queue", type=int, default=int(_env("admission_queue", 16)),
+                   help="requests that may wait for KV capacity per gateway; beyond: 503 at once")
+    p.add_argument("--max-queue-wait", type=float, default=float(_env("max_queue_wait", 10)))
+    p.add_argument("--kv-overcommit", type=float, default=float(_env("kv_overcommit", 1.0)),
+                   help="reservable blocks = worker KV blocks x this")
+    p.add_argument("--reservation-lease", type=float, default=float(_env("reservation_lease", 10)))
+
+
+def _add_lifecycle_up(p: argparse.ArgumentParser) -> None:
+    # the same flags as the gateway's, minus --redis-url (up already has one)
+    tmp = argparse.ArgumentParser(add_help=False)
+    _add_lifecycle(tmp)
+    for a in tmp._actions:
+        if a.dest != "redis_url":
+            p._add_action(a)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,12 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--lease-ttl", type=float, default=float(_env("lease_ttl", 30)))
     up.add_argument("--heartbeat-ttl", type=float, default=float(_env("heartbeat_ttl", 3)))
     up.add_argument("--ready-timeout", type=float, default=float(_env("ready_timeout", 180)))
+    _add_lifecycle_up(up)
 
     gw = sub.add_parser("gateway", help="OpenAI HTTP API + gRPC front door")
     _add_common(gw)
     gw.add_argument("--port", type=int, default=int(_env("port", 8000)))
     gw.add_argument("--grpc-port", type=int, default=int(_env("grpc_port", 0)))
     gw.add_argument("--router", default=_env("router", "127.0.0.1:7000"), help="router gRPC address")
+    _add_lifecycle(gw)
 
     rt = sub.add_parser("router", help="placement service over the Redis registry")
     _add_common(rt)

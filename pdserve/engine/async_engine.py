@@ -2,6 +2,12 @@
 
 Every engine call from the event loop is queued and executed by the engine thread between two steps, so the
 engine itself needs no locks. Cancelling a `generate` iterator aborts its request within one tick.
+
+Backpressure (spec §1.4): each request's output buffer is bounded. The engine thread counts outputs delivered,
+the consumer counts outputs taken (one writer each, so no lock); when a request has
+`max_buffered_outputs` undelivered outputs it is paused (BACKPRESSURED: no decode steps), and resumed once its
+consumer has drained to half. The chain of pull-based streams (SSE -> gateway -> gRPC -> here) carries a slow
+client's backpressure down to this buffer.
 """
 from __future__ import annotations
 
@@ -21,6 +27,10 @@ class AsyncEngine:
         self.engine = engine
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, asyncio.Queue] = {}
+        self._delivered: dict[str, int] = {}  # written by the engine thread only
+        self._consumed: dict[str, int] = {}  # written by the event loop only
+        self._paused: set[str] = set()  # engine thread only
+        self._wake = threading.Event()  # set with every command: ends an idle wait early
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -59,6 +69,8 @@ class AsyncEngine:
             except queue.Empty:
                 pass
             if self.engine.has_unfinished():
+                self._backpressure()
+                steps = self.engine.num_steps
                 try:
                     outputs = self.engine.step()
                 except Exception as e:  # a failed step fails its requests, not the worker
@@ -67,6 +79,29 @@ class AsyncEngine:
                     self.on_step(self.engine, outputs)
                 for out in outputs:
                     self._deliver(out)
+                if self.engine.num_steps == steps and not outputs:
+                    self._idle_wait()
+
+    def _idle_wait(self) -> None:
+        """Nothing could run (all requests backpressured or waiting for blocks): wait for a command or a few ms
+        instead of spinning a core (deadlines and drained buffers are checked again after)."""
+        self._wake.wait(0.005)
+        self._wake.clear()
+
+    def _backpressure(self) -> None:
+        limit = self.engine.config.max_buffered_outputs
+        for rid in list(self._delivered):
+            if rid not in self._streams:  # its consumer left: the abort that follows reclaims it
+                self._delivered.pop(rid, None)
+                self._paused.discard(rid)
+                continue
+            buffered = self._delivered.get(rid, 0) - self._consumed.get(rid, 0)
+            if rid not in self._paused and buffered >= limit:
+                if self.engine.set_paused(rid, True):
+                    self._paused.add(rid)
+            elif rid in self._paused and buffered <= limit // 2:
+                self.engine.set_paused(rid, False)
+                self._paused.discard(rid)
 
     def _fail_all(self, err: Exception) -> list[RequestOutput]:
         import logging
@@ -93,8 +128,14 @@ class AsyncEngine:
         self._loop.call_soon_threadsafe(done)
 
     def _deliver(self, out: RequestOutput) -> None:
-        q = self._streams.get(out.request_id)
+        rid = out.request_id
+        q = self._streams.get(rid)
         if q is not None:
+            if out.finished:
+                self._delivered.pop(rid, None)
+                self._paused.discard(rid)
+            else:
+                self._delivered[rid] = self._delivered.get(rid, 0) + 1
             self._loop.call_soon_threadsafe(q.put_nowait, out)
 
     # ---- event-loop side --------------------------------------------------------------------------------------
@@ -102,22 +143,27 @@ class AsyncEngine:
         """Run fn(engine) in the engine thread between steps and return its result."""
         fut = self._loop.create_future()
         self._commands.put((fn, fut))
+        self._wake.set()
         return await fut
 
     def submit(self, fn: Callable[[Engine], Any]) -> None:
         """Fire and forget (usable from any thread)."""
         self._commands.put((fn, None))
+        self._wake.set()
 
     async def abort(self, request_id: str, state: str = "CANCELLED") -> None:
         await self.run(lambda e: e.abort(request_id, state))
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                        namespace: str = "", prefill_only: bool = False,
-                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+                       arrival_time: float | None = None, deadline: float | None = None, priority: int = 0,
+                       predicted_output_tokens: int | None = None) -> AsyncIterator[RequestOutput]:
         stream = self.attach(request_id)
         try:
             await self.run(lambda e: e.add_request(request_id, prompt_token_ids, params, namespace=namespace,
-                                                   prefill_only=prefill_only, arrival_time=arrival_time))
+                                                   prefill_only=prefill_only, arrival_time=arrival_time,
+                                                   deadline=deadline, priority=priority,
+                                                   predicted_output_tokens=predicted_output_tokens))
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -129,6 +175,7 @@ class AsyncEngine:
         return the iterator over them; leaving the iterator early aborts the request."""
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = q
+        self._consumed[request_id] = 0
         return self._drain(request_id, q)
 
     async def _drain(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
@@ -136,11 +183,15 @@ class AsyncEngine:
         try:
             while True:
                 out = await q.get()
+                self._consumed[request_id] = self._consumed.get(request_id, 0) + 1
+                if request_id in self._paused:
+                    self._wake.set()  # a parked request may be resumable now
                 finished = out.finished
                 yield out
                 if finished:
                     return
         finally:
             self._streams.pop(request_id, None)
+            self._consumed.pop(request_id, None)
             if not finished:  # consumer went away (disconnect, cancel): free everything now
                 self.submit(lambda e: e.abort(request_id, "CANCELLED"))

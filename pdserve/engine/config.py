@@ -128,6 +128,9 @@ def _generation_config(model_dir: Path) -> dict:
         raise CheckpointError(f"{path}: malformed JSON ({e})") from e
 
 
+POLICIES = ("fcfs", "decode-priority", "prefill-priority", "priority", "shortest-predicted-first")
+
+
 @dataclass
 class EngineConfig:
     """Engine knobs. `num_gpu_blocks=None` sizes the KV pool from `kv_cache_bytes`."""
@@ -140,7 +143,13 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
-    policy: str = "fcfs"  # fcfs | decode-priority | prefill-priority
+    policy: str = "fcfs"  # fcfs | decode-priority | prefill-priority | priority | shortest-predicted-first
+    # priority / shortest-predicted-first: a queued request older than this goes first regardless (no starvation)
+    starvation_age_s: float = 10.0
+    # Backpressure (spec §1.4): a request with this many undelivered outputs stops getting decode steps
+    # (BACKPRESSURED) until its consumer drains to half; still full after `backpressure_preempt_s` -> preempted.
+    max_buffered_outputs: int = 64
+    backpressure_preempt_s: float = 5.0
     preemption_mode: str = "recompute"  # recompute | swap
     dtype: str = "auto"  # auto (checkpoint dtype) | float32 | bfloat16 | float16
     device: str = "cpu"
@@ -151,7 +160,7 @@ class EngineConfig:
     num_threads: int | None = None
 
     def validate(self) -> None:
-        if self.policy not in ("fcfs", "decode-priority", "prefill-priority"):
+        if self.policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {self.policy!r}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"unknown preemption mode {self.preemption_mode!r}")

@@ -52,6 +52,8 @@ class Request:
     reclaimed: bool = False
     state: S = S.QUEUED
     prompt_logprobs: list | None = None
+    deadline: float | None = None  # unix time; past it the request ends TIMED_OUT from any live state
+    paused_since: float | None = None  # backpressured since (unix time)
 
     @property
     def finished(self) -> bool:
@@ -132,14 +134,28 @@ class Engine:
             raise RequestRejected(f"prompt of {n} tokens needs more KV blocks than this worker has")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                    namespace: str = "", prefill_only: bool = False, arrival_time: float | None = None) -> None:
+                    namespace: str = "", prefill_only: bool = False, arrival_time: float | None = None,
+                    deadline: float | None = None, priority: int = 0,
+                    predicted_output_tokens: int | None = None) -> None:
+        """`deadline` (unix time): TIMED_OUT when passed; `priority` (lower = more urgent) and
+        `predicted_output_tokens` feed the `priority` / `shortest-predicted-first` policies."""
         if request_id in self.requests or request_id in self.remote_pending:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.validate_request(prompt_token_ids, params)
         req = self._new_request(request_id, prompt_token_ids, params, namespace, arrival_time)
         req.prefill_only = prefill_only
+        self._lifecycle(req, deadline, priority, predicted_output_tokens)
         self.requests[request_id] = req
         self.scheduler.add(req.seqs[0])
+
+    def _lifecycle(self, req: Request, deadline: float | None, priority: int, predicted: int | None) -> None:
+        req.deadline = deadline
+        seq = req.seqs[0]
+        seq.priority = int(priority)
+        if predicted is None:
+            mt = req.params.max_tokens
+            predicted = mt if mt is not None else self.max_model_len - len(req.prompt_token_ids)
+        seq.predicted_output_tokens = int(predicted)
 
     def _new_request(self, request_id, prompt_token_ids, params, namespace, arrival_time) -> Request:
         arrival = arrival_time if arrival_time is not None else time.time()
@@ -160,6 +176,7 @@ class Engine:
         return bool(self.requests) or bool(self._pending_outputs)
 
     def step(self) -> list[RequestOutput]:
+        self._expire(time.time())
         outputs, self._pending_outputs = self._pending_outputs, []
         sched = self.scheduler.schedule()
         if not sched.scheduled:
@@ -277,6 +294,46 @@ class Engine:
                 return st
         return S.FINISHED
 
+    # ---- deadlines and backpressure ----------------------------------------------------------------------------
+    def _expire(self, now: float) -> None:
+        """Deadlines: any live request past its deadline ends TIMED_OUT (queued, preempted, swapped, running or
+        backpressured alike: the client has stopped waiting). Requests whose KV is being pulled (remote_pending)
+        are left to the transfer timeout: their blocks may still be written by NIXL. Also: a request
+        backpressured for longer than `backpressure_preempt_s` gives its KV back (preempted, spec §1.4)."""
+        for req in list(self.requests.values()):
+            if req.deadline is not None and now >= req.deadline and not req.reclaimed:
+                self.abort(req.request_id, "TIMED_OUT")
+            elif req.paused_since is not None and now - req.paused_since > self.config.backpressure_preempt_s:
+                for seq in req.seqs:
+                    if seq.state == S.BACKPRESSURED:
+                        self.scheduler.preempt(seq)
+
+    def set_paused(self, request_id: str, paused: bool) -> bool:
+        """Backpressure on/off for a request (its consumer's buffer is full / drained). Returns whether it
+        exists. Paused sequences keep their KV but get no ticks; running ones show BACKPRESSURED."""
+        req = self.requests.get(request_id)
+        if req is None or req.reclaimed or (req.paused_since is not None) == paused:
+            return req is not None
+        req.paused_since = time.time() if paused else None
+        for seq in req.seqs:
+            if seq.finished:
+                continue
+            seq.paused = paused
+            if paused and seq.state == S.DECODING:
+                seq.set_state(S.BACKPRESSURED)
+            elif not paused and seq.state == S.BACKPRESSURED:
+                seq.set_state(S.DECODING)
+        return True
+
+    def state_counts(self) -> dict[str, int]:
+        """Live sequences per state (the per-state gauges)."""
+        counts: dict[str, int] = {}
+        for req in list(self.requests.values()) + list(self.remote_pending.values()):
+            for seq in req.seqs:
+                if seq.state is not None and not seq.finished:
+                    counts[seq.state.value] = counts.get(seq.state.value, 0) + 1
+        return counts
+
     # ---- termination: one idempotent reclaim ------------------------------------------------------------------
     def _finish_seq(self, req: Request, seq: Sequence, state: S) -> None:
         if seq.finished:
@@ -316,6 +373,7 @@ class Engine:
             "state": final.value,
             "finish_reasons": [s.finish_reason for s in chosen],
             "num_preemptions": sum(s.num_preemptions for s in req.seqs),
+            "deadline": req.deadline,
             **{k: v for k, v in req.metrics.items()},
         }
         self.usage_records.append(record)
@@ -331,7 +389,7 @@ class Engine:
             return
         for seq in req.seqs:
             if not seq.finished and seq.finish_reason is None:
-                seq.finish_reason = "abort"
+                seq.finish_reason = "timeout" if target == S.TIMED_OUT else "abort"
         self._reclaim(req, target)
         self._pending_outputs.append(self._output(req))
 
@@ -346,13 +404,15 @@ class Engine:
 
     def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
                               params: SamplingParams, *, namespace: str = "",
-                              arrival_time: float | None = None) -> tuple[list[int], int] | None:
+                              arrival_time: float | None = None, deadline: float | None = None,
+                              priority: int = 0) -> tuple[list[int], int] | None:
         """Decode side: allocate blocks for a prompt prefilled elsewhere. Returns (block ids, number of leading
         blocks already valid from the local prefix cache) or None when the blocks cannot be had now."""
         if request_id in self.requests or request_id in self.remote_pending:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.validate_request(prompt_token_ids, params)
         req = self._new_request(request_id, prompt_token_ids, params, namespace, arrival_time)
+        self._lifecycle(req, deadline, priority, None)
         seq = req.seqs[0]
         bm = self.block_manager
         hits = bm.lookup(seq)
@@ -434,6 +494,7 @@ class Engine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_swapped": len(self.scheduler.swapped),
+            "states": self.state_counts(),
             "prefix_hit_ratio": bm.hit_ratio,
             "preemptions": dict(self.scheduler.num_preemptions),
             "terminal": dict(self.terminal_counts),

@@ -51,6 +51,11 @@ TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
 INITIAL = frozenset({S.QUEUED, S.REJECTED})
 
 
+# How many times any sequence entered each state, process-wide. Transient states (RUNNABLE, RESUMED) last less
+# than a tick, so a gauge would never show them; this counter makes every state visible (metrics export it).
+ENTERED: dict[str, int] = {s.value: 0 for s in RequestState}
+
+
 def check_transition(old: RequestState | None, new: RequestState) -> None:
     allowed = INITIAL if old is None else TRANSITIONS[old]
     if new not in allowed:

@@ -5,9 +5,16 @@ lowest-priority running sequence by recompute or swap when blocks run out), swap
 nothing was preempted this tick, then queued sequences are admitted while `max_num_seqs`, the token budget
 `max_num_batched_tokens` and free blocks allow. Physical blocks are taken only here, when a tick selects a
 sequence (spec §1.2: admission is a reservation, allocation happens on selection).
+
+Policies for the queue (spec §1.3): `fcfs` (and decode-/prefill-priority) admit in arrival order; `priority`
+admits by (priority class, arrival); `shortest-predicted-first` by predicted remaining work in ticks (predicted
+output tokens left + prompt chunks left). Both put any request queued longer than `starvation_age_s` first, in
+arrival order: the age bound is what keeps long / low-class requests from starving.
+Backpressured sequences (`seq.paused`) are skipped everywhere and are the first preemption victims.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -62,6 +69,33 @@ class Scheduler:
     def _key(self, seq: Sequence) -> tuple:
         return (seq.priority, seq.arrival_time, seq.seq_id)
 
+    def _waiting_order(self) -> list[Sequence]:
+        if self.cfg.policy not in ("priority", "shortest-predicted-first"):
+            return list(self.waiting)  # arrival order (recompute-preempted ones were put at the front)
+        now = time.time()
+        chunk = max(1, self.cfg.max_num_batched_tokens)
+
+        def key(s: Sequence) -> tuple:
+            if now - s.arrival_time > self.cfg.starvation_age_s:
+                return (0, 0.0, s.arrival_time, s.seq_id)
+            if self.cfg.policy == "priority":
+                return (1, float(s.priority), s.arrival_time, s.seq_id)
+            work = max(0, s.predicted_output_tokens - s.num_output_tokens) \
+                + (s.num_tokens - s.num_computed_tokens) / chunk
+            return (1, float(work), s.arrival_time, s.seq_id)
+
+        return sorted(self.waiting, key=key)
+
+    def _victim(self, cands: list[Sequence]) -> Sequence:
+        """Backpressured sequences first (nobody is reading them), then the lowest priority / latest arrival."""
+        paused = [s for s in cands if s.paused]
+        return max(paused or cands, key=self._key)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Preempt a running sequence outside a tick (backpressure limit): frees its blocks."""
+        if seq in self.running:
+            self._preempt(seq, SchedulerOutput())
+
     def _running_order(self) -> list[Sequence]:
         by_age = sorted(self.running, key=self._key)
         if self.cfg.policy == "decode-priority":
@@ -92,7 +126,7 @@ class Scheduler:
     def _schedule_running(self, order: list[Sequence], out: SchedulerOutput, budget: int) -> int:
         scheduled_ids = {id(s.seq) for s in out.scheduled}
         for seq in order:
-            if seq not in self.running or budget <= 0:
+            if seq not in self.running or budget <= 0 or seq.paused:
                 continue
             need = seq.num_tokens - seq.num_computed_tokens
             n = min(need, budget) if self.cfg.enable_chunked_prefill else need
@@ -104,7 +138,7 @@ class Scheduler:
                     break
                 except NoFreeBlocks:
                     victims = [s for s in self.running if s is not seq and id(s) not in scheduled_ids]
-                    victim = max(victims, key=self._key) if victims else seq
+                    victim = self._victim(victims) if victims else seq
                     self._preempt(victim, out)
                     if victim is seq:
                         break
@@ -117,11 +151,14 @@ class Scheduler:
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
         if out.preempted:  # blocks just freed by a swap-out must not be refilled by a swap-in in the same tick
             return budget
-        while self.swapped and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
-            seq = self.swapped[0]
+        for seq in list(self.swapped):
+            if budget <= 0 or len(self.running) >= self.cfg.max_num_seqs:
+                break
+            if seq.paused:
+                continue
             if len(seq.host_table) + 1 > self.bm.num_free:
                 break
-            self.swapped.popleft()
+            self.swapped.remove(seq)
             self.bm.swap_in(seq)
             seq.set_state(S.RESUMED)
             seq.set_state(S.RUNNABLE)
@@ -134,14 +171,17 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
-            seq = self.waiting[0]
+        for seq in self._waiting_order():
+            if budget <= 0 or len(self.running) >= self.cfg.max_num_seqs:
+                break
+            if seq.paused:
+                continue  # backpressured while preempted: it waits for its consumer, others go ahead
             hits = [] if seq.wants_prompt_logprobs else self.bm.lookup(seq)
             remaining = seq.num_tokens - len(hits) * self.bm.block_size
             n = min(remaining, budget) if self.cfg.enable_chunked_prefill else remaining
             if n > budget or not self.bm.can_allocate(seq, n, hits):
-                break  # first come, first served: a later request does not jump the head of the queue
-            self.waiting.popleft()
+                break  # in policy order: a later request does not jump the head of the queue
+            self.waiting.remove(seq)
             self.bm.allocate(seq, n, hits)
             if seq.state == S.PREEMPTED:
                 seq.set_state(S.RESUMED)

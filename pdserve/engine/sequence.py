@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pdserve.engine.request_state import RequestState, check_transition
+from pdserve.engine.request_state import ENTERED, RequestState, check_transition
 
 
 class Sequence:
@@ -25,7 +25,9 @@ class Sequence:
         self.state: RequestState | None = None
         self.history: list[RequestState] = []
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
-        self.priority = 0
+        self.priority = 0  # lower = more urgent (policy `priority`; also orders preemption victims)
+        self.predicted_output_tokens = 0  # policy `shortest-predicted-first`
+        self.paused = False  # backpressured: its consumer is behind, so no ticks are spent on it
         # Filled by the engine: sampling state, output processor, per-branch results.
         self.sampling: Any = None
         self.output: Any = None
@@ -42,6 +44,7 @@ class Sequence:
         check_transition(self.state, new)
         self.state = new
         self.history.append(new)
+        ENTERED[new.value] += 1
 
     @property
     def num_tokens(self) -> int:

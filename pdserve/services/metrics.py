@@ -44,3 +44,48 @@ ROUTE_CACHED_TOKENS = Counter("pdserve_route_cached_tokens_total",
 PREFIX_INDEX_BLOCKS = Gauge("pdserve_prefix_index_blocks", "Distinct (namespace, block) keys in the router index")
 PREFIX_INDEX_EVENTS = Counter("pdserve_prefix_index_events_total", "KV events applied to the router index")
 KV_EVENTS_PUBLISHED = Counter("pdserve_kv_events_published_total", "KV events a worker published", ["kind"])
+
+# ---- request lifecycle: admission, states, usage (docs/admission.md) -----------------------------------------
+STATE_GAUGE = Gauge("pdserve_requests_in_state", "Live requests per state: engine sequences on workers; "
+                    "QUEUED (admission queue) and DEGRADED on the gateway", ["state"])
+INGRESS_DEGRADED = Counter("pdserve_ingress_degraded_total", "Ingress decisions made without Redis (local bucket)")
+ADMISSION_DEGRADED = Counter("pdserve_admission_degraded_total", "Reservation calls served by the local ledger")
+RESERVED_BLOCKS = Gauge("pdserve_admission_reserved_blocks", "KV blocks reserved (all gateway replicas)")
+RESERVED_REQUESTS = Gauge("pdserve_admission_reserved_requests", "Requests holding a reservation (all replicas)")
+ADMISSION_WAIT = Histogram("pdserve_admission_wait_seconds", "Time queued for a reservation", buckets=_LAT)
+DEGRADED_TOTAL = Counter("pdserve_degraded_total", "Requests admitted with a smaller n than asked")
+USAGE_RECORDS = Counter("pdserve_usage_records_total", "Billing records (one per client request)",
+                        ["tenant", "state"])
+USAGE_TOKENS = Counter("pdserve_usage_tokens_total", "Billed token counts per tenant",
+                       ["tenant", "kind"])  # kind: prompt | generated | emitted | committed
+
+
+class _StateEntries:
+    """`pdserve_request_state_entries_total{state}`: how often sequences entered each of the 14 states in this
+    process (transient states such as RUNNABLE / RESUMED last less than a tick, so only a counter shows them)."""
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+        from pdserve.engine.request_state import ENTERED
+        m = CounterMetricFamily("pdserve_request_state_entries", "Sequences entering each state", labels=["state"])
+        for state, n in ENTERED.items():
+            m.add_metric([state], n)
+        yield m
+
+
+def _register_state_entries() -> None:
+    from prometheus_client import REGISTRY
+    try:
+        REGISTRY.register(_StateEntries())
+    except ValueError:  # already registered (module reloaded)
+        pass
+
+
+_register_state_entries()
+
+
+def set_state_gauges(counts: dict[str, int], states: list[str]) -> None:
+    for s in states:
+        STATE_GAUGE.labels(s).set(counts.get(s, 0))
+REJECT_LATENCY = Histogram("pdserve_rejection_latency_seconds", "Gateway: arrival -> rejection response written "
+                           "(ingress or admission)", buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1))

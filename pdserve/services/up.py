@@ -72,6 +72,19 @@ class Deployment:
                 p.wait()
 
 
+LIFECYCLE_FLAGS = ("api_keys_file", "max_body_bytes", "default_timeout", "max_timeout", "admission_queue",
+                   "max_queue_wait", "kv_overcommit", "reservation_lease")
+
+
+def _lifecycle_flags(args) -> list[str]:
+    out = []
+    for name in LIFECYCLE_FLAGS:
+        v = getattr(args, name, None)
+        if v is not None:
+            out += ["--" + name.replace("_", "-"), str(v)]
+    return out
+
+
 def up(args) -> int:
     d = Deployment()
     stopping = {"flag": False}
@@ -98,7 +111,7 @@ def up(args) -> int:
             redis_url = f"redis://127.0.0.1:{rport}/0"
         common = ["--model", args.model, "--served-model-name", args.served_model_name]
         eng = []
-        for flag in ("num_gpu_blocks", "max_num_seqs", "device", "dtype", "threads"):
+        for flag in ("num_gpu_blocks", "max_num_seqs", "device", "dtype", "threads", "policy"):
             v = getattr(args, flag)
             if v:
                 eng += ["--" + flag.replace("_", "-"), str(v)]
@@ -122,7 +135,8 @@ def up(args) -> int:
                       {"role": role, "port": port, "metrics_port": mport, "worker_id": wid})
         gport = args.grpc_port or free_port()
         d.pdserve("gateway", ["gateway", *common, "--port", str(args.port), "--grpc-port", str(gport),
-                              "--router", f"127.0.0.1:{rt_port}"], {"port": args.port, "grpc_port": gport})
+                              "--router", f"127.0.0.1:{rt_port}", "--redis-url", redis_url,
+                              *_lifecycle_flags(args)], {"port": args.port, "grpc_port": gport})
         base = f"http://127.0.0.1:{args.port}"
         end = time.monotonic() + args.ready_timeout
         ready = False

@@ -22,6 +22,8 @@ from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.services import metrics as M
+from pdserve.engine.request_state import RequestState
+from pdserve.services.admission import lifecycle_from_context
 from pdserve.services.convert import DeltaEncoder
 from pdserve.services.decode.service import DecodeSide
 from pdserve.services.grpc_util import WORKER_SERVICE, make_server, set_serving
@@ -67,7 +69,8 @@ class Worker(worker_pb2_grpc.WorkerServicer):
     def record(self) -> WorkerRecord:
         return WorkerRecord(self.worker_id, self.role, self.address, self.agent.name if self.agent else "",
                             self.engine.kv_cache.num_blocks, self.layout.to_dict(),
-                            self.load())
+                            # + sequence slots: the gateway's admission capacity (not in the LoadReport proto)
+                            {**self.load(), "max_num_seqs": self.engine.config.max_num_seqs})
 
     def load(self) -> dict:
         s = self.last_stats
@@ -85,6 +88,7 @@ class Worker(worker_pb2_grpc.WorkerServicer):
         M.PREFIX_HIT_RATIO.set(float(s.get("prefix_hit_ratio", 0.0) or 0.0))
         M.NUM_RUNNING.set(s.get("num_running", 0))
         M.NUM_WAITING.set(s.get("num_waiting", 0))
+        M.set_state_gauges(s.get("states", {}), [st.value for st in RequestState if not st.terminal])
         return s
 
     def observe_engine_times(self, out) -> None:
@@ -112,7 +116,8 @@ class Worker(worker_pb2_grpc.WorkerServicer):
                 prompt = self.tokenizer.encode(request.prompt)
             enc = DeltaEncoder(self.tokenizer)
             finished = False
-            gen = self.host.generate(request.request_id, prompt, params, namespace=request.namespace)
+            gen = self.host.generate(request.request_id, prompt, params, namespace=request.namespace,
+                                     **lifecycle_from_context(context))
             try:
                 async with contextlib.aclosing(gen):
                     first = True
@@ -185,6 +190,8 @@ def engine_config_from_env(args) -> EngineConfig:
         kw["device"] = args.device
     if getattr(args, "dtype", None):
         kw["dtype"] = args.dtype
+    if getattr(args, "policy", None):
+        kw["policy"] = args.policy
     if getattr(args, "threads", None):
         kw["num_threads"] = args.threads
     return EngineConfig(**kw)

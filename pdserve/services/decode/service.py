@@ -17,6 +17,7 @@ import grpc
 from pdserve.kv_transfer.agent import KVRegion, KVTransferError
 from pdserve.kv_transfer.layout import KVLayout, KVLayoutMismatch, check_compatible
 from pdserve.services import metrics as M
+from pdserve.services.admission import lifecycle_from_context
 from pdserve.services.convert import DeltaEncoder
 from pdserve.services.grpc_util import channel
 from pdserve.services.pb import common_pb2, layout_from_pb, params_from_pb, worker_pb2, worker_pb2_grpc
@@ -64,12 +65,14 @@ class DecodeSide:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         prompt = list(request.prompt_token_ids)
         t_start = time.time()
+        lc = lifecycle_from_context(context)
+        lc.pop("predicted_output_tokens", None)
         # 1. allocate (waiting a little for capacity: decode blocks free up as other requests finish)
         deadline = time.monotonic() + self.alloc_wait_s
         while True:
             try:
                 alloc = await w.host.run(lambda e: e.add_prefilled_request(
-                    rid, prompt, request.first_token_id, params, namespace=request.namespace))
+                    rid, prompt, request.first_token_id, params, namespace=request.namespace, **lc))
             except ValueError as e:
                 asyncio.ensure_future(self._release_remote(kv, rid))
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -22,7 +22,9 @@ from pdserve.engine.config import ModelConfig
 from pdserve.engine.engine import resolve_model_dir
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.services import metrics as M
+from pdserve.services.admission import AdmissionError, lifecycle_metadata
 from pdserve.services.gateway.core import Dispatcher, NoWorkersError, UpstreamError, new_id, split
+from pdserve.services.gateway.lifecycle import RequestRecord, build_lifecycle
 from pdserve.services.gateway.params import APIError, bad, to_sampling_params
 from pdserve.services.pb import common_pb2, gateway_pb2_grpc, params_from_pb
 
@@ -36,13 +38,24 @@ class GatewayConfig:
     model: str  # dir or "builtin"
     served_model_name: str
     router_address: str
+    # request lifecycle (docs/admission.md); no redis_url: no reservations, per-replica rate limits
+    redis_url: str | None = None
+    api_keys_file: str | None = None
+    max_body_bytes: int = 1 << 20
+    default_timeout_s: float = 60.0
+    max_timeout_s: float = 600.0
+    admission_queue: int = 16
+    max_queue_wait_s: float = 10.0
+    kv_overcommit: float = 1.0
+    reservation_lease_s: float = 10.0
 
 
 class Timing:
     """Per-request emit times -> TTFT / ITL / TPOT / E2E histograms (spec §2.1)."""
 
-    def __init__(self, mode: str = "unknown"):
-        self.arrival = time.time()
+    def __init__(self, mode: str = "unknown", rec: RequestRecord | None = None):
+        self.rec = rec
+        self.arrival = rec.arrival if rec is not None else time.time()
         self.mode = mode
         self.first: float | None = None
         self.last: float | None = None
@@ -59,6 +72,8 @@ class Timing:
             M.ITL.labels(self.mode).observe(now - self.last)
         self.last = now
         self.n += ntok
+        if self.rec is not None:
+            self.rec.first_emit, self.rec.last_emit = self.first, now
 
     def done(self) -> None:
         if self.last is not None:
@@ -70,7 +85,7 @@ class Timing:
 def _error_response(e: Exception) -> JSONResponse:
     if isinstance(e, APIError):
         M.REJECTIONS.labels(e.code or e.type).inc()
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=getattr(e, "headers", None))
     if isinstance(e, NoWorkersError):
         M.REJECTIONS.labels("no_workers").inc()
         return JSONResponse(APIError(503, f"no workers available: {e}", "service_unavailable_error",
@@ -106,14 +121,16 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
     app = FastAPI(title="pdserve gateway")
     app.state.dispatcher = disp
     app.state.tokenizer = tok
+    life = build_lifecycle(cfg)
+    app.state.lifecycle = life
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
         return _error_response(exc)
 
-    async def _body(request: Request) -> dict:
+    async def _body(raw: bytes) -> dict:
         try:
-            body = await request.json()
+            body = json.loads(raw)
         except Exception:
             raise APIError(400, "request body is not valid JSON", code="invalid_json") from None
         if not isinstance(body, dict):
@@ -166,21 +183,32 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
         special = not (tok.bos_token and text.startswith(tok.bos_token))
         return _check_prompt(tok.encode(text, add_special_tokens=special))
 
-    async def _run(request: Request, body: dict, chat: bool):
+    async def _run(request: Request, body: dict, chat: bool, rec: RequestRecord):
         params = to_sampling_params(body, chat=chat, vocab_size=vocab)
+        deadline = life.deadline_for(body, rec)
         prompts = [_chat_prompt(body)] if chat else _completion_prompts(body)
         rid = new_id("chatcmpl" if chat else "cmpl")
+        # stage two: reserve KV for prompt + predicted output (may queue, degrade n, or reject)
+        ticket = await life.admit(rec, rid, prompts, params.max_tokens, params.n, max_len,
+                                  allow_degrade=body.get("allow_degrade", True) is not False)
+        headers = {}
+        if ticket is not None and ticket.degraded:
+            from dataclasses import replace as _replace
+            headers["x-pdserve-degraded"] = f"n={params.n}->{ticket.n_granted}"
+            params = _replace(params, n=ticket.n_granted, best_of=None)
         subs = split(prompts, params)
         stream = bool(body.get("stream", False))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
-        timing = Timing()
+        timing = Timing(rec=rec)
         routes: list[str] = []  # the router's decision(s): `x-pdserve-debug: route` returns them (docs/routing.md)
 
         def on_route(r) -> None:
             timing.mode = r.mode
             routes.append(r.debug)
 
-        agen = disp.generate_many(rid, subs, on_route=on_route)
+        md = lifecycle_metadata(deadline, rec.tenant.priority,
+                                ticket.predicted_output if ticket is not None else None)
+        agen = disp.generate_many(rid, subs, rec.tenant.namespace, on_route=on_route, metadata=md)
         try:
             first = await agen.__anext__()
         except StopAsyncIteration:
@@ -188,14 +216,19 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
         except BaseException as e:
             await agen.aclose()
             if isinstance(e, (APIError, NoWorkersError, UpstreamError)):
+                await life.finish(rec, "FAILED" if isinstance(e, UpstreamError) else "REJECTED", str(e))
                 return _error_response(e)
+            await life.finish(rec, "CANCELLED" if isinstance(e, asyncio.CancelledError) else "FAILED", repr(e))
             raise
         ctx = dict(rid=rid, created=int(time.time()), chat=chat, prompts=prompts, n_choices=len(subs),
-                   params=params, return_token_ids=bool(body.get("return_token_ids", False)))
-        dbg = {"x-pdserve-route": " | ".join(routes)} if request.headers.get("x-pdserve-debug") == "route" else {}
+                   params=params, return_token_ids=bool(body.get("return_token_ids", False)), rec=rec,
+                   headers=headers, degraded=({"n_requested": ticket.n_requested, "n_granted": ticket.n_granted}
+                                              if ticket is not None and ticket.degraded else None))
+        if request.headers.get("x-pdserve-debug") == "route":
+            headers["x-pdserve-route"] = " | ".join(routes)
         if stream:
             return StreamingResponse(_stream(first, agen, ctx, include_usage, timing),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache", **dbg})
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
         task = asyncio.create_task(_collect(first, agen, ctx, timing))
         # a non-streaming client that disconnects must not keep the workers busy
         while not task.done():
@@ -204,10 +237,18 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
+                await life.finish(rec, "CANCELLED", "client disconnected")
                 return Response(status_code=499)
-        res = task.result()
-        res.headers.update(dbg)
-        return res
+        try:
+            resp = task.result()
+        except _Failed as e:
+            await life.finish(rec, e.state, str(e))
+            raise
+        except BaseException as e:
+            await life.finish(rec, "FAILED", repr(e))
+            raise
+        await life.finish(rec, "FINISHED")
+        return resp
 
     def _choice_logprobs(chat: bool, lps: list) -> dict | None:
         if chat:
@@ -253,8 +294,13 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
                     cached += m.usage.cached_tokens
                     M.TERMINAL.labels(m.state or "FINISHED").inc()
                     if m.state and m.state != "FINISHED":
-                        raise _Failed(m.error or m.state)
+                        ctx["rec"].generated = completion
+                        raise _Failed(m.error or m.state, m.state)
         timing.done()
+        rec = ctx["rec"]
+        rec.generated = rec.emitted = rec.committed = completion
+        rec.cached_tokens = cached
+        rec.outputs_per_choice = [len(x) for x in ids]
         choices = []
         for i, t in enumerate(texts):
             c = {"index": i, "finish_reason": reasons[i] or "stop",
@@ -266,9 +312,12 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
             if ctx["return_token_ids"]:  # extension (vLLM-style): exact ids, for clients that detokenize
                 c["token_ids"] = ids[i]
             choices.append(c)
-        return JSONResponse({"id": ctx["rid"], "object": "chat.completion" if chat else "text_completion",
-                             "created": ctx["created"], "model": cfg.served_model_name, "choices": choices,
-                             "usage": _usage(ctx["prompts"], completion, cached)})
+        out = {"id": ctx["rid"], "object": "chat.completion" if chat else "text_completion",
+               "created": ctx["created"], "model": cfg.served_model_name, "choices": choices,
+               "usage": _usage(ctx["prompts"], completion, cached)}
+        if ctx["degraded"]:  # DEGRADED: fewer choices than asked, said in the body and the x-pdserve-degraded header
+            out["pdserve"] = {"degraded": ctx["degraded"]}
+        return JSONResponse(out, headers=ctx["headers"])
 
     async def _stream(first, agen, ctx, include_usage: bool, timing: Timing) -> AsyncIterator[bytes]:
         chat = ctx["chat"]
@@ -277,7 +326,10 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
         want_lp = ctx["params"].logprobs is not None
         completion = cached = 0
         ok = False
+        rec = ctx["rec"]
         try:
+            if ctx["degraded"]:
+                yield _sse({**base, "choices": [], "pdserve": {"degraded": ctx["degraded"]}})
             if chat:
                 yield _sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                  "logprobs": None, "finish_reason": None}
@@ -299,50 +351,76 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
                             c["text"] = o.text
                         choices.append(c)
                     completion += ntok
+                    rec.generated = completion
                     if m.finished:
                         cached += m.usage.cached_tokens
                         M.TERMINAL.labels(m.state or "FINISHED").inc()
                         if m.state and m.state != "FINISHED":
-                            # the request failed mid-stream (e.g. its decode worker died): an error event, no [DONE]
-                            yield _sse({"error": {"message": m.error or f"request {m.state}", "type": "server_error",
+                            # the request failed or timed out mid-stream: an error event, no [DONE]
+                            rec.committed = rec.emitted
+                            await life.finish(rec, m.state, m.error or m.state)
+                            yield _sse({"error": {"message": m.error or f"request {m.state}",
+                                                  "type": "timeout_error" if m.state == "TIMED_OUT" else "server_error",
                                                   "param": None, "code": m.state.lower()}})
                             return
                     if choices:
                         yield _sse({**base, "choices": choices})
+                    rec.emitted += ntok
                     timing.emit(ntok)
             timing.done()
+            rec.committed = rec.emitted
+            rec.cached_tokens = cached
+            await life.finish(rec, "FINISHED")
             if include_usage:
                 yield _sse({**base, "choices": [], "usage": _usage(ctx["prompts"], completion, cached)})
             yield b"data: [DONE]\n\n"
             ok = True
         except (NoWorkersError, UpstreamError) as e:
             r = _error_response(e)
+            rec.committed = rec.emitted
+            await life.finish(rec, "FAILED", str(e))
             yield _sse(json.loads(r.body))
         finally:
             if not ok:
                 await agen.aclose()
+                rec.committed = rec.emitted  # streamed tokens reached the client: they are billed
+                await life.finish(rec, "CANCELLED", "client disconnected")
 
     class _Failed(Exception):
-        pass
+        def __init__(self, msg: str, state: str = "FAILED"):
+            super().__init__(msg)
+            self.state = state
 
     @app.exception_handler(_Failed)
     async def _failed(request, exc):
+        if exc.state == "TIMED_OUT":  # the request's deadline passed (queued, preempted or running)
+            return JSONResponse(APIError(504, f"request timed out: {exc}", "timeout_error", code="timeout").body(),
+                                status_code=504)
         return JSONResponse(APIError(500, f"request failed: {exc}", "server_error", code="failed").body(),
                             status_code=500)
 
+    async def _endpoint(request: Request, chat: bool):
+        rec = life.new_record()
+        try:
+            raw = await life.ingress(request, rec)  # stage one, before parsing or tokenizing
+            return await _run(request, await _body(raw), chat, rec)
+        except AdmissionError as e:
+            await life.finish(rec, e.state, e.message)
+            status, body, headers = life.error_response_parts(e)
+            if e.state == "REJECTED":
+                M.REJECTIONS.labels(e.code).inc()
+            return JSONResponse(body, status_code=status, headers=headers)
+        except (APIError, NoWorkersError, UpstreamError) as e:
+            await life.finish(rec, "FAILED" if isinstance(e, UpstreamError) else "REJECTED", str(e))
+            return _error_response(e)
+
     @app.post("/v1/completions")
     async def completions(request: Request):
-        try:
-            return await _run(request, await _body(request), chat=False)
-        except (APIError, NoWorkersError, UpstreamError) as e:
-            return _error_response(e)
+        return await _endpoint(request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        try:
-            return await _run(request, await _body(request), chat=True)
-        except (APIError, NoWorkersError, UpstreamError) as e:
-            return _error_response(e)
+        return await _endpoint(request, chat=True)
 
     @app.get("/v1/models")
     async def models():

@@ -69,7 +69,7 @@ class Dispatcher:
             raise NoWorkersError(e.details() or str(e.code())) from None
 
     async def generate(self, rid: str, sub: SubRequest, namespace: str = "",
-                       on_route=None) -> AsyncIterator[common_pb2.GenerateResponse]:
+                       on_route=None, metadata: tuple = ()) -> AsyncIterator[common_pb2.GenerateResponse]:
         """One engine request (n may be > 1 only in colocated mode). Retries placement while nothing was emitted
         and the failure was a worker being unreachable."""
         exclude: list[str] = []
@@ -85,7 +85,8 @@ class Dispatcher:
                 if route.mode == "colocated":
                     failed_worker = route.both.worker_id
                     call = self.stub(route.both.address).Generate(worker_pb2.GenerateRequest(
-                        request_id=rid, prompt_token_ids=sub.prompt_token_ids, params=pp, namespace=namespace))
+                        request_id=rid, prompt_token_ids=sub.prompt_token_ids, params=pp, namespace=namespace),
+                        metadata=metadata)
                     try:
                         async for m in call:
                             emitted = True
@@ -96,7 +97,8 @@ class Dispatcher:
                 # disaggregated
                 failed_worker = route.prefill.worker_id
                 pcall = self.stub(route.prefill.address).Prefill(worker_pb2.PrefillRequest(
-                    request_id=rid, prompt_token_ids=sub.prompt_token_ids, params=pp, namespace=namespace))
+                    request_id=rid, prompt_token_ids=sub.prompt_token_ids, params=pp, namespace=namespace),
+                    metadata=metadata)
                 try:
                     pre = await pcall
                 finally:
@@ -105,7 +107,7 @@ class Dispatcher:
                     emitted = True
                     yield pre.final
                     return
-                async for m in self._decode(rid, sub, pp, namespace, route, pre):
+                async for m in self._decode(rid, sub, pp, namespace, route, pre, metadata):
                     emitted = True
                     yield m
                 return
@@ -123,7 +125,8 @@ class Dispatcher:
                 log.warning("request %s: worker %s unavailable (%s), rerouting", rid, failed_worker, e.code().name)
                 exclude.append(failed_worker)
 
-    async def _decode(self, rid, sub, pp, namespace, route, pre) -> AsyncIterator[common_pb2.GenerateResponse]:
+    async def _decode(self, rid, sub, pp, namespace, route, pre,
+                      metadata: tuple = ()) -> AsyncIterator[common_pb2.GenerateResponse]:
         kv = pre.kv
         exclude = [route.decode.worker_id]
         decode = route.decode
@@ -131,7 +134,7 @@ class Dispatcher:
             call = self.stub(decode.address).GenerateFromPrefill(worker_pb2.GenerateFromPrefillRequest(
                 request_id=rid, prompt_token_ids=sub.prompt_token_ids, params=pp, namespace=namespace,
                 first_token_id=pre.first_token_id, kv=kv,
-                first_logprob=pre.first_logprob if pre.HasField("first_logprob") else None))
+                first_logprob=pre.first_logprob if pre.HasField("first_logprob") else None), metadata=metadata)
             emitted = False
             try:
                 async for m in call:
@@ -169,11 +172,12 @@ class Dispatcher:
             await self.stub(kv.worker_address).ReleaseKV(
                 worker_pb2.ReleaseKVRequest(request_id=rid, lease_id=kv.lease_id), timeout=2)
 
-    async def generate_many(self, rid: str, subs: list[SubRequest], namespace: str = "", on_route=None) -> AsyncIterator[tuple[int, common_pb2.GenerateResponse]]:
+    async def generate_many(self, rid: str, subs: list[SubRequest], namespace: str = "", on_route=None,
+                            metadata: tuple = ()) -> AsyncIterator[tuple[int, common_pb2.GenerateResponse]]:
         """Several sub-requests (prompts x n) merged into one stream; yields (sub index, message) with each
         message's choice indexes already shifted to the response's numbering."""
         if len(subs) == 1:
-            async for m in self.generate(rid, subs[0], namespace, on_route):
+            async for m in self.generate(rid, subs[0], namespace, on_route, metadata):
                 _shift(m, subs[0].index_base)
                 yield 0, m
             return
@@ -181,7 +185,7 @@ class Dispatcher:
 
         async def pump(i: int, sub: SubRequest) -> None:
             try:
-                async for m in self.generate(f"{rid}-{i}", sub, namespace, on_route):
+                async for m in self.generate(f"{rid}-{i}", sub, namespace, on_route, metadata):
                     _shift(m, sub.index_base)
                     await q.put((i, m))
             except BaseException as e:  # noqa: BLE001 - forwarded to the consumer

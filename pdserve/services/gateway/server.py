@@ -13,7 +13,11 @@ log = logging.getLogger("pdserve.gateway")
 
 
 async def serve(args) -> None:
-    app = create_app(GatewayConfig(args.model, args.served_model_name, args.router))
+    app = create_app(GatewayConfig(
+        args.model, args.served_model_name, args.router, redis_url=args.redis_url, api_keys_file=args.api_keys_file,
+        max_body_bytes=args.max_body_bytes, default_timeout_s=args.default_timeout, max_timeout_s=args.max_timeout,
+        admission_queue=args.admission_queue, max_queue_wait_s=args.max_queue_wait, kv_overcommit=args.kv_overcommit,
+        reservation_lease_s=args.reservation_lease))
     grpc_server = None
     if args.grpc_port:
         from pdserve.engine.config import ModelConfig

@@ -14,6 +14,7 @@ import grpc
 
 from pdserve.kv_transfer.lease import Lease, LeaseTable, reap_forever
 from pdserve.services import metrics as M
+from pdserve.services.admission import lifecycle_from_context
 from pdserve.services.convert import full_response
 from pdserve.services.pb import params_from_pb, worker_pb2
 
@@ -60,8 +61,9 @@ class PrefillSide:
         params = replace(params_from_pb(request.params), n=1, best_of=None)
         final = None
         try:
+            lc = lifecycle_from_context(context)
             async for out in self.w.host.generate(rid, list(request.prompt_token_ids), params,
-                                                  namespace=request.namespace, prefill_only=True):
+                                                  namespace=request.namespace, prefill_only=True, **lc):
                 final = out
         except ValueError as e:
             M.REJECTIONS.labels("invalid_request").inc()

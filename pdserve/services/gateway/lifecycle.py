@@ -1,0 +1,176 @@
+"""The gateway's side of a request's life: ingress gate, admission + reservation, deadline, and the one billing
+record. `app.py` calls in here at four points (ingress, admit, first/last emit via Timing, finish).
+
+Billing owner: the gateway. A client request may be several engine requests (n > 1 and multi-prompt requests
+are fanned out; in disagg mode each sub-request is an engine request on the prefill worker and another on the
+decode worker), and each engine writes its own per-engine-request record (`pdserve.usage` logger: diagnostics,
+not billing). Only the gateway sees the client request whole, so it writes exactly one record per client request
+(`pdserve.billing` logger, JSON line) when the request ends, whichever way it ends — including REJECTED at the
+gateway. `RequestRecord.finish` is idempotent: a racing second terminal path (cancel vs timeout) is a no-op.
+
+Counts (spec §1.7): `generated_tokens` = tokens the workers sampled for it (their final usage; tokens seen when a
+stream broke); `emitted_tokens` = tokens handed to the client connection; `committed_tokens` = tokens in the
+answer the client got whole (what is billed and charged to the tenant's quota, with the prompt tokens).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from pdserve.services import metrics as M
+from pdserve.services.admission import Admission, AdmissionError, Ticket
+from pdserve.services.gateway.ingress import IngressGate, retry_after
+from pdserve.services.gateway.params import APIError
+from pdserve.services.gateway.tenants import DEFAULT_TENANT, Tenant
+
+billing_log = logging.getLogger("pdserve.billing")
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    model: str
+    tenant: Tenant = field(default_factory=lambda: DEFAULT_TENANT)
+    arrival: float = field(default_factory=time.time)
+    deadline: float | None = None
+    prompt_tokens: int = 0
+    generated: int = 0
+    emitted: int = 0
+    committed: int = 0
+    cached_tokens: int = 0
+    ticket: Ticket | None = None
+    admitted_at: float | None = None
+    first_emit: float | None = None
+    last_emit: float | None = None
+    state: str | None = None
+    error: str | None = None
+    outputs_per_choice: list[int] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        t = self.ticket
+        return {
+            "request_id": self.request_id, "tenant": self.tenant.name, "model": self.model, "state": self.state,
+            "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+            "generated_tokens": self.generated, "emitted_tokens": self.emitted,
+            "committed_tokens": self.committed, "billed_tokens": self.prompt_tokens + self.committed,
+            "n_requested": t.n_requested if t else None, "n_granted": t.n_granted if t else None,
+            "predicted_output_tokens": t.predicted_output if t else None,
+            "reserved_blocks": t.blocks if t else 0, "admission": t.states if t else [],
+            "error": self.error,
+            "times": {"arrival": self.arrival, "admitted": self.admitted_at, "first_emit": self.first_emit,
+                      "last_emit": self.last_emit, "finished": time.time(), "deadline": self.deadline,
+                      "queued_s": t.queued_s if t else 0.0},
+        }
+
+
+class Lifecycle:
+    def __init__(self, gate: IngressGate, admission: Admission | None, model: str,
+                 default_timeout_s: float = 60.0, max_timeout_s: float = 600.0):
+        self.gate = gate
+        self.admission = admission
+        self.model = model
+        self.default_timeout_s = default_timeout_s
+        self.max_timeout_s = max_timeout_s
+        self.records_written = 0
+
+    def new_record(self) -> RequestRecord:
+        return RequestRecord(f"req-{uuid.uuid4().hex[:16]}", self.model)
+
+    async def ingress(self, request, rec: RequestRecord) -> bytes:
+        """Stage one: body size, key -> tenant, quota and rate. Returns the body."""
+        body = await self.gate.read_body(request)
+        rec.tenant = self.gate.authenticate(request.headers)
+        await self.gate.check_limits(rec.tenant)
+        return body
+
+    def deadline_for(self, body: dict, rec: RequestRecord) -> float:
+        """`timeout` (seconds, request body extension) or the default, capped by the tenant / server maximum."""
+        t = body.get("timeout")
+        if t is None:
+            t = self.default_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (0 < t):
+            raise APIError(400, "invalid parameter 'timeout': must be a positive number of seconds",
+                           param="timeout", code="invalid_parameter")
+        cap = min(self.max_timeout_s, rec.tenant.max_timeout_s or self.max_timeout_s)
+        rec.deadline = rec.arrival + min(float(t), cap)
+        return rec.deadline
+
+    async def admit(self, rec: RequestRecord, rid: str, prompts: list[list[int]], max_tokens: int | None, n: int,
+                    context_len: int, allow_degrade: bool = True) -> Ticket | None:
+        """Stage two: reserve KV for prompt + predicted output. Returns the ticket (n may be lowered)."""
+        rec.request_id = rid
+        rec.prompt_tokens = sum(len(p) for p in prompts)
+        if self.admission is None:
+            return None
+        self.admission.start()  # lease renewal task (needs the running loop)
+        # several prompts: one reservation for all of them, sized by the longest (n per prompt)
+        longest = max(len(p) for p in prompts)
+        ticket = await self.admission.admit(rid, rec.tenant.name, longest, max_tokens, n * len(prompts),
+                                            context_len, rec.deadline or (time.time() + self.default_timeout_s),
+                                            allow_degrade=allow_degrade and len(prompts) == 1)
+        rec.ticket = ticket
+        rec.admitted_at = time.time()
+        if ticket.queued_s:
+            M.ADMISSION_WAIT.observe(ticket.queued_s)
+        if ticket.degraded:
+            M.DEGRADED_TOTAL.inc()
+            M.STATE_GAUGE.labels("DEGRADED").inc()
+        return ticket
+
+    def error_response_parts(self, e: Exception) -> tuple[int, dict, dict] | None:
+        """AdmissionError -> (status, OpenAI error body, headers)."""
+        if not isinstance(e, AdmissionError):
+            return None
+        headers = {"Retry-After": retry_after(e.retry_after_s)} if e.retry_after_s else {}
+        typ = {400: "invalid_request_error", 504: "timeout_error"}.get(e.status, "service_unavailable_error")
+        param = "prompt" if e.status == 400 else None
+        return e.status, APIError(e.status, e.message, typ, param, e.code).body(), headers
+
+    async def finish(self, rec: RequestRecord, state: str, error: str | None = None) -> None:
+        """The one terminal path at the gateway: release the reservation, charge the quota, write the record."""
+        if rec.state is not None:
+            return
+        rec.state = state
+        rec.error = error
+        if self.admission is not None:
+            if rec.ticket is not None and rec.ticket.degraded:
+                M.STATE_GAUGE.labels("DEGRADED").dec()
+            await self.admission.release(rec.request_id)
+            if state == "FINISHED":
+                for n_out in rec.outputs_per_choice:
+                    self.admission.predictor.observe(rec.tenant.name, n_out)
+        if state == "REJECTED":
+            M.TERMINAL.labels("REJECTED").inc()
+            M.REJECT_LATENCY.observe(time.time() - rec.arrival)
+        billed = rec.prompt_tokens + rec.committed if state != "REJECTED" else 0
+        await self.gate.charge(rec.tenant, billed)
+        t = rec.tenant.name
+        M.USAGE_RECORDS.labels(t, state).inc()
+        for kind, v in (("prompt", rec.prompt_tokens if state != "REJECTED" else 0), ("generated", rec.generated),
+                        ("emitted", rec.emitted), ("committed", rec.committed)):
+            if v:
+                M.USAGE_TOKENS.labels(t, kind).inc(v)
+        self.records_written += 1
+        billing_log.info(json.dumps(rec.to_json()))
+
+
+def build_lifecycle(cfg) -> Lifecycle:
+    """From GatewayConfig: Redis (optional), keys file, ingress gate, admission over the worker registry."""
+    from pdserve.services.admission import Admission, RegistryCapacity, ReservationLedger
+    from pdserve.services.gateway.tenants import TenantDirectory
+    redis = None
+    admission = None
+    if cfg.redis_url:
+        import redis.asyncio as aioredis
+        from pdserve.services.registry import Registry
+        redis = aioredis.from_url(cfg.redis_url, socket_timeout=0.5, socket_connect_timeout=0.5)
+        registry = Registry(cfg.redis_url, cfg.served_model_name)
+        registry.r = redis
+        ledger = ReservationLedger(redis, cfg.served_model_name, lease_s=cfg.reservation_lease_s)
+        admission = Admission(ledger, RegistryCapacity(registry, cfg.kv_overcommit), max_queue=cfg.admission_queue,
+                              max_queue_wait_s=cfg.max_queue_wait_s)
+    gate = IngressGate(TenantDirectory(cfg.api_keys_file), redis, cfg.served_model_name, cfg.max_body_bytes)
+    return Lifecycle(gate, admission, cfg.served_model_name, cfg.default_timeout_s, cfg.max_timeout_s)

@@ -1,0 +1,127 @@
+"""Tenants and their API keys, read from a JSON or YAML file (in Kubernetes: a Secret mounted as a file).
+
+```yaml
+tenants:
+  acme:
+    keys: ["sk-acme-1", "sk-acme-2"]
+    rate_rps: 5            # token bucket: requests per second refilled ...
+    burst: 10              # ... up to this many at once (default: max(1, rate_rps))
+    quota_tokens: 200000   # prompt + completion tokens per quota window (0: unlimited)
+    quota_window_s: 3600
+    priority: 1            # scheduling class, lower = more urgent (engine policy `priority`)
+    shared_namespace: docs # opt-in: share prefix-cache blocks with every tenant naming the same namespace
+```
+With no file configured, every request is tenant `default` (no key needed, no limits, namespace ""). With a file,
+a missing or unknown key is 401. Keys are held only as SHA-256 digests, and looked up by digest, so the lookup
+time does not depend on how much of a guessed key matches a real one.
+The file is re-read when its mtime changes (a rotated Secret), at most every `reload_s`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("pdserve.gateway")
+
+
+@dataclass
+class Tenant:
+    name: str
+    rate_rps: float = 0.0  # 0: no rate limit
+    burst: float = 0.0
+    quota_tokens: int = 0  # 0: no quota
+    quota_window_s: float = 3600.0
+    priority: int = 1
+    shared_namespace: str | None = None
+    max_timeout_s: float | None = None  # cap on the request's own `timeout`
+    key_digests: list[str] = field(default_factory=list)
+
+    @property
+    def namespace(self) -> str:
+        """Prefix-cache namespace: the tenant's own unless it opted into a shared one (spec §4.3, Q22)."""
+        return self.shared_namespace if self.shared_namespace is not None else f"tenant:{self.name}"
+
+    @property
+    def bucket_size(self) -> float:
+        return self.burst if self.burst > 0 else max(1.0, self.rate_rps)
+
+
+DEFAULT_TENANT = Tenant("default", priority=1, shared_namespace="")  # no keys file: one namespace, as before
+
+
+def digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def parse(data: dict) -> list[Tenant]:
+    tenants = data.get("tenants", data)
+    if not isinstance(tenants, dict):
+        raise ValueError("api keys file: 'tenants' must map tenant names to settings")
+    out = []
+    for name, cfg in tenants.items():
+        cfg = dict(cfg or {})
+        keys = cfg.pop("keys", [])
+        if isinstance(keys, str):
+            keys = [keys]
+        allowed = {f for f in Tenant.__dataclass_fields__ if f not in ("name", "key_digests")}
+        unknown = set(cfg) - allowed
+        if unknown:
+            raise ValueError(f"api keys file: tenant {name!r}: unknown settings {sorted(unknown)}")
+        out.append(Tenant(name=str(name), key_digests=[digest(str(k)) for k in keys], **cfg))
+    return out
+
+
+def load_file(path: str | Path) -> list[Tenant]:
+    text = Path(path).read_text()
+    if str(path).endswith((".yaml", ".yml")):
+        import yaml
+        data = yaml.safe_load(text) or {}
+    else:
+        data = json.loads(text)
+    return parse(data)
+
+
+class TenantDirectory:
+    def __init__(self, path: str | None = None, reload_s: float = 5.0):
+        self.path = path or None
+        self.reload_s = reload_s
+        self._by_digest: dict[str, Tenant] = {}
+        self._mtime = 0.0
+        self._checked = 0.0
+        if self.path:
+            self._load()
+
+    @property
+    def required(self) -> bool:
+        return self.path is not None
+
+    def _load(self) -> None:
+        tenants = load_file(self.path)
+        self._by_digest = {d: t for t in tenants for d in t.key_digests}
+        self._mtime = os.stat(self.path).st_mtime
+        log.info("loaded %d tenants (%d keys) from %s", len(tenants), len(self._by_digest), self.path)
+
+    def _maybe_reload(self) -> None:
+        now = time.monotonic()
+        if now - self._checked < self.reload_s:
+            return
+        self._checked = now
+        try:
+            if os.stat(self.path).st_mtime != self._mtime:
+                self._load()
+        except (OSError, ValueError) as e:  # keep serving with the keys we have
+            log.warning("api keys file %s not reloaded: %s", self.path, e)
+
+    def authenticate(self, api_key: str | None) -> Tenant | None:
+        """The key's tenant; DEFAULT_TENANT when no file is configured; None for a missing/unknown key."""
+        if not self.required:
+            return DEFAULT_TENANT
+        self._maybe_reload()
+        if not api_key:
+            return None
+        return self._by_digest.get(digest(api_key))
