@@ -130,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_bench_parser(sub)
+    from pdserve.sim.cli import add_sim_parser
+    add_sim_parser(sub)
     return ap
 
 

@@ -1,0 +1,228 @@
+"""`pdserve sim profile | roofline | run | plan | validate` (docs/sim.md)."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def _slo(a):
+    from pdserve.sim.workload import SLO
+    return SLO(ttft=a.slo_ttft, tpot=a.slo_tpot)
+
+
+def _engine_cfg(a):
+    from pdserve.engine.config import EngineConfig
+    return EngineConfig(block_size=a.block_size, max_num_seqs=a.max_num_seqs,
+                        max_num_batched_tokens=a.max_num_batched_tokens,
+                        enable_prefix_caching=not a.no_prefix_caching)
+
+
+def _cost(a):
+    """(cost model, KV blocks per replica, tp, description)."""
+    if a.costs:
+        from pdserve.sim.costmodel import load_cost_model
+        cm = load_cost_model(a.costs)
+        return cm, a.num_blocks or 4096, 1, {"kind": "calibrated linear (prediction for the profiled machine)",
+                                              "file": a.costs, **{k: getattr(cm, k) for k in "abcd"}}
+    from pdserve.sim.roofline import RooflineCostModel, get_gpu, get_model, min_tp
+    m, g = get_model(a.model), get_gpu(a.gpu)
+    tp = a.tp or min_tp(m, g)
+    cm = RooflineCostModel(m, g, tp, a.link)
+    return cm, a.num_blocks or cm.kv_blocks(a.block_size), tp, cm.describe()
+
+
+def _workload_fn(a):
+    from pdserve.sim.workload import LengthDist, load_trace, synthetic
+
+    if a.trace:
+        def wl(rate, n, seed):
+            specs = load_trace(a.trace, n=n, rate=rate, seed=seed)
+            return specs
+    else:
+        pl, ol = LengthDist.parse(a.prompt_len), LengthDist.parse(a.output_len)
+
+        def wl(rate, n, seed):
+            return synthetic(n, rate, pl, ol, seed=seed)
+    return wl
+
+
+def _common(p, model_default="llama-3-8b"):
+    p.add_argument("--gpu", default="H100", help="roofline GPU: H100 | H200 | A100")
+    p.add_argument("--model", default=model_default, help="roofline model: llama-3-8b | llama-3-70b | qwen2.5-7b")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel GPUs per replica (default: least that fits)")
+    p.add_argument("--link", choices=["ib", "nvlink"], default="ib", help="what carries KV between replicas")
+    p.add_argument("--costs", default=None, help="calibrated cost model JSON (from `pdserve sim profile`) "
+                                                 "instead of the roofline")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per replica (default: from GPU memory)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--slo-ttft", type=float, default=0.5, help="seconds")
+    p.add_argument("--slo-tpot", type=float, default=0.05, help="seconds")
+    p.add_argument("--trace", default=None, help="bench trace file (lengths; arrivals re-drawn at --rate)")
+    p.add_argument("--prompt-len", default="uniform:128:2048", help="bench length distribution")
+    p.add_argument("--output-len", default="uniform:32:512", help="bench length distribution")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the full result here")
+
+
+def add_sim_parser(sub) -> None:
+    sim = sub.add_parser("sim", help="cluster-scale simulation over the real scheduler (plan, validate)")
+    ss = sim.add_subparsers(dest="sim_command", required=True)
+
+    pr = ss.add_parser("profile", help="measure step times of the real engine here; fit the linear cost model")
+    pr.add_argument("--model", default="builtin")
+    pr.add_argument("--out", default="sim-costs.json")
+    pr.add_argument("--threads", type=int, default=1, help="torch threads (match the deployment you predict)")
+    pr.add_argument("--repeats", type=int, default=1)
+    pr.set_defaults(func=cmd_profile)
+
+    rf = ss.add_parser("roofline", help="print the roofline bound numbers for a GPU and model")
+    rf.add_argument("--gpu", default="H100")
+    rf.add_argument("--model", default="llama-3-8b")
+    rf.add_argument("--tp", type=int, default=None)
+    rf.add_argument("--context", type=int, default=1024)
+    rf.set_defaults(func=cmd_roofline)
+
+    rn = ss.add_parser("run", help="simulate one cluster at one rate and print the bench metrics")
+    _common(rn)
+    rn.add_argument("--prefill", type=int, default=0)
+    rn.add_argument("--decode", type=int, default=0)
+    rn.add_argument("--colocated", type=int, default=0)
+    rn.add_argument("--rate", type=float, required=True)
+    rn.add_argument("--requests", type=int, default=1000)
+    rn.set_defaults(func=cmd_run)
+
+    pl = ss.add_parser("plan", help="cheapest prefill/decode/colocated replica counts meeting an SLO (spec Q19)")
+    _common(pl)
+    pl.add_argument("--rate", type=float, required=True, help="target mean arrival rate, req/s")
+    pl.add_argument("--attainment", type=float, default=0.9, help="target SLO attainment (ratio)")
+    pl.add_argument("--peak-factor", type=float, default=1.2, help="headroom: check the cluster at rate x this")
+    pl.add_argument("--redundancy", type=int, default=1, help="N+k spare replicas per pool")
+    pl.add_argument("--requests", type=int, default=600, help="requests per whole-cluster check")
+    pl.add_argument("--sweep-requests", type=int, default=300, help="requests per per-replica sweep point")
+    pl.add_argument("--modes", default="colocated,disagg")
+    pl.set_defaults(func=cmd_plan)
+
+    va = ss.add_parser("validate", help="break-even grid here: simulated vs real (in-process engine) per cell")
+    va.add_argument("--model", default="builtin")
+    va.add_argument("--costs", default=None, help="cost JSON (default: profile now)")
+    va.add_argument("--prompt-lens", default="32,512")
+    va.add_argument("--rates", default="2,6,12")
+    va.add_argument("--output-len", type=int, default=16)
+    va.add_argument("--cell-duration", type=float, default=5.0)
+    va.add_argument("--slo-ttft", type=float, default=0.5)
+    va.add_argument("--slo-tpot", type=float, default=0.05)
+    va.add_argument("--threads", type=int, default=1)
+    va.add_argument("--num-gpu-blocks", type=int, default=2048)
+    va.add_argument("--json", default=None)
+    va.set_defaults(func=cmd_validate)
+
+
+def cmd_profile(a) -> int:
+    from pdserve.sim.costmodel import profile
+    t = time.time()
+    cm = profile(a.model, threads=a.threads, repeats=a.repeats, log=lambda m: print(m, file=sys.stderr))
+    cm.save(a.out)
+    print(f"step_time = {cm.a:.4g} + {cm.b:.4g}*prefill_tokens + {cm.c:.4g}*decode_seqs + {cm.d:.4g}*sum_context s"
+          f"  (median rel err {cm.meta['median_rel_err']:.1%}, p90 {cm.meta['p90_rel_err']:.1%}, "
+          f"{cm.meta['n_samples']} steps, {time.time() - t:.0f} s) -> {a.out}")
+    return 0
+
+
+def cmd_roofline(a) -> int:
+    from pdserve.sim.costmodel import StepShape
+    from pdserve.sim.roofline import RooflineCostModel, get_gpu, get_model, min_tp
+    m, g = get_model(a.model), get_gpu(a.gpu)
+    cm = RooflineCostModel(m, g, a.tp or min_tp(m, g))
+    d = cm.describe()
+    for b in (1, 8, 64, 256):
+        s = StepShape(decode_seqs=b, sum_context=b * a.context, attn_pairs=b * a.context, samples=b)
+        d[f"decode_step_bound_s_batch{b}_ctx{a.context}"] = cm.step_time(s)
+    s = StepShape(prefill_tokens=a.context, prefill_seqs=1, sum_context=a.context,
+                  attn_pairs=a.context * (a.context + 1) // 2, samples=1)
+    d[f"prefill_bound_s_{a.context}_tokens"] = cm.step_time(s)
+    d["kv_transfer_bound_s_per_1k_tokens_ib"] = cm.transfer_time(1000)
+    d["kv_blocks_16"] = cm.kv_blocks(16)
+    print(json.dumps(d, indent=2))
+    return 0
+
+
+def cmd_run(a) -> int:
+    from pdserve.sim.cluster import Cluster, ClusterSpec
+    cm, blocks, tp, desc = _cost(a)
+    spec = ClusterSpec(prefill=a.prefill, decode=a.decode, colocated=a.colocated, num_blocks=blocks,
+                       engine=_engine_cfg(a), seed=a.seed)
+    specs = _workload_fn(a)(a.rate, a.requests, a.seed)
+    t = time.time()
+    c = Cluster(spec, cm)
+    c.run(specs)
+    s = c.summary(_slo(a))
+    s["cost_model"] = desc
+    s["sim_wall_s"] = time.time() - t
+    s["sim_events"] = c.events_processed
+    _print_summary(s, spec.label(), a.rate)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(s, f, indent=2, default=str)
+    return 0
+
+
+def _print_summary(s: dict, label: str, rate: float) -> None:
+    lat, th, slo = s["latency"], s["throughput"], s["slo"]
+    print(f"{label} at {rate:g} req/s: {s['n_ok']}/{s['n_requests']} ok, simulated {th['window_s']:.1f} s in "
+          f"{s.get('sim_wall_s', 0):.1f} s wall")
+    for m in ("ttft_s", "itl_s", "tpot_s", "e2e_s"):
+        d = lat[m]
+        if d.get("n"):
+            print(f"  {m[:-2].upper():5} mean {d['mean']:.4f}  p50 {d['p50']:.4f}  p90 {d['p90']:.4f}  "
+                  f"p99 {d['p99']:.4f} s")
+    print(f"  throughput: {th['request_throughput_req_per_s']:.3g} req/s, "
+          f"{th['output_token_throughput_tok_per_s']:.4g} output tok/s, "
+          f"{th['total_token_throughput_tok_per_s']:.4g} total tok/s")
+    print(f"  SLO attainment {slo['attainment_ratio']:.3f} (ratio); goodput {slo['goodput_req_per_s']:.3g} req/s "
+          f"(rate)")
+
+
+def cmd_plan(a) -> int:
+    from pdserve.sim.plan import PlanInput, format_plan, plan
+    cm, blocks, tp, desc = _cost(a)
+    pi = PlanInput(rate=a.rate, slo=_slo(a), workload=_workload_fn(a), cost=cm, num_blocks=blocks,
+                   engine=_engine_cfg(a), tp=tp, attainment=a.attainment, peak_factor=a.peak_factor,
+                   redundancy=a.redundancy, requests=a.requests, sweep_requests=a.sweep_requests,
+                   modes=tuple(m.strip() for m in a.modes.split(",")), seed=a.seed,
+                   log=lambda m: print(m, file=sys.stderr))
+    t = time.time()
+    res = plan(pi)
+    res["cost_model"] = desc
+    res["plan_wall_s"] = time.time() - t
+    print(format_plan(res, desc))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=2, default=str)
+    return 0
+
+
+def cmd_validate(a) -> int:
+    import torch
+
+    from pdserve.engine.engine import Engine, EngineConfig
+    from pdserve.sim import validate as V
+    from pdserve.sim.costmodel import load_cost_model, profile
+    from pdserve.sim.workload import SLO
+
+    torch.set_num_threads(a.threads)
+    cm = load_cost_model(a.costs) if a.costs else profile(a.model, threads=a.threads)
+    eng = Engine.from_pretrained(a.model, EngineConfig(num_gpu_blocks=a.num_gpu_blocks))
+    print(V.format_header())
+    rows = V.grid(eng, cm, [int(x) for x in a.prompt_lens.split(",")], [float(x) for x in a.rates.split(",")],
+                  a.output_len, a.cell_duration, SLO(ttft=a.slo_ttft, tpot=a.slo_tpot), log=print)
+    errs = [abs(r[k]) for r in rows for k in ("ttft_s_mean_err", "tpot_s_mean_err") if r[k] is not None]
+    if errs:
+        print(f"mean |error| over cells: {sum(errs) / len(errs):.0%}; max {max(errs):.0%}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"cost_model": cm.to_json(), "cells": rows}, f, indent=2)
+    return 0

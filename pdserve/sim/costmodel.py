@@ -1,0 +1,244 @@
+"""Step-time cost models: what one forward step of a scheduled batch costs.
+
+A step is described by `StepShape` (what the real scheduler put in the batch). Two models share the
+`step_time(shape) -> seconds` interface:
+
+- `LinearCostModel` (calibrated): step = a + b*prefill_tokens + c*decode_seqs + d*sum_context, fitted by least
+  squares to step times the real engine took on this machine (`profile`, `pdserve sim profile`), saved as JSON.
+  It is a *prediction* for this machine and model, valid inside the profiled range.
+- `pdserve.sim.roofline.RooflineCostModel`: a *lower bound* for a named GPU and model.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class StepShape:
+    prefill_tokens: int = 0   # tokens of sequences still in prefill (chunks, recomputes)
+    prefill_seqs: int = 0
+    decode_seqs: int = 0      # sequences computing exactly their one new token
+    sum_context: int = 0      # over scheduled sequences: KV positions the last computed position attends to
+    attn_pairs: int = 0       # causal (query, key) pairs computed: n*start + n(n+1)/2 per chunk, start+1 per decode
+    samples: int = 0          # sequences whose chunk reaches their end (one logits row, one sampled token each)
+
+    @property
+    def tokens(self) -> int:
+        return self.prefill_tokens + self.decode_seqs
+
+    @classmethod
+    def of_scheduled(cls, scheduled) -> "StepShape":
+        """From a `SchedulerOutput.scheduled` list, before the step advances `num_computed_tokens`."""
+        pt = ps = ds = ctx = attn = smp = 0
+        for it in scheduled:
+            seq, n = it.seq, it.num_tokens
+            start = seq.num_computed_tokens
+            ctx += start + n
+            smp += start + n == seq.num_tokens
+            if seq.is_prefill:
+                pt += n
+                ps += 1
+                attn += n * start + n * (n + 1) // 2  # query-key pairs of a causal chunk after `start` cached
+            else:
+                ds += 1
+                attn += start + 1
+        return cls(pt, ps, ds, ctx, attn, smp)
+
+
+@dataclass
+class LinearCostModel:
+    a: float = 0.005          # s per step
+    b: float = 1e-4           # s per prefill token
+    c: float = 1e-3           # s per decode sequence
+    d: float = 0.0            # s per context token (sum over scheduled sequences)
+    # KV handoff between replicas (disaggregation): bytes per token and link bandwidth, plus a fixed overhead.
+    kv_bytes_per_token: float = 0.0
+    link_bytes_per_s: float = 1e9
+    handoff_s: float = 0.0
+    meta: dict = field(default_factory=dict)  # where the numbers came from (machine, model, fit residuals)
+
+    kind = "linear"
+
+    def step_time(self, s: StepShape) -> float:
+        return self.a + self.b * s.prefill_tokens + self.c * s.decode_seqs + self.d * s.sum_context
+
+    def transfer_time(self, num_tokens: int) -> float:
+        return self.handoff_s + num_tokens * self.kv_bytes_per_token / self.link_bytes_per_s
+
+    # ---- persistence ------------------------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {"kind": self.kind, **asdict(self)}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=2))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "LinearCostModel":
+        d = json.loads(Path(path).read_text())
+        d.pop("kind", None)
+        return cls(**d)
+
+    # ---- fitting ----------------------------------------------------------------------------------------------
+    @staticmethod
+    def _nnls(X, y):
+        """Active-set least squares: drop the most negative slope and refit (a step never gets cheaper with
+        more work); the intercept is clipped at 0."""
+        import numpy as np
+
+        active = [0, 1, 2, 3]
+        coef = np.zeros(4)
+        while active:
+            sol, *_ = np.linalg.lstsq(X[:, active], y, rcond=None)
+            neg = [(v, a) for v, a in zip(sol, active) if v < 0 and a != 0]
+            if not neg:
+                coef[active] = sol
+                coef[0] = max(coef[0], 0.0)
+                return coef
+            active.remove(min(neg)[1])
+        return coef
+
+    @classmethod
+    def fit(cls, samples: list[tuple[StepShape, float]], **extra) -> "LinearCostModel":
+        """Least squares with non-negative coefficients (a coefficient that comes out negative is dropped and
+        the rest refitted: a step never gets cheaper with more work)."""
+        import numpy as np
+
+        X = np.array([[1.0, s.prefill_tokens, s.decode_seqs, s.sum_context] for s, _ in samples])
+        y = np.array([t for _, t in samples])
+        keep = np.ones(len(y), dtype=bool)
+        for _ in range(2):  # relative-error least squares; the second pass drops outliers (contended steps)
+            coef = cls._nnls(X[keep] / y[keep, None], np.ones(int(keep.sum())))
+            rel = np.abs(X @ coef - y) / y
+            keep = rel <= max(3 * np.median(rel), 0.05)
+        pred = X @ coef
+        rel = np.abs(pred - y) / np.maximum(y, 1e-9)
+        meta = {"n_samples": len(samples), "n_outliers_dropped": int((~keep).sum()), "median_rel_err": float(np.median(rel)),
+                "p90_rel_err": float(np.quantile(rel, 0.9)), **extra.pop("meta", {})}
+        return cls(*map(float, coef), meta=meta, **extra)
+
+
+def load_cost_model(path: str | Path):
+    d = json.loads(Path(path).read_text())
+    if d.get("kind", "linear") != "linear":
+        raise ValueError(f"{path}: unknown cost model kind {d.get('kind')!r}")
+    return LinearCostModel.load(path)
+
+
+# ---- profiling the real engine --------------------------------------------------------------------------------
+def capture_shapes(engine) -> list:
+    """Wrap this engine's scheduler (the instance, not the class) so every tick's batch shape is recorded
+    before the step runs. Returns the list the shapes are appended to."""
+    shapes: list = []
+    sched = engine.scheduler
+    orig = sched.schedule
+
+    def schedule():
+        out = orig()
+        shapes.append(StepShape.of_scheduled(out.scheduled) if out.scheduled else None)
+        return out
+
+    sched.schedule = schedule
+    return shapes
+
+
+def timed_steps(engine, shapes: list) -> list[tuple[StepShape, float]]:
+    """Step the engine until idle; pair each non-empty step's shape with its wall time."""
+    out = []
+    while engine.has_unfinished():
+        n = len(shapes)
+        t0 = time.perf_counter()
+        engine.step()
+        dt = time.perf_counter() - t0
+        if len(shapes) > n and shapes[-1] is not None:
+            out.append((shapes[-1], dt))
+    return out
+
+
+DEFAULT_GRID = {
+    # (prompt_len, batch, max_tokens): pure prefills of several sizes, decode batches at several contexts,
+    # and mixes (arrivals during decodes come from the staggered adds below).
+    "prefill": [(16, 1), (64, 1), (128, 2), (256, 1), (512, 1), (512, 2), (1000, 1)],
+    "decode": [(16, 1, 12), (16, 2, 12), (16, 4, 12), (16, 8, 12), (16, 16, 12), (16, 32, 12), (16, 64, 8),
+               (256, 8, 12), (512, 4, 12), (128, 24, 8), (700, 2, 8)],
+}
+
+
+def profile(model: str = "builtin", *, threads: int | None = 1, repeats: int = 1, grid: dict | None = None,
+            num_gpu_blocks: int = 4096, max_num_batched_tokens: int = 2048, log=None) -> LinearCostModel:
+    """Run the real engine over a grid of prefill sizes, decode batches and contexts; fit the linear model."""
+    import platform
+
+    import torch
+
+    from pdserve.engine.engine import Engine, EngineConfig
+    from pdserve.engine.sampling_params import SamplingParams
+
+    if threads:
+        torch.set_num_threads(threads)
+    grid = grid or DEFAULT_GRID
+    cfg = EngineConfig(num_gpu_blocks=num_gpu_blocks, max_num_batched_tokens=max_num_batched_tokens,
+                       enable_prefix_caching=False, max_num_seqs=256)
+    eng = Engine.from_pretrained(model, cfg)
+    shapes = capture_shapes(eng)
+    vocab = eng.model_config.vocab_size
+    counter = [0]
+
+    def add(plen: int, maxtok: int) -> None:
+        counter[0] += 1
+        k = counter[0]
+        prompt = [3 + (k * 131 + j * 17) % (vocab - 3) for j in range(plen)]
+        eng.add_request(f"p{k}", prompt, SamplingParams(max_tokens=maxtok, ignore_eos=True, temperature=0))
+
+    # warm-up: the first steps pay allocator / kernel first-use costs
+    add(64, 4)
+    add(16, 4)
+    timed_steps(eng, shapes)
+    samples: list[tuple[StepShape, float]] = []
+    for _ in range(repeats):
+        for plen, b in grid["prefill"]:
+            for _ in range(b):
+                add(plen, 1)
+            samples += timed_steps(eng, shapes)
+        for plen, b, m in grid["decode"]:
+            for _ in range(b):
+                add(plen, m)
+            samples += timed_steps(eng, shapes)
+        # mixed: a decode batch running while new prompts arrive every other step
+        for _ in range(8):
+            add(32, 24)
+        i = 0
+        while eng.has_unfinished():
+            if i in (4, 8, 12):
+                add(200, 4)
+            i += 1
+            n = len(shapes)
+            t0 = time.perf_counter()
+            eng.step()
+            dt = time.perf_counter() - t0
+            if len(shapes) > n and shapes[-1] is not None:
+                samples.append((shapes[-1], dt))
+    mc = eng.model_config
+    kv_bpt = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * eng.kv_cache.data.element_size() \
+        if hasattr(eng.kv_cache, "data") else 0
+    link = _measure_copy_bandwidth()
+    if log:
+        log(f"profiled {len(samples)} steps")
+    return LinearCostModel.fit(samples, kv_bytes_per_token=float(kv_bpt), link_bytes_per_s=link, handoff_s=0.005,
+                               meta={"model": str(model), "machine": platform.node(), "torch_threads":
+                                     torch.get_num_threads(), "link": "host memcpy bandwidth (in-machine copy); "
+                                     "handoff_s is a fixed 5 ms allowance for the pull/commit round trip"})
+
+
+def _measure_copy_bandwidth() -> float:
+    import torch
+
+    src = torch.empty(16 << 20, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    t0 = time.perf_counter()
+    for _ in range(5):
+        dst.copy_(src)
+    return 5 * src.numel() / (time.perf_counter() - t0)

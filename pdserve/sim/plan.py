@@ -1,0 +1,210 @@
+"""`pdserve sim plan`: the cheapest prefill/decode (or colocated) deployment meeting an SLO, sized the way spec
+Q19 says:
+
+1. goodput of ONE replica under the SLO, from a simulated load sweep (not raw throughput): the highest offered
+   rate at which the SLO attainment stays >= the target. Colocated: one `both` replica against the full SLO.
+   Disaggregated: one prefill replica (with decode plentiful) against the TTFT SLO, one decode replica (with
+   prefill plentiful) against the TPOT SLO.
+2. replicas >= target rate x peak factor / per-replica goodput, per pool (the lower bound);
+3. the peak factor is the headroom: the cluster is checked at rate x peak, not at the mean rate;
+4. the lower bound is then checked by simulating the whole cluster at the peak rate and grown (the pool whose
+   SLO fails) or shrunk until it is the smallest that meets the target attainment; then N+1 on every pool, so one
+   failed replica (or a rolling upgrade) still leaves a deployment that meets the SLO at peak;
+5. topology (failure domains, shared switches) is out of the simulator's scope and is printed as a reminder.
+Cost = GPUs = replicas x tensor-parallel degree. With a roofline cost model every step takes its lower-bound
+time, so the plan is a LOWER bound on the hardware needed; with a calibrated model it is a prediction for the
+profiled machine.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from pdserve.engine.config import EngineConfig
+from pdserve.sim.cluster import Cluster, ClusterSpec
+from pdserve.sim.workload import SLO
+
+
+@dataclass
+class PlanInput:
+    rate: float
+    slo: SLO
+    workload: callable            # workload(rate, n, seed) -> list[RequestSpec]
+    cost: object
+    num_blocks: int
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    tp: int = 1
+    attainment: float = 0.9       # target SLO attainment
+    peak_factor: float = 1.2      # headroom over the mean rate
+    redundancy: int = 1           # N+1
+    requests: int = 600           # requests per cluster check
+    sweep_requests: int = 300     # requests per point of the per-replica sweep
+    max_model_len: int | None = None
+    modes: tuple = ("colocated", "disagg")
+    seed: int = 0
+    log: callable = None
+
+
+def _run(pi: PlanInput, spec: ClusterSpec, rate: float, n: int, slo: SLO) -> dict:
+    spec = replace(spec, num_blocks=pi.num_blocks, engine=pi.engine, max_model_len=pi.max_model_len, seed=pi.seed)
+    c = Cluster(spec, pi.cost)
+    c.run(pi.workload(rate, n, pi.seed))
+    return c.summary(slo)
+
+
+def _meets(s: dict, target: float) -> bool:
+    return s["slo"]["attainment_ratio"] >= target
+
+
+def replica_goodput(pi: PlanInput, spec: ClusterSpec, slo: SLO, cap: float = math.inf) -> tuple[float, float]:
+    """Highest offered rate (req/s) at which `spec` meets `slo` with the target attainment, by doubling then
+    bisection; returns (that rate, the goodput measured there)."""
+    lo, hi, good = 0.0, None, 0.0
+    r = max(pi.rate / 64, 0.05)
+    for _ in range(24):  # doubling, up to `cap` (beyond it the other pool, not this replica, is the limit)
+        if r > cap:
+            hi = cap
+            break
+        s = _run(pi, spec, r, pi.sweep_requests, slo)
+        if _meets(s, pi.attainment):
+            lo, good = r, s["slo"]["goodput_req_per_s"]
+            r *= 2
+        else:
+            hi = r
+            break
+    if hi is None:
+        return lo, good
+    for _ in range(6):  # bisection to ~1.5%
+        mid = (lo + hi) / 2
+        s = _run(pi, spec, mid, pi.sweep_requests, slo)
+        if _meets(s, pi.attainment):
+            lo, good = mid, s["slo"]["goodput_req_per_s"]
+        else:
+            hi = mid
+    return lo, good
+
+
+def _fail_side(s: dict, slo: SLO) -> str:
+    """Which pool to grow: the one whose SLO component is violated more often (TTFT -> prefill, TPOT -> decode)."""
+    lat = s["latency"]
+    ttft_bad = slo.ttft is not None and lat["ttft_s"].get("p90", math.inf) > slo.ttft
+    tpot_bad = slo.tpot is not None and lat["tpot_s"].get("p90", 0.0) > slo.tpot
+    if tpot_bad and not ttft_bad:
+        return "decode"
+    return "prefill"
+
+
+def plan(pi: PlanInput) -> dict:
+    log = pi.log or (lambda *_: None)
+    peak = pi.rate * pi.peak_factor
+    slo = pi.slo
+    result: dict = {"rate": pi.rate, "peak_rate": peak, "slo": slo.as_dict(), "attainment_target": pi.attainment,
+                    "peak_factor": pi.peak_factor, "redundancy": pi.redundancy, "tp": pi.tp, "candidates": []}
+    n = max(pi.requests, 1)
+
+    if "colocated" in pi.modes:
+        g_rate, g_good = replica_goodput(pi, ClusterSpec(colocated=1), slo)
+        log(f"colocated: one replica meets the SLO up to {g_rate:.3g} req/s (goodput {g_good:.3g} req/s)")
+        if g_rate > 0:
+            c = max(1, math.ceil(peak / g_rate))
+            c, s = _smallest(pi, lambda k: ClusterSpec(colocated=k), c, peak, n, log)
+            final = ClusterSpec(colocated=c + pi.redundancy)
+            result["candidates"].append(_candidate(pi, "colocated", final, s, {"per_replica_goodput_rate": g_rate},
+                                                   peak, n))
+    if "disagg" in pi.modes:
+        p_rate, _ = replica_goodput(pi, ClusterSpec(prefill=1, decode=4), SLO(ttft=slo.ttft))
+        # the decode replica is fed by a prefill pool 8x one replica's capacity; rates beyond that measure the
+        # prefill pool, so the sweep stops there
+        d_rate, _ = replica_goodput(pi, ClusterSpec(prefill=8, decode=1), SLO(tpot=slo.tpot), cap=8 * p_rate)
+        log(f"disagg: one prefill replica meets the TTFT SLO up to {p_rate:.3g} req/s, one decode replica the "
+            f"TPOT SLO up to {d_rate:.3g} req/s")
+        if p_rate > 0 and d_rate > 0:
+            p, d = max(1, math.ceil(peak / p_rate)), max(1, math.ceil(peak / d_rate))
+            (p, d), s = _smallest_pd(pi, p, d, peak, n, log)
+            final = ClusterSpec(prefill=p + pi.redundancy, decode=d + pi.redundancy)
+            result["candidates"].append(_candidate(pi, "disagg", final, s, {"prefill_replica_rate": p_rate,
+                                                                             "decode_replica_rate": d_rate},
+                                                   peak, n))
+    ok = [c for c in result["candidates"] if c["meets_slo_at_peak"]]
+    if ok:
+        result["best"] = min(ok, key=lambda c: (c["gpus"], -c["goodput_at_rate_req_per_s"]))
+    result["topology_note"] = ("spread replicas of each pool over failure domains; the simulator assumes one flat "
+                               "link for KV transfer and no shared-switch contention (Q19 step 5)")
+    return result
+
+
+def _smallest(pi, make, c, peak, n, log, limit=256):
+    s = _run(pi, make(c), peak, n, pi.slo)
+    while not _meets(s, pi.attainment) and c < limit:
+        c += max(1, c // 8)
+        s = _run(pi, make(c), peak, n, pi.slo)
+    while c > 1:
+        s2 = _run(pi, make(c - 1), peak, n, pi.slo)
+        if not _meets(s2, pi.attainment):
+            break
+        c, s = c - 1, s2
+    log(f"  smallest colocated pool at peak: {c}")
+    return c, s
+
+
+def _smallest_pd(pi, p, d, peak, n, log, limit=256):
+    s = _run(pi, ClusterSpec(prefill=p, decode=d), peak, n, pi.slo)
+    steps = 0
+    while not _meets(s, pi.attainment) and p + d < limit and steps < 40:
+        if _fail_side(s, pi.slo) == "decode":
+            d += max(1, d // 8)
+        else:
+            p += max(1, p // 8)
+        s = _run(pi, ClusterSpec(prefill=p, decode=d), peak, n, pi.slo)
+        steps += 1
+    for side in ("prefill", "decode"):  # shrink each pool while the SLO still holds
+        while (p if side == "prefill" else d) > 1:
+            p2, d2 = (p - 1, d) if side == "prefill" else (p, d - 1)
+            s2 = _run(pi, ClusterSpec(prefill=p2, decode=d2), peak, n, pi.slo)
+            if not _meets(s2, pi.attainment):
+                break
+            p, d, s = p2, d2, s2
+    log(f"  smallest disaggregated pools at peak: {p}P+{d}D")
+    return (p, d), s
+
+
+def _candidate(pi, mode, spec, s_min, sweep, peak, n) -> dict:
+    at_peak = _run(pi, spec, peak, n, pi.slo)
+    at_rate = _run(pi, spec, pi.rate, n, pi.slo)
+    return {"mode": mode, "config": spec.label(), "prefill": spec.prefill, "decode": spec.decode,
+            "colocated": spec.colocated, "replicas": spec.replicas, "gpus": spec.replicas * pi.tp,
+            "sweep": sweep, "without_redundancy_attainment_at_peak": s_min["slo"]["attainment_ratio"],
+            "meets_slo_at_peak": _meets(at_peak, pi.attainment),
+            "attainment_at_peak": at_peak["slo"]["attainment_ratio"],
+            "goodput_at_peak_req_per_s": at_peak["slo"]["goodput_req_per_s"],
+            "attainment_at_rate": at_rate["slo"]["attainment_ratio"],
+            "goodput_at_rate_req_per_s": at_rate["slo"]["goodput_req_per_s"],
+            "ttft_p90_s_at_peak": at_peak["latency"]["ttft_s"].get("p90"),
+            "tpot_p90_s_at_peak": at_peak["latency"]["tpot_s"].get("p90")}
+
+
+def format_plan(res: dict, cost_desc: dict) -> str:
+    lines = [f"cost model: {cost_desc.get('kind')}"
+             + (f" ({cost_desc.get('gpu')} x{cost_desc.get('tp')}, {cost_desc.get('model')})" if 'gpu' in cost_desc
+                else ""),
+             f"target: {res['rate']:g} req/s mean, checked at peak {res['peak_rate']:g} req/s "
+             f"(x{res['peak_factor']:g}); SLO TTFT<={res['slo']['ttft_s']} s, TPOT<={res['slo']['tpot_s']} s, "
+             f"attainment >= {res['attainment_target']:.0%}; N+{res['redundancy']} per pool",
+             "", f"{'mode':10} {'config':12} {'GPUs':>5} {'attain@peak':>11} {'goodput@rate':>13} "
+                 f"{'TTFT p90':>9} {'TPOT p90':>9}"]
+    for c in res["candidates"]:
+        lines.append(f"{c['mode']:10} {c['config']:12} {c['gpus']:5d} {c['attainment_at_peak']:11.3f} "
+                     f"{c['goodput_at_rate_req_per_s']:10.3g} r/s {c['ttft_p90_s_at_peak'] or float('nan'):9.4f} "
+                     f"{c['tpot_p90_s_at_peak'] or float('nan'):9.4f}")
+    best = res.get("best")
+    lines.append("")
+    if best:
+        lines.append(f"cheapest meeting the SLO: {best['mode']} {best['config']} on {best['gpus']} GPUs, predicted "
+                     f"goodput {best['goodput_at_rate_req_per_s']:.3g} req/s at {res['rate']:g} req/s "
+                     f"({best['attainment_at_rate']:.1%} attainment)")
+    else:
+        lines.append("no candidate meets the SLO (is the SLO below one request's unloaded latency?)")
+    if "roofline" in str(cost_desc.get("kind")):
+        lines.append("NOTE: roofline steps are lower bounds; this is the LEAST hardware that could meet the SLO.")
+    lines.append("topology: " + res["topology_note"])
+    return "\n".join(lines)
