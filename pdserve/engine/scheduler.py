@@ -156,7 +156,14 @@ class Scheduler:
                 break
             if seq.paused:
                 continue
-            if len(seq.host_table) + 1 > self.bm.num_free:
+            # A sequence swapped out mid-prefill resumes with a chunk, not one token: it needs its own blocks
+            # back plus whatever that chunk adds.
+            need = seq.num_tokens - seq.num_computed_tokens
+            n = min(need, budget) if self.cfg.enable_chunked_prefill else need
+            if n > budget:
+                break
+            blocks = max(len(seq.host_table), self.bm.blocks_needed(seq.num_computed_tokens + n))
+            if blocks > self.bm.num_free:
                 break
             self.swapped.remove(seq)
             self.bm.swap_in(seq)
@@ -164,7 +171,6 @@ class Scheduler:
             seq.set_state(S.RUNNABLE)
             seq.set_state(S.PREFILLING if seq.is_prefill else S.DECODING)
             self.running.append(seq)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             self.bm.allocate(seq, n)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n

@@ -7,7 +7,6 @@ import random
 import pytest
 
 from pdserve.engine import block_manager as bm_mod
-from pdserve.engine.block_manager import NoFreeBlocks
 from pdserve.engine import scheduler as sched_mod
 from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
@@ -45,10 +44,7 @@ def _ticks_of(sched, log: list) -> None:
     sched.schedule = schedule
 
 
-@pytest.mark.parametrize("mode", ["recompute", pytest.param("swap", marks=pytest.mark.xfail(
-    raises=NoFreeBlocks, strict=True,
-    reason="engine bug (reported): Scheduler._schedule_swapped checks host_table + 1 free blocks, then "
-           "allocates a whole prefill chunk; the real Engine raises NoFreeBlocks on this workload"))])
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_same_batches_as_real_engine(mode):
     work = _workload(1)
     eng = Engine.from_pretrained("builtin", _cfg(mode))
