@@ -112,7 +112,7 @@ async def send(client: httpx.AsyncClient, target: Target, spec: RequestSpec, rec
                     rec.prompt_tokens = u.get("prompt_tokens")
                     rec.output_tokens = u.get("completion_tokens")
                     rec.cached_tokens = (u.get("prompt_tokens_details") or {}).get("cached_tokens")
-                    if u.get("stage_times"):  # proposed per-request stage timestamps (not served by pdserve yet)
+                    if u.get("stage_times"):  # pdserve's per-request stage timestamps (bench/stages.py)
                         rec.stages = u["stage_times"]
         if not done:
             rec.error = "stream ended without [DONE]"

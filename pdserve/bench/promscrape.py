@@ -1,7 +1,7 @@
 """Read pdserve's Prometheus endpoints before/after a load point -> mean per-stage times.
 
-pdserve's HTTP responses carry no per-request stage timestamps (the workers put `StageTimes` on the gRPC
-stream but the gateway drops them), so the stage breakdown is built from histogram sum/count deltas: means over
+The fallback breakdown: when the responses carry `usage.stage_times` (pdserve's extension) the runner reports
+per-request distributions instead (`bench/stages.py`). From histogram sum/count deltas we only get means over
 the load point, not per-request distributions.
 """
 from __future__ import annotations

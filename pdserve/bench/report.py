@@ -130,7 +130,10 @@ def plot_stages(points: list[dict], path: Path) -> Path | None:
         ax.bar(labels, vals, bottom=bottoms, label=k.replace("_s", ""))
         bottoms = [b + v for b, v in zip(bottoms, vals)]
     ax.set_ylabel("mean ms per request")
-    ax.set_title("per-stage time (means from server histograms)", fontsize=10)
+    src = {p.get("stage_breakdown_source") for p in pts}
+    ax.set_title("per-stage time (means of per-request stage times)" if src == {"per_request"}
+                 else "per-stage time (means; per-request where the responses carry stage times)"
+                 if "per_request" in src else "per-stage time (means from server histograms)", fontsize=10)
     ax.legend(fontsize=7)
     ax.tick_params(axis="x", labelrotation=30, labelsize=8)
     fig.tight_layout()
@@ -175,6 +178,24 @@ def points_table(points: list[dict]) -> str:
             f"<td>{_ms((c.get('send_lag_s') or {}).get('p99'))}</td>"
             f"<td>{'YES: ' + html.escape('; '.join(c.get('reasons', []))) if c.get('bottleneck') else 'no'}</td></tr>")
     return f"<table>{head}{''.join(rows)}</table>"
+
+
+def stage_table(points: list[dict]) -> str:
+    """p50 / p90 / p99 per stage and load point, from the per-request `usage.stage_times`."""
+    pts = [p for p in points if p.get("stage_distributions_s")]
+    if not pts:
+        return ""
+    rows = []
+    for p in pts:
+        d = p["stage_distributions_s"]
+        for k, v in d.items():
+            if not isinstance(v, dict) or not v.get("n"):
+                continue
+            rows.append(f"<tr><td>{html.escape(_point_label(p))}</td><td>{html.escape(k[:-2])}</td><td>{v['n']}</td>"
+                        f"<td>{_ms(v.get('p50'))}</td><td>{_ms(v.get('p90'))}</td><td>{_ms(v.get('p99'))}</td>"
+                        f"<td>{_ms(v.get('mean'))}</td></tr>")
+    return ("<table><tr><th>load point</th><th>stage</th><th>n</th><th>p50 ms</th><th>p90 ms</th><th>p99 ms</th>"
+            "<th>mean ms</th></tr>" + "".join(rows) + "</table>")
 
 
 def warmup_table(points: list[dict]) -> str:
@@ -236,10 +257,15 @@ def run_report(result: dict, out_dir: Path, title: str = "pdserve bench") -> dic
     if lt:
         sections.append(("Latency–throughput", _img(lt)))
     sections.append(("CDFs", _img(files["cdf_png"])))
-    if st:
+    dist = stage_table(points)
+    if dist:
+        sections.append(("Per-stage breakdown", (_img(st) if st else "") + "<p>Per-request distributions from each "
+                         "response's <code>usage.stage_times</code> (stage definitions: docs/services.md); "
+                         "client_to_gateway = client TTFT − gateway TTFT of the same request.</p>" + dist))
+    elif st:
         sections.append(("Per-stage breakdown", _img(st) + "<p>Means over each load point from the servers' Prometheus "
-                         "histograms (queue, prefill, KV transfer, gateway TTFT/E2E); the HTTP API exposes no "
-                         "per-request stage timestamps, so these are means, not distributions.</p>"))
+                         "histograms (queue, prefill, KV transfer, gateway TTFT/E2E): the responses carried no "
+                         "per-request stage times, so these are means, not distributions.</p>"))
     else:
         sections.append(("Per-stage breakdown", "<p>Not available: no metrics endpoints were given "
                          "(<code>--metrics-url</code>) and the responses carry no stage timestamps.</p>"))

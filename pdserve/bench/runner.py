@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve.bench import metrics as MX
+from pdserve.bench import stages as ST
 from pdserve.bench.client import LoadGen, Target
 from pdserve.bench.promscrape import breakdown, scrape, stage_means
 from pdserve.bench.workload import RequestSpec
@@ -53,6 +54,12 @@ def summarize_point(gen: LoadGen, cfg: PointConfig, slo: MX.SLO, *, interrupted:
     if stages is not None:
         out["server_stages"] = stages
         out["stage_breakdown_mean_s"] = breakdown(stages, summ["latency"]["ttft_s"].get("mean"))
+        out["stage_breakdown_source"] = "prometheus_means"
+    dist = ST.distributions(steady)
+    if dist is not None:  # per-request stage times from the responses beat the histograms' means
+        out["stage_distributions_s"] = dist
+        out["stage_breakdown_mean_s"] = ST.breakdown_from(dist)
+        out["stage_breakdown_source"] = "per_request"
     if cfg.keep_records:
         out["records"] = [record_row(r, t0) for r in pre + recs]
     return out

@@ -40,12 +40,17 @@ class DeltaEncoder:
             msg.usage.prompt_tokens = len(out.prompt_token_ids)
             msg.usage.completion_tokens = sum(len(c.token_ids) for c in out.outputs)
             msg.usage.cached_tokens = out.num_cached_tokens or 0
-        m = out.metrics or {}
-        msg.times.arrival = m.get("arrival_time", 0.0) or 0.0
-        msg.times.first_scheduled = m.get("first_scheduled_time", 0.0) or 0.0
-        msg.times.first_token = m.get("first_token_time", 0.0) or 0.0
-        msg.times.finished = m.get("finished_time", 0.0) or 0.0
+        fill_times(msg.times, out.metrics)
         return msg
+
+
+def fill_times(times: common_pb2.StageTimes, metrics: dict | None) -> None:
+    """The engine's request timestamps (Unix seconds) -> StageTimes (0 = not reached)."""
+    m = metrics or {}
+    times.arrival = m.get("arrival_time", 0.0) or 0.0
+    times.first_scheduled = m.get("first_scheduled_time", 0.0) or 0.0
+    times.first_token = m.get("first_token_time", 0.0) or 0.0
+    times.finished = m.get("finished_time", 0.0) or 0.0
 
 
 def full_response(out: RequestOutput, tokenizer=None) -> common_pb2.GenerateResponse:

@@ -52,7 +52,20 @@ def test_short_sweep_against_pdserve_up(up, tmp_path):
         assert st["gateway_ttft_count"] >= 6 and st["queue_both_worker_count"] >= 6
         # the gateway's own TTFT (its arrival -> first chunk) is inside ours (scheduled arrival -> chunk read)
         assert st["gateway_ttft_mean_s"] <= s["latency"]["ttft_s"]["mean"] + 1e-3
-    assert "data:image/png;base64," in (out / "report.html").read_text()
+        # per-request stage distributions from usage.stage_times, not the histograms' means
+        assert p["stage_breakdown_source"] == "per_request"
+        dist = p["stage_distributions_s"]
+        assert dist["n_requests_with_stage_times"] == 6
+        for k in ("queue_s", "prefill_s", "decode_s", "e2e_s", "client_to_gateway_s"):
+            assert dist[k]["n"] == 6 and all(dist[k][q] is not None for q in ("p50", "p90", "p99")), k
+            assert dist[k]["p50"] <= dist[k]["p90"] <= dist[k]["p99"], k
+        assert dist["prefill_s"]["p50"] > 0 and dist["client_to_gateway_s"]["p50"] > 0
+        # each request's gateway E2E sits inside the client's own E2E (the client's clock starts earlier)
+        for row in p["records"]:
+            if not row["warmup"]:
+                assert row["stages"]["durations"]["e2e"] <= row["e2e_s"] + 1e-3
+    html = (out / "report.html").read_text()
+    assert "data:image/png;base64," in html and "usage.stage_times" in html and "p99 ms" in html
 
 
 def test_breakeven_one_cell(ckpt, tmp_path):

@@ -102,3 +102,58 @@ def seeded_ids(up):
                                                           "return_token_ids": True}, timeout=30)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["token_ids"]
+
+
+# stage_times (docs/services.md "Stage times"): the chain every served request must follow, in order
+_CHAIN = ("arrival", "admitted", "routed", "worker_arrival", "first_scheduled", "first_token")
+_DISAGG_CHAIN = ("decode_arrival", "kv_transfer_start", "kv_transfer_end")
+SUM_TOL_S = 1e-4  # durations are differences of the same timestamps: only float rounding (~1e-6 s) may differ
+
+
+def _check_stage_times(st: dict, mode: str, t_before: float, t_after: float) -> None:
+    chain = [*_CHAIN, *(_DISAGG_CHAIN if mode == "disagg" else ()), "first_emit", "last_emit"]
+    vals = [st[k] for k in chain]
+    assert all(v is not None for v in vals), {k: st[k] for k in chain}  # complete
+    # monotone across three or four processes' clocks (same host: one CLOCK_REALTIME)
+    for (ka, a), (kb, b) in zip(zip(chain, vals), zip(chain[1:], vals[1:])):
+        assert a <= b, f"{ka}={a} > {kb}={b}"
+    assert t_before <= st["arrival"] and st["last_emit"] <= t_after  # inside the client's own request window
+    assert st["first_token"] <= st["worker_finished"] <= st["last_emit"]
+    if mode != "disagg":
+        assert all(st[k] is None for k in _DISAGG_CHAIN)
+    d = st["durations"]
+    parts = [d[k] for k in ("admission", "route", "dispatch", "queue", "prefill", "handoff", "kv_transfer",
+                            "first_emit", "decode")]
+    assert all(p is not None and p >= 0 for p in parts), d
+    assert abs(sum(parts) - d["e2e"]) <= SUM_TOL_S, (sum(parts), d["e2e"])
+    assert abs(d["e2e"] - (st["last_emit"] - st["arrival"])) <= SUM_TOL_S
+    assert d["prefill"] > 0 and d["decode"] > 0  # real work was timed, not zero-filled
+    if mode == "disagg":
+        assert d["kv_transfer"] > 0
+    assert st["mode"] == mode
+
+
+def check_stage_times(up):
+    """Non-streaming body and the final include_usage chunk both carry complete, monotone stage_times."""
+    import time
+    mode = up.info["mode"]
+    body = {"model": "ck", "prompt": "pack my box with five dozen", "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True}
+    t0 = time.time()
+    r = httpx.post(up.base_url + "/v1/completions", json=body, timeout=30)
+    t1 = time.time()
+    assert r.status_code == 200, r.text
+    _check_stage_times(r.json()["usage"]["stage_times"], mode, t0, t1)
+    usage = None
+    t0 = time.time()
+    with httpx.stream("POST", up.base_url + "/v1/chat/completions", timeout=30, json={
+            "model": "ck", "messages": [{"role": "user", "content": "judge my vow"}], "max_tokens": 6,
+            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+    t1 = time.time()
+    assert usage is not None
+    _check_stage_times(usage["stage_times"], mode, t0, t1)

@@ -38,3 +38,7 @@ def test_openai_client(up):
 
 def test_disconnect_frees_blocks(up):
     _common.check_disconnect_frees_blocks(up)
+
+
+def test_stage_times(up):
+    _common.check_stage_times(up)

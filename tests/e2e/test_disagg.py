@@ -119,3 +119,7 @@ def test_kill_decode_worker_mid_stream(up):
     # the prefill side holds nothing for the dead worker's requests (released after the pull, or by lease)
     pw = up.workers("prefill")[0]
     assert wait_until(lambda: metric(pw["metrics_port"], "pdserve_kv_blocks_in_use") == 0, 15)
+
+
+def test_stage_times(up):
+    _common.check_stage_times(up)

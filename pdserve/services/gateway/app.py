@@ -26,6 +26,7 @@ from pdserve.services.admission import AdmissionError, lifecycle_metadata
 from pdserve.services.gateway.core import Dispatcher, NoWorkersError, UpstreamError, new_id, split
 from pdserve.services.gateway.lifecycle import RequestRecord, build_lifecycle
 from pdserve.services.gateway.params import APIError, bad, to_sampling_params
+from pdserve.services.gateway.stages import StageTrace, pick, stage_times
 from pdserve.services.pb import common_pb2, gateway_pb2_grpc, params_from_pb
 
 log = logging.getLogger("pdserve.gateway")
@@ -61,9 +62,10 @@ class Timing:
         self.last: float | None = None
         self.n = 0
 
-    def emit(self, ntok: int) -> None:
+    def emit(self, ntok: int) -> float | None:
+        """Record a token-bearing emit; returns its timestamp (the sub-request's stage trace uses the same one)."""
         if ntok <= 0:
-            return
+            return None
         now = time.time()
         if self.first is None:
             self.first = now
@@ -74,6 +76,7 @@ class Timing:
         self.n += ntok
         if self.rec is not None:
             self.rec.first_emit, self.rec.last_emit = self.first, now
+        return now
 
     def done(self) -> None:
         if self.last is not None:
@@ -208,7 +211,8 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
 
         md = lifecycle_metadata(deadline, rec.tenant.priority,
                                 ticket.predicted_output if ticket is not None else None)
-        agen = disp.generate_many(rid, subs, rec.tenant.namespace, on_route=on_route, metadata=md)
+        traces = [StageTrace() for _ in subs]
+        agen = disp.generate_many(rid, subs, rec.tenant.namespace, on_route=on_route, metadata=md, traces=traces)
         try:
             first = await agen.__anext__()
         except StopAsyncIteration:
@@ -222,7 +226,7 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
             raise
         ctx = dict(rid=rid, created=int(time.time()), chat=chat, prompts=prompts, n_choices=len(subs),
                    params=params, return_token_ids=bool(body.get("return_token_ids", False)), rec=rec,
-                   headers=headers, degraded=({"n_requested": ticket.n_requested, "n_granted": ticket.n_granted}
+                   headers=headers, traces=traces, degraded=({"n_requested": ticket.n_requested, "n_granted": ticket.n_granted}
                                               if ticket is not None and ticket.degraded else None))
         if request.headers.get("x-pdserve-debug") == "route":
             headers["x-pdserve-route"] = " | ".join(routes)
@@ -259,10 +263,18 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
         return {"tokens": [l.token for l in lps], "token_logprobs": [l.logprob for l in lps],
                 "top_logprobs": [{t.token: t.logprob for t in l.top} for l in lps], "text_offset": []}
 
-    def _usage(prompts, completion: int, cached: int) -> dict:
-        pt = sum(len(p) for p in prompts)
+    def _usage(ctx, completion: int, cached: int) -> dict:
+        pt = sum(len(p) for p in ctx["prompts"])
+        rec, traces = ctx["rec"], ctx["traces"]
+        i = pick(traces)
+        # extension: per-request stage timestamps and durations (docs/services.md, "Stage times")
+        st = stage_times(rec.arrival, rec.admitted_at, traces[i], i, len(traces))
         return {"prompt_tokens": pt, "completion_tokens": completion, "total_tokens": pt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+                "prompt_tokens_details": {"cached_tokens": cached}, "stage_times": st}
+
+    def _emitted(ctx, i: int, t: float | None) -> None:
+        if t is not None:
+            ctx["traces"][i].on_emit(t)
 
     async def _messages(first, agen) -> AsyncIterator[common_pb2.GenerateResponse]:
         if first is not None:
@@ -279,7 +291,7 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
         completion = cached = 0
         want_lp = ctx["params"].logprobs is not None
         async with contextlib.aclosing(agen):
-            async for _, m in _messages(first, agen):
+            async for i, m in _messages(first, agen):
                 ntok = 0
                 for o in m.outputs:
                     texts[o.index] += o.text
@@ -289,7 +301,7 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
                     if o.finish_reason:
                         reasons[o.index] = _FINISH.get(o.finish_reason, "stop")
                 completion += ntok
-                timing.emit(ntok)
+                _emitted(ctx, i, timing.emit(ntok))
                 if m.finished:
                     cached += m.usage.cached_tokens
                     M.TERMINAL.labels(m.state or "FINISHED").inc()
@@ -314,7 +326,7 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
             choices.append(c)
         out = {"id": ctx["rid"], "object": "chat.completion" if chat else "text_completion",
                "created": ctx["created"], "model": cfg.served_model_name, "choices": choices,
-               "usage": _usage(ctx["prompts"], completion, cached)}
+               "usage": _usage(ctx, completion, cached)}
         if ctx["degraded"]:  # DEGRADED: fewer choices than asked, said in the body and the x-pdserve-degraded header
             out["pdserve"] = {"degraded": ctx["degraded"]}
         return JSONResponse(out, headers=ctx["headers"])
@@ -335,7 +347,7 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
                                                  "logprobs": None, "finish_reason": None}
                                                 for i in range(ctx["n_choices"])]})
             async with contextlib.aclosing(agen):
-                async for _, m in _messages(first, agen):
+                async for i, m in _messages(first, agen):
                     choices = []
                     ntok = 0
                     for o in m.outputs:
@@ -366,13 +378,13 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
                     if choices:
                         yield _sse({**base, "choices": choices})
                     rec.emitted += ntok
-                    timing.emit(ntok)
+                    _emitted(ctx, i, timing.emit(ntok))
             timing.done()
             rec.committed = rec.emitted
             rec.cached_tokens = cached
             await life.finish(rec, "FINISHED")
             if include_usage:
-                yield _sse({**base, "choices": [], "usage": _usage(ctx["prompts"], completion, cached)})
+                yield _sse({**base, "choices": [], "usage": _usage(ctx, completion, cached)})
             yield b"data: [DONE]\n\n"
             ok = True
         except (NoWorkersError, UpstreamError) as e:

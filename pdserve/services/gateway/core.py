@@ -16,6 +16,7 @@ from typing import AsyncIterator
 import grpc
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.services.gateway.stages import StageTrace
 from pdserve.services.grpc_util import channel
 from pdserve.services.pb import common_pb2, params_to_pb, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -68,15 +69,18 @@ class Dispatcher:
         except grpc.aio.AioRpcError as e:
             raise NoWorkersError(e.details() or str(e.code())) from None
 
-    async def generate(self, rid: str, sub: SubRequest, namespace: str = "",
-                       on_route=None, metadata: tuple = ()) -> AsyncIterator[common_pb2.GenerateResponse]:
+    async def generate(self, rid: str, sub: SubRequest, namespace: str = "", on_route=None, metadata: tuple = (),
+                       trace: StageTrace | None = None) -> AsyncIterator[common_pb2.GenerateResponse]:
         """One engine request (n may be > 1 only in colocated mode). Retries placement while nothing was emitted
-        and the failure was a worker being unreachable."""
+        and the failure was a worker being unreachable. `trace` collects the route time and the workers'
+        stage timestamps (usage.stage_times)."""
+        trace = trace if trace is not None else StageTrace()
         exclude: list[str] = []
         pp = params_to_pb(sub.params)
         for attempt in range(self.max_attempts):
             route = await self.route(rid, len(sub.prompt_token_ids), namespace, exclude, sub.prompt_token_ids,
                                      sub.params.max_tokens or 0)
+            trace.on_route(route.mode)
             if on_route is not None:
                 on_route(route)  # e.g. the latency histograms' mode label, the x-pdserve-route debug header
             emitted = False
@@ -90,6 +94,7 @@ class Dispatcher:
                     try:
                         async for m in call:
                             emitted = True
+                            trace.on_stream(m.times)
                             yield m
                     finally:
                         call.cancel()
@@ -103,12 +108,15 @@ class Dispatcher:
                     pre = await pcall
                 finally:
                     pcall.cancel()
+                trace.on_prefill(pre.times)
                 if pre.finished:
                     emitted = True
+                    trace.on_prefill(pre.final.times)  # the prefill worker's engine finished it
                     yield pre.final
                     return
                 async for m in self._decode(rid, sub, pp, namespace, route, pre, metadata):
                     emitted = True
+                    trace.on_stream(m.times)
                     yield m
                 return
             except grpc.aio.AioRpcError as e:
@@ -173,11 +181,13 @@ class Dispatcher:
                 worker_pb2.ReleaseKVRequest(request_id=rid, lease_id=kv.lease_id), timeout=2)
 
     async def generate_many(self, rid: str, subs: list[SubRequest], namespace: str = "", on_route=None,
-                            metadata: tuple = ()) -> AsyncIterator[tuple[int, common_pb2.GenerateResponse]]:
+                            metadata: tuple = (), traces: list[StageTrace] | None = None
+                            ) -> AsyncIterator[tuple[int, common_pb2.GenerateResponse]]:
         """Several sub-requests (prompts x n) merged into one stream; yields (sub index, message) with each
-        message's choice indexes already shifted to the response's numbering."""
+        message's choice indexes already shifted to the response's numbering. `traces[i]` is sub-request i's."""
+        traces = traces if traces is not None else [StageTrace() for _ in subs]
         if len(subs) == 1:
-            async for m in self.generate(rid, subs[0], namespace, on_route, metadata):
+            async for m in self.generate(rid, subs[0], namespace, on_route, metadata, traces[0]):
                 _shift(m, subs[0].index_base)
                 yield 0, m
             return
@@ -185,7 +195,7 @@ class Dispatcher:
 
         async def pump(i: int, sub: SubRequest) -> None:
             try:
-                async for m in self.generate(f"{rid}-{i}", sub, namespace, on_route, metadata):
+                async for m in self.generate(f"{rid}-{i}", sub, namespace, on_route, metadata, traces[i]):
                     _shift(m, sub.index_base)
                     await q.put((i, m))
             except BaseException as e:  # noqa: BLE001 - forwarded to the consumer

@@ -104,6 +104,7 @@ class Lifecycle:
         rec.request_id = rid
         rec.prompt_tokens = sum(len(p) for p in prompts)
         if self.admission is None:
+            rec.admitted_at = time.time()  # nothing to wait for: admitted once parsed and tokenized
             return None
         self.admission.start()  # lease renewal task (needs the running loop)
         # several prompts: one reservation for all of them, sized by the longest (n per prompt)

@@ -15,7 +15,7 @@ import grpc
 from pdserve.kv_transfer.lease import Lease, LeaseTable, reap_forever
 from pdserve.services import metrics as M
 from pdserve.services.admission import lifecycle_from_context
-from pdserve.services.convert import full_response
+from pdserve.services.convert import fill_times, full_response
 from pdserve.services.pb import params_from_pb, worker_pb2
 
 log = logging.getLogger("pdserve.prefill")
@@ -71,6 +71,7 @@ class PrefillSide:
         self.w.observe_engine_times(final)
         comp = final.outputs[0] if final.outputs else None
         resp = worker_pb2.PrefillResponse(request_id=rid, num_cached_tokens=final.num_cached_tokens or 0)
+        fill_times(resp.times, final.metrics)  # the gateway combines these with the decode worker's (stage_times)
         if comp is not None and comp.token_ids:
             resp.first_token_id = comp.token_ids[0]
         if comp is None or comp.finish_reason != "prefill" or final.state != "FINISHED":

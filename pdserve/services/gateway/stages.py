@@ -1,0 +1,98 @@
+"""Per-request stage timestamps for the client: `usage.stage_times` (definitions in docs/services.md).
+
+One `StageTrace` per engine sub-request. The dispatcher fills in the route time and the workers' `StageTimes`
+(the prefill worker's from `PrefillResponse.times`, the decode or `both` worker's from the stream); the HTTP
+layer adds the gateway's emit times. `stage_times` turns a trace plus the request's record into the JSON
+object: absolute timestamps (Unix seconds, `time.time()` in each process: comparable across processes on one
+host or NTP-synced hosts) and consecutive durations that partition gateway E2E.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+# consecutive stages from gateway arrival to the gateway's last emit (their sum is E2E by construction; the
+# timestamps' order across processes is what a test can check)
+DURATIONS = ("admission", "route", "dispatch", "queue", "prefill", "handoff", "kv_transfer", "first_emit", "decode")
+
+
+def _nz(x: float) -> float | None:
+    return x if x else None  # proto doubles: 0 = unknown
+
+
+@dataclass
+class StageTrace:
+    routed: float | None = None
+    # the engine that ran the prefill (prefill worker in disagg, `both` worker in colocated)
+    prefill: dict = field(default_factory=dict)
+    # disagg only: the decode worker's engine + its KV pull
+    decode: dict = field(default_factory=dict)
+    disagg: bool = False
+    first_emit: float | None = None
+    last_emit: float | None = None
+
+    def on_route(self, mode: str) -> None:
+        # a reroute (worker unreachable before any token) overwrites: the stages describe the attempt that served
+        self.routed = time.time()
+        self.disagg = mode == "disagg"
+        self.prefill, self.decode = {}, {}
+
+    @staticmethod
+    def _merge(into: dict, times) -> None:
+        # later messages repeat the engine's times and add `finished`; the KV pull times are on the first only
+        for k in ("arrival", "first_scheduled", "first_token", "finished", "kv_transfer_start", "kv_transfer_end"):
+            v = _nz(getattr(times, k))
+            if v is not None:
+                into[k] = v
+
+    def on_prefill(self, times) -> None:
+        self._merge(self.prefill, times)
+
+    def on_stream(self, times) -> None:
+        self._merge(self.decode if self.disagg else self.prefill, times)
+
+    def on_emit(self, now: float) -> None:
+        if self.first_emit is None:
+            self.first_emit = now
+        self.last_emit = now
+
+
+def stage_times(arrival: float, admitted: float | None, t: StageTrace, index: int = 0, count: int = 1) -> dict:
+    """The `usage.stage_times` object for one sub-request (index of count). Missing stages are null."""
+    p, d = t.prefill, t.decode
+    admitted = admitted if admitted is not None else arrival  # no admission control: admitted on arrival
+    kv_end = d.get("kv_transfer_end")
+    ts = {
+        "arrival": arrival, "admitted": admitted, "routed": t.routed,
+        "worker_arrival": p.get("arrival"), "first_scheduled": p.get("first_scheduled"),
+        "first_token": p.get("first_token"),
+        "decode_arrival": d.get("arrival"), "kv_transfer_start": d.get("kv_transfer_start"), "kv_transfer_end": kv_end,
+        "worker_finished": (d if d else p).get("finished"),
+        "first_emit": t.first_emit, "last_emit": t.last_emit,
+    }
+
+    def span(a: float | None, b: float | None) -> float | None:
+        return b - a if a is not None and b is not None else None
+
+    ready = kv_end if kv_end is not None else ts["first_token"]  # the first token is at the decode side
+    dur = {
+        "admission": span(arrival, admitted), "route": span(admitted, t.routed),
+        "dispatch": span(t.routed, ts["worker_arrival"]),
+        "queue": span(ts["worker_arrival"], ts["first_scheduled"]),
+        "prefill": span(ts["first_scheduled"], ts["first_token"]),
+        "handoff": span(ts["first_token"], ts["kv_transfer_start"]) if kv_end is not None else 0.0,
+        "kv_transfer": span(ts["kv_transfer_start"], kv_end) if kv_end is not None else 0.0,
+        "first_emit": span(ready, t.first_emit), "decode": span(t.first_emit, t.last_emit),
+        "ttft": span(arrival, t.first_emit), "e2e": span(arrival, t.last_emit),
+    }
+    return {**ts, "durations": dur, "mode": "disagg" if t.disagg else "colocated",
+            "sub_request": index, "sub_requests": count}
+
+
+def pick(traces: list[StageTrace]) -> int:
+    """With n > 1 / several prompts, report the sub-request that emitted last: it bounds the response's E2E."""
+    best, best_t = 0, float("-inf")
+    for i, t in enumerate(traces):
+        if t.last_emit is not None and t.last_emit > best_t:
+            best, best_t = i, t.last_emit
+    return best
