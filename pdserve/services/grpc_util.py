@@ -25,8 +25,15 @@ async def set_serving(hs: health.aio.HealthServicer, service_names: list[str], s
         await hs.set(name, st)
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=OPTIONS)
+# The gateway's channels to workers relay token streams to HTTP clients. With BDP probing gRPC grows a stream's
+# receive window to megabytes on a fast link, so a slow client's output would pile up in the gateway instead of
+# the worker's bounded per-request buffer (which is what pauses the request: docs/admission.md, Backpressure).
+# Without it the window stays at its 64 KiB default.
+RELAY_OPTIONS = [*OPTIONS, ("grpc.http2.bdp_probe", 0)]
+
+
+def channel(address: str, relay: bool = False) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=RELAY_OPTIONS if relay else OPTIONS)
 
 
 WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name

@@ -23,6 +23,9 @@ from pdserve.services.pb import common_pb2, params_to_pb, router_pb2, router_pb2
 log = logging.getLogger("pdserve.gateway")
 
 
+RELAY_QUEUE_PER_SUB = 4  # messages a fanned-out request may hold at the gateway per sub-request
+
+
 class NoWorkersError(Exception):
     pass
 
@@ -52,7 +55,7 @@ class Dispatcher:
     def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = channel(address)
+            ch = self._channels[address] = channel(address, relay=True)
         return worker_pb2_grpc.WorkerStub(ch)
 
     async def list_workers(self) -> router_pb2.ListWorkersResponse:
@@ -191,7 +194,9 @@ class Dispatcher:
                 _shift(m, subs[0].index_base)
                 yield 0, m
             return
-        q: asyncio.Queue = asyncio.Queue()
+        # Bounded: a slow client must stop the pumps pulling their gRPC streams, or its backpressure never
+        # reaches the workers (the queue would hold the whole output instead of their bounded buffers).
+        q: asyncio.Queue = asyncio.Queue(maxsize=RELAY_QUEUE_PER_SUB * len(subs))
 
         async def pump(i: int, sub: SubRequest) -> None:
             try:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 
 import uvicorn
 
@@ -10,6 +11,22 @@ from pdserve.services.grpc_util import GATEWAY_SERVICE, make_server, set_serving
 from pdserve.services.pb import gateway_pb2_grpc
 
 log = logging.getLogger("pdserve.gateway")
+
+# Send buffer of each client connection. Left alone, Linux autotunes it up to tcp_wmem's max (4 MiB on loopback
+# here), so a client that stops reading parks megabytes in the gateway's kernel and the stream never pushes back
+# on the worker (docs/admission.md, Backpressure). Fixed, the kernel doubles it and stops autotuning.
+CLIENT_SNDBUF_BYTES = 32 << 10
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The HTTP listening socket; accepted connections inherit its bounded send buffer."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, CLIENT_SNDBUF_BYTES)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
 
 
 async def serve(args) -> None:
@@ -32,6 +49,6 @@ async def serve(args) -> None:
     cfg = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
     server = uvicorn.Server(cfg)
     log.info("gateway on http://%s:%d (grpc %s), router %s", args.host, args.port, args.grpc_port, args.router)
-    await server.serve()  # returns after SIGTERM/SIGINT, having drained open connections
+    await server.serve(sockets=[listen_socket(args.host, args.port)])  # returns after SIGTERM/SIGINT, having drained open connections
     if grpc_server is not None:
         await grpc_server.stop(grace=2)
