@@ -60,7 +60,14 @@ class RouterService(router_pb2_grpc.RouterServicer):
         req = RouteInput(request.request_id, list(request.prompt_token_ids), request.num_prompt_tokens,
                          request.namespace, request.max_tokens, set(request.exclude_worker_ids), request.prefer)
         try:
-            p = self.policy.place(await self._workers(), req=req)
+            try:
+                p = self.policy.place(await self._workers(), req=req)
+            except NoWorkers:
+                # The view is up to refresh_s old, while /health (ListWorkers) reads Redis: a worker that just
+                # registered (or came back) must not be refused for the view's age. Re-read once, then give up.
+                with contextlib.suppress(Exception):  # Redis down: the last view stands
+                    await self.view.refresh()
+                p = self.policy.place(self.view.records(), req=req)
         except NoWorkers as e:
             M.REJECTIONS.labels("no_workers").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
