@@ -1,0 +1,105 @@
+"""Redis restarted under load: `pdserve up --redis-url` pointing at a redis-server this test owns.
+
+Redis holds only soft state (worker registry + heartbeats, the reservations ledger, rate-limit buckets, prefix
+index), and the restarted server comes back empty (`--save ''`). In-flight streams must finish, new requests
+must be served again once Redis is back (workers re-register on their next heartbeat, the ledger and buckets
+are recreated), and the reservations ledger must end empty.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import shutil
+import subprocess
+import time
+
+import httpx
+import pytest
+import redis
+
+from tests.e2e.conftest import Up, wait_until
+
+KEYS = "tenants:\n  t: {keys: [sk-t], rate_rps: 50, burst: 50}\n"
+
+
+def _redis(port: int) -> subprocess.Popen:
+    p = subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                          "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    r = redis.Redis(port=port)
+    assert wait_until(lambda: _ping(r), 10), "redis-server did not start"
+    return p
+
+
+def _ping(r: redis.Redis) -> bool:
+    try:
+        return bool(r.ping())
+    except redis.RedisError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def deployment(tiny_llama, tmp_path_factory):
+    from pdserve.services.up import free_port
+    model = tiny_llama.parent / "ck"
+    if not model.exists():
+        shutil.copytree(tiny_llama, model)
+    keys = tmp_path_factory.mktemp("keys") / "keys.yaml"
+    keys.write_text(KEYS)
+    port = free_port()
+    holder = {"redis": _redis(port)}
+    d = Up(model, "--mode", "colocated", "--workers", "1", "--threads", "1", "--redis-url",
+           f"redis://127.0.0.1:{port}/0", "--api-keys-file", str(keys))
+    yield d, port, holder
+    d.stop()
+    holder["redis"].terminate()
+    holder["redis"].wait(10)
+
+
+def _stream(base: str, n_tokens: int) -> tuple[int, int, bool]:
+    """(status, completion tokens from the final usage chunk, saw [DONE])"""
+    ntok, done = 0, False
+    with httpx.stream("POST", base + "/v1/completions", headers={"Authorization": "Bearer sk-t"}, timeout=30,
+                      json={"model": "ck", "prompt": "the quick brown fox", "max_tokens": n_tokens, "temperature": 0,
+                            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        if r.status_code != 200:
+            r.read()
+            return r.status_code, 0, False
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: {") and '"usage"' in line:
+                ntok = json.loads(line[6:])["usage"]["completion_tokens"]
+    return 200, ntok, done
+
+
+def _ok(base: str) -> bool:
+    try:
+        r = httpx.post(base + "/v1/completions", headers={"Authorization": "Bearer sk-t"}, timeout=10,
+                       json={"model": "ck", "prompt": "judge my vow", "max_tokens": 3, "temperature": 0})
+        return r.status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_redis_restart_mid_run(deployment):
+    up, port, holder = deployment
+    r = redis.Redis(port=port)
+    assert _ok(up.base_url)
+    with cf.ThreadPoolExecutor(3) as ex:
+        # long streams, admitted (reservation in Redis) before the restart and still running across it
+        inflight = [ex.submit(_stream, up.base_url, 200) for _ in range(3)]
+        assert wait_until(lambda: r.zcard("pdserve:ck:reservations") >= 1, 10, 0.02)
+        holder["redis"].kill()  # everything in Redis is gone
+        holder["redis"].wait(10)
+        assert not any(f.done() for f in inflight)  # the restart really is mid-stream
+        time.sleep(1.0)  # a heartbeat period with Redis away
+        holder["redis"] = _redis(port)  # back, empty
+        results = [f.result(timeout=60) for f in inflight]
+    assert results == [(200, 200, True)] * 3, results
+    # new requests are served again: the worker re-registered, the ledger and the tenant's bucket are recreated
+    assert wait_until(lambda: _ok(up.base_url), 15, 0.5), "no request succeeded after Redis came back"
+    assert all(_ok(up.base_url) for _ in range(5))
+    assert r.exists("pdserve:ck:workers:" + up.workers()[0]["worker_id"])  # heartbeats resumed
+    assert r.exists("pdserve:ck:ratelimit:t")  # the rate-limit bucket lives in Redis again (not the local fallback)
+    assert wait_until(lambda: r.zcard("pdserve:ck:reservations") == 0 and
+                      r.hlen("pdserve:ck:reservation_blocks") == 0, 15), "reservations left behind"
