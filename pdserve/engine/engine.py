@@ -480,6 +480,18 @@ class Engine:
                     final[out.request_id] = out
         return [final[r] for r in ids]
 
+    def queued_prefill_tokens(self) -> int:
+        """Prompt (or recompute) tokens of waiting sequences that prefill will actually compute: each one's
+        current prefix-cache hit is subtracted, so a queued request whose prefix is cached counts only its
+        uncached tail (the router's queued-work estimate, docs/routing.md). `lookup` is a pure read; a hit can
+        still be evicted before the sequence is scheduled, so this is an estimate of the moment."""
+        bs = self.block_manager.block_size
+        n = 0
+        for seq in list(self.scheduler.waiting):
+            hit = len(self.block_manager.lookup(seq)) * bs
+            n += max(0, seq.num_tokens - max(hit, seq.num_computed_tokens))
+        return n
+
     def stats(self) -> dict:
         bm = self.block_manager
         logical = sum(s.num_computed_tokens for r in self.requests.values() for s in r.seqs if not s.finished)

@@ -60,6 +60,7 @@ class LoadMeter:
     decode side after each KV pull (event loop). A lock keeps `report` consistent across the two threads.
     """
 
+    PENDING_REFRESH_S = 0.1  # heartbeats are ~1 s apart
     MIN_PREFILL_TOKENS = 1  # a request whose whole prompt hit the cache says nothing about the prefill rate
 
     def __init__(self):
@@ -70,6 +71,7 @@ class LoadMeter:
         self.kv_bw = Ewma(alpha=0.2)        # bytes / s of KV pulls
         self.handoff = Ewma(alpha=0.2)      # hand-off seconds beyond the transfer (alloc, RPCs, commit)
         self.pending_prefill_tokens = 0
+        self._pending_at = 0.0
         self._seen: set[str] = set()
         self._last_step: float | None = None
         self._busy = False
@@ -82,7 +84,11 @@ class LoadMeter:
             self._step_time(engine, now)
             for out in outputs:
                 self._prefill_sample(out)
-            self.pending_prefill_tokens = _pending_prefill(engine)
+            # prefix lookups hash every waiting prompt: refresh a few times a second, not every step
+            # (always when nothing waits: then it is cheap, and an idle worker must not keep a stale value)
+            if not engine.scheduler.waiting or now - self._pending_at >= self.PENDING_REFRESH_S:
+                self.pending_prefill_tokens = _pending_prefill(engine)
+                self._pending_at = now
             self._busy = engine.has_unfinished()
             self._last_step = now
         if self._chain is not None:
@@ -141,11 +147,10 @@ class LoadMeter:
 
 
 def _pending_prefill(engine) -> int:
-    """Prompt tokens admitted but not yet computed: the prefill work queued ahead of a new request."""
-    n = 0
-    for req in list(getattr(engine, "requests", {}).values()):
-        for s in getattr(req, "seqs", ())[:1]:  # branches share the prompt
-            if getattr(s, "finished", False):
-                continue
-            n += max(0, s.num_prompt_tokens - s.num_computed_tokens)
+    """Prefill work queued ahead of a new request: the waiting queue's uncached tokens
+    (`Engine.queued_prefill_tokens`, prefix-cache hits subtracted) + what running sequences still have to
+    prefill (chunked prefill in progress)."""
+    n = engine.queued_prefill_tokens()
+    for s in list(engine.scheduler.running):
+        n += max(0, s.num_prompt_tokens - s.num_computed_tokens)
     return n
