@@ -32,7 +32,7 @@ def make_tokenizer(out: Path, vocab_size: int = 96) -> None:
 def make_checkpoint(out: Path, arch: str = "llama", *, vocab_size: int = 320, hidden: int = 64, layers: int = 2,
                     heads: int = 4, kv_heads: int = 2, tie: bool = False, rope_scaling: dict | None = None,
                     dtype: torch.dtype = torch.float32, seed: int = 0, max_pos: int = 512,
-                    sharded: bool = False) -> Path:
+                    sharded: bool = False, sliding_window: int | None = None) -> Path:
     import transformers as tf
 
     out.mkdir(parents=True, exist_ok=True)
@@ -44,7 +44,7 @@ def make_checkpoint(out: Path, arch: str = "llama", *, vocab_size: int = 320, hi
         cfg = tf.LlamaConfig(**common, rope_scaling=rope_scaling)
         cls = tf.LlamaForCausalLM
     elif arch == "mistral":
-        cfg = tf.MistralConfig(**common, sliding_window=None)
+        cfg = tf.MistralConfig(**common, sliding_window=sliding_window)
         cls = tf.MistralForCausalLM
     elif arch == "qwen2":
         cfg = tf.Qwen2Config(**common)

@@ -28,7 +28,7 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]
     decode_rows: torch.Tensor  # [D] rows of the flat batch that are single-token decodes
     decode_block_tables: torch.Tensor  # [D, max_blocks] (padded with block 0)
-    decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size] bool: True = attend
+    decode_bias: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size] float: 0 = attend, -inf = masked
 
 
 def causal_mask(q_len: int, context_len: int, sliding_window: int | None, device) -> torch.Tensor | None:
@@ -43,12 +43,15 @@ def causal_mask(q_len: int, context_len: int, sliding_window: int | None, device
     return mask
 
 
-def decode_mask(context_lens: torch.Tensor, width: int, sliding_window: int | None) -> torch.Tensor:
+def decode_bias(context_lens: torch.Tensor, width: int, sliding_window: int | None) -> torch.Tensor:
+    """Additive mask for padded single-query attention: key j of row i is visible iff j < len_i (and within
+    the sliding window)."""
     k_pos = torch.arange(width, device=context_lens.device).unsqueeze(0)
-    mask = k_pos < context_lens.unsqueeze(1)
+    visible = k_pos < context_lens.unsqueeze(1)
     if sliding_window is not None:
-        mask &= k_pos >= (context_lens - sliding_window).unsqueeze(1)
-    return mask[:, None, None, :]
+        visible &= k_pos >= (context_lens - sliding_window).unsqueeze(1)
+    bias = torch.zeros(visible.shape, device=context_lens.device).masked_fill_(~visible, float("-inf"))
+    return bias[:, None, None, :]
 
 
 def gather_blocks(kv: torch.Tensor, layer: int, tables: torch.Tensor, which: int) -> torch.Tensor:
@@ -92,11 +95,14 @@ def paged_attention(
             enable_gqa=n_kv != q.shape[1])
         out[span.start:span.start + span.q_len] = o.squeeze(0).transpose(0, 1)
     if meta.decode_rows.numel():
-        # Single-query attention runs in fp32: on CPU the masked bf16 SDPA path is ~2x slower than converting.
-        qd = q[meta.decode_rows].unsqueeze(2).float()  # [B, H, 1, D]
-        kd = gather_blocks(kv, layer, meta.decode_block_tables, 0).flatten(1, 2).transpose(1, 2).float()
-        vd = gather_blocks(kv, layer, meta.decode_block_tables, 1).flatten(1, 2).transpose(1, 2).float()
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale,
-                                           enable_gqa=n_kv != q.shape[1])
-        out[meta.decode_rows] = o.squeeze(2).to(q.dtype)
+        # Single-query attention as two batched matmuls in the cache dtype (scores and softmax in fp32): on CPU
+        # this is ~2.5x faster than SDPA, whose kernels tile for long queries and want the K/V converted.
+        b, h, d = meta.decode_rows.numel(), q.shape[1], q.shape[2]
+        kd = gather_blocks(kv, layer, meta.decode_block_tables, 0).flatten(1, 2)  # [B, S, KVH, D]
+        vd = gather_blocks(kv, layer, meta.decode_block_tables, 1).flatten(1, 2)
+        qd = q[meta.decode_rows].to(kd.dtype).view(b, n_kv, h // n_kv, d)  # query heads grouped by KV head
+        scores = torch.matmul(qd, kd.permute(0, 2, 3, 1)).float() * scale  # [B, KVH, group, S]
+        scores = scores + meta.decode_bias
+        probs = torch.softmax(scores, dim=-1).to(vd.dtype)
+        out[meta.decode_rows] = torch.matmul(probs, vd.transpose(1, 2)).reshape(b, h, d).to(q.dtype)
     return out

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.attention import AttentionMetadata, PrefillSpan, causal_mask, decode_mask
+from pdserve.engine.attention import AttentionMetadata, PrefillSpan, causal_mask, decode_bias
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.scheduler import ScheduledSeq
@@ -58,7 +58,7 @@ class ModelRunner:
             prefills=prefills,
             decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=self.device),
             decode_block_tables=torch.tensor(padded, dtype=torch.long, device=self.device).view(len(padded), width),
-            decode_mask=decode_mask(lens, width * bs, self.sliding_window) if decode_rows else None,
+            decode_bias=decode_bias(lens, width * bs, self.sliding_window) if decode_rows else None,
         )
         return (torch.tensor(ids, dtype=torch.long, device=self.device),
                 torch.tensor(pos, dtype=torch.long, device=self.device), meta,

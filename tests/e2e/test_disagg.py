@@ -85,24 +85,22 @@ def test_kill_decode_worker_mid_stream(up):
     new requests go to the surviving decode worker."""
     decs = up.workers("decode")
 
-    async def running(w):
-        stub = worker_pb2_grpc.WorkerStub(channel(f"127.0.0.1:{w['port']}"))
-        s = await stub.GetStats(worker_pb2.GetStatsRequest(), timeout=2)
-        return json.loads(s.stats_json)["num_running"]
-
-    body = {"model": "ck", "prompt": "pack my box", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+    # The debug header names the decode worker; killing it at the first streamed token leaves no race with a
+    # stream that could finish first (500 tokens take far longer than one kill).
+    body = {"model": "ck", "prompt": "pack my box", "max_tokens": 500, "temperature": 0, "ignore_eos": True,
             "stream": True}
     victim = None
     events = []
-    with httpx.stream("POST", up.base_url + "/v1/completions", json=body, timeout=60) as r:
+    with httpx.stream("POST", up.base_url + "/v1/completions", json=body, timeout=60,
+                      headers={"x-pdserve-debug": "route"}) as r:
+        route = dict(kv.split("=", 1) for kv in r.headers["x-pdserve-route"].split(";"))
+        assert route["mode"] == "disagg", route
         for line in r.iter_lines():
             if not line.startswith("data: "):
                 continue
             events.append(line[6:])
-            if len(events) == 3 and victim is None:
-                busy = [w for w in decs if asyncio.run(running(w)) > 0]
-                assert len(busy) == 1, busy
-                victim = busy[0]
+            if victim is None:
+                victim = next(w for w in decs if w["worker_id"] == route["decode"])
                 os.kill(victim["pid"], signal.SIGKILL)
     assert victim is not None
     assert events[-1] != "[DONE]"

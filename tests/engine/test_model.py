@@ -20,6 +20,7 @@ VARIANTS = {
     "llama": dict(arch="llama"),
     "llama3-rope-tied": dict(arch="llama", rope_scaling=LLAMA3, tie=True),
     "mistral": dict(arch="mistral"),
+    "mistral-sliding-window-8": dict(arch="mistral", sliding_window=8),
     "qwen2-qkv-bias": dict(arch="qwen2"),
     "llama-sharded-mha": dict(arch="llama", sharded=True, kv_heads=4),
 }
