@@ -16,14 +16,12 @@ import asyncio
 import json
 import math
 import os
-import signal
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 from pdserve.bench import metrics as MX
+from pdserve.services.up_process import UpProcess
 
 ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -76,54 +74,16 @@ def pin(pid: int, cores: set[int]) -> int:
     return n
 
 
-class Deployment:
-    """`pdserve up` as a subprocess; parses its PDSERVE_UP line."""
+class Deployment(UpProcess):
+    """`pdserve up` for one mode of the study, with its threads capped through the OpenMP/MKL environment."""
 
     def __init__(self, model: str, mode: str, threads: int, extra: list[str], ready_timeout: float):
-        from pdserve.services.up import free_port
-        self.port = free_port()
         env = dict(os.environ)
         env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         env["OMP_NUM_THREADS"] = str(threads)
         env["MKL_NUM_THREADS"] = str(threads)
         env.setdefault("PDSERVE_LOG_LEVEL", "WARNING")
-        cmd = [sys.executable, "-m", "pdserve", "up", "--model", model, "--mode", mode, "--port", str(self.port),
-               *extra]
-        self.cmd = cmd
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)
-        self.lines: list[str] = []
-        self.info: dict | None = None
-        ready = threading.Event()
-
-        def read():
-            for line in self.proc.stdout:
-                self.lines.append(line)
-                if line.startswith("PDSERVE_UP "):
-                    self.info = json.loads(line[len("PDSERVE_UP "):])
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(ready_timeout) or self.info is None:
-            self.stop()
-            raise RuntimeError("pdserve up did not become ready:\n" + "".join(self.lines[-40:]))
-        self.base_url = self.info["base_url"]
-
-    def workers(self) -> list[dict]:
-        return [p for p in self.info["processes"] if p.get("role")]
-
-    def metrics_urls(self) -> list[str]:
-        return [self.base_url + "/metrics"] + [f"http://127.0.0.1:{w['metrics_port']}/metrics" for w in self.workers()]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(40)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        super().__init__(["--model", model, "--mode", mode, *extra], env, ready_timeout)
 
 
 def start_mode(a, mode: str) -> tuple[Deployment, dict]:
@@ -347,9 +307,10 @@ def verdict(rows: list[dict]) -> list[str]:
 
 
 def run_breakeven(a) -> int:
-    from pdserve.bench.cli import Progress
-    from pdserve.bench.report import _clean, write_html, write_json, _img
     import html as H
+
+    from pdserve.bench.cli import Progress
+    from pdserve.bench.report import _clean, _img, write_html, write_json
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     grid = [(p, o, r) for o in _csv(a.output_lens, int) for p in _csv(a.prompt_lens, int) for r in _csv(a.rates)]

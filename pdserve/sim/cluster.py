@@ -19,7 +19,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
-import time
 from dataclasses import dataclass, field
 
 from pdserve.engine.config import EngineConfig

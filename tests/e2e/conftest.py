@@ -2,18 +2,15 @@
 one per test module; a tiny random Llama checkpoint (tests/conftest.py)."""
 from __future__ import annotations
 
-import json
 import os
 import re
-import signal
-import subprocess
-import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+
+from pdserve.services.up_process import UpProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 NUM_BLOCKS = 128
@@ -26,46 +23,9 @@ def _env() -> dict:
     return env
 
 
-class Up:
+class Up(UpProcess):
     def __init__(self, model: Path, *args: str, timeout: float = 90):
-        from pdserve.services.up import free_port
-        self.port = free_port()
-        cmd = [sys.executable, "-m", "pdserve", "up", "--model", str(model), "--port", str(self.port),
-               "--num-gpu-blocks", str(NUM_BLOCKS), *args]
-        self.proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: list[str] = []
-        self.info: dict | None = None
-        ready = threading.Event()
-
-        def read():
-            for line in self.proc.stdout:
-                self.lines.append(line)
-                if line.startswith("PDSERVE_UP "):
-                    self.info = json.loads(line[len("PDSERVE_UP "):])
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(timeout) or self.info is None:
-            self.stop()
-            raise RuntimeError("pdserve up did not become ready:\n" + "".join(self.lines[-50:]))
-        self.base_url = self.info["base_url"]
-
-    def workers(self, role: str | None = None) -> list[dict]:
-        return [p for p in self.info["processes"] if p.get("role") and (role is None or p["role"] == role)]
-
-    def process(self, name: str) -> dict:
-        return next(p for p in self.info["processes"] if p["name"] == name)
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        super().__init__(["--model", str(model), "--num-gpu-blocks", str(NUM_BLOCKS), *args], _env(), timeout)
 
 
 def metric(port: int, name: str, labels: str = "") -> float:

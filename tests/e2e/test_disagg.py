@@ -3,10 +3,8 @@ import asyncio
 import json
 import os
 import signal
-import threading
 import time
 
-import grpc
 import httpx
 import pytest
 

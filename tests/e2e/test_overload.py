@@ -4,7 +4,6 @@ of the prefix cache, one billing record per client request, reservations and blo
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import shutil
 import subprocess

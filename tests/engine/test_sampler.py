@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from pdserve.engine.sampler import Sampler, SampleResult, SamplingState, select_best
+from pdserve.engine.sampler import Sampler, SamplingState, select_best
 from pdserve.engine.sampling_params import GuidedSpec, SamplingParams
 
 torch.set_num_threads(1)

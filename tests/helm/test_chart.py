@@ -9,7 +9,7 @@ import re
 import pytest
 import yaml
 
-from tests.helm._chart import (CHART, FULL, NAMESPACE, PENDING_FLAGS, SCENARIOS, by_kind, container_env, helm,
+from tests.helm._chart import (CHART, FULL, NAMESPACE, SCENARIOS, by_kind, container_env, helm,
                                objects, parse_pdserve, pod_template, render)
 
 kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate (pyproject test extra) bundles the "

@@ -1,5 +1,4 @@
 """A peer process owning a KV tensor: sends its KVRegion, then reports the notifications it receives."""
-import time
 
 import torch
 

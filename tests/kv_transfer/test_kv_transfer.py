@@ -1,7 +1,6 @@
 """Real NIXL (UCX, DRAM) transfers between two processes; layout checks; lease expiry."""
 import asyncio
 import multiprocessing as mp
-import time
 
 import pytest
 import torch

@@ -9,7 +9,6 @@ import time
 import uuid
 from pathlib import Path
 
-import grpc
 import pytest
 import redis.asyncio as aioredis
 

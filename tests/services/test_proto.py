@@ -1,5 +1,4 @@
 """The checked-in stubs are exactly what `python -m pdserve.proto_gen` produces, and conversions round-trip."""
-from pathlib import Path
 
 from pdserve import proto_gen
 from pdserve.engine.sampling_params import GuidedSpec, SamplingParams

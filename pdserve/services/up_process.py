@@ -1,0 +1,64 @@
+"""`pdserve up` as a child process: start it, wait for its PDSERVE_UP line, read its processes, stop it.
+
+Used by `pdserve bench breakeven` (deployments per cell) and by the end-to-end tests.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+
+class UpProcess:
+    def __init__(self, args: list[str], env: dict | None = None, ready_timeout: float = 90.0):
+        """`args` follow `pdserve up`; the HTTP port is chosen here (free) unless args give one."""
+        from pdserve.services.up import free_port
+        if "--port" in args:
+            self.port = int(args[args.index("--port") + 1])
+        else:
+            self.port = free_port()
+            args = [*args, "--port", str(self.port)]
+        self.cmd = [sys.executable, "-m", "pdserve", "up", *args]
+        self.proc = subprocess.Popen(self.cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, start_new_session=True)
+        self.lines: list[str] = []
+        self.info: dict | None = None
+        ready = threading.Event()
+
+        def read() -> None:
+            for line in self.proc.stdout:
+                self.lines.append(line)
+                if line.startswith("PDSERVE_UP "):
+                    self.info = json.loads(line[len("PDSERVE_UP "):])
+                    ready.set()
+            ready.set()  # the process ended without becoming ready
+
+        threading.Thread(target=read, daemon=True).start()
+        if not ready.wait(ready_timeout) or self.info is None:
+            self.stop()
+            raise RuntimeError("pdserve up did not become ready:\n" + "".join(self.lines[-50:]))
+        self.base_url: str = self.info["base_url"]
+
+    def workers(self, role: str | None = None) -> list[dict]:
+        return [p for p in self.info["processes"] if p.get("role") and (role is None or p["role"] == role)]
+
+    def process(self, name: str) -> dict:
+        return next(p for p in self.info["processes"] if p["name"] == name)
+
+    def metrics_urls(self) -> list[str]:
+        return [self.base_url + "/metrics"] + [f"http://127.0.0.1:{w['metrics_port']}/metrics"
+                                               for w in self.workers()]
+
+    def stop(self, timeout: float = 40.0) -> int:
+        """SIGTERM (`pdserve up` drains and stops its children), SIGKILL of the group if it hangs."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        return self.proc.returncode
