@@ -133,30 +133,32 @@ class OutputPredictor:
 
 
 class LocalLedger:
-    """The reservation ledger in process memory (no Redis, or Redis unreachable)."""
+    """The reservation ledger in process memory (no Redis, or Redis unreachable). `clock` is injectable so the
+    simulator (`pdserve.sim.admission`) runs this very ledger on virtual time."""
 
-    def __init__(self):
-        self.entries: dict[str, tuple[int, float]] = {}  # rid -> (blocks, expiry monotonic)
+    def __init__(self, clock=time.monotonic):
+        self.entries: dict[str, tuple[int, float]] = {}  # rid -> (blocks, expiry on `clock`)
+        self.clock = clock
 
     def _prune(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         for rid in [r for r, (_, exp) in self.entries.items() if exp <= now]:
             del self.entries[rid]
 
     def reserve(self, rid: str, blocks: int, cap: Capacity, lease_s: float) -> bool:
         self._prune()
         if rid in self.entries:
-            self.entries[rid] = (self.entries[rid][0], time.monotonic() + lease_s)
+            self.entries[rid] = (self.entries[rid][0], self.clock() + lease_s)
             return True
         used = sum(b for b, _ in self.entries.values())
-        if used + blocks > cap.blocks or len(self.entries) + 1 > cap.seqs:
+        if not fits(used, len(self.entries), blocks, cap):
             return False
-        self.entries[rid] = (blocks, time.monotonic() + lease_s)
+        self.entries[rid] = (blocks, self.clock() + lease_s)
         return True
 
     def renew(self, held: dict[str, int], lease_s: float) -> None:
         for rid, b in held.items():
-            self.entries[rid] = (b, time.monotonic() + lease_s)
+            self.entries[rid] = (b, self.clock() + lease_s)
 
     def release(self, rid: str) -> None:
         self.entries.pop(rid, None)
@@ -250,6 +252,54 @@ def blocks_for(prompt_tokens: int, output_tokens: int, n: int, block_size: int, 
     return prompt + n * math.ceil(output_tokens / block_size)
 
 
+# ---- the decision, pure (no I/O, no clock, no metrics) ----------------------------------------------------------
+# `Admission.admit` below and the simulator (`pdserve.sim.admission`) both decide through these functions, so the
+# simulated gateway admits, degrades, queues and rejects as the real one does for the same capacity.
+def fits(used_blocks: int, used_seqs: int, blocks: int, cap: Capacity) -> bool:
+    """The ledger's rule (RESERVE_LUA makes the same comparison inside Redis)."""
+    return used_blocks + blocks <= cap.blocks and used_seqs + 1 <= cap.seqs
+
+
+def options(prompt_tokens: int, pred: int, n: int, block_size: int, cached_tokens: int = 0,
+            allow_degrade: bool = True) -> list[tuple[int, int]]:
+    """(copies granted, blocks to reserve) in the order to try: n, then n-1 .. 1 when degrading is allowed."""
+    return [(k, blocks_for(prompt_tokens, pred, k, block_size, cached_tokens))
+            for k in range(n, 0 if allow_degrade else n - 1, -1)]
+
+
+def prepare(predictor: OutputPredictor, tenant: str, prompt_tokens: int, max_tokens: int | None, n: int,
+            context_len: int, cap: Capacity | None, cached_tokens: int = 0,
+            allow_degrade: bool = True) -> tuple[int, list[tuple[int, int]]]:
+    """The checks that need no ledger, then what to try reserving: (predicted output, options). Raises REJECTED
+    503 (no serving workers) or 400 (the prompt can never fit one worker)."""
+    if cap is None:
+        raise AdmissionError(503, "no serving workers", "no_workers", "REJECTED", 1.0)
+    bs = cap.block_size
+    if math.ceil((prompt_tokens + 1) / bs) > cap.max_worker_blocks:
+        raise AdmissionError(400, f"prompt of {prompt_tokens} tokens can never fit a worker's KV cache "
+                                  f"({cap.max_worker_blocks} blocks of {bs} tokens)", "context_length_exceeded",
+                             "REJECTED")
+    pred = predictor.predict(tenant, max_tokens, context_len - prompt_tokens)
+    # never reserve more than one worker can hold: the request would wait forever
+    pred = min(pred, cap.max_worker_blocks * bs - prompt_tokens)
+    return pred, options(prompt_tokens, pred, n, bs, cached_tokens, allow_degrade)
+
+
+def make_ticket(rid: str, k: int, n: int, blocks: int, pred: int) -> Ticket:
+    t = Ticket(rid, blocks, k, n, pred)
+    if k < n:
+        t.states.append("DEGRADED")
+    return t
+
+
+def no_fit(queued: int, max_queue: int, deadline: float, now: float, max_queue_wait_s: float) -> float:
+    """Nothing fits now: the time to wait until (QUEUED), or REJECTED 503 when this replica's queue is full
+    (bounded, so overload is told at once instead of piling up behind a queue that cannot drain)."""
+    if queued >= max_queue:
+        raise AdmissionError(503, "server at capacity; retry later", "capacity", "REJECTED", 1.0)
+    return min(deadline, now + max_queue_wait_s)
+
+
 class Admission:
     def __init__(self, ledger: ReservationLedger, capacity_fn, max_queue: int = 16, max_queue_wait_s: float = 10.0,
                  poll_s: float = 0.02):
@@ -298,27 +348,18 @@ class Admission:
                     context_len: int, deadline: float, cached_tokens: int = 0,
                     allow_degrade: bool = True) -> Ticket:
         cap = await self.capacity_fn()
-        if cap is None:
-            raise AdmissionError(503, "no serving workers", "no_workers", "REJECTED", 1.0)
-        bs = cap.block_size
-        if math.ceil((prompt_tokens + 1) / bs) > cap.max_worker_blocks:
-            raise AdmissionError(400, f"prompt of {prompt_tokens} tokens can never fit a worker's KV cache "
-                                      f"({cap.max_worker_blocks} blocks of {bs} tokens)", "context_length_exceeded",
-                                 "REJECTED")
-        pred = self.predictor.predict(tenant, max_tokens, context_len - prompt_tokens)
-        # never reserve more than one worker can hold: the request would wait forever
-        pred = min(pred, cap.max_worker_blocks * bs - prompt_tokens)
+        pred, first = prepare(self.predictor, tenant, prompt_tokens, max_tokens, n, context_len, cap,
+                              cached_tokens, allow_degrade)
         t0 = time.monotonic()
-        ticket = await self._try(rid, prompt_tokens, pred, n, cap, cached_tokens, allow_degrade)
+        ticket = await self._try(rid, n, pred, first, cap)
         if ticket is not None:
             self.held_until[rid] = deadline + self.orphan_grace_s
             return ticket
-        # QUEUED: bounded per replica, so overload is told at once instead of piling up
-        if self.queued >= self.max_queue:
+        try:
+            queue_deadline = no_fit(self.queued, self.max_queue, deadline, time.time(), self.max_queue_wait_s)
+        except AdmissionError:
             M.REJECTIONS.labels("capacity").inc()
-            raise AdmissionError(503, "server at capacity; retry later", "capacity", "REJECTED",
-                                 self._retry_hint())
-        queue_deadline = min(deadline, time.time() + self.max_queue_wait_s)
+            raise
         self.queued += 1
         M.STATE_GAUGE.labels("QUEUED").inc()
         try:
@@ -326,8 +367,9 @@ class Admission:
                 self._released.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._released.wait(), timeout=self.poll_s * 5)
-                cap = await self.capacity_fn() or cap
-                ticket = await self._try(rid, prompt_tokens, pred, n, cap, cached_tokens, allow_degrade)
+                cap = await self.capacity_fn() or cap  # the pool may have changed while waiting
+                ticket = await self._try(rid, n, pred, options(prompt_tokens, pred, n, cap.block_size,
+                                                               cached_tokens, allow_degrade), cap)
                 if ticket is not None:
                     self.held_until[rid] = deadline + self.orphan_grace_s
                     ticket.queued_s = time.monotonic() - t0
@@ -339,18 +381,11 @@ class Admission:
         raise AdmissionError(504, f"request timed out after {time.monotonic() - t0:.2f} s waiting for capacity",
                              "timeout", "TIMED_OUT")
 
-    def _retry_hint(self) -> float:
-        return 1.0
-
-    async def _try(self, rid, prompt_tokens, pred, n, cap, cached, allow_degrade) -> Ticket | None:
-        for k in range(n, 0 if allow_degrade else n - 1, -1):
-            blocks = blocks_for(prompt_tokens, pred, k, cap.block_size, cached)
+    async def _try(self, rid: str, n: int, pred: int, opts: list[tuple[int, int]], cap: Capacity) -> Ticket | None:
+        for k, blocks in opts:
             if await self.ledger.reserve(rid, blocks, cap):
                 self.held[rid] = blocks
-                t = Ticket(rid, blocks, k, n, pred)
-                if k < n:
-                    t.states.append("DEGRADED")
-                return t
+                return make_ticket(rid, k, n, blocks, pred)
         return None
 
     async def release(self, rid: str) -> None:

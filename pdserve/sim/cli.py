@@ -93,6 +93,7 @@ def add_sim_parser(sub) -> None:
     rn.add_argument("--colocated", type=int, default=0)
     rn.add_argument("--rate", type=float, required=True)
     rn.add_argument("--requests", type=int, default=1000)
+    rn.add_argument("--out", default=None, help="report dir: results.json, cdf.png, report.html (as pdserve bench)")
     rn.set_defaults(func=cmd_run)
 
     pl = ss.add_parser("plan", help="cheapest prefill/decode/colocated replica counts meeting an SLO (spec Q19)")
@@ -106,7 +107,13 @@ def add_sim_parser(sub) -> None:
     pl.add_argument("--modes", default="colocated,disagg")
     pl.set_defaults(func=cmd_plan)
 
-    va = ss.add_parser("validate", help="break-even grid here: simulated vs real (in-process engine) per cell")
+    va = ss.add_parser("validate", help="break-even grid here: simulated vs real per cell (in-process engine, or "
+                                        "a `pdserve up` deployment driven by `pdserve bench` with --against up)")
+    va.add_argument("--against", choices=["engine", "up"], default="engine",
+                    help="engine: the in-process Engine (colocated only); up: `pdserve up` deployments, colocated "
+                         "and disaggregated, 1 thread per worker")
+    va.add_argument("--modes", default="colocated,disagg", help="with --against up")
+    va.add_argument("--max-num-seqs", type=int, default=64, help="with --against up")
     va.add_argument("--model", default="builtin")
     va.add_argument("--costs", default=None, help="cost JSON (default: profile now)")
     va.add_argument("--prompt-lens", default="32,512")
@@ -167,6 +174,13 @@ def cmd_run(a) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(s, f, indent=2, default=str)
+    if a.out:
+        from pdserve.sim.report import sim_point, write_report
+        meta = {"command": "pdserve sim run", "cluster": spec.label(), "rate_req_per_s": a.rate,
+                "requests": a.requests, "cost_model": desc, "admission": s.get("admission"),
+                "slo": {"ttft_s": a.slo_ttft, "tpot_s": a.slo_tpot}, "seed": a.seed}
+        files = write_report(a.out, sim_point(c, s, f"sim {spec.label()} {a.rate:g} req/s", a.rate), meta)
+        print("report: " + ", ".join(str(p) for p in files.values()))
     return 0
 
 
@@ -184,6 +198,11 @@ def _print_summary(s: dict, label: str, rate: float) -> None:
           f"{th['total_token_throughput_tok_per_s']:.4g} total tok/s")
     print(f"  SLO attainment {slo['attainment_ratio']:.3f} (ratio); goodput {slo['goodput_req_per_s']:.3g} req/s "
           f"(rate)")
+    adm = s.get("admission")
+    if adm:
+        print(f"  admission: {adm['admitted']} admitted ({adm['admitted_after_queue']} after queueing), "
+              f"{adm['queued']} queued, {adm['timed_out']} timed out, {adm['rejected_capacity']} rejected (503), "
+              f"{adm['rejected_context']} rejected (400), {adm['degraded']} degraded")
 
 
 def cmd_plan(a) -> int:
@@ -205,6 +224,25 @@ def cmd_plan(a) -> int:
     return 0
 
 
+def _validate_up(a, cm) -> int:
+    from pdserve.sim import validate_up as VU
+    from pdserve.sim.workload import SLO
+    print(VU.format_header())
+    rows = VU.grid(a.model, cm, [int(x) for x in a.prompt_lens.split(",")], [float(x) for x in a.rates.split(",")],
+                   a.output_len, a.cell_duration, SLO(ttft=a.slo_ttft, tpot=a.slo_tpot),
+                   modes=tuple(m.strip() for m in a.modes.split(",")), num_gpu_blocks=a.num_gpu_blocks,
+                   max_num_seqs=a.max_num_seqs, log=lambda m: print(m, flush=True))
+    for m in ("ttft_s", "tpot_s"):
+        errs = [abs(r[f"{m}_mean_err"]) for r in rows if r[f"{m}_mean_err"] is not None]
+        if errs:
+            print(f"{m[:-2].upper()}: mean |error| {sum(errs) / len(errs):.0%}, max {max(errs):.0%}")
+    print(VU.markdown_table(rows))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"against": "up", "cost_model": cm.to_json(), "cells": rows}, f, indent=2, default=str)
+    return 0
+
+
 def cmd_validate(a) -> int:
     import torch
 
@@ -215,6 +253,8 @@ def cmd_validate(a) -> int:
 
     torch.set_num_threads(a.threads)
     cm = load_cost_model(a.costs) if a.costs else profile(a.model, threads=a.threads)
+    if a.against == "up":
+        return _validate_up(a, cm)
     eng = Engine.from_pretrained(a.model, EngineConfig(num_gpu_blocks=a.num_gpu_blocks))
     print(V.format_header())
     rows = V.grid(eng, cm, [int(x) for x in a.prompt_lens.split(",")], [float(x) for x in a.rates.split(",")],

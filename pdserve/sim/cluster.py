@@ -22,6 +22,7 @@ import random
 from dataclasses import dataclass, field
 
 from pdserve.engine.config import EngineConfig
+from pdserve.sim.admission import AdmissionSpec, SimAdmission, capacity_of
 from pdserve.sim.executor import SimReplica, SimRequest
 from pdserve.sim.workload import RequestRecord, summarize
 
@@ -37,6 +38,8 @@ class ClusterSpec:
     report_s: float = 1.0            # load-report interval seen by the router (0: exact load every placement)
     seed: int = 0
     router_mode: str | None = None   # the router's mode; default: disagg with P/D pools, colocated otherwise
+    # the gateway's admission stage (on in every `pdserve up`); None = off (e.g. against a bare in-process Engine)
+    admission: AdmissionSpec | None = field(default_factory=AdmissionSpec)
 
     @property
     def replicas(self) -> int:
@@ -168,6 +171,10 @@ class Cluster:
         self.alloc_wait: dict[str, list] = {r.name: [] for r in self.replicas}
         self.requests: list[SimRequest] = []
         self.events_processed = 0
+        self.admission = None
+        if spec.admission is not None:
+            ctx = spec.max_model_len or 1 << 62
+            self.admission = SimAdmission(spec.admission, capacity_of(self.replicas), lambda: self.now, self._at, ctx)
 
     # ---- event machinery --------------------------------------------------------------------------------------
     def _at(self, t: float, fn, *args) -> None:
@@ -186,6 +193,8 @@ class Cluster:
             req = ev.req
             if ev.kind == "token":
                 req.emits.append(self.now)
+            elif ev.kind == "finished":
+                self._done(req)
             elif ev.kind == "prefilled":
                 dec = self._decode_of[req.rid]
                 dec.call(self._try_alloc, dec, rep, req)
@@ -218,15 +227,29 @@ class Cluster:
 
     def _do_commit(self, dec: SimReplica, req: SimRequest) -> None:
         req.emits.append(self.now)
-        dec.commit_prefilled(req)
+        if dec.commit_prefilled(req):  # output length 1: done at commit
+            self._done(req)
+
+    def _done(self, req: SimRequest) -> None:
+        """The last token reached the client: the gateway's terminal path releases the reservation."""
+        if self.admission is not None:
+            self.admission.release(req, finished=req.state == "FINISHED")
 
     # ---- arrivals ---------------------------------------------------------------------------------------------
     def _arrive(self, req: SimRequest) -> None:
+        if self.admission is not None:
+            self.admission.admit(req, self._place)
+        else:
+            self._place(req)
+
+    def _place(self, req: SimRequest) -> None:
         mode, a, b = self.placer.place(req, self.now)
         req.mode = mode
         req.prefill_replica = a.name
         if not a.fits(req) or (b is not None and not b.fits(req)):
             req.state = "REJECTED"
+            req.error = "REJECTED:invalid_request"
+            self._done(req)
             return
         if mode == "colocated":
             a.call(a.add, req, False)
@@ -263,7 +286,7 @@ class Cluster:
             ok = r.state == "FINISHED" and len(r.emits) == r.output_len
             out.append(RequestRecord(idx=r.idx, scheduled=r.arrival, sent=r.arrival, emits=list(r.emits),
                                      prompt_tokens=len(r.prompt), output_tokens=r.output_len if ok else None,
-                                     ok=ok, error=None if ok else (r.state or "unfinished"),
+                                     ok=ok, error=None if ok else (r.error or r.state or "unfinished"),
                                      cached_tokens=r.cached_tokens))
         return out
 
@@ -275,6 +298,8 @@ class Cluster:
                         "preemptions": sum(r.num_preemptions for r in self.requests),
                         "mean_transfer_s": (sum(r.transfer_s for r in self.requests if r.mode == "disagg")
                                             / max(1, sum(1 for r in self.requests if r.mode == "disagg")))}
+        if self.admission is not None:
+            s["admission"] = self.admission.summary()
         return s
 
 

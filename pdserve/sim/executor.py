@@ -45,6 +45,7 @@ class SimRequest:
     cached_tokens: int = 0
     transfer_s: float = 0.0
     num_preemptions: int = 0
+    error: str = ""  # why it did not finish (admission or validation), as the client would be told
 
 
 @dataclass
@@ -214,4 +215,5 @@ class SimReplica:
     def load(self) -> dict:
         sch = self.scheduler
         return {"num_running": len(sch.running), "num_waiting": len(sch.waiting) + len(self.remote_pending),
-                "kv_blocks_in_use": self.bm.blocks_in_use, "kv_blocks_total": self.bm.num_blocks}
+                "kv_blocks_in_use": self.bm.blocks_in_use, "kv_blocks_total": self.bm.num_blocks,
+                "max_num_seqs": self.cfg.max_num_seqs}  # the worker's heartbeat carries it for admission

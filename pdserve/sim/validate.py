@@ -44,10 +44,11 @@ def real_colocated(engine, specs) -> list:
 
 
 def simulated(cost, specs, cfg: EngineConfig, num_blocks: int, max_model_len: int, mode: str = "colocated",
-              vocab_size: int = 4096) -> list:
-    spec = ClusterSpec(colocated=1, num_blocks=num_blocks, engine=cfg, max_model_len=max_model_len, report_s=0) \
-        if mode == "colocated" else ClusterSpec(prefill=1, decode=1, num_blocks=num_blocks, engine=cfg,
-                                                max_model_len=max_model_len, report_s=0)
+              vocab_size: int = 4096, admission=None) -> list:
+    """Admission is off by default: the in-process Engine has no gateway in front of it."""
+    pools = {"colocated": 1} if mode == "colocated" else {"prefill": 1, "decode": 1}
+    spec = ClusterSpec(**pools, num_blocks=num_blocks, engine=cfg, max_model_len=max_model_len, report_s=0,
+                       admission=admission)
     c = Cluster(spec, cost, vocab_size=vocab_size)
     c.run(specs)
     return c.records()
