@@ -24,6 +24,10 @@ def listen_socket(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, CLIENT_SNDBUF_BYTES)
+    # Accepted sockets inherit this. uvicorn sets no TCP_NODELAY on connections of a socket handed to it, and
+    # Nagle + the client's delayed ACK then hold each response's second write ~40 ms (measured: 44 ms vs 0.6 ms
+    # per keep-alive request).
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((host, port))
     sock.set_inheritable(True)
     return sock

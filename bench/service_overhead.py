@@ -1,0 +1,146 @@
+"""What the services add on top of the engine, measured in one run on the built-in model.
+
+    python bench/service_overhead.py [--requests 20] [--streams 16]
+
+1. End-to-end overhead: client-side TTFT through `pdserve up --mode disagg` minus the engine-only TTFT of the
+   same prompt (in-process `Engine`, same thread count), with the KV transfer time (from the response's
+   `usage.stage_times`) shown apart. Target: overhead minus transfer <= 10 ms.
+2. Gateway relay capacity: streamed tokens the gateway relays per second of its own CPU time (from
+   /proc/<pid>/stat), with `--streams` concurrent streaming clients on a colocated deployment.
+Requests run one at a time for (1), so queueing is not counted as overhead.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pdserve.engine.engine import Engine, EngineConfig  # noqa: E402
+from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
+from pdserve.services.up_process import UpProcess  # noqa: E402
+
+PROMPT = "The meaning of life is a question that many wise people have asked, and the answer"
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+_local = threading.local()
+
+
+def stream_ttft(base: str, body: dict) -> tuple[float, dict, int]:
+    """Client-side TTFT (request sent -> first content chunk), the final usage, and the chunks received.
+    Each thread keeps one connection alive, as real clients do: connection set-up is not serving overhead."""
+    client = getattr(_local, "client", None) or httpx.Client(timeout=60)
+    _local.client = client
+    t0 = time.perf_counter()
+    ttft, usage, chunks = None, {}, 0
+    with client.stream("POST", base + "/v1/completions", json={**body, "stream": True,
+                                                               "stream_options": {"include_usage": True}}) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            msg = json.loads(line[6:])
+            if msg.get("choices") and msg["choices"][0].get("text"):
+                chunks += 1
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+            if msg.get("usage"):
+                usage = msg["usage"]
+    return ttft, usage, chunks
+
+
+def engine_ttft(n: int, threads: int) -> list[float]:
+    eng = Engine.from_pretrained("builtin", EngineConfig(num_threads=threads, enable_prefix_caching=False))
+    out = []
+    for i in range(n + 2):
+        eng.add_request(f"r{i}", eng.tokenizer.encode(f"{i} {PROMPT}"), SamplingParams(temperature=0, max_tokens=1))
+        while eng.has_unfinished():
+            eng.step()
+        rec = eng.usage_records[-1]
+        out.append(rec["first_token_time"] - rec["arrival_time"])
+    return out[2:]  # the first calls warm up
+
+
+def overhead(n: int) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PDSERVE_LOG_LEVEL="WARNING")
+    up = UpProcess(["--model", "builtin", "--mode", "disagg", "--prefill", "1", "--decode", "1"], env, 180)
+    try:
+        body = {"model": "builtin", "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+        for _ in range(3):
+            stream_ttft(up.base_url, body)  # warm-up
+        ttfts, xfers, stages = [], [], []
+        for i in range(n):
+            # a fresh prompt each time: no prefix-cache hit on either side
+            t, usage, _ = stream_ttft(up.base_url, {**body, "prompt": f"{i} {PROMPT}"})
+            ttfts.append(t)
+            st = usage.get("stage_times", {}).get("durations", {})
+            xfers.append(st.get("kv_transfer", 0.0))
+            stages.append(st)
+    finally:
+        up.stop()
+    threads = max(1, (os.cpu_count() or 1) // 2)  # what `up` gave each of its two workers
+    eng = engine_ttft(n, threads)
+    med = statistics.median
+    print(f"engine-only TTFT (in process, {threads} thread(s)): median {med(eng) * 1e3:.1f} ms")
+    print(f"disaggregated TTFT through HTTP (client side):    median {med(ttfts) * 1e3:.1f} ms")
+    print(f"KV transfer (stage_times):                         median {med(xfers) * 1e3:.1f} ms")
+    for k in ("admission", "route", "dispatch", "queue", "prefill", "handoff", "kv_transfer", "first_emit", "ttft"):
+        vals = [d[k] for d in stages if d.get(k) is not None]
+        if vals:
+            print(f"  gateway stage {k:12s} median {med(vals) * 1e3:7.2f} ms")
+    over = med(ttfts) - med(eng)
+    print(f"overhead = {over * 1e3:.1f} ms; minus transfer = {(over - med(xfers)) * 1e3:.1f} ms (target <= 10 ms)")
+
+
+def relay(streams: int, tokens: int) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PDSERVE_LOG_LEVEL="WARNING")
+    up = UpProcess(["--model", "builtin", "--mode", "colocated"], env, 180)
+    try:
+        gw = up.process("gateway")["pid"]
+        body = {"model": "builtin", "prompt": PROMPT, "max_tokens": tokens, "temperature": 0.8,
+                "ignore_eos": True}
+        stream_ttft(up.base_url, body)
+        counts = [0] * streams
+
+        def client(k: int) -> None:
+            counts[k] = stream_ttft(up.base_url, {**body, "seed": k})[2]
+
+        c0, t0 = cpu_seconds(gw), time.perf_counter()
+        ths = [threading.Thread(target=client, args=(k,)) for k in range(streams)]
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join()
+        wall, cpu = time.perf_counter() - t0, cpu_seconds(gw) - c0
+    finally:
+        up.stop()
+    total = sum(counts)
+    print(f"gateway relay: {total} chunks in {wall:.1f} s wall ({total / wall:.0f}/s, bounded by the worker); "
+          f"gateway CPU {cpu:.2f} s -> {total / max(cpu, 1e-9):.0f} chunks per CPU-second (one chunk per token)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=20)
+    ap.add_argument("--streams", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=128)
+    a = ap.parse_args()
+    overhead(a.requests)
+    relay(a.streams, a.tokens)
+
+
+if __name__ == "__main__":
+    main()
