@@ -35,6 +35,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.on_step: Callable[[Engine, list[RequestOutput]], None] | None = None  # metrics hook (engine thread)
+        self._hook_backlog: list[RequestOutput] = []  # delivered between steps, shown to the hook at the next
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -68,6 +69,12 @@ class AsyncEngine:
                         self._resolve(fut, result, None)
             except queue.Empty:
                 pass
+            # Deliver what commands produced (a committed prefill's first token, aborts) now; the metrics hook
+            # still sees them, with the next step's outputs (it times steps by its calls).
+            pending = self.engine.drain_outputs()
+            self._hook_backlog += pending
+            for out in pending:
+                self._deliver(out)
             if self.engine.has_unfinished():
                 self._backpressure()
                 steps = self.engine.num_steps
@@ -76,7 +83,8 @@ class AsyncEngine:
                 except Exception as e:  # a failed step fails its requests, not the worker
                     outputs = self._fail_all(e)
                 if self.on_step:
-                    self.on_step(self.engine, outputs)
+                    self.on_step(self.engine, self._hook_backlog + outputs)
+                self._hook_backlog = []
                 for out in outputs:
                     self._deliver(out)
                 if self.engine.num_steps == steps and not outputs:

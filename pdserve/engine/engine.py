@@ -175,6 +175,12 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.requests) or bool(self._pending_outputs)
 
+    def drain_outputs(self) -> list[RequestOutput]:
+        """Outputs produced outside a step (aborts, a committed remote prefill's first token), without waiting
+        for the next forward: the first token of a disaggregated request must not wait a decode step."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        return outputs
+
     def step(self) -> list[RequestOutput]:
         self._expire(time.time())
         outputs, self._pending_outputs = self._pending_outputs, []
