@@ -147,7 +147,9 @@ def up(args) -> int:
                 return 1
             try:
                 with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                    if r.status == 200:
+                    seen = json.loads(r.read()).get("workers", {})
+                    # ready when routing sees every worker this command started, not merely one of each role
+                    if r.status == 200 and all(seen.get(role, 0) >= roles.count(role) for role in set(roles)):
                         ready = True
                         break
             except Exception:

@@ -99,7 +99,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
         return router_pb2.KvEventsAck(received=n)
 
     async def ListWorkers(self, request, context):
-        ws = await self.registry.live_workers()
+        # The same view Route places on: /health (which asks this) says ready only once routing sees the workers.
+        ws = await self._workers()
         return router_pb2.ListWorkersResponse(
             workers=[record_to_pb(w) for w in ws],
             loads=[common_pb2.LoadReport(worker_id=w.worker_id, **{k: v for k, v in w.load.items()
