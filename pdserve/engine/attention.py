@@ -22,13 +22,18 @@ class PrefillSpan:
 
 
 @dataclass
+class DecodeGroup:
+    rows: torch.Tensor  # [D] rows of the flat batch that are single-token decodes
+    block_tables: torch.Tensor  # [D, max_blocks] (padded with block 0)
+    bias: torch.Tensor  # [D, 1, 1, max_blocks * block_size] float: 0 = attend, -inf = masked
+
+
+@dataclass
 class AttentionMetadata:
     slot_blocks: torch.Tensor  # [T] block id each new token's K/V is written to
     slot_offsets: torch.Tensor  # [T] offset inside that block
     prefills: list[PrefillSpan]
-    decode_rows: torch.Tensor  # [D] rows of the flat batch that are single-token decodes
-    decode_block_tables: torch.Tensor  # [D, max_blocks] (padded with block 0)
-    decode_bias: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size] float: 0 = attend, -inf = masked
+    decodes: list[DecodeGroup]  # single-token decodes, grouped by similar context length
 
 
 def causal_mask(q_len: int, context_len: int, sliding_window: int | None, device) -> torch.Tensor | None:
@@ -94,15 +99,14 @@ def paged_attention(
             qs, ks, vs, attn_mask=span.mask, is_causal=span.mask is None, scale=scale,
             enable_gqa=n_kv != q.shape[1])
         out[span.start:span.start + span.q_len] = o.squeeze(0).transpose(0, 1)
-    if meta.decode_rows.numel():
+    for grp in meta.decodes:
         # Single-query attention as two batched matmuls in the cache dtype (scores and softmax in fp32): on CPU
         # this is ~2.5x faster than SDPA, whose kernels tile for long queries and want the K/V converted.
-        b, h, d = meta.decode_rows.numel(), q.shape[1], q.shape[2]
-        kd = gather_blocks(kv, layer, meta.decode_block_tables, 0).flatten(1, 2)  # [B, S, KVH, D]
-        vd = gather_blocks(kv, layer, meta.decode_block_tables, 1).flatten(1, 2)
-        qd = q[meta.decode_rows].to(kd.dtype).view(b, n_kv, h // n_kv, d)  # query heads grouped by KV head
-        scores = torch.matmul(qd, kd.permute(0, 2, 3, 1)).float() * scale  # [B, KVH, group, S]
-        scores = scores + meta.decode_bias
+        b, h, d = grp.rows.numel(), q.shape[1], q.shape[2]
+        kd = gather_blocks(kv, layer, grp.block_tables, 0).flatten(1, 2)  # [B, S, KVH, D]
+        vd = gather_blocks(kv, layer, grp.block_tables, 1).flatten(1, 2)
+        qd = q[grp.rows].to(kd.dtype).view(b, n_kv, h // n_kv, d)  # query heads grouped by KV head
+        scores = torch.matmul(qd, kd.permute(0, 2, 3, 1)).float() * scale + grp.bias  # [B, KVH, group, S]
         probs = torch.softmax(scores, dim=-1).to(vd.dtype)
-        out[meta.decode_rows] = torch.matmul(probs, vd.transpose(1, 2)).reshape(b, h, d).to(q.dtype)
+        out[grp.rows] = torch.matmul(probs, vd.transpose(1, 2)).reshape(b, h, d).to(q.dtype)
     return out

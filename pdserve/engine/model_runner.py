@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.attention import AttentionMetadata, PrefillSpan, causal_mask, decode_bias
+from pdserve.engine.attention import AttentionMetadata, DecodeGroup, PrefillSpan, causal_mask, decode_bias
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.scheduler import ScheduledSeq
 
 
 class ModelRunner:
+    DECODE_GROUP = 16  # decode sequences per padded attention group
     def __init__(self, model: LlamaModel, kv: KVCache):
         self.model = model
         self.kv = kv
@@ -49,20 +50,33 @@ class ModelRunner:
             elif item.samples:
                 logits_rows.append(start + n - 1)
                 row_owner.append((i, first + n - 1))
-        width = max((len(t) for t in decode_tables), default=0)
-        padded = [t + [0] * (width - len(t)) for t in decode_tables]
-        lens = torch.tensor(decode_lens, dtype=torch.long, device=self.device)
         meta = AttentionMetadata(
             slot_blocks=torch.tensor(blocks, dtype=torch.long, device=self.device),
             slot_offsets=torch.tensor(offsets, dtype=torch.long, device=self.device),
             prefills=prefills,
-            decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=self.device),
-            decode_block_tables=torch.tensor(padded, dtype=torch.long, device=self.device).view(len(padded), width),
-            decode_bias=decode_bias(lens, width * bs, self.sliding_window) if decode_rows else None,
+            decodes=self._decode_groups(decode_rows, decode_tables, decode_lens),
         )
         return (torch.tensor(ids, dtype=torch.long, device=self.device),
                 torch.tensor(pos, dtype=torch.long, device=self.device), meta,
                 torch.tensor(logits_rows, dtype=torch.long, device=self.device), row_owner)
+
+    def _decode_groups(self, rows: list[int], tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
+        """Decodes sorted by context length and cut into groups of similar length: each group is padded only to
+        its own longest context, so a batch mixing short and long contexts does not gather (and attend over)
+        every sequence at the longest length."""
+        order = sorted(range(len(rows)), key=lambda k: lens[k])
+        groups: list[DecodeGroup] = []
+        bs = self.kv.block_size
+        for g in range(0, len(order), self.DECODE_GROUP):
+            idx = order[g:g + self.DECODE_GROUP]
+            width = len(tables[idx[-1]])  # sorted: the last is the longest
+            padded = [tables[k] + [0] * (width - len(tables[k])) for k in idx]
+            glens = torch.tensor([lens[k] for k in idx], dtype=torch.long, device=self.device)
+            groups.append(DecodeGroup(
+                rows=torch.tensor([rows[k] for k in idx], dtype=torch.long, device=self.device),
+                block_tables=torch.tensor(padded, dtype=torch.long, device=self.device),
+                bias=decode_bias(glens, width * bs, self.sliding_window)))
+        return groups
 
     def execute(self, batch: list[ScheduledSeq], prompt_logits: set[int] = frozenset()):
         ids, pos, meta, rows, owner = self.prepare(batch, prompt_logits)
