@@ -183,7 +183,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         self._expire(time.time())
-        outputs, self._pending_outputs = self._pending_outputs, []
+        outputs = self.drain_outputs()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return outputs

@@ -50,16 +50,10 @@ class Tokenizer:
         if self.eos_token and self.hf.token_to_id(self.eos_token) is not None:
             ids.append(self.hf.token_to_id(self.eos_token))
         self.eos_token_ids: list[int] = sorted(set(ids))
-        self.special_token_ids: set[int] = {
-            tid for tok, tid in self.hf.get_vocab(with_added_tokens=True).items() if self._is_special(tok)
-        }
-
-    def _is_special(self, tok: str) -> bool:
+        # Special tokens are added tokens flagged special; read the added-token table once (it is small), not
+        # once per vocabulary entry.
         added = self.hf.get_added_tokens_decoder() if hasattr(self.hf, "get_added_tokens_decoder") else {}
-        for tid, at in added.items():
-            if at.content == tok:
-                return bool(at.special)
-        return False
+        self.special_token_ids: set[int] = {tid for tid, at in added.items() if at.special}
 
     @property
     def vocab_size(self) -> int:
