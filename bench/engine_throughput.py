@@ -20,6 +20,7 @@ import transformers as tf
 
 from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.sim.costmodel import measure_copy_bandwidth
 
 
 def build_model(out: Path, quick: bool) -> Path:
@@ -75,16 +76,9 @@ def run_hf(model_dir: Path, reqs, batch: int) -> tuple[float, int]:
 
 
 def copy_bandwidth() -> float:
-    a = torch.empty(256 << 20, dtype=torch.uint8)
-    b = torch.empty_like(a)
-    b.copy_(a)
-    t = time.perf_counter()
-    for _ in range(5):
-        b.copy_(a)
-    dt = (time.perf_counter() - t) / 5
     # Bytes copied per second, as the bound defines it (and as bench/kv_transfer.py reports a torch
-    # copy). STREAM-style accounting would count read + write, 2x this; a pure read stream sits in between.
-    return a.numel() / dt
+    # copy); 256 MB so the copy runs from DRAM, not the caches.
+    return measure_copy_bandwidth(256 << 20)
 
 
 def decode_step(model_dir: Path, batch: int, ctx: int = 256) -> tuple[float, int]:

@@ -223,7 +223,7 @@ def profile(model: str = "builtin", *, threads: int | None = 1, repeats: int = 1
     mc = eng.model_config
     kv_bpt = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * eng.kv_cache.data.element_size() \
         if hasattr(eng.kv_cache, "data") else 0
-    link = _measure_copy_bandwidth()
+    link = measure_copy_bandwidth()
     if log:
         log(f"profiled {len(samples)} steps")
     return LinearCostModel.fit(samples, kv_bytes_per_token=float(kv_bpt), link_bytes_per_s=link, handoff_s=0.005,
@@ -232,10 +232,11 @@ def profile(model: str = "builtin", *, threads: int | None = 1, repeats: int = 1
                                      "handoff_s is a fixed 5 ms allowance for the pull/commit round trip"})
 
 
-def _measure_copy_bandwidth() -> float:
+def measure_copy_bandwidth(nbytes: int = 16 << 20) -> float:
+    """Bytes copied per second by a plain torch copy of `nbytes` (mean of 5 after a warm-up)."""
     import torch
 
-    src = torch.empty(16 << 20, dtype=torch.uint8)
+    src = torch.empty(nbytes, dtype=torch.uint8)
     dst = torch.empty_like(src)
     dst.copy_(src)
     t0 = time.perf_counter()

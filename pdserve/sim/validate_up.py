@@ -18,7 +18,8 @@ import asyncio
 from pdserve.engine.config import EngineConfig
 from pdserve.sim.admission import AdmissionSpec
 from pdserve.sim.cluster import Cluster, ClusterSpec
-from pdserve.sim.workload import SLO, summarize
+from pdserve.sim.validate import _f
+from pdserve.sim.workload import SLO
 
 MODES = ("colocated", "disagg")
 
@@ -100,12 +101,6 @@ def grid(model: str, cost, prompt_lens, rates, output_len: int, duration: float,
         finally:
             dep.stop()
     return rows
-
-
-def _f(x, pct=False):
-    if x is None:
-        return "   n/a"
-    return f"{x:+6.0%}" if pct else f"{x:6.3f}"
 
 
 def format_header() -> str:
