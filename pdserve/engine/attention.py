@@ -29,11 +29,22 @@ class DecodeGroup:
 
 
 @dataclass
+class NativeDecode:
+    """All single-token decodes of a step for the native kernel: no padding mask, no grouping needed."""
+    rows: torch.Tensor  # [D] int64 rows of the flat batch
+    block_tables: torch.Tensor  # [D, max_blocks] int64 (padding past a context is never read)
+    context_lens: torch.Tensor  # [D] int64
+
+
+@dataclass
 class AttentionMetadata:
     slot_blocks: torch.Tensor  # [T] block id each new token's K/V is written to
     slot_offsets: torch.Tensor  # [T] offset inside that block
     prefills: list[PrefillSpan]
-    decodes: list[DecodeGroup]  # single-token decodes, grouped by similar context length
+    decodes: list[DecodeGroup]  # single-token decodes, grouped by similar context length (torch path)
+    native_decode: NativeDecode | None = None  # the same decodes for the native kernel (replaces `decodes`)
+    native_ops: object = None  # the compiled kernel module when `native_decode` is set
+    sliding_window: int | None = None
 
 
 def causal_mask(q_len: int, context_len: int, sliding_window: int | None, device) -> torch.Tensor | None:
@@ -99,6 +110,10 @@ def paged_attention(
             qs, ks, vs, attn_mask=span.mask, is_causal=span.mask is None, scale=scale,
             enable_gqa=n_kv != q.shape[1])
         out[span.start:span.start + span.q_len] = o.squeeze(0).transpose(0, 1)
+    if meta.native_decode is not None:
+        nd = meta.native_decode
+        meta.native_ops.paged_decode_attention(out, q, kv, layer, nd.rows, nd.block_tables, nd.context_lens,
+                                               scale, meta.sliding_window or 0)
     for grp in meta.decodes:
         # Single-query attention as two batched matmuls in the cache dtype (scores and softmax in fp32): on CPU
         # this is ~2.5x faster than SDPA, whose kernels tile for long queries and want the K/V converted.

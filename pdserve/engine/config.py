@@ -158,6 +158,8 @@ class EngineConfig:
     # Intra-op threads for this engine's process (None: torch's default, all cores). Several workers on one
     # host must split the cores: oversubscribed OpenMP threads turn every op into a ~5 ms scheduling wait.
     num_threads: int | None = None
+    # Decode attention by the compiled in-place kernel (engine/kernels.py) where it builds; False: torch only.
+    native_kernels: bool = True
 
     def validate(self) -> None:
         if self.policy not in POLICIES:

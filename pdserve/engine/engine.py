@@ -85,7 +85,7 @@ class Engine:
         self.block_manager = BlockManager(num_blocks, config.block_size, fingerprint, config.enable_prefix_caching,
                                           config.num_cpu_blocks, kv=self.kv_cache)
         self.scheduler = Scheduler(config, self.block_manager)
-        self.runner = ModelRunner(model, self.kv_cache)
+        self.runner = ModelRunner(model, self.kv_cache, native=config.native_kernels)
         self.sampler = Sampler(model_config.vocab_size)
         self.eos_token_ids = sorted(set(model_config.eos_token_ids) | set(tokenizer.eos_token_ids))
         self.requests: dict[str, Request] = {}
@@ -113,6 +113,7 @@ class Engine:
             net = LlamaModel(mcfg).to(dtype)
         net.load_hf_weights(tensors)
         net.eval()
+        net.pack_weights()
         return cls(mcfg, config, net, tokenizer, mcfg.fingerprint(digest, dtype))
 
     # ---- admission --------------------------------------------------------------------------------------------

@@ -55,6 +55,32 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # fused; accumulates in fp32
 
 
+def can_pack(weight: torch.Tensor) -> bool:
+    """oneDNN's prepacked linear exists for bf16 on CPUs with AVX512-BF16/AMX (the fp32 path stays F.linear)."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose weight can be reordered once into oneDNN's blocked layout.
+
+    Plain `F.linear` on a bf16 CPU tensor re-packs the weight inside every call: a batch-1 decode GEMV then reads
+    weights at ~15 GB/s. The prepacked form reads them at cache/DRAM speed, 2-3x faster at M=1 and ~1.5x at
+    M=32, with bit-identical results (bench/engine_throughput.py). The plain weight is dropped after packing so
+    the model is held once."""
+
+    packed: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -62,11 +88,11 @@ class DecoderLayer(nn.Module):
         h, hd = cfg.hidden_size, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * hd, cfg.num_kv_heads * hd
         self.input_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.qkv = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)  # q, k, v fused: one GEMM
-        self.o = nn.Linear(self.q_size, h, bias=cfg.o_bias)
+        self.qkv = Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)  # q, k, v fused: one GEMM
+        self.o = Linear(self.q_size, h, bias=cfg.o_bias)
         self.post_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down = nn.Linear(cfg.intermediate_size, h, bias=cfg.mlp_bias)
+        self.gate_up = Linear(h, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down = Linear(cfg.intermediate_size, h, bias=cfg.mlp_bias)
 
     def forward(self, x, cos, sin, kv, layer: int, meta: AttentionMetadata) -> torch.Tensor:
         cfg = self.cfg
@@ -88,8 +114,18 @@ class LlamaModel(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.weight_bytes = 0  # checkpoint bytes held (set on load; packing does not change it)
+
+    def pack_weights(self) -> bool:
+        """Prepack every projection for oneDNN where that path exists (CPU bf16); return whether it did."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        if not linears or not can_pack(linears[0].weight):
+            return False
+        for m in linears:
+            m.pack()
+        return True
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor,
@@ -139,3 +175,4 @@ class LlamaModel(nn.Module):
                 put(layer.down.bias, take(tensors, p + "mlp.down_proj.bias"))
             put(layer.input_norm.weight, take(tensors, p + "input_layernorm.weight", (h,)))
             put(layer.post_norm.weight, take(tensors, p + "post_attention_layernorm.weight", (h,)))
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.parameters())

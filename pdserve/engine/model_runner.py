@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.attention import AttentionMetadata, DecodeGroup, PrefillSpan, causal_mask, decode_bias
+from pdserve.engine.attention import (AttentionMetadata, DecodeGroup, NativeDecode, PrefillSpan, causal_mask,
+                                      decode_bias)
+from pdserve.engine.kernels import native_ops
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.scheduler import ScheduledSeq
@@ -11,11 +13,13 @@ from pdserve.engine.scheduler import ScheduledSeq
 
 class ModelRunner:
     DECODE_GROUP = 16  # decode sequences per padded attention group
-    def __init__(self, model: LlamaModel, kv: KVCache):
+    def __init__(self, model: LlamaModel, kv: KVCache, native: bool = True):
         self.model = model
         self.kv = kv
         self.device = kv.data.device
         self.sliding_window = model.cfg.sliding_window
+        # Decode attention in place over the pool (kernels.py) on CPU; the torch formulation otherwise.
+        self.native_ops = native_ops() if native and self.device.type == "cpu" else None
 
     def prepare(self, batch: list[ScheduledSeq], prompt_logits: set[int] = frozenset()):
         """Build flat inputs. Returns (input_ids, positions, metadata, logits_rows, row_owner) where row_owner[i]
@@ -54,11 +58,23 @@ class ModelRunner:
             slot_blocks=torch.tensor(blocks, dtype=torch.long, device=self.device),
             slot_offsets=torch.tensor(offsets, dtype=torch.long, device=self.device),
             prefills=prefills,
-            decodes=self._decode_groups(decode_rows, decode_tables, decode_lens),
+            decodes=[] if self.native_ops else self._decode_groups(decode_rows, decode_tables, decode_lens),
+            native_decode=self._native_decode(decode_rows, decode_tables, decode_lens) if self.native_ops else None,
+            native_ops=self.native_ops,
+            sliding_window=self.sliding_window,
         )
         return (torch.tensor(ids, dtype=torch.long, device=self.device),
                 torch.tensor(pos, dtype=torch.long, device=self.device), meta,
                 torch.tensor(logits_rows, dtype=torch.long, device=self.device), row_owner)
+
+    def _native_decode(self, rows: list[int], tables: list[list[int]], lens: list[int]) -> NativeDecode | None:
+        if not rows:
+            return None
+        width = max(len(t) for t in tables)
+        return NativeDecode(
+            rows=torch.tensor(rows, dtype=torch.long),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long),
+            context_lens=torch.tensor(lens, dtype=torch.long))
 
     def _decode_groups(self, rows: list[int], tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
         """Decodes sorted by context length and cut into groups of similar length: each group is padded only to

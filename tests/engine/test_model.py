@@ -59,9 +59,10 @@ def test_logits_match_transformers(checkpoint):
     assert engine.block_manager.blocks_in_use == 0
 
 
-def test_greedy_batch_matches_transformers(checkpoint):
+@pytest.mark.parametrize("native", [True, False], ids=["native-decode", "torch-decode"])
+def test_greedy_batch_matches_transformers(checkpoint, native):
     hf = tf.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    engine = Engine.from_pretrained(checkpoint, EngineConfig(num_gpu_blocks=64, block_size=4))
+    engine = Engine.from_pretrained(checkpoint, EngineConfig(num_gpu_blocks=64, block_size=4, native_kernels=native))
     outs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     for prompt, out in zip(PROMPTS, outs):
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None,

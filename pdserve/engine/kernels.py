@@ -1,0 +1,49 @@
+"""Native CPU kernels, compiled on first use with torch's C++ extension builder (g++ and ninja).
+
+Only what torch cannot express without extra passes over memory lives here: decode attention read in place from
+the paged KV pool (csrc/paged_attention.cpp). Every kernel has a pure-torch twin in attention.py that the tests
+compare it against; when the build is impossible (no compiler, `PDSERVE_NATIVE_KERNELS=0`, a non-CPU device) the
+engine uses the twin and says so once in its log.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+_lock = threading.Lock()
+_module = None
+_failed: str | None = None
+
+
+def native_ops():
+    """The compiled module, or None when it cannot be built here (the reason is logged once)."""
+    global _module, _failed
+    if _module is not None or _failed is not None:
+        return _module
+    with _lock:
+        if _module is not None or _failed is not None:
+            return _module
+        if os.environ.get("PDSERVE_NATIVE_KERNELS", "1") == "0":
+            _failed = "disabled by PDSERVE_NATIVE_KERNELS=0"
+            return None
+        try:
+            from torch.utils.cpp_extension import load
+            src = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+            # -march=native: the extension is built on the machine that runs it (cached per source hash).
+            _module = load(name="pdserve_paged_attention", sources=[str(src)],
+                           # Reassociation lets g++ vectorise the fp32 dot products and sums (no NaN/inf assumptions).
+                           extra_cflags=["-O3", "-march=native", "-fopenmp", "-fassociative-math",
+                                         "-fno-signed-zeros", "-fno-trapping-math", "-fno-math-errno"],
+                           extra_ldflags=["-fopenmp"], verbose=False)
+        except Exception as e:  # no compiler / ninja / headers: fall back, loudly
+            _failed = f"{type(e).__name__}: {e}"
+            log.warning("native kernels unavailable, using the torch path: %s", _failed[:500])
+        return _module
+
+
+def native_unavailable_reason() -> str | None:
+    native_ops()
+    return _failed

@@ -1,0 +1,81 @@
+"""The native decode-attention kernel against attention written out per sequence in float64."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pdserve.engine.kernels import native_ops, native_unavailable_reason
+
+pytestmark = pytest.mark.skipif(os.environ.get("PDSERVE_NATIVE_KERNELS") == "0", reason="native kernels disabled")
+
+
+@pytest.fixture(scope="module")
+def ops():
+    mod = native_ops()
+    assert mod is not None, f"native kernels failed to build: {native_unavailable_reason()}"
+    return mod
+
+
+def reference(q, kv, layer, rows, tables, lens, scale, window):
+    """softmax(q k^T * scale) v per sequence and head, K/V gathered position by position, in float64."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    bs, n_kv = kv.shape[3], kv.shape[4]
+    group = q.shape[1] // n_kv
+    for r, table, n in zip(rows.tolist(), tables.tolist(), lens.tolist()):
+        first = max(0, n - window) if window else 0
+        pos = range(first, n)
+        k = torch.stack([kv[table[p // bs], layer, 0, p % bs] for p in pos]).double()  # [S, KVH, D]
+        v = torch.stack([kv[table[p // bs], layer, 1, p % bs] for p in pos]).double()
+        for h in range(q.shape[1]):
+            s = (k[:, h // group] @ q[r, h].double()) * scale
+            out[r, h] = torch.softmax(s, 0) @ v[:, h // group]
+    return out
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("n_heads,n_kv,window", [(8, 2, 0), (4, 4, 0), (6, 3, 7)])
+def test_decode_attention_matches_reference(ops, dtype, tol, n_heads, n_kv, window):
+    g = torch.Generator().manual_seed(n_heads * 10 + n_kv + window)
+    n_blocks, layers, bs, d = 40, 3, 4, 16
+    kv = torch.randn(n_blocks, layers, 2, bs, n_kv, d, generator=g).to(dtype)
+    lens = torch.tensor([1, 4, 5, 13, 30], dtype=torch.long)
+    width = 9
+    # Distinct random blocks per sequence, tables padded with block 0 past each context.
+    perm = torch.randperm(n_blocks, generator=g).tolist()
+    tables = torch.zeros(len(lens), width, dtype=torch.long)
+    used = 0
+    for i, n in enumerate(lens.tolist()):
+        need = -(-n // bs)
+        tables[i, :need] = torch.tensor(perm[used:used + need])
+        used += need
+    rows = torch.tensor([6, 0, 3, 2, 5], dtype=torch.long)  # scattered rows of a flat batch of 7 tokens
+    q = torch.randn(7, n_heads, d, generator=g).to(dtype)
+    out = torch.full_like(q, 7.0)
+    ops.paged_decode_attention(out, q, kv, 1, rows, tables, lens, d ** -0.5, window)
+    ref = reference(q, kv, 1, rows, tables, lens, d ** -0.5, window)
+    assert (out[rows].double() - ref[rows]).abs().max().item() <= tol
+    untouched = [i for i in range(7) if i not in rows.tolist()]
+    assert (out[untouched] == 7.0).all()  # rows that are not decodes are left alone
+
+
+def test_decode_attention_rejects_out_of_range_indices(ops):
+    kv = torch.zeros(4, 1, 2, 4, 1, 8)
+    q = torch.zeros(2, 1, 8)
+    out = torch.empty_like(q)
+    ok = dict(rows=torch.tensor([0]), tables=torch.tensor([[3]]), lens=torch.tensor([4]))
+    ops.paged_decode_attention(out, q, kv, 0, ok["rows"], ok["tables"], ok["lens"], 1.0, 0)
+    bad = [
+        dict(ok, tables=torch.tensor([[4]])),  # block id past the pool
+        dict(ok, rows=torch.tensor([2])),  # row past the batch
+        dict(ok, lens=torch.tensor([5])),  # context longer than its table
+        dict(ok, lens=torch.tensor([0])),  # empty context
+    ]
+    for b in bad:
+        with pytest.raises(RuntimeError, match="out of range"):
+            ops.paged_decode_attention(out, q, kv, 0, b["rows"], b["tables"], b["lens"], 1.0, 0)
+    with pytest.raises(RuntimeError, match="layer out of range"):
+        ops.paged_decode_attention(out, q, kv, 1, ok["rows"], ok["tables"], ok["lens"], 1.0, 0)
+    with pytest.raises(RuntimeError, match="dtype"):
+        ops.paged_decode_attention(out, q.double(), kv, 0, ok["rows"], ok["tables"], ok["lens"], 1.0, 0)
