@@ -70,7 +70,8 @@ class Sampler:
         assert len(states) == B, "one SamplingState per logits row"
         raw = logits.float()
         z = self.process_logits(raw, states)
-        dead = torch.isneginf(z).all(-1).tolist()
+        # A row can only be all -inf after constraints masked it; unedited model logits never are.
+        dead = torch.isneginf(z).all(-1).tolist() if z is not raw else [False] * B
         tokens = torch.zeros(B, dtype=torch.long)
         dense_proc: dict[int, Tensor] = {}  # processed log-probs, only for rows that asked for them
         want_proc = [s.params.logprobs is not None and s.params.logprobs_mode == "processed" for s in states]
@@ -87,8 +88,11 @@ class Sampler:
                 direct.append(i)
 
         if greedy:
-            g = torch.tensor(greedy)
-            tokens[g] = z[g].argmax(-1)  # torch.argmax returns the first maximal index
+            if len(greedy) == B:  # the common all-greedy batch: no row gather (a copy of every logit)
+                tokens = z.argmax(-1)  # torch.argmax returns the first maximal index
+            else:
+                g = torch.tensor(greedy)
+                tokens[g] = z[g].argmax(-1)
             for j, i in enumerate(greedy):
                 if want_proc[i]:
                     dense_proc[i] = torch.log_softmax(z[i], -1)

@@ -11,13 +11,208 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <vector>
+
+#ifndef PDSERVE_PREFETCH_BLOCKS
+#define PDSERVE_PREFETCH_BLOCKS 1
+#endif
 
 namespace {
 
+// Calls f(i, row) for positions first..len-1 (i = position - first) with a pointer to that position's row of
+// one head, walking the block table block by block (no division per position), and prefetching the next block's
+// rows while the current one is consumed: consecutive blocks are far apart in the pool.
+template <typename T, typename F>
+inline void for_each_row(const T* head_base, const int64_t* table, int64_t block_stride, int64_t row_stride,
+                         int64_t block_size, int64_t row_bytes, int64_t first, int64_t len, F&& f) {
+  constexpr int64_t kAhead = PDSERVE_PREFETCH_BLOCKS;
+  const int64_t row_step = row_stride * static_cast<int64_t>(sizeof(T));
+  const int64_t last_block = (len - 1) / block_size;
+  int64_t p = first;
+  while (p < len) {
+    const int64_t b = p / block_size;
+    const int64_t stop = std::min(len, (b + 1) * block_size);
+    // Row o of the block kAhead ahead is prefetched while row o of this one is consumed: the hardware
+    // prefetchers cannot follow the jump between blocks, and one row at a time keeps few misses in flight.
+    const char* ahead = b + kAhead <= last_block
+        ? reinterpret_cast<const char*>(head_base + table[b + kAhead] * block_stride) : nullptr;
+    const T* base = head_base + table[b] * block_stride;
+    for (int64_t o = p - b * block_size; p < stop; ++o, ++p) {
+      if (ahead)
+        for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(ahead + o * row_step + off);
+      f(p - first, base + o * row_stride);
+    }
+  }
+}
+
+struct Walk {  // where one head's K (or V) rows of one sequence live
+  int64_t block_stride, row_stride, block_size, row_bytes, first, len;
+};
+
+// Generic (any dtype, head_dim, group): scores[(h * group + g) * n + i] = q_hg . k_hi, then
+// acc_hg = sum_i p_hgi v_hi, for the item's `heads` KV heads read from each token's row in one go.
 template <typename T>
-inline void to_float(const T* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+void attend_generic(const float* qf, int64_t heads, int64_t group, int64_t d, const T* k_base, const T* v_base,
+                    const int64_t* table, const Walk& w, float* scores, float* acc, float* tmp);
+
+#if defined(__AVX512F__)
+// e^x for x <= 0 (scores minus their max), 16 lanes: Cephes' expf range reduction and polynomial (relative error
+// ~2e-7, like libm's expf), 2^n applied by scalef. std::exp per score was most of the kernel's time.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));  // below this e^x underflows fp32 anyway
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// Softmax of each of `rows` score rows of length n, in place (fp32, max-subtracted).
+void softmax_rows(float* scores, int64_t rows, int64_t n) {
+  for (int64_t j = 0; j < rows; ++j) {
+    float* sc = scores + j * n;
+    float mx = sc[0];  // n >= 1: context_lens are checked to be positive
+    for (int64_t i = 1; i < n; ++i) mx = std::max(mx, sc[i]);
+    float sum = 0.f;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m512 vmx = _mm512_set1_ps(mx);
+    __m512 vsum = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sc + i), vmx));
+      _mm512_storeu_ps(sc + i, e);
+      vsum = _mm512_add_ps(vsum, e);
+    }
+    sum = _mm512_reduce_add_ps(vsum);
+#endif
+    for (; i < n; ++i) {
+      sc[i] = std::exp(sc[i] - mx);
+      sum += sc[i];
+    }
+    const float inv = 1.f / sum;
+    for (i = 0; i < n; ++i) sc[i] *= inv;
+  }
+}
+
+#if defined(__AVX512F__)
+// bf16 with head_dim % 16 == 0: 16 elements widened to fp32 per instruction pair, the group's accumulators in
+// registers (G is a template parameter so they can be), one horizontal sum per score.
+inline __m512 load_bf16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+template <int G>
+void scores_bf16(const float* qf, int64_t heads, int64_t d, const c10::BFloat16* base, const int64_t* table,
+                 const Walk& w, float* scores) {
+  const int64_t n = w.len - w.first;
+  for_each_row(base, table, w.block_stride, w.row_stride, w.block_size, w.row_bytes, w.first, w.len,
+               [&](int64_t i, const c10::BFloat16* k) {
+                 for (int64_t h = 0; h < heads; ++h) {
+                   const float* qh = qf + h * G * d;
+                   __m512 acc[G];
+                   for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+                   for (int64_t c = 0; c < d; c += 16) {
+                     const __m512 kc = load_bf16(k + h * d + c);
+                     for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(qh + g * d + c), kc, acc[g]);
+                   }
+                   for (int g = 0; g < G; ++g) scores[(h * G + g) * n + i] = _mm512_reduce_add_ps(acc[g]);
+                 }
+               });
+}
+
+template <int G>
+void accumulate_bf16(const float* scores, int64_t heads, int64_t d, const c10::BFloat16* base,
+                     const int64_t* table, const Walk& w, float* out) {
+  const int64_t n = w.len - w.first;
+  std::fill(out, out + heads * G * d, 0.f);
+  for_each_row(base, table, w.block_stride, w.row_stride, w.block_size, w.row_bytes, w.first, w.len,
+               [&](int64_t i, const c10::BFloat16* v) {
+                 for (int64_t h = 0; h < heads; ++h) {
+                   __m512 p[G];
+                   for (int g = 0; g < G; ++g) p[g] = _mm512_set1_ps(scores[(h * G + g) * n + i]);
+                   for (int64_t c = 0; c < d; c += 16) {
+                     const __m512 vc = load_bf16(v + h * d + c);
+                     for (int g = 0; g < G; ++g) {
+                       float* o = out + (h * G + g) * d + c;
+                       _mm512_storeu_ps(o, _mm512_fmadd_ps(p[g], vc, _mm512_loadu_ps(o)));
+                     }
+                   }
+                 }
+               });
+}
+
+template <int G>
+void attend_bf16(const float* qf, int64_t heads, int64_t d, const c10::BFloat16* k_base,
+                 const c10::BFloat16* v_base, const int64_t* table, const Walk& w, float* scores, float* acc) {
+  scores_bf16<G>(qf, heads, d, k_base, table, w, scores);
+  softmax_rows(scores, heads * G, w.len - w.first);
+  accumulate_bf16<G>(scores, heads, d, v_base, table, w, acc);
+}
+#endif
+
+template <typename T>
+void attend_generic(const float* qf, int64_t heads, int64_t group, int64_t d, const T* k_base, const T* v_base,
+                    const int64_t* table, const Walk& w, float* scores, float* acc, float* tmp) {
+  const int64_t n = w.len - w.first, width = heads * d;
+  for_each_row(k_base, table, w.block_stride, w.row_stride, w.block_size, w.row_bytes, w.first, w.len,
+               [&](int64_t i, const T* k) {
+                 for (int64_t e = 0; e < width; ++e) tmp[e] = static_cast<float>(k[e]);
+                 for (int64_t j = 0; j < heads * group; ++j) {
+                   const float* kj = tmp + (j / group) * d;
+                   float dot = 0.f;
+                   for (int64_t e = 0; e < d; ++e) dot += qf[j * d + e] * kj[e];
+                   scores[j * n + i] = dot;
+                 }
+               });
+  softmax_rows(scores, heads * group, n);
+  std::fill(acc, acc + heads * group * d, 0.f);
+  for_each_row(v_base, table, w.block_stride, w.row_stride, w.block_size, w.row_bytes, w.first, w.len,
+               [&](int64_t i, const T* v) {
+                 for (int64_t e = 0; e < width; ++e) tmp[e] = static_cast<float>(v[e]);
+                 for (int64_t j = 0; j < heads * group; ++j) {
+                   const float p = scores[j * n + i];
+                   const float* vj = tmp + (j / group) * d;
+                   for (int64_t e = 0; e < d; ++e) acc[j * d + e] += p * vj[e];
+                 }
+               });
+}
+
+// The KV heads [h0, h0 + heads) of one sequence: their query heads' outputs into acc ([heads * group, d] fp32).
+// Rows are walked token by token, each token's K (then V) bytes of all these heads being one contiguous run.
+template <typename T>
+void attend_item(const float* qf, int64_t heads, int64_t group, int64_t d, const T* k_base, const T* v_base,
+                 const int64_t* table, const Walk& w, float* scores, float* acc, float* tmp) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (d % 16 == 0) {
+      switch (group) {
+        case 1: return attend_bf16<1>(qf, heads, d, k_base, v_base, table, w, scores, acc);
+        case 2: return attend_bf16<2>(qf, heads, d, k_base, v_base, table, w, scores, acc);
+        case 3: return attend_bf16<3>(qf, heads, d, k_base, v_base, table, w, scores, acc);
+        case 4: return attend_bf16<4>(qf, heads, d, k_base, v_base, table, w, scores, acc);
+        case 5: return attend_bf16<5>(qf, heads, d, k_base, v_base, table, w, scores, acc);
+        case 6: return attend_bf16<6>(qf, heads, d, k_base, v_base, table, w, scores, acc);
+        case 7: return attend_bf16<7>(qf, heads, d, k_base, v_base, table, w, scores, acc);
+        case 8: return attend_bf16<8>(qf, heads, d, k_base, v_base, table, w, scores, acc);
+        default: break;
+      }
+    }
+  }
+#endif
+  attend_generic<T>(qf, heads, group, d, k_base, v_base, table, w, scores, acc, tmp);
 }
 
 template <typename T>
@@ -33,8 +228,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
   const int64_t row_stride = n_kv * head_dim;                // one token inside a block: all its KV heads
   const int64_t kv_stride = block_size * row_stride;         // K -> V of one (block, layer)
   const int64_t block_stride = n_layers * 2 * kv_stride;     // one block
-  const int64_t layer_off = layer * 2 * kv_stride;
-  const T* kv_ptr = kv.data_ptr<T>();
+  const T* layer_base = kv.data_ptr<T>() + layer * 2 * kv_stride;
   const T* q_ptr = q.data_ptr<T>();
   T* out_ptr = out.data_ptr<T>();
   const int64_t q_row = q.stride(0), q_head = q.stride(1);
@@ -43,75 +237,35 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
   const int64_t* table_ptr = block_tables.data_ptr<int64_t>();
   const int64_t* len_ptr = context_lens.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
-  // A work item is one sequence and a run of its KV heads. Whole sequences (all heads) when there are enough of
-  // them to keep every thread busy: each token's K (and V) row is then one contiguous run of bytes, which the
-  // prefetchers stream; few long sequences (batch 1) are split by heads so every thread still has work.
+  // A work item is one sequence and a run of its KV heads: whole sequences when there are enough to keep every
+  // thread busy, otherwise (few long sequences, batch 1) split by heads so every thread still has work.
   const int64_t threads = at::get_num_threads();
   const int64_t parts = n_seq >= 2 * threads ? 1 : std::min<int64_t>(n_kv, (2 * threads + n_seq - 1) / n_seq);
   const int64_t heads_per_part = (n_kv + parts - 1) / parts;
 
   at::parallel_for(0, n_seq * parts, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(n_heads * head_dim), acc(n_heads * head_dim), row(row_stride), scores;
+    std::vector<float> qf(n_heads * head_dim), acc(n_heads * head_dim), tmp(row_stride), scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / parts, part = item % parts;
       const int64_t h0 = part * heads_per_part, h1 = std::min(n_kv, h0 + heads_per_part);
       if (h0 >= h1) continue;
-      const int64_t nh = (h1 - h0) * group;  // query heads of this item
-      const int64_t width = (h1 - h0) * head_dim;  // elements of a K/V row this item reads
+      const int64_t heads = h1 - h0, nq = heads * group;  // KV heads / query heads of this item
       const int64_t len = len_ptr[s];
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
-      const int64_t n = len - first;
-      const int64_t* table = table_ptr + s * max_blocks;
+      const Walk w{block_stride, row_stride, block_size, heads * head_dim * static_cast<int64_t>(sizeof(T)), first,
+                   len};
       const int64_t r = row_ptr[s];
-      for (int64_t j = 0; j < nh; ++j) {
+      for (int64_t j = 0; j < nq; ++j) {
         const T* qh = q_ptr + r * q_row + (h0 * group + j) * q_head;
-        for (int64_t d = 0; d < head_dim; ++d) qf[j * head_dim + d] = static_cast<float>(qh[d]) * fscale;
+        for (int64_t e = 0; e < head_dim; ++e) qf[j * head_dim + e] = static_cast<float>(qh[e]) * fscale;
       }
-      scores.assign(nh * n, 0.f);
-      auto row_at = [&](int64_t p, int64_t which) {
-        return kv_ptr + table[p / block_size] * block_stride + layer_off + which * kv_stride +
-               (p % block_size) * row_stride + h0 * head_dim;
-      };
-      // Pass 1: scores = q . k for every visible position; each K row is loaded once for all its query heads.
-      for (int64_t p = first; p < len; ++p) {
-        if (p + block_size < len) __builtin_prefetch(row_at(p + block_size, 0));  // same row, next block
-        to_float(row_at(p, 0), row.data(), width);
-        for (int64_t j = 0; j < nh; ++j) {
-          const float* qj = qf.data() + j * head_dim;
-          const float* kj = row.data() + (j / group) * head_dim;
-          float dot = 0.f;
-          for (int64_t d = 0; d < head_dim; ++d) dot += qj[d] * kj[d];
-          scores[j * n + (p - first)] = dot;
-        }
-      }
-      // Softmax per query head (fp32, max-subtracted).
-      for (int64_t j = 0; j < nh; ++j) {
-        float* sc = scores.data() + j * n;
-        float mx = sc[0];  // n >= 1: context_lens are checked to be positive
-        for (int64_t i = 1; i < n; ++i) mx = std::max(mx, sc[i]);
-        float sum = 0.f;
-        for (int64_t i = 0; i < n; ++i) {
-          sc[i] = std::exp(sc[i] - mx);
-          sum += sc[i];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t i = 0; i < n; ++i) sc[i] *= inv;
-      }
-      // Pass 2: out = sum_p prob_p * v_p.
-      std::fill(acc.begin(), acc.begin() + nh * head_dim, 0.f);
-      for (int64_t p = first; p < len; ++p) {
-        if (p + block_size < len) __builtin_prefetch(row_at(p + block_size, 1));
-        to_float(row_at(p, 1), row.data(), width);
-        for (int64_t j = 0; j < nh; ++j) {
-          const float w = scores[j * n + (p - first)];
-          const float* vj = row.data() + (j / group) * head_dim;
-          float* a = acc.data() + j * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += w * vj[d];
-        }
-      }
-      for (int64_t j = 0; j < nh; ++j) {
+      scores.resize(nq * (len - first));
+      attend_item<T>(qf.data(), heads, group, head_dim, layer_base + h0 * head_dim,
+                     layer_base + kv_stride + h0 * head_dim, table_ptr + s * max_blocks, w, scores.data(),
+                     acc.data(), tmp.data());
+      for (int64_t j = 0; j < nq; ++j) {
         T* oh = out_ptr + r * o_row + (h0 * group + j) * o_head;
-        for (int64_t d = 0; d < head_dim; ++d) oh[d] = static_cast<T>(acc[j * head_dim + d]);
+        for (int64_t e = 0; e < head_dim; ++e) oh[e] = static_cast<T>(acc[j * head_dim + e]);
       }
     }
   });
