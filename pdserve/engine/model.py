@@ -81,7 +81,19 @@ class Linear(nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
+def swiglu(gate_up: torch.Tensor, native_ops=None) -> torch.Tensor:
+    """silu(gate) * up of the fused [gate | up] projection: one native pass on CPU (kernels.py), else torch."""
+    if native_ops is not None and gate_up.device.type == "cpu" and gate_up.dim() == 2 and gate_up.is_contiguous():
+        out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+        native_ops.silu_and_mul(out, gate_up)
+        return out
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class DecoderLayer(nn.Module):
+    native_ops = None  # the compiled CPU kernels, set by LlamaModel.use_native_ops
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -103,8 +115,7 @@ class DecoderLayer(nn.Module):
         v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
         attn = paged_attention(q, k, v, kv, layer, meta, scale=cfg.head_dim ** -0.5)
         x = x + self.o(attn.reshape(t, self.q_size))
-        gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        return x + self.down(swiglu(self.gate_up(self.post_norm(x)), self.native_ops))
 
 
 class LlamaModel(nn.Module):
@@ -117,6 +128,11 @@ class LlamaModel(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.weight_bytes = 0  # checkpoint bytes held (set on load; packing does not change it)
+
+    def use_native_ops(self, ops) -> None:
+        """Route the MLP's silu(gate) * up through the compiled kernels (None: torch ops)."""
+        for layer in self.layers:
+            layer.native_ops = ops
 
     def pack_weights(self) -> bool:
         """Prepack every projection for oneDNN where that path exists (CPU bf16); return whether it did."""

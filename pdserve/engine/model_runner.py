@@ -20,6 +20,7 @@ class ModelRunner:
         self.sliding_window = model.cfg.sliding_window
         # Decode attention in place over the pool (kernels.py) on CPU; the torch formulation otherwise.
         self.native_ops = native_ops() if native and self.device.type == "cpu" else None
+        model.use_native_ops(self.native_ops)
 
     def prepare(self, batch: list[ScheduledSeq], prompt_logits: set[int] = frozenset()):
         """Build flat inputs. Returns (input_ids, positions, metadata, logits_rows, row_owner) where row_owner[i]

@@ -1,4 +1,5 @@
-"""The native decode-attention kernel against attention written out per sequence in float64."""
+"""The native CPU kernels against independent references: attention written out per sequence in float64, and
+silu(gate) * up in float64."""
 from __future__ import annotations
 
 import os
@@ -79,3 +80,23 @@ def test_decode_attention_rejects_out_of_range_indices(ops):
         ops.paged_decode_attention(out, q, kv, 1, ok["rows"], ok["tables"], ok["lens"], 1.0, 0)
     with pytest.raises(RuntimeError, match="dtype"):
         ops.paged_decode_attention(out, q.double(), kv, 0, ok["rows"], ok["tables"], ok["lens"], 1.0, 0)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2), (torch.float16, 1e-3)])
+@pytest.mark.parametrize("width", [48, 37])  # 37: a tail shorter than one vector
+def test_silu_and_mul_matches_torch(ops, dtype, tol, width):
+    g = torch.Generator().manual_seed(width)
+    gate_up = (torch.randn(33, 2 * width, generator=g) * 6).to(dtype)  # wide range: exp saturates at both ends
+    out = torch.empty(33, width, dtype=dtype)
+    ops.silu_and_mul(out, gate_up)
+    x = gate_up.double()
+    ref = x[:, :width] * torch.sigmoid(x[:, :width]) * x[:, width:]
+    rel = ((out.double() - ref).abs() / ref.abs().clamp_min(1.0)).max().item()
+    assert rel <= tol
+
+
+def test_silu_and_mul_rejects_bad_shapes(ops):
+    with pytest.raises(RuntimeError, match="gate_up"):
+        ops.silu_and_mul(torch.empty(2, 3), torch.empty(2, 5))
+    with pytest.raises(RuntimeError, match="out must be"):
+        ops.silu_and_mul(torch.empty(2, 4), torch.empty(2, 6))

@@ -306,7 +306,3 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
     decode_attention_impl<scalar_t>(out, q, kv, layer, rows, block_tables, context_lens, scale, sliding_window);
   });
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV pool");
-}

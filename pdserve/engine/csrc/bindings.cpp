@@ -1,0 +1,12 @@
+// Python bindings of the native CPU kernels (one extension module: pdserve/engine/kernels.py builds it).
+#include <torch/extension.h>
+
+void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv, int64_t layer,
+                            const at::Tensor& rows, const at::Tensor& block_tables, const at::Tensor& context_lens,
+                            double scale, int64_t sliding_window);
+void silu_and_mul(at::Tensor out, const at::Tensor& gate_up);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV pool");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over a fused [gate | up] projection");
+}
