@@ -46,13 +46,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class RMSNorm(nn.Module):
+    native_ops = None  # the compiled CPU kernels, set by LlamaModel.use_native_ops
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # fused; accumulates in fp32
+        if self.native_ops is not None and x.is_contiguous():  # one pass instead of ~8 small ops
+            out = torch.empty_like(x)
+            self.native_ops.rms_norm(out, x, self.weight, self.eps)
+            return out
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # accumulates in fp32
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -110,8 +116,12 @@ class DecoderLayer(nn.Module):
         cfg = self.cfg
         t = x.shape[0]
         q, k, v = self.qkv(self.input_norm(x)).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
-        k = apply_rope(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        q, k = q.view(t, cfg.num_heads, cfg.head_dim), k.view(t, cfg.num_kv_heads, cfg.head_dim)
+        if self.native_ops is not None:  # rotated in place inside the fused qkv output: no temporaries
+            self.native_ops.rope_(q, cos, sin)
+            self.native_ops.rope_(k, cos, sin)
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
         attn = paged_attention(q, k, v, kv, layer, meta, scale=cfg.head_dim ** -0.5)
         x = x + self.o(attn.reshape(t, self.q_size))
@@ -130,9 +140,10 @@ class LlamaModel(nn.Module):
         self.weight_bytes = 0  # checkpoint bytes held (set on load; packing does not change it)
 
     def use_native_ops(self, ops) -> None:
-        """Route the MLP's silu(gate) * up through the compiled kernels (None: torch ops)."""
-        for layer in self.layers:
-            layer.native_ops = ops
+        """Route norms, rope and the MLP's silu(gate) * up through the compiled kernels (None: torch ops)."""
+        for m in self.modules():
+            if isinstance(m, (DecoderLayer, RMSNorm)):
+                m.native_ops = ops
 
     def pack_weights(self) -> bool:
         """Prepack every projection for oneDNN where that path exists (CPU bf16); return whether it did."""

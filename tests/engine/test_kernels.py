@@ -100,3 +100,34 @@ def test_silu_and_mul_rejects_bad_shapes(ops):
         ops.silu_and_mul(torch.empty(2, 3), torch.empty(2, 5))
     with pytest.raises(RuntimeError, match="out must be"):
         ops.silu_and_mul(torch.empty(2, 4), torch.empty(2, 6))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)])
+def test_rms_norm_matches_float64(ops, dtype, tol):
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(9, 5, 80, generator=g) * 3).to(dtype)
+    w = torch.randn(80, generator=g).to(dtype)
+    out = torch.empty_like(x)
+    ops.rms_norm(out, x, w, 1e-6)
+    xd = x.double()
+    ref = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    assert ((out.double() - ref).abs() / ref.abs().clamp_min(1.0)).max().item() <= tol
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 4e-3)])
+def test_rope_in_place_on_a_strided_view_matches_float64(ops, dtype, tol):
+    """q as a view into a fused qkv row (what the model passes): rotated in place, neighbours untouched."""
+    g = torch.Generator().manual_seed(2)
+    t, heads, d = 11, 3, 16
+    qkv = torch.randn(t, heads * d + 8, generator=g).to(dtype)
+    before = qkv.clone()
+    q = qkv[:, :heads * d].view(t, heads, d)
+    angles = torch.arange(t, dtype=torch.float64)[:, None] * (0.5 ** torch.arange(d // 2, dtype=torch.float64))
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    ops.rope_(q, cos, sin)
+    x = before[:, :heads * d].view(t, heads, d).double()
+    c, s = cos.double()[:, None, :], sin.double()[:, None, :]
+    x1, x2 = x[..., :d // 2], x[..., d // 2:]
+    ref = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1)
+    assert (q.double() - ref).abs().max().item() <= tol
+    assert torch.equal(qkv[:, heads * d:], before[:, heads * d:])
