@@ -87,6 +87,7 @@ class Engine:
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(model, self.kv_cache, native=config.native_kernels)
         self.sampler = Sampler(model_config.vocab_size)
+        self.sampler.native_ops = self.runner.native_ops
         self.eos_token_ids = sorted(set(model_config.eos_token_ids) | set(tokenizer.eos_token_ids))
         self.requests: dict[str, Request] = {}
         self.pinned: dict[str, tuple[list[int], int]] = {}

@@ -2,7 +2,8 @@
 
 Only what torch cannot express without extra passes over memory lives here: decode attention read in place from
 the paged KV pool (csrc/paged_attention.cpp), SwiGLU's silu(gate) * up in one pass (csrc/silu_and_mul.cpp), and
-RMSNorm and in-place rotary embedding (csrc/norm_rope.cpp), whose torch forms are several small ops each.
+RMSNorm and in-place rotary embedding (csrc/norm_rope.cpp), whose torch forms are several small ops each, and a
+greedy step's per-row argmax + log-sum-exp in one kernel (csrc/row_stats.cpp).
 Every kernel has a pure-torch twin in attention.py that the tests
 compare it against; when the build is impossible (no compiler, `PDSERVE_NATIVE_KERNELS=0`, a non-CPU device) the
 engine uses the twin and says so once in its log.
@@ -35,7 +36,7 @@ def native_ops():
             from torch.utils.cpp_extension import load
             csrc = Path(__file__).parent / "csrc"
             sources = [str(csrc / f) for f in ("bindings.cpp", "paged_attention.cpp", "silu_and_mul.cpp",
-                                                     "norm_rope.cpp")]
+                                                     "norm_rope.cpp", "row_stats.cpp")]
             # -march=native: the extension is built on the machine that runs it (cached per source hash).
             _module = load(name="pdserve_cpu_kernels", sources=sources,
                            # Reassociation lets g++ vectorise the fp32 dot products and sums (no NaN/inf assumptions).

@@ -63,12 +63,17 @@ class Sampler:
             raise ValueError(f"filter_order must be a permutation of {lp.FILTERS}, got {filter_order}")
         self.vocab_size = vocab_size
         self.filter_order = tuple(filter_order)
+        self.native_ops = None  # compiled CPU kernels (engine/kernels.py): fused argmax + logsumexp
 
     # ------------------------------------------------------------------------------------------
     def sample(self, logits: Tensor, states: list[SamplingState]) -> list[SampleResult]:
         B, V = logits.shape
         assert len(states) == B, "one SamplingState per logits row"
         raw = logits.float()
+        native = self.native_ops is not None and raw.device.type == "cpu" and raw.is_contiguous()
+        argmax = lse = None
+        if native:  # one pass gives the greedy token and the normaliser of the raw log-probs
+            argmax, lse = self.native_ops.argmax_logsumexp(raw)
         z = self.process_logits(raw, states)
         # A row can only be all -inf after constraints masked it; unedited model logits never are.
         dead = torch.isneginf(z).all(-1).tolist() if z is not raw else [False] * B
@@ -89,7 +94,8 @@ class Sampler:
 
         if greedy:
             if len(greedy) == B:  # the common all-greedy batch: no row gather (a copy of every logit)
-                tokens = z.argmax(-1)  # torch.argmax returns the first maximal index
+                # torch.argmax and the kernel both return the first maximal index
+                tokens = argmax.clone() if argmax is not None and z is raw else z.argmax(-1)
             else:
                 g = torch.tensor(greedy)
                 tokens[g] = z[g].argmax(-1)
@@ -101,7 +107,8 @@ class Sampler:
         if filtered:
             self._sample_filtered(z, filtered, states, tokens, dense_proc, want_proc)
 
-        lse = torch.logsumexp(raw, dim=-1)
+        if lse is None:
+            lse = torch.logsumexp(raw, dim=-1)
         raw_chosen = (raw.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse).tolist()
         results: list[SampleResult] = []
         for i, s in enumerate(states):

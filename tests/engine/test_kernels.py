@@ -131,3 +131,21 @@ def test_rope_in_place_on_a_strided_view_matches_float64(ops, dtype, tol):
     ref = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1)
     assert (q.double() - ref).abs().max().item() <= tol
     assert torch.equal(qkv[:, heads * d:], before[:, heads * d:])
+
+
+def test_argmax_logsumexp_matches_torch(ops):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 1003, generator=g) * 8  # 1003: a tail shorter than one vector
+    x[1, 500] = x[1, 20] = x[1, 999] = 1e3  # ties: the lowest index wins, as torch.argmax
+    x[2] = float("-inf")
+    x[2, 1000] = -5.0  # the only finite logit sits in the scalar tail
+    x[3, :] = 0.0  # all equal
+    arg, lse = ops.argmax_logsumexp(x)
+    assert arg.tolist() == x.argmax(-1).tolist() and arg[1].item() == 20 and arg[3].item() == 0
+    ref = torch.logsumexp(x.double(), -1)
+    assert (lse.double() - ref).abs().max().item() <= 1e-4
+    tiny = torch.tensor([[1.0, 3.0, 2.0]])  # shorter than a vector
+    a, l = ops.argmax_logsumexp(tiny)
+    assert a.item() == 1 and abs(l.item() - torch.logsumexp(tiny, -1).item()) <= 1e-6
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.argmax_logsumexp(x.double())

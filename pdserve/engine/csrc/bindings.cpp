@@ -7,10 +7,12 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
 void silu_and_mul(at::Tensor out, const at::Tensor& gate_up);
 void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps);
 void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin);
+std::tuple<at::Tensor, at::Tensor> argmax_logsumexp(const at::Tensor& logits);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV pool");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over a fused [gate | up] projection");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim, fp32 accumulation");
   m.def("rope_", &rope_, "rotary embedding in place (rotate-half convention)");
+  m.def("argmax_logsumexp", &argmax_logsumexp, "per-row argmax (lowest index on ties) and log-sum-exp");
 }
