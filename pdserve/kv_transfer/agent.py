@@ -19,6 +19,7 @@ try:  # the wheel is nixl-cu12; upstream builds install the module as `nixl`
 except ImportError:  # pragma: no cover
     from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[no-redef]
 
+from pdserve.kv_transfer.hugepages import use_huge_pages
 from pdserve.kv_transfer.layout import KVLayout, check_compatible
 
 
@@ -49,7 +50,7 @@ def _descs(base: int, num_blocks: int, block_bytes: int, dev: int) -> np.ndarray
 
 class KVAgent:
     def __init__(self, name: str, kv: torch.Tensor, layout: KVLayout | dict, backends: list[str] | None = None,
-                 progress_thread: bool = False):
+                 progress_thread: bool = False, huge_pages: bool = True):
         if not kv.is_contiguous():
             raise ValueError("KV tensor must be contiguous (one descriptor per block)")
         self.name = name
@@ -67,6 +68,8 @@ class KVAgent:
         # on small CPU boxes. Instead an initiator drives progress by polling its own transfer, and the owner of
         # blocks (prefill side) runs `start_pump`: a thread polling notifications every millisecond, which also
         # progresses the UCX worker so remote READs complete.
+        # CMA copies page by page: huge pages make a READ between two processes ~2x faster (hugepages.py)
+        self.huge_page_bytes = use_huge_pages(kv) if huge_pages else 0
         self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread,
                                                           backends=backends or ["UCX"]))
         self._reg = self._agent.register_memory(kv)
