@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +20,7 @@ try:  # the wheel is nixl-cu12; upstream builds install the module as `nixl`
 except ImportError:  # pragma: no cover
     from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[no-redef]
 
+from pdserve.kv_transfer.hugepages import use_huge_pages
 from pdserve.kv_transfer.layout import KVLayout, check_compatible
 
 
@@ -49,7 +51,7 @@ def _descs(base: int, num_blocks: int, block_bytes: int, dev: int) -> np.ndarray
 
 class KVAgent:
     def __init__(self, name: str, kv: torch.Tensor, layout: KVLayout | dict, backends: list[str] | None = None,
-                 progress_thread: bool = False):
+                 progress_thread: bool = False, huge_pages: bool = True):
         if not kv.is_contiguous():
             raise ValueError("KV tensor must be contiguous (one descriptor per block)")
         self.name = name
@@ -67,6 +69,8 @@ class KVAgent:
         # on small CPU boxes. Instead an initiator drives progress by polling its own transfer, and the owner of
         # blocks (prefill side) runs `start_pump`: a thread polling notifications every millisecond, which also
         # progresses the UCX worker so remote READs complete.
+        # CMA copies page by page: huge pages make a READ between two processes ~2x faster (hugepages.py)
+        self.huge_page_bytes = use_huge_pages(kv) if huge_pages else 0
         self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread,
                                                           backends=backends or ["UCX"]))
         self._reg = self._agent.register_memory(kv)
@@ -157,11 +161,19 @@ class KVAgent:
             except Exception:
                 pass
 
-    def start_pump(self, on_notif=None, interval_s: float = 0.001) -> None:
-        """Poll notifications (and thereby UCX progress) in a daemon thread; call on_notif(msg) for each."""
+    def start_pump(self, on_notif=None, interval_s: float = 0.001, active: Callable[[], bool] | None = None,
+                   idle_interval_s: float = 0.05) -> None:
+        """Poll notifications (and thereby UCX progress) in a daemon thread; call on_notif(msg) for each.
+
+        Every poll takes the GIL, and 1000 of them a second slow a 1-thread engine forward in the same process by
+        ~10% (prefill 5.3 -> 5.8 ms on the built-in model). With `active` given, the pump polls every
+        `interval_s` only while active() is true (e.g. leases are outstanding: a READ and its notification can
+        come) and otherwise every `idle_interval_s`, or at once after `wake_pump()`.
+        """
         if getattr(self, "_pump", None):
             return
         self._pump_stop = threading.Event()
+        self._pump_wake = threading.Event()
 
         def run():
             while not self._pump_stop.is_set():
@@ -171,14 +183,25 @@ class KVAgent:
                             on_notif(m)
                         except Exception:  # a bad callback must not stop progress for everyone else
                             pass
-                self._pump_stop.wait(interval_s)
+                if active is None or active():
+                    self._pump_stop.wait(interval_s)
+                else:  # set before active() turns true is fine: the wait then returns at once
+                    self._pump_wake.wait(idle_interval_s)
+                    self._pump_wake.clear()
 
         self._pump = threading.Thread(target=run, name=f"nixl-pump-{self.name}", daemon=True)
         self._pump.start()
 
+    def wake_pump(self) -> None:
+        """Back to fast polling now (call after making active() true)."""
+        ev = getattr(self, "_pump_wake", None)
+        if ev is not None:
+            ev.set()
+
     def stop_pump(self) -> None:
         if getattr(self, "_pump", None):
             self._pump_stop.set()
+            self._pump_wake.set()
             self._pump.join(1)
             self._pump = None
 

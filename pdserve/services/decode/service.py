@@ -85,6 +85,7 @@ class DecodeSide:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no KV capacity on the decode worker")
         dst_blocks, cached = alloc
         finished = False
+        released = False
         xfer: asyncio.Future | None = None
         try:
             # 2. pull the blocks the local prefix cache does not already hold: ONE batched READ
@@ -111,9 +112,9 @@ class DecodeSide:
                     w.agent.forget_remote(region.agent_name)  # a dead peer must be re-added if it comes back
             t1 = time.time()
             M.KV_TRANSFER_SECONDS.observe(t1 - t0)
-            # 3. the prefill side may free its copy now (the READ's notification says the same)
-            asyncio.ensure_future(self._release_remote(kv, rid))
             if err is not None:
+                released = True
+                asyncio.ensure_future(self._release_remote(kv, rid))
                 M.KV_TRANSFER_FAILURES.labels("timeout" if "timed out" in err else "error").inc()
                 await w.host.run(lambda e: e.fail_prefilled(rid))
                 M.TERMINAL.labels("FAILED").inc()
@@ -121,7 +122,7 @@ class DecodeSide:
                 log.warning("request %s: %s", rid, err)
                 yield common_pb2.GenerateResponse(request_id=rid, finished=True, state="FAILED", error=err)
                 return
-            # 4. commit: the request joins the decode batch; its first output carries the first token
+            # 3. commit: the request joins the decode batch; its first output carries the first token
             stream = w.host.attach(rid)  # before the commit, so the first output (the first token) is not missed
             await w.host.run(lambda e: e.commit_prefilled(rid))
             meter = getattr(w, "meter", None)
@@ -144,6 +145,11 @@ class DecodeSide:
                         finished = True
                         M.TERMINAL.labels(out.state).inc()
                     yield msg
+                    if not released:
+                        # 4. the prefill side may free its copy now (the READ's notification says the same); sent
+                        # after the first token went out, as starting the ReleaseKV call first delays it
+                        released = True
+                        asyncio.ensure_future(self._release_remote(kv, rid))
         finally:
             if xfer is not None and not xfer.done():
                 # never free blocks NIXL may still be writing into
@@ -151,6 +157,8 @@ class DecodeSide:
                     await asyncio.wait_for(asyncio.shield(xfer), self.transfer_timeout_s + 1)
                 except BaseException:  # noqa: BLE001
                     pass
+            if not released:  # left before the first message went out (cancelled, commit failed)
+                asyncio.ensure_future(self._release_remote(kv, rid))
             if not finished:  # the caller went away (disconnect / cancel)
                 M.TERMINAL.labels("CANCELLED").inc()
                 w.host.submit(lambda e: e.abort(rid, "CANCELLED"))
