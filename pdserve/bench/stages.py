@@ -10,14 +10,19 @@ from typing import Sequence
 
 from pdserve.bench import metrics as MX
 
-# the gateway's consecutive stages (their sum is the gateway's E2E) + two spans over them
+# the gateway's consecutive stages (their sum is the gateway's E2E) + two spans over them. handoff and
+# kv_transfer are in the sum only when the first token waited for the transfer (`kv_on_ttft_path`); otherwise
+# they ran behind the first emit, inside `decode`, and the stacked breakdown counts them as 0.
 SERVER_STAGES = ("admission", "route", "dispatch", "queue", "prefill", "handoff", "kv_transfer", "first_emit",
                  "decode", "ttft", "e2e")
 
 
 def _durations(r: MX.RequestRecord) -> dict | None:
     st = r.stages
-    return st.get("durations") if isinstance(st, dict) else None
+    d = st.get("durations") if isinstance(st, dict) else None
+    if d and st.get("kv_on_ttft_path") is False:
+        d = {**d, "handoff": 0.0, "kv_transfer": 0.0}  # overlapped by decode: not a stage of its own here
+    return d
 
 
 def client_to_gateway(r: MX.RequestRecord) -> float | None:

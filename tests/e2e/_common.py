@@ -112,7 +112,14 @@ SUM_TOL_S = 1e-4  # durations are differences of the same timestamps: only float
 
 
 def _check_stage_times(st: dict, mode: str, t_before: float, t_after: float) -> None:
-    chain = [*_CHAIN, *(_DISAGG_CHAIN if mode == "disagg" else ()), "first_emit", "last_emit"]
+    # disagg: the first token is emitted from the Prefill reply, so the decode side's pickup (decode_arrival,
+    # kv_transfer_*) runs in parallel with first_emit and is only bounded by first_token and last_emit
+    chain = [*_CHAIN, "first_emit", "last_emit"]
+    if mode == "disagg":
+        pickup = ["first_token", *_DISAGG_CHAIN, "last_emit"]
+        for ka, kb in zip(pickup, pickup[1:]):
+            assert st[ka] is not None and st[kb] is not None and st[ka] <= st[kb], f"{ka}={st[ka]} > {kb}={st[kb]}"
+        assert st["kv_on_ttft_path"] is False  # the first token did not wait for the transfer
     vals = [st[k] for k in chain]
     assert all(v is not None for v in vals), {k: st[k] for k in chain}  # complete
     # monotone across three or four processes' clocks (same host: one CLOCK_REALTIME)
@@ -123,8 +130,9 @@ def _check_stage_times(st: dict, mode: str, t_before: float, t_after: float) -> 
     if mode != "disagg":
         assert all(st[k] is None for k in _DISAGG_CHAIN)
     d = st["durations"]
-    parts = [d[k] for k in ("admission", "route", "dispatch", "queue", "prefill", "handoff", "kv_transfer",
-                            "first_emit", "decode")]
+    on_path = ("handoff", "kv_transfer") if st["kv_on_ttft_path"] else ()
+    parts = [d[k] for k in ("admission", "route", "dispatch", "queue", "prefill", *on_path, "first_emit", "decode")]
+    assert d["handoff"] >= 0 and d["kv_transfer"] >= 0
     assert all(p is not None and p >= 0 for p in parts), d
     assert abs(sum(parts) - d["e2e"]) <= SUM_TOL_S, (sum(parts), d["e2e"])
     assert abs(d["e2e"] - (st["last_emit"] - st["arrival"])) <= SUM_TOL_S

@@ -83,8 +83,10 @@ def test_kill_decode_worker_mid_stream(up):
     new requests go to the surviving decode worker."""
     decs = up.workers("decode")
 
-    # The debug header names the decode worker; killing it at the first streamed token leaves no race with a
-    # stream that could finish first (500 tokens take far longer than one kill).
+    # The debug header names the decode worker. The first token comes from the Prefill reply (before the decode
+    # worker is even called, so killing it then only reroutes the pickup); killing it at the third token-bearing
+    # event hits a stream the decode worker is serving, and leaves no race with a stream that could finish first
+    # (500 tokens take far longer than one kill).
     body = {"model": "ck", "prompt": "pack my box", "max_tokens": 500, "temperature": 0, "ignore_eos": True,
             "stream": True}
     victim = None
@@ -97,7 +99,7 @@ def test_kill_decode_worker_mid_stream(up):
             if not line.startswith("data: "):
                 continue
             events.append(line[6:])
-            if victim is None:
+            if victim is None and len(events) == 3:
                 victim = next(w for w in decs if w["worker_id"] == route["decode"])
                 os.kill(victim["pid"], signal.SIGKILL)
     assert victim is not None

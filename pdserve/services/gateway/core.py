@@ -117,10 +117,26 @@ class Dispatcher:
                     trace.on_prefill(pre.final.times)  # the prefill worker's engine finished it
                     yield pre.final
                     return
-                async for m in self._decode(rid, sub, pp, namespace, route, pre, metadata):
+                skip = None
+                if pre.HasField("first"):
+                    # The first token goes to the client now; the KV transfer and the decode worker's pickup run
+                    # behind it (they used to be ~5 ms of TTFT). The decode stream repeats it: left out below.
                     emitted = True
-                    trace.on_stream(m.times)
-                    yield m
+                    skip = _SkipFirst(pre.first)
+                    yield pre.first
+                try:
+                    async for m in self._decode(rid, sub, pp, namespace, route, pre, metadata):
+                        trace.on_stream(m.times)
+                        if skip is not None and not skip(m):
+                            continue
+                        emitted = True
+                        yield m
+                except (UpstreamError, NoWorkersError) as e:
+                    if not emitted:
+                        raise
+                    # after the first token went out a failure can only end the stream, as FAILED
+                    yield common_pb2.GenerateResponse(request_id=rid, finished=True, state="FAILED",
+                                                      error=f"decode failed: {e}")
                 return
             except grpc.aio.AioRpcError as e:
                 retryable = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
@@ -223,6 +239,30 @@ class Dispatcher:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _SkipFirst:
+    """Leaves out of a decode worker's stream the first token the gateway already emitted from the
+    PrefillResponse: its token id, its text (the decode engine detokenizes it to the same characters, hold-back
+    included) and its logprob, wherever the stream's deltas put them."""
+
+    def __init__(self, first: common_pb2.GenerateResponse):
+        d = first.outputs[0]
+        self.tokens, self.chars, self.logprobs = len(d.token_ids), len(d.text), len(d.logprobs)
+
+    def __call__(self, m: common_pb2.GenerateResponse) -> bool:
+        """Strip what is still owed from `m`; return whether anything is left to send."""
+        for d in m.outputs:
+            k = min(self.tokens, len(d.token_ids))
+            del d.token_ids[:k]
+            self.tokens -= k
+            k = min(self.chars, len(d.text))
+            d.text = d.text[k:]
+            self.chars -= k
+            k = min(self.logprobs, len(d.logprobs))
+            del d.logprobs[:k]
+            self.logprobs -= k
+        return m.finished or bool(m.error) or any(d.token_ids or d.text or d.finish_reason for d in m.outputs)
 
 
 def _shift(m: common_pb2.GenerateResponse, base: int) -> None:

@@ -12,7 +12,8 @@ import time
 from dataclasses import dataclass, field
 
 # consecutive stages from gateway arrival to the gateway's last emit (their sum is E2E by construction; the
-# timestamps' order across processes is what a test can check)
+# timestamps' order across processes is what a test can check). handoff and kv_transfer are part of the sum only
+# when the first token waited for the KV transfer (`kv_on_ttft_path`); otherwise they overlap `decode`.
 DURATIONS = ("admission", "route", "dispatch", "queue", "prefill", "handoff", "kv_transfer", "first_emit", "decode")
 
 
@@ -74,7 +75,11 @@ def stage_times(arrival: float, admitted: float | None, t: StageTrace, index: in
     def span(a: float | None, b: float | None) -> float | None:
         return b - a if a is not None and b is not None else None
 
-    ready = kv_end if kv_end is not None else ts["first_token"]  # the first token is at the decode side
+    # Disagg normally emits the first token from the Prefill reply, before the KV moves: then the decode side's
+    # pickup (handoff, kv_transfer) runs behind the first emit and overlaps `decode`. Only a first token that came
+    # through the decode worker (after its READ) has them on the TTFT path, inside the partition.
+    late = kv_end is not None and t.first_emit is not None and t.first_emit >= kv_end
+    ready = kv_end if late else ts["first_token"]
     dur = {
         "admission": span(arrival, admitted), "route": span(admitted, t.routed),
         "dispatch": span(t.routed, ts["worker_arrival"]),
@@ -86,6 +91,7 @@ def stage_times(arrival: float, admitted: float | None, t: StageTrace, index: in
         "ttft": span(arrival, t.first_emit), "e2e": span(arrival, t.last_emit),
     }
     return {**ts, "durations": dur, "mode": "disagg" if t.disagg else "colocated",
+            "kv_on_ttft_path": late,
             "sub_request": index, "sub_requests": count}
 
 

@@ -83,9 +83,15 @@ class PrefillSide:
             if final.state != "FINISHED":
                 M.TERMINAL.labels(final.state).inc()
             return resp
+        # The first token as the stream's first message: the gateway emits it before the KV moves (its text is
+        # the engine's, after stop-string hold-back, exactly what the decode side will repeat for it).
+        first = resp.first
+        first.request_id = rid
+        delta = first.outputs.add(index=0, text=comp.text or "", token_ids=[resp.first_token_id])
         if params.logprobs is not None and comp.logprobs:
             from pdserve.services.convert import DeltaEncoder
             resp.first_logprob.CopyFrom(DeltaEncoder(self.w.tokenizer).token_logprob(comp.logprobs[0]))
+            delta.logprobs.append(resp.first_logprob)
         # Read in this thread, not through an engine-thread round trip (~0.2 ms of TTFT): the engine filed the
         # entry before it delivered this final output, and only a release of the lease made below changes it.
         blocks, ntok = self.w.engine.pinned_kv(rid)

@@ -36,7 +36,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "finished", "final", "kv", "num_cached_tokens", "times", "first_logprob")
+    __slots__ = ("request_id", "first_token_id", "finished", "final", "kv", "num_cached_tokens", "times", "first_logprob", "first")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class PrefillResponse(_message.Message):
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIMES_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     finished: bool
@@ -53,7 +54,8 @@ class PrefillResponse(_message.Message):
     num_cached_tokens: int
     times: _common_pb2.StageTimes
     first_logprob: _common_pb2.TokenLogprob
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., finished: _Optional[bool] = ..., final: _Optional[_Union[_common_pb2.GenerateResponse, _Mapping]] = ..., kv: _Optional[_Union[_common_pb2.KvHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., times: _Optional[_Union[_common_pb2.StageTimes, _Mapping]] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
+    first: _common_pb2.GenerateResponse
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., finished: _Optional[bool] = ..., final: _Optional[_Union[_common_pb2.GenerateResponse, _Mapping]] = ..., kv: _Optional[_Union[_common_pb2.KvHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., times: _Optional[_Union[_common_pb2.StageTimes, _Mapping]] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., first: _Optional[_Union[_common_pb2.GenerateResponse, _Mapping]] = ...) -> None: ...
 
 class GenerateFromPrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "params", "namespace", "first_token_id", "kv", "first_logprob")
