@@ -12,9 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 #include <vector>
 
 #ifndef PDSERVE_PREFETCH_BLOCKS
@@ -59,26 +57,6 @@ template <typename T>
 void attend_generic(const float* qf, int64_t heads, int64_t group, int64_t d, const T* k_base, const T* v_base,
                     const int64_t* table, const Walk& w, float* scores, float* acc, float* tmp);
 
-#if defined(__AVX512F__)
-// e^x for x <= 0 (scores minus their max), 16 lanes: Cephes' expf range reduction and polynomial (relative error
-// ~2e-7, like libm's expf), 2^n applied by scalef. std::exp per score was most of the kernel's time.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));  // below this e^x underflows fp32 anyway
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500E-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
-#endif
-
 // Softmax of each of `rows` score rows of length n, in place (fp32, max-subtracted).
 void softmax_rows(float* scores, int64_t rows, int64_t n) {
   for (int64_t j = 0; j < rows; ++j) {
@@ -91,7 +69,7 @@ void softmax_rows(float* scores, int64_t rows, int64_t n) {
     const __m512 vmx = _mm512_set1_ps(mx);
     __m512 vsum = _mm512_setzero_ps();
     for (; i + 16 <= n; i += 16) {
-      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sc + i), vmx));
+      const __m512 e = pdserve::exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sc + i), vmx));
       _mm512_storeu_ps(sc + i, e);
       vsum = _mm512_add_ps(vsum, e);
     }
@@ -109,11 +87,6 @@ void softmax_rows(float* scores, int64_t rows, int64_t n) {
 #if defined(__AVX512F__)
 // bf16 with head_dim % 16 == 0: 16 elements widened to fp32 per instruction pair, the group's accumulators in
 // registers (G is a template parameter so they can be), one horizontal sum per score.
-inline __m512 load_bf16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
 template <int G>
 void scores_bf16(const float* qf, int64_t heads, int64_t d, const c10::BFloat16* base, const int64_t* table,
                  const Walk& w, float* scores) {
@@ -125,7 +98,7 @@ void scores_bf16(const float* qf, int64_t heads, int64_t d, const c10::BFloat16*
                    __m512 acc[G];
                    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
                    for (int64_t c = 0; c < d; c += 16) {
-                     const __m512 kc = load_bf16(k + h * d + c);
+                     const __m512 kc = pdserve::load_bf16(k + h * d + c);
                      for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(qh + g * d + c), kc, acc[g]);
                    }
                    for (int g = 0; g < G; ++g) scores[(h * G + g) * n + i] = _mm512_reduce_add_ps(acc[g]);
@@ -144,7 +117,7 @@ void accumulate_bf16(const float* scores, int64_t heads, int64_t d, const c10::B
                    __m512 p[G];
                    for (int g = 0; g < G; ++g) p[g] = _mm512_set1_ps(scores[(h * G + g) * n + i]);
                    for (int64_t c = 0; c < d; c += 16) {
-                     const __m512 vc = load_bf16(v + h * d + c);
+                     const __m512 vc = pdserve::load_bf16(v + h * d + c);
                      for (int g = 0; g < G; ++g) {
                        float* o = out + (h * G + g) * d + c;
                        _mm512_storeu_ps(o, _mm512_fmadd_ps(p[g], vc, _mm512_loadu_ps(o)));

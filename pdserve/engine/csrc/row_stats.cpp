@@ -6,29 +6,10 @@
 
 #include <cmath>
 #include <tuple>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace {
 
-#if defined(__AVX512F__)
-inline __m512 exp_nonpositive(__m512 x) {  // Cephes expf on x <= 0 (see paged_attention.cpp)
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500E-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
-#endif
 
 void row_stats(const float* row, int64_t n, int64_t* arg, float* lse) {
   // Pass 1: the maximum and its lowest index (torch.argmax's tie-break).
@@ -77,7 +58,7 @@ void row_stats(const float* row, int64_t n, int64_t* arg, float* lse) {
 #if defined(__AVX512F__)
   const __m512 vm = _mm512_set1_ps(mx);
   __m512 acc = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16) acc = _mm512_add_ps(acc, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + i), vm)));
+  for (; i + 16 <= n; i += 16) acc = _mm512_add_ps(acc, pdserve::exp_ps(_mm512_sub_ps(_mm512_loadu_ps(row + i), vm)));
   sum = _mm512_reduce_add_ps(acc);
 #endif
   for (; i < n; ++i) sum += std::exp(row[i] - mx);
