@@ -37,13 +37,23 @@ class NativeDecode:
 
 
 @dataclass
+class NativePrefill:
+    """All prefill spans of a step for the native kernel (causal over the pool; no masks built)."""
+    starts: torch.Tensor  # [S] int64 first row of each span
+    q_lens: torch.Tensor  # [S] int64
+    context_lens: torch.Tensor  # [S] int64
+    block_tables: torch.Tensor  # [S, max_blocks] int64
+
+
+@dataclass
 class AttentionMetadata:
     slot_blocks: torch.Tensor  # [T] block id each new token's K/V is written to
     slot_offsets: torch.Tensor  # [T] offset inside that block
     prefills: list[PrefillSpan]
     decodes: list[DecodeGroup]  # single-token decodes, grouped by similar context length (torch path)
     native_decode: NativeDecode | None = None  # the same decodes for the native kernel (replaces `decodes`)
-    native_ops: object = None  # the compiled kernel module when `native_decode` is set
+    native_prefill: NativePrefill | None = None  # the prefill spans for the native kernel (replaces `prefills`)
+    native_ops: object = None  # the compiled kernel module when `native_decode` or `native_prefill` is set
     sliding_window: int | None = None
 
 
@@ -108,6 +118,10 @@ def paged_attention(
     write_kv(kv, layer, meta.slot_blocks, meta.slot_offsets, k, v)
     out = torch.empty_like(q)
     n_kv = k.shape[1]
+    if meta.native_prefill is not None:
+        npf = meta.native_prefill
+        meta.native_ops.paged_prefill_attention(out, q, kv, layer, npf.starts, npf.q_lens, npf.context_lens,
+                                                npf.block_tables, scale, meta.sliding_window or 0)
     for span in meta.prefills:
         qs = q[span.start:span.start + span.q_len].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
         if span.mask is None:  # whole prompt in this step: use the fresh K/V, no gather needed

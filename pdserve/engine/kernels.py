@@ -3,7 +3,8 @@
 Only what torch cannot express without extra passes over memory lives here: decode attention read in place from
 the paged KV pool (csrc/paged_attention.cpp), SwiGLU's silu(gate) * up in one pass (csrc/silu_and_mul.cpp), and
 RMSNorm and in-place rotary embedding (csrc/norm_rope.cpp), whose torch forms are several small ops each, and a
-greedy step's per-row argmax + log-sum-exp in one kernel (csrc/row_stats.cpp).
+greedy step's per-row argmax + log-sum-exp in one kernel (csrc/row_stats.cpp), and causal prefill attention over
+the pool for bf16 on AVX-512 (csrc/prefill_attention.cpp; SDPA stays the path elsewhere).
 Every kernel has a pure-torch twin in attention.py that the tests
 compare it against; when the build is impossible (no compiler, `PDSERVE_NATIVE_KERNELS=0`, a non-CPU device) the
 engine uses the twin and says so once in its log.
@@ -36,7 +37,7 @@ def native_ops():
             from torch.utils.cpp_extension import load
             csrc = Path(__file__).parent / "csrc"
             sources = [str(csrc / f) for f in ("bindings.cpp", "paged_attention.cpp", "silu_and_mul.cpp",
-                                                     "norm_rope.cpp", "row_stats.cpp")]
+                                                     "norm_rope.cpp", "row_stats.cpp", "prefill_attention.cpp")]
             # -march=native: the extension is built on the machine that runs it (cached per source hash).
             _module = load(name="pdserve_cpu_kernels", sources=sources,
                            # Reassociation lets g++ vectorise the fp32 dot products and sums (no NaN/inf assumptions).

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.attention import (AttentionMetadata, DecodeGroup, NativeDecode, PrefillSpan, causal_mask,
-                                      decode_bias)
+from pdserve.engine.attention import (AttentionMetadata, DecodeGroup, NativeDecode, NativePrefill, PrefillSpan,
+                                      causal_mask, decode_bias)
 from pdserve.engine.kernels import native_ops
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.model import LlamaModel
@@ -21,6 +21,9 @@ class ModelRunner:
         # Decode attention in place over the pool (kernels.py) on CPU; the torch formulation otherwise.
         self.native_ops = native_ops() if native and self.device.type == "cpu" else None
         model.use_native_ops(self.native_ops)
+        # Prefill attention natively where that kernel exists (bf16 pool on AVX-512); SDPA otherwise.
+        self.native_prefill = bool(self.native_ops is not None
+                                   and self.native_ops.prefill_attention_supported(kv.data, model.cfg.num_heads))
 
     def prepare(self, batch: list[ScheduledSeq], prompt_logits: set[int] = frozenset()):
         """Build flat inputs. Returns (input_ids, positions, metadata, logits_rows, row_owner) where row_owner[i]
@@ -29,6 +32,7 @@ class ModelRunner:
         bs = self.kv.block_size
         ids, pos, blocks, offsets = [], [], [], []
         prefills: list[PrefillSpan] = []
+        native_spans: list[tuple[int, int, int, list[int]]] = []
         decode_rows, decode_tables, decode_lens = [], [], []
         logits_rows, row_owner = [], []
         for i, item in enumerate(batch):
@@ -45,6 +49,8 @@ class ModelRunner:
                 decode_rows.append(start)
                 decode_tables.append(seq.block_table[: -(-ctx // bs)])
                 decode_lens.append(ctx)
+            elif self.native_prefill:
+                native_spans.append((start, n, ctx, seq.block_table[: -(-ctx // bs)]))
             else:
                 table = torch.tensor(seq.block_table[: -(-ctx // bs)], dtype=torch.long, device=self.device)
                 prefills.append(PrefillSpan(start, n, ctx, table, causal_mask(n, ctx, self.sliding_window,
@@ -61,12 +67,24 @@ class ModelRunner:
             prefills=prefills,
             decodes=[] if self.native_ops else self._decode_groups(decode_rows, decode_tables, decode_lens),
             native_decode=self._native_decode(decode_rows, decode_tables, decode_lens) if self.native_ops else None,
+            native_prefill=self._native_prefill(native_spans),
             native_ops=self.native_ops,
             sliding_window=self.sliding_window,
         )
         return (torch.tensor(ids, dtype=torch.long, device=self.device),
                 torch.tensor(pos, dtype=torch.long, device=self.device), meta,
                 torch.tensor(logits_rows, dtype=torch.long, device=self.device), row_owner)
+
+    @staticmethod
+    def _native_prefill(spans: list[tuple[int, int, int, list[int]]]) -> NativePrefill | None:
+        if not spans:
+            return None
+        width = max(len(t) for *_, t in spans)
+        return NativePrefill(
+            starts=torch.tensor([s[0] for s in spans], dtype=torch.long),
+            q_lens=torch.tensor([s[1] for s in spans], dtype=torch.long),
+            context_lens=torch.tensor([s[2] for s in spans], dtype=torch.long),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for *_, t in spans], dtype=torch.long))
 
     def _native_decode(self, rows: list[int], tables: list[list[int]], lens: list[int]) -> NativeDecode | None:
         if not rows:

@@ -149,3 +149,67 @@ def test_argmax_logsumexp_matches_torch(ops):
     assert a.item() == 1 and abs(l.item() - torch.logsumexp(tiny, -1).item()) <= 1e-6
     with pytest.raises(RuntimeError, match="float32"):
         ops.argmax_logsumexp(x.double())
+
+
+def prefill_reference(q, kv, layer, starts, q_lens, ctx_lens, tables, scale, window):
+    """Causal attention of each span's queries over its context, position by position, in float64."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    bs, n_kv = kv.shape[3], kv.shape[4]
+    group = q.shape[1] // n_kv
+    for s0, n, ctx, table in zip(starts.tolist(), q_lens.tolist(), ctx_lens.tolist(), tables.tolist()):
+        k = torch.stack([kv[table[p // bs], layer, 0, p % bs] for p in range(ctx)]).double()  # [ctx, KVH, D]
+        v = torch.stack([kv[table[p // bs], layer, 1, p % bs] for p in range(ctx)]).double()
+        for i in range(n):
+            pos = ctx - n + i
+            lo = max(0, pos - window + 1) if window else 0
+            for h in range(q.shape[1]):
+                sc = (k[lo:pos + 1, h // group] @ q[s0 + i, h].double()) * scale
+                out[s0 + i, h] = torch.softmax(sc, 0) @ v[lo:pos + 1, h // group]
+    return out
+
+
+@pytest.mark.parametrize("n_heads,n_kv,d,window", [(6, 2, 16, 0), (4, 4, 32, 0), (8, 1, 16, 0), (6, 3, 16, 9)])
+def test_prefill_attention_matches_float64(ops, n_heads, n_kv, d, window):
+    """Spans in one flat batch: a whole prompt, a chunk after cached context (q_len < context_len), a one-token
+    span and a span longer than the kernel's 32-query chunks; blocks scattered through the pool."""
+    kv0 = torch.zeros(1, 1, 2, 4, n_kv, 16 * (d // 16), dtype=torch.bfloat16)
+    if not ops.prefill_attention_supported(kv0, n_heads):
+        pytest.skip("prefill kernel needs AVX-512 (SDPA is the path here)")
+    g = torch.Generator().manual_seed(n_heads + n_kv + d + window)
+    n_blocks, layers, bs = 64, 2, 4
+    kv = torch.randn(n_blocks, layers, 2, bs, n_kv, d, generator=g).to(torch.bfloat16)
+    q_lens = torch.tensor([13, 7, 1, 45], dtype=torch.long)
+    ctx_lens = torch.tensor([13, 30, 9, 45], dtype=torch.long)
+    starts = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.long), q_lens[:-1]]), 0)
+    perm = torch.randperm(n_blocks, generator=g).tolist()
+    width = max(-(-c // bs) for c in ctx_lens.tolist())
+    tables = torch.zeros(len(q_lens), width, dtype=torch.long)
+    used = 0
+    for i, c in enumerate(ctx_lens.tolist()):
+        need = -(-c // bs)
+        tables[i, :need] = torch.tensor(perm[used:used + need])
+        used += need
+    t = int(q_lens.sum())
+    q = torch.randn(t, n_heads, d, generator=g).to(torch.bfloat16)
+    out = torch.empty_like(q)
+    ops.paged_prefill_attention(out, q, kv, 1, starts, q_lens, ctx_lens, tables, d ** -0.5, window)
+    ref = prefill_reference(q, kv, 1, starts, q_lens, ctx_lens, tables, d ** -0.5, window)
+    assert (out.double() - ref).abs().max().item() <= 2e-2  # bf16 output rounding of values |x| < 4
+
+
+def test_prefill_attention_rejects_bad_spans(ops):
+    kv = torch.zeros(4, 1, 2, 4, 1, 16, dtype=torch.bfloat16)
+    if not ops.prefill_attention_supported(kv, 2):
+        pytest.skip("prefill kernel needs AVX-512")
+    q = torch.zeros(3, 2, 16, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    one = lambda *v: torch.tensor(v, dtype=torch.long)  # noqa: E731
+    table = lambda *v: torch.tensor([v], dtype=torch.long)  # noqa: E731
+    ops.paged_prefill_attention(out, q, kv, 0, one(0), one(3), one(5), table(0, 1), 1.0, 0)
+    for args in [(one(1), one(3), one(5), table(0, 1)),  # rows past the batch
+                 (one(0), one(3), one(9), table(0, 1)),  # context longer than the table
+                 (one(0), one(3), one(2), table(0, 1)),  # fewer context tokens than queries
+                 (one(0), one(3), one(5), table(0, 4))]:  # block past the pool
+        with pytest.raises(RuntimeError, match="out of range"):
+            ops.paged_prefill_attention(out, q, kv, 0, *args, 1.0, 0)
+    assert not ops.prefill_attention_supported(kv.float(), 2)  # bf16 only: SDPA serves other dtypes

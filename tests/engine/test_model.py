@@ -71,9 +71,17 @@ def test_greedy_batch_matches_transformers(checkpoint, native):
         assert out.outputs[0].finish_reason == "length"
 
 
-def test_bfloat16_close_to_fp32(tiny_llama):
+@pytest.mark.parametrize("native", [True, False], ids=["native-kernels", "torch-ops"])
+def test_bfloat16_close_to_fp32(tiny_llama, native):
+    """bf16 through the native kernels (prefill attention over the pool, chunked here; norms, rope, SwiGLU) and
+    through the torch ops, each against the fp32 engine (itself checked against transformers above)."""
     e32 = Engine.from_pretrained(tiny_llama, EngineConfig(num_gpu_blocks=32, block_size=4))
-    e16 = Engine.from_pretrained(tiny_llama, EngineConfig(num_gpu_blocks=32, block_size=4, dtype="bfloat16"))
+    e16 = Engine.from_pretrained(tiny_llama, EngineConfig(num_gpu_blocks=32, block_size=4, dtype="bfloat16",
+                                                          native_kernels=native))
+    if native and e16.runner.native_ops is not None:
+        import os
+        assert e16.runner.native_prefill or os.environ.get("PDSERVE_NATIVE_KERNELS") == "0" or \
+            not e16.runner.native_ops.prefill_attention_supported(e16.kv_cache.data, 4)
     a, b = engine_logits(e32, PROMPTS[0]), engine_logits(e16, PROMPTS[0])
     assert e16.kv_cache.data.dtype == torch.bfloat16
     # bf16 keeps ~3 significant digits; the argmax at each position must agree where fp32 is decisive

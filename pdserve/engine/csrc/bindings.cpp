@@ -8,11 +8,17 @@ void silu_and_mul(at::Tensor out, const at::Tensor& gate_up);
 void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps);
 void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin);
 std::tuple<at::Tensor, at::Tensor> argmax_logsumexp(const at::Tensor& logits);
+bool prefill_attention_supported(const at::Tensor& kv, int64_t n_heads);
+void paged_prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv, int64_t layer,
+                             const at::Tensor& starts, const at::Tensor& q_lens, const at::Tensor& context_lens,
+                             const at::Tensor& block_tables, double scale, int64_t sliding_window);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV pool");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over a fused [gate | up] projection");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim, fp32 accumulation");
   m.def("rope_", &rope_, "rotary embedding in place (rotate-half convention)");
+  m.def("prefill_attention_supported", &prefill_attention_supported, "whether paged_prefill_attention runs here");
+  m.def("paged_prefill_attention", &paged_prefill_attention, "causal (chunked-)prefill attention over the pool");
   m.def("argmax_logsumexp", &argmax_logsumexp, "per-row argmax (lowest index on ties) and log-sum-exp");
 }
