@@ -65,3 +65,11 @@ def make_checkpoint(out: Path, arch: str = "llama", *, vocab_size: int = 320, hi
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def native_kernels_built():
+    """Compile the engine's native kernels once, before any test starts worker processes (each would otherwise
+    wait on the build inside its start-up and could miss a readiness deadline)."""
+    from pdserve.engine.kernels import native_ops
+    native_ops()

@@ -126,6 +126,11 @@ def up(args) -> int:
             else ["both"] * args.workers
         if not args.threads:  # split the host's cores between workers rather than oversubscribe them
             eng += ["--threads", str(max(1, (os.cpu_count() or 1) // len(roles)))]
+        if (args.device or "cpu") == "cpu":
+            # Build the engine's native kernels once, here, rather than in every worker at the same time (they
+            # would serialize on the build lock inside their start-up); a no-op once cached.
+            subprocess.run([sys.executable, "-c", "from pdserve.engine.kernels import native_ops; native_ops()"],
+                           check=False)
         for i, role in enumerate(roles):
             port, mport = free_port(), free_port()
             wid = f"{role}-{i}-{port}"

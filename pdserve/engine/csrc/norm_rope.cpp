@@ -3,7 +3,8 @@
 // Both are a handful of elementwise torch ops each (pow, mean, rsqrt, mul, casts; mul, sub, cat) whose per-op
 // overhead dominates at decode batch sizes and whose extra passes cost at prefill sizes. Each kernel rounds where
 // the torch path it replaces rounds, so bf16 results match it (tests/engine/test_kernels.py).
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>

@@ -6,7 +6,8 @@
 // Work is split over sequences (or runs of their KV heads) on torch's own OpenMP pool (at::parallel_for); the
 // query heads that share a KV head (GQA) are served from the same K/V row loads. Scores, softmax and the accumulator are
 // fp32 whatever the cache dtype, like the torch path it replaces.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

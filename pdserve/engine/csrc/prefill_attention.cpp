@@ -7,7 +7,8 @@
 // than SDPA per call at 256-512 tokens, ~3% of the mixed workload's prefill time; modest, kept because it also
 // removes the gather and mask of chunked spans. Query i of a span sits at position context_len - q_len + i and sees
 // keys up to its own position (and, with a sliding window, the last `window` of them).
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

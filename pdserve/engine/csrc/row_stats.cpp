@@ -1,8 +1,10 @@
 // Per-row argmax and log-sum-exp of fp32 logits in one kernel: what a greedy step needs (the token, and its raw
 // log-probability for the cumulative logprob). torch spends five passes on it (amax, sub, exp, sum, log, plus an
 // argmax); here each row is read twice, the second time from cache.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 
 #include <cmath>
 #include <tuple>

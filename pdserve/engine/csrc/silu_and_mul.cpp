@@ -3,7 +3,8 @@
 // torch runs it as three bf16 kernels (silu, mul, and the chunk's strided reads), each widening to fp32 and back;
 // at a 2048-token prefill chunk of the bench model that was ~9 ms of every layer. One pass reads gate_up once and
 // writes out once.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
