@@ -19,6 +19,19 @@ def ops():
     return mod
 
 
+def scattered_tables(lens: torch.Tensor, bs: int, n_blocks: int, g: torch.Generator, width: int = 0) -> torch.Tensor:
+    """Distinct random blocks per sequence, each table padded with block 0 past its context."""
+    perm = torch.randperm(n_blocks, generator=g).tolist()
+    width = max(width, max(-(-n // bs) for n in lens.tolist()))
+    tables = torch.zeros(len(lens), width, dtype=torch.long)
+    used = 0
+    for i, n in enumerate(lens.tolist()):
+        need = -(-n // bs)
+        tables[i, :need] = torch.tensor(perm[used:used + need])
+        used += need
+    return tables
+
+
 def reference(q, kv, layer, rows, tables, lens, scale, window):
     """softmax(q k^T * scale) v per sequence and head, K/V gathered position by position, in float64."""
     out = torch.zeros(q.shape, dtype=torch.float64)
@@ -42,15 +55,7 @@ def test_decode_attention_matches_reference(ops, dtype, tol, n_heads, n_kv, wind
     n_blocks, layers, bs, d = 40, 3, 4, 16
     kv = torch.randn(n_blocks, layers, 2, bs, n_kv, d, generator=g).to(dtype)
     lens = torch.tensor([1, 4, 5, 13, 30], dtype=torch.long)
-    width = 9
-    # Distinct random blocks per sequence, tables padded with block 0 past each context.
-    perm = torch.randperm(n_blocks, generator=g).tolist()
-    tables = torch.zeros(len(lens), width, dtype=torch.long)
-    used = 0
-    for i, n in enumerate(lens.tolist()):
-        need = -(-n // bs)
-        tables[i, :need] = torch.tensor(perm[used:used + need])
-        used += need
+    tables = scattered_tables(lens, bs, n_blocks, g, width=9)
     rows = torch.tensor([6, 0, 3, 2, 5], dtype=torch.long)  # scattered rows of a flat batch of 7 tokens
     q = torch.randn(7, n_heads, d, generator=g).to(dtype)
     out = torch.full_like(q, 7.0)
@@ -145,8 +150,8 @@ def test_argmax_logsumexp_matches_torch(ops):
     ref = torch.logsumexp(x.double(), -1)
     assert (lse.double() - ref).abs().max().item() <= 1e-4
     tiny = torch.tensor([[1.0, 3.0, 2.0]])  # shorter than a vector
-    a, l = ops.argmax_logsumexp(tiny)
-    assert a.item() == 1 and abs(l.item() - torch.logsumexp(tiny, -1).item()) <= 1e-6
+    a, lse1 = ops.argmax_logsumexp(tiny)
+    assert a.item() == 1 and abs(lse1.item() - torch.logsumexp(tiny, -1).item()) <= 1e-6
     with pytest.raises(RuntimeError, match="float32"):
         ops.argmax_logsumexp(x.double())
 
@@ -181,14 +186,7 @@ def test_prefill_attention_matches_float64(ops, n_heads, n_kv, d, window):
     q_lens = torch.tensor([13, 7, 1, 45], dtype=torch.long)
     ctx_lens = torch.tensor([13, 30, 9, 45], dtype=torch.long)
     starts = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.long), q_lens[:-1]]), 0)
-    perm = torch.randperm(n_blocks, generator=g).tolist()
-    width = max(-(-c // bs) for c in ctx_lens.tolist())
-    tables = torch.zeros(len(q_lens), width, dtype=torch.long)
-    used = 0
-    for i, c in enumerate(ctx_lens.tolist()):
-        need = -(-c // bs)
-        tables[i, :need] = torch.tensor(perm[used:used + need])
-        used += need
+    tables = scattered_tables(ctx_lens, bs, n_blocks, g)
     t = int(q_lens.sum())
     q = torch.randn(t, n_heads, d, generator=g).to(torch.bfloat16)
     out = torch.empty_like(q)
