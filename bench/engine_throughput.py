@@ -111,6 +111,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"threads: {torch.get_num_threads()}")
+    from pdserve.engine.kernels import native_unavailable_reason
+    print(f"native CPU kernels: {native_unavailable_reason() or 'built (engine/kernels.py)'}")
     with tempfile.TemporaryDirectory() as d:
         model_dir = build_model(Path(d), args.quick)
         n_params = sum(p.numel() for p in tf.AutoModelForCausalLM.from_pretrained(model_dir).parameters())
