@@ -35,6 +35,11 @@ def native_ops():
             return None
         try:
             from torch.utils.cpp_extension import load
+            try:  # torch runs `ninja` from PATH; the pip package's binary sits in an unactivated venv's bin
+                import ninja
+                os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+            except ImportError:
+                pass
             csrc = Path(__file__).parent / "csrc"
             sources = [str(csrc / f) for f in ("bindings.cpp", "paged_attention.cpp", "silu_and_mul.cpp",
                                                      "norm_rope.cpp", "row_stats.cpp", "prefill_attention.cpp")]
