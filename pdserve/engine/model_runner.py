@@ -11,6 +11,13 @@ from pdserve.engine.model import LlamaModel
 from pdserve.engine.scheduler import ScheduledSeq
 
 
+def padded_tables(tables: list[list[int]], device=None) -> torch.Tensor:
+    """Block tables as one int64 tensor, each padded with block 0 to the longest (the native kernels stop at each
+    sequence's context length; the torch path reads the padding and masks it)."""
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=device)
+
+
 class ModelRunner:
     DECODE_GROUP = 16  # decode sequences per padded attention group
     def __init__(self, model: LlamaModel, kv: KVCache, native: bool = True):
@@ -21,7 +28,7 @@ class ModelRunner:
         # Decode attention in place over the pool (kernels.py) on CPU; the torch formulation otherwise.
         self.native_ops = native_ops() if native and self.device.type == "cpu" else None
         model.use_native_ops(self.native_ops)
-        # Prefill attention natively where that kernel exists (bf16 pool on AVX-512); SDPA otherwise.
+        # Prefill attention natively where that kernel exists (bf16 pool on AVX512-BF16); SDPA otherwise.
         self.native_prefill = bool(self.native_ops is not None
                                    and self.native_ops.prefill_attention_supported(kv.data, model.cfg.num_heads))
 
@@ -79,21 +86,17 @@ class ModelRunner:
     def _native_prefill(spans: list[tuple[int, int, int, list[int]]]) -> NativePrefill | None:
         if not spans:
             return None
-        width = max(len(t) for *_, t in spans)
         return NativePrefill(
             starts=torch.tensor([s[0] for s in spans], dtype=torch.long),
             q_lens=torch.tensor([s[1] for s in spans], dtype=torch.long),
             context_lens=torch.tensor([s[2] for s in spans], dtype=torch.long),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for *_, t in spans], dtype=torch.long))
+            block_tables=padded_tables([s[3] for s in spans]))
 
     def _native_decode(self, rows: list[int], tables: list[list[int]], lens: list[int]) -> NativeDecode | None:
         if not rows:
             return None
-        width = max(len(t) for t in tables)
-        return NativeDecode(
-            rows=torch.tensor(rows, dtype=torch.long),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long),
-            context_lens=torch.tensor(lens, dtype=torch.long))
+        return NativeDecode(rows=torch.tensor(rows, dtype=torch.long), block_tables=padded_tables(tables),
+                            context_lens=torch.tensor(lens, dtype=torch.long))
 
     def _decode_groups(self, rows: list[int], tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
         """Decodes sorted by context length and cut into groups of similar length: each group is padded only to
@@ -105,11 +108,10 @@ class ModelRunner:
         for g in range(0, len(order), self.DECODE_GROUP):
             idx = order[g:g + self.DECODE_GROUP]
             width = len(tables[idx[-1]])  # sorted: the last is the longest
-            padded = [tables[k] + [0] * (width - len(tables[k])) for k in idx]
             glens = torch.tensor([lens[k] for k in idx], dtype=torch.long, device=self.device)
             groups.append(DecodeGroup(
                 rows=torch.tensor([rows[k] for k in idx], dtype=torch.long, device=self.device),
-                block_tables=torch.tensor(padded, dtype=torch.long, device=self.device),
+                block_tables=padded_tables([tables[k] for k in idx], self.device),
                 bias=decode_bias(glens, width * bs, self.sliding_window)))
         return groups
 

@@ -58,31 +58,9 @@ template <typename T>
 void attend_generic(const float* qf, int64_t heads, int64_t group, int64_t d, const T* k_base, const T* v_base,
                     const int64_t* table, const Walk& w, float* scores, float* acc, float* tmp);
 
-// Softmax of each of `rows` score rows of length n, in place (fp32, max-subtracted).
+// Softmax of each of `rows` score rows of length n, in place.
 void softmax_rows(float* scores, int64_t rows, int64_t n) {
-  for (int64_t j = 0; j < rows; ++j) {
-    float* sc = scores + j * n;
-    float mx = sc[0];  // n >= 1: context_lens are checked to be positive
-    for (int64_t i = 1; i < n; ++i) mx = std::max(mx, sc[i]);
-    float sum = 0.f;
-    int64_t i = 0;
-#if defined(__AVX512F__)
-    const __m512 vmx = _mm512_set1_ps(mx);
-    __m512 vsum = _mm512_setzero_ps();
-    for (; i + 16 <= n; i += 16) {
-      const __m512 e = pdserve::exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sc + i), vmx));
-      _mm512_storeu_ps(sc + i, e);
-      vsum = _mm512_add_ps(vsum, e);
-    }
-    sum = _mm512_reduce_add_ps(vsum);
-#endif
-    for (; i < n; ++i) {
-      sc[i] = std::exp(sc[i] - mx);
-      sum += sc[i];
-    }
-    const float inv = 1.f / sum;
-    for (i = 0; i < n; ++i) sc[i] *= inv;
-  }
+  for (int64_t j = 0; j < rows; ++j) pdserve::softmax_inplace(scores + j * n, n);  // n >= 1: lens are checked
 }
 
 #if defined(__AVX512F__)

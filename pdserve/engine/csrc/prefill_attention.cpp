@@ -27,27 +27,6 @@ struct Item {
 };
 
 #if defined(__AVX512BF16__)
-void softmax_row(float* sc, int64_t n) {
-  float mx = sc[0];
-  for (int64_t i = 1; i < n; ++i) mx = std::max(mx, sc[i]);
-  const __m512 vmx = _mm512_set1_ps(mx);
-  __m512 vsum = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 e = pdserve::exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sc + i), vmx));
-    _mm512_storeu_ps(sc + i, e);
-    vsum = _mm512_add_ps(vsum, e);
-  }
-  float sum = _mm512_reduce_add_ps(vsum);
-  for (; i < n; ++i) {
-    sc[i] = std::exp(sc[i] - mx);
-    sum += sc[i];
-  }
-  const __m512 inv = _mm512_set1_ps(1.0f / sum);
-  for (i = 0; i + 16 <= n; i += 16) _mm512_storeu_ps(sc + i, _mm512_mul_ps(_mm512_loadu_ps(sc + i), inv));
-  for (; i < n; ++i) sc[i] *= 1.0f / sum;
-}
-
 // Scores and P.V for queries [it.q0, it.q1) of one span and KV head; keys repacked once per item. The products
 // run as bf16 pairs (vdpbf16ps: two dims' or two keys' products per lane and instruction, fp32 accumulation):
 // K^T is kept as (dim 2e, 2e+1) pairs per key, V as (key 2j, 2j+1) pairs per dim, the query unscaled (it is bf16
@@ -109,7 +88,7 @@ void attend_chunk(const Item& it, const at::Tensor& q, at::Tensor& out, const c1
       for (int g = 0; g < G; ++g) _mm512_storeu_ps(&sc[g * nkp + t], _mm512_mul_ps(acc[g], vscale));
     }
     #pragma GCC unroll 8
-    for (int g = 0; g < G; ++g) softmax_row(&sc[g * nkp + a], n);
+    for (int g = 0; g < G; ++g) pdserve::softmax_inplace(&sc[g * nkp + a], n);
     // probabilities as bf16 pairs over keys (zero outside [a, b])
     const int64_t j0 = a / 2, j1 = b / 2;
     #pragma GCC unroll 8

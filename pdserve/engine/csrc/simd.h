@@ -1,5 +1,10 @@
-// AVX-512 helpers shared by the native kernels (each kernel also has a plain C++ path for other CPUs).
+// Helpers shared by the native kernels: AVX-512 bf16 loads/stores and exp, and an fp32 softmax (vectorised
+// where AVX-512 exists, plain C++ otherwise).
 #pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -49,3 +54,31 @@ inline __m512 exp_ps(__m512 x) {
 
 }  // namespace pdserve
 #endif
+
+namespace pdserve {
+
+// Softmax of n >= 1 fp32 scores in place (max-subtracted).
+inline void softmax_inplace(float* sc, int64_t n) {
+  float mx = sc[0];
+  for (int64_t i = 1; i < n; ++i) mx = std::max(mx, sc[i]);
+  float sum = 0.f;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 vmx = _mm512_set1_ps(mx);
+  __m512 vsum = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sc + i), vmx));
+    _mm512_storeu_ps(sc + i, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  sum = _mm512_reduce_add_ps(vsum);
+#endif
+  for (; i < n; ++i) {
+    sc[i] = std::exp(sc[i] - mx);
+    sum += sc[i];
+  }
+  const float inv = 1.f / sum;
+  for (i = 0; i < n; ++i) sc[i] *= inv;
+}
+
+}  // namespace pdserve
