@@ -24,7 +24,7 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.services import metrics as M
 from pdserve.services.admission import AdmissionError, lifecycle_metadata
 from pdserve.services.gateway.core import Dispatcher, NoWorkersError, UpstreamError, new_id, split
-from pdserve.services.gateway.lifecycle import RequestRecord, build_lifecycle
+from pdserve.services.gateway.lifecycle import Lifecycle, RequestRecord, build_lifecycle
 from pdserve.services.gateway.params import APIError, bad, to_sampling_params
 from pdserve.services.gateway.stages import StageTrace, pick, stage_times
 from pdserve.services.pb import common_pb2, gateway_pb2_grpc, params_from_pb
@@ -108,6 +108,51 @@ def _error_response(e: Exception) -> JSONResponse:
                             .body(), status_code=500)
     log.exception("unexpected error")
     return JSONResponse(APIError(500, f"internal error: {e!r}", "server_error").body(), status_code=500)
+
+
+class _Abandon:
+    """The end of a stream that did not reach its `[DONE]`: close the body and the upstream calls (aborting the
+    request on its workers, releasing pinned prefill KV) and end the request CANCELLED, billing what was streamed.
+    Calling it is synchronous and idempotent: it is called where the caller is being cancelled (an await there
+    would be interrupted), possibly twice (the body's `finally` and the response's), and the work runs in a task
+    the Lifecycle owns."""
+
+    def __init__(self, life: Lifecycle, rec: RequestRecord, agen):
+        self.life, self.rec, self.agen = life, rec, agen
+        self.body = None
+        self.called = False
+
+    def __call__(self) -> None:
+        if not self.called:
+            self.called = True
+            self.life.spawn(self._cleanup())
+
+    async def _cleanup(self) -> None:
+        try:
+            for gen in (self.body, self.agen):
+                if gen is not None:
+                    with contextlib.suppress(RuntimeError):  # "already running": it is closing itself
+                        await gen.aclose()
+        finally:
+            if self.rec.state is None:
+                self.rec.committed = self.rec.emitted  # streamed tokens reached the client: they are billed
+            await self.life.finish(self.rec, "CANCELLED", "client disconnected")
+
+
+class _OwnedStream(StreamingResponse):
+    """A streaming response whose end always runs `on_close`, however it ends: after the last chunk, on a client
+    disconnect (Starlette cancels the send; the body generator is left suspended at a yield and never resumed,
+    so its own `finally` does not run), on an error, or before the first chunk was ever pulled."""
+
+    def __init__(self, content, on_close, **kwargs):
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
 
 
 def _sse(obj) -> bytes:
@@ -231,8 +276,10 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
         if request.headers.get("x-pdserve-debug") == "route":
             headers["x-pdserve-route"] = " | ".join(routes)
         if stream:
-            return StreamingResponse(_stream(first, agen, ctx, include_usage, timing),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
+            abandon = ctx["abandon"] = _Abandon(life, rec, agen)
+            abandon.body = _stream(first, agen, ctx, include_usage, timing)
+            return _OwnedStream(abandon.body, abandon, media_type="text/event-stream",
+                                headers={"Cache-Control": "no-cache", **headers})
         task = asyncio.create_task(_collect(first, agen, ctx, timing))
         # a non-streaming client that disconnects must not keep the workers busy
         while not task.done():
@@ -304,7 +351,6 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
                 _emitted(ctx, i, timing.emit(ntok))
                 if m.finished:
                     cached += m.usage.cached_tokens
-                    M.TERMINAL.labels(m.state or "FINISHED").inc()
                     if m.state and m.state != "FINISHED":
                         ctx["rec"].generated = completion
                         raise _Failed(m.error or m.state, m.state)
@@ -366,7 +412,6 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
                     rec.generated = completion
                     if m.finished:
                         cached += m.usage.cached_tokens
-                        M.TERMINAL.labels(m.state or "FINISHED").inc()
                         if m.state and m.state != "FINISHED":
                             # the request failed or timed out mid-stream: an error event, no [DONE]
                             rec.committed = rec.emitted
@@ -375,10 +420,12 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
                                                   "type": "timeout_error" if m.state == "TIMED_OUT" else "server_error",
                                                   "param": None, "code": m.state.lower()}})
                             return
-                    if choices:
-                        yield _sse({**base, "choices": choices})
+                    # counted before the yield: the chunk is handed to the connection there, and a client that
+                    # leaves while it is written leaves this generator suspended at the yield, never resumed
                     rec.emitted += ntok
                     _emitted(ctx, i, timing.emit(ntok))
+                    if choices:
+                        yield _sse({**base, "choices": choices})
             timing.done()
             rec.committed = rec.emitted
             rec.cached_tokens = cached
@@ -394,9 +441,7 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
             yield _sse(json.loads(r.body))
         finally:
             if not ok:
-                await agen.aclose()
-                rec.committed = rec.emitted  # streamed tokens reached the client: they are billed
-                await life.finish(rec, "CANCELLED", "client disconnected")
+                ctx["abandon"]()
 
     class _Failed(Exception):
         def __init__(self, msg: str, state: str = "FAILED"):

@@ -3,11 +3,16 @@ Prefill on a prefill worker + GenerateFromPrefill on a decode worker (disaggrega
 
 Everything yields `GenerateResponse` deltas; the HTTP and gRPC front doors format them. Cancelling the
 consumer cancels the in-flight gRPC calls, which aborts the request on every worker holding it.
+
+Prefill-side KV: once a prefill worker has pinned a prompt's KV under a lease, only the decode worker's pull, a
+ReleaseKV or the lease's expiry frees it. A disaggregated request that ends any other way than with the decode
+stream's last message (client gone, decode refused or broken, cancelled while the Prefill call was in flight
+and its answer lost) sends ReleaseKV by request id; the worker side is idempotent. The RPC runs in a task the
+Dispatcher owns, because the code path that notices is usually being cancelled itself.
 """
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import uuid
 from dataclasses import dataclass, replace
@@ -51,6 +56,17 @@ class Dispatcher:
         self.max_attempts = max_attempts
         self._router = router_pb2_grpc.RouterStub(channel(router_address))
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """Shutdown: let in-flight ReleaseKV calls complete."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout_s)
 
     def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         ch = self._channels.get(address)
@@ -107,37 +123,49 @@ class Dispatcher:
                 pcall = self.stub(route.prefill.address).Prefill(worker_pb2.PrefillRequest(
                     request_id=rid, prompt_token_ids=sub.prompt_token_ids, params=pp, namespace=namespace),
                     metadata=metadata)
+                handed_over = False  # the decode stream ended normally: its pull released the prefill side
+                pinned_on = route.prefill.address  # where KV may be pinned for rid from here on
                 try:
-                    pre = await pcall
-                finally:
-                    pcall.cancel()
-                trace.on_prefill(pre.times)
-                if pre.finished:
-                    emitted = True
-                    trace.on_prefill(pre.final.times)  # the prefill worker's engine finished it
-                    yield pre.final
-                    return
-                skip = None
-                if pre.HasField("first"):
-                    # The first token goes to the client now; the KV transfer and the decode worker's pickup run
-                    # behind it (they used to be ~5 ms of TTFT). The decode stream repeats it: left out below.
-                    emitted = True
-                    skip = _SkipFirst(pre.first)
-                    yield pre.first
-                try:
-                    async for m in self._decode(rid, sub, pp, namespace, route, pre, metadata):
-                        trace.on_stream(m.times)
-                        if skip is not None and not skip(m):
-                            continue
-                        emitted = True
-                        yield m
-                except (UpstreamError, NoWorkersError) as e:
-                    if not emitted:
+                    try:
+                        pre = await pcall
+                    except grpc.aio.AioRpcError:
+                        handed_over = True  # the worker answered with an error: it pinned nothing
                         raise
-                    # after the first token went out a failure can only end the stream, as FAILED
-                    yield common_pb2.GenerateResponse(request_id=rid, finished=True, state="FAILED",
-                                                      error=f"decode failed: {e}")
-                return
+                    finally:
+                        pcall.cancel()
+                    trace.on_prefill(pre.times)
+                    if pre.finished:
+                        handed_over = True  # the prefill worker ended it: nothing pinned
+                        emitted = True
+                        trace.on_prefill(pre.final.times)  # the prefill worker's engine finished it
+                        yield pre.final
+                        return
+                    skip = None
+                    if pre.HasField("first"):
+                        # The first token goes to the client now; the KV transfer and the decode worker's pickup
+                        # run behind it (they used to be ~5 ms of TTFT). The decode stream repeats it: left out.
+                        emitted = True
+                        skip = _SkipFirst(pre.first)
+                        yield pre.first
+                    try:
+                        async for m in self._decode(rid, sub, pp, namespace, route, pre, metadata):
+                            trace.on_stream(m.times)
+                            if m.finished and (m.state or "FINISHED") == "FINISHED":
+                                handed_over = True
+                            if skip is not None and not skip(m):
+                                continue
+                            emitted = True
+                            yield m
+                    except (UpstreamError, NoWorkersError) as e:
+                        if not emitted:
+                            raise
+                        # after the first token went out a failure can only end the stream, as FAILED
+                        yield common_pb2.GenerateResponse(request_id=rid, finished=True, state="FAILED",
+                                                          error=f"decode failed: {e}")
+                    return
+                finally:
+                    if not handed_over:
+                        self._release_soon(pinned_on, rid)
             except grpc.aio.AioRpcError as e:
                 retryable = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
                 if emitted or not retryable or attempt == self.max_attempts - 1:
@@ -171,7 +199,7 @@ class Dispatcher:
             except grpc.aio.AioRpcError as e:
                 unreachable = e.code() == grpc.StatusCode.UNAVAILABLE and not emitted
                 if not unreachable or attempt == self.max_attempts - 1:
-                    await self._release(kv, rid)
+                    self._release_soon(kv.worker_address, rid, kv.lease_id)
                     if not emitted and e.code() != grpc.StatusCode.UNAVAILABLE:
                         raise UpstreamError(e.code(), e.details() or "") from None
                     yield common_pb2.GenerateResponse(
@@ -184,20 +212,26 @@ class Dispatcher:
                     # the prompt is already prefilled: only another decode worker helps now
                     r2 = await self.route(rid, len(sub.prompt_token_ids), namespace, exclude, prefer="disagg")
                 except NoWorkersError:
-                    await self._release(kv, rid)
+                    self._release_soon(kv.worker_address, rid, kv.lease_id)
                     raise
                 if r2.mode != "disagg":
-                    await self._release(kv, rid)
+                    self._release_soon(kv.worker_address, rid, kv.lease_id)
                     raise NoWorkersError("no decode worker left")
                 decode = r2.decode
                 exclude.append(decode.worker_id)
             finally:
                 call.cancel()
 
-    async def _release(self, kv: common_pb2.KvHandle, rid: str) -> None:
-        with contextlib.suppress(Exception):
-            await self.stub(kv.worker_address).ReleaseKV(
-                worker_pb2.ReleaseKVRequest(request_id=rid, lease_id=kv.lease_id), timeout=2)
+    def _release_soon(self, address: str, rid: str, lease_id: str = "") -> None:
+        """ReleaseKV in an owned task: the caller is often a generator being closed by a cancellation, where an
+        await would be interrupted. Idempotent on the worker; the lease's expiry is the backstop if it fails."""
+        async def release() -> None:
+            try:
+                await self.stub(address).ReleaseKV(
+                    worker_pb2.ReleaseKVRequest(request_id=rid, lease_id=lease_id), timeout=2)
+            except grpc.aio.AioRpcError as e:
+                log.warning("ReleaseKV %s on %s failed: %s (the lease will expire)", rid, address, e.code().name)
+        self._spawn(release())
 
     async def generate_many(self, rid: str, subs: list[SubRequest], namespace: str = "", on_route=None,
                             metadata: tuple = (), traces: list[StageTrace] | None = None

@@ -6,7 +6,13 @@ are fanned out; in disagg mode each sub-request is an engine request on the pref
 decode worker), and each engine writes its own per-engine-request record (`pdserve.usage` logger: diagnostics,
 not billing). Only the gateway sees the client request whole, so it writes exactly one record per client request
 (`pdserve.billing` logger, JSON line) when the request ends, whichever way it ends — including REJECTED at the
-gateway. `RequestRecord.finish` is idempotent: a racing second terminal path (cancel vs timeout) is a no-op.
+gateway. `Lifecycle.finish` is idempotent: a racing second terminal path (cancel vs timeout) is a no-op.
+
+Cancellation safety: a client that goes away cancels the task serving it (Starlette cancels a streaming
+response's scope, and anyio re-delivers the cancellation at every later await in that scope), so the terminal
+work — reservation release, quota charge, the billing record, the terminal counter — never runs in the caller's
+task. `finish` marks the record terminal synchronously and runs that work in a task the Lifecycle owns
+(`spawn`); the caller only waits for it through `asyncio.shield`. `close()` drains the owned tasks at shutdown.
 
 Counts (spec §1.7): `generated_tokens` = tokens the workers sampled for it (their final usage; tokens seen when a
 stream broke); `emitted_tokens` = tokens handed to the client connection; `committed_tokens` = tokens in the
@@ -14,6 +20,7 @@ answer the client got whole (what is billed and charged to the tenant's quota, w
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -75,6 +82,25 @@ class Lifecycle:
         self.default_timeout_s = default_timeout_s
         self.max_timeout_s = max_timeout_s
         self.records_written = 0
+        self._tasks: set[asyncio.Task] = set()
+
+    def spawn(self, coro) -> asyncio.Task:
+        """Run `coro` in a task this Lifecycle owns: it outlives the cancellation of whoever started it, its
+        errors are logged, and `close()` waits for it."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._reap)
+        return task
+
+    def _reap(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            billing_log.error("terminal path failed: %r", task.exception())
+
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """Shutdown: let in-flight terminal paths (release, charge, record) complete."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout_s)
 
     def new_record(self) -> RequestRecord:
         return RequestRecord(f"req-{uuid.uuid4().hex[:16]}", self.model)
@@ -131,23 +157,36 @@ class Lifecycle:
         return e.status, APIError(e.status, e.message, typ, param, e.code).body(), headers
 
     async def finish(self, rec: RequestRecord, state: str, error: str | None = None) -> None:
-        """The one terminal path at the gateway: release the reservation, charge the quota, write the record."""
+        """The one terminal path at the gateway: release the reservation, charge the quota, write the record,
+        count the terminal state — once per client request, whichever path gets here first. The work runs in an
+        owned task, so cancelling the caller (the client left) cannot cut it short."""
         if rec.state is not None:
             return
         rec.state = state
         rec.error = error
+        await asyncio.shield(self.spawn(self._finish(rec)))
+
+    async def _finish(self, rec: RequestRecord) -> None:
+        state = rec.state
+        M.TERMINAL.labels(state).inc()
+        if state == "REJECTED":
+            M.REJECT_LATENCY.observe(time.time() - rec.arrival)
         if self.admission is not None:
             if rec.ticket is not None and rec.ticket.degraded:
                 M.STATE_GAUGE.labels("DEGRADED").dec()
-            await self.admission.release(rec.request_id)
-            if state == "FINISHED":
-                for n_out in rec.outputs_per_choice:
-                    self.admission.predictor.observe(rec.tenant.name, n_out)
-        if state == "REJECTED":
-            M.TERMINAL.labels("REJECTED").inc()
-            M.REJECT_LATENCY.observe(time.time() - rec.arrival)
+            try:
+                await self.admission.release(rec.request_id)
+            finally:  # a failed release leaves the lease to lapse; the bill is still owed
+                if state == "FINISHED":
+                    for n_out in rec.outputs_per_choice:
+                        self.admission.predictor.observe(rec.tenant.name, n_out)
+                await self._bill(rec)
+        else:
+            await self._bill(rec)
+
+    async def _bill(self, rec: RequestRecord) -> None:
+        state = rec.state
         billed = rec.prompt_tokens + rec.committed if state != "REJECTED" else 0
-        await self.gate.charge(rec.tenant, billed)
         t = rec.tenant.name
         M.USAGE_RECORDS.labels(t, state).inc()
         for kind, v in (("prompt", rec.prompt_tokens if state != "REJECTED" else 0), ("generated", rec.generated),
@@ -156,6 +195,7 @@ class Lifecycle:
                 M.USAGE_TOKENS.labels(t, kind).inc(v)
         self.records_written += 1
         billing_log.info(json.dumps(rec.to_json()))
+        await self.gate.charge(rec.tenant, billed)
 
 
 def build_lifecycle(cfg) -> Lifecycle:

@@ -54,5 +54,8 @@ async def serve(args) -> None:
     server = uvicorn.Server(cfg)
     log.info("gateway on http://%s:%d (grpc %s), router %s", args.host, args.port, args.grpc_port, args.router)
     await server.serve(sockets=[listen_socket(args.host, args.port)])  # returns after SIGTERM/SIGINT, having drained open connections
+    # terminal paths still running (billing records, reservation releases, ReleaseKV) complete before exit
+    await app.state.lifecycle.close()
+    await app.state.dispatcher.close()
     if grpc_server is not None:
         await grpc_server.stop(grace=2)
