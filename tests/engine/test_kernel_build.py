@@ -72,7 +72,6 @@ def test_stale_torch_lock_is_removed_and_the_kernels_load(built_dir, tmp_path):
     shutil.copytree(built_dir, d, ignore=shutil.ignore_patterns(kernels.READY, kernels.BUILDER_LOCK, "build.log"))
     (d / kernels.TORCH_LOCK).touch()
     r, took = _start(tmp_path, "m = native_ops(); assert m is not None, native_unavailable_reason()\n"
-                               "import torch; x = torch.randn(4, 16)\n"
                                "print('ok', hasattr(m, 'silu_and_mul'))", timeout=120,
                      PDSERVE_KERNEL_BUILD_TIMEOUT="90")
     assert r.returncode == 0 and "ok True" in r.stdout, r.stderr[-3000:]
