@@ -128,9 +128,13 @@ def up(args) -> int:
             eng += ["--threads", str(max(1, (os.cpu_count() or 1) // len(roles)))]
         if (args.device or "cpu") == "cpu":
             # Build the engine's native kernels once, here, rather than in every worker at the same time (they
-            # would serialize on the build lock inside their start-up); a no-op once cached.
-            subprocess.run([sys.executable, "-c", "from pdserve.engine.kernels import native_ops; native_ops()"],
-                           check=False)
+            # would serialize on the build lock inside their start-up); a no-op once cached. Bounded by
+            # PDSERVE_KERNEL_BUILD_TIMEOUT; when they are unavailable (said once, by the child) the workers skip
+            # them instead of each trying, and waiting, again.
+            built = subprocess.run([sys.executable, "-c", "import sys; from pdserve.engine.kernels import "
+                                    "native_ops; sys.exit(native_ops() is None)"], env=d.env, check=False)
+            if built.returncode != 0:
+                d.env["PDSERVE_NATIVE_KERNELS"] = "0"
         for i, role in enumerate(roles):
             port, mport = free_port(), free_port()
             wid = f"{role}-{i}-{port}"

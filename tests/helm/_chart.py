@@ -71,6 +71,14 @@ SCENARIOS: dict[str, dict] = {
         "gateway": {"apiKeys": {"enabled": True, "keys": ["sk-one", "sk-two"]}, "replicas": 2,
                     "service": {"type": "LoadBalancer"}},
     },
+    "auto": {
+        "mode": "auto",
+        "gateway": {"replicas": 2, "apiKeys": {"enabled": True, "tenants": {
+            "acme": {"keys": ["sk-acme"], "rate_rps": 5, "burst": 10, "quota_tokens": 200000, "priority": 0}}}},
+    },
+    "plain_keys_secret": {
+        "gateway": {"apiKeys": {"enabled": True, "existingSecret": "team-keys", "secretKey": "api-keys"}},
+    },
 }
 
 
@@ -121,14 +129,9 @@ def container_env(container: dict) -> dict[str, str]:
     return env
 
 
-# Flags the chart passes behind a values switch that land in pdserve from other work: {flag: where}.
-PENDING_FLAGS: dict[str, str] = {}  # flags the chart renders before the CLI has them (none now)
-
-
-def parse_pdserve(container: dict, monkeypatch, pending: list | None = None) -> "object":
+def parse_pdserve(container: dict, monkeypatch) -> "object":
     """Run a rendered container's command line through pdserve's own parser, with the container's env applied
-    (every flag's default is read from PDSERVE_<FLAG> when the parser is built). A PENDING_FLAGS flag the parser
-    does not know yet is taken out (with its value) and reported in `pending`."""
+    (every flag's default is read from PDSERVE_<FLAG> when the parser is built)."""
     from pdserve.cli import build_parser
 
     assert container["command"] == ["pdserve"], container["command"]
@@ -136,14 +139,4 @@ def parse_pdserve(container: dict, monkeypatch, pending: list | None = None) -> 
         monkeypatch.delenv(k)
     for k, v in container_env(container).items():
         monkeypatch.setenv(k, v)
-    parser = build_parser()
-    args = [str(a) for a in container["args"]]
-    sub = parser._subparsers._group_actions[0].choices[args[0]]  # noqa: SLF001 - the subcommand's own parser
-    known = set(sub._option_string_actions)  # noqa: SLF001
-    for flag in PENDING_FLAGS:
-        if flag in args and flag not in known:
-            i = args.index(flag)
-            del args[i:i + 2]
-            if pending is not None:
-                pending.append(flag)
-    return parser.parse_args(args)
+    return build_parser().parse_args([str(a) for a in container["args"]])

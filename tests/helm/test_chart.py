@@ -112,6 +112,7 @@ def test_objects_validate_against_kubernetes_schema(scenario):
 
 
 def test_values_schema_refuses_bad_values():
+    render({"mode": "auto"})  # the router's default policy is a chart mode too
     for bad in ({"mode": "split"}, {"prefil": {"replicas": 2}}, {"decode": {"replicas": -1}},
                 {"model": {"source": "s3"}}, {"decode": {"autoscaling": {"targets": {"kvUsageRatio": 1.5}}}},
                 {"autoscaling": {"provider": "hpa"}}, {"redis": {"external": {"url": "http://x"}}}):
@@ -144,10 +145,9 @@ def test_every_command_is_one_pdserve_accepts(scenario, monkeypatch):
     svcs = by_kind(objs, "Service")
     parsed = {}
     for o, c in _pdserve_containers(objs):
-        pending: list = []
-        a = parse_pdserve(c, monkeypatch, pending)
+        a = parse_pdserve(c, monkeypatch)
         parsed[o["metadata"]["name"]] = a
-        assert a.host == "0.0.0.0"
+        assert a.command in ("gateway", "router", "worker") and a.host == "0.0.0.0"
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         # the model path is mounted (or the builtin model needs nothing)
         mounts = {m["mountPath"] for m in c.get("volumeMounts", [])}
@@ -157,16 +157,20 @@ def test_every_command_is_one_pdserve_accepts(scenario, monkeypatch):
             host, port = a.router.rsplit(":", 1)
             router_svc = svcs[host]
             assert int(port) in {p["port"] for p in router_svc["spec"]["ports"]}
-            assert pending == []
             if vals.get("gateway", {}).get("apiKeys", {}).get("enabled"):
                 assert a.api_keys_file, "the API-key Secret is mounted but the gateway is not told to read it"
-        elif a.command in ("router", "worker"):
-            assert (a.port, a.metrics_port) == (ports["grpc"], ports["metrics"])
+            else:
+                assert a.api_keys_file is None
+        if a.command == "router":
+            assert a.mode == vals.get("mode", "disagg")  # the router's placement policy is the chart's mode
+        if True:  # every component has the Redis URL, the gateway too: limits/quotas/reservations are shared
             env = container_env(c)
             if vals.get("redis", {}).get("enabled", True):
                 assert a.redis_url == f"redis://{FULL}-redis:6379/0" and f"{FULL}-redis" in svcs
             else:
                 assert a.redis_url.startswith("secret:") and a.redis_url == env["PDSERVE_REDIS_URL"]
+            if a.command in ("router", "worker"):
+                assert (a.port, a.metrics_port) == (ports["grpc"], ports["metrics"])
             if a.command == "worker":
                 assert a.advertise_host == "10.1.2.3" and a.worker_id == "pod-0"  # pod IP, pod name
                 pool = o["metadata"]["name"].removeprefix(FULL + "-")
@@ -174,14 +178,13 @@ def test_every_command_is_one_pdserve_accepts(scenario, monkeypatch):
                 pv = vals.get(pool, {})
                 assert a.drain_timeout == pv.get("drainTimeout", 30)
                 assert a.num_gpu_blocks == pv.get("numGpuBlocks")
-        else:
-            raise AssertionError(a.command)
     # every component registers / routes under one model name (the Redis keys are pdserve:{model}:...)
     names = {a.served_model_name for a in parsed.values()}
     model = parsed[f"{FULL}-gateway"].model
     assert names == {vals.get("model", {}).get("servedModelName") or _default_served_name(model)}, names
     roles = sorted(a.role for a in parsed.values() if a.command == "worker")
-    assert roles == (["both"] if vals.get("mode") == "colocated" else ["decode", "prefill"])
+    assert roles == (["both"] if vals.get("mode") == "colocated" else ["decode", "prefill"])  # auto: both pools
+    assert len({a.redis_url for a in parsed.values()}) == 1
     assert {a.command for a in parsed.values()} == {"gateway", "router", "worker"}
 
 
@@ -361,15 +364,54 @@ def test_model_sources(source, vol_key):
         assert "initContainers" not in spec and all(v["name"] != "model" for v in spec.get("volumes", []))
 
 
-def test_api_keys_secret():
-    objs = objects(SCENARIOS["gpu"])
-    sec = by_kind(objs, "Secret")[f"{FULL}-api-keys"]
-    assert sec["stringData"]["api-keys"].split() == ["sk-one", "sk-two"]
+def _tenants_from_secret(objs, tmp_path, name=f"{FULL}-api-keys"):
+    """The keys file as the gateway pod sees it (the Secret's file at the path --api-keys-file names), read by
+    the gateway's own loader."""
+    from pdserve.services.gateway.tenants import TenantDirectory
+
     g = pod_template(by_kind(objs, "Deployment")[f"{FULL}-gateway"])
-    assert g["containers"][0]["args"][-2:] == ["--api-keys-file", "/etc/pdserve/api-keys/api-keys"]
-    assert next(v for v in g["volumes"] if v["name"] == "api-keys")["secret"]["secretName"] == f"{FULL}-api-keys"
-    own = objects({"gateway": {"apiKeys": {"enabled": True, "existingSecret": "keys"}}})
+    args = g["containers"][0]["args"]
+    path = args[args.index("--api-keys-file") + 1]
+    mount = next(m for m in g["containers"][0]["volumeMounts"] if path.startswith(m["mountPath"] + "/"))
+    vol = next(v for v in g["volumes"] if v["name"] == mount["name"])
+    assert vol["secret"]["secretName"] == name
+    [(key, text)] = by_kind(objs, "Secret")[name]["stringData"].items()
+    assert path == f"{mount['mountPath']}/{key}"
+    local = tmp_path / key
+    local.write_text(text)
+    return TenantDirectory(str(local))
+
+
+def test_api_keys_secret_is_a_file_the_gateway_loads(tmp_path):
+    """Issue 21: the chart wrote `sk-one\nsk-two\n` under `api-keys` and the gateway crash-looped on it."""
+    d = _tenants_from_secret(objects(SCENARIOS["gpu"]), tmp_path)
+    assert d.authenticate("sk-one").name == d.authenticate("sk-two").name == "default"
+    assert d.authenticate("sk-three") is None
+    tenants = {"acme": {"keys": ["sk-acme"], "rate_rps": 5, "burst": 10, "quota_tokens": 200000, "priority": 0},
+               "team": {"keys": ["sk-team"], "quota_window_s": 60}}
+    for key in ("tenants.yaml", "tenants.json", "keys"):
+        vals = {"gateway": {"apiKeys": {"enabled": True, "keys": ["sk-plain", "12345"], "defaultTenant": "team",
+                                        "tenants": tenants, "secretKey": key}}}
+        objs = objects(vals)
+        d = _tenants_from_secret(objs, tmp_path)
+        acme = d.authenticate("sk-acme")
+        assert (acme.name, acme.rate_rps, acme.burst, acme.quota_tokens, acme.priority) == ("acme", 5, 10, 200000, 0)
+        for k in ("sk-team", "sk-plain", "12345"):  # plain keys join the default tenant's own
+            assert d.authenticate(k).name == "team" and d.authenticate(k).quota_window_s == 60, k
+        # the pod template changes with the keys, so a `helm upgrade` with new keys rolls the gateways
+        ann = by_kind(objs, "Deployment")[f"{FULL}-gateway"]["spec"]["template"]["metadata"]["annotations"]
+        vals["gateway"]["apiKeys"]["keys"] = ["sk-new"]
+        ann2 = by_kind(objects(vals), "Deployment")[f"{FULL}-gateway"]["spec"]["template"]["metadata"]["annotations"]
+        assert ann["checksum/api-keys"] != ann2["checksum/api-keys"]
+    own = objects(SCENARIOS["plain_keys_secret"])
     assert not by_kind(own, "Secret")
+    g = pod_template(by_kind(own, "Deployment")[f"{FULL}-gateway"])
+    assert g["containers"][0]["args"][-2:] == ["--api-keys-file", "/etc/pdserve/api-keys/api-keys"]
+    assert next(v for v in g["volumes"] if v["name"] == "api-keys")["secret"]["secretName"] == "team-keys"
+    with pytest.raises(helm.HelmError, match="needs gateway.apiKeys.keys or gateway.apiKeys.tenants"):
+        render({"gateway": {"apiKeys": {"enabled": True}}})
+    with pytest.raises(helm.HelmError):  # a tenant without keys
+        render({"gateway": {"apiKeys": {"enabled": True, "tenants": {"acme": {"rate_rps": 1}}}}})
 
 
 # ---- autoscaling and metrics -------------------------------------------------------------------------------------
@@ -462,3 +504,7 @@ def test_network_policy_lets_workers_talk_nixl():
     peer = next(r for r in w["ingress"] if "ports" not in r)  # all ports between workers (UCX picks them)
     exprs = {e["key"]: e["values"] for e in peer["from"][0]["podSelector"]["matchExpressions"]}
     assert sorted(exprs["app.kubernetes.io/component"]) == ["decode", "prefill"]
+    # Redis: the gateway too (shared rate limits, quotas, reservations), not only router and workers
+    r = nps[f"{FULL}-redis"]["spec"]["ingress"][0]["from"][0]["podSelector"]["matchExpressions"]
+    comps = next(e["values"] for e in r if e["key"] == "app.kubernetes.io/component")
+    assert sorted(comps) == ["decode", "gateway", "prefill", "router"]

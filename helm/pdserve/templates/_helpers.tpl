@@ -164,6 +164,26 @@ builtin
 {{- end }}
 {{- end -}}
 
+{{/* The gateway's tenants file (pdserve/services/gateway/tenants.py reads it): `apiKeys.tenants`, with the plain
+     `apiKeys.keys` added to tenant `apiKeys.defaultTenant`; JSON when the Secret key ends in .json, else YAML */}}
+{{- define "pdserve.tenantsFile" -}}
+{{- $a := .Values.gateway.apiKeys -}}
+{{- $tenants := deepCopy ($a.tenants | default dict) -}}
+{{- if $a.keys -}}
+{{- $t := deepCopy (get $tenants $a.defaultTenant | default dict) -}}
+{{- $_ := set $t "keys" (concat ($t.keys | default list) $a.keys) -}}
+{{- $_ := set $tenants $a.defaultTenant $t -}}
+{{- end -}}
+{{- if not $tenants -}}
+{{- fail "gateway.apiKeys.enabled needs gateway.apiKeys.keys or gateway.apiKeys.tenants (or an existingSecret)" -}}
+{{- end -}}
+{{- if hasSuffix ".json" $a.secretKey -}}
+{{ dict "tenants" $tenants | toPrettyJson }}
+{{- else -}}
+{{ dict "tenants" $tenants | toYaml }}
+{{- end -}}
+{{- end -}}
+
 {{- define "pdserve.commonEnv" -}}
 - name: PDSERVE_LOG_LEVEL
   value: INFO

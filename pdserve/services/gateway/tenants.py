@@ -76,13 +76,49 @@ def parse(data: dict) -> list[Tenant]:
     return out
 
 
+PLAIN_KEYS_TENANT = "default"  # the tenant of a file that is only keys, one per line
+
+
+def _plain_keys(text: str) -> list[str] | None:
+    """The keys of a one-key-per-line file (blank and `#` lines skipped), or None when a line is not a bare key
+    (whitespace or ':' inside: a YAML mapping or list, or a malformed line)."""
+    lines = [ln.strip() for ln in text.splitlines()]
+    keys = [ln for ln in lines if ln and not ln.startswith("#")]
+    if keys and all(not any(c.isspace() or c == ":" for c in k) for k in keys):
+        return keys
+    return None
+
+
 def load_file(path: str | Path) -> list[Tenant]:
+    """Tenants from `path`: JSON (`.json`), YAML (`.yaml`/`.yml`), or, under any other name (a Secret key such as
+    `api-keys`), by content: a JSON/YAML tenants mapping, or plain keys one per line, all of tenant `default`
+    (no limits). Anything else is a ValueError naming the file and both formats."""
     text = Path(path).read_text()
-    if str(path).endswith((".yaml", ".yml")):
-        import yaml
-        data = yaml.safe_load(text) or {}
-    else:
-        data = json.loads(text)
+    name = str(path)
+    if not name.endswith((".json", ".yaml", ".yml")) and not text.lstrip().startswith("{"):
+        keys = _plain_keys(text)
+        if keys is not None:
+            return [Tenant(PLAIN_KEYS_TENANT, key_digests=[digest(k) for k in keys])]
+    try:
+        if name.endswith(".json") or text.lstrip().startswith("{"):
+            data = json.loads(text)
+        else:
+            import yaml
+            data = yaml.safe_load(text) or {}
+    except ValueError as e:
+        raise ValueError(f"api keys file {name}: not valid JSON: {e}") from None
+    except Exception as e:  # yaml.YAMLError: not a ValueError, so a reload would not catch it
+        raise ValueError(f"api keys file {name}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        bad = next((ln for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")
+                    and any(c.isspace() or c == ":" for c in ln.strip())), None)
+        raise ValueError(f"api keys file {name}: expected a tenants mapping (`tenants: {{NAME: {{keys: [...]}}}}`) "
+                         f"or one key per line" + (f"; line {bad.strip()!r} is neither" if bad else ""))
+    tenants = data.get("tenants", data)
+    for tname, cfg in (tenants.items() if isinstance(tenants, dict) else ()):
+        if cfg is not None and not isinstance(cfg, dict):  # e.g. a `key:with-colon` line read as YAML
+            raise ValueError(f"api keys file {name}: tenant {tname!r}: settings must be a mapping "
+                             f"(`{{keys: [...], rate_rps: ...}}`), got {type(cfg).__name__}")
     return parse(data)
 
 

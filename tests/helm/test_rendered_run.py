@@ -1,0 +1,195 @@
+"""Run what the chart renders (issue 21): values variants (API keys on, two gateway replicas, each `mode`) are
+rendered by the real Helm engine and turned into local processes by tests/helm/_pods.py (the rendered commands,
+args, env and Secret files; only addresses, ports and mount paths made local). Every variant's command lines go
+through `pdserve`'s own parser and its keys file through the gateway's own loader; the disagg variant is started
+for real (Redis, router, prefill, decode, two gateways) and answers requests with API keys, its two gateways
+sharing one rate-limit bucket through the Redis URL the chart now gives them."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+import urllib.request
+
+import pytest
+
+from tests.helm._chart import ROOT, objects
+from tests.helm._pods import LocalPod, plan
+
+CPU_POOL = {"gpus": 0, "numGpuBlocks": 64, "extraArgs": ["--threads", "1"]}
+KEYS = {"enabled": True, "keys": ["sk-plain"],
+        "tenants": {"acme": {"keys": ["sk-acme"], "priority": 0},
+                    "metered": {"keys": ["sk-metered"], "rate_rps": 0.001, "burst": 1}}}
+
+
+def variant(mode: str) -> dict:
+    return {"mode": mode, "workers": {"device": "cpu"},
+            "prefill": CPU_POOL, "decode": CPU_POOL, "worker": CPU_POOL,
+            "model": {"source": "pvc", "pvc": {"claimName": "weights"}, "subPath": "ck"},
+            "gateway": {"replicas": 2, "readinessRequiresWorkers": True, "apiKeys": KEYS}}
+
+
+MODES = ("disagg", "auto", "colocated")
+
+
+def _by_component(pods: list[LocalPod]) -> dict[str, list[LocalPod]]:
+    out: dict[str, list[LocalPod]] = {}
+    for p in pods:
+        out.setdefault(p.component, []).append(p)
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_rendered_commands_parse_and_connect(mode, tmp_path, monkeypatch):
+    """Every rendered pdserve command line, made local, is one `pdserve <component>` accepts; the addresses it
+    names are the local pods behind the Services; the mounted keys file loads with the gateway's loader."""
+    from pdserve.cli import build_parser
+    from pdserve.services.gateway.tenants import TenantDirectory
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    pods = plan(objects(variant(mode)), tmp_path / "pods", ckpt)
+    comp = _by_component(pods)
+    [redis] = comp["redis"]
+    redis_url = f"redis://127.0.0.1:{redis.port('redis')}/0"
+    assert len(comp["gateway"]) == 2 and len(comp["router"]) == 1
+    pools = ["worker"] if mode == "colocated" else ["prefill", "decode"]
+    parsed = {}
+    for p in pods:
+        if p.component == "redis":
+            continue
+        for k in [k for k in os.environ if k.startswith("PDSERVE_")]:
+            monkeypatch.delenv(k)
+        for k, v in p.env.items():
+            monkeypatch.setenv(k, v)
+        a = parsed[p.name] = build_parser().parse_args(p.argv[3:])
+        assert a.command == {"gateway": "gateway", "router": "router"}.get(p.component, "worker")
+        assert a.redis_url == redis_url, (p.name, a.redis_url)  # every component, both gateways included
+        assert a.host == "127.0.0.1" and a.port == p.port(p.container["ports"][0]["name"])  # http / grpc
+        if a.command == "router":
+            assert a.mode == mode
+        elif a.command == "worker":
+            assert a.role == {"worker": "both"}.get(p.component, p.component) and p.component in pools
+            assert a.model == str(tmp_path / "pods" / p.name / "model" / "ck")
+            assert os.path.samefile(a.model, ckpt) and a.worker_id == p.name and a.advertise_host == "127.0.0.1"
+            assert a.device == "cpu" and a.threads == 1
+        else:
+            [router] = comp["router"]
+            assert a.router == f"127.0.0.1:{router.port('grpc')}"
+            assert os.path.samefile(a.model, ckpt)
+            d = TenantDirectory(a.api_keys_file)
+            assert d.authenticate("sk-acme").name == "acme" and d.authenticate("sk-acme").priority == 0
+            assert d.authenticate("sk-plain").name == "default"
+            assert d.authenticate("sk-metered").rate_rps == 0.001 and d.authenticate("nope") is None
+    assert {a.served_model_name for a in parsed.values()} == {"ck"}
+    assert sorted(p.component for p in pods if p.component in pools) == sorted(pools)
+
+
+# ---- the disagg variant, started -------------------------------------------------------------------------------
+
+def _ready(pod: LocalPod) -> bool:
+    """The container's rendered readinessProbe, asked of the local process."""
+    pr = pod.container["readinessProbe"]
+    try:
+        if "grpc" in pr:
+            import grpc
+            from grpc_health.v1 import health_pb2, health_pb2_grpc
+            with grpc.insecure_channel(f"127.0.0.1:{pod.port(pr['grpc']['port'])}") as ch:
+                r = health_pb2_grpc.HealthStub(ch).Check(
+                    health_pb2.HealthCheckRequest(service=pr["grpc"].get("service", "")), timeout=1)
+                return r.status == health_pb2.HealthCheckResponse.SERVING
+        if "httpGet" in pr:
+            url = f"http://127.0.0.1:{pod.port(pr['httpGet']['port'])}{pr['httpGet']['path']}"
+            with urllib.request.urlopen(url, timeout=2) as r:
+                return r.status == 200
+        if "exec" in pr and pr["exec"]["command"][0] == "redis-cli":  # `redis-cli -p PORT ping`
+            import redis
+            cmd = pr["exec"]["command"]
+            return redis.Redis(port=pod.port(int(cmd[cmd.index("-p") + 1])), socket_timeout=1).ping()
+    except Exception:
+        return False
+    raise AssertionError(f"{pod.name}: no local check for probe {pr}")
+
+
+def _metric(port: int, name: str, labels: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        m = re.search(rf"^{re.escape(name)}{re.escape(labels)}\s+(\S+)$", r.read().decode(), re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server (the rendered Redis pod)")
+def test_disagg_variant_serves_requests_as_rendered(tiny_llama, tmp_path):
+    import httpx
+    import redis
+
+    pods = plan(objects(variant("disagg")), tmp_path / "pods", tiny_llama)
+    comp = _by_component(pods)
+    procs: dict[str, subprocess.Popen] = {}
+    logs = tmp_path / "logs"
+    logs.mkdir()
+
+    def start(pod: LocalPod) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
+        env.update(pod.env, PYTHONPATH=str(ROOT))
+        with open(logs / f"{pod.name}.log", "w") as out:
+            procs[pod.name] = subprocess.Popen(pod.argv, env=env, cwd=str(tmp_path), stdout=out,
+                                               stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(group: list[LocalPod], timeout: float) -> None:
+        end, left = time.monotonic() + timeout, list(group)
+        while left:
+            for pod in list(left):
+                rc = procs[pod.name].poll()
+                assert rc is None, f"{pod.name} exited {rc}:\n" + (logs / f"{pod.name}.log").read_text()[-3000:]
+                if _ready(pod):
+                    left.remove(pod)
+            if left and time.monotonic() > end:
+                raise AssertionError("not ready: " + ", ".join(
+                    f"{p.name}:\n{(logs / f'{p.name}.log').read_text()[-2000:]}" for p in left))
+            time.sleep(0.3)
+
+    try:
+        start(comp["redis"][0])
+        wait_ready(comp["redis"], 15)
+        rest = [p for p in pods if p.component != "redis"]
+        for pod in rest:  # the kubelet starts them together; the chart's probes say when each is ready
+            start(pod)
+        wait_ready(rest, 150)
+
+        g0, g1 = (f"http://127.0.0.1:{g.port('http')}" for g in comp["gateway"])
+        body = {"model": "ck", "prompt": "the quick brown fox", "max_tokens": 4, "temperature": 0}
+        r = httpx.post(g0 + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 401, r.text  # keys required
+        r = httpx.post(g0 + "/v1/completions", json=body, headers={"Authorization": "Bearer sk-acme"}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert 1 <= r.json()["usage"]["completion_tokens"] <= 4
+        r = httpx.post(g1 + "/v1/chat/completions", headers={"Authorization": "Bearer sk-plain"}, timeout=60,
+                       json={"model": "ck", "messages": [{"role": "user", "content": "judge my vow"}],
+                             "max_tokens": 3, "temperature": 0})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant", r.text
+        # one bucket for both replicas (burst 1, ~no refill): the second request, on the other gateway, is refused
+        one = dict(body, max_tokens=1)
+        r = httpx.post(g0 + "/v1/completions", json=one, headers={"x-api-key": "sk-metered"}, timeout=60)
+        assert r.status_code == 200, r.text
+        r = httpx.post(g1 + "/v1/completions", json=one, headers={"x-api-key": "sk-metered"}, timeout=60)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded", r.text
+        rd = redis.Redis(port=comp["redis"][0].port("redis"))
+        assert rd.exists("pdserve:ck:ratelimit:metered")
+        # the router placed by the chart's mode: every request went prefill -> decode
+        end = time.monotonic() + 10
+        while _metric(comp["gateway"][0].port("http"), "pdserve_ttft_seconds_count", '{mode="disagg"}') < 2:
+            assert time.monotonic() < end, "gateway-0 did not record its two requests as disagg"
+            time.sleep(0.2)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
