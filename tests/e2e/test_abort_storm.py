@@ -83,7 +83,7 @@ async def _stream(port: int, key: str, stage: int, max_tokens: int, read_events:
             if not chunk:
                 break
             buf += chunk
-            while b"\n\n" in buf:
+            while b"\n\n" in buf and events < want:
                 ev, buf = buf.split(b"\n\n", 1)
                 if b"data: [DONE]" in ev:
                     return events
