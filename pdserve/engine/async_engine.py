@@ -8,18 +8,38 @@ the consumer counts outputs taken (one writer each, so no lock); when a request 
 `max_buffered_outputs` undelivered outputs it is paused (BACKPRESSURED: no decode steps), and resumed once its
 consumer has drained to half. The chain of pull-based streams (SSE -> gateway -> gRPC -> here) carries a slow
 client's backpressure down to this buffer.
+
+Readers that must never wait behind a step (the registry heartbeat) read `snapshot`: engine stats the engine
+thread publishes between steps, plus how long the thread has been inside its current step or command.
 """
 from __future__ import annotations
 
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
+
+
+# While a remote prefill's KV is awaited, an idle engine thread wakes this often to check transfer deadlines.
+TRANSFER_POLL_S = 0.25
+# Stats are republished at most this often while the engine is busy (always before it goes idle).
+SNAPSHOT_INTERVAL_S = 0.1
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Engine.stats() as of `published` (time.monotonic()); replaced whole, never mutated, so any thread may
+    read the current one without a lock."""
+
+    stats: dict = field(default_factory=dict)
+    published: float = 0.0
 
 
 class AsyncEngine:
@@ -36,9 +56,12 @@ class AsyncEngine:
         self._stopping = False
         self.on_step: Callable[[Engine, list[RequestOutput]], None] | None = None  # metrics hook (engine thread)
         self._hook_backlog: list[RequestOutput] = []  # delivered between steps, shown to the hook at the next
+        self.snapshot = EngineSnapshot()
+        self._busy_since: float | None = None  # monotonic start of the step/command running now (engine thread)
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self._publish()  # the thread is not running yet: the engine is ours to read
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -50,25 +73,36 @@ class AsyncEngine:
 
     # ---- engine thread ----------------------------------------------------------------------------------------
     def _run(self) -> None:
+        last_publish = 0.0
         while not self._stopping:
             block = not self.engine.has_unfinished()
+            now = time.monotonic()
+            if block or now - last_publish >= SNAPSHOT_INTERVAL_S:
+                self._publish()  # before going idle, so what an idle engine shows is never stale
+                last_publish = now
+            # Idle but for remote prefills whose KV is still awaited: wake now and then for their deadlines.
+            timeout = TRANSFER_POLL_S if block and self.engine.has_pending_transfers() else None
             try:
                 while True:
-                    cmd = self._commands.get(block=block, timeout=None if block else 0)
+                    cmd = self._commands.get(block=block, timeout=timeout if block else 0)
                     block = False
                     if cmd is None:
                         if self._stopping:
                             return
                         continue
                     fn, fut = cmd
+                    self._busy_since = time.monotonic()
                     try:
                         result = fn(self.engine)
                     except BaseException as e:  # hand the error to the awaiting caller
                         self._resolve(fut, None, e)
                     else:
                         self._resolve(fut, result, None)
+                    finally:
+                        self._busy_since = None
             except queue.Empty:
                 pass
+            self.engine.expire_transfers(time.time())
             # Deliver what commands produced (a committed prefill's first token, aborts) now; the metrics hook
             # still sees them, with the next step's outputs (it times steps by its calls).
             pending = self.engine.drain_outputs()
@@ -78,10 +112,13 @@ class AsyncEngine:
             if self.engine.has_unfinished():
                 self._backpressure()
                 steps = self.engine.num_steps
+                self._busy_since = time.monotonic()
                 try:
                     outputs = self.engine.step()
                 except Exception as e:  # a failed step fails its requests, not the worker
                     outputs = self._fail_all(e)
+                finally:
+                    self._busy_since = None
                 if self.on_step:
                     self.on_step(self.engine, self._hook_backlog + outputs)
                 self._hook_backlog = []
@@ -89,6 +126,15 @@ class AsyncEngine:
                     self._deliver(out)
                 if self.engine.num_steps == steps and not outputs:
                     self._idle_wait()
+
+    def _publish(self) -> None:
+        self.snapshot = EngineSnapshot(self.engine.stats(), time.monotonic())
+
+    def busy_for(self) -> float:
+        """Seconds the engine thread has been inside its current step or command (0 between them or idle).
+        Any thread may call it: a worker whose engine is wedged must stop advertising itself."""
+        since = self._busy_since
+        return 0.0 if since is None else max(0.0, time.monotonic() - since)
 
     def _idle_wait(self) -> None:
         """Nothing could run (all requests backpressured or waiting for blocks): wait for a command or a few ms
@@ -172,11 +218,23 @@ class AsyncEngine:
                                                    prefill_only=prefill_only, arrival_time=arrival_time,
                                                    deadline=deadline, priority=priority,
                                                    predicted_output_tokens=predicted_output_tokens))
-        except BaseException:
-            self._streams.pop(request_id, None)
+        except asyncio.CancelledError:
+            # the add is queued and will run: undo it behind it (commands run in order), or the request would
+            # compute (and a prefill-only one stay pinned) for nobody
+            self.detach(request_id)
+            self.submit(lambda e: e.abort(request_id, "CANCELLED"))
+            raise
+        except BaseException:  # refused (ValueError: invalid, or a duplicate id that is someone else's)
+            self.detach(request_id)
             raise
         async for out in stream:
             yield out
+
+    def detach(self, request_id: str) -> None:
+        """Forget a request's output queue. For a caller that attached but never iterated (a never-started
+        iterator's cleanup does not run); idempotent. Does not abort: the caller does that explicitly."""
+        self._streams.pop(request_id, None)
+        self._consumed.pop(request_id, None)
 
     def attach(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """Register for a request's outputs now (before it is added or committed, so nothing is missed) and

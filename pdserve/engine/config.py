@@ -160,6 +160,9 @@ class EngineConfig:
     num_threads: int | None = None
     # Decode attention by the compiled in-place kernel (engine/kernels.py) where it builds; False: torch only.
     native_kernels: bool = True
+    # Fault injection for tests and drills: every step that runs a forward first sleeps this long (a slow or
+    # stalled device), e.g. to show that heartbeats do not wait for the engine thread. 0 in production.
+    fault_step_delay_s: float = 0.0
 
     def validate(self) -> None:
         if self.policy not in POLICIES:

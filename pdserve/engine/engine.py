@@ -53,6 +53,8 @@ class Request:
     state: S = S.QUEUED
     prompt_logprobs: list | None = None
     deadline: float | None = None  # unix time; past it the request ends TIMED_OUT from any live state
+    # decode side: unix time by which a remote prefill's KV must have arrived (commit_prefilled), else FAILED
+    transfer_deadline: float | None = None
     paused_since: float | None = None  # backpressured since (unix time)
 
     @property
@@ -189,6 +191,8 @@ class Engine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return outputs
+        if self.config.fault_step_delay_s:  # fault injection: a slow device (docs/reliability.md)
+            time.sleep(self.config.fault_step_delay_s)
         self.num_steps += 1
         self.batch_sizes.append((len(sched.scheduled), sched.num_batched_tokens))
         now = time.time()
@@ -306,8 +310,9 @@ class Engine:
     def _expire(self, now: float) -> None:
         """Deadlines: any live request past its deadline ends TIMED_OUT (queued, preempted, swapped, running or
         backpressured alike: the client has stopped waiting). Requests whose KV is being pulled (remote_pending)
-        are left to the transfer timeout: their blocks may still be written by NIXL. Also: a request
-        backpressured for longer than `backpressure_preempt_s` gives its KV back (preempted, spec §1.4)."""
+        are left to their transfer deadline (`expire_transfers`): their blocks may still be written by NIXL. Also:
+        a request backpressured for longer than `backpressure_preempt_s` gives its KV back (preempted, §1.4)."""
+        self.expire_transfers(now)
         for req in list(self.requests.values()):
             if req.deadline is not None and now >= req.deadline and not req.reclaimed:
                 self.abort(req.request_id, "TIMED_OUT")
@@ -315,6 +320,15 @@ class Engine:
                 for seq in req.seqs:
                     if seq.state == S.BACKPRESSURED:
                         self.scheduler.preempt(seq)
+
+    def expire_transfers(self, now: float) -> None:
+        """A remote prefill whose KV never arrived (the decode side neither committed nor failed it by its
+        transfer deadline) ends FAILED and frees its blocks: nothing else would ever free them. The deadline lies
+        past the decode service's own READ timeout, so a READ still writing into them has given up by then."""
+        for req in list(self.remote_pending.values()):
+            if req.transfer_deadline is not None and now >= req.transfer_deadline:
+                log.warning("request %s: KV transfer never completed; freeing its blocks", req.request_id)
+                self.abort(req.request_id, "FAILED")
 
     def set_paused(self, request_id: str, paused: bool) -> bool:
         """Backpressure on/off for a request (its consumer's buffer is full / drained). Returns whether it
@@ -410,12 +424,20 @@ class Engine:
         for b in reversed(blocks):
             self.block_manager.release_block(b)
 
+    def discard(self, request_id: str) -> None:
+        """Prefill side, the caller is gone: end the request CANCELLED wherever it is (still prefilling: aborted;
+        prefilled, its KV pinned but handed to nobody: released). Idempotent; unknown ids are a no-op."""
+        self.abort(request_id, "CANCELLED")
+        self.release_pinned(request_id)
+
     def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
                               params: SamplingParams, *, namespace: str = "",
                               arrival_time: float | None = None, deadline: float | None = None,
-                              priority: int = 0) -> tuple[list[int], int] | None:
+                              priority: int = 0,
+                              transfer_deadline: float | None = None) -> tuple[list[int], int] | None:
         """Decode side: allocate blocks for a prompt prefilled elsewhere. Returns (block ids, number of leading
-        blocks already valid from the local prefix cache) or None when the blocks cannot be had now."""
+        blocks already valid from the local prefix cache) or None when the blocks cannot be had now.
+        `transfer_deadline` (unix time): not committed by then, the request ends FAILED (`expire_transfers`)."""
         if request_id in self.requests or request_id in self.remote_pending:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.validate_request(prompt_token_ids, params)
@@ -432,12 +454,16 @@ class Engine:
         seq.set_state(S.RUNNABLE)
         seq.set_state(S.PREFILLING)  # prefilling remotely: the blocks are being filled by a transfer
         req.metrics["first_token_id"] = first_token_id
+        req.transfer_deadline = transfer_deadline
         self.remote_pending[request_id] = req
         return list(seq.block_table), len(hits)
 
-    def commit_prefilled(self, request_id: str) -> None:
-        """The transferred blocks hold the prompt's KV: append the first token and join the decode batch."""
-        req = self.remote_pending.pop(request_id)
+    def commit_prefilled(self, request_id: str) -> bool:
+        """The transferred blocks hold the prompt's KV: append the first token and join the decode batch.
+        False when the request is no longer pending (its transfer deadline passed, or it was aborted)."""
+        req = self.remote_pending.pop(request_id, None)
+        if req is None:
+            return False
         seq = req.seqs[0]
         seq.num_computed_tokens = seq.num_prompt_tokens
         self.block_manager.mark_computed(seq)
@@ -456,13 +482,17 @@ class Engine:
             seq.finish_reason = reason
             self._reclaim(req, S.FINISHED)
             self._pending_outputs.append(self._output(req))
-            return
+            return True
         seq.set_state(S.DECODING)
         self.scheduler.running.append(seq)
         self._pending_outputs.append(self._output(req))
+        return True
 
     def fail_prefilled(self, request_id: str) -> None:
         self.abort(request_id, "FAILED")
+
+    def has_pending_transfers(self) -> bool:
+        return bool(self.remote_pending)
 
     def drain_kv_events(self) -> list:
         """Block stored/evicted events since the last call (for the router's prefix index)."""

@@ -5,7 +5,8 @@ decode:  GenerateFromPrefill (pull with NIXL, then stream).
 both:    Generate (the whole request here: colocated mode). Every role also answers Generate, so a
          deployment degrades to colocated serving rather than failing.
 The worker heartbeats its record + load into Redis; SIGTERM drains (deregister, NOT_SERVING, wait for
-in-flight requests, stop).
+in-flight requests, stop). The heartbeat never waits for the engine thread (a long step would let the registry
+entry lapse): it reads the stats snapshot the engine thread publishes between steps.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import socket
 import time
 
@@ -34,6 +36,11 @@ from pdserve.services.router.load import LoadMeter
 from pdserve.services.router.prefix_index import KvEventPublisher, publish_forever
 
 log = logging.getLogger("pdserve.worker")
+
+# A worker whose engine thread has been inside one step or command this long is wedged, not busy: it stops
+# heartbeating, so its registry entry lapses and nothing more is routed to it. Far above any real step (a full
+# chunk of prefill is seconds at worst on a CPU), far below "forever".
+ENGINE_STALL_S = 60.0
 
 
 class Worker(worker_pb2_grpc.WorkerServicer):
@@ -79,8 +86,15 @@ class Worker(worker_pb2_grpc.WorkerServicer):
                 "pinned_blocks": self.prefill.leases.pinned_blocks(),
                 "prefix_hit_ratio": float(s.get("prefix_hit_ratio", 0.0) or 0.0), **self.meter.report()}
 
-    async def refresh_stats(self) -> dict:
-        s = await self.host.run(lambda e: e.stats())
+    def refresh_stats(self) -> dict:
+        """From the snapshot the engine thread published last: never waits for a step."""
+        return self._use_stats(self.host.snapshot.stats)
+
+    async def exact_stats(self) -> dict:
+        """Through the engine thread, after every command queued before it (waits for the current step)."""
+        return self._use_stats(await self.host.run(lambda e: e.stats()))
+
+    def _use_stats(self, s: dict) -> dict:
         self.last_stats = s
         M.KV_BLOCKS_IN_USE.set(s.get("kv_blocks_in_use", 0))
         M.KV_BLOCKS_TOTAL.set(s.get("kv_blocks_total", 0))
@@ -147,8 +161,9 @@ class Worker(worker_pb2_grpc.WorkerServicer):
         if self.role != "decode":
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"worker role is {self.role}, not decode")
         with self._track():
-            async for msg in self.decode.GenerateFromPrefill(request, context):
-                yield msg
+            async with contextlib.aclosing(self.decode.GenerateFromPrefill(request, context)) as msgs:
+                async for msg in msgs:  # closed with this call, so its cleanup runs now, not at collection
+                    yield msg
 
     async def ReleaseKV(self, request, context):
         return await self.prefill.ReleaseKV(request, context)
@@ -163,17 +178,27 @@ class Worker(worker_pb2_grpc.WorkerServicer):
         return self.region_pb
 
     async def GetStats(self, request, context):
-        s = await self.refresh_stats()
+        s = await self.exact_stats()
         ld = self.load()
         return worker_pb2.GetStatsResponse(load=common_pb2.LoadReport(worker_id=self.worker_id, **ld),
                                            stats_json=json.dumps(s, default=str))
 
 
-async def _heartbeat_loop(w: Worker, registry: Registry | None, interval_s: float) -> None:
+async def _heartbeat_loop(w: Worker, registry: Registry | None, interval_s: float,
+                          stall_s: float = ENGINE_STALL_S) -> None:
+    stalled = False
     while True:
         try:
-            await w.refresh_stats()
-            if registry is not None:
+            w.refresh_stats()
+            busy = w.host.busy_for()
+            if busy > stall_s:
+                if not stalled:
+                    log.error("engine thread stuck in one step for %.0fs: leaving the registry until it moves", busy)
+                stalled = True
+            elif registry is not None:
+                if stalled:
+                    log.warning("engine thread moves again: rejoining the registry")
+                stalled = False
                 await registry.heartbeat(w.record())
         except Exception as e:  # Redis blips must not kill the worker; the TTL says whether it is live
             log.warning("heartbeat failed: %s", e)
@@ -194,6 +219,8 @@ def engine_config_from_env(args) -> EngineConfig:
         kw["policy"] = args.policy
     if getattr(args, "threads", None):
         kw["num_threads"] = args.threads
+    if os.environ.get("PDSERVE_FAULT_STEP_DELAY_S"):  # fault injection only (EngineConfig.fault_step_delay_s)
+        kw["fault_step_delay_s"] = float(os.environ["PDSERVE_FAULT_STEP_DELAY_S"])
     return EngineConfig(**kw)
 
 
@@ -213,7 +240,7 @@ async def serve(args) -> None:
     server.add_insecure_port(f"{args.host}:{args.port}")
     await server.start()
     registry = Registry(args.redis_url, args.served_model_name, ttl_s=args.heartbeat_ttl) if args.redis_url else None
-    await w.refresh_stats()
+    w.refresh_stats()
     if registry is not None:
         await registry.heartbeat(w.record())
     hb = asyncio.create_task(_heartbeat_loop(w, registry, args.heartbeat_ttl / 3))
@@ -242,6 +269,7 @@ async def serve(args) -> None:
     while (w.inflight or len(w.prefill.leases)) and time.monotonic() < t_end:
         await asyncio.sleep(0.05)
     await server.stop(grace=1)
+    await w.decode.close()
     await w.prefill.stop()
     await w.host.stop()
     if w.agent is not None:

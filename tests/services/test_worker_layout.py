@@ -1,12 +1,7 @@
 """Standalone worker processes (real gRPC + NIXL): a decode worker refuses KV from a prefill worker whose layout
 differs, with an error naming the field, and both stay healthy; health + reflection are served."""
 import asyncio
-import os
 import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import grpc
 import pytest
@@ -16,33 +11,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.services.grpc_util import channel
 from pdserve.services.pb import params_to_pb, worker_pb2, worker_pb2_grpc
-from pdserve.services.up import free_port
 from tests.conftest import make_checkpoint
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def start_worker(model: Path, role: str) -> tuple[subprocess.Popen, int]:
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PDSERVE_LOG_LEVEL": "WARNING"}
-    p = subprocess.Popen([sys.executable, "-m", "pdserve", "worker", "--model", str(model), "--role", role,
-                          "--port", str(port), "--redis-url", "", "--num-gpu-blocks", "64",
-                          "--worker-id", f"{role}-{port}"], env=env)
-    return p, port
-
-
-async def wait_serving(port: int, timeout: float = 60) -> None:
-    stub = health_pb2_grpc.HealthStub(channel(f"127.0.0.1:{port}"))
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        try:
-            r = await stub.Check(health_pb2.HealthCheckRequest(service="pdserve.v1.Worker"), timeout=1)
-            if r.status == health_pb2.HealthCheckResponse.SERVING:
-                return
-        except grpc.aio.AioRpcError:
-            pass
-        await asyncio.sleep(0.2)
-    raise TimeoutError(f"worker on {port} not serving")
+from tests.services._workers import start_worker, wait_serving
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,14 @@ commit, then stream tokens (the first message carries the first token sampled by
 
 A failed or timed-out pull ends the request FAILED (engine.fail_prefilled reclaims the local blocks), the
 prefill side is told to release, and the worker stays healthy.
+
+Cancellation (the gateway's client left) can strike at any await of the hand-off: while the allocation is queued
+on the engine thread, during the READ, before the commit, mid-stream. Every exit goes through one synchronous
+cleanup (`_cleanup`, in `finally`, awaiting nothing, so a cancellation cannot cut it short): the prefill side is
+told to release (once), and the local request is aborted behind the allocation (engine commands run in order, so
+an abort queued after an allocation that is still queued undoes it) - after the READ has stopped writing into
+its blocks. The engine's transfer deadline (`Engine.expire_transfers`) is the backstop if a pickup is ever left
+neither committed nor failed.
 """
 from __future__ import annotations
 
@@ -10,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -30,18 +38,44 @@ def region_from_pb(r: common_pb2.KvRegion) -> KVRegion:
                     KVLayout.from_dict(layout_from_pb(r.layout)))
 
 
+# The engine's backstop for a pickup left neither committed nor failed: this long past the READ's own timeout
+# (the allocation and commit are engine commands, queued behind at most a step or two).
+TRANSFER_GRACE_S = 5.0
+
+
+@dataclass
+class _Pickup:
+    """What one GenerateFromPrefill call holds, so that its cleanup undoes exactly that."""
+
+    added: bool = False  # an add_prefilled_request is queued or done: the engine may hold blocks for it
+    xfer: asyncio.Future | None = None  # the NIXL READ into those blocks
+    released: bool = False  # the prefill side was told to release its copy
+    ended: bool = False  # a terminal message went out or the call was refused: nothing left to cancel
+
+
 class DecodeSide:
     def __init__(self, worker, transfer_timeout_s: float, alloc_wait_s: float = 10.0):
         self.w = worker
         self.transfer_timeout_s = transfer_timeout_s
         self.alloc_wait_s = alloc_wait_s
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._tasks: set[asyncio.Task] = set()  # cleanups that outlive their (cancelled) RPC
 
     def _stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         ch = self._channels.get(address)
         if ch is None:
             ch = self._channels[address] = channel(address)
         return worker_pb2_grpc.WorkerStub(ch)
+
+    def _spawn(self, coro) -> None:
+        t = asyncio.ensure_future(coro)
+        self._tasks.add(t)  # owned: not collected mid-flight, awaited by close()
+        t.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        """Let outstanding cleanups (ReleaseKV calls, aborts waiting for a READ) finish."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
     async def _release_remote(self, kv: common_pb2.KvHandle, request_id: str) -> None:
         try:
@@ -50,7 +84,41 @@ class DecodeSide:
         except grpc.aio.AioRpcError as e:  # the lease reaper on the prefill side is the backstop
             log.warning("ReleaseKV %s on %s failed: %s", request_id, kv.worker_address, e.code())
 
+    def _release_once(self, p: _Pickup, kv: common_pb2.KvHandle, rid: str) -> None:
+        if not p.released:
+            p.released = True
+            self._spawn(self._release_remote(kv, rid))
+
+    async def _abort_after(self, xfer: asyncio.Future, rid: str) -> None:
+        # never free blocks NIXL may still be writing into: the READ ends by its own timeout at the latest
+        await asyncio.wait({xfer})
+        if not xfer.cancelled():
+            xfer.exception()  # retrieved: a failed READ of a cancelled pickup is no news
+        self.w.host.submit(lambda e: e.abort(rid, "CANCELLED"))
+
+    def _cleanup(self, p: _Pickup, kv: common_pb2.KvHandle, rid: str) -> None:
+        """Every exit of GenerateFromPrefill. Awaits nothing, so a cancellation cannot cut it short; idempotent
+        pieces only (ReleaseKV and abort are no-ops the second time)."""
+        self._release_once(p, kv, rid)
+        if not p.ended:  # the caller went away (disconnect / cancel) or something broke
+            M.TERMINAL.labels("CANCELLED").inc()
+            if p.added:
+                if p.xfer is not None and not p.xfer.done():
+                    self._spawn(self._abort_after(p.xfer, rid))
+                else:  # queued behind the allocation if that is still queued: it undoes it
+                    self.w.host.submit(lambda e: e.abort(rid, "CANCELLED"))
+        self.w.host.detach(rid)  # an output queue attached before a commit we never got to read
+
     async def GenerateFromPrefill(self, request: worker_pb2.GenerateFromPrefillRequest, context):
+        p = _Pickup()
+        try:
+            async with contextlib.aclosing(self._pickup(request, context, p)) as msgs:
+                async for msg in msgs:
+                    yield msg
+        finally:
+            self._cleanup(p, request.kv, request.request_id)
+
+    async def _pickup(self, request: worker_pb2.GenerateFromPrefillRequest, context, p: _Pickup):
         w = self.w
         rid = request.request_id
         kv = request.kv
@@ -61,104 +129,98 @@ class DecodeSide:
             check_compatible(w.layout, region.layout)
         except KVLayoutMismatch as e:
             M.REJECTIONS.labels("kv_layout_mismatch").inc()
-            asyncio.ensure_future(self._release_remote(kv, rid))
+            p.ended = True
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         prompt = list(request.prompt_token_ids)
         t_start = time.time()
         lc = lifecycle_from_context(context)
         lc.pop("predicted_output_tokens", None)
+        budget = self.transfer_timeout_s + TRANSFER_GRACE_S
+
+        def add(e):
+            return e.add_prefilled_request(rid, prompt, request.first_token_id, params, namespace=request.namespace,
+                                           transfer_deadline=time.time() + budget, **lc)
+
         # 1. allocate (waiting a little for capacity: decode blocks free up as other requests finish)
         deadline = time.monotonic() + self.alloc_wait_s
         while True:
+            p.added = True  # queued from here on: it runs even if this call is cancelled while awaiting it
             try:
-                alloc = await w.host.run(lambda e: e.add_prefilled_request(
-                    rid, prompt, request.first_token_id, params, namespace=request.namespace, **lc))
+                alloc = await w.host.run(add)
             except ValueError as e:
-                asyncio.ensure_future(self._release_remote(kv, rid))
+                p.added, p.ended = False, True  # refused: nothing of ours (a duplicate id is someone else's)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            if alloc is not None or time.monotonic() > deadline:
+            if alloc is not None:
                 break
+            p.added = False  # None: nothing was allocated or registered
+            if time.monotonic() > deadline:
+                M.REJECTIONS.labels("decode_kv_full").inc()
+                p.ended = True
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no KV capacity on the decode worker")
             await asyncio.sleep(0.02)
-        if alloc is None:
-            M.REJECTIONS.labels("decode_kv_full").inc()
-            asyncio.ensure_future(self._release_remote(kv, rid))
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no KV capacity on the decode worker")
         dst_blocks, cached = alloc
-        finished = False
-        released = False
-        xfer: asyncio.Future | None = None
-        try:
-            # 2. pull the blocks the local prefix cache does not already hold: ONE batched READ
-            need = -(-kv.num_tokens // w.layout.block_size)
-            src, dst = list(kv.block_ids[cached:need]), list(dst_blocks[cached:need])
-            t0 = time.time()
-            err = None
-            nbytes = 0
-            # The READ must give up before the prefill side's lease can free the source blocks (a READ
-            # racing the reaper would copy blocks that may already hold another request's KV).
-            timeout = self.transfer_timeout_s
-            if kv.lease_expiry_unix:
-                timeout = min(timeout, kv.lease_expiry_unix - time.time() - 0.5)
-            if timeout <= 0:
-                err = "KV lease expired before the transfer started"
-            elif src:
-                xfer = asyncio.ensure_future(asyncio.to_thread(
-                    w.agent.read_blocks, region, src, dst, kv.lease_id.encode(), timeout))
-                try:
-                    nbytes = await asyncio.shield(xfer)
-                    M.KV_TRANSFER_BYTES.inc(nbytes)
-                except (KVTransferError, KVLayoutMismatch, ValueError, RuntimeError) as e:
-                    err = f"KV transfer failed: {e}"
-                    w.agent.forget_remote(region.agent_name)  # a dead peer must be re-added if it comes back
-            t1 = time.time()
-            M.KV_TRANSFER_SECONDS.observe(t1 - t0)
-            if err is not None:
-                released = True
-                asyncio.ensure_future(self._release_remote(kv, rid))
-                M.KV_TRANSFER_FAILURES.labels("timeout" if "timed out" in err else "error").inc()
-                await w.host.run(lambda e: e.fail_prefilled(rid))
-                M.TERMINAL.labels("FAILED").inc()
-                finished = True
-                log.warning("request %s: %s", rid, err)
-                yield common_pb2.GenerateResponse(request_id=rid, finished=True, state="FAILED", error=err)
-                return
-            # 3. commit: the request joins the decode batch; its first output carries the first token
-            stream = w.host.attach(rid)  # before the commit, so the first output (the first token) is not missed
-            await w.host.run(lambda e: e.commit_prefilled(rid))
-            meter = getattr(w, "meter", None)
-            if meter is not None:  # the router's link bandwidth and hand-off cost are these measurements
-                meter.observe_transfer(nbytes, t1 - t0, time.time() - t_start)
-            async with contextlib.aclosing(stream):
-                enc = DeltaEncoder(w.tokenizer)
-                first = True
-                async for out in stream:
-                    msg = enc.encode(out)
-                    if first:
-                        msg.times.kv_transfer_start, msg.times.kv_transfer_end = t0, t1
-                        if request.HasField("first_logprob") and msg.outputs:
-                            # the first token was sampled on the prefill worker, with its logprobs
-                            rest = list(msg.outputs[0].logprobs)
-                            del msg.outputs[0].logprobs[:]
-                            msg.outputs[0].logprobs.extend([request.first_logprob, *rest])
-                        first = False
-                    if out.finished:
-                        finished = True
-                        M.TERMINAL.labels(out.state).inc()
-                    yield msg
-                    if not released:
-                        # 4. the prefill side may free its copy now (the READ's notification says the same); sent
-                        # after the first token went out, as starting the ReleaseKV call first delays it
-                        released = True
-                        asyncio.ensure_future(self._release_remote(kv, rid))
-        finally:
-            if xfer is not None and not xfer.done():
-                # never free blocks NIXL may still be writing into
-                try:
-                    await asyncio.wait_for(asyncio.shield(xfer), self.transfer_timeout_s + 1)
-                except BaseException:  # noqa: BLE001
-                    pass
-            if not released:  # left before the first message went out (cancelled, commit failed)
-                asyncio.ensure_future(self._release_remote(kv, rid))
-            if not finished:  # the caller went away (disconnect / cancel)
-                M.TERMINAL.labels("CANCELLED").inc()
-                w.host.submit(lambda e: e.abort(rid, "CANCELLED"))
+        # 2. pull the blocks the local prefix cache does not already hold: ONE batched READ
+        need = -(-kv.num_tokens // w.layout.block_size)
+        src, dst = list(kv.block_ids[cached:need]), list(dst_blocks[cached:need])
+        t0 = time.time()
+        err = None
+        nbytes = 0
+        # The READ must give up before the prefill side's lease can free the source blocks (a READ
+        # racing the reaper would copy blocks that may already hold another request's KV).
+        timeout = self.transfer_timeout_s
+        if kv.lease_expiry_unix:
+            timeout = min(timeout, kv.lease_expiry_unix - time.time() - 0.5)
+        if timeout <= 0:
+            err = "KV lease expired before the transfer started"
+        elif src:
+            p.xfer = asyncio.ensure_future(asyncio.to_thread(
+                w.agent.read_blocks, region, src, dst, kv.lease_id.encode(), timeout))
+            try:
+                nbytes = await asyncio.shield(p.xfer)  # a cancel here leaves the READ to _cleanup
+                M.KV_TRANSFER_BYTES.inc(nbytes)
+            except (KVTransferError, KVLayoutMismatch, ValueError, RuntimeError) as e:
+                err = f"KV transfer failed: {e}"
+                w.agent.forget_remote(region.agent_name)  # a dead peer must be re-added if it comes back
+        t1 = time.time()
+        M.KV_TRANSFER_SECONDS.observe(t1 - t0)
+        if err is not None:
+            self._release_once(p, kv, rid)
+            M.KV_TRANSFER_FAILURES.labels("timeout" if "timed out" in err else "error").inc()
+            w.host.submit(lambda e: e.fail_prefilled(rid))
+            M.TERMINAL.labels("FAILED").inc()
+            p.ended = True
+            log.warning("request %s: %s", rid, err)
+            yield common_pb2.GenerateResponse(request_id=rid, finished=True, state="FAILED", error=err)
+            return
+        # 3. commit: the request joins the decode batch; its first output carries the first token
+        stream = w.host.attach(rid)  # before the commit, so the first output (the first token) is not missed
+        if not await w.host.run(lambda e: e.commit_prefilled(rid)):
+            # the engine already gave the blocks back (transfer deadline): the KV that arrived has nowhere to go
+            M.TERMINAL.labels("FAILED").inc()
+            p.ended = True
+            yield common_pb2.GenerateResponse(request_id=rid, finished=True, state="FAILED",
+                                              error="KV transfer completed after its deadline")
+            return
+        meter = getattr(w, "meter", None)
+        if meter is not None:  # the router's link bandwidth and hand-off cost are these measurements
+            meter.observe_transfer(nbytes, t1 - t0, time.time() - t_start)
+        async with contextlib.aclosing(stream):
+            enc = DeltaEncoder(w.tokenizer)
+            first = True
+            async for out in stream:
+                msg = enc.encode(out)
+                if first:
+                    msg.times.kv_transfer_start, msg.times.kv_transfer_end = t0, t1
+                    if request.HasField("first_logprob") and msg.outputs:
+                        # the first token was sampled on the prefill worker, with its logprobs
+                        rest = list(msg.outputs[0].logprobs)
+                        del msg.outputs[0].logprobs[:]
+                        msg.outputs[0].logprobs.extend([request.first_logprob, *rest])
+                    first = False
+                if out.finished:
+                    p.ended = True
+                    M.TERMINAL.labels(out.state).inc()
+                yield msg
+                # 4. the prefill side may free its copy now (the READ's notification says the same); sent after the
+                # first token went out, as starting the ReleaseKV call first delays it
+                self._release_once(p, kv, rid)

@@ -1,0 +1,43 @@
+"""Standalone `pdserve worker` processes for tests that drive the Worker gRPC API directly (real processes, real
+gRPC, real NIXL between them)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdserve.services.grpc_util import channel
+from pdserve.services.up import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def start_worker(model: Path, role: str, *args: str, env: dict | None = None,
+                 redis_url: str = "") -> tuple[subprocess.Popen, int]:
+    """A worker on a free port (no registry unless `redis_url`); extra CLI `args` and `env` go to it as given."""
+    port = free_port()
+    penv = {**os.environ, "PYTHONPATH": str(ROOT), "PDSERVE_LOG_LEVEL": "WARNING", **(env or {})}
+    p = subprocess.Popen([sys.executable, "-m", "pdserve", "worker", "--model", str(model), "--role", role,
+                          "--port", str(port), "--redis-url", redis_url, "--num-gpu-blocks", "64",
+                          "--worker-id", f"{role}-{port}", *args], env=penv)
+    return p, port
+
+
+async def wait_serving(port: int, timeout: float = 120) -> None:
+    stub = health_pb2_grpc.HealthStub(channel(f"127.0.0.1:{port}"))
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            r = await stub.Check(health_pb2.HealthCheckRequest(service="pdserve.v1.Worker"), timeout=1)
+            if r.status == health_pb2.HealthCheckResponse.SERVING:
+                return
+        except grpc.aio.AioRpcError:
+            pass
+        await asyncio.sleep(0.2)
+    raise TimeoutError(f"worker on {port} not serving")
