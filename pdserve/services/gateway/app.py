@@ -27,7 +27,7 @@ from pdserve.services.gateway.core import Dispatcher, NoWorkersError, UpstreamEr
 from pdserve.services.gateway.lifecycle import Lifecycle, RequestRecord, build_lifecycle
 from pdserve.services.gateway.params import APIError, bad, to_sampling_params
 from pdserve.services.gateway.stages import StageTrace, pick, stage_times
-from pdserve.services.pb import common_pb2, gateway_pb2_grpc, params_from_pb
+from pdserve.services.pb import common_pb2
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -502,31 +502,3 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
         return PlainTextResponse(generate_latest().decode(), media_type=CONTENT_TYPE_LATEST)
 
     return app
-
-
-class GatewayGrpc(gateway_pb2_grpc.GatewayServicer):
-    """gRPC front door: same request path as the HTTP API, GenerateResponse deltas straight through."""
-
-    def __init__(self, dispatcher: Dispatcher, tokenizer: Tokenizer, vocab_size: int):
-        self.disp, self.tok, self.vocab = dispatcher, tokenizer, vocab_size
-
-    async def Generate(self, request, context):
-        params = params_from_pb(request.params)
-        try:
-            params.validate(self.vocab)
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        ids = list(request.prompt_token_ids) or self.tok.encode(request.prompt)
-        if not ids:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty prompt")
-        rid = request.request_id or new_id("grpc")
-        agen = self.disp.generate_many(rid, split([ids], params), request.namespace)
-        try:
-            async with contextlib.aclosing(agen):
-                async for _, m in agen:
-                    m.request_id = rid
-                    yield m
-        except NoWorkersError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        except UpstreamError as e:
-            await context.abort(e.code, e.details)

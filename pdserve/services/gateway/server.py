@@ -6,7 +6,8 @@ import socket
 
 import uvicorn
 
-from pdserve.services.gateway.app import GatewayConfig, GatewayGrpc, create_app
+from pdserve.services.gateway.app import GatewayConfig, create_app
+from pdserve.services.gateway.grpc_front import GatewayGrpc
 from pdserve.services.grpc_util import GATEWAY_SERVICE, make_server, set_serving
 from pdserve.services.pb import gateway_pb2_grpc
 
@@ -44,9 +45,10 @@ async def serve(args) -> None:
         from pdserve.engine.config import ModelConfig
         from pdserve.engine.engine import resolve_model_dir
         grpc_server, hs = make_server([GATEWAY_SERVICE])
-        vocab = ModelConfig.from_dir(resolve_model_dir(args.model)).vocab_size
+        mcfg = ModelConfig.from_dir(resolve_model_dir(args.model))
         gateway_pb2_grpc.add_GatewayServicer_to_server(
-            GatewayGrpc(app.state.dispatcher, app.state.tokenizer, vocab), grpc_server)
+            GatewayGrpc(app.state.lifecycle, app.state.dispatcher, app.state.tokenizer, mcfg.vocab_size,
+                        mcfg.max_model_len), grpc_server)
         grpc_server.add_insecure_port(f"{args.host}:{args.grpc_port}")
         await grpc_server.start()
         await set_serving(hs, [GATEWAY_SERVICE], True)
