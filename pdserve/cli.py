@@ -1,6 +1,7 @@
 """`pdserve` command line: up | gateway | router | worker, plus the lead's generate / bench.
 
-Every flag also reads an environment variable (PDSERVE_<FLAG>), which is what a Kubernetes pod sets.
+Every flag of up / gateway / router / worker also reads an environment variable (PDSERVE_<FLAG>), which is what a
+Kubernetes pod sets. Errors are one line; -v / --verbose adds the traceback.
 """
 from __future__ import annotations
 
@@ -9,9 +10,14 @@ import asyncio
 import os
 import sys
 
+from pdserve.cli_args import (Parser, nonneg_float, nonneg_int, port, positive_float, positive_int,
+                              print_error)
 
-def _env(name: str, default=None):
-    return os.environ.get("PDSERVE_" + name.upper().replace("-", "_"), default)
+
+# The same names the engine validates (pdserve/engine/config.py, which imports torch; the CLI must not).
+POLICIES = ("fcfs", "decode-priority", "prefill-priority", "priority", "shortest-predicted-first")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+MODES = ("auto", "disagg", "colocated")
 
 
 def _default_served_name(model: str) -> str:
@@ -19,44 +25,39 @@ def _default_served_name(model: str) -> str:
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=_env("model", "builtin"), help="checkpoint dir or 'builtin'")
-    p.add_argument("--served-model-name", default=_env("served_model_name"),
-                   help="name clients use (default: the model dir's basename)")
-    p.add_argument("--host", default=_env("host", "127.0.0.1"))
+    p.add_argument("--model", default="builtin", help="checkpoint dir or 'builtin'")
+    p.add_argument("--served-model-name", help="name clients use (default: the model dir's basename)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
 
 
 def _add_engine(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--num-gpu-blocks", type=int, default=_env("num_gpu_blocks") and int(_env("num_gpu_blocks")))
-    p.add_argument("--max-num-seqs", type=int, default=_env("max_num_seqs") and int(_env("max_num_seqs")))
-    p.add_argument("--device", default=_env("device"))
-    p.add_argument("--dtype", default=_env("dtype"))
-    p.add_argument("--policy", default=_env("policy"),
-                   help="fcfs | decode-priority | prefill-priority | priority | shortest-predicted-first")
-    p.add_argument("--threads", type=int, default=_env("threads") and int(_env("threads")),
+    p.add_argument("--num-gpu-blocks", type=positive_int, help="KV blocks (default: from the KV memory budget)")
+    p.add_argument("--max-num-seqs", type=positive_int, help="sequences per batch (default: the engine's)")
+    p.add_argument("--device", help="cpu | cuda | cuda:N (default: cpu)")
+    p.add_argument("--dtype", choices=DTYPES, help="weights and KV dtype (default: the checkpoint's)")
+    p.add_argument("--policy", choices=POLICIES, help="scheduling policy (default: fcfs)")
+    p.add_argument("--threads", type=positive_int,
                    help="torch intra-op threads (default: all cores; `up` splits the cores between workers)")
 
 
 def _add_lifecycle(p: argparse.ArgumentParser) -> None:
     """Gateway ingress gate + admission (docs/admission.md)."""
-    p.add_argument("--redis-url", default=_env("redis_url"),
-                   help="shared rate limits, quotas and KV reservations (unset: none of them shared)")
-    p.add_argument("--api-keys-file", default=_env("api_keys_file"),
-                   help="JSON/YAML tenants + keys (a mounted Secret); unset: no keys required")
-    p.add_argument("--max-body-bytes", type=int, default=int(_env("max_body_bytes", 1 << 20)))
-    p.add_argument("--default-timeout", type=float, default=float(_env("default_timeout", 60)),
+    p.add_argument("--redis-url", help="shared rate limits, quotas and KV reservations (unset: none of them shared)")
+    p.add_argument("--api-keys-file", help="JSON/YAML tenants + keys (a mounted Secret); unset: no keys required")
+    p.add_argument("--max-body-bytes", type=positive_int, default=1 << 20)
+    p.add_argument("--default-timeout", type=positive_float, default=60.0,
                    help="request deadline in seconds when the body has no `timeout`")
-    p.add_argument("--max-timeout", type=float, default=float(_env("max_timeout", 600)))
-    p.add_argument("--admission-queue", type=int, default=int(_env("admission_queue", 16)),
+    p.add_argument("--max-timeout", type=positive_float, default=600.0)
+    p.add_argument("--admission-queue", type=nonneg_int, default=16,
                    help="requests that may wait for KV capacity per gateway; beyond: 503 at once")
-    p.add_argument("--max-queue-wait", type=float, default=float(_env("max_queue_wait", 10)))
-    p.add_argument("--kv-overcommit", type=float, default=float(_env("kv_overcommit", 1.0)),
-                   help="reservable blocks = worker KV blocks x this")
-    p.add_argument("--reservation-lease", type=float, default=float(_env("reservation_lease", 10)))
+    p.add_argument("--max-queue-wait", type=nonneg_float, default=10.0)
+    p.add_argument("--kv-overcommit", type=positive_float, default=1.0, help="reservable blocks = worker KV blocks x this")
+    p.add_argument("--reservation-lease", type=positive_float, default=10.0)
 
 
 def _add_lifecycle_up(p: argparse.ArgumentParser) -> None:
     # the same flags as the gateway's, minus --redis-url (up already has one)
-    tmp = argparse.ArgumentParser(add_help=False)
+    tmp = Parser(add_help=False)
     _add_lifecycle(tmp)
     for a in tmp._actions:
         if a.dest != "redis_url":
@@ -64,56 +65,57 @@ def _add_lifecycle_up(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="pdserve", description="prefill/decode disaggregated LLM serving")
-    sub = ap.add_subparsers(dest="command", required=True)
+    """Flags of up / gateway / router / worker also read PDSERVE_<FLAG> (what a Kubernetes pod sets), parsed and
+    checked like the flag when the command line is parsed (pdserve/cli_args.py)."""
+    ap = Parser(prog="pdserve", description="prefill/decode disaggregated LLM serving")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    up = sub.add_parser("up", help="start a whole local deployment (redis, router, workers, gateway)")
+    up = sub.add_parser("up", env=True, help="start a whole local deployment (redis, router, workers, gateway)")
     _add_common(up)
     _add_engine(up)
-    up.add_argument("--mode", choices=["auto", "disagg", "colocated"], default=_env("mode", "auto"),
+    up.add_argument("--mode", choices=MODES, default="auto",
                     help="auto: prefill + decode pools, the router disaggregates a request only when that is "
                          "predicted faster (docs/routing.md); disagg: always; colocated: `both` workers only")
-    up.add_argument("--prefill", type=int, default=int(_env("prefill", 1)), help="prefill workers (auto/disagg)")
-    up.add_argument("--decode", type=int, default=int(_env("decode", 1)), help="decode workers (auto/disagg)")
-    up.add_argument("--workers", type=int, default=int(_env("workers", 1)), help="'both' workers (colocated)")
-    up.add_argument("--port", type=int, default=int(_env("port", 8000)), help="gateway HTTP port")
-    up.add_argument("--grpc-port", type=int, default=int(_env("grpc_port", 0)), help="gateway gRPC port (0: auto)")
-    up.add_argument("--redis-url", default=_env("redis_url"), help="default: start a private redis-server")
-    up.add_argument("--lease-ttl", type=float, default=float(_env("lease_ttl", 30)))
-    up.add_argument("--heartbeat-ttl", type=float, default=float(_env("heartbeat_ttl", 3)))
-    up.add_argument("--ready-timeout", type=float, default=float(_env("ready_timeout", 180)))
+    up.add_argument("--prefill", type=nonneg_int, default=1, help="prefill workers (auto/disagg)")
+    up.add_argument("--decode", type=nonneg_int, default=1, help="decode workers (auto/disagg)")
+    up.add_argument("--workers", type=nonneg_int, default=1, help="'both' workers (colocated)")
+    up.add_argument("--port", type=port, default=8000, help="gateway HTTP port")
+    up.add_argument("--grpc-port", type=port, default=0, help="gateway gRPC port (0: a free one)")
+    up.add_argument("--redis-url", help="an existing Redis (default: start a private redis-server)")
+    up.add_argument("--lease-ttl", type=positive_float, default=30.0)
+    up.add_argument("--heartbeat-ttl", type=positive_float, default=3.0)
+    up.add_argument("--ready-timeout", type=positive_float, default=180.0)
     _add_lifecycle_up(up)
 
-    gw = sub.add_parser("gateway", help="OpenAI HTTP API + gRPC front door")
+    gw = sub.add_parser("gateway", env=True, help="OpenAI HTTP API + gRPC front door")
     _add_common(gw)
-    gw.add_argument("--port", type=int, default=int(_env("port", 8000)))
-    gw.add_argument("--grpc-port", type=int, default=int(_env("grpc_port", 0)))
-    gw.add_argument("--router", default=_env("router", "127.0.0.1:7000"), help="router gRPC address")
+    gw.add_argument("--port", type=port, default=8000)
+    gw.add_argument("--grpc-port", type=port, default=0)
+    gw.add_argument("--router", default="127.0.0.1:7000", help="router gRPC address")
     _add_lifecycle(gw)
 
-    rt = sub.add_parser("router", help="placement service over the Redis registry")
+    rt = sub.add_parser("router", env=True, help="placement service over the Redis registry")
     _add_common(rt)
-    rt.add_argument("--port", type=int, default=int(_env("port", 7000)))
-    rt.add_argument("--redis-url", default=_env("redis_url", "redis://127.0.0.1:6379/0"))
-    rt.add_argument("--metrics-port", type=int, default=int(_env("metrics_port", 0)))
-    rt.add_argument("--heartbeat-ttl", type=float, default=float(_env("heartbeat_ttl", 3)))
-    rt.add_argument("--mode", choices=["auto", "disagg", "colocated"], default=_env("mode", "auto"),
-                    help="placement policy (docs/routing.md)")
+    rt.add_argument("--port", type=port, default=7000)
+    rt.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    rt.add_argument("--metrics-port", type=port, default=0)
+    rt.add_argument("--heartbeat-ttl", type=positive_float, default=3.0)
+    rt.add_argument("--mode", choices=MODES, default="auto", help="placement policy (docs/routing.md)")
 
-    wk = sub.add_parser("worker", help="engine worker: --role prefill|decode|both")
+    wk = sub.add_parser("worker", env=True, help="engine worker: --role prefill|decode|both")
     _add_common(wk)
     _add_engine(wk)
-    wk.add_argument("--role", choices=["prefill", "decode", "both"], default=_env("role", "both"))
-    wk.add_argument("--port", type=int, default=int(_env("port", 7100)))
-    wk.add_argument("--advertise-host", default=_env("advertise_host"), help="address peers use (default --host)")
-    wk.add_argument("--worker-id", default=_env("worker_id"))
-    wk.add_argument("--redis-url", default=_env("redis_url", "redis://127.0.0.1:6379/0"))
-    wk.add_argument("--metrics-port", type=int, default=int(_env("metrics_port", 0)))
-    wk.add_argument("--heartbeat-ttl", type=float, default=float(_env("heartbeat_ttl", 3)))
-    wk.add_argument("--lease-ttl", type=float, default=float(_env("lease_ttl", 30)),
+    wk.add_argument("--role", choices=["prefill", "decode", "both"], default="both")
+    wk.add_argument("--port", type=port, default=7100)
+    wk.add_argument("--advertise-host", help="address peers use (default --host)")
+    wk.add_argument("--worker-id")
+    wk.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    wk.add_argument("--metrics-port", type=port, default=0)
+    wk.add_argument("--heartbeat-ttl", type=positive_float, default=3.0)
+    wk.add_argument("--lease-ttl", type=positive_float, default=30.0,
                     help="seconds pinned prefill KV waits for a decode worker to pull it")
-    wk.add_argument("--transfer-timeout", type=float, default=float(_env("transfer_timeout", 10)))
-    wk.add_argument("--drain-timeout", type=float, default=float(_env("drain_timeout", 30)))
+    wk.add_argument("--transfer-timeout", type=positive_float, default=10.0)
+    wk.add_argument("--drain-timeout", type=nonneg_float, default=30.0)
 
     # ---- lead's subcommands -----------------------------------------------------------------------------------
     # `generate` (offline engine) is added by pdserve/engine/cli_generate.py when it exists.
@@ -137,16 +139,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    prog = f"pdserve {args.command}"
+    try:
+        sys.exit(_run(args))
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as e:  # SystemExit passes through; anything else is one line unless -v
+        print_error(prog, e, getattr(args, "verbose", False))
+        sys.exit(1)
+
+
+def _run(args: argparse.Namespace) -> int:
     if getattr(args, "served_model_name", "x") is None:
         args.served_model_name = _default_served_name(args.model)
     from pdserve.services.procutil import setup_logging
-    if hasattr(args, "func"):  # generate / bench: the lead's logging setup
+    if hasattr(args, "func"):  # generate / bench / sim: the lead's logging setup
         import logging
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-        sys.exit(args.func(args) or 0)
+        return args.func(args) or 0
     if args.command == "up":
         from pdserve.services.up import up
-        sys.exit(up(args))
+        return up(args)
+    if args.command in ("gateway", "worker"):  # both load the model: a wrong --model is one line, at once
+        from pdserve.services.preflight import check_model
+        problem = check_model(args.model)
+        if problem is not None:
+            print(f"pdserve {args.command}: {problem}", file=sys.stderr)
+            return 2
     setup_logging(args.command)
     if args.command == "gateway":
         from pdserve.services.gateway.server import serve
@@ -158,10 +177,9 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "worker":
         from pdserve.services.worker import serve
         asyncio.run(serve(args))
-    elif hasattr(args, "func"):  # subcommands added by other modules (generate, bench) set func
-        sys.exit(args.func(args) or 0)
     else:
         raise SystemExit(f"unknown command {args.command}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -38,7 +38,11 @@ def run_generate(args: argparse.Namespace) -> int:
     load_s = time.time() - t0
     prompt = args.prompt
     if args.chat:
-        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        try:
+            prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        except ValueError as e:  # no template, or one that refuses this conversation: one line, no traceback
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     try:

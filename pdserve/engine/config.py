@@ -8,9 +8,8 @@ from pathlib import Path
 
 import torch
 
+from pdserve.engine.architectures import SUPPORTED_ARCHITECTURES
 from pdserve.engine.errors import CheckpointError
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -86,6 +86,13 @@ def _lifecycle_flags(args) -> list[str]:
 
 
 def up(args) -> int:
+    # Everything that can be known wrong before a process starts ends here, in one line and well under a second
+    # (a wrong model path used to take 10 s and print three tracebacks; a busy port ended in a bare OSError).
+    from pdserve.services.preflight import check_up
+    problem = check_up(args)
+    if problem is not None:
+        print(f"pdserve up: {problem}", file=sys.stderr, flush=True)
+        return 2
     d = Deployment()
     stopping = {"flag": False}
 
@@ -97,11 +104,7 @@ def up(args) -> int:
     try:
         redis_url = args.redis_url
         if not redis_url:
-            binary = shutil.which("redis-server")
-            if binary is None:
-                print("pdserve up: redis-server not found on PATH; install it (Debian: apt-get install "
-                      "redis-server) or pass --redis-url", file=sys.stderr)
-                return 2
+            binary = shutil.which("redis-server")  # preflight made sure there is one
             rport = free_port()
             d.spawn("redis", [binary, "--port", str(rport), "--bind", "127.0.0.1", "--save", "", "--appendonly",
                               "no", "--loglevel", "warning"], {"port": rport})
@@ -143,10 +146,12 @@ def up(args) -> int:
                             "--heartbeat-ttl", str(args.heartbeat_ttl), "--lease-ttl", str(args.lease_ttl)],
                       {"role": role, "port": port, "metrics_port": mport, "worker_id": wid})
         gport = args.grpc_port or free_port()
-        d.pdserve("gateway", ["gateway", *common, "--port", str(args.port), "--grpc-port", str(gport),
-                              "--router", f"127.0.0.1:{rt_port}", "--redis-url", redis_url,
+        # the gateway is the one process clients reach: it listens on --host (the rest stay on loopback)
+        d.pdserve("gateway", ["gateway", *common, "--host", args.host, "--port", str(args.port),
+                              "--grpc-port", str(gport), "--router", f"127.0.0.1:{rt_port}", "--redis-url", redis_url,
                               *_lifecycle_flags(args)], {"port": args.port, "grpc_port": gport})
-        base = f"http://127.0.0.1:{args.port}"
+        reach = "127.0.0.1" if args.host in ("0.0.0.0", "", "::") else args.host
+        base = f"http://{'[' + reach + ']' if ':' in reach else reach}:{args.port}"
         end = time.monotonic() + args.ready_timeout
         ready = False
         while time.monotonic() < end and not stopping["flag"]:

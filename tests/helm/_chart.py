@@ -131,7 +131,7 @@ def container_env(container: dict) -> dict[str, str]:
 
 def parse_pdserve(container: dict, monkeypatch) -> "object":
     """Run a rendered container's command line through pdserve's own parser, with the container's env applied
-    (every flag's default is read from PDSERVE_<FLAG> when the parser is built)."""
+    (a flag not on the command line is read from PDSERVE_<FLAG> when the command line is parsed)."""
     from pdserve.cli import build_parser
 
     assert container["command"] == ["pdserve"], container["command"]
