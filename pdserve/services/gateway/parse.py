@@ -85,8 +85,9 @@ class RequestParser:
             raise APIError(400, "request body must be a JSON object", code="invalid_json")
         if "\\u" in text:  # only an escape can make a lone surrogate out of strict UTF-8
             where = _lone_surrogate(body)
-            if where is not None:
-                raise bad(where, "contains a lone UTF-16 surrogate (not encodable as UTF-8)")
+            if where is not None:  # the path is made of the client's keys: bounded in the answer
+                raise bad(where if len(where) <= 200 else where[:199] + "…",
+                          "contains a lone UTF-16 surrogate (not encodable as UTF-8)")
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise bad("model", "must be a string")
@@ -99,7 +100,8 @@ class RequestParser:
         if so is not None:
             if not isinstance(so, dict):
                 raise bad("stream_options", "must be an object")
-            flag(so, "include_usage")
+            if so.get("include_usage") is not None and not isinstance(so["include_usage"], bool):
+                raise bad("stream_options.include_usage", "must be true or false")
         if body.get("timeout") is not None and _num(body, "timeout", float) <= 0:
             raise bad("timeout", "must be a positive number of seconds")
         if body.get("user") is not None and not isinstance(body["user"], str):
