@@ -118,6 +118,15 @@ class RequestParser:
                                 f"output", param=param, code="context_length_exceeded")
         return ids
 
+    def _ids(self, x: list, param: str) -> list[int]:
+        """Token ids given as such: integers (not booleans), then the context length, then the vocabulary."""
+        if not all(type(t) is int for t in x):  # noqa: E721
+            raise bad(param, f"token ids must be integers in [0, {self.vocab})")
+        ids = self.check(list(x), param)
+        if not _token_ids(ids, self.vocab):
+            raise bad(param, f"token ids must be integers in [0, {self.vocab})")
+        return ids
+
     async def _encode(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         if sum(len(t) for t in texts) <= self.inline_chars:
             return [self.tok.encode(t, add_special_tokens) for t in texts]
@@ -134,14 +143,9 @@ class RequestParser:
             if all(isinstance(x, str) for x in p):
                 return [self.check(x) for x in await self._encode(p)]
             if all(type(x) is int for x in p):  # noqa: E721 - a bool is not a token id
-                if not _token_ids(p, self.vocab):
-                    raise bad("prompt", f"token ids must be integers in [0, {self.vocab})")
-                return [self.check(list(p))]
+                return [self._ids(p, "prompt")]
             if all(isinstance(x, list) for x in p):
-                for i, x in enumerate(p):
-                    if not _token_ids(x, self.vocab):
-                        raise bad(f"prompt[{i}]", f"token ids must be integers in [0, {self.vocab})")
-                return [self.check(list(x), f"prompt[{i}]") for i, x in enumerate(p)]
+                return [self._ids(x, f"prompt[{i}]") for i, x in enumerate(p)]
         raise bad("prompt", "must be a string, a list of strings, or token ids")
 
     @staticmethod
