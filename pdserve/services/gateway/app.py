@@ -25,12 +25,12 @@ from pdserve.services import metrics as M
 from pdserve.services.admission import AdmissionError, lifecycle_metadata
 from pdserve.services.gateway import redact
 from pdserve.services.gateway.core import Dispatcher, NoWorkersError, UpstreamError, new_id, split
-from pdserve.services.gateway.guard import MAX_HEADER_BYTES, HttpGuard
-from pdserve.services.gateway.ingress import IngressGate
 from pdserve.services.gateway.lifecycle import RequestRecord, build_lifecycle
-from pdserve.services.gateway.params import APIError, to_sampling_params
-from pdserve.services.gateway.parse import RequestParser
+from pdserve.services.gateway.params import APIError, bad, to_sampling_params  # noqa: F401
 from pdserve.services.gateway.stages import StageTrace, pick, stage_times
+from pdserve.services.gateway.guard import MAX_HEADER_BYTES, HttpGuard  # noqa: E402 - after stages: fewer merge conflicts
+from pdserve.services.gateway.ingress import IngressGate
+from pdserve.services.gateway.parse import RequestParser
 from pdserve.services.pb import common_pb2, gateway_pb2_grpc, params_from_pb
 
 log = logging.getLogger("pdserve.gateway")
@@ -457,9 +457,6 @@ class GatewayGrpc(gateway_pb2_grpc.GatewayServicer):
                     m.request_id = rid
                     yield m
         except NoWorkersError as e:
-            log.warning("grpc request %s: no workers: %s", rid, e)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no workers available")
-        except UpstreamError as e:  # the same redaction as the HTTP door's (redact.py)
-            log.warning("grpc request %s: worker answered %s: %s", rid, e.code.name, e.details)
-            await context.abort(e.code, redact.scrub(e.details) if e.code == grpc.StatusCode.INVALID_ARGUMENT
-                                else f"a worker failed the request (request id {rid})")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except UpstreamError as e:
+            await context.abort(e.code, e.details)

@@ -7,9 +7,9 @@ import socket
 import uvicorn
 
 from pdserve.services.gateway.app import GatewayConfig, GatewayGrpc, create_app
-from pdserve.services.gateway.protocol import guarded_h11
 from pdserve.services.grpc_util import GATEWAY_SERVICE, make_server, set_serving
 from pdserve.services.pb import gateway_pb2_grpc
+from pdserve.services.gateway.protocol import guarded_h11  # noqa: E402,I001 - own line: fewer merge conflicts
 
 log = logging.getLogger("pdserve.gateway")
 
