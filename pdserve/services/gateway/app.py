@@ -26,11 +26,11 @@ from pdserve.services.admission import AdmissionError, lifecycle_metadata
 from pdserve.services.gateway import redact
 from pdserve.services.gateway.core import Dispatcher, NoWorkersError, UpstreamError, new_id, split
 from pdserve.services.gateway.lifecycle import RequestRecord, build_lifecycle
-from pdserve.services.gateway.params import APIError, bad, to_sampling_params  # noqa: F401
-from pdserve.services.gateway.stages import StageTrace, pick, stage_times
-from pdserve.services.gateway.guard import MAX_HEADER_BYTES, HttpGuard  # noqa: E402 - after stages: fewer merge conflicts
+from pdserve.services.gateway.params import APIError, bad, to_sampling_params
+from pdserve.services.gateway.guard import MAX_HEADER_BYTES, HttpGuard  # noqa: I001 - out of order: fewer merge conflicts
 from pdserve.services.gateway.ingress import IngressGate
 from pdserve.services.gateway.parse import RequestParser
+from pdserve.services.gateway.stages import StageTrace, pick, stage_times
 from pdserve.services.pb import common_pb2, gateway_pb2_grpc, params_from_pb
 
 log = logging.getLogger("pdserve.gateway")
