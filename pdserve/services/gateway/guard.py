@@ -6,9 +6,11 @@ catch-all for errors.
 * Request heads over `max_header_bytes` get 431 and the connection is closed. h11's own limit
   (`h11_max_incomplete_event_size`, set to the same number in server.py) only sees a head that is still
   incomplete; one that arrives whole in a single read passes it at any size (100 KB was accepted).
-* Any 5xx response carries `Connection: close`, so the server closes the connection after it, in order, and the
-  client knows not to reuse it. Before, an unhandled exception sent a 500 without it and then dropped the
-  keep-alive connection, so the client's next request on it failed.
+* Any 5xx response but the gateway's deliberate 503 / 504 carries `Connection: close`, so the server closes the
+  connection after it, in order, and the client knows not to reuse it. Before, an unhandled exception sent a 500
+  without it and then dropped the keep-alive connection, so the client's next request on it failed. A 503 (no
+  capacity, no workers: load shed, with Retry-After) or 504 (deadline) is a complete answer on a sound connection:
+  closing it would make every shed request cost a reconnect, at the moment the gateway is busiest.
 * An exception nothing else handled becomes a 500 with a fixed message and the request id; the traceback goes to
   the log, not to the client. After the response has started (a stream) it can only be logged and re-raised:
   uvicorn then closes the connection, and the unterminated chunked body tells the client the answer is cut.
@@ -23,6 +25,7 @@ from pdserve.services.gateway import redact
 log = logging.getLogger("pdserve.gateway")
 
 MAX_HEADER_BYTES = 16 << 10
+KEEP_ALIVE_5XX = frozenset({503, 504})  # deliberate answers (load shed, deadline): the connection is sound
 
 
 def _error(status: int, message: str, type_: str, code: str) -> tuple[dict, bytes]:
@@ -51,7 +54,8 @@ class HttpGuard:
                 started = True
                 headers = list(message.get("headers", ()))
                 headers.append((b"x-request-id", rid.encode()))
-                if message["status"] >= 500 and not any(k.lower() == b"connection" for k, _ in headers):
+                if message["status"] >= 500 and message["status"] not in KEEP_ALIVE_5XX \
+                        and not any(k.lower() == b"connection" for k, _ in headers):
                     headers.append((b"connection", b"close"))
                 message = {**message, "headers": headers}
             await send(message)
