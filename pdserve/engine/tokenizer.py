@@ -112,7 +112,15 @@ class Tokenizer:
         return self.hf.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._with_bos(self.hf.encode(text, add_special_tokens=add_special_tokens).ids, add_special_tokens)
+
+    def encode_many(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """`encode` of each text. The Rust batch call releases the GIL (`encode` holds it), so a caller on a worker
+        thread leaves the event loop's thread free while a long prompt is tokenized."""
+        return [self._with_bos(e.ids, add_special_tokens)
+                for e in self.hf.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+
+    def _with_bos(self, ids: list[int], add_special_tokens: bool) -> list[int]:
         # Some tokenizer.json files carry no BOS post-processor; tokenizer_config says whether to add one.
         if add_special_tokens and self.add_bos and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id] + ids

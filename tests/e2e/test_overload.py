@@ -25,13 +25,16 @@ tenants:
   bob: {keys: [sk-bob]}
   docs-a: {keys: [sk-da], shared_namespace: docs}
   docs-b: {keys: [sk-db], shared_namespace: docs}
+  ops: {keys: [sk-ops], permissions: [metrics, debug_route]}
 """
 BLOCKS = 24  # x 16 tokens; a request below reserves 1 prompt + 3 output blocks -> 6 at once
 TIMEOUT = 6.0
 
 
 def _metrics(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+    # the gateway's /metrics wants a key with the `metrics` permission; a worker's metrics port ignores it
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Authorization": "Bearer sk-ops"})
+    with urllib.request.urlopen(req, timeout=5) as r:
         return r.read().decode()
 
 
@@ -77,6 +80,21 @@ def test_ingress_rejections(up):
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     r = _post(up.base_url, "sk-load", prompt=[5 + i % 300 for i in range(450)], max_tokens=2)  # > 384 KV slots
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_metrics_and_route_debug_are_per_tenant_permissions(up):
+    """Issue 13, item 9: /metrics lists every tenant's name and counts, and the route header names workers."""
+    m = up.base_url + "/metrics"
+    assert httpx.get(m).status_code == 401
+    r = httpx.get(m, headers={"Authorization": "Bearer sk-alice"})
+    assert r.status_code == 403 and "tenant=" not in r.text
+    assert 'tenant="' in httpx.get(m, headers={"Authorization": "Bearer sk-ops"}).text
+    for key, shown in (("sk-alice", False), ("sk-ops", True)):
+        r = httpx.post(up.base_url + "/v1/completions", json={"model": "ck", "prompt": "hi", "max_tokens": 1},
+                       headers={"Authorization": f"Bearer {key}", "x-pdserve-debug": "route"}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert ("x-pdserve-route" in r.headers) == shown, (key, dict(r.headers))
+    assert "mode=colocated" in r.headers["x-pdserve-route"]
 
 
 def test_tenant_isolation_of_prefix_cache(up):

@@ -23,9 +23,13 @@ from pdserve.engine.engine import resolve_model_dir
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.services import metrics as M
 from pdserve.services.admission import AdmissionError, lifecycle_metadata
+from pdserve.services.gateway import redact
 from pdserve.services.gateway.core import Dispatcher, NoWorkersError, UpstreamError, new_id, split
 from pdserve.services.gateway.lifecycle import Lifecycle, RequestRecord, build_lifecycle
 from pdserve.services.gateway.params import APIError, bad, to_sampling_params
+from pdserve.services.gateway.guard import MAX_HEADER_BYTES, HttpGuard  # noqa: I001 - out of order: fewer merge conflicts
+from pdserve.services.gateway.ingress import IngressGate
+from pdserve.services.gateway.parse import RequestParser
 from pdserve.services.gateway.stages import StageTrace, pick, stage_times
 from pdserve.services.pb import common_pb2
 
@@ -49,6 +53,10 @@ class GatewayConfig:
     max_queue_wait_s: float = 10.0
     kv_overcommit: float = 1.0
     reservation_lease_s: float = 10.0
+    # slow clients and big heads (docs/reliability.md, "Hostile input"): server.py hands these to uvicorn
+    max_header_bytes: int = MAX_HEADER_BYTES
+    header_timeout_s: float = 10.0  # connection open (or idle keep-alive) -> request head complete
+    body_timeout_s: float = 30.0  # request head -> body complete (ingress.read_body)
 
 
 class Timing:
@@ -86,28 +94,35 @@ class Timing:
 
 
 def _error_response(e: Exception) -> JSONResponse:
+    """An error as the client sees it. Router / worker details stay in the log, under the request id
+    (redact.py): they name workers, addresses and library build paths."""
     if isinstance(e, APIError):
         M.REJECTIONS.labels(e.code or e.type).inc()
         return JSONResponse(e.body(), status_code=e.status, headers=getattr(e, "headers", None))
+    rid = redact.request_id.get()
     if isinstance(e, NoWorkersError):
+        log.warning("request %s: no workers: %s", rid, e)
         M.REJECTIONS.labels("no_workers").inc()
-        return JSONResponse(APIError(503, f"no workers available: {e}", "service_unavailable_error",
+        return JSONResponse(APIError(503, redact.with_id("no workers available"), "service_unavailable_error",
                                      code="no_workers").body(), status_code=503)
     if isinstance(e, UpstreamError):
-        if e.code == grpc.StatusCode.INVALID_ARGUMENT:
+        log.warning("request %s: worker answered %s: %s", rid, e.code.name, e.details)
+        if e.code == grpc.StatusCode.INVALID_ARGUMENT:  # about the client's input: its text, scrubbed
             import re
-            m = re.search(r"'([^']+)'", e.details)
+            details = redact.scrub(e.details)
+            m = re.search(r"'([^']+)'", details)
             M.REJECTIONS.labels("invalid_request").inc()
-            return JSONResponse(APIError(400, e.details, param=m.group(1) if m else None,
+            return JSONResponse(APIError(400, details, param=m.group(1) if m else None,
                                          code="invalid_parameter").body(), status_code=400)
         if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             M.REJECTIONS.labels("capacity").inc()
-            return JSONResponse(APIError(503, e.details, "service_unavailable_error", code="capacity").body(),
+            return JSONResponse(APIError(503, redact.with_id("no capacity for this request now"),
+                                         "service_unavailable_error", code="capacity").body(),
                                 status_code=503, headers={"Retry-After": "1"})
-        return JSONResponse(APIError(500, f"{e.code.name}: {e.details}", "server_error", code=e.code.name.lower())
-                            .body(), status_code=500)
-    log.exception("unexpected error")
-    return JSONResponse(APIError(500, f"internal error: {e!r}", "server_error").body(), status_code=500)
+        return JSONResponse(APIError(500, redact.with_id("a worker failed the request"), "server_error",
+                                     code=e.code.name.lower()).body(), status_code=500)
+    log.error("request %s: unexpected error", rid, exc_info=e)
+    return JSONResponse(APIError(500, redact.with_id("internal error"), "server_error").body(), status_code=500)
 
 
 class _Abandon:
@@ -167,7 +182,9 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
     max_len = mcfg.max_model_len
     disp = dispatcher or Dispatcher(cfg.router_address, cfg.served_model_name)
     app = FastAPI(title="pdserve gateway")
+    app.add_middleware(HttpGuard, max_header_bytes=cfg.max_header_bytes)
     app.state.dispatcher = disp
+    app.state.config = cfg
     app.state.tokenizer = tok
     life = build_lifecycle(cfg)
     app.state.lifecycle = life
@@ -176,65 +193,15 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
     async def _api_error(request, exc: APIError):
         return _error_response(exc)
 
+    parser = RequestParser(tok, vocab, max_len, cfg.served_model_name)  # parse.py: strict, 400 naming the field
+
     async def _body(raw: bytes) -> dict:
-        try:
-            body = json.loads(raw)
-        except Exception:
-            raise APIError(400, "request body is not valid JSON", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "request body must be a JSON object", code="invalid_json")
-        model = body.get("model")
-        if model is not None and model != cfg.served_model_name:
-            raise APIError(404, f"The model '{model}' does not exist", "invalid_request_error", "model",
-                           "model_not_found")
-        return body
-
-    def _check_prompt(ids: list[int]) -> list[int]:
-        if not ids:
-            raise bad("prompt", "is empty")
-        if len(ids) >= max_len:
-            raise APIError(400, f"prompt has {len(ids)} tokens; the context is {max_len} tokens including output",
-                           param="prompt", code="context_length_exceeded")
-        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in ids):
-            raise bad("prompt", "token id outside the vocabulary")
-        return ids
-
-    def _completion_prompts(body: dict) -> list[list[int]]:
-        p = body.get("prompt")
-        if isinstance(p, str):
-            return [_check_prompt(tok.encode(p))]
-        if isinstance(p, list) and p and all(isinstance(x, int) for x in p):
-            return [_check_prompt(list(p))]
-        if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
-            return [_check_prompt(tok.encode(x)) for x in p]
-        if isinstance(p, list) and p and all(isinstance(x, list) for x in p):
-            return [_check_prompt(list(x)) for x in p]
-        raise bad("prompt", "must be a string, a list of strings, or token ids")
-
-    def _chat_prompt(body: dict) -> list[int]:
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            raise bad("messages", "must be a non-empty list")
-        norm = []
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or "role" not in m:
-                raise bad(f"messages[{i}]", "must be an object with a role")
-            c = m.get("content", "")
-            if isinstance(c, list):  # content parts: only text is supported
-                c = "".join(part.get("text", "") for part in c if isinstance(part, dict) and part.get("type") == "text")
-            norm.append({**m, "content": c if c is not None else ""})
-        try:
-            text = tok.apply_chat_template(norm, add_generation_prompt=True)
-        except ValueError as e:
-            raise bad("messages", str(e)) from None
-        # a template that writes BOS itself must not get a second one from the tokenizer
-        special = not (tok.bos_token and text.startswith(tok.bos_token))
-        return _check_prompt(tok.encode(text, add_special_tokens=special))
+        return parser.body(raw)
 
     async def _run(request: Request, body: dict, chat: bool, rec: RequestRecord):
         params = to_sampling_params(body, chat=chat, vocab_size=vocab)
         deadline = life.deadline_for(body, rec)
-        prompts = [_chat_prompt(body)] if chat else _completion_prompts(body)
+        prompts = [await parser.chat_prompt(body)] if chat else await parser.completion_prompts(body)
         rid = new_id("chatcmpl" if chat else "cmpl")
         # stage two: reserve KV for prompt + predicted output (may queue, degrade n, or reject)
         ticket = await life.admit(rec, rid, prompts, params.max_tokens, params.n, max_len,
@@ -273,7 +240,7 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
                    params=params, return_token_ids=bool(body.get("return_token_ids", False)), rec=rec,
                    headers=headers, traces=traces, degraded=({"n_requested": ticket.n_requested, "n_granted": ticket.n_granted}
                                               if ticket is not None and ticket.degraded else None))
-        if request.headers.get("x-pdserve-debug") == "route":
+        if request.headers.get("x-pdserve-debug") == "route" and rec.tenant.can("debug_route"):
             headers["x-pdserve-route"] = " | ".join(routes)
         if stream:
             abandon = ctx["abandon"] = _Abandon(life, rec, agen)
@@ -416,7 +383,7 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
                             # the request failed or timed out mid-stream: an error event, no [DONE]
                             rec.committed = rec.emitted
                             await life.finish(rec, m.state, m.error or m.state)
-                            yield _sse({"error": {"message": m.error or f"request {m.state}",
+                            yield _sse({"error": {"message": redact.failure_message(m.state, m.error),
                                                   "type": "timeout_error" if m.state == "TIMED_OUT" else "server_error",
                                                   "param": None, "code": m.state.lower()}})
                             return
@@ -450,11 +417,10 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
 
     @app.exception_handler(_Failed)
     async def _failed(request, exc):
+        msg = redact.failure_message(exc.state, str(exc))  # the worker's text is logged, not sent
         if exc.state == "TIMED_OUT":  # the request's deadline passed (queued, preempted or running)
-            return JSONResponse(APIError(504, f"request timed out: {exc}", "timeout_error", code="timeout").body(),
-                                status_code=504)
-        return JSONResponse(APIError(500, f"request failed: {exc}", "server_error", code="failed").body(),
-                            status_code=500)
+            return JSONResponse(APIError(504, msg, "timeout_error", code="timeout").body(), status_code=504)
+        return JSONResponse(APIError(500, msg, "server_error", code="failed").body(), status_code=500)
 
     async def _endpoint(request: Request, chat: bool):
         rec = life.new_record()
@@ -498,7 +464,16 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
                             status_code=200 if ready else 503)
 
     @app.get("/metrics")
-    async def metrics():
+    async def metrics(request: Request):
+        # every tenant's name and counts: only for a key with the `metrics` permission (docs/admission.md,
+        # "Trust model"); a scraper inside the cluster can use --metrics-port instead
+        tenant = life.gate.tenants.authenticate(IngressGate.api_key(request.headers))
+        if tenant is None:
+            return _error_response(APIError(401, "missing or invalid API key", "authentication_error",
+                                            code="invalid_api_key"))
+        if not tenant.can("metrics"):
+            return _error_response(APIError(403, "this API key may not read metrics", "permission_error",
+                                            code="permission_denied"))
         return PlainTextResponse(generate_latest().decode(), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -10,6 +10,7 @@ not charged for that time); `pdserve_ingress_degraded_total` counts these decisi
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -84,16 +85,23 @@ class Admitted:
     body: bytes
 
 
+def _closing(e: APIError) -> APIError:
+    e.headers = {"Connection": "close"}
+    return e
+
+
 def retry_after(seconds: float) -> str:
     return str(max(1, math.ceil(seconds)))
 
 
 class IngressGate:
-    def __init__(self, tenants: TenantDirectory, redis=None, model: str = "model", max_body_bytes: int = 1 << 20):
+    def __init__(self, tenants: TenantDirectory, redis=None, model: str = "model", max_body_bytes: int = 1 << 20,
+                 body_timeout_s: float = 30.0):
         self.tenants = tenants
         self.redis = redis  # redis.asyncio client or None (no shared limits: local buckets)
         self.model = model
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
         self.local = LocalBucket()
         self._gate = redis.register_script(GATE_LUA) if redis is not None else None
         self._charge = redis.register_script(CHARGE_LUA) if redis is not None else None
@@ -106,18 +114,27 @@ class IngressGate:
 
     async def read_body(self, request) -> bytes:
         """413 before reading when Content-Length is too big; otherwise read at most the limit (chunked
-        bodies are cut off there, so a huge upload cannot use up gateway memory)."""
+        bodies are cut off there, so a huge upload cannot use up gateway memory). 408 when the whole body has not
+        arrived within body_timeout_s: uvicorn has no read timeout, and a client trickling a byte now and then
+        would hold the request (and its connection) for ever. Both leave unread bytes on the connection, so both
+        close it."""
         limit = self.max_body_bytes
         cl = request.headers.get("content-length")
-        if cl is not None and cl.isdigit() and int(cl) > limit:
-            raise APIError(413, f"request body of {cl} bytes exceeds the limit of {limit} bytes",
-                           code="request_too_large")
+        if cl is not None and cl.isdigit() and len(cl) < 20 and int(cl) > limit:
+            raise _closing(APIError(413, f"request body of {cl} bytes exceeds the limit of {limit} bytes",
+                                    code="request_too_large"))
         chunks, n = [], 0
-        async for chunk in request.stream():
-            n += len(chunk)
-            if n > limit:
-                raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
-            chunks.append(chunk)
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                async for chunk in request.stream():
+                    n += len(chunk)
+                    if n > limit:
+                        raise _closing(APIError(413, f"request body exceeds the limit of {limit} bytes",
+                                                code="request_too_large"))
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise _closing(APIError(408, f"request body not received within {self.body_timeout_s:g} s",
+                                    code="request_timeout")) from None
         return b"".join(chunks)
 
     @staticmethod

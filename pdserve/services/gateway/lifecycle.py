@@ -213,5 +213,6 @@ def build_lifecycle(cfg) -> Lifecycle:
         ledger = ReservationLedger(redis, cfg.served_model_name, lease_s=cfg.reservation_lease_s)
         admission = Admission(ledger, RegistryCapacity(registry, cfg.kv_overcommit), max_queue=cfg.admission_queue,
                               max_queue_wait_s=cfg.max_queue_wait_s)
-    gate = IngressGate(TenantDirectory(cfg.api_keys_file), redis, cfg.served_model_name, cfg.max_body_bytes)
+    gate = IngressGate(TenantDirectory(cfg.api_keys_file), redis, cfg.served_model_name, cfg.max_body_bytes,
+                       cfg.body_timeout_s)
     return Lifecycle(gate, admission, cfg.served_model_name, cfg.default_timeout_s, cfg.max_timeout_s)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 
 from pdserve.engine.sampling_params import GuidedSpec, SamplingParams
@@ -21,13 +22,49 @@ def bad(param: str, why: str) -> APIError:
     return APIError(400, f"invalid parameter '{param}': {why}", param=param, code="invalid_parameter")
 
 
-def _num(body: dict, name: str, kind=float, default=None):
+# The proto's integer fields are int32 (common.proto SamplingParams): a larger value passed every check here and
+# then failed to serialize after admission, a 500 (issue 13, item 7). Each integer gets its own range up front.
+INT32_MAX = 2**31 - 1
+MAX_N = 128  # OpenAI's cap on `n`: n (x prompts) requests fan out from one body
+
+
+def _num(body: dict, name: str, kind=float, default=None, lo: int = -INT32_MAX - 1, hi: int = INT32_MAX):
+    """A number field, or `default` when absent/null. Integers must lie in [lo, hi]; numbers must be finite
+    (a huge JSON integer does not fit a float: OverflowError, not a value)."""
     v = body.get(name, None)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise bad(name, f"must be {'an integer' if kind is int else 'a number'}")
-    return kind(v)
+    if kind is int:
+        if isinstance(v, float):
+            if not (math.isfinite(v) and v.is_integer()):
+                raise bad(name, "must be an integer")
+            v = int(v)
+        if not lo <= v <= hi:
+            raise bad(name, f"must be an integer in [{lo}, {hi}]")
+        return v
+    f = _float(v)
+    if not math.isfinite(f):
+        raise bad(name, "must be a finite number")
+    return f
+
+
+def _float(v: int | float) -> float:
+    try:
+        return float(v)
+    except OverflowError:  # an integer beyond the float range
+        return math.inf
+
+
+def flag(body: dict, name: str, default: bool = False) -> bool:
+    """A boolean field: JSON true/false (or null for the default), nothing truthy."""
+    v = body.get(name, None)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad(name, "must be true or false")
+    return v
 
 
 def _guided(rf) -> GuidedSpec | None:
@@ -44,25 +81,28 @@ def _guided(rf) -> GuidedSpec | None:
         js = rf.get("json_schema")
         if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
             raise bad("response_format.json_schema.schema", "must be a JSON schema object")
-        return GuidedSpec(json_schema=json.dumps(js["schema"]))
+        try:  # strict JSON for the worker's grammar compiler: no NaN / Infinity
+            return GuidedSpec(json_schema=json.dumps(js["schema"], allow_nan=False))
+        except (ValueError, RecursionError):
+            raise bad("response_format.json_schema.schema", "must be a JSON schema object") from None
     raise bad("response_format.type", f"unsupported type {t!r} (text, json_object, json_schema)")
 
 
 def to_sampling_params(body: dict, *, chat: bool, vocab_size: int) -> SamplingParams:
     p = SamplingParams()
-    p.n = _num(body, "n", int, 1)
-    if not chat and body.get("best_of") is not None and _num(body, "best_of", int) != p.n:
+    p.n = _num(body, "n", int, 1, 1, MAX_N)
+    if not chat and body.get("best_of") is not None and _num(body, "best_of", int, None, 1, MAX_N) != p.n:
         raise bad("best_of", "only best_of == n is supported")
     p.temperature = _num(body, "temperature", float, 1.0)
     p.top_p = _num(body, "top_p", float, 1.0)
-    p.top_k = _num(body, "top_k", int, 0)
+    p.top_k = _num(body, "top_k", int, 0, -1)
     p.min_p = _num(body, "min_p", float, 0.0)
-    p.seed = _num(body, "seed", int, None)
-    mt = _num(body, "max_completion_tokens", int, None) if chat else None
+    p.seed = _num(body, "seed", int, None, 0, 2**63 - 1)  # int64 in the proto
+    mt = _num(body, "max_completion_tokens", int, None, 1) if chat else None
     if mt is None:
-        mt = _num(body, "max_tokens", int, None if chat else 16)
+        mt = _num(body, "max_tokens", int, None if chat else 16, 1)
     p.max_tokens = mt
-    p.min_tokens = _num(body, "min_tokens", int, 0)
+    p.min_tokens = _num(body, "min_tokens", int, 0, 0)
     p.presence_penalty = _num(body, "presence_penalty", float, 0.0)
     p.frequency_penalty = _num(body, "frequency_penalty", float, 0.0)
     p.repetition_penalty = _num(body, "repetition_penalty", float, 1.0)
@@ -73,25 +113,30 @@ def to_sampling_params(body: dict, *, chat: bool, vocab_size: int) -> SamplingPa
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 16:
             raise bad("stop", "must be a string or a list of up to 16 strings")
         p.stop = stop
-    if body.get("ignore_eos") is not None:
-        p.ignore_eos = bool(body["ignore_eos"])
+    p.ignore_eos = flag(body, "ignore_eos", p.ignore_eos)
     lb = body.get("logit_bias")
     if lb is not None:
         if not isinstance(lb, dict):
             raise bad("logit_bias", "must map token ids to biases")
-        try:
-            p.logit_bias = {int(k): float(v) for k, v in lb.items()}
-        except (TypeError, ValueError):
-            raise bad("logit_bias", "keys must be token ids and values numbers") from None
+        bias = {}
+        for k, v in lb.items():
+            # a token id is a short decimal (int() of a 5,000-digit string raises, it does not return)
+            if not (k.isascii() and 0 < len(k) <= 12 and k.strip().lstrip("+-").isdigit()) or isinstance(v, bool) \
+                    or not isinstance(v, (int, float)):
+                raise bad("logit_bias", "keys must be token ids and values numbers")
+            if not math.isfinite(_float(v)):
+                raise bad("logit_bias", "values must be finite numbers")
+            bias[int(k)] = float(v)
+        p.logit_bias = bias
     if chat:
-        if body.get("logprobs"):
-            p.logprobs = _num(body, "top_logprobs", int, 0)
+        if flag(body, "logprobs"):
+            p.logprobs = _num(body, "top_logprobs", int, 0, 0, 20)
         elif body.get("top_logprobs") is not None:
             raise bad("top_logprobs", "requires logprobs=true")
     else:
-        p.logprobs = _num(body, "logprobs", int, None)
+        p.logprobs = _num(body, "logprobs", int, None, 0, 20)
     p.guided = _guided(body.get("response_format"))
-    if body.get("echo"):
+    if flag(body, "echo"):
         raise bad("echo", "not supported")
     try:
         p.validate(vocab_size)

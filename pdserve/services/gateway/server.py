@@ -10,6 +10,7 @@ from pdserve.services.gateway.app import GatewayConfig, create_app
 from pdserve.services.gateway.grpc_front import GatewayGrpc
 from pdserve.services.grpc_util import GATEWAY_SERVICE, make_server, set_serving
 from pdserve.services.pb import gateway_pb2_grpc
+from pdserve.services.gateway.protocol import guarded_h11  # noqa: E402,I001 - own line: fewer merge conflicts
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -34,12 +35,26 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def uvicorn_config(app, host: str, port: int, gcfg: GatewayConfig) -> uvicorn.Config:
+    """uvicorn with the gateway's limits on slow clients and big heads (docs/reliability.md, "Hostile input")."""
+    return uvicorn.Config(
+        app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5,
+        http=guarded_h11(gcfg.header_timeout_s),  # header read timeout (protocol.py); pins h11
+        timeout_keep_alive=5,  # idle keep-alive connections
+        # h11 refuses an incomplete head over this size; a complete one is guard.HttpGuard's to refuse (431)
+        h11_max_incomplete_event_size=gcfg.max_header_bytes)
+
+
 async def serve(args) -> None:
     app = create_app(GatewayConfig(
         args.model, args.served_model_name, args.router, redis_url=args.redis_url, api_keys_file=args.api_keys_file,
         max_body_bytes=args.max_body_bytes, default_timeout_s=args.default_timeout, max_timeout_s=args.max_timeout,
         admission_queue=args.admission_queue, max_queue_wait_s=args.max_queue_wait, kv_overcommit=args.kv_overcommit,
-        reservation_lease_s=args.reservation_lease))
+        reservation_lease_s=args.reservation_lease, max_header_bytes=args.max_header_bytes,
+        header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout))
+    if args.metrics_port:  # unauthenticated, for a scraper on the service network (docs/admission.md, Trust model)
+        from prometheus_client import start_http_server
+        start_http_server(args.metrics_port, addr=args.metrics_host or args.host)
     grpc_server = None
     if args.grpc_port:
         from pdserve.engine.config import ModelConfig
@@ -52,7 +67,7 @@ async def serve(args) -> None:
         grpc_server.add_insecure_port(f"{args.host}:{args.grpc_port}")
         await grpc_server.start()
         await set_serving(hs, [GATEWAY_SERVICE], True)
-    cfg = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    cfg = uvicorn_config(app, args.host, args.port, app.state.config)
     server = uvicorn.Server(cfg)
     log.info("gateway on http://%s:%d (grpc %s), router %s", args.host, args.port, args.grpc_port, args.router)
     await server.serve(sockets=[listen_socket(args.host, args.port)])  # returns after SIGTERM/SIGINT, having drained open connections

@@ -10,10 +10,14 @@ tenants:
     quota_window_s: 3600
     priority: 1            # scheduling class, lower = more urgent (engine policy `priority`)
     shared_namespace: docs # opt-in: share prefix-cache blocks with every tenant naming the same namespace
+    permissions: []        # operator rights, none by default: `metrics` (read GET /metrics),
+                           # `debug_route` (the `x-pdserve-debug: route` header is honoured)
 ```
 With no file configured, every request is tenant `default` (no key needed, no limits, namespace ""). With a file,
 a missing or unknown key is 401. Keys are held only as SHA-256 digests, and looked up by digest, so the lookup
 time does not depend on how much of a guessed key matches a real one.
+Without a keys file there is no authentication at all (one trust domain: a dev box, or a deployment behind an
+authenticating proxy), so the one `default` tenant holds every permission (docs/admission.md, "Trust model").
 The file is re-read when its mtime changes (a rotated Secret), at most every `reload_s`.
 """
 from __future__ import annotations
@@ -39,7 +43,12 @@ class Tenant:
     priority: int = 1
     shared_namespace: str | None = None
     max_timeout_s: float | None = None  # cap on the request's own `timeout`
+    # operator rights (PERMISSIONS); a plain API key has none, so /metrics and routing internals stay hidden from it
+    permissions: frozenset[str] = frozenset()
     key_digests: list[str] = field(default_factory=list)
+
+    def can(self, permission: str) -> bool:
+        return permission in self.permissions
 
     @property
     def namespace(self) -> str:
@@ -51,7 +60,9 @@ class Tenant:
         return self.burst if self.burst > 0 else max(1.0, self.rate_rps)
 
 
-DEFAULT_TENANT = Tenant("default", priority=1, shared_namespace="")  # no keys file: one namespace, as before
+PERMISSIONS = frozenset({"metrics", "debug_route"})
+# no keys file: one namespace, as before, and nobody to tell apart, so every permission
+DEFAULT_TENANT = Tenant("default", priority=1, shared_namespace="", permissions=PERMISSIONS)
 
 
 def digest(key: str) -> str:
@@ -68,11 +79,17 @@ def parse(data: dict) -> list[Tenant]:
         keys = cfg.pop("keys", [])
         if isinstance(keys, str):
             keys = [keys]
-        allowed = {f for f in Tenant.__dataclass_fields__ if f not in ("name", "key_digests")}
+        perms = cfg.pop("permissions", [])
+        if isinstance(perms, str):
+            perms = [perms]
+        if not isinstance(perms, list) or not all(isinstance(x, str) and x in PERMISSIONS for x in perms):
+            raise ValueError(f"api keys file: tenant {name!r}: permissions must be a list of {sorted(PERMISSIONS)}")
+        allowed = {f for f in Tenant.__dataclass_fields__ if f not in ("name", "key_digests", "permissions")}
         unknown = set(cfg) - allowed
         if unknown:
             raise ValueError(f"api keys file: tenant {name!r}: unknown settings {sorted(unknown)}")
-        out.append(Tenant(name=str(name), key_digests=[digest(str(k)) for k in keys], **cfg))
+        out.append(Tenant(name=str(name), key_digests=[digest(str(k)) for k in keys], permissions=frozenset(perms),
+                          **cfg))
     return out
 
 

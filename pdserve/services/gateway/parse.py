@@ -1,0 +1,196 @@
+"""Request bodies, parsed strictly before anything acts on them (issue 13, items 7 and 8).
+
+Every value the gateway reads is checked for its JSON type and range here or in params.py, so bad input is a
+400 naming the field, never an exception further in (a 500). Found by a fuzzer: `stream_options` not an object,
+lone surrogates (`"ab\\ud800cd"`: valid JSON, not encodable as UTF-8, so the tokenizer and protobuf raise),
+booleans as token ids (`True` is an `int` in Python), a content part whose text is not a string.
+
+Tokenization and chat-template rendering of a large prompt run on a small thread pool, not on the event loop:
+a 1 MB prompt takes ~1 s to tokenize, and on the loop it stalled every other request for that long. The pool's
+threads call the tokenizer's batch API, which releases the GIL while it works.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import jinja2
+
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.services.gateway.params import APIError, _num, bad, flag
+from pdserve.services.gateway.redact import scrub
+
+# Text up to this many characters is tokenized inline: the thread hop (~50-100 us) costs more than the encode.
+INLINE_CHARS = 8 << 10
+TOKENIZE_THREADS = 2  # bounded: a burst of huge prompts queues here instead of starting a thread each
+MAX_PROMPTS = 1024  # prompts in one completions body (each one is an engine request, times n)
+
+
+def _reject_constant(name: str):
+    raise ValueError(name)  # NaN, Infinity, -Infinity: Python's json accepts them, JSON does not
+
+
+def _lone_surrogate(body) -> str | None:
+    """Path of the first string (or key) that cannot be encoded as UTF-8, else None. Iterative: the body may be
+    nested as deep as the JSON parser allows."""
+    stack: list[tuple[str, object]] = [("", body)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                p = f"{path}.{k}" if path else k
+                try:
+                    k.encode("utf-8")
+                except UnicodeEncodeError:
+                    return path or "body"
+                if isinstance(x, (str, dict, list)):
+                    stack.append((p, x))
+        elif isinstance(v, list):
+            stack.extend((f"{path}[{i}]", x) for i, x in enumerate(v) if isinstance(x, (str, dict, list)))
+    return None
+
+
+def _token_ids(x, vocab: int) -> bool:
+    return isinstance(x, list) and all(type(t) is int and 0 <= t < vocab for t in x)  # noqa: E721 - no bools
+
+
+class RequestParser:
+    def __init__(self, tok: Tokenizer, vocab: int, max_len: int, served_model_name: str,
+                 inline_chars: int = INLINE_CHARS):
+        self.tok, self.vocab, self.max_len, self.model = tok, vocab, max_len, served_model_name
+        self.inline_chars = inline_chars
+        self._pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="pdserve-tokenize")
+
+    # ---- the envelope: JSON, strings, the fields the endpoint reads itself ----
+
+    def body(self, raw: bytes) -> dict:
+        try:
+            text = raw.decode("utf-8")  # strict: bytes of a surrogate are refused too
+        except UnicodeDecodeError:
+            raise APIError(400, "request body is not UTF-8", code="invalid_json") from None
+        try:
+            body = json.loads(text, parse_constant=_reject_constant)
+        except json.JSONDecodeError as e:
+            raise APIError(400, f"request body is not valid JSON ({e})", code="invalid_json") from None
+        except (ValueError, RecursionError):  # NaN / Infinity; a number too long to convert; nesting too deep
+            raise APIError(400, "request body is not valid JSON (NaN, Infinity, an integer of over 4,300 digits "
+                                "or nesting too deep)", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "request body must be a JSON object", code="invalid_json")
+        if "\\u" in text:  # only an escape can make a lone surrogate out of strict UTF-8
+            where = _lone_surrogate(body)
+            if where is not None:  # the path is made of the client's keys: bounded in the answer
+                raise bad(where if len(where) <= 200 else where[:199] + "…",
+                          "contains a lone UTF-16 surrogate (not encodable as UTF-8)")
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise bad("model", "must be a string")
+        if model is not None and model != self.model:
+            raise APIError(404, f"The model '{model}' does not exist", "invalid_request_error", "model",
+                           "model_not_found")
+        for name in ("stream", "return_token_ids", "allow_degrade", "echo", "ignore_eos"):
+            flag(body, name)
+        so = body.get("stream_options")
+        if so is not None:
+            if not isinstance(so, dict):
+                raise bad("stream_options", "must be an object")
+            if so.get("include_usage") is not None and not isinstance(so["include_usage"], bool):
+                raise bad("stream_options.include_usage", "must be true or false")
+        if body.get("timeout") is not None and _num(body, "timeout", float) <= 0:
+            raise bad("timeout", "must be a positive number of seconds")
+        if body.get("user") is not None and not isinstance(body["user"], str):
+            raise bad("user", "must be a string")
+        return body
+
+    # ---- prompts ----
+
+    def check(self, ids: list[int], param: str = "prompt") -> list[int]:
+        if not ids:
+            raise bad(param, "is empty")
+        if len(ids) >= self.max_len:
+            raise APIError(400, f"prompt has {len(ids)} tokens; the context is {self.max_len} tokens including "
+                                f"output", param=param, code="context_length_exceeded")
+        return ids
+
+    def _ids(self, x: list, param: str) -> list[int]:
+        """Token ids given as such: integers (not booleans), then the context length, then the vocabulary."""
+        if not all(type(t) is int for t in x):  # noqa: E721
+            raise bad(param, f"token ids must be integers in [0, {self.vocab})")
+        ids = self.check(list(x), param)
+        if not _token_ids(ids, self.vocab):
+            raise bad(param, f"token ids must be integers in [0, {self.vocab})")
+        return ids
+
+    async def _encode(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        if sum(len(t) for t in texts) <= self.inline_chars:
+            return [self.tok.encode(t, add_special_tokens) for t in texts]
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self.tok.encode_many, texts, add_special_tokens)
+
+    async def completion_prompts(self, body: dict) -> list[list[int]]:
+        p = body.get("prompt")
+        if isinstance(p, str):
+            return [self.check(x) for x in await self._encode([p])]
+        if isinstance(p, list) and p:
+            if len(p) > MAX_PROMPTS and not all(type(x) is int for x in p):  # noqa: E721
+                raise bad("prompt", f"at most {MAX_PROMPTS} prompts per request")
+            if all(isinstance(x, str) for x in p):
+                return [self.check(x) for x in await self._encode(p)]
+            if all(type(x) is int for x in p):  # noqa: E721 - a bool is not a token id
+                return [self._ids(p, "prompt")]
+            if all(isinstance(x, list) for x in p):
+                return [self._ids(x, f"prompt[{i}]") for i, x in enumerate(p)]
+        raise bad("prompt", "must be a string, a list of strings, or token ids")
+
+    @staticmethod
+    def _messages(body: dict) -> list[dict]:
+        """The messages as the chat template sees them: content parts joined into one string."""
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise bad("messages", "must be a non-empty list")
+        norm = []
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
+                raise bad(f"messages[{i}]", "must be an object with a role (a string)")
+            if m.get("name") is not None and not isinstance(m["name"], str):
+                raise bad(f"messages[{i}].name", "must be a string")
+            c = m.get("content")
+            if isinstance(c, list):
+                texts = []
+                for j, part in enumerate(c):
+                    if not isinstance(part, dict) or part.get("type") != "text":
+                        raise bad(f"messages[{i}].content[{j}]", "only text parts ({'type': 'text', ...}) "
+                                                                   "are supported")
+                    if not isinstance(part.get("text"), str):
+                        raise bad(f"messages[{i}].content[{j}].text", "must be a string")
+                    texts.append(part["text"])
+                c = "".join(texts)
+            elif c is not None and not isinstance(c, str):
+                raise bad(f"messages[{i}].content", "must be a string, a list of text parts, or null")
+            norm.append({**m, "content": c if c is not None else ""})
+        return norm
+
+    def _render_and_encode(self, msgs: list[dict]) -> list[int]:
+        """Chat template -> token ids; called inline or on the pool. Template errors are the messages' fault."""
+        try:
+            text = self.tok.apply_chat_template(msgs, add_generation_prompt=True)
+        except (ValueError, TypeError, LookupError, jinja2.TemplateError, RecursionError) as e:
+            raise bad("messages", scrub(str(e))) from None
+        # a template that writes BOS itself must not get a second one from the tokenizer
+        special = not (self.tok.bos_token and text.startswith(self.tok.bos_token))
+        return self.tok.encode_many([text], add_special_tokens=special)[0]
+
+    async def chat_prompt(self, body: dict) -> list[int]:
+        msgs = self._messages(body)
+        size = sum(len(m["content"]) for m in msgs)
+        if size <= self.inline_chars:
+            ids = self._render_and_encode(msgs)
+        else:
+            ids = await asyncio.get_running_loop().run_in_executor(self._pool, self._render_and_encode, msgs)
+        return self.check(ids, "messages")
