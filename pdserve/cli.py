@@ -94,15 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--router", default="127.0.0.1:7000", help="router gRPC address")
     _add_lifecycle(gw)
     # slow clients, big heads, who reads /metrics (docs/reliability.md "Hostile input", docs/admission.md)
-    gw.add_argument("--header-timeout", type=float, default=float(_env("header_timeout", 10)),
+    gw.add_argument("--header-timeout", type=positive_float, default=10.0,
                     help="seconds for a request head to arrive (connection open or keep-alive reuse -> headers)")
-    gw.add_argument("--body-timeout", type=float, default=float(_env("body_timeout", 30)),
+    gw.add_argument("--body-timeout", type=positive_float, default=30.0,
                     help="seconds for a request body to arrive after its head (408 then)")
-    gw.add_argument("--max-header-bytes", type=int, default=int(_env("max_header_bytes", 16 << 10)),
+    gw.add_argument("--max-header-bytes", type=positive_int, default=16 << 10,
                     help="request line + headers; larger: 431")
-    gw.add_argument("--metrics-port", type=int, default=int(_env("metrics_port", 0)),
+    gw.add_argument("--metrics-port", type=port, default=0,
                     help="also serve /metrics here without a key (for an in-cluster scraper; 0: off)")
-    gw.add_argument("--metrics-host", default=_env("metrics_host"), help="address for --metrics-port "
+    gw.add_argument("--metrics-host", default=None, help="address for --metrics-port "
                     "(default --host)")
 
     rt = sub.add_parser("router", env=True, help="placement service over the Redis registry")

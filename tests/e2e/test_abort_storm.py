@@ -25,7 +25,7 @@ from tests.e2e.conftest import Up, wait_until
 
 KEYS = """
 tenants:
-  storm: {keys: [sk-storm]}
+  storm: {keys: [sk-storm], permissions: [metrics]}
   metered: {keys: [sk-metered], quota_tokens: 100000, quota_window_s: 3600}
 """
 STREAMS = int(os.environ.get("PDSERVE_STORM_STREAMS", "120"))  # 400+ for the figures in docs/reliability.md

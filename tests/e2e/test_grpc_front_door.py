@@ -18,7 +18,7 @@ from tests.e2e.conftest import Up
 
 KEYS = """
 tenants:
-  alice: {keys: [sk-alice]}
+  alice: {keys: [sk-alice], permissions: [metrics]}
   bob: {keys: [sk-bob]}
   slow: {keys: [sk-slow], rate_rps: 0.01, burst: 1}
 """

@@ -180,7 +180,8 @@ def test_disagg_variant_serves_requests_as_rendered(tiny_llama, tmp_path):
         assert rd.exists("pdserve:ck:ratelimit:metered")
         # the router placed by the chart's mode: every request went prefill -> decode
         end = time.monotonic() + 10
-        while _metric(comp["gateway"][0].port("http"), "pdserve_ttft_seconds_count", '{mode="disagg"}') < 2:
+        # read on the metrics port the chart gives the scraper: no key there (the HTTP port wants one)
+        while _metric(comp["gateway"][0].port("metrics"), "pdserve_ttft_seconds_count", '{mode="disagg"}') < 2:
             assert time.monotonic() < end, "gateway-0 did not record its two requests as disagg"
             time.sleep(0.2)
     finally:

@@ -194,6 +194,7 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
         return _error_response(exc)
 
     parser = RequestParser(tok, vocab, max_len, cfg.served_model_name)  # parse.py: strict, 400 naming the field
+    app.state.parser = parser
 
     async def _body(raw: bytes) -> dict:
         return parser.body(raw)

@@ -57,13 +57,9 @@ async def serve(args) -> None:
         start_http_server(args.metrics_port, addr=args.metrics_host or args.host)
     grpc_server = None
     if args.grpc_port:
-        from pdserve.engine.config import ModelConfig
-        from pdserve.engine.engine import resolve_model_dir
         grpc_server, hs = make_server([GATEWAY_SERVICE])
-        mcfg = ModelConfig.from_dir(resolve_model_dir(args.model))
         gateway_pb2_grpc.add_GatewayServicer_to_server(
-            GatewayGrpc(app.state.lifecycle, app.state.dispatcher, app.state.tokenizer, mcfg.vocab_size,
-                        mcfg.max_model_len), grpc_server)
+            GatewayGrpc(app.state.lifecycle, app.state.dispatcher, app.state.parser), grpc_server)
         grpc_server.add_insecure_port(f"{args.host}:{args.grpc_port}")
         await grpc_server.start()
         await set_serving(hs, [GATEWAY_SERVICE], True)
