@@ -127,7 +127,7 @@ class Lifecycle:
             return None
         headers = {"Retry-After": retry_after(e.retry_after_s)} if e.retry_after_s else {}
         typ = {400: "invalid_request_error", 504: "timeout_error"}.get(e.status, "service_unavailable_error")
-        param = "prompt" if e.status == 400 else None
+        param = (e.param or "prompt") if e.status == 400 else None
         return e.status, APIError(e.status, e.message, typ, param, e.code).body(), headers
 
     async def finish(self, rec: RequestRecord, state: str, error: str | None = None) -> None:
@@ -143,6 +143,12 @@ class Lifecycle:
             if state == "FINISHED":
                 for n_out in rec.outputs_per_choice:
                     self.admission.predictor.observe(rec.tenant.name, n_out)
+            if state in ("FINISHED", "TIMED_OUT") and rec.admitted_at is not None:
+                # deadline-aware admission learns how far its service-time estimate was off (for the tokens
+                # really generated; a timed-out request's time is a lower bound, and it counts as such)
+                per_choice = rec.emitted // max(1, rec.ticket.n_granted) if rec.ticket else 0  # streamed
+                out = (max(rec.outputs_per_choice, default=0) or per_choice) if state == "FINISHED" else None
+                self.admission.observe_finish(rec.ticket, time.time() - rec.admitted_at, out or None)
         if state == "REJECTED":
             M.TERMINAL.labels("REJECTED").inc()
             M.REJECT_LATENCY.observe(time.time() - rec.arrival)
