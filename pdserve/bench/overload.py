@@ -5,7 +5,7 @@ per-request `timeout`, every request's outcome classified.
 
 Goodput = requests answered in full (stream ended with [DONE]) within their deadline, per second of arrivals.
 An outcome is judged at the client from the request's *scheduled* send time (no coordinated omission):
-`ok` (complete, in time), `late` (complete but past its deadline: must never happen, the workers cut a request
+`ok` (complete, in time: from when the request left the client, as the server counts it), `late` (complete but past its deadline: must never happen, the workers cut a request
 off at its deadline), `rejected` (429/503 answered at arrival), `left_queue` (503 `queue_deadline`: queued, then
 its deadline became unreachable), `timed_out` (504, or a stream ended by `timed_out`), `error` (anything else).
 Requests are the bench client's (`pdserve.bench.client`): streamed, exact output lengths (ignore_eos).
@@ -44,8 +44,8 @@ def classify(rec: RequestRecord, done: float | None, timeout_s: float) -> str:
     err = rec.error or ""
     code = re.search(r'"code":\s*"([^"]+)"', err)
     code = code.group(1) if code else ""
-    if rec.ok:
-        return "ok" if done is not None and done - rec.scheduled <= timeout_s else "late"
+    if rec.ok:  # past its deadline as the server counts it (from when the request left this client)
+        return "ok" if done is not None and done - (rec.sent or rec.scheduled) <= timeout_s else "late"
     if err.startswith(("HTTP 503", "HTTP 429")):
         return "left_queue" if code == "queue_deadline" else "rejected"
     if err.startswith("HTTP 504") or "timed_out" in err or "timeout" in code:

@@ -163,7 +163,7 @@ class Calibration:
     steps), reports up to a heartbeat old, requests admitted after this one — and this factor corrects for them
     from what actually happened. Clamped so one outlier cannot close or open the gate."""
 
-    def __init__(self, alpha: float = 0.1, lo: float = 0.25, hi: float = 4.0):
+    def __init__(self, alpha: float = 0.1, lo: float = 0.5, hi: float = 4.0):
         self.alpha, self.lo, self.hi = alpha, lo, hi
         self.factor = 1.0
         self.samples = 0
@@ -341,20 +341,24 @@ class Ticket:
     predicted_output: int
     queued_s: float = 0.0
     states: list[str] = field(default_factory=list)  # admission trail: QUEUED / DEGRADED
-    # the service-time model at admission (0: not measured): prefill + tokens x step; `Calibration` compares it
-    # with what happened, for the tokens really generated
-    est_prefill_s: float = 0.0
-    est_step_s: float = 0.0
+    # the service-time model at admission (rates 0: not measured): prefill + tokens x step(requests in flight).
+    # `Calibration` compares it with what happened, for the tokens really generated at the mean load of its life
+    rates: ServiceRates = field(default_factory=ServiceRates)
+    prompt_tokens: int = 0
+    in_flight: int = 1                       # requests in flight when admitted, itself included
+    limit: float = math.inf                  # the most in flight its deadline allows (deadline_limit)
+    life_mark: tuple[float, float] = (0.0, 0.0)  # InFlight.mark() at admission
 
     @property
     def degraded(self) -> bool:
         return self.n_granted < self.n_requested
 
-    def estimated_s(self, output_tokens: int | None = None) -> float:
-        if self.est_step_s <= 0:
+    def estimated_s(self, output_tokens: int | None = None, in_flight: float | None = None) -> float:
+        if not self.rates.measured:
             return 0.0
         out = self.predicted_output if output_tokens is None else output_tokens
-        return self.est_prefill_s + max(1, out) * self.est_step_s
+        n = self.in_flight if in_flight is None else in_flight
+        return self.rates.service_s(self.prompt_tokens, max(1, out), n)
 
 
 def blocks_for(prompt_tokens: int, output_tokens: int, n: int, block_size: int, cached_tokens: int = 0) -> int:
@@ -423,13 +427,43 @@ def deadline_limit(rates: ServiceRates, factor: float, prompt_tokens: int, pred:
     return rates.max_in_flight(prompt_tokens, pred, max(0.0, remaining_s) * margin / max(factor, 1e-6))
 
 
+class InFlight:
+    """Requests in flight in the shared ledger as last seen (every reserve call returns the count), kept current
+    between calls with this replica's own admissions and releases; and its integral over time, so that the mean
+    over a request's life — what its decode steps were really shared with — can be read back."""
+
+    def __init__(self, clock=time.monotonic):
+        self.clock = clock
+        self.n = 0
+        self.area = 0.0
+        self.t = clock()
+
+    def set(self, n: int) -> None:
+        now = self.clock()
+        self.area += self.n * (now - self.t)
+        self.t, self.n = now, max(0, int(n))
+
+    def mark(self) -> tuple[float, float]:
+        self.set(self.n)
+        return self.area, self.t
+
+    def mean_since(self, mark: tuple[float, float]) -> float | None:
+        self.set(self.n)
+        dt = self.t - mark[1]
+        return (self.area - mark[0]) / dt if dt > 0 else None
+
+
 class Admission:
     """Admission against the shared ledger, deadline-aware (docs/admission.md, "Deadline-aware admission").
 
     A request is admitted only if the KV blocks and sequence slots fit AND the requests in flight (itself
     included) stay at or below `deadline_limit`: the estimate from measured rates x `Calibration` says it then
-    finishes within `margin` of its remaining time. The limit goes into the same Redis script as the capacity
-    check (its sequence limit), so the decision is atomic across replicas. When the capacity would take it but
+    finishes within `margin` of its remaining time — and at or below the limits of the requests this replica
+    already admitted, so a later admission does not push an earlier one past its deadline. (The limit of an
+    admitted request stays about constant over its life: its remaining work and remaining time shrink together.)
+    Under overload the count in flight therefore settles at the limit of a fresh request, where the model puts
+    its completion at `margin` x its timeout. The limit goes into the same Redis script as the capacity check
+    (its sequence limit), so the decision is atomic across replicas. When the capacity would take it but
     the deadline limit does not, waiting cannot help (the limit only shrinks as its time runs out, while later
     arrivals compete for each release): it is REJECTED 503 at once. It queues only for capacity (KV, slots), and
     leaves the queue with 503 (TIMED_OUT: its queue deadline, the latest start, passed) as soon as capacity is
@@ -450,6 +484,8 @@ class Admission:
         # backstop: a request whose terminal path never ran (a bug, a response never started) stops being renewed
         # `orphan_grace_s` after its deadline, so its reservation expires like a crashed gateway's
         self.held_until: dict[str, float] = {}
+        self.limits: dict[str, float] = {}  # held requests' in-flight limits (deadline_limit at admission)
+        self.in_flight = InFlight()
         self.orphan_grace_s = 30.0
         self.queued = 0
         self.degraded_live = 0
@@ -527,41 +563,53 @@ class Admission:
 
     async def _try(self, rid: str, prompt_tokens: int, pred: int, plan: Plan, cap: Capacity, deadline: float,
                    judge: bool) -> tuple[Ticket | None, tuple[str, float] | None]:
-        """One reservation attempt. Returns (ticket, None) when admitted; (None, (why, retry after s)) when the
+        """One reservation attempt. Returns (ticket, None) when admitted; (None, (why, retry after s)) when a
         deadline is what stands in the way; (None, None) when capacity is (or nothing could be judged)."""
         rates = cap.rates
-        limit = deadline_limit(rates, self.calibration.factor, prompt_tokens, pred, deadline - time.time(),
-                               self.deadline_margin) if judge else None
-        if limit is not None and limit < 1:
+        own = deadline_limit(rates, self.calibration.factor, prompt_tokens, pred, deadline - time.time(),
+                             self.deadline_margin) if judge else None
+        if own is not None and own < 1:
             alone = rates.service_s(prompt_tokens, pred, 1) * self.calibration.factor
             return None, (f"{pred} output tokens need ~{alone:.2f} s even alone, "
                           f"{max(0.0, deadline - time.time()):.2f} s left", 1.0)
-        seq_limit = cap.seqs if limit is None else int(min(cap.seqs, math.floor(limit)))
+        others = min(self.limits.values(), default=math.inf)
+        limit = min(own if own is not None else math.inf, others)
+        seq_limit = cap.seqs if limit >= cap.seqs else int(math.floor(limit))
         k, used, seqs = await self.ledger.reserve_plan(rid, plan, cap, seq_limit)
+        self.in_flight.set(seqs)
         if k > 0:
             self.held[rid] = plan.blocks(k)
             t = make_ticket(rid, k, plan.n, plan.blocks(k), pred)
-            if rates.measured:
-                t.est_prefill_s, t.est_step_s = rates.prefill_s(prompt_tokens), rates.step_s(seqs)
+            t.rates, t.prompt_tokens, t.in_flight, t.life_mark = rates, prompt_tokens, seqs, self.in_flight.mark()
+            if own is not None:
+                t.limit = self.limits[rid] = own
             return t, None
-        if limit is None or seqs + 1 <= math.floor(limit):
+        if seqs + 1 <= limit:
             return None, None  # capacity (blocks, slots) stands in the way: worth waiting for
-        # the deadline binds: in flight must drop from `seqs` to `seq_limit - 1`; at the pool's rate per
-        # request (Little: in flight / service time) that takes about this long
+        # a deadline binds: in flight must drop from `seqs` to `seq_limit - 1`; at the pool's rate per request
+        # (Little: in flight / service time) that takes about this long
         per_release = rates.service_s(prompt_tokens, pred, seqs) * self.calibration.factor / max(1, seqs)
         wait = max(1.0, (seqs + 1 - seq_limit) * per_release)
-        return None, (f"{seqs} requests in flight, at most {seq_limit} for it to finish in time", wait)
+        whose = ("for it to finish in time" if own is not None and math.floor(own) <= others
+                 else "for the requests admitted before it to finish in time")
+        return None, (f"{seqs} requests in flight, at most {seq_limit} {whose}", wait)
 
     def observe_finish(self, ticket: Ticket | None, service_s: float, output_tokens: int | None) -> None:
-        """A request this replica admitted has ended (FINISHED, or TIMED_OUT by a worker): calibrate."""
-        if ticket is not None:
-            self.calibration.observe(ticket.estimated_s(output_tokens), service_s)
+        """A request this replica admitted has ended (FINISHED, or TIMED_OUT by a worker): calibrate the model
+        against it, evaluated at the mean number in flight over its life (not the number when it came in:
+        later admissions share its steps too)."""
+        if ticket is None or not ticket.rates.measured:
+            return
+        est = ticket.estimated_s(output_tokens, self.in_flight.mean_since(ticket.life_mark))
+        self.calibration.observe(est, service_s)
 
     async def release(self, rid: str) -> None:
         """Idempotent: the reservation goes back whichever terminal path runs first."""
         self.held_until.pop(rid, None)
+        self.limits.pop(rid, None)
         if self.held.pop(rid, None) is None:
             return
+        self.in_flight.set(self.in_flight.n - 1)
         await self.ledger.release(rid)
         self._released.set()
 
@@ -602,21 +650,47 @@ def rates_from_workers(records, serving) -> ServiceRates:
 
 
 class RegistryCapacity:
-    """Capacity read from the worker registry, cached for `ttl_s` (workers heartbeat about once a second)."""
+    """Capacity read from the worker registry, cached for `ttl_s` (workers heartbeat about once a second).
 
-    def __init__(self, registry, overcommit: float = 1.0, ttl_s: float = 1.0):
-        self.registry, self.overcommit, self.ttl_s = registry, overcommit, ttl_s
+    The service rates are smoothed over refreshes (`smooth`: weight of a new report): one report's decode step
+    is an average over the last few steps at whatever batch they had, so the line through it jumps from report to
+    report (measured: the intercept between 2 and 50 ms from one second to the next under steady load), and the
+    deadline limit with it."""
+
+    def __init__(self, registry, overcommit: float = 1.0, ttl_s: float = 1.0, smooth: float = 0.2):
+        self.registry, self.overcommit, self.ttl_s, self.smooth = registry, overcommit, ttl_s, smooth
         self._cap: Capacity | None = None
+        self._rates: ServiceRates | None = None
         self._at = 0.0
 
     async def __call__(self) -> Capacity | None:
         if time.monotonic() - self._at > self.ttl_s or self._cap is None:
             try:
-                self._cap = capacity_from_workers(await self.registry.live_workers(), self.overcommit)
+                cap = capacity_from_workers(await self.registry.live_workers(), self.overcommit)
                 self._at = time.monotonic()
             except Exception as e:  # noqa: BLE001 - keep the last known capacity while Redis is away
                 log.warning("admission: capacity not refreshed (%s)", e)
+            else:
+                if cap is not None:
+                    self._rates = cap.rates = smooth_rates(self._rates, cap.rates, self.smooth)
+                self._cap = cap
         return self._cap
+
+
+def smooth_rates(old: ServiceRates | None, new: ServiceRates, a: float) -> ServiceRates:
+    """EWMA of each measured figure; an unmeasured report keeps the last measured rates (an idle worker keeps
+    its last numbers too), a change in the number of workers takes the new report as it is."""
+    if not new.measured:
+        return old if old is not None and old.workers == new.workers else new
+    if old is None or not old.measured or old.workers != new.workers:
+        return new
+
+    def mix(x: float, y: float) -> float:
+        return y if x <= 0 else x if y <= 0 else (1 - a) * x + a * y
+
+    return ServiceRates(mix(old.step0_s, new.step0_s), mix(old.step_per_seq_s, new.step_per_seq_s),
+                        mix(old.prefill_tokens_per_s, new.prefill_tokens_per_s),
+                        mix(old.prefill_overhead_s, new.prefill_overhead_s), new.workers)
 
 
 # ---- request lifecycle metadata between gateway and workers (gRPC metadata: no proto change needed) ----------

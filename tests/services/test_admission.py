@@ -365,7 +365,7 @@ def test_deadline_rejection_is_immediate_with_retry_after():
         # 3.05 s left: 100 x (0.010 + 0.001 N) <= 3.05 -> N <= 20 in flight, this one included
         await _fill(adm, 19)
         t = await adm.admit("fits", "t", 16, 100, 1, 4096, time.time() + 3.05)  # the 20th
-        assert t.est_step_s == pytest.approx(0.030) and t.estimated_s() == pytest.approx(3.0)
+        assert t.estimated_s() == pytest.approx(3.0) and t.in_flight == 20
         # the 21st would take 100 x 0.031 = 3.1 s: KV and slots are free, yet it is rejected, at once
         t0 = time.monotonic()
         with pytest.raises(AdmissionError) as e:
@@ -373,9 +373,15 @@ def test_deadline_rejection_is_immediate_with_retry_after():
         assert time.monotonic() - t0 < 0.1
         assert (e.value.status, e.value.code, e.value.state) == (503, "deadline_unreachable", "REJECTED")
         assert e.value.retry_after_s >= 1
-        # a longer deadline still gets in at the same load; so does one that does not say max_tokens (its output
-        # length is unknown before the tenant has a history: not judged)
+        assert "for it to finish in time" in e.value.message
+        # a longer deadline could take the load (limit 90), but a 21st would push "fits" past its deadline
+        with pytest.raises(AdmissionError) as e:
+            await adm.admit("patient", "t", 16, 100, 1, 4096, time.time() + 10.0)
+        assert e.value.code == "deadline_unreachable" and "admitted before it" in e.value.message
+        await adm.release("fits")
         assert await adm.admit("patient", "t", 16, 100, 1, 4096, time.time() + 10.0)
+        # one that does not say max_tokens is not judged by its own deadline (its output length is unknown before
+        # the tenant has a history), only by the admitted ones'
         assert await adm.admit("unknown-length", "t", 16, None, 1, 4096, time.time() + 3.05)
         # can never make it, even alone (100 x 10 ms > 0.5 s): rejected at once as well
         with pytest.raises(AdmissionError) as e:
