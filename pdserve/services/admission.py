@@ -15,9 +15,12 @@ once 20 outputs were seen, else `max_tokens` (or the context left when it is uns
 fatal: the engine preempts when blocks really run out.
 KV of a request: prompt blocks once (the prefix cache shares them between the n branches, Q24) + n x output.
 
-Outcomes: REJECTED 400 (the prompt can never fit a worker), DEGRADED (n lowered until it fits; the client is
-told), QUEUED (waits for capacity up to its queue deadline: bounded queue per replica), REJECTED 503 with
-Retry-After (queue full), TIMED_OUT (queue deadline passed).
+Outcomes: REJECTED 400 (the prompt can never fit a worker; the fewest copies allowed can never fit all of
+them), DEGRADED (the largest n that fits, computed in the reserve script; the client is told), REJECTED 503
+`deadline_unreachable` (it would fit, but is not expected to finish by its deadline at the current load:
+`Admission`), QUEUED (waits for blocks/slots: bounded queue per replica), REJECTED 503 with Retry-After (queue
+full), TIMED_OUT 503 `queue_deadline` (queued, then its deadline became unreachable), TIMED_OUT 504 (queue
+deadline passed).
 
 Redis down: a process-local ledger with the same rules takes over (each replica then admits up to the whole
 capacity: degraded, counted in `pdserve_admission_degraded_total`); live reservations are written back to

@@ -449,3 +449,13 @@ def test_queued_request_leaves_once_its_deadline_is_unreachable():
         await _cleanup(r, model)
 
     run(main())
+
+
+def test_rates_smoothed_over_refreshes():
+    from pdserve.services.admission import smooth_rates
+    a = ServiceRates(0.010, 0.001, 100.0, 0.02, 1)
+    b = ServiceRates(0.050, 0.003, 0.0, 0.04, 1)  # one noisy report; prefill not measured in it
+    m = smooth_rates(a, b, 0.25)
+    assert (m.step0_s, m.step_per_seq_s, m.prefill_tokens_per_s) == (pytest.approx(0.020), pytest.approx(0.0015), 100.0)
+    assert smooth_rates(a, ServiceRates(workers=1), 0.25) is a  # an unmeasured report keeps the last rates
+    assert smooth_rates(a, ServiceRates(0.05, 0.0, 0.0, 0.0, 2), 0.25).workers == 2  # the pool changed: as reported
