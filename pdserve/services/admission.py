@@ -489,6 +489,12 @@ class Admission:
         self.held_until: dict[str, float] = {}
         self.limits: dict[str, float] = {}  # held requests' in-flight limits (deadline_limit at admission)
         self.in_flight = InFlight()
+        # the most requests in flight (mean over a life) at which requests of this replica were seen to finish
+        # (so before their deadline): the deadline limit may exceed it only by `growth`, because the rates are
+        # measured at the batches the workers have run, and a line extrapolated far beyond them (a fresh
+        # deployment hit by a burst: measured at 16, asked about 64) let through a wave that all timed out
+        self.proven = 0.0
+        self.growth = 1.5
         self.orphan_grace_s = 30.0
         self.queued = 0
         self.degraded_live = 0
@@ -575,6 +581,8 @@ class Admission:
             alone = rates.service_s(prompt_tokens, pred, 1) * self.calibration.factor
             return None, (f"{pred} output tokens need ~{alone:.2f} s even alone, "
                           f"{max(0.0, deadline - time.time()):.2f} s left", 1.0)
+        if own is not None and self.proven > 0:
+            own = min(own, self.proven * self.growth + 1)
         others = min(self.limits.values(), default=math.inf)
         limit = min(own if own is not None else math.inf, others)
         seq_limit = cap.seqs if limit >= cap.seqs else int(math.floor(limit))
@@ -597,13 +605,19 @@ class Admission:
                  else "for the requests admitted before it to finish in time")
         return None, (f"{seqs} requests in flight, at most {seq_limit} {whose}", wait)
 
-    def observe_finish(self, ticket: Ticket | None, service_s: float, output_tokens: int | None) -> None:
+    def observe_finish(self, ticket: Ticket | None, service_s: float, output_tokens: int | None,
+                       finished: bool = False) -> None:
         """A request this replica admitted has ended (FINISHED, or TIMED_OUT by a worker): calibrate the model
         against it, evaluated at the mean number in flight over its life (not the number when it came in:
         later admissions share its steps too)."""
-        if ticket is None or not ticket.rates.measured:
+        if ticket is None:
             return
-        est = ticket.estimated_s(output_tokens, self.in_flight.mean_since(ticket.life_mark))
+        mean = self.in_flight.mean_since(ticket.life_mark)
+        if finished:
+            self.proven = max(self.proven, mean if mean is not None else ticket.in_flight)
+        if not ticket.rates.measured:
+            return
+        est = ticket.estimated_s(output_tokens, mean)
         self.calibration.observe(est, service_s)
 
     async def release(self, rid: str) -> None:

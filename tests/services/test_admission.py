@@ -459,3 +459,26 @@ def test_rates_smoothed_over_refreshes():
     assert (m.step0_s, m.step_per_seq_s, m.prefill_tokens_per_s) == (pytest.approx(0.020), pytest.approx(0.0015), 100.0)
     assert smooth_rates(a, ServiceRates(workers=1), 0.25) is a  # an unmeasured report keeps the last rates
     assert smooth_rates(a, ServiceRates(0.05, 0.0, 0.0, 0.0, 2), 0.25).workers == 2  # the pool changed: as reported
+
+
+def test_limit_grows_from_what_was_seen_to_finish():
+    """The model's limit is trusted only 1.5x beyond the most requests in flight seen finishing in time (a line
+    measured at small batches, extrapolated to 64, let a fresh deployment's first burst all time out)."""
+    model = f"t-{uuid.uuid4().hex[:8]}"
+
+    async def main():
+        r = aioredis.from_url(REDIS)
+        adm = Admission(ReservationLedger(r, model, lease_s=5), _dcap, deadline_margin=1.0)
+        await _fill(adm, 3)
+        t = await adm.admit("first", "t", 16, 100, 1, 4096, time.time() + 10)  # 4 in flight; model limit 90
+        await asyncio.sleep(0.05)
+        adm.observe_finish(t, 0.5, 100, finished=True)  # finished at 4 in flight
+        await adm.release("first")
+        assert adm.proven == pytest.approx(4)
+        await _fill(adm, 10)  # other-0..2 held already: 3 + ... -> 10 distinct
+        with pytest.raises(AdmissionError) as e:  # 11 > 4 x 1.5 + 1 = 7, though the model alone allows 90
+            await adm.admit("burst", "t", 16, 100, 1, 4096, time.time() + 10)
+        assert e.value.code == "deadline_unreachable"
+        await _cleanup(r, model)
+
+    run(main())

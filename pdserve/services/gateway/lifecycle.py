@@ -148,7 +148,8 @@ class Lifecycle:
                 # really generated; a timed-out request's time is a lower bound, and it counts as such)
                 per_choice = rec.emitted // max(1, rec.ticket.n_granted) if rec.ticket else 0  # streamed
                 out = (max(rec.outputs_per_choice, default=0) or per_choice) if state == "FINISHED" else None
-                self.admission.observe_finish(rec.ticket, time.time() - rec.admitted_at, out or None)
+                self.admission.observe_finish(rec.ticket, time.time() - rec.admitted_at, out or None,
+                                              finished=state == "FINISHED")
         if state == "REJECTED":
             M.TERMINAL.labels("REJECTED").inc()
             M.REJECT_LATENCY.observe(time.time() - rec.arrival)
