@@ -54,6 +54,13 @@ end
 local used = 0
 for _, v in ipairs(redis.call('HVALS', KEYS[2])) do used = used + tonumber(v) end
 local seqs = redis.call('ZCARD', KEYS[1])
+local mine = redis.call('HGET', KEYS[2], ARGV[1])
+if mine then  -- reserving again replaces its own entry (as LocalLedger.reserve_plan does)
+  redis.call('ZREM', KEYS[1], ARGV[1])
+  redis.call('HDEL', KEYS[2], ARGV[1])
+  used = used - tonumber(mine)
+  seqs = seqs - 1
+end
 local pb, per, n, mink = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 if seqs + 1 > tonumber(ARGV[7]) then
   return {0, used, seqs}
