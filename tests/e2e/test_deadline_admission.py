@@ -61,8 +61,8 @@ def test_goodput_at_3x_capacity(up):
     # gRPC metadata)
     assert c.get("late", 0) == 0, res.line()
     # rejections are told at once: at the gateway (arrival -> answer written) 95% of the REJECTED within 100 ms
-    # (a shared 2-core box under 3x overload has scheduling hiccups: 58 of 59 seen with a load average of 6.7;
-    # the slow ones were not waiting for anything); at the client, which shares the cores, the median
+    # (a shared 2-core box under 3x overload has scheduling hiccups: 58 of 59 seen with a load average of 6.7);
+    # at the client, which shares the cores, the median
     gw = _metrics(up.port)
     srv = {le: _sum(gw, "pdserve_rejection_latency_seconds_bucket", f'le="{le}"')
            - _sum(gw0, "pdserve_rejection_latency_seconds_bucket", f'le="{le}"') for le in ("0.1", "+Inf")}
