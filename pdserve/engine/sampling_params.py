@@ -15,6 +15,11 @@ class GuidedSpec:
     grammar: str | None = None  # EBNF (GBNF dialect, as xgrammar reads it)
 
 
+# Copies of one request (n, best_of): OpenAI's limit. Each copy is a sequence, a KV reservation share and, in
+# disagg mode, an engine request on each side; one unbounded number must not fan out into thousands of them.
+MAX_N = 128
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -52,8 +57,12 @@ class SamplingParams:
 
         if self.n < 1:
             bad("n", "must be >= 1")
+        if self.n > MAX_N:
+            bad("n", f"must be <= {MAX_N}")
         if self.best_of is not None and self.best_of < self.n:
             bad("best_of", "must be >= n")
+        if self.best_of is not None and self.best_of > MAX_N:
+            bad("best_of", f"must be <= {MAX_N}")
         if not (0.0 <= self.temperature < float("inf")):  # also rejects NaN
             bad("temperature", "must be a finite number >= 0 (0 means greedy)")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):

@@ -15,9 +15,12 @@ once 20 outputs were seen, else `max_tokens` (or the context left when it is uns
 fatal: the engine preempts when blocks really run out.
 KV of a request: prompt blocks once (the prefix cache shares them between the n branches, Q24) + n x output.
 
-Outcomes: REJECTED 400 (the prompt can never fit a worker), DEGRADED (n lowered until it fits; the client is
-told), QUEUED (waits for capacity up to its queue deadline: bounded queue per replica), REJECTED 503 with
-Retry-After (queue full), TIMED_OUT (queue deadline passed).
+Outcomes: REJECTED 400 (the prompt can never fit a worker; the fewest copies allowed can never fit all of
+them), DEGRADED (the largest n that fits, computed in the reserve script; the client is told), REJECTED 503
+`deadline_unreachable` (it would fit, but is not expected to finish by its deadline at the current load:
+`Admission`), QUEUED (waits for blocks/slots: bounded queue per replica), REJECTED 503 with Retry-After (queue
+full), TIMED_OUT 503 `queue_deadline` (queued, then its deadline became unreachable), TIMED_OUT 504 (queue
+deadline passed).
 
 Redis down: a process-local ledger with the same rules takes over (each replica then admits up to the whole
 capacity: degraded, counted in `pdserve_admission_degraded_total`); live reservations are written back to
@@ -37,7 +40,9 @@ from pdserve.services import metrics as M
 
 log = logging.getLogger("pdserve.admission")
 
-# KEYS: zset, hash. ARGV: rid, blocks, cap_blocks, cap_seqs, lease_ms. Returns {ok, used_blocks, used_seqs}.
+# KEYS: zset, hash. ARGV: rid, prompt_blocks, blocks_per_copy, n, min_copies, cap_blocks, seq_limit, lease_ms.
+# Reserves prompt + k x per-copy blocks for the largest k <= n that fits (k >= min_copies), in one call: the same
+# arithmetic as `largest_copies`. Returns {k (0: nothing reserved), used_blocks, used_seqs} (after the call).
 RESERVE_LUA = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -49,17 +54,30 @@ end
 local used = 0
 for _, v in ipairs(redis.call('HVALS', KEYS[2])) do used = used + tonumber(v) end
 local seqs = redis.call('ZCARD', KEYS[1])
-local blocks = tonumber(ARGV[2])
-if redis.call('ZSCORE', KEYS[1], ARGV[1]) then
-  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[5]), ARGV[1])
-  return {1, used, seqs}
+local mine = redis.call('HGET', KEYS[2], ARGV[1])
+if mine then  -- reserving again replaces its own entry (as LocalLedger.reserve_plan does)
+  redis.call('ZREM', KEYS[1], ARGV[1])
+  redis.call('HDEL', KEYS[2], ARGV[1])
+  used = used - tonumber(mine)
+  seqs = seqs - 1
 end
-if used + blocks > tonumber(ARGV[3]) or seqs + 1 > tonumber(ARGV[4]) then
+local pb, per, n, mink = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+if seqs + 1 > tonumber(ARGV[7]) then
   return {0, used, seqs}
 end
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[5]), ARGV[1])
+local room = tonumber(ARGV[6]) - used - pb
+if room < 0 then
+  return {0, used, seqs}
+end
+local k = n
+if per > 0 then k = math.min(n, math.floor(room / per)) end
+if k < mink then
+  return {0, used, seqs}
+end
+local blocks = pb + k * per
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[8]), ARGV[1])
 redis.call('HSET', KEYS[2], ARGV[1], blocks)
-return {1, used + blocks, seqs + 1}
+return {k, used + blocks, seqs + 1}
 """
 
 # KEYS: zset, hash. ARGV: lease_ms, then rid, blocks pairs. Re-adds missing ones (after a Redis restart).
@@ -93,10 +111,51 @@ return {used, redis.call('ZCARD', KEYS[1])}
 
 
 class AdmissionError(Exception):
-    def __init__(self, status: int, message: str, code: str, state: str, retry_after_s: float | None = None):
+    def __init__(self, status: int, message: str, code: str, state: str, retry_after_s: float | None = None,
+                 param: str | None = None):
         super().__init__(message)
-        self.status, self.message, self.code, self.state, self.retry_after_s = (
-            status, message, code, state, retry_after_s)
+        self.status, self.message, self.code, self.state, self.retry_after_s, self.param = (
+            status, message, code, state, retry_after_s, param)
+
+
+@dataclass
+class ServiceRates:
+    """How fast the serving pool works, from the workers' measured load reports (`LoadMeter`: the figures the
+    router's cost model reads, docs/routing.md). All 0 until a worker has measured a decode step.
+
+    Model (processor sharing, spec §5.1: every running sequence gets one token per step): a request admitted
+    while `in_flight` requests (itself included) share `workers` decode workers takes
+        prefill_overhead + prompt / prefill_rate + output x (step0 + step_per_seq x in_flight / workers).
+    """
+    step0_s: float = 0.0             # decode step time extrapolated to an empty batch (mean over serving workers)
+    step_per_seq_s: float = 0.0      # + this per sequence in the batch (measured slope)
+    prefill_tokens_per_s: float = 0.0
+    prefill_overhead_s: float = 0.0  # per-request prefill overhead (+ the KV hand-off in disagg mode)
+    workers: int = 1                 # serving workers the requests in flight are spread over
+
+    @property
+    def measured(self) -> bool:
+        return self.step0_s > 0 or self.step_per_seq_s > 0
+
+    def prefill_s(self, prompt_tokens: int) -> float:
+        rate = self.prefill_tokens_per_s
+        return self.prefill_overhead_s + (prompt_tokens / rate if rate > 0 else 0.0)
+
+    def step_s(self, in_flight: float) -> float:
+        return self.step0_s + self.step_per_seq_s * in_flight / max(1, self.workers)
+
+    def service_s(self, prompt_tokens: int, output_tokens: int, in_flight: float) -> float:
+        return self.prefill_s(prompt_tokens) + output_tokens * self.step_s(in_flight)
+
+    def max_in_flight(self, prompt_tokens: int, output_tokens: int, budget_s: float) -> float:
+        """The most requests in flight (the new one included) at which `service_s` still fits `budget_s`; < 1:
+        not even alone. inf when steps do not slow down with the batch (no slope measured)."""
+        per_token = (budget_s - self.prefill_s(prompt_tokens)) / max(1, output_tokens)
+        if per_token < self.step0_s or per_token <= 0:
+            return 0.0
+        if self.step_per_seq_s <= 0:
+            return math.inf
+        return (per_token - self.step0_s) * max(1, self.workers) / self.step_per_seq_s
 
 
 @dataclass
@@ -105,6 +164,26 @@ class Capacity:
     seqs: int
     block_size: int
     max_worker_blocks: int  # the largest single worker: a prompt needing more can never run
+    rates: ServiceRates = field(default_factory=ServiceRates)
+
+
+class Calibration:
+    """Measured / estimated service time of the requests this replica admitted (EWMA of the ratio). The model
+    above leaves things out — prefill chunks mixed into decode steps (the step figure is measured on pure-decode
+    steps), reports up to a heartbeat old, requests admitted after this one — and this factor corrects for them
+    from what actually happened. Clamped so one outlier cannot close or open the gate."""
+
+    def __init__(self, alpha: float = 0.1, lo: float = 0.5, hi: float = 4.0):
+        self.alpha, self.lo, self.hi = alpha, lo, hi
+        self.factor = 1.0
+        self.samples = 0
+
+    def observe(self, estimated_s: float, actual_s: float) -> None:
+        if estimated_s <= 0 or actual_s <= 0:
+            return
+        r = min(self.hi, max(self.lo, actual_s / estimated_s))
+        self.factor = r if self.samples == 0 else (1 - self.alpha) * self.factor + self.alpha * r
+        self.samples += 1
 
 
 class OutputPredictor:
@@ -132,6 +211,29 @@ class OutputPredictor:
         return max(1, min(cap, max(self.min_predict, p)))
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What a request reserves: the prompt's blocks once + `blocks_per_copy` for each of k copies, for the
+    largest k <= n that fits, and at least `min_copies` (n when degrading is not allowed, else 1)."""
+    prompt_blocks: int
+    blocks_per_copy: int
+    n: int
+    min_copies: int
+
+    def blocks(self, k: int) -> int:
+        return self.prompt_blocks + k * self.blocks_per_copy
+
+
+def largest_copies(free_blocks: int, plan: Plan) -> int:
+    """The most copies whose reservation fits `free_blocks`, computed, not searched (RESERVE_LUA does the same
+    arithmetic); 0 when not even `plan.min_copies` fit."""
+    room = free_blocks - plan.prompt_blocks
+    if room < 0:
+        return 0
+    k = plan.n if plan.blocks_per_copy == 0 else min(plan.n, room // plan.blocks_per_copy)
+    return k if k >= plan.min_copies else 0
+
+
 class LocalLedger:
     """The reservation ledger in process memory (no Redis, or Redis unreachable). `clock` is injectable so the
     simulator (`pdserve.sim.admission`) runs this very ledger on virtual time."""
@@ -145,16 +247,20 @@ class LocalLedger:
         for rid in [r for r, (_, exp) in self.entries.items() if exp <= now]:
             del self.entries[rid]
 
-    def reserve(self, rid: str, blocks: int, cap: Capacity, lease_s: float) -> bool:
+    def reserve_plan(self, rid: str, plan: Plan, cap: Capacity, seq_limit: int,
+                     lease_s: float) -> tuple[int, int, int]:
+        """RESERVE_LUA's rule: (copies reserved, 0 = none; blocks reserved; requests reserved), after the call."""
         self._prune()
-        if rid in self.entries:
-            self.entries[rid] = (self.entries[rid][0], self.clock() + lease_s)
-            return True
-        used = sum(b for b, _ in self.entries.values())
-        if not fits(used, len(self.entries), blocks, cap):
-            return False
-        self.entries[rid] = (blocks, self.clock() + lease_s)
-        return True
+        self.entries.pop(rid, None)
+        used, seqs = sum(b for b, _ in self.entries.values()), len(self.entries)
+        k = largest_copies(cap.blocks - used, plan) if seqs + 1 <= seq_limit else 0
+        if k == 0:
+            return 0, used, seqs
+        self.entries[rid] = (plan.blocks(k), self.clock() + lease_s)
+        return k, used + plan.blocks(k), seqs + 1
+
+    def reserve(self, rid: str, blocks: int, cap: Capacity, lease_s: float) -> bool:
+        return self.reserve_plan(rid, Plan(blocks, 0, 1, 1), cap, cap.seqs, lease_s)[0] > 0
 
     def renew(self, held: dict[str, int], lease_s: float) -> None:
         for rid, b in held.items():
@@ -187,15 +293,21 @@ class ReservationLedger:
         M.ADMISSION_DEGRADED.inc()
         log.warning("admission: Redis unavailable during %s (%s); using the local ledger", what, e)
 
-    async def reserve(self, rid: str, blocks: int, cap: Capacity) -> bool:
+    async def reserve_plan(self, rid: str, plan: Plan, cap: Capacity, seq_limit: int) -> tuple[int, int, int]:
+        """One script call: (copies reserved, 0 = none; blocks reserved; requests reserved) across replicas."""
         if self.redis is not None:
             try:
-                ok, _, _ = await self._reserve(keys=[self.zkey, self.hkey],
-                                               args=[rid, blocks, cap.blocks, cap.seqs, int(self.lease_s * 1000)])
-                return bool(ok)
+                k, used, seqs = await self._reserve(
+                    keys=[self.zkey, self.hkey],
+                    args=[rid, plan.prompt_blocks, plan.blocks_per_copy, plan.n, plan.min_copies, cap.blocks,
+                          seq_limit, int(self.lease_s * 1000)])
+                return int(k), int(used), int(seqs)
             except Exception as e:  # noqa: BLE001
                 self._degraded("reserve", e)
-        return self.local.reserve(rid, blocks, cap, self.lease_s)
+        return self.local.reserve_plan(rid, plan, cap, seq_limit, self.lease_s)
+
+    async def reserve(self, rid: str, blocks: int, cap: Capacity) -> bool:
+        return (await self.reserve_plan(rid, Plan(blocks, 0, 1, 1), cap, cap.seqs))[0] > 0
 
     async def renew(self, held: dict[str, int]) -> None:
         if not held:
@@ -239,50 +351,66 @@ class Ticket:
     predicted_output: int
     queued_s: float = 0.0
     states: list[str] = field(default_factory=list)  # admission trail: QUEUED / DEGRADED
+    # the service-time model at admission (rates 0: not measured): prefill + tokens x step(requests in flight).
+    # `Calibration` compares it with what happened, for the tokens really generated at the mean load of its life
+    rates: ServiceRates = field(default_factory=ServiceRates)
+    prompt_tokens: int = 0
+    in_flight: int = 1                       # requests in flight when admitted, itself included
+    limit: float = math.inf                  # the most in flight its deadline allows (deadline_limit)
+    life_mark: tuple[float, float] = (0.0, 0.0)  # InFlight.mark() at admission
 
     @property
     def degraded(self) -> bool:
         return self.n_granted < self.n_requested
 
+    def estimated_s(self, output_tokens: int | None = None, in_flight: float | None = None) -> float:
+        if not self.rates.measured:
+            return 0.0
+        out = self.predicted_output if output_tokens is None else output_tokens
+        n = self.in_flight if in_flight is None else in_flight
+        return self.rates.service_s(self.prompt_tokens, max(1, out), n)
+
 
 def blocks_for(prompt_tokens: int, output_tokens: int, n: int, block_size: int, cached_tokens: int = 0) -> int:
     """Prompt blocks once (shared by n branches through the prefix cache), plus n x the output's blocks.
     Blocks already cached on the worker (`cached_tokens`) need no new memory."""
-    prompt = max(0, math.ceil(prompt_tokens / block_size) - cached_tokens // block_size)
-    return prompt + n * math.ceil(output_tokens / block_size)
+    return plan_for(prompt_tokens, output_tokens, n, block_size, cached_tokens).blocks(n)
 
 
 # ---- the decision, pure (no I/O, no clock, no metrics) ----------------------------------------------------------
 # `Admission.admit` below and the simulator (`pdserve.sim.admission`) both decide through these functions, so the
 # simulated gateway admits, degrades, queues and rejects as the real one does for the same capacity.
-def fits(used_blocks: int, used_seqs: int, blocks: int, cap: Capacity) -> bool:
-    """The ledger's rule (RESERVE_LUA makes the same comparison inside Redis)."""
-    return used_blocks + blocks <= cap.blocks and used_seqs + 1 <= cap.seqs
-
-
-def options(prompt_tokens: int, pred: int, n: int, block_size: int, cached_tokens: int = 0,
-            allow_degrade: bool = True) -> list[tuple[int, int]]:
-    """(copies granted, blocks to reserve) in the order to try: n, then n-1 .. 1 when degrading is allowed."""
-    return [(k, blocks_for(prompt_tokens, pred, k, block_size, cached_tokens))
-            for k in range(n, 0 if allow_degrade else n - 1, -1)]
+def plan_for(prompt_tokens: int, pred: int, n: int, block_size: int, cached_tokens: int = 0,
+             allow_degrade: bool = True) -> Plan:
+    prompt = max(0, math.ceil(prompt_tokens / block_size) - cached_tokens // block_size)
+    return Plan(prompt, math.ceil(pred / block_size), n, 1 if allow_degrade else n)
 
 
 def prepare(predictor: OutputPredictor, tenant: str, prompt_tokens: int, max_tokens: int | None, n: int,
             context_len: int, cap: Capacity | None, cached_tokens: int = 0,
-            allow_degrade: bool = True) -> tuple[int, list[tuple[int, int]]]:
-    """The checks that need no ledger, then what to try reserving: (predicted output, options). Raises REJECTED
-    503 (no serving workers) or 400 (the prompt can never fit one worker)."""
+            allow_degrade: bool = True) -> tuple[int, Plan]:
+    """The checks that need no ledger, then what to reserve: (predicted output, plan). Raises REJECTED 503 (no
+    serving workers) or 400 (the prompt can never fit one worker; the fewest copies allowed can never fit all
+    the workers' KV together: waiting would only end in a timeout)."""
     if cap is None:
         raise AdmissionError(503, "no serving workers", "no_workers", "REJECTED", 1.0)
     bs = cap.block_size
     if math.ceil((prompt_tokens + 1) / bs) > cap.max_worker_blocks:
         raise AdmissionError(400, f"prompt of {prompt_tokens} tokens can never fit a worker's KV cache "
                                   f"({cap.max_worker_blocks} blocks of {bs} tokens)", "context_length_exceeded",
-                             "REJECTED")
+                             "REJECTED", param="prompt")
     pred = predictor.predict(tenant, max_tokens, context_len - prompt_tokens)
     # never reserve more than one worker can hold: the request would wait forever
     pred = min(pred, cap.max_worker_blocks * bs - prompt_tokens)
-    return pred, options(prompt_tokens, pred, n, bs, cached_tokens, allow_degrade)
+    plan = plan_for(prompt_tokens, pred, n, bs, cached_tokens, allow_degrade)
+    need = plan.blocks(plan.min_copies)
+    if need > cap.blocks:
+        what = (f"n={n} with allow_degrade false" if plan.min_copies > 1 else "the request")
+        raise AdmissionError(400, f"{what} needs {need} KV blocks (prompt {plan.prompt_blocks} + "
+                                  f"{plan.min_copies} x {plan.blocks_per_copy} for {pred} output tokens each); all "
+                                  f"serving workers together hold {cap.blocks}: it can never be admitted",
+                             "kv_capacity_exceeded", "REJECTED", param="n" if plan.min_copies > 1 else "max_tokens")
+    return pred, plan
 
 
 def make_ticket(rid: str, k: int, n: int, blocks: int, pred: int) -> Ticket:
@@ -300,12 +428,65 @@ def no_fit(queued: int, max_queue: int, deadline: float, now: float, max_queue_w
     return min(deadline, now + max_queue_wait_s)
 
 
+def deadline_limit(rates: ServiceRates, factor: float, prompt_tokens: int, pred: int, remaining_s: float,
+                   margin: float) -> float | None:
+    """The most requests in flight (this one included) at which this request is expected to finish within
+    `margin` x its remaining time; None when there is nothing to judge by (no rates measured yet)."""
+    if not rates.measured:
+        return None
+    return rates.max_in_flight(prompt_tokens, pred, max(0.0, remaining_s) * margin / max(factor, 1e-6))
+
+
+class InFlight:
+    """Requests in flight in the shared ledger as last seen (every reserve call returns the count), kept current
+    between calls with this replica's own admissions and releases; and its integral over time, so that the mean
+    over a request's life — what its decode steps were really shared with — can be read back."""
+
+    def __init__(self, clock=time.monotonic):
+        self.clock = clock
+        self.n = 0
+        self.area = 0.0
+        self.t = clock()
+
+    def set(self, n: int) -> None:
+        now = self.clock()
+        self.area += self.n * (now - self.t)
+        self.t, self.n = now, max(0, int(n))
+
+    def mark(self) -> tuple[float, float]:
+        self.set(self.n)
+        return self.area, self.t
+
+    def mean_since(self, mark: tuple[float, float]) -> float | None:
+        self.set(self.n)
+        dt = self.t - mark[1]
+        return (self.area - mark[0]) / dt if dt > 0 else None
+
+
 class Admission:
+    """Admission against the shared ledger, deadline-aware (docs/admission.md, "Deadline-aware admission").
+
+    A request is admitted only if the KV blocks and sequence slots fit AND the requests in flight (itself
+    included) stay at or below `deadline_limit`: the estimate from measured rates x `Calibration` says it then
+    finishes within `margin` of its remaining time — and at or below the limits of the requests this replica
+    already admitted, so a later admission does not push an earlier one past its deadline. (The limit of an
+    admitted request stays about constant over its life: its remaining work and remaining time shrink together.)
+    Under overload the count in flight therefore settles at the limit of a fresh request, where the model puts
+    its completion at `margin` x its timeout. The limit goes into the same Redis script as the capacity check
+    (its sequence limit), so the decision is atomic across replicas. When the capacity would take it but
+    the deadline limit does not, waiting cannot help (the limit only shrinks as its time runs out, while later
+    arrivals compete for each release): it is REJECTED 503 at once. It queues only for capacity (KV, slots), and
+    leaves the queue with 503 (TIMED_OUT: its queue deadline, the latest start, passed) as soon as capacity is
+    there but its deadline can no longer be met.
+    """
+
     def __init__(self, ledger: ReservationLedger, capacity_fn, max_queue: int = 16, max_queue_wait_s: float = 10.0,
-                 poll_s: float = 0.02):
+                 poll_s: float = 0.02, deadline_margin: float = 0.8):
         self.ledger = ledger
         self.capacity_fn = capacity_fn  # async () -> Capacity | None
         self.predictor = OutputPredictor()
+        self.calibration = Calibration()
+        self.deadline_margin = deadline_margin
         self.max_queue = max_queue
         self.max_queue_wait_s = max_queue_wait_s
         self.poll_s = poll_s
@@ -313,6 +494,14 @@ class Admission:
         # backstop: a request whose terminal path never ran (a bug, a response never started) stops being renewed
         # `orphan_grace_s` after its deadline, so its reservation expires like a crashed gateway's
         self.held_until: dict[str, float] = {}
+        self.limits: dict[str, float] = {}  # held requests' in-flight limits (deadline_limit at admission)
+        self.in_flight = InFlight()
+        # the most requests in flight (mean over a life) at which requests of this replica were seen to finish
+        # (so before their deadline): the deadline limit may exceed it only by `growth`, because the rates are
+        # measured at the batches the workers have run, and a line extrapolated far beyond them (a fresh
+        # deployment hit by a burst: measured at 16, asked about 64) let through a wave that all timed out
+        self.proven = 0.0
+        self.growth = 1.5
         self.orphan_grace_s = 30.0
         self.queued = 0
         self.degraded_live = 0
@@ -348,18 +537,20 @@ class Admission:
                     context_len: int, deadline: float, cached_tokens: int = 0,
                     allow_degrade: bool = True) -> Ticket:
         cap = await self.capacity_fn()
-        pred, first = prepare(self.predictor, tenant, prompt_tokens, max_tokens, n, context_len, cap,
-                              cached_tokens, allow_degrade)
+        pred, plan = prepare(self.predictor, tenant, prompt_tokens, max_tokens, n, context_len, cap,
+                             cached_tokens, allow_degrade)
+        # without max_tokens and before this tenant has a history, the output length is a guess (the whole
+        # context left): judging the deadline by it would turn away requests that end early
+        judge = max_tokens is not None or self.predictor.p90(tenant) is not None
         t0 = time.monotonic()
-        ticket = await self._try(rid, n, pred, first, cap)
+        ticket, late = await self._try(rid, prompt_tokens, pred, plan, cap, deadline, judge)
         if ticket is not None:
             self.held_until[rid] = deadline + self.orphan_grace_s
             return ticket
-        try:
-            queue_deadline = no_fit(self.queued, self.max_queue, deadline, time.time(), self.max_queue_wait_s)
-        except AdmissionError:
-            M.REJECTIONS.labels("capacity").inc()
-            raise
+        if late is not None:
+            raise AdmissionError(503, f"cannot finish within its deadline at the current load ({late[0]})",
+                                 "deadline_unreachable", "REJECTED", late[1])
+        queue_deadline = no_fit(self.queued, self.max_queue, deadline, time.time(), self.max_queue_wait_s)
         self.queued += 1
         M.STATE_GAUGE.labels("QUEUED").inc()
         try:
@@ -368,31 +559,81 @@ class Admission:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._released.wait(), timeout=self.poll_s * 5)
                 cap = await self.capacity_fn() or cap  # the pool may have changed while waiting
-                ticket = await self._try(rid, n, pred, options(prompt_tokens, pred, n, cap.block_size,
-                                                               cached_tokens, allow_degrade), cap)
+                pred, plan = prepare(self.predictor, tenant, prompt_tokens, max_tokens, n, context_len, cap,
+                                     cached_tokens, allow_degrade)
+                ticket, late = await self._try(rid, prompt_tokens, pred, plan, cap, deadline, judge)
                 if ticket is not None:
                     self.held_until[rid] = deadline + self.orphan_grace_s
                     ticket.queued_s = time.monotonic() - t0
                     ticket.states.insert(0, "QUEUED")
                     return ticket
+                if late is not None:
+                    raise AdmissionError(503, f"left the admission queue after {time.monotonic() - t0:.2f} s: "
+                                              f"its deadline can no longer be met ({late[0]})", "queue_deadline",
+                                         "TIMED_OUT", late[1])
         finally:
             self.queued -= 1
             M.STATE_GAUGE.labels("QUEUED").dec()
         raise AdmissionError(504, f"request timed out after {time.monotonic() - t0:.2f} s waiting for capacity",
                              "timeout", "TIMED_OUT")
 
-    async def _try(self, rid: str, n: int, pred: int, opts: list[tuple[int, int]], cap: Capacity) -> Ticket | None:
-        for k, blocks in opts:
-            if await self.ledger.reserve(rid, blocks, cap):
-                self.held[rid] = blocks
-                return make_ticket(rid, k, n, blocks, pred)
-        return None
+    async def _try(self, rid: str, prompt_tokens: int, pred: int, plan: Plan, cap: Capacity, deadline: float,
+                   judge: bool) -> tuple[Ticket | None, tuple[str, float] | None]:
+        """One reservation attempt. Returns (ticket, None) when admitted; (None, (why, retry after s)) when a
+        deadline is what stands in the way; (None, None) when capacity is (or nothing could be judged)."""
+        rates = cap.rates
+        own = deadline_limit(rates, self.calibration.factor, prompt_tokens, pred, deadline - time.time(),
+                             self.deadline_margin) if judge else None
+        if own is not None and own < 1:
+            alone = rates.service_s(prompt_tokens, pred, 1) * self.calibration.factor
+            return None, (f"{pred} output tokens need ~{alone:.2f} s even alone, "
+                          f"{max(0.0, deadline - time.time()):.2f} s left", 1.0)
+        if own is not None and self.proven > 0:
+            own = min(own, self.proven * self.growth + 1)
+        others = min(self.limits.values(), default=math.inf)
+        limit = min(own if own is not None else math.inf, others)
+        seq_limit = cap.seqs if limit >= cap.seqs else int(math.floor(limit))
+        k, used, seqs = await self.ledger.reserve_plan(rid, plan, cap, seq_limit)
+        self.in_flight.set(seqs)
+        if k > 0:
+            self.held[rid] = plan.blocks(k)
+            t = make_ticket(rid, k, plan.n, plan.blocks(k), pred)
+            t.rates, t.prompt_tokens, t.in_flight, t.life_mark = rates, prompt_tokens, seqs, self.in_flight.mark()
+            if own is not None:
+                t.limit = self.limits[rid] = own
+            return t, None
+        if seqs + 1 <= limit:
+            return None, None  # capacity (blocks, slots) stands in the way: worth waiting for
+        # a deadline binds: in flight must drop from `seqs` to `seq_limit - 1`; at the pool's rate per request
+        # (Little: in flight / service time) that takes about this long
+        per_release = rates.service_s(prompt_tokens, pred, seqs) * self.calibration.factor / max(1, seqs)
+        wait = max(1.0, (seqs + 1 - seq_limit) * per_release)
+        whose = ("for it to finish in time" if own is not None and math.floor(own) <= others
+                 else "for the requests admitted before it to finish in time")
+        return None, (f"{seqs} requests in flight, at most {seq_limit} {whose}", wait)
+
+    def observe_finish(self, ticket: Ticket | None, service_s: float, output_tokens: int | None,
+                       finished: bool = False) -> None:
+        """A request this replica admitted has ended (FINISHED, or TIMED_OUT by a worker): calibrate the model
+        against it, evaluated at the mean number in flight over its life (not the number when it came in:
+        later admissions share its steps too)."""
+        if ticket is None:
+            return
+        mean = self.in_flight.mean_since(ticket.life_mark)
+        if finished:
+            self.proven = max(self.proven, mean if mean is not None else ticket.in_flight)
+        if not ticket.rates.measured:
+            return
+        est = ticket.estimated_s(output_tokens, mean)
+        self.calibration.observe(est, service_s)
 
     async def release(self, rid: str) -> None:
         """Idempotent: the reservation goes back whichever terminal path runs first."""
         self.held_until.pop(rid, None)
+        self.limits.pop(rid, None)
         if self.held.pop(rid, None) is None:
             return
+        self.in_flight.set(self.in_flight.n - 1)
         await self.ledger.release(rid)
         self._released.set()
 
@@ -405,25 +646,75 @@ def capacity_from_workers(records, overcommit: float = 1.0, default_seqs: int = 
     bs = int((serving[0].layout or {}).get("block_size", 16) or 16)
     blocks = [int((r.load or {}).get("kv_blocks_total") or r.capacity_blocks or 0) for r in serving]
     seqs = sum(int((r.load or {}).get("max_num_seqs") or default_seqs) for r in serving)
-    return Capacity(int(sum(blocks) * overcommit), seqs, bs, max(blocks))
+    return Capacity(int(sum(blocks) * overcommit), seqs, bs, max(blocks), rates_from_workers(records, serving))
+
+
+def rates_from_workers(records, serving) -> ServiceRates:
+    """The pool's measured speed from the load reports (`LoadMeter.report`). A worker reports its decode step
+    time at its current batch and the slope per sequence; the intercept is taken through that point, so the line
+    is right where the worker is now. Unmeasured figures stay 0 (and deadlines are then not judged)."""
+    d0s, d1s = [], []
+    for r in serving:
+        ld = r.load or {}
+        step = float(ld.get("decode_step_s") or 0.0)
+        if step <= 0:
+            continue
+        slope = float(ld.get("decode_step_per_seq_s") or 0.0)
+        batch = int(ld.get("num_running") or 0)
+        d1s.append(slope)
+        d0s.append(max(0.0, step - slope * batch))
+    if not d0s:
+        return ServiceRates(workers=len(serving))
+    prefill = [r for r in records if r.role in ("prefill", "both")] or serving
+    rated = [r.load for r in prefill if float((r.load or {}).get("prefill_tokens_per_s") or 0) > 0]
+    rate = max((float(ld["prefill_tokens_per_s"]) for ld in rated), default=0.0)
+    overhead = min((float(ld.get("prefill_overhead_s") or 0.0) for ld in rated), default=0.0)
+    handoff = sum(float((r.load or {}).get("handoff_overhead_s") or 0.0) for r in serving) / len(serving)
+    return ServiceRates(sum(d0s) / len(d0s), sum(d1s) / len(d1s), rate, overhead + handoff, len(serving))
 
 
 class RegistryCapacity:
-    """Capacity read from the worker registry, cached for `ttl_s` (workers heartbeat about once a second)."""
+    """Capacity read from the worker registry, cached for `ttl_s` (workers heartbeat about once a second).
 
-    def __init__(self, registry, overcommit: float = 1.0, ttl_s: float = 1.0):
-        self.registry, self.overcommit, self.ttl_s = registry, overcommit, ttl_s
+    The service rates are smoothed over refreshes (`smooth`: weight of a new report): one report's decode step
+    is an average over the last few steps at whatever batch they had, so the line through it jumps from report to
+    report (measured: the intercept between 2 and 50 ms from one second to the next under steady load), and the
+    deadline limit with it."""
+
+    def __init__(self, registry, overcommit: float = 1.0, ttl_s: float = 1.0, smooth: float = 0.2):
+        self.registry, self.overcommit, self.ttl_s, self.smooth = registry, overcommit, ttl_s, smooth
         self._cap: Capacity | None = None
+        self._rates: ServiceRates | None = None
         self._at = 0.0
 
     async def __call__(self) -> Capacity | None:
         if time.monotonic() - self._at > self.ttl_s or self._cap is None:
             try:
-                self._cap = capacity_from_workers(await self.registry.live_workers(), self.overcommit)
+                cap = capacity_from_workers(await self.registry.live_workers(), self.overcommit)
                 self._at = time.monotonic()
             except Exception as e:  # noqa: BLE001 - keep the last known capacity while Redis is away
                 log.warning("admission: capacity not refreshed (%s)", e)
+            else:
+                if cap is not None:
+                    self._rates = cap.rates = smooth_rates(self._rates, cap.rates, self.smooth)
+                self._cap = cap
         return self._cap
+
+
+def smooth_rates(old: ServiceRates | None, new: ServiceRates, a: float) -> ServiceRates:
+    """EWMA of each measured figure; an unmeasured report keeps the last measured rates (an idle worker keeps
+    its last numbers too), a change in the number of workers takes the new report as it is."""
+    if not new.measured:
+        return old if old is not None and old.workers == new.workers else new
+    if old is None or not old.measured or old.workers != new.workers:
+        return new
+
+    def mix(x: float, y: float) -> float:
+        return y if x <= 0 else x if y <= 0 else (1 - a) * x + a * y
+
+    return ServiceRates(mix(old.step0_s, new.step0_s), mix(old.step_per_seq_s, new.step_per_seq_s),
+                        mix(old.prefill_tokens_per_s, new.prefill_tokens_per_s),
+                        mix(old.prefill_overhead_s, new.prefill_overhead_s), new.workers)
 
 
 # ---- request lifecycle metadata between gateway and workers (gRPC metadata: no proto change needed) ----------

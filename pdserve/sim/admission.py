@@ -1,7 +1,7 @@
 """The gateway's admission stage (docs/admission.md ③) on the simulator's virtual clock.
 
 Every decision is the real code's: `pdserve.services.admission.prepare` (never-fits 400, output prediction,
-the (n, blocks) options), `LocalLedger.reserve` (the ledger rule `fits`, run on virtual time), `no_fit` (queue
+the reservation plan), `LocalLedger.reserve_plan` (the ledger rule, run on virtual time), `no_fit` (queue
 full -> 503, else the queue deadline), `make_ticket`, and the real `OutputPredictor` fed with FINISHED outputs
 as the gateway feeds it. Capacity is `capacity_from_workers` over the replicas' load reports. Only the waiting
 is the simulator's: a queued request is retried at every release (the real waiter wakes on the release event;
@@ -9,16 +9,17 @@ its 100 ms poll only matters when capacity changes, which it does not in a simul
 queue deadline.
 
 One gateway replica is modelled (its queue bound is per replica); leases never expire (a live gateway renews
-them). Requests are n = 1, so DEGRADED cannot happen here; it is counted anyway.
+them). Not modelled: the deadline limit (`deadline_limit`: it needs the workers' measured rates and the
+gateway's calibration, which a simulated run would have to feed back into itself). Requests are n = 1, so DEGRADED cannot happen here; it is counted anyway.
 """
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Callable
 
 from pdserve.services.admission import (AdmissionError, Capacity, LocalLedger, OutputPredictor,
-                                        capacity_from_workers, make_ticket, no_fit, options, prepare)
+                                        capacity_from_workers, make_ticket, no_fit, plan_for, prepare)
 
 
 @dataclass
@@ -56,13 +57,13 @@ class SimAdmission:
         self.counts: Counter = Counter()
         self.max_queue_len = 0
 
-    def _try(self, req, pred: int, opts) -> bool:
-        for k, blocks in opts:
-            if self.ledger.reserve(req.rid, blocks, self.cap, self.lease_s):
-                self.held[req.rid] = blocks
-                self.tickets[req.rid] = make_ticket(req.rid, k, 1, blocks, pred)
-                return True
-        return False
+    def _try(self, req, pred: int, plan) -> bool:
+        k, _, _ = self.ledger.reserve_plan(req.rid, plan, self.cap, self.cap.seqs, self.lease_s)
+        if k == 0:
+            return False
+        self.held[req.rid] = plan.blocks(k)
+        self.tickets[req.rid] = make_ticket(req.rid, k, plan.n, plan.blocks(k), pred)
+        return True
 
     def _reject(self, req, e: AdmissionError) -> None:
         req.state = e.state
@@ -74,11 +75,11 @@ class SimAdmission:
         """At arrival (tokenize takes no virtual time): admit now, queue, or reject."""
         self.counts["arrived"] += 1
         try:
-            pred, opts = prepare(self.predictor, self.spec.tenant, len(req.prompt), req.output_len, 1,
+            pred, plan = prepare(self.predictor, self.spec.tenant, len(req.prompt), req.output_len, 1,
                                  self.context_len, self.cap, cached_tokens=0)
         except AdmissionError as e:
             return self._reject(req, e)
-        if self._try(req, pred, opts):
+        if self._try(req, pred, plan):
             self.counts["admitted"] += 1
             return on_admit(req)
         try:
@@ -109,7 +110,7 @@ class SimAdmission:
             self.predictor.observe(self.spec.tenant, len(req.emits))
         admitted, waiting = [], []
         for r, pred, cb in self.queue:  # every waiter retries, in arrival order (a small one may pass a big one)
-            if self._try(r, pred, options(len(r.prompt), pred, 1, self.cap.block_size)):
+            if self._try(r, pred, plan_for(len(r.prompt), pred, 1, self.cap.block_size)):
                 self.tickets[r.rid].states.insert(0, "QUEUED")
                 self.tickets[r.rid].queued_s = self.clock() - r.arrival
                 admitted.append((r, cb))
@@ -130,4 +131,4 @@ class SimAdmission:
                 "degraded": sum(1 for t in self.tickets.values() if t.degraded),
                 "max_queue_len": self.max_queue_len,
                 "mean_queue_wait_s": sum(waits) / len(waits) if waits else 0.0,
-                "capacity": vars(self.cap) if self.cap else None, "spec": vars(self.spec)}
+                "capacity": asdict(self.cap) if self.cap else None, "spec": vars(self.spec)}

@@ -11,7 +11,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from pdserve.services.admission import (Admission, AdmissionError, Capacity, OutputPredictor, ReservationLedger,
-                                        blocks_for)
+                                        ServiceRates, blocks_for)
 from pdserve.services.gateway.ingress import IngressGate
 from pdserve.services.gateway.params import APIError
 from pdserve.services.gateway.tenants import TenantDirectory
@@ -237,6 +237,248 @@ def test_admission_outcomes():
         for rid in ("c", "d"):
             await adm.release(rid)
         assert await adm.ledger.usage() == (0, 0) and adm.held == {}
+        await _cleanup(r, model)
+
+    run(main())
+
+
+# ---- n: the largest feasible n computed in one script call; never-fitting requests answered 400 at once -------
+def test_largest_copies_computed_not_searched():
+    from pdserve.services.admission import Plan, largest_copies, plan_for
+    p = plan_for(33, 20, 128, 16)  # 3 prompt blocks + 2 per copy
+    assert p == Plan(3, 2, 128, 1)
+    assert largest_copies(3 + 2 * 7 + 1, p) == 7  # 18 free: 7 copies (17 blocks), not 8
+    assert largest_copies(2, p) == 0  # not even the prompt
+    assert largest_copies(10 ** 9, p) == 128  # capped at n
+    strict = plan_for(33, 20, 8, 16, allow_degrade=False)
+    assert largest_copies(3 + 2 * 7, strict) == 0 and largest_copies(3 + 2 * 8, strict) == 8
+
+
+def test_degrade_is_one_script_call_and_never_fitting_is_400_at_once():
+    model = f"t-{uuid.uuid4().hex[:8]}"
+    cap = Capacity(blocks=1000, seqs=8, block_size=16, max_worker_blocks=500)
+
+    async def capacity():
+        return cap
+
+    async def main():
+        r = aioredis.from_url(REDIS)
+        adm = Admission(ReservationLedger(r, model, lease_s=5), capacity, max_queue=4, max_queue_wait_s=5)
+        calls = 0
+        script = adm.ledger._reserve
+
+        async def counting(*a, **kw):
+            nonlocal calls
+            calls += 1
+            return await script(*a, **kw)
+
+        adm.ledger._reserve = counting
+        far = time.time() + 30
+        # n=128 x 16 output tokens = 128 blocks + 1 prompt block: fits 1000 -> granted whole, one call
+        t = await adm.admit("a", "t", 10, 16, 128, 4096, far)
+        assert (t.n_granted, t.blocks, calls) == (128, 129, 1)
+        # 871 blocks left; n=128 x 10 blocks (160 tokens) = 1281 does not fit -> degraded to the largest k that
+        # does: (871 - 1) // 10 = 87, in ONE script call (the old loop tried k = 128, 127, ... one call each)
+        calls = 0
+        t = await adm.admit("b", "t", 10, 160, 128, 4096, far)
+        assert (t.n_granted, t.blocks, t.states, calls) == (87, 871, ["DEGRADED"], 1)
+        assert await adm.ledger.usage() == (1000, 2)
+        # never fits even an empty pool (n=128 x 16 blocks + 1 > 1000) with allow_degrade false: 400 naming n,
+        # at once, without touching the ledger
+        calls = 0
+        t0 = time.monotonic()
+        with pytest.raises(AdmissionError) as e:
+            await adm.admit("c", "t", 10, 250, 128, 4096, far, allow_degrade=False)
+        assert e.value.status == 400 and e.value.param == "n" and e.value.code == "kv_capacity_exceeded"
+        assert time.monotonic() - t0 < 0.1 and calls == 0
+        # the same request allowed to degrade is not refused: it waits for capacity (queue) like any other
+        waiter = asyncio.create_task(adm.admit("d", "t", 10, 250, 128, 4096, far))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
+        await adm.release("a")
+        await adm.release("b")
+        t = await waiter
+        assert t.n_granted == (1000 - 1) // 16 and t.states == ["QUEUED", "DEGRADED"]
+        await adm.release("d")
+        assert await adm.ledger.usage() == (0, 0)
+        await _cleanup(r, model)
+
+    run(main())
+
+
+def test_n_capped_at_128_with_a_400_naming_n():
+    from pdserve.services.gateway.params import to_sampling_params
+    assert to_sampling_params({"prompt": "x", "n": 128}, chat=False, vocab_size=100).n == 128
+    for n in (129, 1000000):
+        with pytest.raises(APIError) as e:
+            to_sampling_params({"prompt": "x", "max_tokens": 1, "n": n}, chat=False, vocab_size=100)
+        assert e.value.status == 400 and e.value.param == "n" and "128" in e.value.message
+
+
+# ---- deadline-aware admission ---------------------------------------------------------------------------------
+# A pool measured at 10 ms per decode step + 1 ms per request in flight (one worker), no prefill cost: a request
+# of 100 output tokens admitted with N in flight takes 100 x (0.010 + 0.001 N) s.
+RATES = ServiceRates(step0_s=0.010, step_per_seq_s=0.001, workers=1)
+DCAP = Capacity(blocks=10_000, seqs=64, block_size=16, max_worker_blocks=10_000, rates=RATES)
+
+
+def test_service_model_and_its_inverse():
+    assert RATES.service_s(0, 100, 10) == pytest.approx(2.0)
+    assert RATES.max_in_flight(0, 100, 2.0) == pytest.approx(10)
+    assert RATES.max_in_flight(0, 100, 0.5) == 0  # 100 x 10 ms > 0.5 s even alone
+    assert ServiceRates().measured is False
+
+
+def test_rates_from_workers_load_reports():
+    from pdserve.services.admission import capacity_from_workers
+    from pdserve.services.registry import WorkerRecord
+    load = {"kv_blocks_total": 100, "max_num_seqs": 32, "decode_step_s": 0.030, "decode_step_per_seq_s": 0.002,
+            "num_running": 10, "prefill_tokens_per_s": 1000.0, "prefill_overhead_s": 0.01}
+    recs = [WorkerRecord("d1", "decode", "x", "", 100, {"block_size": 16}, dict(load)),
+            WorkerRecord("d2", "decode", "x", "", 100, {"block_size": 16}, {**load, "decode_step_s": 0.050}),
+            WorkerRecord("p1", "prefill", "x", "", 100, {"block_size": 16},
+                         {"prefill_tokens_per_s": 2000.0, "prefill_overhead_s": 0.02})]
+    r = capacity_from_workers(recs).rates
+    # intercept through each worker's current point: 0.030 - 0.002 x 10 = 0.010 and 0.030; mean 0.020
+    assert (r.step0_s, r.step_per_seq_s, r.workers) == (pytest.approx(0.020), pytest.approx(0.002), 2)
+    assert (r.prefill_tokens_per_s, r.prefill_overhead_s) == (2000.0, 0.02)  # the prefill pool's
+    # nothing measured yet: no rates, deadlines not judged
+    assert not capacity_from_workers([WorkerRecord("b", "both", "x", "", 10, {}, {})]).rates.measured
+
+
+async def _dcap():
+    return DCAP
+
+
+def _fill(adm, k):
+    """k reservations held by another replica (they count in the shared ledger)."""
+    return asyncio.gather(*[adm.ledger.reserve(f"other-{i}", 1, DCAP) for i in range(k)])
+
+
+def test_deadline_rejection_is_immediate_with_retry_after():
+    model = f"t-{uuid.uuid4().hex[:8]}"
+
+    async def main():
+        r = aioredis.from_url(REDIS)
+        adm = Admission(ReservationLedger(r, model, lease_s=5), _dcap, max_queue=4, max_queue_wait_s=10,
+                        deadline_margin=1.0)
+        # 3.05 s left: 100 x (0.010 + 0.001 N) <= 3.05 -> N <= 20 in flight, this one included
+        await _fill(adm, 19)
+        t = await adm.admit("fits", "t", 16, 100, 1, 4096, time.time() + 3.05)  # the 20th
+        assert t.estimated_s() == pytest.approx(3.0) and t.in_flight == 20
+        # the 21st would take 100 x 0.031 = 3.1 s: KV and slots are free, yet it is rejected, at once
+        t0 = time.monotonic()
+        with pytest.raises(AdmissionError) as e:
+            await adm.admit("late", "t", 16, 100, 1, 4096, time.time() + 3.05)
+        assert time.monotonic() - t0 < 0.1
+        assert (e.value.status, e.value.code, e.value.state) == (503, "deadline_unreachable", "REJECTED")
+        assert e.value.retry_after_s >= 1
+        assert "for it to finish in time" in e.value.message
+        # a longer deadline could take the load (limit 90), but a 21st would push "fits" past its deadline
+        with pytest.raises(AdmissionError) as e:
+            await adm.admit("patient", "t", 16, 100, 1, 4096, time.time() + 10.0)
+        assert e.value.code == "deadline_unreachable" and "admitted before it" in e.value.message
+        await adm.release("fits")
+        assert await adm.admit("patient", "t", 16, 100, 1, 4096, time.time() + 10.0)
+        # one that does not say max_tokens is not judged by its own deadline (its output length is unknown before
+        # the tenant has a history), only by the admitted ones'
+        assert await adm.admit("unknown-length", "t", 16, None, 1, 4096, time.time() + 3.05)
+        # can never make it, even alone (100 x 10 ms > 0.5 s): rejected at once as well
+        with pytest.raises(AdmissionError) as e:
+            await adm.admit("hopeless", "t", 16, 100, 1, 4096, time.time() + 0.5)
+        assert e.value.code == "deadline_unreachable" and "alone" in e.value.message
+        assert adm.queued == 0 and "late" not in adm.held and "hopeless" not in adm.held
+        await _cleanup(r, model)
+
+    run(main())
+
+
+def test_calibration_tightens_the_gate():
+    model = f"t-{uuid.uuid4().hex[:8]}"
+
+    async def main():
+        r = aioredis.from_url(REDIS)
+        adm = Admission(ReservationLedger(r, model, lease_s=5), _dcap, deadline_margin=1.0)
+        await _fill(adm, 9)
+        t = await adm.admit("x", "t", 16, 100, 1, 4096, time.time() + 3.0)  # 10th: est 100 x 0.020 = 2 s
+        # requests really took twice the estimate: the same request is now expected at 4 s > 3 s
+        for _ in range(30):
+            adm.observe_finish(t, 2 * t.estimated_s(), None)
+        assert adm.calibration.factor == pytest.approx(2.0)
+        with pytest.raises(AdmissionError) as e:
+            await adm.admit("y", "t", 16, 100, 1, 4096, time.time() + 3.0)
+        assert e.value.code == "deadline_unreachable"
+        await _cleanup(r, model)
+
+    run(main())
+
+
+def test_queued_request_leaves_once_its_deadline_is_unreachable():
+    """Queued for KV blocks: as its time runs out the deadline limit falls below the requests in flight, and it
+    leaves the queue with 503 then — not at its deadline with 504."""
+    model = f"t-{uuid.uuid4().hex[:8]}"
+    cap = Capacity(blocks=20, seqs=64, block_size=16, max_worker_blocks=20, rates=RATES)
+
+    async def capacity():
+        return cap
+
+    async def main():
+        r = aioredis.from_url(REDIS)
+        adm = Admission(ReservationLedger(r, model, lease_s=5), capacity, max_queue=4, max_queue_wait_s=10,
+                        deadline_margin=1.0)
+        for i in range(10):  # 10 in flight, holding every block
+            assert await adm.ledger.reserve(f"other-{i}", 2, cap)
+        # 100 tokens x (0.010 + 0.001 x 11) = 2.1 s at 11 in flight: with 3 s left it could run, so it queues
+        # for blocks; after ~0.9 s only 2.1 s are left and it leaves the queue at once
+        t0 = time.monotonic()
+        deadline = time.time() + 3.0
+        with pytest.raises(AdmissionError) as e:
+            await adm.admit("q", "t", 10, 100, 1, 4096, deadline)
+        waited = time.monotonic() - t0
+        assert (e.value.status, e.value.code, e.value.state) == (503, "queue_deadline", "TIMED_OUT")
+        assert 0.8 <= waited <= 1.2, waited  # when it became unreachable (+ one 100 ms poll), not at 3 s
+        assert adm.queued == 0 and adm.held == {}
+        # the same wait with blocks coming back in time: admitted from the queue
+        waiter = asyncio.create_task(adm.admit("q2", "t", 10, 100, 1, 4096, time.time() + 3.0))
+        await asyncio.sleep(0.3)
+        for i in range(4):  # the 8 blocks it needs (1 prompt + 7 output)
+            await adm.ledger.release(f"other-{i}")
+        t = await waiter
+        assert t.states == ["QUEUED"]
+        await adm.release("q2")
+        await _cleanup(r, model)
+
+    run(main())
+
+
+def test_rates_smoothed_over_refreshes():
+    from pdserve.services.admission import smooth_rates
+    a = ServiceRates(0.010, 0.001, 100.0, 0.02, 1)
+    b = ServiceRates(0.050, 0.003, 0.0, 0.04, 1)  # one noisy report; prefill not measured in it
+    m = smooth_rates(a, b, 0.25)
+    assert (m.step0_s, m.step_per_seq_s, m.prefill_tokens_per_s) == (pytest.approx(0.020), pytest.approx(0.0015), 100.0)
+    assert smooth_rates(a, ServiceRates(workers=1), 0.25) is a  # an unmeasured report keeps the last rates
+    assert smooth_rates(a, ServiceRates(0.05, 0.0, 0.0, 0.0, 2), 0.25).workers == 2  # the pool changed: as reported
+
+
+def test_limit_grows_from_what_was_seen_to_finish():
+    """The model's limit is trusted only 1.5x beyond the most requests in flight seen finishing in time (a line
+    measured at small batches, extrapolated to 64, let a fresh deployment's first burst all time out)."""
+    model = f"t-{uuid.uuid4().hex[:8]}"
+
+    async def main():
+        r = aioredis.from_url(REDIS)
+        adm = Admission(ReservationLedger(r, model, lease_s=5), _dcap, deadline_margin=1.0)
+        await _fill(adm, 3)
+        t = await adm.admit("first", "t", 16, 100, 1, 4096, time.time() + 10)  # 4 in flight; model limit 90
+        await asyncio.sleep(0.05)
+        adm.observe_finish(t, 0.5, 100, finished=True)  # finished at 4 in flight
+        await adm.release("first")
+        assert adm.proven == pytest.approx(4)
+        await _fill(adm, 10)  # other-0..2 held already: 3 + ... -> 10 distinct
+        with pytest.raises(AdmissionError) as e:  # 11 > 4 x 1.5 + 1 = 7, though the model alone allows 90
+            await adm.admit("burst", "t", 16, 100, 1, 4096, time.time() + 10)
+        assert e.value.code == "deadline_unreachable"
         await _cleanup(r, model)
 
     run(main())

@@ -153,7 +153,7 @@ class Lifecycle:
             return None
         headers = {"Retry-After": retry_after(e.retry_after_s)} if e.retry_after_s else {}
         typ = {400: "invalid_request_error", 504: "timeout_error"}.get(e.status, "service_unavailable_error")
-        param = "prompt" if e.status == 400 else None
+        param = (e.param or "prompt") if e.status == 400 else None
         return e.status, APIError(e.status, e.message, typ, param, e.code).body(), headers
 
     async def finish(self, rec: RequestRecord, state: str, error: str | None = None) -> None:
@@ -177,12 +177,26 @@ class Lifecycle:
             try:
                 await self.admission.release(rec.request_id)
             finally:  # a failed release leaves the lease to lapse; the bill is still owed
-                if state == "FINISHED":
-                    for n_out in rec.outputs_per_choice:
-                        self.admission.predictor.observe(rec.tenant.name, n_out)
-                await self._bill(rec)
+                try:
+                    self._learn(rec)
+                finally:
+                    await self._bill(rec)
         else:
             await self._bill(rec)
+
+    def _learn(self, rec: RequestRecord) -> None:
+        """Admission's models learn from the finished request: output length, service-time error."""
+        state = rec.state
+        if state == "FINISHED":
+            for n_out in rec.outputs_per_choice:
+                self.admission.predictor.observe(rec.tenant.name, n_out)
+        if state in ("FINISHED", "TIMED_OUT") and rec.admitted_at is not None:
+            # deadline-aware admission learns how far its service-time estimate was off (for the tokens really
+            # generated; a timed-out request's time is a lower bound, and it counts as such)
+            per_choice = rec.emitted // max(1, rec.ticket.n_granted) if rec.ticket else 0  # streamed
+            out = (max(rec.outputs_per_choice, default=0) or per_choice) if state == "FINISHED" else None
+            self.admission.observe_finish(rec.ticket, time.time() - rec.admitted_at, out or None,
+                                          finished=state == "FINISHED")
 
     async def _bill(self, rec: RequestRecord) -> None:
         state = rec.state
