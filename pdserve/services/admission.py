@@ -528,10 +528,18 @@ class Admission:
                 log.warning("admission: reservation %s outlived its deadline; dropped", rid)
                 await self.release(rid)
             with contextlib.suppress(Exception):
-                await self.ledger.renew(dict(self.held))
-                blocks, reqs = await self.ledger.usage()
-                M.RESERVED_BLOCKS.set(blocks)
-                M.RESERVED_REQUESTS.set(reqs)
+                await self.renew_once()
+
+    async def renew_once(self) -> None:
+        held = dict(self.held)
+        await self.ledger.renew(held)
+        # The renew script re-adds what it is given (that is how the ledger recovers after a Redis restart), so
+        # a reservation released while the call was in flight came back: release it again.
+        for rid in [r for r in held if r not in self.held]:
+            await self.ledger.release(rid)
+        blocks, reqs = await self.ledger.usage()
+        M.RESERVED_BLOCKS.set(blocks)
+        M.RESERVED_REQUESTS.set(reqs)
 
     async def admit(self, rid: str, tenant: str, prompt_tokens: int, max_tokens: int | None, n: int,
                     context_len: int, deadline: float, cached_tokens: int = 0,

@@ -482,3 +482,30 @@ def test_limit_grows_from_what_was_seen_to_finish():
         await _cleanup(r, model)
 
     run(main())
+
+
+def test_release_during_a_renew_does_not_resurrect_the_reservation():
+    """The renew script re-adds every reservation it is handed (so the ledger recovers after a Redis restart). A
+    release that lands while a renew call is in flight must not come back with it — in the abort storm this left
+    reservations behind until their lease lapsed."""
+    model = f"t-{uuid.uuid4().hex[:8]}"
+
+    async def main():
+        r = aioredis.from_url(REDIS)
+        ledger = ReservationLedger(r, model, lease_s=5)
+        adm = Admission(ledger, _cap, max_queue=1, max_queue_wait_s=0.3)
+        await adm.admit("a", "t", 10, 20, 1, 4096, time.time() + 30)
+        real_renew = ledger.renew
+
+        async def renew_racing_a_release(held):
+            await adm.release("a")  # the request ends between the snapshot and the script
+            await real_renew(held)
+
+        ledger.renew = renew_racing_a_release
+        try:
+            await adm.renew_once()
+            assert await r.zcard(ledger.zkey) == 0 and await r.hlen(ledger.hkey) == 0
+        finally:
+            await _cleanup(r, model)
+
+    run(main())
