@@ -428,6 +428,11 @@ def no_fit(queued: int, max_queue: int, deadline: float, now: float, max_queue_w
     return min(deadline, now + max_queue_wait_s)
 
 
+# The share of a request's remaining time the service-time line may predict, at in-flight counts beyond those
+# seen finishing, for the growth bound not to apply (Admission._try).
+EXTRAPOLATION_HEADROOM = 0.25
+
+
 def deadline_limit(rates: ServiceRates, factor: float, prompt_tokens: int, pred: int, remaining_s: float,
                    margin: float) -> float | None:
     """The most requests in flight (this one included) at which this request is expected to finish within
@@ -597,7 +602,12 @@ class Admission:
             return None, (f"{pred} output tokens need ~{alone:.2f} s even alone, "
                           f"{max(0.0, deadline - time.time()):.2f} s left", 1.0)
         if own is not None and self.proven > 0:
-            own = min(own, self.proven * self.growth + 1)
+            # Beyond what was seen finishing, trust the line only where an error of 1/EXTRAPOLATION_HEADROOM x
+            # would still meet the deadline: a burst with time to spare (a fresh deployment, long timeouts) is
+            # admitted; one the line says just fits is held to `growth` x the proven load.
+            safe = deadline_limit(rates, self.calibration.factor, prompt_tokens, pred, deadline - time.time(),
+                                  self.deadline_margin * EXTRAPOLATION_HEADROOM) or 0.0
+            own = min(own, max(self.proven * self.growth + 1, safe))
         others = min(self.limits.values(), default=math.inf)
         limit = min(own if own is not None else math.inf, others)
         seq_limit = cap.seqs if limit >= cap.seqs else int(math.floor(limit))
