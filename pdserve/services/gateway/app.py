@@ -15,6 +15,7 @@ from typing import AsyncIterator
 
 import grpc
 from fastapi import FastAPI, Request
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -446,10 +447,33 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
     async def chat_completions(request: Request):
         return await _endpoint(request, chat=True)
 
+    def _model_card() -> dict:
+        return {"id": cfg.served_model_name, "object": "model", "created": 0, "owned_by": "pdserve",
+                "max_model_len": max_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": cfg.served_model_name, "object": "model", "created": 0,
-                                            "owned_by": "pdserve", "max_model_len": max_len}]}
+        return {"object": "list", "data": [_model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != cfg.served_model_name:
+            raise APIError(404, f"The model '{model_id}' does not exist", "invalid_request_error", "model",
+                           "model_not_found")
+        return _model_card()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc: StarletteHTTPException):
+        # unknown routes and methods answer as the OpenAI API does (clients parse `error`, not `detail`)
+        if exc.status_code == 404:
+            body = APIError(404, f"Unknown request URL: {request.method} {request.url.path}",
+                            "invalid_request_error", code="unknown_url").body()
+        elif exc.status_code == 405:
+            body = APIError(405, f"Method {request.method} not allowed for {request.url.path}",
+                            "invalid_request_error", code="method_not_allowed").body()
+        else:
+            body = APIError(exc.status_code, str(exc.detail), "invalid_request_error").body()
+        return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.get("/health")
     async def health():
