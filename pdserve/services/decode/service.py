@@ -49,6 +49,7 @@ class _Pickup:
 
     added: bool = False  # an add_prefilled_request is queued or done: the engine may hold blocks for it
     xfer: asyncio.Future | None = None  # the NIXL READ into those blocks
+    attached: bool = False  # an output queue is registered under the request id
     released: bool = False  # the prefill side was told to release its copy
     ended: bool = False  # a terminal message went out or the call was refused: nothing left to cancel
 
@@ -107,7 +108,8 @@ class DecodeSide:
                     self._spawn(self._abort_after(p.xfer, rid))
                 else:  # queued behind the allocation if that is still queued: it undoes it
                     self.w.host.submit(lambda e: e.abort(rid, "CANCELLED"))
-        self.w.host.detach(rid)  # an output queue attached before a commit we never got to read
+        if p.attached:  # attached before a commit whose output we may never have read
+            self.w.host.detach(rid)
 
     async def GenerateFromPrefill(self, request: worker_pb2.GenerateFromPrefillRequest, context):
         p = _Pickup()
@@ -194,6 +196,7 @@ class DecodeSide:
             return
         # 3. commit: the request joins the decode batch; its first output carries the first token
         stream = w.host.attach(rid)  # before the commit, so the first output (the first token) is not missed
+        p.attached = True
         if not await w.host.run(lambda e: e.commit_prefilled(rid)):
             # the engine already gave the blocks back (transfer deadline): the KV that arrived has nowhere to go
             M.TERMINAL.labels("FAILED").inc()
