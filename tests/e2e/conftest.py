@@ -70,3 +70,16 @@ def offline_seeded(tiny_llama):
     from pdserve.engine.sampling_params import SamplingParams
     eng = Engine.from_pretrained(str(tiny_llama), EngineConfig(num_gpu_blocks=NUM_BLOCKS))
     return eng.generate([PROMPTS[0]], SamplingParams(**SEEDED))[0].outputs[0].token_ids
+
+
+def served_as_ck(tiny_llama: Path, tmp_path_factory, keys_yaml: str) -> tuple[Path, Path]:
+    """The tiny checkpoint under the directory name `ck` (so its served model name is `ck`) and an API keys file
+    with `keys_yaml`: what the deployments with tenants start from."""
+    import shutil
+    model = tiny_llama.parent / "ck"
+    if not model.exists():
+        shutil.copytree(tiny_llama, model)
+    keys = tmp_path_factory.mktemp("keys") / "keys.yaml"
+    keys.write_text(keys_yaml)
+    return model, keys
+

@@ -14,14 +14,13 @@ import json
 import os
 import random
 import re
-import shutil
 import time
 import urllib.request
 
 import pytest
 import redis
 
-from tests.e2e.conftest import Up, wait_until
+from tests.e2e.conftest import Up, served_as_ck, wait_until
 
 KEYS = """
 tenants:
@@ -48,11 +47,7 @@ def _sum(text: str, name: str, where: str = "") -> float:
 
 @pytest.fixture(scope="module")
 def up(tiny_llama, tmp_path_factory):
-    model = tiny_llama.parent / "ck"
-    if not model.exists():
-        shutil.copytree(tiny_llama, model)
-    keys = tmp_path_factory.mktemp("keys") / "keys.yaml"
-    keys.write_text(KEYS)
+    model, keys = served_as_ck(tiny_llama, tmp_path_factory, KEYS)
     d = Up(model, "--mode", "disagg", "--prefill", "1", "--decode", "1", "--api-keys-file", str(keys),
            "--num-gpu-blocks", "256")
     yield d

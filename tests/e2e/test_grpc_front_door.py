@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import shutil
 import urllib.request
 
 import grpc
@@ -14,7 +13,7 @@ import pytest
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.services.grpc_util import channel
 from pdserve.services.pb import gateway_pb2_grpc, params_to_pb, worker_pb2
-from tests.e2e.conftest import Up
+from tests.e2e.conftest import Up, served_as_ck
 
 KEYS = """
 tenants:
@@ -27,11 +26,7 @@ PROMPT = list(range(30, 100))  # 70 tokens: 4 full blocks
 
 @pytest.fixture(scope="module")
 def up(tiny_llama, tmp_path_factory):
-    model = tiny_llama.parent / "ck"
-    if not model.exists():
-        shutil.copytree(tiny_llama, model)
-    keys = tmp_path_factory.mktemp("keys") / "keys.yaml"
-    keys.write_text(KEYS)
+    model, keys = served_as_ck(tiny_llama, tmp_path_factory, KEYS)
     d = Up(model, "--mode", "colocated", "--workers", "1", "--api-keys-file", str(keys))
     yield d
     assert d.stop() == 0

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ import httpx
 import pytest
 import redis
 
-from tests.e2e.conftest import ROOT, Up, _env, wait_until
+from tests.e2e.conftest import ROOT, Up, _env, served_as_ck, wait_until
 
 KEYS = """
 tenants:
@@ -53,11 +52,7 @@ def _rss_mb(pid: int) -> float:
 
 @pytest.fixture(scope="module")
 def up(tiny_llama, tmp_path_factory):
-    model = tiny_llama.parent / "ck"
-    if not model.exists():
-        shutil.copytree(tiny_llama, model)
-    keys = tmp_path_factory.mktemp("keys") / "keys.yaml"
-    keys.write_text(KEYS)
+    model, keys = served_as_ck(tiny_llama, tmp_path_factory, KEYS)
     # --threads 1: the worker leaves a core to the gateway and the load generator (2-core CI boxes)
     d = Up(model, "--mode", "colocated", "--workers", "1", "--num-gpu-blocks", str(BLOCKS), "--threads", "1",
            "--api-keys-file", str(keys), "--admission-queue", "3", "--max-queue-wait", "2",

@@ -17,7 +17,7 @@ import httpx
 import pytest
 import redis
 
-from tests.e2e.conftest import Up, wait_until
+from tests.e2e.conftest import Up, served_as_ck, wait_until
 
 KEYS = "tenants:\n  t: {keys: [sk-t], rate_rps: 50, burst: 50}\n"
 
@@ -40,11 +40,7 @@ def _ping(r: redis.Redis) -> bool:
 @pytest.fixture(scope="module")
 def deployment(tiny_llama, tmp_path_factory):
     from pdserve.services.up import free_port
-    model = tiny_llama.parent / "ck"
-    if not model.exists():
-        shutil.copytree(tiny_llama, model)
-    keys = tmp_path_factory.mktemp("keys") / "keys.yaml"
-    keys.write_text(KEYS)
+    model, keys = served_as_ck(tiny_llama, tmp_path_factory, KEYS)
     port = free_port()
     holder = {"redis": _redis(port)}
     d = Up(model, "--mode", "colocated", "--workers", "1", "--threads", "1", "--redis-url",

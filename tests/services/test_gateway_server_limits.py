@@ -67,15 +67,21 @@ def _connect(port: int) -> socket.socket:
     return s
 
 
-def _read_until_closed(s: socket.socket, timeout: float = 10) -> tuple[bytes, float]:
-    """Everything the server sends until it closes the connection, and when it closed it (monotonic)."""
+def _read_until_closed(s: socket.socket, timeout: float = 10, on_data=None) -> tuple[bytes, float]:
+    """Everything the server sends until it closes the connection, and when it closed it (monotonic). A reset
+    counts as the close: a client still sending when the server closes gets an RST after the server's answer."""
     s.settimeout(timeout)
     data = b""
     while True:
-        chunk = s.recv(65536)
+        try:
+            chunk = s.recv(65536)
+        except ConnectionResetError:
+            return data, time.monotonic()
         if not chunk:
             return data, time.monotonic()
         data += chunk
+        if on_data is not None:
+            on_data()
 
 
 def _get_models(s: socket.socket) -> bytes:
@@ -168,7 +174,7 @@ def test_a_body_sent_too_slowly_is_408_and_closes(gateway):
         th = threading.Thread(target=drip)
         th.start()
         try:
-            data, at = _read_until_closed(s)
+            data, at = _read_until_closed(s, on_data=stop.set)  # the answer is out: stop sending
         finally:
             stop.set()
             th.join()
