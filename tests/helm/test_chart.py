@@ -227,7 +227,7 @@ def test_gpu_rdma_shm_and_scheduling():
             assert c["resources"][k]["nvidia.com/gpu"] == gpus
             assert c["resources"][k]["rdma/ib"] == 1 and c["resources"][k]["nvidia.com/hostdev"] == 2
         assert c["resources"]["limits"]["memory"] == "64Gi"
-        assert "IPC_LOCK" in c["securityContext"]["capabilities"]["add"]
+        assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
         shm = next(v for v in spec["volumes"] if v["name"] == "dshm")
         assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "32Gi"}
         assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
@@ -244,7 +244,7 @@ def test_gpu_rdma_shm_and_scheduling():
     # defaults: one GPU each, none for gateway/router; rdma off
     d = by_kind(objects(), "Deployment")
     assert pod_template(d[f"{FULL}-decode"])["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
-    assert "securityContext" not in pod_template(d[f"{FULL}-decode"])["containers"][0]
+    assert pod_template(d[f"{FULL}-decode"])["containers"][0]["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     for comp in ("gateway", "router"):
         assert "nvidia.com/gpu" not in json.dumps(d[f"{FULL}-{comp}"])
     cpu = by_kind(objects({"workers": {"device": "cpu"}, "prefill": {"gpus": 0}}), "Deployment")

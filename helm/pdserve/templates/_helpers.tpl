@@ -122,6 +122,7 @@ builtin
   command:
     {{- toYaml $m.download.command | nindent 4 }}
   env:
+    {{- include "pdserve.scratchEnv" . | nindent 4 }}
     - name: MODEL_URL
       value: {{ required "model.download.url is required with model.source=download" $m.download.url | quote }}
     - name: MODEL_DIR
@@ -137,9 +138,11 @@ builtin
   resources:
     {{- toYaml . | nindent 4 }}
   {{- end }}
+  {{- include "pdserve.securityContext" (dict "ctx" $) | nindent 2 }}
   volumeMounts:
     - name: model
       mountPath: {{ $m.mountPath }}
+    {{- include "pdserve.scratchMounts" . | nindent 4 }}
 {{- end }}
 {{- end -}}
 
@@ -239,3 +242,71 @@ securityContext:
 {{- define "pdserve.workerHealthService" -}}pdserve.v1.Worker{{- end -}}
 {{- define "pdserve.routerHealthService" -}}pdserve.v1.Router{{- end -}}
 {{- define "pdserve.gatewayHealthService" -}}pdserve.v1.Gateway{{- end -}}
+
+{{/* Container securityContext: the global `securityContext` with a component's own keys over it:
+     (dict "ctx" $ "over" $componentSecurityContext) */}}
+{{- define "pdserve.securityContext" -}}
+{{- $sc := mergeOverwrite (deepCopy (.ctx.Values.securityContext | default dict)) (deepCopy (.over | default dict)) -}}
+{{- with $sc }}
+securityContext:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* The root filesystem is read-only: HOME, /tmp, compiled kernels and the Hugging Face cache live in the
+     `scratch` emptyDir (one volume, two subPaths) */}}
+{{- define "pdserve.scratchVolume" -}}
+- name: scratch
+  emptyDir:
+    {{- with .Values.scratch.medium }}
+    medium: {{ . }}
+    {{- end }}
+    sizeLimit: {{ .Values.scratch.sizeLimit }}
+{{- end -}}
+
+{{- define "pdserve.scratchMounts" -}}
+- name: scratch
+  mountPath: /tmp
+  subPath: tmp
+- name: scratch
+  mountPath: {{ .Values.scratch.mountPath }}
+  subPath: home
+{{- end -}}
+
+{{- define "pdserve.scratchEnv" -}}
+{{- $h := trimSuffix "/" .Values.scratch.mountPath -}}
+- name: HOME
+  value: {{ $h | quote }}
+- name: TORCH_EXTENSIONS_DIR
+  value: {{ printf "%s/.cache/torch_extensions" $h | quote }}
+- name: HF_HOME
+  value: {{ printf "%s/.cache/huggingface" $h | quote }}
+{{- end -}}
+
+{{/* Labels added to a pod template: `podLabels` of each map in .vs, later maps winning; the selector labels
+     are the chart's own (a Deployment's selector is immutable) */}}
+{{- define "pdserve.podLabels" -}}
+{{- $l := dict -}}
+{{- range .vs }}
+{{- $l = mergeOverwrite $l (deepCopy (.podLabels | default dict)) -}}
+{{- end }}
+{{- range $k, $_ := $l }}
+{{- if has $k (list "app.kubernetes.io/name" "app.kubernetes.io/instance" "app.kubernetes.io/component" "pdserve.io/role") }}
+{{- fail (printf "podLabels may not set %s (a selector label the chart owns)" $k) }}
+{{- end }}
+{{- end }}
+{{- with $l }}{{ toYaml . }}{{ end }}
+{{- end -}}
+
+{{/* `extraVolumes` / `extraVolumeMounts` of each map in .vs, concatenated */}}
+{{- define "pdserve.extraVolumes" -}}
+{{- $all := list -}}
+{{- range .vs }}{{ $all = concat $all (.extraVolumes | default list) }}{{ end -}}
+{{- with $all }}{{ toYaml . }}{{ end }}
+{{- end -}}
+
+{{- define "pdserve.extraVolumeMounts" -}}
+{{- $all := list -}}
+{{- range .vs }}{{ $all = concat $all (.extraVolumeMounts | default list) }}{{ end -}}
+{{- with $all }}{{ toYaml . }}{{ end }}
+{{- end -}}
