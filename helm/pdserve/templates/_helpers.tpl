@@ -66,6 +66,8 @@ app.kubernetes.io/component: {{ .component }}
 builtin
 {{- else if .Values.model.subPath -}}
 {{ printf "%s/%s" (trimSuffix "/" .Values.model.mountPath) (trimPrefix "/" .Values.model.subPath) }}
+{{- else if eq .Values.model.source "hf" -}}
+{{ printf "%s/%s" (trimSuffix "/" .Values.model.mountPath) (required "model.hf.repo is required with model.source=hf" .Values.model.hf.repo) }}
 {{- else -}}
 {{ .Values.model.mountPath }}
 {{- end -}}
@@ -74,6 +76,8 @@ builtin
 {{- define "pdserve.servedModelName" -}}
 {{- if .Values.model.servedModelName -}}
 {{ .Values.model.servedModelName }}
+{{- else if eq .Values.model.source "hf" -}}
+{{ .Values.model.hf.repo }}
 {{- else -}}
 {{ include "pdserve.modelPath" . | trimSuffix "/" | base }}
 {{- end -}}
@@ -92,15 +96,16 @@ builtin
   hostPath:
     path: {{ required "model.hostPath.path is required with model.source=hostPath" $m.hostPath.path }}
     type: {{ $m.hostPath.type }}
-{{- else if eq $m.source "download" }}
-{{- if eq $m.download.volume.type "pvc" }}
+{{- else if has $m.source (list "download" "hf") }}
+{{- $vol := ternary $m.hf.volume $m.download.volume (eq $m.source "hf") }}
+{{- if eq $vol.type "pvc" }}
 - name: model
   persistentVolumeClaim:
-    claimName: {{ required "model.download.volume.claimName is required with volume.type=pvc" $m.download.volume.claimName }}
+    claimName: {{ required (printf "model.%s.volume.claimName is required with volume.type=pvc" $m.source) $vol.claimName }}
 {{- else }}
 - name: model
   emptyDir:
-    sizeLimit: {{ $m.download.volume.sizeLimit }}
+    sizeLimit: {{ $vol.sizeLimit }}
 {{- end }}
 {{- end }}
 {{- end -}}
@@ -109,12 +114,60 @@ builtin
 {{- if ne .Values.model.source "builtin" }}
 - name: model
   mountPath: {{ .Values.model.mountPath }}
-  readOnly: {{ ne .Values.model.source "download" }}
+  readOnly: {{ not (has .Values.model.source (list "download" "hf")) }}
 {{- end }}
 {{- end -}}
 
 {{- define "pdserve.modelInit" -}}
 {{- $m := .Values.model -}}
+{{- if eq $m.source "hf" }}
+- name: fetch-model
+  image: {{ default (include "pdserve.image" .) $m.hf.image }}
+  imagePullPolicy: IfNotPresent
+  # huggingface_hub comes with the image (a dependency of tokenizers / transformers). snapshot_download into a
+  # local_dir fetches only files not already there, so a reused cache volume costs one listing.
+  command:
+    - python
+    - -c
+    - |
+      import json, os
+      from huggingface_hub import snapshot_download
+      snapshot_download(repo_id=os.environ["HF_REPO"], revision=os.environ.get("HF_REVISION") or None,
+                        local_dir=os.environ["MODEL_DIR"], token=os.environ.get("HF_TOKEN") or None,
+                        allow_patterns=json.loads(os.environ["HF_ALLOW_PATTERNS"]) or None)
+      print("model ready in", os.environ["MODEL_DIR"])
+  env:
+    {{- include "pdserve.scratchEnv" . | nindent 4 }}
+    - name: HF_REPO
+      value: {{ $m.hf.repo | quote }}
+    - name: HF_REVISION
+      value: {{ $m.hf.revision | quote }}
+    - name: HF_ALLOW_PATTERNS
+      value: {{ $m.hf.allowPatterns | default list | toJson | quote }}
+    - name: MODEL_DIR
+      value: {{ include "pdserve.modelPath" . | quote }}
+    - name: HF_HUB_DISABLE_TELEMETRY
+      value: "1"
+    {{- with $m.hf.tokenSecret }}
+    - name: HF_TOKEN
+      valueFrom:
+        secretKeyRef:
+          name: {{ . }}
+          key: {{ $m.hf.tokenSecretKey }}
+    {{- end }}
+    {{- with $m.hf.env }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  {{- with $m.hf.resources }}
+  resources:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- include "pdserve.securityContext" (dict "ctx" $) | nindent 2 }}
+  volumeMounts:
+    - name: model
+      mountPath: {{ $m.mountPath }}
+    {{- include "pdserve.scratchMounts" . | nindent 4 }}
+{{- end }}
 {{- if eq $m.source "download" }}
 - name: fetch-model
   image: {{ $m.download.image }}
