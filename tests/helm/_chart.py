@@ -76,6 +76,18 @@ SCENARIOS: dict[str, dict] = {
         "gateway": {"replicas": 2, "apiKeys": {"enabled": True, "tenants": {
             "acme": {"keys": ["sk-acme"], "rate_rps": 5, "burst": 10, "quota_tokens": 200000, "priority": 0}}}},
     },
+    "extras_hf_podmonitor": {
+        "model": {"source": "hf", "hf": {"repo": "Qwen/Qwen2.5-0.5B-Instruct", "revision": "main",
+                                         "tokenSecret": "hf-token", "volume": {"type": "pvc", "claimName": "hf"}}},
+        "metrics": {"podMonitor": {"enabled": True, "labels": {"release": "kps"}}},
+        "podLabels": {"team": "ml"}, "gateway": {"podLabels": {"tier": "edge"}},
+        "extraVolumes": [{"name": "ca", "configMap": {"name": "corp-ca"}}],
+        "extraVolumeMounts": [{"name": "ca", "mountPath": "/etc/ssl/corp", "readOnly": True}],
+        "workers": {"runtimeClassName": "nvidia",
+                    "extraVolumes": [{"name": "kcache", "persistentVolumeClaim": {"claimName": "kernels"}}],
+                    "extraVolumeMounts": [{"name": "kcache", "mountPath": "/kcache"}]},
+        "decode": {"runtimeClassName": "nvidia-cdi", "podLabels": {"pool": "fast"}},
+    },
     "plain_keys_secret": {
         "gateway": {"apiKeys": {"enabled": True, "existingSecret": "team-keys", "secretKey": "api-keys"}},
     },

@@ -7,13 +7,18 @@ only where a cluster differs from one host:
 - Service names (`<svc>:<port>`, in args and env) -> 127.0.0.1 and the local port of the pod behind that Service
   port (selector -> pod, targetPort -> container port);
 - volume mount paths -> local directories: a Secret / ConfigMap volume gets its files written out, the model
-  volume is a directory holding the test checkpoint at the chart's `subPath`, an emptyDir is an empty directory;
+  volume is a directory holding the test checkpoint at the chart's `subPath`, an emptyDir is an empty directory
+  (a `subPath` mount: that subdirectory of it), so the scratch volume's HOME / HF_HOME / /tmp are per pod here too;
+- `TORCH_EXTENSIONS_DIR` (the scratch volume's kernel cache) -> this host's own value, or unset (torch's default):
+  a pod starts with an empty cache, but compiling the native kernels again for every test run (~95 s cold) would
+  measure the compiler, not the chart;
 - downward-API env: the pod IP is 127.0.0.1, the pod name `<workload>-<replica>`;
 - `pdserve` is this interpreter's `-m pdserve` (the image's entrypoint), the Redis image's is `redis-server`.
 """
 from __future__ import annotations
 
 import base64
+import os
 import re
 import shutil
 import sys
@@ -23,6 +28,7 @@ from pathlib import Path
 from tests.helm._chart import pod_template
 
 PORT_FLAGS = ("--port", "--grpc-port", "--metrics-port")
+HOST_CACHE_ENV = ("TORCH_EXTENSIONS_DIR",)
 
 
 @dataclass
@@ -94,7 +100,7 @@ def plan(objs: list[dict], tmp: Path, model_dir: Path, model_mount: str = "/mode
         vols = {v["name"]: v for v in spec.get("volumes", [])}
         for m in c.get("volumeMounts", []):
             vol = vols[m["name"]]
-            d = tmp / pod.name / m["name"]
+            d = tmp / pod.name / m["name"] / m.get("subPath", "")
             d.mkdir(parents=True, exist_ok=True)
             if "secret" in vol or "configMap" in vol:
                 kind, ref = ("Secret", vol["secret"]["secretName"]) if "secret" in vol \
@@ -139,12 +145,22 @@ def plan(objs: list[dict], tmp: Path, model_dir: Path, model_mount: str = "/mode
                 else:
                     raise AssertionError(f"{pod.name}: env source {src}")
             pod.env[e["name"]] = rewrite(pod, v)
+        for name in HOST_CACHE_ENV:
+            if name in pod.env:
+                assert any(pod.env[name].startswith(str(d) + "/") for d in pod.mounts.values()), \
+                    f"{pod.name}: {name}={pod.env[name]} is not on a writable volume"
+                if os.environ.get(name):
+                    pod.env[name] = os.environ[name]
+                else:
+                    del pod.env[name]
         # nothing may still name a cluster address or a path that exists only inside the container
         svc_names = [o["metadata"]["name"] for o in objs if o["kind"] == "Service"]
         for v in [*pod.argv, *pod.env.values()]:
             for s in svc_names:
                 assert not re.search(rf"\b{re.escape(s)}(\.[a-z0-9.-]+)?:\d+", v), (pod.name, v)
             assert v != "0.0.0.0", (pod.name, v)
+            if any(v == str(d) or v.startswith(str(d) + "/") for d in pod.mounts.values()):
+                continue  # already local (a local dir may itself lie under a mount path such as /tmp)
             for mp in pod.mounts:
                 assert not v.startswith(mp + "/") and v != mp, (pod.name, v)
     return pods

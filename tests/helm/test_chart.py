@@ -20,7 +20,7 @@ kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate (pyp
 KUBE_VERSIONS = ["1.27.0", kv.utils.latest_version()]
 
 # CRDs have no schema in the Kubernetes API; these pin the fields the chart uses to the CRDs' own (KEDA v2
-# ScaledObject, prometheus-operator v1 ServiceMonitor), unknown fields refused.
+# ScaledObject, prometheus-operator v1 ServiceMonitor / PodMonitor), unknown fields refused.
 _OBJ = {"type": "object"}
 CRD_SCHEMAS = {
     ("keda.sh/v1alpha1", "ScaledObject"): {
@@ -43,6 +43,26 @@ CRD_SCHEMAS = {
                                    "metricType": {"enum": ["AverageValue", "Value", "Utilization"]},
                                    "metadata": {"type": "object", "required": ["serverAddress", "query", "threshold"],
                                                 "additionalProperties": {"type": "string"}}}}}}}}},
+    ("monitoring.coreos.com/v1", "PodMonitor"): {
+        "type": "object", "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {"apiVersion": {}, "kind": {}, "metadata": _OBJ, "spec": {
+            "type": "object", "additionalProperties": False, "required": ["selector", "podMetricsEndpoints"],
+            "properties": {"selector": {
+                "type": "object", "additionalProperties": False,
+                "properties": {"matchLabels": {"type": "object", "additionalProperties": {"type": "string"}},
+                               "matchExpressions": {"type": "array", "items": {
+                                   "type": "object", "additionalProperties": False, "required": ["key", "operator"],
+                                   "properties": {"key": {"type": "string"},
+                                                  "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
+                                                  "values": {"type": "array", "items": {"type": "string"}}}}}}},
+                "namespaceSelector": {
+                    "type": "object", "additionalProperties": False,
+                    "properties": {"matchNames": {"type": "array", "items": {"type": "string"}},
+                                   "any": {"type": "boolean"}}},
+                "podMetricsEndpoints": {"type": "array", "minItems": 1, "items": {
+                    "type": "object", "additionalProperties": False,
+                    "properties": {"port": {"type": "string"}, "path": {"type": "string"},
+                                   "interval": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"}}}}}}}},
     ("monitoring.coreos.com/v1", "ServiceMonitor"): {
         "type": "object", "required": ["apiVersion", "kind", "metadata", "spec"],
         "properties": {"apiVersion": {}, "kind": {}, "metadata": _OBJ, "spec": {
@@ -181,7 +201,9 @@ def test_every_command_is_one_pdserve_accepts(scenario, monkeypatch):
     # every component registers / routes under one model name (the Redis keys are pdserve:{model}:...)
     names = {a.served_model_name for a in parsed.values()}
     model = parsed[f"{FULL}-gateway"].model
-    assert names == {vals.get("model", {}).get("servedModelName") or _default_served_name(model)}, names
+    m = vals.get("model", {})
+    hf_repo = m.get("hf", {}).get("repo") if m.get("source") == "hf" else None  # served under the hub id
+    assert names == {m.get("servedModelName") or hf_repo or _default_served_name(model)}, names
     roles = sorted(a.role for a in parsed.values() if a.command == "worker")
     assert roles == (["both"] if vals.get("mode") == "colocated" else ["decode", "prefill"])  # auto: both pools
     assert len({a.redis_url for a in parsed.values()}) == 1
@@ -227,7 +249,7 @@ def test_gpu_rdma_shm_and_scheduling():
             assert c["resources"][k]["nvidia.com/gpu"] == gpus
             assert c["resources"][k]["rdma/ib"] == 1 and c["resources"][k]["nvidia.com/hostdev"] == 2
         assert c["resources"]["limits"]["memory"] == "64Gi"
-        assert "IPC_LOCK" in c["securityContext"]["capabilities"]["add"]
+        assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
         shm = next(v for v in spec["volumes"] if v["name"] == "dshm")
         assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "32Gi"}
         assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
@@ -244,7 +266,7 @@ def test_gpu_rdma_shm_and_scheduling():
     # defaults: one GPU each, none for gateway/router; rdma off
     d = by_kind(objects(), "Deployment")
     assert pod_template(d[f"{FULL}-decode"])["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
-    assert "securityContext" not in pod_template(d[f"{FULL}-decode"])["containers"][0]
+    assert pod_template(d[f"{FULL}-decode"])["containers"][0]["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     for comp in ("gateway", "router"):
         assert "nvidia.com/gpu" not in json.dumps(d[f"{FULL}-{comp}"])
     cpu = by_kind(objects({"workers": {"device": "cpu"}, "prefill": {"gpus": 0}}), "Deployment")
@@ -344,10 +366,10 @@ def test_redis_bundled_or_external():
 
 
 @pytest.mark.parametrize("source,vol_key", [("pvc", "persistentVolumeClaim"), ("hostPath", "hostPath"),
-                                            ("download", "emptyDir")])
+                                            ("download", "emptyDir"), ("hf", "emptyDir")])
 def test_model_sources(source, vol_key):
     vals = {"model": {"source": source, "subPath": "m", "pvc": {"claimName": "c"}, "hostPath": {"path": "/w"},
-                      "download": {"url": "s3:b/m"}}}
+                      "download": {"url": "s3:b/m"}, "hf": {"repo": "org/m"}}}
     d = by_kind(objects(vals), "Deployment")
     for name in (f"{FULL}-gateway", f"{FULL}-prefill", f"{FULL}-decode"):
         spec = pod_template(d[name])
@@ -355,8 +377,9 @@ def test_model_sources(source, vol_key):
         assert vol_key in vol
         c = spec["containers"][0]
         assert c["args"][c["args"].index("--model") + 1] == "/models/m"
-        assert {"name": "model", "mountPath": "/models", "readOnly": source != "download"} in c["volumeMounts"]
-        assert ("initContainers" in spec) == (source == "download")
+        writable = source in ("download", "hf")
+        assert {"name": "model", "mountPath": "/models", "readOnly": not writable} in c["volumeMounts"]
+        assert ("initContainers" in spec) == writable
     # builtin: no volume, no init container (router never needs the model)
     d = by_kind(objects(), "Deployment")
     for name, dep in d.items():
@@ -508,3 +531,188 @@ def test_network_policy_lets_workers_talk_nixl():
     r = nps[f"{FULL}-redis"]["spec"]["ingress"][0]["from"][0]["podSelector"]["matchExpressions"]
     comps = next(e["values"] for e in r if e["key"] == "app.kubernetes.io/component")
     assert sorted(comps) == ["decode", "gateway", "prefill", "router"]
+
+
+# ---- pod security, extra volumes, labels, runtime class, PodMonitor ----------------------------------------------
+
+def _pods(objs):
+    for o in objs:
+        if o["kind"] in ("Deployment", "StatefulSet"):
+            yield o, pod_template(o)
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_every_container_is_restricted_by_default(scenario):
+    """Pod Security Standard `restricted` for every container (init containers included), and a writable
+    emptyDir for everything pdserve writes (HOME, /tmp, compiled kernels, the hub cache) under the read-only root."""
+    objs = objects(SCENARIOS[scenario])
+    n = 0
+    for o, spec in _pods(objs):
+        psc = spec["securityContext"]
+        assert psc["runAsNonRoot"] is True and psc["runAsUser"] != 0 and psc["fsGroup"] != 0
+        assert psc["seccompProfile"] == {"type": "RuntimeDefault"}
+        vols = {v["name"]: v for v in spec["volumes"]}
+        for c in spec.get("initContainers", []) + spec["containers"]:
+            n += 1
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False, (o["metadata"]["name"], c["name"])
+            assert sc["readOnlyRootFilesystem"] is True and sc["runAsNonRoot"] is True
+            assert sc["capabilities"]["drop"] == ["ALL"]
+            assert set(sc["capabilities"].get("add", [])) <= {"IPC_LOCK"}  # RDMA pinned memory only
+            writable = {m["mountPath"] for m in c.get("volumeMounts", [])
+                        if "emptyDir" in vols[m["name"]] or not m.get("readOnly")}
+            if c["name"] == "redis":
+                assert "/data" in writable
+                continue
+            assert "/tmp" in writable
+            env = container_env(c)
+            for k in ("HOME", "TORCH_EXTENSIONS_DIR", "HF_HOME"):
+                assert any(env[k] == w or env[k].startswith(w + "/") for w in writable), (c["name"], k, env[k])
+    assert n >= 4
+
+
+def test_default_uid_is_the_images_user():
+    """The chart's default UID/GID is the user docker/Dockerfile and docker/Dockerfile.cpu create and run as."""
+    from tests.helm._chart import ROOT
+    chart = yaml.safe_load((CHART / "values.yaml").read_text())["podSecurityContext"]
+    for df in ("Dockerfile", "Dockerfile.cpu"):
+        text = (ROOT / "docker" / df).read_text()
+        uid = int(re.search(r"^USER (\d+)$", text, re.M).group(1))
+        assert re.search(rf"useradd --uid {uid} ", text)
+        assert chart["runAsUser"] == uid and chart["fsGroup"] == uid and chart["runAsGroup"] == uid, df
+
+
+def test_security_context_is_overridable():
+    vals = {"podSecurityContext": {"runAsUser": 2000, "fsGroup": None},
+            "securityContext": {"readOnlyRootFilesystem": None},
+            "gateway": {"securityContext": {"readOnlyRootFilesystem": True, "runAsUser": 3000}},
+            "decode": {"securityContext": {"capabilities": {"drop": ["ALL"], "add": ["SYS_NICE"]}}}}
+    d = by_kind(objects(vals), "Deployment")
+    for name, dep in d.items():
+        spec = pod_template(dep)
+        assert spec["securityContext"]["runAsUser"] == 2000 and "fsGroup" not in spec["securityContext"]
+        sc = spec["containers"][0]["securityContext"]
+        if name == f"{FULL}-gateway":
+            assert sc["readOnlyRootFilesystem"] is True and sc["runAsUser"] == 3000
+        else:
+            assert "readOnlyRootFilesystem" not in sc
+        assert sc["allowPrivilegeEscalation"] is False
+        caps = {"drop": ["ALL"], "add": ["SYS_NICE"]} if name == f"{FULL}-decode" else {"drop": ["ALL"]}
+        assert sc["capabilities"] == caps, name
+
+
+def test_extra_volumes_labels_and_runtime_class():
+    vals = SCENARIOS["extras_hf_podmonitor"]
+    objs = objects(vals)
+    d = by_kind(objs, "Deployment")
+    for name, dep in d.items():
+        comp = name.removeprefix(FULL + "-")
+        spec, labels = pod_template(dep), dep["spec"]["template"]["metadata"]["labels"]
+        assert labels["team"] == "ml"
+        assert labels.get("tier") == ("edge" if comp == "gateway" else None)
+        assert labels.get("pool") == ("fast" if comp == "decode" else None)
+        assert set(dep["spec"]["selector"]["matchLabels"]) <= set(labels)
+        assert {"team", "tier", "pool"}.isdisjoint(dep["spec"]["selector"]["matchLabels"])
+        assert spec.get("runtimeClassName") == {"prefill": "nvidia", "decode": "nvidia-cdi"}.get(comp)
+        vols = [v["name"] for v in spec["volumes"]]
+        mounts = {m["name"]: m for m in spec["containers"][0]["volumeMounts"]}
+        assert "ca" in vols and mounts["ca"] == {"name": "ca", "mountPath": "/etc/ssl/corp", "readOnly": True}
+        assert (("kcache" in vols), ("kcache" in mounts)) == ((comp != "gateway" and comp != "router"),) * 2
+    redis = by_kind(objs, "StatefulSet")[f"{FULL}-redis"]
+    assert redis["spec"]["template"]["metadata"]["labels"]["team"] == "ml"
+    with pytest.raises(helm.HelmError, match="podLabels may not set app.kubernetes.io/component"):
+        render({"router": {"podLabels": {"app.kubernetes.io/component": "x"}}})
+
+
+def test_pod_monitor_scrapes_every_metrics_port():
+    objs = objects(SCENARIOS["extras_hf_podmonitor"])
+    [pm] = by_kind(objs, "PodMonitor").values()
+    assert not by_kind(objs, "ServiceMonitor")
+    assert pm["metadata"]["labels"]["release"] == "kps"
+    assert pm["spec"]["podMetricsEndpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "15s"}]
+    sel = pm["spec"]["selector"]
+    [expr] = sel["matchExpressions"]
+    scraped = []
+    for o, spec in _pods(objs):
+        labels = o["spec"]["template"]["metadata"]["labels"]
+        if all(labels.get(k) == v for k, v in sel["matchLabels"].items()) and labels[expr["key"]] in expr["values"]:
+            scraped.append(labels["app.kubernetes.io/component"])
+            # the selected pod serves Prometheus on the port named `metrics` (the gateway's --metrics-port too)
+            c = spec["containers"][0]
+            port = next(p["containerPort"] for p in c["ports"] if p["name"] == "metrics")
+            assert c["args"][c["args"].index("--metrics-port") + 1] == str(port)
+    assert sorted(scraped) == ["decode", "gateway", "prefill", "router"]
+    with pytest.raises(helm.HelmError, match="enable one of them"):
+        render({"metrics": {"podMonitor": {"enabled": True}, "serviceMonitor": {"enabled": True}}})
+
+
+def test_new_values_schema():
+    for bad in ({"securityContext": {"capabilities": {"drop": "ALL"}}}, {"securityContext": {"privileged": "no"}},
+                {"podSecurityContext": {"runAsUser": -1}}, {"podSecurityContext": {"runAsUsr": 1000}},
+                {"podLabels": {"team": 1}}, {"extraVolumeMounts": [{"name": "x"}]},
+                {"extraVolumes": [{"emptyDir": {}}]}, {"gateway": {"runtimeClassName": 5}},
+                {"decode": {"extraVolumeMounts": [{"name": "x", "mountPath": "rel"}]}},
+                {"metrics": {"podMonitor": {"interval": "15"}}}, {"metrics": {"podMonitor": {"enable": True}}},
+                {"scratch": {"mountPath": "home"}}, {"model": {"source": "hf", "hf": {"repo": "not a repo"}}},
+                {"model": {"hf": {"volume": {"type": "hostPath"}}}}):
+        with pytest.raises(helm.HelmError):
+            render(bad)
+    with pytest.raises(helm.HelmError, match="model.hf.repo is required"):
+        render({"model": {"source": "hf"}})
+    with pytest.raises(helm.HelmError, match="model.hf.volume.claimName"):
+        render({"model": {"source": "hf", "hf": {"repo": "org/m", "volume": {"type": "pvc"}}}})
+
+
+def test_hf_init_container_downloads_the_snapshot(tmp_path):
+    """The rendered init container's command, run here with its rendered env and the real huggingface_hub against a
+    local stand-in for the hub (`HF_ENDPOINT`, which an operator sets through `model.hf.env` for a mirror): it
+    fetches the files `allowPatterns` selects into the directory `--model` names, with the token from the Secret;
+    a second run on the filled volume (a reused cache claim) lists the repo but downloads nothing; a repo the hub
+    does not have fails the init container (non-zero), so the pod never starts without its model."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.helm._fakehub import FakeHub
+
+    d = by_kind(objects(SCENARIOS["extras_hf_podmonitor"]), "Deployment")
+    spec = pod_template(d[f"{FULL}-decode"])
+    [init] = spec["initContainers"]
+    c = spec["containers"][0]
+    model_dir = c["args"][c["args"].index("--model") + 1]
+    assert model_dir == "/models/Qwen/Qwen2.5-0.5B-Instruct"
+    assert {"name": "model", "mountPath": "/models"} in init["volumeMounts"]
+    assert next(v for v in spec["volumes"] if v["name"] == "model")["persistentVolumeClaim"] == {"claimName": "hf"}
+    tok = next(e for e in init["env"] if e["name"] == "HF_TOKEN")
+    assert tok["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
+    env = container_env(init)
+    assert env["HF_REPO"] == "Qwen/Qwen2.5-0.5B-Instruct" and env["HF_REVISION"] == "main"
+    assert env["MODEL_DIR"] == model_dir and env["HF_TOKEN"] == "secret:hf-token/token"
+    assert init["command"][0] == "python"  # the image's venv python
+    # container paths -> local ones; the Secret's value -> a token
+    local = tmp_path / "models" / "Qwen" / "Qwen2.5-0.5B-Instruct"
+    env.update(MODEL_DIR=str(local), HOME=str(tmp_path / "home"), HF_HOME=str(tmp_path / "home" / "hf"),
+               HF_TOKEN="hf_from_secret", PATH=os.environ["PATH"])
+    env.pop("TORCH_EXTENSIONS_DIR")
+    files = {"config.json": b'{"model_type": "llama"}', "tokenizer.json": b"{}",
+             "model.safetensors": b"w" * 4096, "pytorch_model.bin": b"dup", "README.md": b"# card"}
+    with FakeHub("Qwen/Qwen2.5-0.5B-Instruct", files) as hub:
+        env["HF_ENDPOINT"] = hub.endpoint
+
+        def run():
+            return subprocess.run([sys.executable, *init["command"][1:]], env=env, capture_output=True, text=True,
+                                  timeout=60)
+        r = run()
+        assert r.returncode == 0 and f"model ready in {local}" in r.stdout, r.stderr[-2000:]
+        got = {p.name: p.read_bytes() for p in local.iterdir() if p.is_file()}
+        assert got == {k: files[k] for k in ("config.json", "tokenizer.json", "model.safetensors")}
+        repo_calls = [q for q in hub.requests if "Qwen" in q[1]]
+        assert repo_calls and all(a == "Bearer hf_from_secret" for _, _, a in repo_calls)
+        assert sum(m == "GET" and "/resolve/" in p for m, p, _ in repo_calls) == 3
+        hub.requests.clear()
+        r = run()
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert not [q for q in hub.requests if q[0] == "GET" and "/resolve/" in q[1]], hub.requests
+        env.update(HF_REPO="Qwen/missing", MODEL_DIR=str(tmp_path / "other"))
+        r = run()
+        assert r.returncode != 0 and not (tmp_path / "other" / "config.json").exists()

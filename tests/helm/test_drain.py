@@ -40,7 +40,7 @@ def redis_url():
         p.wait(10)
 
 
-def test_sigterm_drains_within_grace_period(redis_url):
+def test_sigterm_drains_within_grace_period(redis_url, tmp_path):
     import grpc
     import redis
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -61,6 +61,15 @@ def test_sigterm_drains_within_grace_period(redis_url):
         args[args.index(flag) + 1] = val
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
     env.update(container_env(c))
+    # the scratch emptyDir (HOME, HF_HOME, the kernel cache) is a container path: a local dir here, and the
+    # host's own kernel cache (tests/helm/_pods.py does the same for every rendered pod)
+    home = next(m["mountPath"] for m in c["volumeMounts"] if m["name"] == "scratch" and m["subPath"] == "home")
+    for k, v in list(env.items()):
+        if v == home or v.startswith(home + "/"):
+            env[k] = str(tmp_path) + v[len(home):]
+    env.pop("TORCH_EXTENSIONS_DIR")
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        env["TORCH_EXTENSIONS_DIR"] = os.environ["TORCH_EXTENSIONS_DIR"]
     env.update(PDSERVE_ADVERTISE_HOST="127.0.0.1", PDSERVE_REDIS_URL=redis_url, PDSERVE_LOG_LEVEL="WARNING",
                PYTHONPATH=str(ROOT))
     worker_id = env["PDSERVE_WORKER_ID"]

@@ -66,6 +66,8 @@ app.kubernetes.io/component: {{ .component }}
 builtin
 {{- else if .Values.model.subPath -}}
 {{ printf "%s/%s" (trimSuffix "/" .Values.model.mountPath) (trimPrefix "/" .Values.model.subPath) }}
+{{- else if eq .Values.model.source "hf" -}}
+{{ printf "%s/%s" (trimSuffix "/" .Values.model.mountPath) (required "model.hf.repo is required with model.source=hf" .Values.model.hf.repo) }}
 {{- else -}}
 {{ .Values.model.mountPath }}
 {{- end -}}
@@ -74,6 +76,8 @@ builtin
 {{- define "pdserve.servedModelName" -}}
 {{- if .Values.model.servedModelName -}}
 {{ .Values.model.servedModelName }}
+{{- else if eq .Values.model.source "hf" -}}
+{{ .Values.model.hf.repo }}
 {{- else -}}
 {{ include "pdserve.modelPath" . | trimSuffix "/" | base }}
 {{- end -}}
@@ -92,15 +96,16 @@ builtin
   hostPath:
     path: {{ required "model.hostPath.path is required with model.source=hostPath" $m.hostPath.path }}
     type: {{ $m.hostPath.type }}
-{{- else if eq $m.source "download" }}
-{{- if eq $m.download.volume.type "pvc" }}
+{{- else if has $m.source (list "download" "hf") }}
+{{- $vol := ternary $m.hf.volume $m.download.volume (eq $m.source "hf") }}
+{{- if eq $vol.type "pvc" }}
 - name: model
   persistentVolumeClaim:
-    claimName: {{ required "model.download.volume.claimName is required with volume.type=pvc" $m.download.volume.claimName }}
+    claimName: {{ required (printf "model.%s.volume.claimName is required with volume.type=pvc" $m.source) $vol.claimName }}
 {{- else }}
 - name: model
   emptyDir:
-    sizeLimit: {{ $m.download.volume.sizeLimit }}
+    sizeLimit: {{ $vol.sizeLimit }}
 {{- end }}
 {{- end }}
 {{- end -}}
@@ -109,12 +114,60 @@ builtin
 {{- if ne .Values.model.source "builtin" }}
 - name: model
   mountPath: {{ .Values.model.mountPath }}
-  readOnly: {{ ne .Values.model.source "download" }}
+  readOnly: {{ not (has .Values.model.source (list "download" "hf")) }}
 {{- end }}
 {{- end -}}
 
 {{- define "pdserve.modelInit" -}}
 {{- $m := .Values.model -}}
+{{- if eq $m.source "hf" }}
+- name: fetch-model
+  image: {{ default (include "pdserve.image" .) $m.hf.image }}
+  imagePullPolicy: IfNotPresent
+  # huggingface_hub comes with the image (a dependency of tokenizers / transformers). snapshot_download into a
+  # local_dir fetches only files not already there, so a reused cache volume costs one listing.
+  command:
+    - python
+    - -c
+    - |
+      import json, os
+      from huggingface_hub import snapshot_download
+      snapshot_download(repo_id=os.environ["HF_REPO"], revision=os.environ.get("HF_REVISION") or None,
+                        local_dir=os.environ["MODEL_DIR"], token=os.environ.get("HF_TOKEN") or None,
+                        allow_patterns=json.loads(os.environ["HF_ALLOW_PATTERNS"]) or None)
+      print("model ready in", os.environ["MODEL_DIR"])
+  env:
+    {{- include "pdserve.scratchEnv" . | nindent 4 }}
+    - name: HF_REPO
+      value: {{ $m.hf.repo | quote }}
+    - name: HF_REVISION
+      value: {{ $m.hf.revision | quote }}
+    - name: HF_ALLOW_PATTERNS
+      value: {{ $m.hf.allowPatterns | default list | toJson | quote }}
+    - name: MODEL_DIR
+      value: {{ include "pdserve.modelPath" . | quote }}
+    - name: HF_HUB_DISABLE_TELEMETRY
+      value: "1"
+    {{- with $m.hf.tokenSecret }}
+    - name: HF_TOKEN
+      valueFrom:
+        secretKeyRef:
+          name: {{ . }}
+          key: {{ $m.hf.tokenSecretKey }}
+    {{- end }}
+    {{- with $m.hf.env }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  {{- with $m.hf.resources }}
+  resources:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- include "pdserve.securityContext" (dict "ctx" $) | nindent 2 }}
+  volumeMounts:
+    - name: model
+      mountPath: {{ $m.mountPath }}
+    {{- include "pdserve.scratchMounts" . | nindent 4 }}
+{{- end }}
 {{- if eq $m.source "download" }}
 - name: fetch-model
   image: {{ $m.download.image }}
@@ -122,6 +175,7 @@ builtin
   command:
     {{- toYaml $m.download.command | nindent 4 }}
   env:
+    {{- include "pdserve.scratchEnv" . | nindent 4 }}
     - name: MODEL_URL
       value: {{ required "model.download.url is required with model.source=download" $m.download.url | quote }}
     - name: MODEL_DIR
@@ -137,9 +191,11 @@ builtin
   resources:
     {{- toYaml . | nindent 4 }}
   {{- end }}
+  {{- include "pdserve.securityContext" (dict "ctx" $) | nindent 2 }}
   volumeMounts:
     - name: model
       mountPath: {{ $m.mountPath }}
+    {{- include "pdserve.scratchMounts" . | nindent 4 }}
 {{- end }}
 {{- end -}}
 
@@ -239,3 +295,71 @@ securityContext:
 {{- define "pdserve.workerHealthService" -}}pdserve.v1.Worker{{- end -}}
 {{- define "pdserve.routerHealthService" -}}pdserve.v1.Router{{- end -}}
 {{- define "pdserve.gatewayHealthService" -}}pdserve.v1.Gateway{{- end -}}
+
+{{/* Container securityContext: the global `securityContext` with a component's own keys over it:
+     (dict "ctx" $ "over" $componentSecurityContext) */}}
+{{- define "pdserve.securityContext" -}}
+{{- $sc := mergeOverwrite (deepCopy (.ctx.Values.securityContext | default dict)) (deepCopy (.over | default dict)) -}}
+{{- with $sc }}
+securityContext:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* The root filesystem is read-only: HOME, /tmp, compiled kernels and the Hugging Face cache live in the
+     `scratch` emptyDir (one volume, two subPaths) */}}
+{{- define "pdserve.scratchVolume" -}}
+- name: scratch
+  emptyDir:
+    {{- with .Values.scratch.medium }}
+    medium: {{ . }}
+    {{- end }}
+    sizeLimit: {{ .Values.scratch.sizeLimit }}
+{{- end -}}
+
+{{- define "pdserve.scratchMounts" -}}
+- name: scratch
+  mountPath: /tmp
+  subPath: tmp
+- name: scratch
+  mountPath: {{ .Values.scratch.mountPath }}
+  subPath: home
+{{- end -}}
+
+{{- define "pdserve.scratchEnv" -}}
+{{- $h := trimSuffix "/" .Values.scratch.mountPath -}}
+- name: HOME
+  value: {{ $h | quote }}
+- name: TORCH_EXTENSIONS_DIR
+  value: {{ printf "%s/.cache/torch_extensions" $h | quote }}
+- name: HF_HOME
+  value: {{ printf "%s/.cache/huggingface" $h | quote }}
+{{- end -}}
+
+{{/* Labels added to a pod template: `podLabels` of each map in .vs, later maps winning; the selector labels
+     are the chart's own (a Deployment's selector is immutable) */}}
+{{- define "pdserve.podLabels" -}}
+{{- $l := dict -}}
+{{- range .vs }}
+{{- $l = mergeOverwrite $l (deepCopy (.podLabels | default dict)) -}}
+{{- end }}
+{{- range $k, $_ := $l }}
+{{- if has $k (list "app.kubernetes.io/name" "app.kubernetes.io/instance" "app.kubernetes.io/component" "pdserve.io/role") }}
+{{- fail (printf "podLabels may not set %s (a selector label the chart owns)" $k) }}
+{{- end }}
+{{- end }}
+{{- with $l }}{{ toYaml . }}{{ end }}
+{{- end -}}
+
+{{/* `extraVolumes` / `extraVolumeMounts` of each map in .vs, concatenated */}}
+{{- define "pdserve.extraVolumes" -}}
+{{- $all := list -}}
+{{- range .vs }}{{ $all = concat $all (.extraVolumes | default list) }}{{ end -}}
+{{- with $all }}{{ toYaml . }}{{ end }}
+{{- end -}}
+
+{{- define "pdserve.extraVolumeMounts" -}}
+{{- $all := list -}}
+{{- range .vs }}{{ $all = concat $all (.extraVolumeMounts | default list) }}{{ end -}}
+{{- with $all }}{{ toYaml . }}{{ end }}
+{{- end -}}
