@@ -431,6 +431,9 @@ def no_fit(queued: int, max_queue: int, deadline: float, now: float, max_queue_w
 # The share of a request's remaining time the service-time line may predict, at in-flight counts beyond those
 # seen finishing, for the growth bound not to apply (Admission._try).
 EXTRAPOLATION_HEADROOM = 0.25
+# The growth bound never holds in-flight below this: a small burst is admitted on the model's word alone (one
+# early, cold measurement must not cap a fresh deployment at two requests).
+GROWTH_FLOOR = 8
 
 
 def deadline_limit(rates: ServiceRates, factor: float, prompt_tokens: int, pred: int, remaining_s: float,
@@ -607,7 +610,7 @@ class Admission:
             # admitted; one the line says just fits is held to `growth` x the proven load.
             safe = deadline_limit(rates, self.calibration.factor, prompt_tokens, pred, deadline - time.time(),
                                   self.deadline_margin * EXTRAPOLATION_HEADROOM) or 0.0
-            own = min(own, max(self.proven * self.growth + 1, safe))
+            own = min(own, max(self.proven * self.growth + 1, safe, GROWTH_FLOOR))
         others = min(self.limits.values(), default=math.inf)
         limit = min(own if own is not None else math.inf, others)
         seq_limit = cap.seqs if limit >= cap.seqs else int(math.floor(limit))

@@ -155,7 +155,8 @@ def plan(objs: list[dict], tmp: Path, model_dir: Path, model_mount: str = "/mode
                     del pod.env[name]
         # nothing may still name a cluster address or a path that exists only inside the container
         svc_names = [o["metadata"]["name"] for o in objs if o["kind"] == "Service"]
-        for v in [*pod.argv, *pod.env.values()]:
+        # (argv[0] is this host's own interpreter or redis-server: local by construction, wherever the checkout is)
+        for v in [*pod.argv[1:], *pod.env.values()]:
             for s in svc_names:
                 assert not re.search(rf"\b{re.escape(s)}(\.[a-z0-9.-]+)?:\d+", v), (pod.name, v)
             assert v != "0.0.0.0", (pod.name, v)
