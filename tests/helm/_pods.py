@@ -9,7 +9,7 @@ only where a cluster differs from one host:
 - volume mount paths -> local directories: a Secret / ConfigMap volume gets its files written out, the model
   volume is a directory holding the test checkpoint at the chart's `subPath`, an emptyDir is an empty directory
   (a `subPath` mount: that subdirectory of it), so the scratch volume's HOME / HF_HOME / /tmp are per pod here too;
-- `TORCH_EXTENSIONS_DIR` (the scratch volume's kernel cache) -> this host's own value, or unset (torch's default):
+- `TORCH_EXTENSIONS_DIR` (the scratch volume's kernel cache) -> this host's own cache, named explicitly (its HOME moved):
   a pod starts with an empty cache, but compiling the native kernels again for every test run (~95 s cold) would
   measure the compiler, not the chart;
 - downward-API env: the pod IP is 127.0.0.1, the pod name `<workload>-<replica>`;
@@ -29,6 +29,13 @@ from tests.helm._chart import pod_template
 
 PORT_FLAGS = ("--port", "--grpc-port", "--metrics-port")
 HOST_CACHE_ENV = ("TORCH_EXTENSIONS_DIR",)
+
+
+def host_kernel_cache() -> str:
+    """This host's kernel cache, named explicitly: a pod run here has its HOME on a scratch dir, where torch's
+    default (~/.cache/torch_extensions) would be empty and every start would compile the kernels (~90 s)."""
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                                   "torch_extensions")
 
 
 @dataclass
@@ -149,10 +156,7 @@ def plan(objs: list[dict], tmp: Path, model_dir: Path, model_mount: str = "/mode
             if name in pod.env:
                 assert any(pod.env[name].startswith(str(d) + "/") for d in pod.mounts.values()), \
                     f"{pod.name}: {name}={pod.env[name]} is not on a writable volume"
-                if os.environ.get(name):
-                    pod.env[name] = os.environ[name]
-                else:
-                    del pod.env[name]
+                pod.env[name] = host_kernel_cache()
         # nothing may still name a cluster address or a path that exists only inside the container
         svc_names = [o["metadata"]["name"] for o in objs if o["kind"] == "Service"]
         # (argv[0] is this host's own interpreter or redis-server: local by construction, wherever the checkout is)

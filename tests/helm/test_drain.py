@@ -14,6 +14,7 @@ import time
 import pytest
 
 from tests.helm._chart import FULL, ROOT, by_kind, container_env, objects, pod_template
+from tests.helm._pods import host_kernel_cache
 
 VALUES = {"mode": "colocated", "workers": {"device": "cpu", "shm": {"enabled": False}},
           "worker": {"gpus": 0, "numGpuBlocks": 64, "drainTimeout": 10}}
@@ -67,9 +68,7 @@ def test_sigterm_drains_within_grace_period(redis_url, tmp_path):
     for k, v in list(env.items()):
         if v == home or v.startswith(home + "/"):
             env[k] = str(tmp_path) + v[len(home):]
-    env.pop("TORCH_EXTENSIONS_DIR")
-    if os.environ.get("TORCH_EXTENSIONS_DIR"):
-        env["TORCH_EXTENSIONS_DIR"] = os.environ["TORCH_EXTENSIONS_DIR"]
+    env["TORCH_EXTENSIONS_DIR"] = host_kernel_cache()  # HOME moved: name the host's cache, or it recompiles
     env.update(PDSERVE_ADVERTISE_HOST="127.0.0.1", PDSERVE_REDIS_URL=redis_url, PDSERVE_LOG_LEVEL="WARNING",
                PYTHONPATH=str(ROOT))
     worker_id = env["PDSERVE_WORKER_ID"]
