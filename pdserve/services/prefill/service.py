@@ -133,6 +133,8 @@ class PrefillSide:
                 loop.call_soon_threadsafe(release)
 
         context.add_done_callback(on_done)
+        if context.cancelled():  # cancelled before the callback was added: it may never be called
+            release()  # idempotent with the callback's
 
     async def _prefill(self, request: worker_pb2.PrefillRequest, context, rid: str) -> worker_pb2.PrefillResponse:
         # One branch: n > 1 is fanned out by the gateway (the decode side continues exactly one sequence).
