@@ -28,6 +28,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="builtin", help="checkpoint dir or 'builtin'")
     p.add_argument("--served-model-name", help="name clients use (default: the model dir's basename)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--metrics-compat", choices=["vllm"], default=None,
+                   help="also export the metrics under vLLM's names (docs/metrics.md)")
 
 
 def _add_engine(p: argparse.ArgumentParser) -> None:
@@ -184,7 +186,7 @@ def _run(args: argparse.Namespace) -> int:
     elif args.command == "router":
         from pdserve.services.router.server import serve
         asyncio.run(serve(args.host, args.port, args.redis_url, args.served_model_name, args.metrics_port,
-                          args.heartbeat_ttl, args.mode))
+                          args.heartbeat_ttl, args.mode, args.metrics_compat))
     elif args.command == "worker":
         from pdserve.services.worker import serve
         asyncio.run(serve(args))

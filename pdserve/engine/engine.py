@@ -546,6 +546,8 @@ class Engine:
             "num_swapped": len(self.scheduler.swapped),
             "states": self.state_counts(),
             "prefix_hit_ratio": bm.hit_ratio,
+            "prefix_queried_tokens": bm.queried_tokens,
+            "prefix_hit_tokens": bm.hit_tokens,
             "preemptions": dict(self.scheduler.num_preemptions),
             "terminal": dict(self.terminal_counts),
         }

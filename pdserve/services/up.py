@@ -113,6 +113,8 @@ def up(args) -> int:
                 return 1
             redis_url = f"redis://127.0.0.1:{rport}/0"
         common = ["--model", args.model, "--served-model-name", args.served_model_name]
+        if args.metrics_compat:
+            common += ["--metrics-compat", args.metrics_compat]
         eng = []
         for flag in ("num_gpu_blocks", "max_num_seqs", "device", "dtype", "threads", "policy"):
             v = getattr(args, flag)

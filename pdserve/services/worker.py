@@ -23,7 +23,7 @@ import grpc
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.kv_transfer.layout import KVLayout
-from pdserve.services import metrics as M
+from pdserve.services.metrics import worker as M
 from pdserve.engine.request_state import RequestState
 from pdserve.services.admission import lifecycle_from_context
 from pdserve.services.convert import DeltaEncoder
@@ -54,6 +54,7 @@ class Worker(worker_pb2_grpc.WorkerServicer):
         self.host = AsyncEngine(engine)
         # measured prefill rate / decode step / KV bandwidth for the router's cost model (docs/routing.md)
         self.meter = LoadMeter()
+        self.exporter = M.EngineStatsExporter([st.value for st in RequestState if not st.terminal])
         self.meter.chain(self.host.on_step)
         self.host.on_step = self.meter.on_step
         self.layout = KVLayout.from_dict(engine.kv_cache.layout())
@@ -96,22 +97,16 @@ class Worker(worker_pb2_grpc.WorkerServicer):
 
     def _use_stats(self, s: dict) -> dict:
         self.last_stats = s
-        M.KV_BLOCKS_IN_USE.set(s.get("kv_blocks_in_use", 0))
-        M.KV_BLOCKS_TOTAL.set(s.get("kv_blocks_total", 0))
-        M.KV_BLOCKS_PINNED.set(s.get("kv_blocks_pinned", 0))
-        M.PREFIX_HIT_RATIO.set(float(s.get("prefix_hit_ratio", 0.0) or 0.0))
-        M.NUM_RUNNING.set(s.get("num_running", 0))
-        M.NUM_WAITING.set(s.get("num_waiting", 0))
-        M.set_state_gauges(s.get("states", {}), [st.value for st in RequestState if not st.terminal])
+        self.exporter.update(s)
         return s
 
     def observe_engine_times(self, out) -> None:
         m = (out.metrics or {}) if out is not None else {}
         a, s, f = m.get("arrival_time"), m.get("first_scheduled_time"), m.get("first_token_time")
         if a and s:
-            M.QUEUE_TIME.labels(self.role).observe(max(0.0, s - a))
+            M.QUEUE_TIME.observe(max(0.0, s - a))
         if s and f:
-            M.PREFILL_TIME.labels(self.role).observe(max(0.0, f - s))
+            M.PREFILL_TIME.observe(max(0.0, f - s))
 
     @contextlib.contextmanager
     def _track(self):
@@ -225,9 +220,11 @@ def engine_config_from_env(args) -> EngineConfig:
 
 
 async def serve(args) -> None:
-    from pdserve.services.procutil import install_stop_signals, start_metrics_server
+    from pdserve.services.metrics import exposition
+    from pdserve.services.procutil import install_stop_signals
     if args.metrics_port:
-        start_metrics_server(args.metrics_port)
+        exposition.serve(exposition.exposition(M.WORKER, {"model": args.served_model_name, "role": args.role},
+                                               args.metrics_compat), args.metrics_port, args.host)
     host = args.advertise_host or "127.0.0.1"
     worker_id = args.worker_id or f"{args.role}-{socket.gethostname()}-{args.port}"
     engine = Engine.from_pretrained(args.model, engine_config_from_env(args))

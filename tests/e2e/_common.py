@@ -94,7 +94,7 @@ def check_disconnect_frees_blocks(up):
         assert wait_until(lambda: metric(w["metrics_port"], "pdserve_kv_blocks_in_use") == 0, 15), \
             f"{w['name']} still holds blocks"
     # the cancellation reached the engine (not just a finished request)
-    assert any(metric(w["metrics_port"], "pdserve_requests_terminal_total", '{state="CANCELLED"}') >= 1
+    assert any(metric(w["metrics_port"], "pdserve_engine_requests_terminal_total", '{state="CANCELLED"}') >= 1
                for w in up.workers())
 
 

@@ -78,20 +78,14 @@ CRD_SCHEMAS = {
 
 
 def exported_metric_names() -> set[str]:
-    """Sample names the services expose, straight from pdserve/services/metrics.py."""
-    from prometheus_client.metrics import MetricWrapperBase
-
-    import pdserve.services.metrics as M
-    names = set()
-    for m in vars(M).values():
-        if isinstance(m, MetricWrapperBase):
-            if m._type == "histogram":
-                names |= {m._name + "_bucket", m._name + "_sum", m._name + "_count"}
-            elif m._type == "counter":
-                names.add(m._name + "_total")
-            else:
-                names.add(m._name)
-    return names
+    """Sample names the services expose: every process's families (pdserve/services/metrics/) and their vLLM
+    aliases."""
+    from pdserve.services.metrics import common, gateway, router, vllm_compat, worker
+    types = {fam.name: fam.type for reg in (common.COMMON, gateway.GATEWAY, router.ROUTER, worker.WORKER)
+             for fam in reg.collect()}
+    types |= {a.name: types[a.native] for a in vllm_compat.ALIASES}
+    suffixes = {"histogram": ("_bucket", "_sum", "_count"), "counter": ("_total",)}
+    return {n + x for n, t in types.items() for x in suffixes.get(t, ("",))}
 
 
 def promql_metrics(expr: str) -> set[str]:

@@ -115,9 +115,9 @@ def _ready(pod: LocalPod) -> bool:
 
 
 def _metric(port: int, name: str, labels: str) -> float:
+    from tests.e2e.conftest import samples
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        m = re.search(rf"^{re.escape(name)}{re.escape(labels)}\s+(\S+)$", r.read().decode(), re.M)
-    return float(m.group(1)) if m else 0.0
+        return sum(samples(r.read().decode(), name, labels))
 
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server (the rendered Redis pod)")

@@ -7,7 +7,7 @@ import random
 import pytest
 import redis.asyncio as aioredis
 
-from pdserve.services import metrics as M
+from pdserve.services.metrics import router as M
 from pdserve.services.registry import WorkerRecord
 from pdserve.services.router.policy import NoWorkers, Policy, RouteInput
 from pdserve.services.router.prefix_index import IndexSync, PrefixIndex, chain_hashes

@@ -24,7 +24,7 @@ import grpc
 
 from pdserve.kv_transfer.agent import KVRegion, KVTransferError
 from pdserve.kv_transfer.layout import KVLayout, KVLayoutMismatch, check_compatible
-from pdserve.services import metrics as M
+from pdserve.services.metrics import worker as M
 from pdserve.services.admission import lifecycle_from_context
 from pdserve.services.convert import DeltaEncoder
 from pdserve.services.grpc_util import channel

@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.engine import resolve_model_dir
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.services import metrics as M
+from pdserve.services.metrics import gateway as M
 from pdserve.services.admission import AdmissionError, lifecycle_metadata
 from pdserve.services.gateway import redact
 from pdserve.services.gateway.core import Dispatcher, NoWorkersError, UpstreamError, new_id, split
@@ -30,6 +30,7 @@ from pdserve.services.gateway.lifecycle import Lifecycle, RequestRecord, build_l
 from pdserve.services.gateway.params import APIError, bad, to_sampling_params
 from pdserve.services.gateway.guard import MAX_HEADER_BYTES, HttpGuard  # noqa: I001 - out of order: fewer merge conflicts
 from pdserve.services.gateway.ingress import IngressGate
+from pdserve.services.gateway import http_metrics
 from pdserve.services.gateway.parse import RequestParser
 from pdserve.services.gateway.stages import StageTrace, pick, stage_times
 from pdserve.services.pb import common_pb2
@@ -58,6 +59,7 @@ class GatewayConfig:
     max_header_bytes: int = MAX_HEADER_BYTES
     header_timeout_s: float = 10.0  # connection open (or idle keep-alive) -> request head complete
     body_timeout_s: float = 30.0  # request head -> body complete (ingress.read_body)
+    metrics_compat: str | None = None  # "vllm": also the vLLM-named aliases (docs/metrics.md)
 
 
 class Timing:
@@ -184,6 +186,7 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
     disp = dispatcher or Dispatcher(cfg.router_address, cfg.served_model_name)
     app = FastAPI(title="pdserve gateway")
     app.add_middleware(HttpGuard, max_header_bytes=cfg.max_header_bytes)
+    http_metrics.install(app, cfg.served_model_name, cfg.metrics_compat)  # outermost: counts HttpGuard's refusals
     app.state.dispatcher = disp
     app.state.config = cfg
     app.state.tokenizer = tok
@@ -499,6 +502,6 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
         if not tenant.can("metrics"):
             return _error_response(APIError(403, "this API key may not read metrics", "permission_error",
                                             code="permission_denied"))
-        return PlainTextResponse(generate_latest().decode(), media_type=CONTENT_TYPE_LATEST)
+        return PlainTextResponse(generate_latest(app.state.metrics).decode(), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -27,13 +27,15 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from pdserve.services import metrics as M
+from pdserve.services.metrics import gateway as M
 from pdserve.services.admission import Admission, AdmissionError, Ticket
 from pdserve.services.gateway.ingress import IngressGate, retry_after
 from pdserve.services.gateway.params import APIError
 from pdserve.services.gateway.tenants import DEFAULT_TENANT, Tenant
 
 billing_log = logging.getLogger("pdserve.billing")
+# The errors app.py (HTTP disconnect) and grpc_front.py (gRPC cancel) end a request with when its client left.
+CLIENT_GONE = ("client disconnected", "client cancelled")
 
 
 @dataclass
@@ -169,6 +171,7 @@ class Lifecycle:
     async def _finish(self, rec: RequestRecord) -> None:
         state = rec.state
         M.TERMINAL.labels(state).inc()
+        self._count(rec)
         if state == "REJECTED":
             M.REJECT_LATENCY.observe(time.time() - rec.arrival)
         if self.admission is not None:
@@ -183,6 +186,17 @@ class Lifecycle:
                     await self._bill(rec)
         else:
             await self._bill(rec)
+
+    @staticmethod
+    def _count(rec: RequestRecord) -> None:
+        """Per-request token counts and lengths of requests that were admitted (a rejected one ran nothing)."""
+        if rec.state == "CANCELLED" and rec.error in CLIENT_GONE:
+            M.CLIENT_DISCONNECTS.inc()
+        if rec.state != "REJECTED" and rec.admitted_at is not None:
+            M.PROMPT_TOKENS.inc(rec.prompt_tokens)
+            M.GENERATION_TOKENS.inc(rec.generated)
+            M.REQUEST_PROMPT_TOKENS.observe(rec.prompt_tokens)
+            M.REQUEST_OUTPUT_TOKENS.observe(rec.generated)
 
     def _learn(self, rec: RequestRecord) -> None:
         """Admission's models learn from the finished request: output length, service-time error."""

@@ -51,10 +51,10 @@ async def serve(args) -> None:
         max_body_bytes=args.max_body_bytes, default_timeout_s=args.default_timeout, max_timeout_s=args.max_timeout,
         admission_queue=args.admission_queue, max_queue_wait_s=args.max_queue_wait, kv_overcommit=args.kv_overcommit,
         reservation_lease_s=args.reservation_lease, max_header_bytes=args.max_header_bytes,
-        header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout))
+        header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout, metrics_compat=args.metrics_compat))
     if args.metrics_port:  # unauthenticated, for a scraper on the service network (docs/admission.md, Trust model)
-        from prometheus_client import start_http_server
-        start_http_server(args.metrics_port, addr=args.metrics_host or args.host)
+        from pdserve.services.metrics.exposition import serve as serve_metrics
+        serve_metrics(app.state.metrics, args.metrics_port, args.metrics_host or args.host)
     grpc_server = None
     if args.grpc_port:
         grpc_server, hs = make_server([GATEWAY_SERVICE])

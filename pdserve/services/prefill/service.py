@@ -20,7 +20,7 @@ from dataclasses import replace
 import grpc
 
 from pdserve.kv_transfer.lease import Lease, LeaseTable, reap_forever
-from pdserve.services import metrics as M
+from pdserve.services.metrics import worker as M
 from pdserve.services.admission import lifecycle_from_context
 from pdserve.services.convert import fill_times, full_response
 from pdserve.services.pb import params_from_pb, worker_pb2

@@ -27,7 +27,7 @@ from collections.abc import Iterable
 import redis.asyncio as aioredis
 
 from pdserve.engine.block_manager import block_hash
-from pdserve.services import metrics as M
+from pdserve.services.metrics import worker as M
 
 log = logging.getLogger("pdserve.router.index")
 

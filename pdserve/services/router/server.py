@@ -7,7 +7,7 @@ import logging
 
 import grpc
 
-from pdserve.services import metrics as M
+from pdserve.services.metrics import router as M
 from pdserve.services.grpc_util import ROUTER_SERVICE, make_server, set_serving
 from pdserve.services.pb import common_pb2, router_pb2, router_pb2_grpc
 from pdserve.services.registry import Registry, WorkerRecord
@@ -109,10 +109,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
 
 async def serve(host: str, port: int, redis_url: str, model: str, metrics_port: int | None = None,
-                ttl_s: float = 3.0, mode: str = "auto") -> None:
-    from pdserve.services.procutil import install_stop_signals, start_metrics_server
+                ttl_s: float = 3.0, mode: str = "auto", metrics_compat: str | None = None) -> None:
+    from pdserve.services.metrics import exposition
+    from pdserve.services.procutil import install_stop_signals
     if metrics_port:
-        start_metrics_server(metrics_port)
+        exposition.serve(exposition.exposition(M.ROUTER, {"model": model}, metrics_compat), metrics_port, host)
     registry = Registry(redis_url, model, ttl_s=ttl_s)
     await registry.r.ping()  # fail fast with a clear error when Redis is not there
     server, hs = make_server([ROUTER_SERVICE])

@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 
-from pdserve.services import metrics as M
+from pdserve.services.metrics import router as M
 from pdserve.services.registry import Registry, WorkerRecord
 from pdserve.services.router.cost import Priors, WorkerCost
 from pdserve.services.router.prefix_index import IndexSync
