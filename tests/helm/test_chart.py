@@ -710,3 +710,18 @@ def test_hf_init_container_downloads_the_snapshot(tmp_path):
         env.update(HF_REPO="Qwen/missing", MODEL_DIR=str(tmp_path / "other"))
         r = run()
         assert r.returncode != 0 and not (tmp_path / "other" / "config.json").exists()
+
+
+def test_metrics_compat_reaches_every_process(monkeypatch):
+    """`metrics.compat: vllm` -> gateway, router and every worker parse `--metrics-compat vllm` (from
+    PDSERVE_METRICS_COMPAT); unset -> pdserve's names only. The services bind --host 0.0.0.0 in pods, and the
+    metrics ports bind that host."""
+    for compat, want in (("vllm", "vllm"), ("", None)):
+        seen = []
+        for o, c in _pdserve_containers(objects({"metrics": {"compat": compat}})):
+            a = parse_pdserve(c, monkeypatch)
+            seen.append(a.command)
+            assert a.metrics_compat == want and a.host == "0.0.0.0", (o["metadata"]["name"], a.metrics_compat)
+        assert {"gateway", "router", "worker"} <= set(seen)
+    with pytest.raises(Exception):
+        objects({"metrics": {"compat": "sglang"}})  # the schema names the choices

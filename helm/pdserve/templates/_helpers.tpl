@@ -245,6 +245,10 @@ builtin
   value: INFO
 - name: PDSERVE_SERVED_MODEL_NAME
   value: {{ include "pdserve.servedModelName" . | quote }}
+{{- with .Values.metrics.compat }}
+- name: PDSERVE_METRICS_COMPAT
+  value: {{ . | quote }}
+{{- end }}
 {{- end -}}
 
 {{/* Pod-level scheduling keys: (dict "v" $poolValues) */}}
