@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import urllib.request
 
 import httpx
@@ -153,7 +154,8 @@ def test_metrics_ports_bind_the_service_host(up):
 
 def test_request_counts_lengths_and_vllm_aliases_after_real_traffic(up):
     urls = _urls(up)
-    g0 = _text(urls["gateway"])
+    time.sleep(1.5)  # worker counters follow the stats snapshot each heartbeat (1 s) takes: let earlier tests land
+    g0, p0 = _text(urls["gateway"]), _text(urls["prefill"])
     # a repeated long prompt (prefix-cache hits on the prefill worker), short ones, a stream
     usage = [_complete(up, p)["usage"] for p in (LONG, LONG, "judge my vow", LONG)]
     usage.append(_stream_some(up, 1000))  # to its end: max_tokens 200 < 1000 chunks
@@ -181,6 +183,18 @@ def test_request_counts_lengths_and_vllm_aliases_after_real_traffic(up):
     assert delta("pdserve_http_requests_total", '{endpoint="/v1/completions",status="400"}') == 1
     assert delta("pdserve_http_requests_total", '{endpoint="other",status="404"}') == 1
     assert sum(samples(g1, "pdserve_http_requests_in_flight", '{endpoint="/v1/completions"}')) == 0
+
+    # the prefill worker looked every prompt up in its prefix cache; its hits are the cached tokens the responses
+    # reported (the counters follow the heartbeat's stats snapshot: wait for it)
+    cached = sum((u.get("prompt_tokens_details") or {}).get("cached_tokens", 0) for u in usage)
+    assert cached > 0
+
+    def prefill_delta(name):
+        return sum(samples(_text(urls["prefill"]), name)) - sum(samples(p0, name))
+    assert wait_until(lambda: prefill_delta("pdserve_prefix_cache_queries_total") == prompt, 5), \
+        (prefill_delta("pdserve_prefix_cache_queries_total"), prompt)
+    assert wait_until(lambda: prefill_delta("pdserve_prefix_cache_hits_total") == cached, 5), \
+        (prefill_delta("pdserve_prefix_cache_hits_total"), cached)
 
     # aliases: same values as the native samples of the same scrape, every owner
     pre = {proc: _text(url) for proc, url in urls.items()}
