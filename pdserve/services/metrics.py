@@ -89,3 +89,7 @@ def set_state_gauges(counts: dict[str, int], states: list[str]) -> None:
         STATE_GAUGE.labels(s).set(counts.get(s, 0))
 REJECT_LATENCY = Histogram("pdserve_rejection_latency_seconds", "Gateway: arrival -> rejection response written "
                            "(ingress or admission)", buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1))
+# internal security (docs/services.md, Trust model)
+REGISTRY_REJECTED = Counter("pdserve_registry_rejected_records_total",
+                            "Worker registry records skipped because their HMAC does not verify (forged or written "
+                            "without the internal token)")
