@@ -23,6 +23,7 @@ from tests._tls import Pki
 from tests.e2e.conftest import PROMPTS, Up, metric, wait_until
 
 TOKEN = "s3cret-internal-token-0123456789abcdef"
+REDIS_PASSWORD = "redis-pw-for-the-private-server"
 MODEL = "ck"
 
 
@@ -68,8 +69,17 @@ def token_file(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def up(tiny_llama, token_file):
-    d = Up(tiny_llama, "--served-model-name", MODEL, "--mode", "disagg", "--internal-token-file", str(token_file))
+def redis_password_file(tmp_path_factory):
+    f = tmp_path_factory.mktemp("secret") / "redis-password"
+    f.write_text(REDIS_PASSWORD)
+    return f
+
+
+@pytest.fixture(scope="module")
+def up(tiny_llama, token_file, redis_password_file):
+    # `up`'s private redis-server takes the password too: every process reaches it only through the file
+    d = Up(tiny_llama, "--served-model-name", MODEL, "--mode", "disagg", "--internal-token-file", str(token_file),
+           "--redis-password-file", str(redis_password_file))
     yield d
     d.stop()
 
@@ -148,7 +158,9 @@ def test_forged_registry_record_is_never_routed_to(up, token_file):
     from pdserve.services.internal_security import InternalSecurity
     from pdserve.services.registry import SIG_FIELD, index_key, record_sig, workers_key
     real = up.workers("decode")[0]
-    r = redis.Redis.from_url(up.info["redis_url"])
+    with pytest.raises(redis.exceptions.AuthenticationError):
+        redis.Redis.from_url(up.info["redis_url"]).ping()
+    r = redis.Redis.from_url(up.info["redis_url"], password=REDIS_PASSWORD)
     genuine = {k.decode(): v.decode() for k, v in r.hgetall(workers_key(MODEL, real["worker_id"])).items()}
     assert SIG_FIELD in genuine  # the worker signs what it writes
     router_port = up.process("router")["port"]
