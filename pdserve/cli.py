@@ -10,7 +10,7 @@ import asyncio
 import os
 import sys
 
-from pdserve.cli_args import (Parser, existing_file, nonneg_float, nonneg_int, port, positive_float, positive_int,
+from pdserve.cli_args import (Parser, nonneg_float, nonneg_int, port, positive_float, positive_int,
                               print_error)
 
 
@@ -56,21 +56,17 @@ def _add_lifecycle(p: argparse.ArgumentParser) -> None:
 
 
 def _add_security(p: argparse.ArgumentParser) -> None:
-    """Internal transport security (docs/services.md, Trust model). Secrets come as files, never as values."""
-    p.add_argument("--internal-token-file", type=existing_file,
+    """Internal transport security (docs/services.md, Trust model). Secrets come as files, never as values; the
+    files are read (and a missing one reported) once the command line is parsed: `_check_security`."""
+    p.add_argument("--internal-token-file",
                    help="shared token for router/worker RPCs and registry records (a mounted Secret)")
-    p.add_argument("--tls-cert", type=existing_file, help="PEM certificate for internal gRPC (with --tls-key)")
-    p.add_argument("--tls-key", type=existing_file, help="PEM private key of --tls-cert")
-    p.add_argument("--tls-ca", type=existing_file,
+    p.add_argument("--tls-cert", help="PEM certificate for internal gRPC (with --tls-key)")
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    p.add_argument("--tls-ca",
                    help="PEM CA: servers require client certificates it signed (mTLS), clients verify servers by it")
     p.add_argument("--tls-server-name", help="name internal servers' certificates carry (default: the dialed host)")
-    p.add_argument("--redis-password-file", type=existing_file,
-                   help="Redis AUTH password (username, if any, in --redis-url)")
-    p.add_argument("--redis-ca-file", type=existing_file, help="PEM CA for a rediss:// (TLS) Redis")
-
-
-SECURITY_FLAGS = ("internal_token_file", "tls_cert", "tls_key", "tls_ca", "tls_server_name", "redis_password_file",
-                  "redis_ca_file")
+    p.add_argument("--redis-password-file", help="Redis AUTH password (username, if any, in --redis-url)")
+    p.add_argument("--redis-ca-file", help="PEM CA for a rediss:// (TLS) Redis")
 
 
 def _add_lifecycle_up(p: argparse.ArgumentParser) -> None:

@@ -54,18 +54,6 @@ positive_float = _number(float, 0, lo_open=True)
 nonneg_float = _number(float, 0)
 
 
-def existing_file(text: str) -> str:
-    """A path that must name a readable file now (a mounted Secret, a certificate): checked at parse time."""
-    if not os.path.isfile(text):
-        raise argparse.ArgumentTypeError(f"{text!r}: no such file")
-    if not os.access(text, os.R_OK):
-        raise argparse.ArgumentTypeError(f"{text!r}: not readable")
-    return text
-
-
-existing_file.__name__ = "file"
-
-
 class HelpFormatter(argparse.HelpFormatter):
     """Appends `(default: X; env PDSERVE_Y)` to each flag's help."""
 

@@ -25,7 +25,9 @@ def files(tmp_path):
 
 
 @pytest.mark.parametrize("argv, want", [
-    (["--internal-token-file", "/nonexistent/token"], "'/nonexistent/token': no such file"),
+    (["--internal-token-file", "/nonexistent/token"], "--internal-token-file /nonexistent/token: No such file"),
+    (["--tls-cert", "{cert}", "--tls-key", "/nonexistent/key"], "--tls-key /nonexistent/key: No such file"),
+    (["--redis-password-file", "/nonexistent/pw"], "--redis-password-file /nonexistent/pw: No such file"),
     (["--internal-token-file", "{short}"], f"at least {MIN_TOKEN_CHARS} printable"),
     (["--internal-token-file", "{spaced}"], "without spaces"),
     (["--internal-token-file", "{empty}"], "empty"),
@@ -47,10 +49,9 @@ def test_up_checks_before_starting_anything(files):
     assert rc == 2 and "--tls-cert and --tls-key go together" in one_line(err) and "PDSERVE_UP" not in out
 
 
-def test_env_variables_name_themselves(files):
+def test_env_variables_are_read_like_flags(files):
     rc, _, err, _ = pdserve("router", env={"PDSERVE_INTERNAL_TOKEN_FILE": "/nope"})
-    assert rc == 2 and "PDSERVE_INTERNAL_TOKEN_FILE='/nope' (for --internal-token-file): '/nope': no such file" \
-        in one_line(err)
+    assert rc == 2 and "--internal-token-file /nope: No such file" in one_line(err)
     ns = build_parser().parse_args(["worker"])
     assert ns.internal_token_file is None and ns.tls_ca is None
 
