@@ -177,3 +177,9 @@ def test_rediss_with_ca(tmp_path):
     finally:
         p.terminate()
         p.wait(10)
+
+
+def test_preflight_never_prints_the_url_password():
+    from pdserve.services.preflight import check_redis
+    problem = str(check_redis(f"redis://alice:{PASSWORD}@127.0.0.1:1/0"))
+    assert PASSWORD not in problem and "redis://alice:***@127.0.0.1:1/0" in problem
