@@ -185,8 +185,10 @@ def _check_security(args: argparse.Namespace) -> str | None:
     try:
         InternalSecurity.from_args(args)
         auth = RedisAuth.from_args(args)
-        if getattr(args, "redis_url", None):
-            auth.check(args.redis_url)
+        # `up` without --redis-url starts a plain redis:// server of its own
+        url = getattr(args, "redis_url", None) or ("redis://127.0.0.1/0" if args.command == "up" else None)
+        if url:
+            auth.check(url)
     except ConfigError as e:
         return str(e)
     return None
@@ -225,14 +227,15 @@ def _run(args: argparse.Namespace) -> int:
             return 2
     setup_logging(args.command)
     from pdserve.services.grpc_util import configure
-    configure(_security(args))
+    security = _security(args)
+    configure(security)
     if args.command == "gateway":
         from pdserve.services.gateway.server import serve
         asyncio.run(serve(args))
     elif args.command == "router":
         from pdserve.services.router.server import serve
         asyncio.run(serve(args.host, args.port, args.redis_url, args.served_model_name, args.metrics_port,
-                          args.heartbeat_ttl, args.mode, security=_security(args), redis_auth=_redis_auth(args)))
+                          args.heartbeat_ttl, args.mode, security=security, redis_auth=_redis_auth(args)))
     elif args.command == "worker":
         from pdserve.services.worker import serve
         asyncio.run(serve(args))

@@ -123,8 +123,8 @@ def up(args) -> int:
             p = d.spawn("redis", redis_cmd, {"port": rport}, stdin=subprocess.PIPE if args.redis_password_file
                         else None)
             if args.redis_password_file:
-                from pathlib import Path
-                p.stdin.write(f"requirepass {Path(args.redis_password_file).read_text().strip()}\n".encode())
+                pw = Path(args.redis_password_file).read_text().strip().replace("\\", "\\\\").replace('"', '\\"')
+                p.stdin.write(f'requirepass "{pw}"\n'.encode())
                 p.stdin.close()
             if not _wait_tcp(rport, 10):
                 print("pdserve up: redis-server did not start", file=sys.stderr)

@@ -222,6 +222,22 @@ def test_forged_registry_record_is_never_routed_to(up, token_file):
                                      "pdserve_registry_rejected_records_total") > 0, 5)
 
 
+def test_colocated_gateway_path_with_token(tiny_llama, token_file, offline_greedy):
+    """Colocated: the gateway's Generate stream to a `both` worker carries the token too (a unary-stream call, the
+    kind grpc.aio files under its own interceptor list)."""
+    d = Up(tiny_llama, "--served-model-name", MODEL, "--mode", "colocated", "--internal-token-file", str(token_file))
+    try:
+        assert _http_greedy(d) == list(offline_greedy[0][0])
+        [w] = d.workers("both")
+
+        async def bare() -> grpc.StatusCode:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{w['port']}") as ch:
+                return await _code(_generate(ch))
+        assert asyncio.run(bare()) == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        d.stop()
+
+
 # ---- mTLS + token ---------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

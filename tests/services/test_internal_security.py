@@ -47,6 +47,9 @@ def test_router_refuses_bad_security_flags_in_one_line(files, argv, want):
 def test_up_checks_before_starting_anything(files):
     rc, out, err, _ = pdserve("up", "--tls-key", files["key"], "--redis-url", "redis://127.0.0.1:1/0")
     assert rc == 2 and "--tls-cert and --tls-key go together" in one_line(err) and "PDSERVE_UP" not in out
+    # its own Redis is plain redis://: a Redis CA has nothing to verify
+    rc, out, err, _ = pdserve("up", "--redis-ca-file", files["ca"])
+    assert rc == 2 and "--redis-ca-file is for a rediss:// (TLS) URL" in one_line(err) and "PDSERVE_UP" not in out
 
 
 def test_env_variables_are_read_like_flags(files):
