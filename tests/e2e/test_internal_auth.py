@@ -300,3 +300,24 @@ def test_mtls_refuses_callers_without_a_certificate(up_mtls, pki):
     assert out["cert_no_token"] == grpc.StatusCode.UNAUTHENTICATED  # both layers hold on their own
     assert len(out["cert_and_token"]) == 3
     assert out["router_ok"] == 2
+
+
+def test_tls_health_probe_needs_the_certificate(up_mtls, pki):
+    """The chart's exec probe (`python -m pdserve.services.health_probe`) against a real mTLS worker: SERVING with
+    the pod's certificate env, refused (exit 1) without it."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.e2e.conftest import ROOT
+    ca, internal, _ = pki
+    port = str(up_mtls.workers("decode")[0]["port"])
+    base = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
+    base["PYTHONPATH"] = str(ROOT)
+    cmd = [sys.executable, "-m", "pdserve.services.health_probe", "--port", port, "--service", "pdserve.v1.Worker"]
+    with_cert = {**base, "PDSERVE_TLS_CERT": str(internal.cert), "PDSERVE_TLS_KEY": str(internal.key),
+                 "PDSERVE_TLS_CA": str(ca.ca)}
+    assert subprocess.run(cmd, env=with_cert, timeout=30).returncode == 0
+    assert subprocess.run(cmd, env=base, timeout=30).returncode == 1  # plaintext against TLS
+    named = {**with_cert, "PDSERVE_TLS_SERVER_NAME": "not-in-the-cert"}
+    assert subprocess.run(cmd, env=named, timeout=30).returncode == 1  # the server's name is checked
