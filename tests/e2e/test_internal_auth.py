@@ -147,11 +147,11 @@ class _Trap(worker_pb2_grpc.WorkerServicer):
 
     async def Generate(self, request, context):
         self.calls += 1
-        yield worker_pb2.GenerateResponse(request_id=request.request_id)
+        yield common_pb2.GenerateResponse(request_id=request.request_id)
 
     async def GenerateFromPrefill(self, request, context):
         self.calls += 1
-        yield worker_pb2.GenerateResponse(request_id=request.request_id)
+        yield common_pb2.GenerateResponse(request_id=request.request_id)
 
 
 def test_forged_registry_record_is_never_routed_to(up, token_file):
