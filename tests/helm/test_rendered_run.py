@@ -3,7 +3,8 @@ rendered by the real Helm engine and turned into local processes by tests/helm/_
 args, env and Secret files; only addresses, ports and mount paths made local). Every variant's command lines go
 through `pdserve`'s own parser and its keys file through the gateway's own loader; the disagg variant is started
 for real (Redis, router, prefill, decode, two gateways) and answers requests with API keys, its two gateways
-sharing one rate-limit bucket through the Redis URL the chart now gives them."""
+sharing one rate-limit bucket through the Redis URL the chart now gives them. A second started variant turns on
+the internal token, mTLS and Redis AUTH and shows the router, the workers and Redis refusing callers without them."""
 from __future__ import annotations
 
 import contextlib
