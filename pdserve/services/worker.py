@@ -28,7 +28,7 @@ from pdserve.engine.request_state import RequestState
 from pdserve.services.admission import lifecycle_from_context
 from pdserve.services.convert import DeltaEncoder
 from pdserve.services.decode.service import DecodeSide
-from pdserve.services.grpc_util import WORKER_SERVICE, make_server, set_serving
+from pdserve.services.grpc_util import WORKER_SERVICE, listen, make_server, security, set_serving
 from pdserve.services.pb import common_pb2, layout_to_pb, params_from_pb, worker_pb2, worker_pb2_grpc
 from pdserve.services.prefill.service import PrefillSide
 from pdserve.services.registry import Registry, WorkerRecord
@@ -235,9 +235,11 @@ async def serve(args) -> None:
     await w.prefill.start()
     server, hs = make_server([WORKER_SERVICE])
     worker_pb2_grpc.add_WorkerServicer_to_server(w, server)
-    server.add_insecure_port(f"{args.host}:{args.port}")
+    listen(server, f"{args.host}:{args.port}")
     await server.start()
-    registry = Registry(args.redis_url, args.served_model_name, ttl_s=args.heartbeat_ttl) if args.redis_url else None
+    from pdserve.services.redis_conn import RedisAuth
+    registry = Registry(args.redis_url, args.served_model_name, ttl_s=args.heartbeat_ttl,
+                        auth=RedisAuth.from_args(args), key=security().registry_key()) if args.redis_url else None
     w.refresh_stats()
     if registry is not None:
         await registry.heartbeat(w.record())

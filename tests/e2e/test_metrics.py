@@ -18,7 +18,7 @@ MODEL = "ck"
 
 # Who owns what: written out here (not read from pdserve/services/metrics/) so that a family moving to the wrong
 # process, or a new one no owner claims, fails this test.
-SHARED = {"pdserve_rejections"}
+SHARED = {"pdserve_rejections", "pdserve_registry_rejected_records"}
 GATEWAY = {
     "pdserve_ttft_seconds", "pdserve_itl_seconds", "pdserve_tpot_seconds", "pdserve_e2e_seconds",
     "pdserve_requests_terminal", "pdserve_rejection_latency_seconds", "pdserve_prompt_tokens",

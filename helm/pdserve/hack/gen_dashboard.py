@@ -80,6 +80,10 @@ PANELS = [
      [(f"sum by (reason) (increase(pdserve_kv_transfer_failures_total{{{POOL}}}[$__rate_interval]))",
        "failed {{reason}}"),
       (f"sum (increase(pdserve_kv_leases_expired_total{{{POOL}}}[$__rate_interval]))", "leases expired")]),
+    # internal security (docs/services.md, Trust model): anything above zero is a forged or mis-keyed worker
+    ("Registry records refused (HMAC does not verify)", "short",
+     [(f"sum by (service) (increase(pdserve_registry_rejected_records_total{{{SEL}}}[$__rate_interval]))",
+       "{{service}}")]),
     # router (docs/routing.md)
     ("Route decisions by mode and reason", "reqps",
      [(f"sum by (mode, reason) (rate(pdserve_route_decisions_total{{{SEL}}}[$__rate_interval]))",

@@ -34,6 +34,7 @@ from pdserve.services.gateway import http_metrics
 from pdserve.services.gateway.parse import RequestParser
 from pdserve.services.gateway.stages import StageTrace, pick, stage_times
 from pdserve.services.pb import common_pb2
+from pdserve.services.redis_conn import NO_AUTH, RedisAuth
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -60,6 +61,9 @@ class GatewayConfig:
     header_timeout_s: float = 10.0  # connection open (or idle keep-alive) -> request head complete
     body_timeout_s: float = 30.0  # request head -> body complete (ingress.read_body)
     metrics_compat: str | None = None  # "vllm": also the vLLM-named aliases (docs/metrics.md)
+    # internal security (docs/services.md, Trust model): Redis AUTH/TLS, and the registry HMAC key
+    redis_auth: RedisAuth = NO_AUTH
+    registry_key: bytes | None = None
 
 
 class Timing:

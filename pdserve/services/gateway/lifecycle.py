@@ -233,10 +233,10 @@ def build_lifecycle(cfg) -> Lifecycle:
     redis = None
     admission = None
     if cfg.redis_url:
-        import redis.asyncio as aioredis
+        from pdserve.services.redis_conn import connect
         from pdserve.services.registry import Registry
-        redis = aioredis.from_url(cfg.redis_url, socket_timeout=0.5, socket_connect_timeout=0.5)
-        registry = Registry(cfg.redis_url, cfg.served_model_name)
+        redis = connect(cfg.redis_url, cfg.redis_auth, socket_timeout=0.5, socket_connect_timeout=0.5)
+        registry = Registry(cfg.redis_url, cfg.served_model_name, auth=cfg.redis_auth, key=cfg.registry_key)
         registry.r = redis
         ledger = ReservationLedger(redis, cfg.served_model_name, lease_s=cfg.reservation_lease_s)
         admission = Admission(ledger, RegistryCapacity(registry, cfg.kv_overcommit), max_queue=cfg.admission_queue,

@@ -17,3 +17,8 @@ PlatformCollector(registry=COMMON)
 # workers; worker: invalid input, KV layout mismatch, decode KV full), so the reasons do not overlap.
 REJECTIONS = Counter("pdserve_rejections_total", "Requests this process rejected before running", ["reason"],
                      registry=COMMON)
+
+# internal security (docs/services.md, Trust model): the router and the gateway read the worker registry
+REGISTRY_REJECTED = Counter("pdserve_registry_rejected_records_total",
+                            "Worker registry records skipped because their HMAC does not verify (forged or written "
+                            "without the internal token)", registry=COMMON)
