@@ -33,7 +33,7 @@ def test_scale_16p16d_2k_requests():
     # every replica got work (the least-loaded policy spreads it) and all KV came back
     assert all(r.num_steps > 0 for r in c.replicas)
     for r in c.replicas:
-        assert not r.pinned and not r.remote_pending and not r.scheduler.has_work()
+        assert not r.core.pinned and not r.remote_pending and not r.scheduler.has_work()
         assert all(x == 0 for x in r.bm.ref)
     # TTFT includes the KV transfer: at least prefill bound + transfer bound for every request
     for req in c.requests:
