@@ -43,6 +43,7 @@ class SimRequest:
     prefill_replica: str = ""
     decode_replica: str = ""
     cached_tokens: int = 0
+    best_cached_tokens: int = 0  # the longest prefix any replica held when it was placed (if tracked)
     transfer_s: float = 0.0
     num_preemptions: int = 0
     error: str = ""  # why it did not finish (admission or validation), as the client would be told
@@ -92,7 +93,7 @@ class SimReplica:
         self.deferred: list = []
         self.num_steps = 0
         self.busy_s = 0.0
-        self.rejected = 0
+        self.placed = 0  # requests the router placed here (as prefill side, or colocated)
 
     # ---- admission (mirrors Engine.validate_request for what the sim can hit) ----------------------------------
     def fits(self, req: SimRequest) -> bool:
@@ -196,6 +197,14 @@ class SimReplica:
             self._finished(req)
             return True
         return False
+
+    # ---- what a router could know -------------------------------------------------------------------------------
+    def cached_prefix(self, prompt: list[int], namespace: str = "") -> int:
+        """Prompt tokens this replica's prefix cache holds now (the scheduler's own lookup; a pure read)."""
+        return len(self.bm.lookup(Sequence(-1, "", prompt, namespace))) * self.bm.block_size
+
+    def outstanding(self) -> int:
+        return len(self.scheduler.waiting) + len(self.scheduler.running) + len(self.scheduler.swapped)
 
     # ---- load, as a worker reports it ---------------------------------------------------------------------------
     def load(self) -> dict:
