@@ -3,9 +3,8 @@ from __future__ import annotations
 
 import json
 import math
-import re
 
-from pdserve.engine.sampling_params import GuidedSpec, SamplingParams
+from pdserve.engine.sampling_params import GuidedSpec, InvalidParameter, SamplingParams
 
 
 class APIError(Exception):
@@ -138,9 +137,13 @@ def to_sampling_params(body: dict, *, chat: bool, vocab_size: int) -> SamplingPa
     p.guided = _guided(body.get("response_format"))
     if flag(body, "echo"):
         raise bad("echo", "not supported")
+    validate(p, vocab_size)
+    return p
+
+
+def validate(p: SamplingParams, vocab_size: int) -> None:
+    """The engine's own checks, as a 400 naming the parameter."""
     try:
         p.validate(vocab_size)
-    except ValueError as e:
-        m = re.search(r"'([^']+)'", str(e))
-        raise APIError(400, str(e), param=m.group(1) if m else None, code="invalid_parameter") from None
-    return p
+    except InvalidParameter as e:
+        raise APIError(400, str(e), param=e.param, code="invalid_parameter") from None

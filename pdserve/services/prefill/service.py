@@ -23,6 +23,7 @@ from pdserve.kv_transfer.lease import Lease, LeaseTable, reap_forever
 from pdserve.services import metrics as M
 from pdserve.services.admission import lifecycle_from_context
 from pdserve.services.convert import fill_times, full_response
+from pdserve.services.grpc_util import param_metadata
 from pdserve.services.pb import params_from_pb, worker_pb2
 
 log = logging.getLogger("pdserve.prefill")
@@ -109,7 +110,7 @@ class PrefillSide:
         except ValueError as e:  # refused by the engine (a duplicate id there is someone else's)
             owned = False
             M.REJECTIONS.labels("invalid_request").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e), trailing_metadata=param_metadata(e))
         finally:
             self._running.discard(rid)
             if owned and not handed_over:
