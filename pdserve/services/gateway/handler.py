@@ -107,9 +107,11 @@ class RequestHandler:
         st.timing.done()
         if not streamed:
             rec.emitted = st.completion_tokens  # the whole answer goes out at once
+            # the output-length predictor learns from whole answers only: a streamed answer's admission learns
+            # its service time from the emitted count instead (lifecycle._learn)
+            rec.outputs_per_choice = list(st.tokens_per_choice)
         rec.committed = rec.emitted
         rec.cached_tokens = st.cached_tokens
-        rec.outputs_per_choice = list(st.tokens_per_choice)
         await self.life.finish(rec, "FINISHED")
 
     async def fail(self, rec: RequestRecord, e: BaseException) -> ErrorReply:
@@ -141,8 +143,9 @@ class RequestHandler:
         self.life.spawn(cleanup())
 
     def stage_times(self, st: RequestState) -> dict | None:
-        """The `usage.stage_times` extension (docs/services.md, "Stage times"), when the call asked for it."""
-        if not st.call.stage_times:
+        """The `usage.stage_times` extension (docs/services.md, "Stage times"), when the call asked for it and
+        its tenant may see it (`debug_stage_times`): ~1 KB that most clients never read."""
+        if not (st.call.stage_times and st.rec.tenant.can("debug_stage_times")):
             return None
         i = pick(st.traces)
         return stage_times(st.rec.arrival, st.rec.admitted_at, st.traces[i], i, len(st.traces))
