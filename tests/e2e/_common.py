@@ -143,13 +143,16 @@ def _check_stage_times(st: dict, mode: str, t_before: float, t_after: float) -> 
 
 
 def check_stage_times(up):
-    """Non-streaming body and the final include_usage chunk both carry complete, monotone stage_times."""
+    """Asked for (`x-pdserve-debug: stage-times` or `return_stage_times`), the non-streaming body and the final
+    include_usage chunk both carry complete, monotone stage_times; not asked for, neither carries any."""
     import time
     mode = up.info["mode"]
     body = {"model": "ck", "prompt": "pack my box with five dozen", "max_tokens": 6, "temperature": 0,
             "ignore_eos": True}
-    t0 = time.time()
     r = httpx.post(up.base_url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200 and "stage_times" not in r.json()["usage"], r.text
+    t0 = time.time()
+    r = httpx.post(up.base_url + "/v1/completions", json=body, timeout=30, headers={"x-pdserve-debug": "stage-times"})
     t1 = time.time()
     assert r.status_code == 200, r.text
     _check_stage_times(r.json()["usage"]["stage_times"], mode, t0, t1)
@@ -157,7 +160,8 @@ def check_stage_times(up):
     t0 = time.time()
     with httpx.stream("POST", up.base_url + "/v1/chat/completions", timeout=30, json={
             "model": "ck", "messages": [{"role": "user", "content": "judge my vow"}], "max_tokens": 6,
-            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}) as s:
+            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            "return_stage_times": True}) as s:
         for line in s.iter_lines():
             if line.startswith("data: {"):
                 chunk = json.loads(line[6:])

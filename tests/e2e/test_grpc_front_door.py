@@ -19,6 +19,7 @@ from tests.e2e.conftest import Up, served_as_ck
 KEYS = """
 tenants:
   alice: {keys: [sk-alice], permissions: [metrics]}
+  ops: {keys: [sk-ops], permissions: [debug_stage_times]}
   bob: {keys: [sk-bob]}
   slow: {keys: [sk-slow], rate_rps: 0.01, burst: 1}
   slow-http: {keys: [sk-slow-http], rate_rps: 0.01, burst: 1}
@@ -154,3 +155,16 @@ def test_tenant_deadline_at_both_doors(up, door):
     assert out in ("timed_out", "503:deadline_unreachable", "UNAVAILABLE:deadline_unreachable"), out
     after = _records(up, "hasty", label='state="TIMED_OUT"') + _records(up, "hasty", label='state="REJECTED"')
     assert after == before + 1
+
+
+@pytest.mark.parametrize("key,ask,shown", [("sk-ops", True, True), ("sk-ops", False, False),
+                                           ("sk-alice", True, False)])
+def test_stage_times_only_when_asked_and_allowed(up, key, ask, shown):
+    headers = {"Authorization": f"Bearer {key}", **({"x-pdserve-debug": "route, stage-times"} if ask else {})}
+    r = httpx.post(up.base_url + "/v1/completions", headers=headers, timeout=30,
+                   json={"model": "ck", "prompt": PROMPT, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert ("stage_times" in usage) == shown, usage
+    if shown:
+        assert usage["stage_times"]["sub_requests"] == 1 and usage["stage_times"]["durations"]["e2e"] > 0

@@ -25,7 +25,7 @@ from pdserve.services.gateway.core import Dispatcher
 from pdserve.services.gateway.errors import ErrorReply, reply_for
 from pdserve.services.gateway.handler import RequestHandler
 from pdserve.services.gateway.lifecycle import build_lifecycle
-from pdserve.services.gateway.params import APIError, to_sampling_params
+from pdserve.services.gateway.params import APIError, flag, to_sampling_params
 from pdserve.services.gateway.guard import MAX_HEADER_BYTES, HttpGuard  # noqa: I001 - out of order: fewer merge conflicts
 from pdserve.services.gateway.ingress import IngressGate
 from pdserve.services.gateway.parse import RequestParser
@@ -54,6 +54,12 @@ class GatewayConfig:
     max_header_bytes: int = MAX_HEADER_BYTES
     header_timeout_s: float = 10.0  # connection open (or idle keep-alive) -> request head complete
     body_timeout_s: float = 30.0  # request head -> body complete (ingress.read_body)
+
+
+def debug_options(headers) -> set[str]:
+    """`x-pdserve-debug: route, stage-times`: what the client asks to see of the request's internals (each is
+    honoured only for a tenant with the matching permission, tenants.py)."""
+    return {x.strip().lower() for x in (headers.get("x-pdserve-debug") or "").split(",") if x.strip()}
 
 
 def _error_response(e: BaseException) -> JSONResponse:
@@ -125,6 +131,7 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
 
         async def parse() -> GenerateCall:
             body = parser.body(raw)
+            debug = debug_options(request.headers)
             params = to_sampling_params(body, chat=chat, vocab_size=vocab)
             prompts = [await parser.chat_prompt(body)] if chat else await parser.completion_prompts(body)
             form.return_token_ids = bool(body.get("return_token_ids", False))
@@ -132,7 +139,8 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
             return GenerateCall("chatcmpl" if chat else "cmpl", prompts, params, timeout_s=body.get("timeout"),
                                 allow_degrade=body.get("allow_degrade", True) is not False,
                                 streamed=bool(body.get("stream", False)),
-                                debug_route=request.headers.get("x-pdserve-debug") == "route")
+                                debug_route="route" in debug,
+                                stage_times="stage-times" in debug or flag(body, "return_stage_times"))
 
         try:
             raw = await life.gate.read_body(request)  # stage one starts before parsing or tokenizing

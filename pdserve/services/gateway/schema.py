@@ -27,7 +27,7 @@ class GenerateCall:
     allow_degrade: bool = True  # admission may lower n instead of refusing
     streamed: bool = False  # tokens reach the client as they come (counted as emitted at each delta)
     debug_route: bool = False  # `x-pdserve-debug: route`, for a tenant allowed to see it
-    stage_times: bool = True  # per-request stage timestamps in the usage
+    stage_times: bool = False  # asked for `usage.stage_times` (honoured for a tenant allowed to see it)
 
 
 @dataclass
