@@ -17,8 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from pdserve.engine.config import ModelConfig
-from pdserve.engine.engine import resolve_model_dir
+from pdserve.engine.checkpoint import resolve_model_dir, serving_limits
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.services.gateway import responses
 from pdserve.services.gateway.core import Dispatcher
@@ -104,10 +103,10 @@ class _OwnedStream(StreamingResponse):
 
 def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> FastAPI:
     model_dir = resolve_model_dir(cfg.model)
-    tok = Tokenizer(model_dir)
-    mcfg = ModelConfig.from_dir(model_dir)
-    vocab = mcfg.vocab_size
-    max_len = mcfg.max_model_len
+    tok = Tokenizer(model_dir)  # the `tokenizers` library and the torch-free chat template
+    limits = serving_limits(model_dir)  # config.json without torch: the gateway never imports the engine
+    vocab = limits.vocab_size
+    max_len = limits.max_model_len
     disp = dispatcher or Dispatcher(cfg.router_address, cfg.served_model_name)
     app = FastAPI(title="pdserve gateway")
     app.add_middleware(HttpGuard, max_header_bytes=cfg.max_header_bytes)
