@@ -24,7 +24,7 @@ from pdserve.services.gateway.core import Dispatcher
 from pdserve.services.gateway.errors import ErrorReply, reply_for
 from pdserve.services.gateway.handler import RequestHandler
 from pdserve.services.gateway.lifecycle import build_lifecycle
-from pdserve.services.gateway.params import APIError, flag, to_sampling_params
+from pdserve.services.gateway.params import APIError, flag, prompt_only, to_sampling_params
 from pdserve.services.gateway.guard import MAX_HEADER_BYTES, HttpGuard  # noqa: I001 - out of order: fewer merge conflicts
 from pdserve.services.gateway.ingress import IngressGate
 from pdserve.services.gateway.parse import RequestParser
@@ -59,6 +59,16 @@ def debug_options(headers) -> set[str]:
     """`x-pdserve-debug: route, stage-times`: what the client asks to see of the request's internals (each is
     honoured only for a tenant with the matching permission, tenants.py)."""
     return {x.strip().lower() for x in (headers.get("x-pdserve-debug") or "").split(",") if x.strip()}
+
+
+def echo_texts(prompt, prompts: list[list[int]], tok: Tokenizer) -> list[str]:
+    """What `echo` prepends to each prompt's choices: the prompt as the client wrote it, or its token ids
+    decoded."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    return [tok.decode(ids) for ids in prompts]
 
 
 def _error_response(e: BaseException) -> JSONResponse:
@@ -126,7 +136,7 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
 
     async def _endpoint(request: Request, chat: bool):
         rec = handler.new_record()
-        form = OpenAIForm(cfg.served_model_name, chat)
+        form = OpenAIForm(cfg.served_model_name, chat, tokenizer=tok)
 
         async def parse() -> GenerateCall:
             body = parser.body(raw)
@@ -134,12 +144,15 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
             params = to_sampling_params(body, chat=chat, vocab_size=vocab)
             prompts = [await parser.chat_prompt(body)] if chat else await parser.completion_prompts(body)
             form.return_token_ids = bool(body.get("return_token_ids", False))
+            if not chat and body.get("echo") is True:
+                form.echo_prompts = echo_texts(body["prompt"], prompts, tok)
             form.include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
             return GenerateCall("chatcmpl" if chat else "cmpl", prompts, params, timeout_s=body.get("timeout"),
                                 allow_degrade=body.get("allow_degrade", True) is not False,
                                 streamed=bool(body.get("stream", False)),
                                 debug_route="route" in debug,
-                                stage_times="stage-times" in debug or flag(body, "return_stage_times"))
+                                stage_times="stage-times" in debug or flag(body, "return_stage_times"),
+                                prompt_only=prompt_only(body))
 
         try:
             raw = await life.gate.read_body(request)  # stage one starts before parsing or tokenizing

@@ -74,7 +74,8 @@ class RequestHandler:
             headers["x-pdserve-route"] = " | ".join(routes)
         n = len(subs)
         return RequestState(rid, int(time.time()), call, rec, subs, traces, timing, upstream, first, degraded,
-                            routes, headers, tokens_per_choice=[0] * n, finish_reasons=[None] * n)
+                            routes, headers, tokens_per_choice=[0] * n, finish_reasons=[None] * n,
+                            prompt_logprobs=[[] for _ in range(n)])
 
     async def consume(self, st: RequestState) -> AsyncIterator[Delta]:
         """The upstream messages, counted (tokens, finish reasons, emit times, the record's counts). Ends the
@@ -90,8 +91,13 @@ class RequestHandler:
                     st.tokens_per_choice[o.index] += k
                     if o.finish_reason:
                         st.finish_reasons[o.index] = FINISH_REASONS.get(o.finish_reason, "stop")
+                if m.prompt_logprobs:  # one sub-request = one choice (core.split)
+                    st.prompt_logprobs[st.subs[i].index_base].extend(m.prompt_logprobs)
+                st.generated_tokens += ntok
+                rec.generated = st.generated_tokens
+                if st.call.prompt_only:
+                    ntok = 0  # sampled, but not part of the answer
                 st.completion_tokens += ntok
-                rec.generated = st.completion_tokens
                 if m.finished:
                     st.cached_tokens += m.usage.cached_tokens
                     if m.state and m.state != "FINISHED":

@@ -28,6 +28,7 @@ class GenerateCall:
     streamed: bool = False  # tokens reach the client as they come (counted as emitted at each delta)
     debug_route: bool = False  # `x-pdserve-debug: route`, for a tenant allowed to see it
     stage_times: bool = False  # asked for `usage.stage_times` (honoured for a tenant allowed to see it)
+    prompt_only: bool = False  # echo with max_tokens 0: the sampled token is not part of the answer
 
 
 @dataclass
@@ -63,10 +64,12 @@ class RequestState:
     degraded: Degraded | None = None
     routes: list[str] = field(default_factory=list)  # the router's decisions (x-pdserve-route)
     headers: dict[str, str] = field(default_factory=dict)  # response headers the handler decided
-    completion_tokens: int = 0
+    completion_tokens: int = 0  # tokens in the answer (prompt_only: none)
+    generated_tokens: int = 0  # tokens the workers sampled
     cached_tokens: int = 0
     tokens_per_choice: list[int] = field(default_factory=list)
     finish_reasons: list[str | None] = field(default_factory=list)
+    prompt_logprobs: list[list] = field(default_factory=list)  # per choice: TokenLogprob of prompt tokens 1..
 
     @property
     def n_choices(self) -> int:

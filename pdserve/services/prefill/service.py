@@ -170,6 +170,9 @@ class PrefillSide:
             from pdserve.services.convert import DeltaEncoder
             resp.first_logprob.CopyFrom(DeltaEncoder(self.w.tokenizer).token_logprob(comp.logprobs[0]))
             delta.logprobs.append(resp.first_logprob)
+        if final.prompt_logprobs:  # computed here, over the prompt: the decode side never sees them
+            from pdserve.services.convert import DeltaEncoder
+            DeltaEncoder(self.w.tokenizer).prompt_logprobs(first, final)
         # Read in this thread, not through an engine-thread round trip (~0.2 ms of TTFT): the engine filed the
         # entry before it delivered this final output, and only a release of the lease made below changes it.
         blocks, ntok = self.w.engine.pinned_kv(rid)
