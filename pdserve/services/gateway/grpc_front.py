@@ -1,13 +1,15 @@
-"""The gateway's gRPC front door (`Gateway.Generate`): the HTTP API's request handler (handler.py) for gRPC clients.
+"""The gateway's gRPC front door (`Gateway.Generate`): the HTTP API's request handler (handler.py) for gRPC
+clients.
 
-Trust model: the same as the HTTP API's, by construction: both front doors call the same `RequestHandler`. The caller's API key travels as `authorization: Bearer <key>` (or
-`x-api-key`) metadata and is checked against the same keys file; the tenant's rate limit and quota, the
-deadline (the call's gRPC deadline, capped like an HTTP `timeout`), KV admission and the one billing record all
-apply. The prefix-cache namespace is the tenant's: a `namespace` in the request is ignored, so a caller cannot
-read another tenant's cached prefixes. Errors map to gRPC codes (401 -> UNAUTHENTICATED, 429/503 ->
-RESOURCE_EXHAUSTED / UNAVAILABLE with the retry hint in the message, 400 -> INVALID_ARGUMENT, 504 ->
-DEADLINE_EXCEEDED). Worker and router error text is logged under the request id, not sent (redact.py), and
-prompts are parsed and tokenized as the HTTP API does (parse.py: big prompts off the event loop).
+Trust model: the same as the HTTP API's, by construction: both front doors call the same `RequestHandler`. The
+caller's API key travels as `authorization: Bearer <key>` (or `x-api-key`) metadata and is checked against the
+same keys file; the tenant's rate limit and quota, the deadline (the call's gRPC deadline, capped like an HTTP
+`timeout`), KV admission and the one billing record all apply. The prefix-cache namespace is the tenant's: a
+`namespace` in the request is ignored, so a caller cannot read another tenant's cached prefixes. Errors map to
+gRPC codes (errors.grpc_status: 401 -> UNAUTHENTICATED, 429 -> RESOURCE_EXHAUSTED and 503 -> UNAVAILABLE with the
+retry hint in the message, 400 -> INVALID_ARGUMENT, 504 -> DEADLINE_EXCEEDED). Worker and router error text is
+logged under the request id, not sent (redact.py), and prompts are parsed and tokenized as the HTTP API does
+(parse.py: big prompts off the event loop).
 """
 from __future__ import annotations
 
