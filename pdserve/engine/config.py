@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.engine.architectures import SUPPORTED_ARCHITECTURES
+from pdserve.engine.checkpoint import max_position_embeddings, need_int, read_config
 from pdserve.engine.errors import CheckpointError
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -43,26 +43,10 @@ class ModelConfig:
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
         model_dir = Path(model_dir)
-        path = model_dir / "config.json"
-        if not model_dir.is_dir():
-            raise CheckpointError(f"{model_dir}: not a checkpoint directory")
-        if not path.is_file():
-            raise CheckpointError(f"{model_dir}: missing config.json")
-        try:
-            cfg = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{path}: malformed JSON ({e})") from e
-        archs = cfg.get("architectures") or []
-        arch = archs[0] if archs else None
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise CheckpointError(
-                f"{path}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        path, cfg, arch = read_config(model_dir)
+
         def need(name: str) -> int:
-            try:
-                return int(cfg[name])
-            except (KeyError, TypeError, ValueError):
-                raise CheckpointError(f"{path}: missing or invalid field {name!r} ({cfg.get(name)!r})") from None
+            return need_int(path, cfg, name)
 
         try:
             hidden = need("hidden_size")
@@ -95,7 +79,7 @@ class ModelConfig:
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope_theta=theta,
                 rope_scaling=scaling,
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                max_position_embeddings=max_position_embeddings(cfg),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
                 o_bias=arch != "Qwen2ForCausalLM" and bool(cfg.get("attention_bias", False)),

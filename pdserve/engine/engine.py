@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.checkpoint import resolve_model_dir
 from pdserve.engine.config import DTYPES, EngineConfig, ModelConfig
 from pdserve.engine.core import EngineCore
 from pdserve.engine.errors import RequestRejected
@@ -61,13 +62,6 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.reclaimed or (all(s.finished for s in self.seqs) and len(self.seqs) >= self.params.num_branches)
-
-
-def resolve_model_dir(model: str | Path) -> Path:
-    if str(model) == "builtin":
-        from pdserve.builtin import builtin_model_dir
-        return builtin_model_dir()
-    return Path(model)
 
 
 class Engine:

@@ -72,3 +72,20 @@ def channel(address: str, relay: bool = False) -> grpc.aio.Channel:
 WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 ROUTER_SERVICE = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
 GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+
+
+PARAM_METADATA = "pdserve-param"  # trailing metadata of an INVALID_ARGUMENT: the request parameter refused
+
+
+def param_metadata(e: Exception) -> tuple:
+    """Trailing metadata naming the parameter an `InvalidParameter` refused (none for other errors)."""
+    param = getattr(e, "param", None)
+    return ((PARAM_METADATA, param),) if param else ()
+
+
+def param_of(e: grpc.aio.AioRpcError) -> str | None:
+    """The parameter a peer's INVALID_ARGUMENT named in its trailing metadata, if any."""
+    for k, v in e.trailing_metadata() or ():
+        if k == PARAM_METADATA:
+            return v
+    return None

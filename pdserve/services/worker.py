@@ -28,7 +28,7 @@ from pdserve.engine.request_state import RequestState
 from pdserve.services.admission import lifecycle_from_context
 from pdserve.services.convert import DeltaEncoder
 from pdserve.services.decode.service import DecodeSide
-from pdserve.services.grpc_util import WORKER_SERVICE, listen, make_server, security, set_serving
+from pdserve.services.grpc_util import WORKER_SERVICE, listen, make_server, param_metadata, security, set_serving
 from pdserve.services.pb import common_pb2, layout_to_pb, params_from_pb, worker_pb2, worker_pb2_grpc
 from pdserve.services.prefill.service import PrefillSide
 from pdserve.services.registry import Registry, WorkerRecord
@@ -142,7 +142,7 @@ class Worker(worker_pb2_grpc.WorkerServicer):
             except ValueError as e:
                 M.REJECTIONS.labels("invalid_request").inc()
                 finished = True
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e), trailing_metadata=param_metadata(e))
             finally:
                 if not finished:
                     M.TERMINAL.labels("CANCELLED").inc()

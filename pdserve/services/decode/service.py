@@ -27,7 +27,7 @@ from pdserve.kv_transfer.layout import KVLayout, KVLayoutMismatch, check_compati
 from pdserve.services.metrics import worker as M
 from pdserve.services.admission import lifecycle_from_context
 from pdserve.services.convert import DeltaEncoder
-from pdserve.services.grpc_util import channel
+from pdserve.services.grpc_util import channel, param_metadata
 from pdserve.services.pb import common_pb2, layout_from_pb, params_from_pb, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("pdserve.decode")
@@ -151,7 +151,7 @@ class DecodeSide:
                 alloc = await w.host.run(add)
             except ValueError as e:
                 p.added, p.ended = False, True  # refused: nothing of ours (a duplicate id is someone else's)
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e), trailing_metadata=param_metadata(e))
             if alloc is not None:
                 break
             p.added = False  # None: nothing was allocated or registered

@@ -1,5 +1,5 @@
 """The gateway's side of a request's life: ingress gate, admission + reservation, deadline, and the one billing
-record. `app.py` calls in here at four points (ingress, admit, first/last emit via Timing, finish).
+record. `handler.py` calls in here at four points (authorize, admit, first/last emit via Timing, finish).
 
 Billing owner: the gateway. A client request may be several engine requests (n > 1 and multi-prompt requests
 are fanned out; in disagg mode each sub-request is an engine request on the prefill worker and another on the
@@ -28,8 +28,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from pdserve.services.metrics import gateway as M
-from pdserve.services.admission import Admission, AdmissionError, Ticket
-from pdserve.services.gateway.ingress import IngressGate, retry_after
+from pdserve.services.admission import Admission, Ticket
+from pdserve.services.gateway.ingress import IngressGate
 from pdserve.services.gateway.params import APIError
 from pdserve.services.gateway.tenants import DEFAULT_TENANT, Tenant
 
@@ -107,18 +107,15 @@ class Lifecycle:
     def new_record(self) -> RequestRecord:
         return RequestRecord(f"req-{uuid.uuid4().hex[:16]}", self.model)
 
-    async def ingress(self, request, rec: RequestRecord) -> bytes:
-        """Stage one: body size, key -> tenant, quota and rate. Returns the body."""
-        body = await self.gate.read_body(request)
-        rec.tenant = self.gate.authenticate(request.headers)
+    async def authorize(self, rec: RequestRecord, headers) -> None:
+        """Stage one (after an HTTP body was read within its limits): API key -> tenant, quota and rate. `headers`:
+        the HTTP headers or the gRPC call's metadata, as a mapping."""
+        rec.tenant = self.gate.authenticate(headers)
         await self.gate.check_limits(rec.tenant)
-        return body
 
-    def deadline_for(self, body: dict, rec: RequestRecord) -> float:
-        """`timeout` (seconds, request body extension) or the default, capped by the tenant / server maximum."""
-        t = body.get("timeout")
-        if t is None:
-            t = self.default_timeout_s
+    def deadline_for(self, timeout: float | None, rec: RequestRecord) -> float:
+        """The request's `timeout` (seconds; None: the default), capped by the tenant / server maximum."""
+        t = self.default_timeout_s if timeout is None else timeout
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not (0 < t):
             raise APIError(400, "invalid parameter 'timeout': must be a positive number of seconds",
                            param="timeout", code="invalid_parameter")
@@ -148,15 +145,6 @@ class Lifecycle:
             M.DEGRADED_TOTAL.inc()
             M.STATE_GAUGE.labels("DEGRADED").inc()
         return ticket
-
-    def error_response_parts(self, e: Exception) -> tuple[int, dict, dict] | None:
-        """AdmissionError -> (status, OpenAI error body, headers)."""
-        if not isinstance(e, AdmissionError):
-            return None
-        headers = {"Retry-After": retry_after(e.retry_after_s)} if e.retry_after_s else {}
-        typ = {400: "invalid_request_error", 504: "timeout_error"}.get(e.status, "service_unavailable_error")
-        param = (e.param or "prompt") if e.status == 400 else None
-        return e.status, APIError(e.status, e.message, typ, param, e.code).body(), headers
 
     async def finish(self, rec: RequestRecord, state: str, error: str | None = None) -> None:
         """The one terminal path at the gateway: release the reservation, charge the quota, write the record,

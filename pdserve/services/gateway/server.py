@@ -62,7 +62,7 @@ async def serve(args) -> None:
         # the public front door: tenants authenticate by API key here, not by the internal token or certificate
         grpc_server, hs = make_server([GATEWAY_SERVICE], internal=False)
         gateway_pb2_grpc.add_GatewayServicer_to_server(
-            GatewayGrpc(app.state.lifecycle, app.state.dispatcher, app.state.parser), grpc_server)
+            GatewayGrpc(app.state.handler, app.state.parser), grpc_server)
         grpc_server.add_insecure_port(f"{args.host}:{args.grpc_port}")
         await grpc_server.start()
         await set_serving(hs, [GATEWAY_SERVICE], True)

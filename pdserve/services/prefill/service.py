@@ -23,6 +23,7 @@ from pdserve.kv_transfer.lease import Lease, LeaseTable, reap_forever
 from pdserve.services.metrics import worker as M
 from pdserve.services.admission import lifecycle_from_context
 from pdserve.services.convert import fill_times, full_response
+from pdserve.services.grpc_util import param_metadata
 from pdserve.services.pb import params_from_pb, worker_pb2
 
 log = logging.getLogger("pdserve.prefill")
@@ -109,7 +110,7 @@ class PrefillSide:
         except ValueError as e:  # refused by the engine (a duplicate id there is someone else's)
             owned = False
             M.REJECTIONS.labels("invalid_request").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e), trailing_metadata=param_metadata(e))
         finally:
             self._running.discard(rid)
             if owned and not handed_over:
@@ -169,6 +170,9 @@ class PrefillSide:
             from pdserve.services.convert import DeltaEncoder
             resp.first_logprob.CopyFrom(DeltaEncoder(self.w.tokenizer).token_logprob(comp.logprobs[0]))
             delta.logprobs.append(resp.first_logprob)
+        if final.prompt_logprobs:  # computed here, over the prompt: the decode side never sees them
+            from pdserve.services.convert import DeltaEncoder
+            DeltaEncoder(self.w.tokenizer).prompt_logprobs(first, final)
         # Read in this thread, not through an engine-thread round trip (~0.2 ms of TTFT): the engine filed the
         # entry before it delivered this final output, and only a release of the lease made below changes it.
         blocks, ntok = self.w.engine.pinned_kv(rid)
