@@ -159,6 +159,8 @@ class EngineConfig:
     num_threads: int | None = None
     # Decode attention by the compiled in-place kernel (engine/kernels.py) where it builds; False: torch only.
     native_kernels: bool = True
+    # Attention kernels (model_runner.ATTENTION_BACKENDS): auto = compiled CPU kernels on CPU, Triton on CUDA.
+    attention: str = "auto"
     # Fault injection for tests and drills: every step that runs a forward first sleeps this long (a slow or
     # stalled device), e.g. to show that heartbeats do not wait for the engine thread. 0 in production.
     fault_step_delay_s: float = 0.0
@@ -172,5 +174,7 @@ class EngineConfig:
             raise ValueError("preemption_mode='swap' needs num_cpu_blocks > 0")
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be positive")
+        if self.attention not in ("auto", "native", "triton", "torch"):
+            raise ValueError(f"unknown attention backend {self.attention!r} (auto, native, triton, torch)")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}")

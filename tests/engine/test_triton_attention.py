@@ -110,3 +110,28 @@ def test_prefill_with_prefix_hits_matches_reference(dtype, tol, bs, n_heads, n_k
 def test_decode_splits(num_seqs, max_ctx, want):
     """~2 programs per SM (132 SMs, 8 KV heads), each split at least 256 keys, at most 64 splits."""
     assert triton_attention.decode_splits(num_seqs, 8, max_ctx, 132) == want
+
+
+@pytest.mark.parametrize("variant", [dict(arch="llama"), dict(arch="mistral", sliding_window=8)],
+                         ids=["llama-gqa", "mistral-window-8"])
+def test_engine_greedy_through_triton_matches_transformers(tmp_path, variant):
+    """The whole engine with attention="triton" (the CUDA path's kernels, here interpreted): chunked prefill
+    (max_num_batched_tokens 16 cuts the 41-token prompt, so later chunks attend to cached blocks), then batched
+    decodes; greedy tokens equal transformers'."""
+    import transformers as tf
+
+    from pdserve.engine.engine import Engine, EngineConfig
+    from pdserve.engine.sampling_params import SamplingParams
+    from tests.conftest import make_checkpoint
+
+    ckpt = make_checkpoint(tmp_path, **variant)
+    engine = Engine.from_pretrained(ckpt, EngineConfig(num_gpu_blocks=64, block_size=4, attention="triton",
+                                                       max_num_batched_tokens=16, device=DEVICE))
+    assert type(engine.runner.attention_ops).__name__ == "TritonAttention" and engine.runner.native_prefill
+    prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 61)), [3]]
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    hf = tf.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    for prompt, out in zip(prompts, outs):
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(prompt):].tolist()
+        assert out.outputs[0].token_ids == ref
