@@ -161,6 +161,8 @@ class EngineConfig:
     native_kernels: bool = True
     # Attention kernels (model_runner.ATTENTION_BACKENDS): auto = compiled CPU kernels on CPU, Triton on CUDA.
     attention: str = "auto"
+    # CUDA graphs for decode steps of up to max_num_seqs sequences (CUDA with the Triton kernels only).
+    cuda_graphs: bool = True
     # Fault injection for tests and drills: every step that runs a forward first sleeps this long (a slow or
     # stalled device), e.g. to show that heartbeats do not wait for the engine thread. 0 in production.
     fault_step_delay_s: float = 0.0

@@ -87,7 +87,8 @@ class Engine:
         self.block_manager = BlockManager(num_blocks, config.block_size, fingerprint, config.enable_prefix_caching,
                                           config.num_cpu_blocks, kv=self.kv_cache)
         self.scheduler = Scheduler(config, self.block_manager)
-        self.runner = ModelRunner(model, self.kv_cache, native=config.native_kernels, attention=config.attention)
+        self.runner = ModelRunner(model, self.kv_cache, native=config.native_kernels, attention=config.attention,
+                                  cuda_graph_max_batch=config.max_num_seqs if config.cuda_graphs else 0)
         self.sampler = Sampler(model_config.vocab_size)
         self.sampler.native_ops = self.runner.native_ops
         self.eos_token_ids = sorted(set(model_config.eos_token_ids) | set(tokenizer.eos_token_ids))

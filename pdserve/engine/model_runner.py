@@ -7,6 +7,7 @@ import torch
 
 from pdserve.engine.attention import (AttentionMetadata, DecodeGroup, NativeDecode, NativePrefill, PrefillSpan,
                                       causal_mask, decode_bias)
+from pdserve.engine.cuda_graphs import DecodeGraphs, DecodeInputs, capture_sizes
 from pdserve.engine.kernels import native_ops
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.model import LlamaModel
@@ -34,9 +35,12 @@ def padded_tables(tables: list[list[int]], device=None) -> torch.Tensor:
 
 class ModelRunner:
     DECODE_GROUP = 16  # decode sequences per padded attention group
-    def __init__(self, model: LlamaModel, kv: KVCache, native: bool = True, attention: str = "auto"):
+    def __init__(self, model: LlamaModel, kv: KVCache, native: bool = True, attention: str = "auto",
+                 cuda_graph_max_batch: int = 0):
         """attention: auto = the compiled CPU kernels on CPU, Triton on CUDA; native / triton / torch force one
-        (triton runs on CPU only under TRITON_INTERPRET=1, which is how the tests drive it)."""
+        (triton runs on CPU only under TRITON_INTERPRET=1, which is how the tests drive it).
+        cuda_graph_max_batch > 0: on CUDA with the Triton kernels, decode steps up to that many sequences replay
+        CUDA graphs captured here (cuda_graphs.py)."""
         if attention not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention backend {attention!r} (choose from {', '.join(ATTENTION_BACKENDS)})")
         self.model = model
@@ -61,6 +65,11 @@ class ModelRunner:
         else:
             self.native_prefill = bool(self.attention_ops is not None and self.native_ops.prefill_attention_supported(
                 kv.data, model.cfg.num_heads))
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graph_max_batch > 0 and self.device.type == "cuda" and self.native_prefill:
+            self.graphs = DecodeGraphs(model, kv.data, self.attention_ops, capture_sizes(cuda_graph_max_batch),
+                                       width=-(-model.cfg.max_model_len // kv.block_size),
+                                       sliding_window=self.sliding_window)
 
     def prepare(self, batch: list[ScheduledSeq], prompt_logits: set[int] = frozenset()):
         """Build flat inputs. Returns (input_ids, positions, metadata, logits_rows, row_owner) where row_owner[i]
@@ -149,5 +158,10 @@ class ModelRunner:
 
     def execute(self, batch: list[ScheduledSeq], prompt_logits: set[int] = frozenset()):
         ids, pos, meta, rows, owner = self.prepare(batch, prompt_logits)
+        if (self.graphs is not None and meta.native_decode is not None and not meta.native_prefill
+                and rows.numel() == ids.numel() and self.graphs.bucket(ids.numel()) is not None):
+            nd = meta.native_decode  # every row a decode that samples: row i is sequence i
+            return self.graphs.run(DecodeInputs(ids, pos, meta.slot_blocks, meta.slot_offsets, nd.block_tables,
+                                                nd.context_lens)), owner
         logits = self.model(ids, pos, self.kv.data, meta, rows)
         return logits, owner
