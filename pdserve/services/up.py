@@ -114,7 +114,8 @@ def up(args) -> int:
             redis_url = f"redis://127.0.0.1:{rport}/0"
         common = ["--model", args.model, "--served-model-name", args.served_model_name]
         eng = []
-        for flag in ("num_gpu_blocks", "max_num_seqs", "device", "dtype", "threads", "policy"):
+        for flag in ("num_gpu_blocks", "max_num_seqs", "device", "dtype", "threads", "policy", "kv_cache_bytes",
+                     "gpu_memory_utilization", "block_size", "max_num_batched_tokens", "max_model_len"):
             v = getattr(args, flag)
             if v:
                 eng += ["--" + flag.replace("_", "-"), str(v)]
