@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # read by @triton.jit when the kernels module is imported
+# tests/conftest.py sets TRITON_INTERPRET=1 on hosts without a GPU, before anything imports triton.
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -16,7 +16,8 @@ triton_attention = pytest.importorskip("pdserve.engine.triton_attention")
 if triton_attention.IMPORT_ERROR:
     pytest.skip(f"Triton kernels not testable: {triton_attention.IMPORT_ERROR}", allow_module_level=True)
 if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
-    pytest.skip("Triton needs TRITON_INTERPRET=1 or a GPU", allow_module_level=True)
+    pytest.skip("Triton needs TRITON_INTERPRET=1 (set by tests/conftest.py before triton is imported) or a GPU",
+                allow_module_level=True)
 
 DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 N_BLOCKS, LAYERS = 24, 2
