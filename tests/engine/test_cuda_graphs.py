@@ -97,3 +97,53 @@ def test_padded_decode_equals_unpadded(tiny_llama):
     written = torch.zeros(before.shape[0], dtype=torch.bool)
     written[meta.slot_blocks] = True
     assert torch.equal(kv_b[~written], before[~written])
+
+
+class EagerBuckets:
+    """What DecodeGraphs.run computes (pad to the bucket, one forward over the padded batch, the real rows'
+    logits), run eagerly: CPU stands in for graph replay. Records the sizes it ran."""
+
+    def __init__(self, runner, sizes: list[int], width: int):
+        self.runner, self.sizes, self.width, self.ran = runner, sizes, width, []
+
+    def bucket(self, n: int) -> int | None:
+        return bucket_for(n, self.sizes)
+
+    def run(self, inputs: DecodeInputs) -> torch.Tensor:
+        size = self.bucket(inputs.batch)
+        p = pad_decode(inputs, size, self.width)
+        rows = torch.arange(size)
+        meta = AttentionMetadata(slot_blocks=p.slot_blocks, slot_offsets=p.slot_offsets, prefills=[], decodes=[],
+                                 native_decode=NativeDecode(rows, p.block_tables, p.context_lens),
+                                 native_ops=self.runner.attention_ops, sliding_window=self.runner.sliding_window)
+        self.ran.append((inputs.batch, size))
+        return self.runner.model(p.input_ids, p.positions, self.runner.kv.data, meta, rows)[:inputs.batch]
+
+
+def test_decode_steps_through_buckets_match_transformers(tiny_llama):
+    """The runner's graph route (all-decode steps up to the largest size; prefill steps and larger batches eager)
+    with padding, on CPU: greedy tokens equal transformers'."""
+    import transformers as tf
+
+    from pdserve.engine.engine import Engine, EngineConfig
+    from pdserve.engine.sampling_params import SamplingParams
+
+    engine = Engine.from_pretrained(tiny_llama, EngineConfig(num_gpu_blocks=96, block_size=4))
+    if engine.runner.attention_ops is None:
+        pytest.skip("no in-place attention kernel on this host (native kernels unavailable)")
+    fake = EagerBuckets(engine.runner, [1, 2, 4], width=-(-engine.model_config.max_model_len // 4))
+    engine.runner.graphs = fake
+    hf = tf.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+
+    def run_and_compare(prompts):
+        outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        for prompt, out in zip(prompts, outs):
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, len(prompt):].tolist()
+            assert out.outputs[0].token_ids == ref
+
+    run_and_compare([[5, 6, 7, 8, 9, 10, 11], list(range(20, 61)), [3]])  # 3 decodes: padded to 4
+    assert fake.ran and all(ran == (3, 4) for ran in fake.ran), fake.ran
+    steps = len(fake.ran)
+    run_and_compare([[12, 13], [40, 41, 42], [7], [9, 10], list(range(60, 70))])  # 5 > 4: eager
+    assert len(fake.ran) == steps
