@@ -8,13 +8,16 @@
 # from this checkout (PYTHONPATH), and every other package comes from wheels carried with it in wheels/ (git-
 # ignored), unpacked into .gpu-site/ on first run. Lines whose packages are missing say "skipped: <why>".
 #
-# Preparing wheels/ on a machine with network, for the GPU host's Python (here 3.12) and platform (~55 MiB):
+# Preparing wheels/ on a machine with network, for the GPU host's Python (e.g. 3.12) and platform: the closure
+# of what the engine and the transformers reference import, less what torch already brings (filelock, fsspec,
+# jinja2, markupsafe, sympy, networkx, typing-extensions); about 45 MiB of wheels:
 #   pip download --only-binary=:all: --no-deps --python-version 3.12 --platform manylinux_2_28_x86_64 \
 #     --platform manylinux2014_x86_64 -d wheels/ \
-#     numpy tokenizers safetensors "transformers>=5.0" huggingface-hub pyyaml regex tqdm packaging filelock \
-#     fsspec typing-extensions jinja2 markupsafe "xgrammar==0.2.9" apache-tvm-ffi pydantic pydantic-core \
-#     annotated-types typing-inspection
-# (nixl-cu12 is ~50 MiB more: carry it only if the budget allows; without it the nixl line is skipped.)
+#     numpy "transformers>=5.0" tokenizers safetensors huggingface-hub hf-xet pyyaml regex tqdm packaging \
+#     typer click rich markdown-it-py mdurl pygments shellingham annotated-doc httpx2 httpcore2 h11 anyio idna \
+#     truststore "xgrammar==0.2.9" apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection
+# (the names and versions are what `pip install -e .` resolved next to transformers 5.24 / xgrammar 0.2.9;
+# nixl-cu12 is ~50 MiB more: carry it only if the budget allows; without it the nixl line says why.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
