@@ -10,7 +10,7 @@ import asyncio
 import os
 import sys
 
-from pdserve.cli_args import (Parser, nonneg_float, nonneg_int, port, positive_float, positive_int,
+from pdserve.cli_args import (Parser, context_len, fraction, nonneg_float, nonneg_int, port, positive_float, positive_int,
                               print_error)
 
 
@@ -34,7 +34,17 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-gpu-blocks", type=positive_int, help="KV blocks (default: from the KV memory budget)")
+    p.add_argument("--kv-cache-bytes", type=positive_int,
+                   help="KV pool bytes when --num-gpu-blocks is unset (default: CUDA: --gpu-memory-utilization; "
+                        "CPU: 256 MiB)")
+    p.add_argument("--gpu-memory-utilization", type=fraction,
+                   help="fraction of the GPU's memory for weights + activations + KV pool; the pool takes what "
+                        "is left after loading and a profiling forward (default: 0.9)")
+    p.add_argument("--block-size", type=positive_int, help="tokens per KV block (default: 16)")
     p.add_argument("--max-num-seqs", type=positive_int, help="sequences per batch (default: the engine's)")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, help="tokens per step (default: 2048)")
+    p.add_argument("--max-model-len", type=context_len,
+                   help="context limit in tokens, prompt + output (default: the checkpoint's)")
     p.add_argument("--device", help="cpu | cuda | cuda:N (default: cpu)")
     p.add_argument("--dtype", choices=DTYPES, help="weights and KV dtype (default: the checkpoint's)")
     p.add_argument("--policy", choices=POLICIES, help="scheduling policy (default: fcfs)")

@@ -116,11 +116,13 @@ POLICIES = ("fcfs", "decode-priority", "prefill-priority", "priority", "shortest
 
 @dataclass
 class EngineConfig:
-    """Engine knobs. `num_gpu_blocks=None` sizes the KV pool from `kv_cache_bytes`."""
+    """Engine knobs. The KV pool: `num_gpu_blocks`, else `kv_cache_bytes`, else on CUDA what
+    `gpu_memory_utilization` of the device leaves after weights and activations (kv_sizing.py), on CPU 256 MiB."""
 
     block_size: int = 16
     num_gpu_blocks: int | None = None
-    kv_cache_bytes: int = 256 << 20
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
     num_cpu_blocks: int = 0  # host swap space in blocks; 0 disables swapping
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -143,6 +145,10 @@ class EngineConfig:
     num_threads: int | None = None
     # Decode attention by the compiled in-place kernel (engine/kernels.py) where it builds; False: torch only.
     native_kernels: bool = True
+    # Attention kernels (model_runner.ATTENTION_BACKENDS): auto = compiled CPU kernels on CPU, Triton on CUDA.
+    attention: str = "auto"
+    # CUDA graphs for decode steps of up to max_num_seqs sequences (CUDA with the Triton kernels only).
+    cuda_graphs: bool = True
     # Fault injection for tests and drills: every step that runs a forward first sleeps this long (a slow or
     # stalled device), e.g. to show that heartbeats do not wait for the engine thread. 0 in production.
     fault_step_delay_s: float = 0.0
@@ -156,5 +162,13 @@ class EngineConfig:
             raise ValueError("preemption_mode='swap' needs num_cpu_blocks > 0")
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be positive")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.attention not in ("auto", "native", "triton", "torch"):
+            raise ValueError(f"unknown attention backend {self.attention!r} (auto, native, triton, torch)")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}")

@@ -23,6 +23,7 @@ from pdserve.engine.config import DTYPES, EngineConfig, ModelConfig
 from pdserve.engine.core import EngineCore
 from pdserve.engine.errors import RequestRejected
 from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.kv_sizing import block_bytes_for, num_blocks as kv_pool_blocks
 from pdserve.engine.loader import load_state_dict
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.model_runner import ModelRunner
@@ -74,16 +75,17 @@ class Engine:
         self.fingerprint = fingerprint
         self.max_model_len = min(config.max_model_len or model_config.max_model_len, model_config.max_model_len)
         dtype = next(model.parameters()).dtype
-        per_block = (model_config.num_layers * 2 * config.block_size * model_config.num_kv_heads
-                     * model_config.head_dim * torch.tensor([], dtype=dtype).element_size())
-        num_blocks = config.num_gpu_blocks or max(1, config.kv_cache_bytes // per_block)
+        per_block = block_bytes_for(model_config.num_layers, config.block_size, model_config.num_kv_heads,
+                                    model_config.head_dim, dtype)
+        num_blocks = kv_pool_blocks(config, model, torch.device(config.device), per_block)
         self.kv_cache = KVCache(model_config, num_blocks, config.block_size, dtype, config.device,
                                 config.num_cpu_blocks, fingerprint)
         self.block_manager = BlockManager(num_blocks, config.block_size, fingerprint, config.enable_prefix_caching,
                                           config.num_cpu_blocks, kv=self.kv_cache)
         self.scheduler = Scheduler(config, self.block_manager)
         self.core = EngineCore(self.scheduler, self.block_manager, self.max_model_len)  # shared with the simulator
-        self.runner = ModelRunner(model, self.kv_cache, native=config.native_kernels)
+        self.runner = ModelRunner(model, self.kv_cache, native=config.native_kernels, attention=config.attention,
+                                  cuda_graph_max_batch=config.max_num_seqs if config.cuda_graphs else 0)
         self.sampler = Sampler(model_config.vocab_size)
         self.sampler.native_ops = self.runner.native_ops
         self.eos_token_ids = sorted(set(model_config.eos_token_ids) | set(tokenizer.eos_token_ids))

@@ -201,6 +201,10 @@ async def _heartbeat_loop(w: Worker, registry: Registry | None, interval_s: floa
         await asyncio.sleep(interval_s)
 
 
+ENGINE_SIZE_FLAGS = ("kv_cache_bytes", "gpu_memory_utilization", "block_size", "max_num_batched_tokens",
+                     "max_model_len")
+
+
 def engine_config_from_env(args) -> EngineConfig:
     kw = {}
     if getattr(args, "num_gpu_blocks", None):
@@ -215,6 +219,9 @@ def engine_config_from_env(args) -> EngineConfig:
         kw["policy"] = args.policy
     if getattr(args, "threads", None):
         kw["num_threads"] = args.threads
+    for name in ENGINE_SIZE_FLAGS:  # KV pool and batch sizes (kv_sizing.py)
+        if getattr(args, name, None) is not None:
+            kw[name] = getattr(args, name)
     if os.environ.get("PDSERVE_FAULT_STEP_DELAY_S"):  # fault injection only (EngineConfig.fault_step_delay_s)
         kw["fault_step_delay_s"] = float(os.environ["PDSERVE_FAULT_STEP_DELAY_S"])
     return EngineConfig(**kw)
