@@ -96,9 +96,9 @@ def test_issue_reproduction_is_a_400_naming_the_parameter(gw, path, raw, param):
     ('{"prompt": "hi", "stream": "yes"}', "stream"),
     ('{"prompt": "hi", "stream_options": {"include_usage": "yes"}}', "stream_options.include_usage"),
     ('{"prompt": "hi", "model": ["x"]}', "model"),
-    ('{"messages": [{"role": 5, "content": "x"}]}', "messages[0]"),
+    ('{"messages": [{"role": 5, "content": "x"}]}', "messages[0].role"),
     ('{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}',
-     "messages[0].content[0]"),
+     "messages[0].content[0].type"),
     ('{"messages": [{"role": "user", "content": 5}]}', "messages[0].content"),
     ('{"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"schema": {"a": [1e999]}}}}',
      "response_format.json_schema.schema"),
@@ -120,7 +120,7 @@ def test_not_json_is_400(gw, raw):
 
 def test_a_valid_body_passes_the_checks(gw):
     """The control: the same shapes, valid, get as far as routing (no router here: 503), with no internals."""
-    for path, body in (("/v1/completions", {"prompt": "ab\U0001F600cd", "max_tokens": 2147483647, "n": 128,
+    for path, body in (("/v1/completions", {"prompt": "ab\U0001F600cd", "max_tokens": 1000, "n": 128,
                                             "stop": ["x"], "stream_options": {"include_usage": True}}),
                        ("/v1/completions", {"prompt": [[1, 2], [3]], "seed": 2**63 - 1}),
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [

@@ -146,10 +146,11 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
         form = OpenAIForm(cfg.served_model_name, chat, tokenizer=tok)
 
         async def parse() -> GenerateCall:
-            body = parser.body(raw)
+            body = parser.body(raw, chat)
             debug = debug_options(request.headers)
             params = to_sampling_params(body, chat=chat, vocab_size=vocab)
             prompts = [await parser.chat_prompt(body)] if chat else await parser.completion_prompts(body)
+            parser.check_room(prompts, params.max_tokens, body)
             form.return_token_ids = bool(body.get("return_token_ids", False))
             if not chat and body.get("echo") is True:
                 form.echo_prompts = echo_texts(body["prompt"], prompts, tok)

@@ -22,7 +22,7 @@ from pdserve.services.gateway.params import APIError
 log = logging.getLogger("pdserve.gateway")
 
 # engine parameter names -> the request field a client wrote
-_CLIENT_PARAM = {"guided": "response_format"}
+_CLIENT_PARAM = {"guided.regex": "guided_regex", "guided.grammar": "guided_grammar", "guided": "response_format"}
 
 
 class RequestFailed(Exception):
@@ -64,8 +64,10 @@ def grpc_status(r: ErrorReply) -> tuple[grpc.StatusCode, str]:
 def client_param(param: str | None) -> str | None:
     if param is None:
         return None
-    head = param.split(".", 1)[0]
-    return _CLIENT_PARAM.get(head, param)
+    for engine_name, client_name in _CLIENT_PARAM.items():
+        if param == engine_name or param.startswith(engine_name + "."):
+            return client_name
+    return param
 
 
 def reply_for(e: BaseException) -> ErrorReply:

@@ -66,6 +66,73 @@ def flag(body: dict, name: str, default: bool = False) -> bool:
     return v
 
 
+def _schema_text(v, param: str) -> str:
+    if isinstance(v, str):
+        try:
+            v = json.loads(v)
+        except (ValueError, RecursionError):
+            raise bad(param, "must be a JSON schema (an object, or its JSON text)") from None
+    if not isinstance(v, dict):
+        raise bad(param, "must be a JSON schema (an object, or its JSON text)")
+    try:  # strict JSON for the worker's grammar compiler: no NaN / Infinity
+        return json.dumps(v, allow_nan=False)
+    except (ValueError, RecursionError):
+        raise bad(param, "must be a JSON schema object") from None
+
+
+def _str(body: dict, name: str, max_len: int = 1 << 16) -> str | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, str) or not v:
+        raise bad(name, "must be a non-empty string")
+    if len(v) > max_len:
+        raise bad(name, f"must be at most {max_len} characters")
+    return v
+
+
+def _list(body: dict, name: str, item, what: str, max_items: int, min_items: int = 0) -> list | None:
+    """A list whose items pass `item` (no bools for integers), of [min_items, max_items] entries."""
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, list) or not min_items <= len(v) <= max_items or not all(item(x) for x in v):
+        raise bad(name, f"must be a list of {min_items}..{max_items} {what}")
+    return list(v)
+
+
+def _is_id(x) -> bool:
+    return type(x) is int and 0 <= x <= INT32_MAX  # noqa: E721 - a bool is not a token id
+
+
+def _is_text(x) -> bool:
+    return isinstance(x, str) and 0 < len(x) <= 1024
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """`guided_choice`: an EBNF whose language is exactly the given strings (JSON string escapes are EBNF's)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _extension_guided(body: dict) -> tuple[str, GuidedSpec] | None:
+    """The one guided_* extension given, if any."""
+    found = []
+    if body.get("guided_json") is not None:
+        found.append(("guided_json", GuidedSpec(json_schema=_schema_text(body["guided_json"], "guided_json"))))
+    rx = _str(body, "guided_regex")
+    if rx is not None:
+        found.append(("guided_regex", GuidedSpec(regex=rx)))
+    gr = _str(body, "guided_grammar")
+    if gr is not None:
+        found.append(("guided_grammar", GuidedSpec(grammar=gr)))
+    ch = _list(body, "guided_choice", _is_text, "non-empty strings (up to 1024 characters)", 256, 1)
+    if ch is not None:
+        found.append(("guided_choice", GuidedSpec(grammar=choice_grammar(ch))))
+    if len(found) > 1:
+        raise bad(found[1][0], f"only one constraint per request (also given: {found[0][0]})")
+    return found[0] if found else None
+
+
 def _guided(rf) -> GuidedSpec | None:
     if rf is None:
         return None
@@ -80,10 +147,7 @@ def _guided(rf) -> GuidedSpec | None:
         js = rf.get("json_schema")
         if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
             raise bad("response_format.json_schema.schema", "must be a JSON schema object")
-        try:  # strict JSON for the worker's grammar compiler: no NaN / Infinity
-            return GuidedSpec(json_schema=json.dumps(js["schema"], allow_nan=False))
-        except (ValueError, RecursionError):
-            raise bad("response_format.json_schema.schema", "must be a JSON schema object") from None
+        return GuidedSpec(json_schema=_schema_text(js["schema"], "response_format.json_schema.schema"))
     raise bad("response_format.type", f"unsupported type {t!r} (text, json_object, json_schema)")
 
 
@@ -143,7 +207,26 @@ def to_sampling_params(body: dict, *, chat: bool, vocab_size: int) -> SamplingPa
         p.logprobs = _num(body, "logprobs", int, None, 0, 20)
         if echo and p.logprobs is not None:  # the echoed prompt's tokens get log-probs too
             p.prompt_logprobs = p.logprobs
+    p.typical_p = _num(body, "typical_p", float, 1.0)
+    p.no_repeat_ngram_size = _num(body, "no_repeat_ngram_size", int, 0, 0)
+    p.stop_token_ids = _list(body, "stop_token_ids", _is_id, "token ids", 64) or []
+    p.include_stop_str_in_output = flag(body, "include_stop_str_in_output")
+    p.skip_special_tokens = flag(body, "skip_special_tokens", True)
+    p.bad_words = _list(body, "bad_words", _is_text, "non-empty strings (up to 1024 characters)", 64) or []
+    p.allowed_token_ids = _list(body, "allowed_token_ids", _is_id, "token ids", 1 << 20, 1)
+    plp = _num(body, "prompt_logprobs", int, None, 0, 20)
+    if plp is not None:
+        if flag(body, "stream"):
+            raise bad("prompt_logprobs", "is not supported with stream")
+        if echo:
+            raise bad("prompt_logprobs", "with echo, the prompt's log-probs come with `logprobs`")
+        p.prompt_logprobs = plp
     p.guided = _guided(body.get("response_format"))
+    ext = _extension_guided(body)
+    if ext is not None:
+        if p.guided is not None:
+            raise bad(ext[0], "only one constraint per request (also given: response_format)")
+        p.guided = ext[1]
     validate(p, vocab_size)
     return p
 

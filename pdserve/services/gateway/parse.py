@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jinja2
 
 from pdserve.engine.tokenizer import Tokenizer
+from pdserve.services.gateway.fields import check_known
 from pdserve.services.gateway.params import APIError, _num, bad, flag
 from pdserve.services.gateway.redact import scrub
 
@@ -25,6 +26,7 @@ from pdserve.services.gateway.redact import scrub
 INLINE_CHARS = 8 << 10
 TOKENIZE_THREADS = 2  # bounded: a burst of huge prompts queues here instead of starting a thread each
 MAX_PROMPTS = 1024  # prompts in one completions body (each one is an engine request, times n)
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def _reject_constant(name: str):
@@ -69,7 +71,8 @@ class RequestParser:
 
     # ---- the envelope: JSON, strings, the fields the endpoint reads itself ----
 
-    def body(self, raw: bytes) -> dict:
+    def body(self, raw: bytes, chat: bool | None = None) -> dict:
+        """The JSON body, its envelope fields checked; with `chat` given, also every field's name (fields.py)."""
         try:
             text = raw.decode("utf-8")  # strict: bytes of a surrogate are refused too
         except UnicodeDecodeError:
@@ -88,13 +91,16 @@ class RequestParser:
             if where is not None:  # the path is made of the client's keys: bounded in the answer
                 raise bad(where if len(where) <= 200 else where[:199] + "…",
                           "contains a lone UTF-16 surrogate (not encodable as UTF-8)")
+        if chat is not None:
+            check_known(body, chat)
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise bad("model", "must be a string")
         if model is not None and model != self.model:
             raise APIError(404, f"The model '{model}' does not exist", "invalid_request_error", "model",
                            "model_not_found")
-        for name in ("stream", "return_token_ids", "return_stage_times", "allow_degrade", "echo", "ignore_eos"):
+        for name in ("stream", "return_token_ids", "return_stage_times", "allow_degrade", "echo", "ignore_eos",
+                     "include_stop_str_in_output", "skip_special_tokens"):
             flag(body, name)
         so = body.get("stream_options")
         if so is not None:
@@ -102,6 +108,9 @@ class RequestParser:
                 raise bad("stream_options", "must be an object")
             if so.get("include_usage") is not None and not isinstance(so["include_usage"], bool):
                 raise bad("stream_options.include_usage", "must be true or false")
+            for k in so:
+                if k != "include_usage":
+                    raise bad(f"stream_options.{k[:100]}", "unknown parameter")
         if body.get("timeout") is not None and _num(body, "timeout", float) <= 0:
             raise bad("timeout", "must be a positive number of seconds")
         if body.get("user") is not None and not isinstance(body["user"], str):
@@ -109,6 +118,17 @@ class RequestParser:
         return body
 
     # ---- prompts ----
+
+    def check_room(self, prompts: list[list[int]], max_tokens: int | None, body: dict) -> None:
+        """A max_tokens that cannot fit the context after the longest prompt is a 400, not silently cut."""
+        if max_tokens is None or not prompts:
+            return
+        longest = max(len(p) for p in prompts)
+        if longest + max_tokens > self.max_len:
+            param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+            raise APIError(400, f"'{param}' is {max_tokens} but the prompt has {longest} tokens and the context is "
+                                f"{self.max_len} tokens: at most {self.max_len - longest} can be generated",
+                           param=param, code="context_length_exceeded")
 
     def check(self, ids: list[int], param: str = "prompt") -> list[int]:
         if not ids:
@@ -156,24 +176,31 @@ class RequestParser:
             raise bad("messages", "must be a non-empty list")
         norm = []
         for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
-                raise bad(f"messages[{i}]", "must be an object with a role (a string)")
+            if not isinstance(m, dict):
+                raise bad(f"messages[{i}]", "must be an object")
+            if not isinstance(m.get("role"), str):
+                raise bad(f"messages[{i}].role", "must be a string")
+            if m["role"] not in ROLES:
+                raise bad(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}")
             if m.get("name") is not None and not isinstance(m["name"], str):
                 raise bad(f"messages[{i}].name", "must be a string")
             c = m.get("content")
             if isinstance(c, list):
                 texts = []
                 for j, part in enumerate(c):
-                    if not isinstance(part, dict) or part.get("type") != "text":
-                        raise bad(f"messages[{i}].content[{j}]", "only text parts ({'type': 'text', ...}) "
-                                                                   "are supported")
+                    if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                        raise bad(f"messages[{i}].content[{j}]", "must be a content part object with a type")
+                    if part["type"] != "text":
+                        raise bad(f"messages[{i}].content[{j}].type", f"{part['type'][:40]!r} content parts are "
+                                                                        "not supported (text only)")
                     if not isinstance(part.get("text"), str):
                         raise bad(f"messages[{i}].content[{j}].text", "must be a string")
                     texts.append(part["text"])
                 c = "".join(texts)
             elif c is not None and not isinstance(c, str):
                 raise bad(f"messages[{i}].content", "must be a string, a list of text parts, or null")
-            norm.append({**m, "content": c if c is not None else ""})
+            role = "system" if m["role"] == "developer" else m["role"]  # OpenAI's newer name; templates know "system"
+            norm.append({**m, "role": role, "content": c if c is not None else ""})
         return norm
 
     def _render_and_encode(self, msgs: list[dict]) -> list[int]:

@@ -65,6 +65,17 @@ def echo_logprobs(prompt_ids: list[int], prompt_lps: list, answer: dict, tok: To
             "text_offset": text_offsets(prompt_ids, 0, tok) + answer["text_offset"]}
 
 
+def prompt_logprobs(lps: list) -> list:
+    """The `prompt_logprobs` extension, as vLLM writes it: per prompt token a map token id -> {logprob,
+    decoded_token} (the token itself and its top alternatives); the first token has none (null)."""
+    out: list = [None]
+    for lp in lps:
+        entry = {str(t.token_id): {"logprob": t.logprob, "decoded_token": t.token} for t in lp.top}
+        entry[str(lp.token_id)] = {"logprob": lp.logprob, "decoded_token": lp.token}
+        out.append(entry)
+    return out
+
+
 def usage(handler: RequestHandler, st: RequestState) -> dict:
     pt, ct = st.prompt_tokens, st.completion_tokens
     u = {"prompt_tokens": pt, "completion_tokens": ct, "total_tokens": pt + ct,
@@ -109,6 +120,8 @@ async def collect(handler: RequestHandler, st: RequestState, form: OpenAIForm) -
             c["message"] = {"role": "assistant", "content": t}
         else:
             c["text"] = t
+        if form.echo_prompts is None and st.call.params.prompt_logprobs is not None:
+            c["prompt_logprobs"] = prompt_logprobs(st.prompt_logprobs[i])
         if form.return_token_ids:
             c["token_ids"] = ids[i]
         choices.append(c)

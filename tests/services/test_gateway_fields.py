@@ -1,0 +1,241 @@
+"""Strict parameters and strict types (issue 18, items 2 and 3): every field is supported or a 400 naming it.
+
+Against the real app (create_app behind an in-process ASGI client, router on a closed port): a body that passes
+every check ends as 503 `no_workers`, so a 503 is the proof a field was accepted and a 400 the proof it was not.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pdserve.services.gateway.fields import FIELDS, UNSUPPORTED
+from pdserve.services.gateway.params import APIError, choice_grammar, to_sampling_params
+from tests.services.test_gateway_hostile import Gateway
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "api.md"
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+CMPL = {"prompt": "hi"}
+
+
+@pytest.fixture(scope="module")
+def gw():
+    g = Gateway()
+    yield g
+    g.close()
+
+
+def post(gw, body: dict, chat: bool):
+    return gw.post("/v1/chat/completions" if chat else "/v1/completions", json.dumps(body).encode())
+
+
+def refused(gw, body: dict, chat: bool, param: str) -> dict:
+    r = post(gw, {**(CHAT if chat else CMPL), **body}, chat)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param, r.text
+    return err
+
+
+def accepted(gw, body: dict, chat: bool) -> None:
+    r = post(gw, {**(CHAT if chat else CMPL), **body}, chat)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "no_workers", r.text
+
+
+# ---- unknown and unsupported fields ----
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("name", ["temprature", "max_token", "topk", "frobnicate", "Stream"])
+def test_unknown_field_is_a_400_naming_it(gw, chat, name):
+    err = refused(gw, {name: 1}, chat, name)
+    assert "unknown parameter" in err["message"]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("name,value", [("suffix", "x"), ("functions", [{"name": "f"}]), ("function_call", "auto"),
+                                        ("service_tier", "flex"), ("store", True), ("metadata", {"a": "b"}),
+                                        ("priority", 0), ("modalities", ["text", "audio"]), ("audio", {}),
+                                        ("prediction", {"type": "content", "content": "x"}),
+                                        ("reasoning_effort", "low")])
+def test_unsupported_openai_field_is_a_400(gw, chat, name, value):
+    refused(gw, {name: value}, chat, name)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_unsupported_fields_pass_with_the_value_that_changes_nothing(gw, chat):
+    accepted(gw, {"store": False, "service_tier": "auto", "modalities": ["text"], "suffix": None, "user": "u1"},
+             chat)
+
+
+@pytest.mark.parametrize("chat,name,value", [(True, "prompt", "x"), (True, "echo", True), (True, "best_of", 1),
+                                             (False, "messages", []), (False, "max_completion_tokens", 3),
+                                             (False, "top_logprobs", 2)])
+def test_the_other_endpoints_field_is_a_400(gw, chat, name, value):
+    err = refused(gw, {name: value}, chat, name)
+    assert "parameter" in err["message"]
+
+
+def test_unknown_stream_option_is_named(gw):
+    refused(gw, {"stream": True, "stream_options": {"include_usage": True, "continuous": True}}, False,
+            "stream_options.continuous")
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(name=st.text(min_size=1, max_size=30).filter(
+    lambda s: s not in {f.name for f in FIELDS} | set(UNSUPPORTED) and s.encode("utf-8", "ignore").decode() == s),
+    chat=st.booleans())
+def test_any_other_name_is_refused(gw, name, chat):
+    refused(gw, {name: 1}, chat, name)
+
+
+# ---- strict types: no coercion ----
+
+@pytest.mark.parametrize("chat,body,param", [
+    (False, {"stream": "false"}, "stream"),
+    (True, {"stream": 0}, "stream"),
+    (False, {"ignore_eos": "false"}, "ignore_eos"),
+    (True, {"logprobs": "yes"}, "logprobs"),
+    (True, {"logprobs": 1}, "logprobs"),
+    (False, {"allow_degrade": "no"}, "allow_degrade"),
+    (False, {"return_token_ids": 1}, "return_token_ids"),
+    (True, {"user": 5}, "user"),
+    (True, {"user": {"id": 1}}, "user"),
+    (False, {"include_stop_str_in_output": "true"}, "include_stop_str_in_output"),
+    (False, {"skip_special_tokens": 0}, "skip_special_tokens"),
+    (False, {"echo": "true"}, "echo"),
+    (False, {"logprobs": True}, "logprobs"),
+    (False, {"max_tokens": "8"}, "max_tokens"),
+    (False, {"max_tokens": True}, "max_tokens"),
+    (True, {"temperature": "0.5"}, "temperature"),
+    (False, {"n": 1.5}, "n"),
+    (False, {"seed": "1"}, "seed"),
+    (True, {"messages": [{"role": 1, "content": "x"}]}, "messages[0].role"),
+    (True, {"messages": [{"role": {"r": "user"}, "content": "x"}]}, "messages[0].role"),
+    (True, {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    (True, {"messages": [{"role": "user", "content": 12}]}, "messages[0].content"),
+    (True, {"messages": [{"role": "user", "content": {"text": "x"}}]}, "messages[0].content"),
+    (True, {"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]},
+     "messages[0].content[0].text"),
+    (True, {"messages": [{"role": "user", "name": 3, "content": "x"}]}, "messages[0].name"),
+])
+def test_mistyped_field_is_a_400_naming_it(gw, chat, body, param):
+    refused(gw, body, chat, param)
+
+
+@pytest.mark.parametrize("part", [{"type": "image_url", "image_url": {"url": "https://x/y.png"}},
+                                  {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+                                  {"type": "file", "file": {"file_id": "f"}}])
+def test_non_text_content_part_is_a_400_naming_its_type(gw, part):
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "see"}, part]}]
+    err = refused(gw, {"messages": msgs}, True, "messages[0].content[1].type")
+    assert part["type"] in err["message"]
+
+
+def test_developer_role_is_accepted(gw):
+    accepted(gw, {"messages": [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}]},
+             True)
+
+
+@pytest.mark.parametrize("chat,name", [(False, "max_tokens"), (True, "max_tokens"),
+                                       (True, "max_completion_tokens")])
+def test_max_tokens_beyond_the_context_is_a_400(gw, chat, name):
+    max_len = gw.app.state.parser.max_len
+    prompt_len = len(gw.app.state.tokenizer.encode("hi"))
+    err = refused(gw, {name: max_len}, chat, name)
+    assert err["code"] == "context_length_exceeded"
+    if not chat:  # the exact boundary: prompt + max_tokens == context fits
+        accepted(gw, {name: max_len - prompt_len}, chat)
+        refused(gw, {name: max_len - prompt_len + 1}, chat, name)
+
+
+# ---- the extensions: mapped to the engine's parameters, validated like the standard ones ----
+
+def sp(body, chat=False):
+    return to_sampling_params(body, chat=chat, vocab_size=320)
+
+
+def test_extensions_reach_the_sampling_params():
+    p = sp({"typical_p": 0.5, "no_repeat_ngram_size": 3, "stop_token_ids": [4, 5],
+            "include_stop_str_in_output": True, "skip_special_tokens": False, "bad_words": ["ab", "c d"],
+            "allowed_token_ids": [7, 8, 9], "prompt_logprobs": 2, "top_k": 5, "min_p": 0.2, "min_tokens": 2,
+            "repetition_penalty": 1.3, "ignore_eos": True})
+    assert (p.typical_p, p.no_repeat_ngram_size, p.stop_token_ids, p.include_stop_str_in_output,
+            p.skip_special_tokens, p.bad_words, p.allowed_token_ids, p.prompt_logprobs, p.top_k, p.min_p,
+            p.min_tokens, p.repetition_penalty, p.ignore_eos) == \
+        (0.5, 3, [4, 5], True, False, ["ab", "c d"], [7, 8, 9], 2, 5, 0.2, 2, 1.3, True)
+    d = sp({})
+    assert (d.typical_p, d.stop_token_ids, d.skip_special_tokens, d.allowed_token_ids, d.prompt_logprobs,
+            d.guided) == (1.0, [], True, None, None, None)
+    assert sp({"guided_regex": "[a-z]+"}).guided.regex == "[a-z]+"
+    assert sp({"guided_grammar": 'root ::= "x"'}).guided.grammar == 'root ::= "x"'
+    assert json.loads(sp({"guided_json": {"type": "object"}}).guided.json_schema) == {"type": "object"}
+    assert json.loads(sp({"guided_json": '{"type": "integer"}'}).guided.json_schema) == {"type": "integer"}
+    assert sp({"guided_choice": ["yes", "no"]}).guided.grammar == choice_grammar(["yes", "no"])
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"typical_p": 0}, "typical_p"), ({"typical_p": 1.5}, "typical_p"), ({"typical_p": "x"}, "typical_p"),
+    ({"no_repeat_ngram_size": -1}, "no_repeat_ngram_size"),
+    ({"stop_token_ids": [1, True]}, "stop_token_ids"), ({"stop_token_ids": [320]}, "stop_token_ids"),
+    ({"stop_token_ids": "1"}, "stop_token_ids"), ({"stop_token_ids": list(range(65))}, "stop_token_ids"),
+    ({"bad_words": [""]}, "bad_words"), ({"bad_words": "x"}, "bad_words"), ({"bad_words": [1]}, "bad_words"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"), ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
+    ({"allowed_token_ids": [999]}, "allowed_token_ids"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"), ({"prompt_logprobs": True}, "prompt_logprobs"),
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ({"prompt_logprobs": 1, "echo": True}, "prompt_logprobs"),
+    ({"guided_regex": ""}, "guided_regex"), ({"guided_regex": 5}, "guided_regex"),
+    ({"guided_grammar": ["x"]}, "guided_grammar"), ({"guided_choice": []}, "guided_choice"),
+    ({"guided_choice": "yes"}, "guided_choice"), ({"guided_choice": ["a", 1]}, "guided_choice"),
+    ({"guided_json": 5}, "guided_json"), ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+    ({"top_k": -2}, "top_k"), ({"min_p": 2}, "min_p"), ({"min_tokens": -1}, "min_tokens"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"ignore_eos": 1}, "ignore_eos"),
+])
+def test_extension_validation_names_the_field(body, param):
+    with pytest.raises(APIError) as e:
+        sp(body)
+    assert e.value.status == 400 and e.value.param == param, e.value.message
+
+
+def test_guided_choice_grammar_accepts_exactly_the_choices():
+    xgr = pytest.importorskip("xgrammar")
+    from pdserve.builtin import builtin_model_dir
+    from pdserve.engine.grammar import get_compiler
+    from pdserve.engine.tokenizer import Tokenizer
+    tok = Tokenizer(builtin_model_dir())
+    choices = ['say "hi"', "naïve\nline", "back\\slash", "yes"]
+    compiled = get_compiler(tok, tok.vocab_size).compile_grammar(choice_grammar(choices))
+    for c in choices:
+        m = xgr.GrammarMatcher(compiled)
+        assert m.accept_string(c) and m.is_completed(), c
+    for other in ("ye", "yess", "say hi", "naive\nline"):
+        m = xgr.GrammarMatcher(compiled)
+        assert not (m.accept_string(other) and m.is_completed()), other
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_every_extension_passes_the_gateway(gw, chat):
+    accepted(gw, {"typical_p": 0.9, "stop_token_ids": [2], "include_stop_str_in_output": False,
+                  "skip_special_tokens": True, "bad_words": ["zz"], "allowed_token_ids": [5, 6, 7],
+                  "prompt_logprobs": 1, "guided_choice": ["a", "b"], "no_repeat_ngram_size": 2, "top_k": 3,
+                  "min_p": 0.1, "min_tokens": 1, "ignore_eos": False, "timeout": 5, "allow_degrade": True,
+                  "return_token_ids": True, "repetition_penalty": 1.1, "max_tokens": 4}, chat)
+
+
+# ---- one table, documented ----
+
+def test_docs_table_lists_every_field_with_its_endpoints():
+    text = DOCS.read_text()
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `([a-z_]+)` \|.*$", text, re.M)}
+    for f in FIELDS:
+        assert f.name in rows, f"docs/api.md has no row for {f.name}"
+        if f.extension:
+            assert "extension" in rows[f.name], f.name
+    for name in UNSUPPORTED:
+        assert name in rows and "400" in rows[name], name
