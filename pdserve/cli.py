@@ -52,6 +52,9 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
                    help="torch intra-op threads (default: all cores; `up` splits the cores between workers)")
 
 
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # pdserve/services/gateway/tools/registry.py
+
+
 def _add_lifecycle(p: argparse.ArgumentParser) -> None:
     """Gateway ingress gate + admission (docs/admission.md)."""
     p.add_argument("--redis-url", help="shared rate limits, quotas and KV reservations (unset: none of them shared)")
@@ -65,6 +68,9 @@ def _add_lifecycle(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue-wait", type=nonneg_float, default=10.0)
     p.add_argument("--kv-overcommit", type=positive_float, default=1.0, help="reservable blocks = worker KV blocks x this")
     p.add_argument("--reservation-lease", type=positive_float, default=10.0)
+    p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                   help="the model's tool call format (docs/api.md, Tool calling); unset: the one the chat template "
+                        "writes, else hermes")
 
 
 def _add_security(p: argparse.ArgumentParser) -> None:

@@ -24,6 +24,7 @@ compile cache — plus a bounded dict of compiled grammars per spec.
 from __future__ import annotations
 
 import json
+import re
 from collections import OrderedDict
 
 import torch
@@ -62,7 +63,13 @@ def get_compiler(tokenizer, vocab_size: int) -> xgr.GrammarCompiler:
 
 def compile_guided(spec: GuidedSpec, tokenizer, vocab_size: int) -> xgr.CompiledGrammar:
     """Compile (or fetch from cache) the grammar for `spec`. Raises ValueError naming the field."""
-    if spec.json_schema is not None:
+    if spec.json_schema is not None and spec.grammar is not None:
+        kind, text = "wrapped_json", (spec.grammar, spec.json_schema)
+        try:
+            json.loads(spec.json_schema)
+        except (json.JSONDecodeError, TypeError) as e:
+            raise _bad("json_schema", f"not valid JSON ({e})") from e
+    elif spec.json_schema is not None:
         kind, text = "json_schema", spec.json_schema
         try:
             json.loads(text)
@@ -82,14 +89,17 @@ def compile_guided(spec: GuidedSpec, tokenizer, vocab_size: int) -> xgr.Compiled
         return _compiled[key]
     compiler = get_compiler(tokenizer, vocab_size)
     try:
-        if kind in ("json_schema", "json_object"):
+        if kind == "wrapped_json":
+            compiled = compiler.compile_grammar(wrapped_json_ebnf(*text))
+        elif kind in ("json_schema", "json_object"):
             compiled = compiler.compile_grammar(_json_schema_ebnf(text))
         elif kind == "regex":
             compiled = compiler.compile_regex(text)
         else:
             compiled = compiler.compile_grammar(text)
     except Exception as e:  # xgrammar raises RuntimeError / InvalidJSONError with the parse problem
-        raise _bad("json_schema" if kind == "json_object" else kind, str(e).strip().splitlines()[0][:300]) from e
+        field = {"json_object": "json_schema", "wrapped_json": "grammar"}.get(kind, kind)
+        raise _bad(field, str(e).strip().splitlines()[0][:300]) from e
     _compiled[key] = compiled
     if len(_compiled) > _MAX_CACHED:
         _compiled.popitem(last=False)
@@ -107,6 +117,13 @@ _JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
 def _json_schema_ebnf(schema: str) -> str:
     ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
     return ebnf.replace(_XGR_LOOSE_CHAR, _JSON_STRING_CHAR)
+
+
+def wrapped_json_ebnf(grammar: str, schema: str) -> str:
+    """`grammar` (which must not define rules named like the schema's: `json_root`, `basic_*`, `root_*`) plus the
+    schema's rules, its `root` renamed `json_root`."""
+    rules = re.sub(r"(?<![\w])root(?![\w])", "json_root", _json_schema_ebnf(schema))
+    return grammar.rstrip() + "\n" + rules
 
 
 class GrammarState:

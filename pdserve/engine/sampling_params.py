@@ -13,6 +13,8 @@ class GuidedSpec:
     json_object: bool = False  # any JSON object
     regex: str | None = None
     grammar: str | None = None  # EBNF (GBNF dialect, as xgrammar reads it)
+    # json_schema and grammar together: the grammar's rule `json_root` is the schema's language (a tool call's
+    # JSON inside the model's own call syntax, e.g. "<tool_call>\n" json_root "\n</tool_call>")
 
 
 # Copies of one request (n, best_of): OpenAI's limit. Each copy is a sequence, a KV reservation share and, in
@@ -122,7 +124,8 @@ class SamplingParams:
         if self.guided is not None:
             g = self.guided
             n_set = sum([g.json_schema is not None, bool(g.json_object), g.regex is not None, g.grammar is not None])
-            if n_set != 1:
+            wrapped = n_set == 2 and g.json_schema is not None and g.grammar is not None
+            if n_set != 1 and not wrapped:
                 bad("guided", "exactly one of json_schema, json_object, regex, grammar must be set")
         for v in self.logit_bias.values():
             if not (-100.0 <= v <= 100.0):

@@ -31,6 +31,10 @@ from pdserve.services.gateway import http_metrics
 from pdserve.services.gateway.parse import RequestParser
 from pdserve.services.gateway.responses import OpenAIForm
 from pdserve.services.gateway.schema import GenerateCall, RequestState
+from pdserve.services.gateway.tools.output import ToolOutput
+from pdserve.services.gateway.tools.registry import pick
+from pdserve.services.gateway.tools.request import ToolRequest, tool_request
+from pdserve.services.gateway.tools.base import ToolCallParser
 from pdserve.services.redis_conn import NO_AUTH, RedisAuth
 
 log = logging.getLogger("pdserve.gateway")
@@ -59,6 +63,7 @@ class GatewayConfig:
     # internal security (docs/services.md, Trust model): Redis AUTH/TLS, and the registry HMAC key
     redis_auth: RedisAuth = NO_AUTH
     registry_key: bytes | None = None
+    tool_call_parser: str | None = None  # the model's tool call format; None: detected from its chat template
 
 
 def debug_options(headers) -> set[str]:
@@ -75,6 +80,31 @@ def echo_texts(prompt, prompts: list[list[int]], tok: Tokenizer) -> list[str]:
     if all(isinstance(p, str) for p in prompt):
         return list(prompt)
     return [tok.decode(ids) for ids in prompts]
+
+
+def pick_tool_parser(name: str | None, tok: Tokenizer) -> ToolCallParser:
+    """`--tool-call-parser`, else the format the chat template (its tool-use variant) writes."""
+    try:
+        template = tok.template_for(tools=[]) if tok.chat_templates else None
+    except ValueError:  # several templates, none the default: detection looks at none of them
+        template = None
+    return pick(name, template)
+
+
+def tool_output(treq: ToolRequest, parser: ToolCallParser, params) -> ToolOutput | None:
+    """How the answer is read for calls (None for `tool_choice: none`: plain text); `required` and a named
+    function constrain the sampling to the parser's call syntax, the arguments to the function's schema."""
+    if treq.choice == "none":
+        return None
+    if treq.constrained:
+        if params.guided is not None:
+            raise APIError(400, "invalid parameter 'tool_choice': a required or named tool choice cannot be "
+                                "combined with response_format or guided_* (both constrain the output)",
+                           param="tool_choice", code="invalid_parameter")
+        params.guided = parser.constraint(treq.allowed(), treq.parallel and treq.named is None)
+    if not parser.skip_special_tokens:
+        params.skip_special_tokens = False  # the call marker is a special token: the parser must see it
+    return ToolOutput(parser, treq.parallel and treq.named is None)
 
 
 def _error_response(e: BaseException) -> JSONResponse:
@@ -135,6 +165,7 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
     parser = RequestParser(tok, vocab, max_len, cfg.served_model_name)  # parse.py: strict, 400 naming the field
     app.state.parser = parser
     handler = RequestHandler(life, disp, max_len)
+    tool_parser = pick_tool_parser(cfg.tool_call_parser, tok)  # tools/registry.py
     app.state.handler = handler  # the gRPC front door serves through the same one (server.py)
 
     @app.exception_handler(APIError)
@@ -149,7 +180,11 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
             body = parser.body(raw, chat)
             debug = debug_options(request.headers)
             params = to_sampling_params(body, chat=chat, vocab_size=vocab)
-            prompts = [await parser.chat_prompt(body)] if chat else await parser.completion_prompts(body)
+            treq = tool_request(body) if chat else None
+            if treq is not None:
+                form.tools = tool_output(treq, tool_parser, params)
+            prompts = [await parser.chat_prompt(body, treq.tools if treq else None)] if chat \
+                else await parser.completion_prompts(body)
             parser.check_room(prompts, params.max_tokens, body)
             form.return_token_ids = bool(body.get("return_token_ids", False))
             if not chat and body.get("echo") is True:

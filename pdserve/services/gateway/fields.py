@@ -64,6 +64,12 @@ FIELDS: list[Field] = [
     Field("top_logprobs", {**_INT, "minimum": 0, "maximum": 20}, "with logprobs: true", (CHAT,)),
     Field("response_format", {"type": "object"}, "`text`, `json_object`, `json_schema`"),
     Field("user", _STR, "accepted and not used"),
+    Field("tools", {"type": "array", "items": {"type": "object"}, "minItems": 1, "maxItems": 128},
+          "function tools (`{type: function, function: {name, description, parameters}}`), given to the chat "
+          "template", (CHAT,)),
+    Field("tool_choice", {"oneOf": [{"enum": ["none", "auto", "required"]}, {"type": "object"}]},
+          "`required` and `{type: function, function: {name}}` are enforced by a grammar", (CHAT,)),
+    Field("parallel_tool_calls", _BOOL, "false: at most one call", (CHAT,)),
     # ---- pdserve's extensions ----
     Field("top_k", {**_INT, "minimum": -1}, "-1 or 0: off; at most the vocabulary size", extension=True),
     Field("min_p", {**_NUM, "minimum": 0, "maximum": 1}, "", extension=True),

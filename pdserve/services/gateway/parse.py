@@ -21,6 +21,7 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.services.gateway.fields import check_known
 from pdserve.services.gateway.params import APIError, _num, bad, flag
 from pdserve.services.gateway.redact import scrub
+from pdserve.services.gateway.tools.request import history_message
 
 # Text up to this many characters is tokenized inline: the thread hop (~50-100 us) costs more than the encode.
 INLINE_CHARS = 8 << 10
@@ -169,7 +170,7 @@ class RequestParser:
         raise bad("prompt", "must be a string, a list of strings, or token ids")
 
     @staticmethod
-    def _messages(body: dict) -> list[dict]:
+    def messages(body: dict) -> list[dict]:
         """The messages as the chat template sees them: content parts joined into one string."""
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
@@ -199,25 +200,34 @@ class RequestParser:
                 c = "".join(texts)
             elif c is not None and not isinstance(c, str):
                 raise bad(f"messages[{i}].content", "must be a string, a list of text parts, or null")
+            m = history_message(m, i)
+            if c is None and m.get("tool_calls"):  # a call without text: None, which the template leaves out
+                norm.append({**m, "role": "assistant"})
+                continue
             role = "system" if m["role"] == "developer" else m["role"]  # OpenAI's newer name; templates know "system"
             norm.append({**m, "role": role, "content": c if c is not None else ""})
         return norm
 
-    def _render_and_encode(self, msgs: list[dict]) -> list[int]:
-        """Chat template -> token ids; called inline or on the pool. Template errors are the messages' fault."""
+    def render(self, msgs: list[dict], tools: list[dict] | None = None) -> str:
+        """The prompt text of checked messages (`_messages`). Template errors are the messages' fault."""
         try:
-            text = self.tok.apply_chat_template(msgs, add_generation_prompt=True)
+            return self.tok.apply_chat_template(msgs, add_generation_prompt=True, tools=tools)
         except (ValueError, TypeError, LookupError, jinja2.TemplateError, RecursionError) as e:
             raise bad("messages", scrub(str(e))) from None
+
+    def _render_and_encode(self, msgs: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Chat template -> token ids; called inline or on the pool."""
+        text = self.render(msgs, tools)
         # a template that writes BOS itself must not get a second one from the tokenizer
         special = not (self.tok.bos_token and text.startswith(self.tok.bos_token))
         return self.tok.encode_many([text], add_special_tokens=special)[0]
 
-    async def chat_prompt(self, body: dict) -> list[int]:
-        msgs = self._messages(body)
-        size = sum(len(m["content"]) for m in msgs)
+    async def chat_prompt(self, body: dict, tools: list[dict] | None = None) -> list[int]:
+        """`tools`: the tool definitions the template renders (transformers' `tools` argument)."""
+        msgs = self.messages(body)
+        size = sum(len(m["content"] or "") for m in msgs) + (len(json.dumps(tools)) if tools else 0)
         if size <= self.inline_chars:
-            ids = self._render_and_encode(msgs)
+            ids = self._render_and_encode(msgs, tools)
         else:
-            ids = await asyncio.get_running_loop().run_in_executor(self._pool, self._render_and_encode, msgs)
+            ids = await asyncio.get_running_loop().run_in_executor(self._pool, self._render_and_encode, msgs, tools)
         return self.check(ids, "messages")

@@ -14,6 +14,7 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.services.gateway.errors import RequestFailed
 from pdserve.services.gateway.handler import RequestHandler
 from pdserve.services.gateway.schema import FINISH_REASONS, RequestState
+from pdserve.services.gateway.tools.output import ToolOutput
 
 
 @dataclass
@@ -25,6 +26,7 @@ class OpenAIForm:
     include_usage: bool = False  # stream_options.include_usage
     echo_prompts: list[str] | None = None  # completions `echo`: each prompt's text, prepended to its choices
     tokenizer: Tokenizer | None = None  # token texts for `text_offset` and the echoed prompt's first token
+    tools: ToolOutput | None = None  # chat with tools (tool_choice other than none): choices are read for calls
 
 
 def sse(obj) -> bytes:
@@ -116,7 +118,11 @@ async def collect(handler: RequestHandler, st: RequestState, form: OpenAIForm) -
                 c["logprobs"] = echo_logprobs(st.subs[i].prompt_token_ids, st.prompt_logprobs[i], c["logprobs"],
                                               form.tokenizer)
             t = echoed + t
-        if chat:
+        if chat and form.tools is not None:
+            c["message"], called = form.tools.message(t)
+            if called and c["finish_reason"] == "stop":
+                c["finish_reason"] = "tool_calls"
+        elif chat:
             c["message"] = {"role": "assistant", "content": t}
         else:
             c["text"] = t
@@ -139,6 +145,7 @@ async def stream(handler: RequestHandler, st: RequestState, form: OpenAIForm) ->
     base = _base(form, st, "chat.completion.chunk" if chat else "text_completion")
     want_lp = st.call.params.logprobs is not None
     chars = [0] * st.n_choices  # each choice's text so far: where its next tokens' text_offset starts
+    streamers = [form.tools.streamer() for _ in range(st.n_choices)] if chat and form.tools is not None else None
     try:
         if st.degraded is not None:
             yield sse({**base, "choices": [], "pdserve": {"degraded": st.degraded.to_json()}})
@@ -155,7 +162,25 @@ async def stream(handler: RequestHandler, st: RequestState, form: OpenAIForm) ->
                      "logprobs": choice_logprobs(chat, list(o.logprobs), chars[o.index], form.tokenizer)
                      if want_lp and o.logprobs else None}
                 chars[o.index] += len(o.text)
-                if chat:
+                if streamers is not None:  # content up to a call; the calls as tool_calls deltas at the end
+                    text = streamers[o.index].feed(o.text)
+                    calls: list[dict] = []
+                    if fr is not None:
+                        rest, calls = streamers[o.index].finish()
+                        text += rest
+                        fr = "tool_calls" if calls and fr == "stop" else fr
+                        c["finish_reason"] = fr
+                    if calls and text:  # the text before the calls goes first
+                        yield sse({**base, "choices": [{"index": o.index, "delta": {"content": text},
+                                                        "logprobs": None, "finish_reason": None}]})
+                        text = ""
+                    for tc in calls:  # one chunk per delta: id + name, then the arguments
+                        yield sse({**base, "choices": [{"index": o.index, "delta": {"tool_calls": [tc]},
+                                                        "logprobs": None, "finish_reason": None}]})
+                    c["delta"] = {"content": text} if text else {}
+                    if not text and fr is None and c["logprobs"] is None:
+                        continue
+                elif chat:
                     c["delta"] = {"content": o.text} if o.text or fr is None else {}
                 else:
                     c["text"] = o.text

@@ -53,7 +53,8 @@ async def serve(args) -> None:
         admission_queue=args.admission_queue, max_queue_wait_s=args.max_queue_wait, kv_overcommit=args.kv_overcommit,
         reservation_lease_s=args.reservation_lease, max_header_bytes=args.max_header_bytes,
         header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout, metrics_compat=args.metrics_compat,
-        redis_auth=RedisAuth.from_args(args), registry_key=security().registry_key()))
+        redis_auth=RedisAuth.from_args(args), registry_key=security().registry_key(),
+        tool_call_parser=args.tool_call_parser))
     if args.metrics_port:  # unauthenticated, for a scraper on the service network (docs/admission.md, Trust model)
         from pdserve.services.metrics.exposition import serve as serve_metrics
         serve_metrics(app.state.metrics, args.metrics_port, args.metrics_host or args.host)

@@ -1,0 +1,40 @@
+"""Hermes / Qwen2.5 / Qwen3: `<tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>`, one block per call."""
+from __future__ import annotations
+
+import json
+import re
+
+from pdserve.engine.sampling_params import GuidedSpec
+from pdserve.services.gateway.tools.base import ParsedOutput, ToolCallParser, call_from, call_schema, lit
+
+_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+
+
+class HermesParser(ToolCallParser):
+    name = "hermes"
+    markers = ("<tool_call>",)
+
+    def parse(self, text: str) -> ParsedOutput:
+        start = text.find("<tool_call>")
+        if start < 0:
+            return ParsedOutput(text, [])
+        calls = []
+        for body in _BLOCK.findall(text[start:]):
+            try:
+                call = call_from(json.loads(body))
+            except ValueError:
+                call = None
+            if call is None:  # not a call after all: the whole text is the answer
+                return ParsedOutput(text, [])
+            calls.append(call)
+        content = text[:start].strip()
+        return ParsedOutput(content or None, calls)
+
+    def constraint(self, functions: list[dict], parallel: bool) -> GuidedSpec:
+        call = f'{lit("<tool_call>" + chr(10))} json_root {lit(chr(10) + "</tool_call>")}'
+        root = f"root ::= call ({lit(chr(10))} call)*" if parallel else "root ::= call"
+        return GuidedSpec(json_schema=json.dumps(call_schema(functions)), grammar=f"{root}\ncall ::= {call}")
+
+    @staticmethod
+    def detect(template: str) -> bool:
+        return "<tool_call>" in template

@@ -1,0 +1,230 @@
+"""Tool calling pieces (issue 18, item 1): the parsers on model output in each format, the grammars that enforce
+`required` / named choices (checked with xgrammar itself: a valid call in the format is in the language, a call
+breaking the schema or the syntax is not), streaming reassembly, the request's checks, and the prompt a tool
+history renders to (against transformers' apply_chat_template)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdserve.services.gateway.params import APIError
+from pdserve.services.gateway.tools.hermes import HermesParser
+from pdserve.services.gateway.tools.llama3 import Llama3JsonParser
+from pdserve.services.gateway.tools.mistral import MistralParser
+from pdserve.services.gateway.tools.output import ToolOutput
+from pdserve.services.gateway.tools.registry import PARSERS, pick
+from pdserve.services.gateway.tools.request import tool_request
+from tests.engine.test_chat_template import TEMPLATES, WEATHER_TOOL
+
+WEATHER = WEATHER_TOOL["function"]
+TIME = {"name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string"},
+                                                                             "h24": {"type": "boolean"}},
+                                           "required": ["tz", "h24"]}}
+TOOLS = [WEATHER_TOOL, {"type": "function", "function": TIME}]
+
+# the same two calls, written as each model family writes them
+OUTPUTS = {
+    "hermes": 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Köln"}}\n</tool_call>\n'
+              '<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET", "h24": true}}\n</tool_call>',
+    "llama3_json": '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Köln"}}; '
+                   '{"name": "get_time", "parameters": {"tz": "CET", "h24": true}}',
+    "mistral": 'Let me check.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Köln"}}, '
+               '{"name": "get_time", "arguments": {"tz": "CET", "h24": true}}]',
+}
+CONTENT = {"hermes": "Let me check.", "llama3_json": None, "mistral": "Let me check."}
+WANT = [("get_weather", {"city": "Köln"}), ("get_time", {"tz": "CET", "h24": True})]
+
+
+@pytest.mark.parametrize("name", sorted(OUTPUTS))
+def test_parser_reads_its_format(name):
+    out = PARSERS[name]().parse(OUTPUTS[name])
+    assert [(c.name, json.loads(c.arguments)) for c in out.calls] == WANT
+    assert out.content == CONTENT[name]
+    assert len({c.id for c in out.calls}) == 2 and all(c.id.startswith("call_") for c in out.calls)
+
+
+@pytest.mark.parametrize("name", sorted(OUTPUTS))
+@pytest.mark.parametrize("text", ["The weather is fine.", "", "<tool_call>\n{\"name\": 3}\n</tool_call>",
+                                  "[TOOL_CALLS][{\"nam\": \"x\"}]", "{\"name\": \"f\", \"parameters\": [1]}",
+                                  "{not json"])
+def test_anything_else_is_content(name, text):
+    out = PARSERS[name]().parse(text)
+    assert out.calls == [] and out.content == text
+
+
+def test_llama_single_call_without_tag_and_single_mistral_object():
+    out = Llama3JsonParser().parse('{"name": "get_weather", "parameters": {"city": "Rom"}}')
+    assert [(c.name, json.loads(c.arguments)) for c in out.calls] == [("get_weather", {"city": "Rom"})]
+    out = MistralParser().parse('[TOOL_CALLS]{"name": "get_weather", "arguments": {"city": "Rom"}}')
+    assert out.calls[0].name == "get_weather" and out.content is None
+
+
+def test_parser_choice():
+    for name in ("qwen2.5", "llama3", "mistral"):
+        source = (TEMPLATES / f"{name}.jinja").read_text()
+        assert pick(None, source).name == {"qwen2.5": "hermes", "llama3": "llama3_json", "mistral": "mistral"}[name]
+    assert pick(None, "{{ messages }}").name == "hermes" and pick(None, None).name == "hermes"
+    assert pick("mistral", "<tool_call>").name == "mistral"  # the flag wins
+    with pytest.raises(ValueError):
+        pick("nope", None)
+    from pdserve.cli import TOOL_CALL_PARSERS
+    assert set(TOOL_CALL_PARSERS) == set(PARSERS)
+
+
+# ---- the grammars: in the language exactly the calls the schema allows, in the parser's syntax ----
+
+@pytest.fixture(scope="module")
+def compiler():
+    pytest.importorskip("xgrammar")
+    from pdserve.builtin import builtin_model_dir
+    from pdserve.engine.grammar import get_compiler
+    from pdserve.engine.tokenizer import Tokenizer
+    tok = Tokenizer(builtin_model_dir())
+    return get_compiler(tok, tok.vocab_size)
+
+
+def accepts(compiler, spec, text: str) -> bool:
+    import xgrammar as xgr
+    from pdserve.engine.grammar import wrapped_json_ebnf
+    m = xgr.GrammarMatcher(compiler.compile_grammar(wrapped_json_ebnf(spec.grammar, spec.json_schema)))
+    return m.accept_string(text) and m.is_completed()
+
+
+CALL = {"hermes": lambda n, a: f'<tool_call>\n{{"name": "{n}", "arguments": {a}}}\n</tool_call>',
+        "llama3_json": lambda n, a: f'{{"name": "{n}", "parameters": {a}}}',
+        "mistral": lambda n, a: f'[TOOL_CALLS][{{"name": "{n}", "arguments": {a}}}]'}
+JOIN = {"hermes": "\n", "llama3_json": "; "}
+
+
+@pytest.mark.parametrize("name", sorted(CALL))
+def test_constraint_grammar(compiler, name):
+    p, call = PARSERS[name](), CALL[name]
+    spec = p.constraint([WEATHER, TIME], parallel=False)
+    good = call("get_weather", '{"city": "Köln"}')
+    assert accepts(compiler, spec, good)
+    assert p.parse(good).calls[0].name == "get_weather"  # what the grammar makes, the parser reads
+    assert accepts(compiler, spec, call("get_time", '{"tz": "UTC", "h24": false}'))
+    assert not accepts(compiler, spec, call("get_weather", '{"city": 5}'))  # argument type
+    assert not accepts(compiler, spec, call("get_weather", '{}'))  # required argument missing
+    assert not accepts(compiler, spec, call("get_time", '{"tz": "UTC"}'))
+    assert not accepts(compiler, spec, call("get_news", '{"city": "Köln"}'))  # no such function
+    assert not accepts(compiler, spec, "Sure! " + good)  # nothing but the call
+    named = p.constraint([TIME], parallel=False)
+    assert not accepts(compiler, named, good) and accepts(compiler, named, call("get_time", '{"tz": "a", "h24": true}'))
+    two = call("get_weather", '{"city": "A"}'), call("get_time", '{"tz": "B", "h24": true}')
+    if name == "mistral":
+        pair = two[0][:-1] + ", " + two[1][len("[TOOL_CALLS]["):]
+    else:
+        pair = JOIN[name].join(two)
+    assert not accepts(compiler, spec, pair)  # parallel=False: one call
+    par = p.constraint([WEATHER, TIME], parallel=True)
+    assert accepts(compiler, par, pair) and accepts(compiler, par, good)
+    assert len(p.parse(pair).calls) == 2
+
+
+# ---- streaming: content until the marker, then id + name, then arguments ----
+
+def reassemble(name: str, text: str, step: int, parallel: bool = True) -> tuple[str, list]:
+    s = ToolOutput(PARSERS[name](), parallel).streamer()
+    content = "".join(s.feed(text[i:i + step]) for i in range(0, len(text), step))
+    rest, deltas = s.finish()
+    calls: dict[int, dict] = {}
+    for d in deltas:  # as a client accumulates them
+        c = calls.setdefault(d["index"], {"id": None, "name": None, "arguments": ""})
+        if "id" in d:
+            assert c["id"] is None and d["function"]["arguments"] == ""
+            c["id"], c["name"] = d["id"], d["function"]["name"]
+        else:
+            assert c["id"] is not None  # the name came first
+        c["arguments"] += d["function"]["arguments"]
+    return content + rest, [(c["name"], json.loads(c["arguments"])) for c in calls.values()]
+
+
+@pytest.mark.parametrize("name", sorted(OUTPUTS))
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_streamed_calls_reassemble(name, step):
+    content, calls = reassemble(name, OUTPUTS[name], step)
+    assert calls == WANT
+    assert content.strip() == (CONTENT[name] or "")
+    assert reassemble(name, OUTPUTS[name], step, parallel=False)[1] == WANT[:1]
+
+
+@pytest.mark.parametrize("name", sorted(OUTPUTS))
+@pytest.mark.parametrize("text", ["Plain answer with < and [ and { inside.", "<tool_cal", "[TOOL_CALLS]oops"])
+def test_streamed_text_without_calls_is_all_content(name, text):
+    for step in (1, 2, 50):
+        assert reassemble(name, text, step) == (text, [])
+
+
+# ---- the request's checks ----
+
+@pytest.mark.parametrize("body,param", [
+    ({"tools": {}}, "tools"), ({"tools": []}, "tools"), ({"tools": [{"type": "code"}]}, "tools[0].type"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "extra": 1}}]}, "tools[0].function.extra"),
+    ({"tools": [WEATHER_TOOL, WEATHER_TOOL]}, "tools"),
+    ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "parallel_tool_calls": "false"}, "parallel_tool_calls"),
+])
+def test_tool_request_errors_name_the_field(body, param):
+    with pytest.raises(APIError) as e:
+        tool_request(body)
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_tool_request_choices():
+    assert tool_request({}) is None and tool_request({"tool_choice": "none"}) is None
+    r = tool_request({"tools": TOOLS})
+    assert r.choice == "auto" and r.parallel and not r.constrained and len(r.allowed()) == 2
+    r = tool_request({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+                      "parallel_tool_calls": False})
+    assert r.constrained and r.named == "get_time" and [f["name"] for f in r.allowed()] == ["get_time"]
+    assert not r.parallel and tool_request({"tools": TOOLS, "tool_choice": "required"}).constrained
+
+
+# ---- the tool history renders as transformers renders it ----
+
+OPENAI_HISTORY = [
+    {"role": "user", "content": "Wie ist das Wetter in München?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call12345", "type": "function",
+         "function": {"name": "get_weather", "arguments": "{\"city\": \"München\"}"}}]},
+    {"role": "tool", "tool_call_id": "call12345", "content": "{\"temp_c\": 21, \"sky\": \"heiter\"}"},
+    {"role": "assistant", "content": "Heiter, 21 °C."},
+    {"role": "user", "content": "Und morgen?"}]
+
+
+@pytest.mark.parametrize("name", ["qwen2.5", "llama3", "mistral"])
+def test_openai_tool_history_renders_as_transformers(tmp_path, name):
+    """The OpenAI-shaped history (arguments as JSON text) through the gateway's message checks renders exactly
+    as transformers renders the same conversation (arguments as objects, as its templates expect)."""
+    from tests.engine.test_chat_template import TOOL_HISTORY, both, write_checkpoint
+    from pdserve.services.gateway.parse import RequestParser
+    ours, ref = both(write_checkpoint(tmp_path / name, name, (TEMPLATES / f"{name}.jinja").read_text(), False))
+    parser = RequestParser(ours, ours.vocab_size, 4096, "m")
+    got = parser.render(parser.messages({"messages": OPENAI_HISTORY}), [WEATHER_TOOL])
+    want = ref.apply_chat_template(TOOL_HISTORY, tools=[WEATHER_TOOL], tokenize=False, add_generation_prompt=True)
+    assert got == want and "München" in got
+
+
+@pytest.mark.parametrize("msg,param", [
+    ({"role": "tool", "content": "x"}, "messages[1].tool_call_id"),
+    ({"role": "user", "content": "x", "tool_call_id": "a"}, "messages[1].tool_call_id"),
+    ({"role": "user", "content": "x", "tool_calls": []}, "messages[1].tool_calls"),
+    ({"role": "assistant", "tool_calls": [{"id": "a", "type": "function", "function": {"name": "f"}}]},
+     "messages[1].tool_calls[0].function"),
+    ({"role": "assistant", "tool_calls": [{"id": "a", "type": "function",
+                                           "function": {"name": "f", "arguments": "[1]"}}]},
+     "messages[1].tool_calls[0].function.arguments"),
+    ({"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+     "messages[1].tool_calls[0]"),
+])
+def test_tool_history_errors_name_the_field(msg, param):
+    from pdserve.services.gateway.parse import RequestParser
+    with pytest.raises(APIError) as e:
+        RequestParser.messages({"messages": [{"role": "user", "content": "hi"}, msg]})
+    assert e.value.param == param
