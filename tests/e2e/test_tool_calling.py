@@ -1,0 +1,144 @@
+"""Tool calling through a real deployment (`pdserve up`: redis, router, a `both` worker, the gateway), issue 18
+item 1: a tiny random checkpoint carrying Qwen2.5's published chat template (Hermes `<tool_call>` format, detected
+from the template). A random model writes no calls by itself, so:
+
+- `required` and a named function must still yield a call whose arguments validate against the function's schema
+  (the grammar does it), non-streamed and streamed (deltas reassembled by the official `openai` client);
+- `auto` parses what the model wrote: the output is forced into the Hermes format with `guided_grammar`, and the
+  answer must be `tool_calls`; with `none` the same text comes back as plain content;
+- a multi-turn history with `tool` messages renders through the template: its prompt has exactly the tokens of
+  transformers' own rendering.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from pdserve.services.up_process import UpProcess
+from tests.conftest import make_checkpoint
+from tests.e2e.conftest import _env
+from tests.engine.test_chat_template import TEMPLATES, TOOL_HISTORY
+from tests.services.test_gateway_tools import OPENAI_HISTORY
+
+WEATHER = {"name": "get_weather", "description": "current weather",
+           "parameters": {"type": "object", "properties": {
+               "city": {"type": "string", "enum": ["Köln", "Rom", "Oslo"]},
+               "unit": {"type": "string", "enum": ["C", "F"]}},
+               "required": ["city", "unit"], "additionalProperties": False}}
+ALARM = {"name": "set_alarm", "parameters": {"type": "object", "properties": {
+    "hour": {"type": "integer", "minimum": 0, "maximum": 23}, "loud": {"type": "boolean"},
+    "label": {"type": "string", "maxLength": 6}},
+    "required": ["hour", "loud", "label"], "additionalProperties": False}}
+TOOLS = [{"type": "function", "function": WEATHER}, {"type": "function", "function": ALARM}]
+SCHEMAS = {"get_weather": WEATHER["parameters"], "set_alarm": ALARM["parameters"]}
+MSGS = [{"role": "user", "content": "Weather in Rome?"}]
+HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rom", "unit": "C"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory):
+    # a longer context than the shared tiny checkpoint's: Qwen's tool preamble alone is ~1,000 byte tokens
+    model = make_checkpoint(tmp_path_factory.mktemp("tools") / "tk", "llama", max_pos=4096)
+    (model / "chat_template.jinja").write_text((TEMPLATES / "qwen2.5.jinja").read_text())
+    d = UpProcess(["--model", str(model), "--num-gpu-blocks", "512", "--mode", "colocated", "--workers", "1"],
+                  _env(), 120)
+    d.model_dir = model
+    yield d
+    assert d.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(up):
+    return openai.OpenAI(base_url=up.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def check_calls(calls, names: set[str]) -> None:
+    assert calls, "no tool calls"
+    for c in calls:
+        assert c.type == "function" and c.id.startswith("call_") and c.function.name in names
+        jsonschema.validate(json.loads(c.function.arguments), SCHEMAS[c.function.name])
+
+
+@pytest.mark.parametrize("choice,names", [
+    ("required", {"get_weather", "set_alarm"}),
+    ({"type": "function", "function": {"name": "set_alarm"}}, {"set_alarm"}),
+    ({"type": "function", "function": {"name": "get_weather"}}, {"get_weather"}),
+])
+def test_required_and_named_give_a_valid_call(client, choice, names):
+    r = client.chat.completions.create(model="tk", messages=MSGS, tools=TOOLS, tool_choice=choice, max_tokens=120,
+                                       temperature=0, parallel_tool_calls=False)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls", ch
+    assert len(ch.message.tool_calls) == 1
+    check_calls(ch.message.tool_calls, names)
+
+
+def test_sampled_required_calls_validate(client):
+    """Not only the greedy path: sampled outputs under the grammar are valid calls too (parallel allowed)."""
+    for seed in range(3):
+        r = client.chat.completions.create(model="tk", messages=MSGS, tools=TOOLS, tool_choice="required",
+                                           max_tokens=400, temperature=1.0, seed=seed, n=2)
+        for ch in r.choices:
+            assert ch.finish_reason == "tool_calls", ch
+            check_calls(ch.message.tool_calls, {"get_weather", "set_alarm"})
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "set_alarm"}}])
+def test_streamed_calls_reassemble_with_the_openai_client(client, choice):
+    kw = dict(model="tk", messages=MSGS, tools=TOOLS, tool_choice=choice, max_tokens=120, temperature=0,
+              parallel_tool_calls=False)
+    whole = client.chat.completions.create(**kw).choices[0].message.tool_calls
+    with client.beta.chat.completions.stream(**kw) as s:
+        final = s.get_final_completion()
+    ch = final.choices[0]
+    assert ch.finish_reason == "tool_calls"
+    check_calls(ch.message.tool_calls, {"get_weather", "set_alarm"})
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in ch.message.tool_calls] == \
+        [(c.function.name, json.loads(c.function.arguments)) for c in whole]
+    # the raw chunks: the role first, then per call id + name with empty arguments, then the arguments
+    deltas = []
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            deltas.extend(c.delta.tool_calls or [])
+    assert deltas[0].id and deltas[0].function.name and deltas[0].function.arguments == ""
+    assert deltas[1].id is None and json.loads(deltas[1].function.arguments) is not None
+
+
+def test_auto_parses_the_models_own_format(client):
+    kw = dict(model="tk", messages=MSGS, tools=TOOLS, max_tokens=120, temperature=0,
+              extra_body={"guided_grammar": "root ::= " + json.dumps(HERMES_CALL)})
+    ch = client.chat.completions.create(**kw, tool_choice="auto").choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in ch.message.tool_calls] == \
+        [("get_weather", {"city": "Rom", "unit": "C"})]
+    # none: the very same output is the answer's text
+    ch = client.chat.completions.create(**kw, tool_choice="none").choices[0]
+    assert ch.message.content == HERMES_CALL and not ch.message.tool_calls and ch.finish_reason == "stop"
+    # and streamed, auto: the call as deltas, no content
+    with client.beta.chat.completions.stream(**kw, tool_choice="auto") as s:
+        final = s.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls" and not final.message.content
+    assert final.message.tool_calls[0].function.name == "get_weather"
+
+
+def test_tool_history_renders_through_the_template(up, client):
+    from transformers import PreTrainedTokenizerFast
+
+    from pdserve.engine.tokenizer import Tokenizer
+    ref = PreTrainedTokenizerFast.from_pretrained(str(up.model_dir))
+    tools = [{"type": "function", "function": WEATHER}]
+    text = ref.apply_chat_template(TOOL_HISTORY, tools=tools, tokenize=False, add_generation_prompt=True)
+    tok = Tokenizer(up.model_dir)
+    want = len(tok.encode(text, add_special_tokens=not (tok.bos_token and text.startswith(tok.bos_token))))
+    r = client.chat.completions.create(model="tk", messages=OPENAI_HISTORY, tools=tools, max_tokens=4,
+                                       temperature=0)
+    assert r.usage.prompt_tokens == want
+    # a history that breaks the rules is a 400 naming the message, from the real server too
+    bad = httpx.post(up.base_url + "/v1/chat/completions", timeout=30, json={
+        "messages": [*MSGS, {"role": "tool", "content": "21"}], "tools": tools})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages[1].tool_call_id"
