@@ -27,7 +27,7 @@ from pdserve.services.gateway.lifecycle import build_lifecycle
 from pdserve.services.gateway.params import APIError, flag, prompt_only, to_sampling_params
 from pdserve.services.gateway.guard import MAX_HEADER_BYTES, HttpGuard  # noqa: I001 - out of order: fewer merge conflicts
 from pdserve.services.gateway.ingress import IngressGate
-from pdserve.services.gateway import http_metrics
+from pdserve.services.gateway import http_metrics, openapi
 from pdserve.services.gateway.parse import RequestParser
 from pdserve.services.gateway.responses import OpenAIForm
 from pdserve.services.gateway.schema import GenerateCall, RequestState
@@ -80,6 +80,14 @@ def echo_texts(prompt, prompts: list[list[int]], tok: Tokenizer) -> list[str]:
     if all(isinstance(p, str) for p in prompt):
         return list(prompt)
     return [tok.decode(ids) for ids in prompts]
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("pdserve")
+    except PackageNotFoundError:
+        return "0"
 
 
 def pick_tool_parser(name: str | None, tok: Tokenizer) -> ToolCallParser:
@@ -155,6 +163,7 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
     max_len = limits.max_model_len
     disp = dispatcher or Dispatcher(cfg.router_address, cfg.served_model_name)
     app = FastAPI(title="pdserve gateway")
+    app.openapi = lambda: openapi.document("pdserve gateway", _version())  # openapi.py: the real request schemas
     app.add_middleware(HttpGuard, max_header_bytes=cfg.max_header_bytes)
     http_metrics.install(app, cfg.served_model_name, cfg.metrics_compat)  # outermost: counts HttpGuard's refusals
     app.state.dispatcher = disp
@@ -236,7 +245,7 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
 
     def _model_card() -> dict:
         return {"id": cfg.served_model_name, "object": "model", "created": 0, "owned_by": "pdserve",
-                "max_model_len": max_len}
+                "root": cfg.model, "parent": None, "max_model_len": max_len}
 
     @app.get("/v1/models")
     async def models():
