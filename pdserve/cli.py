@@ -68,6 +68,9 @@ def _add_lifecycle(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue-wait", type=nonneg_float, default=10.0)
     p.add_argument("--kv-overcommit", type=positive_float, default=1.0, help="reservable blocks = worker KV blocks x this")
     p.add_argument("--reservation-lease", type=positive_float, default=10.0)
+    p.add_argument("--default-max-tokens", type=positive_int, default=None,
+                   help="output cap of a request without max_tokens (min with the context left); unset: the context "
+                        "(docs/api.md)")
     p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                    help="the model's tool call format (docs/api.md, Tool calling); unset: the one the chat template "
                         "writes, else hermes")

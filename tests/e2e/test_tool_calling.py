@@ -37,6 +37,7 @@ ALARM = {"name": "set_alarm", "parameters": {"type": "object", "properties": {
 TOOLS = [{"type": "function", "function": WEATHER}, {"type": "function", "function": ALARM}]
 SCHEMAS = {"get_weather": WEATHER["parameters"], "set_alarm": ALARM["parameters"]}
 MSGS = [{"role": "user", "content": "Weather in Rome?"}]
+DEFAULT_MAX = 7  # --default-max-tokens of this deployment (issue 18, item 6)
 HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rom", "unit": "C"}}\n</tool_call>'
 
 
@@ -45,8 +46,8 @@ def up(tmp_path_factory):
     # a longer context than the shared tiny checkpoint's: Qwen's tool preamble alone is ~1,000 byte tokens
     model = make_checkpoint(tmp_path_factory.mktemp("tools") / "tk", "llama", max_pos=4096)
     (model / "chat_template.jinja").write_text((TEMPLATES / "qwen2.5.jinja").read_text())
-    d = UpProcess(["--model", str(model), "--num-gpu-blocks", "512", "--mode", "colocated", "--workers", "1"],
-                  _env(), 120)
+    d = UpProcess(["--model", str(model), "--num-gpu-blocks", "512", "--mode", "colocated", "--workers", "1",
+                   "--default-max-tokens", str(DEFAULT_MAX)], _env(), 120)
     d.model_dir = model
     yield d
     assert d.stop() == 0
@@ -142,3 +143,13 @@ def test_tool_history_renders_through_the_template(up, client):
     bad = httpx.post(up.base_url + "/v1/chat/completions", timeout=30, json={
         "messages": [*MSGS, {"role": "tool", "content": "21"}], "tools": tools})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages[1].tool_call_id"
+
+
+def test_default_max_tokens_caps_a_request_without_one(client):
+    """`--default-max-tokens` (passed by `pdserve up` to its gateway): a body without max_tokens gets at most that
+    many tokens; an explicit max_tokens is the client's."""
+    r = client.chat.completions.create(model="tk", messages=MSGS, temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == DEFAULT_MAX and r.choices[0].finish_reason == "length"
+    r = client.chat.completions.create(model="tk", messages=MSGS, temperature=0, max_tokens=DEFAULT_MAX + 5,
+                                       extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == DEFAULT_MAX + 5

@@ -64,6 +64,7 @@ class GatewayConfig:
     redis_auth: RedisAuth = NO_AUTH
     registry_key: bytes | None = None
     tool_call_parser: str | None = None  # the model's tool call format; None: detected from its chat template
+    default_max_tokens: int | None = None  # a body without max_tokens: at most this many (None: the context left)
 
 
 def debug_options(headers) -> set[str]:
@@ -195,6 +196,9 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
             prompts = [await parser.chat_prompt(body, treq.tools if treq else None)] if chat \
                 else await parser.completion_prompts(body)
             parser.check_room(prompts, params.max_tokens, body)
+            if params.max_tokens is None and cfg.default_max_tokens is not None:
+                # a bounded answer, and a bounded KV reservation while the tenant's predictor is cold
+                params.max_tokens = max(1, min(cfg.default_max_tokens, max_len - max(len(p) for p in prompts)))
             form.return_token_ids = bool(body.get("return_token_ids", False))
             if not chat and body.get("echo") is True:
                 form.echo_prompts = echo_texts(body["prompt"], prompts, tok)
