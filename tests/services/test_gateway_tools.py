@@ -127,8 +127,12 @@ def test_constraint_grammar(compiler, name):
 
 def reassemble(name: str, text: str, step: int, parallel: bool = True) -> tuple[str, list]:
     s = ToolOutput(PARSERS[name](), parallel).streamer()
-    content = "".join(s.feed(text[i:i + step]) for i in range(0, len(text), step))
-    rest, deltas = s.finish()
+    content, deltas = "", []
+    for i in range(0, len(text), step):
+        out, ds = s.feed(text[i:i + step])
+        content, deltas = content + out, deltas + ds
+    rest, more = s.finish()
+    deltas += more
     calls: dict[int, dict] = {}
     for d in deltas:  # as a client accumulates them
         c = calls.setdefault(d["index"], {"id": None, "name": None, "arguments": ""})
@@ -228,3 +232,24 @@ def test_tool_history_errors_name_the_field(msg, param):
     with pytest.raises(APIError) as e:
         RequestParser.messages({"messages": [{"role": "user", "content": "hi"}, msg]})
     assert e.value.param == param
+
+
+def test_hermes_streams_each_call_when_its_block_closes():
+    s = ToolOutput(HermesParser()).streamer()
+    first_end = OUTPUTS["hermes"].index("</tool_call>") + len("</tool_call>")
+    content, deltas = s.feed(OUTPUTS["hermes"][:first_end - 1])
+    assert content == "Let me check.\n" and deltas == []  # the block is not closed yet
+    content, deltas = s.feed(OUTPUTS["hermes"][first_end - 1:first_end + 5])
+    assert [d.get("id") is not None for d in deltas] == [True, False]
+    assert deltas[0]["function"]["name"] == "get_weather" and json.loads(deltas[1]["function"]["arguments"]) == \
+        {"city": "Köln"}
+    content, deltas = s.feed(OUTPUTS["hermes"][first_end + 5:])
+    assert deltas[0]["index"] == 1 and deltas[0]["function"]["name"] == "get_time"
+    assert s.finish() == ("", [])  # nothing sent twice
+    # a second block that is not a call: the first call stands, the rest is content
+    s = ToolOutput(HermesParser()).streamer()
+    text = OUTPUTS["hermes"][:first_end] + "\n<tool_call>\nnot json\n</tool_call>"
+    _, deltas = s.feed(text)
+    assert len(deltas) == 2
+    rest, more = s.finish()
+    assert more == [] and rest == "<tool_call>\nnot json\n</tool_call>" and s.called

@@ -162,13 +162,12 @@ async def stream(handler: RequestHandler, st: RequestState, form: OpenAIForm) ->
                      "logprobs": choice_logprobs(chat, list(o.logprobs), chars[o.index], form.tokenizer)
                      if want_lp and o.logprobs else None}
                 chars[o.index] += len(o.text)
-                if streamers is not None:  # content up to a call; the calls as tool_calls deltas at the end
-                    text = streamers[o.index].feed(o.text)
-                    calls: list[dict] = []
+                if streamers is not None:  # content up to a call, then the calls as tool_calls deltas
+                    text, calls = streamers[o.index].feed(o.text)
                     if fr is not None:
-                        rest, calls = streamers[o.index].finish()
-                        text += rest
-                        fr = "tool_calls" if calls and fr == "stop" else fr
+                        rest, more = streamers[o.index].finish()
+                        text, calls = text + rest, calls + more
+                        fr = "tool_calls" if streamers[o.index].called and fr == "stop" else fr
                         c["finish_reason"] = fr
                     if calls and text:  # the text before the calls goes first
                         yield sse({**base, "choices": [{"index": o.index, "delta": {"content": text},

@@ -58,6 +58,7 @@ class ToolCallParser(ABC):
     # text that starts the calls; `leading_only`: only at the very start of the output (after whitespace)
     markers: tuple[str, ...]
     leading_only: bool = False
+    call_end: str | None = None  # text that ends each call (a streamed call goes out when it arrives)
     skip_special_tokens: bool = True  # False where the marker is a special token the text must keep
 
     @abstractmethod

@@ -13,6 +13,7 @@ _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 class HermesParser(ToolCallParser):
     name = "hermes"
     markers = ("<tool_call>",)
+    call_end = "</tool_call>"
 
     def parse(self, text: str) -> ParsedOutput:
         start = text.find("<tool_call>")

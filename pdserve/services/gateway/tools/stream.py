@@ -2,12 +2,14 @@
 as OpenAI `tool_calls` deltas (per call: id, type and name with empty arguments, then the arguments).
 
 Text that could be the start of a call marker is held back until it is known not to be one. Once a marker was
-seen, the rest is buffered and parsed when the choice ends (`finish`): the arguments go out as one fragment per
-call, after the call's name. If the text after the marker is not a valid call, it goes out as content.
+seen, the rest is buffered. A format whose calls each end with a closing tag (`call_end`, Hermes'
+`</tool_call>`) sends each call as soon as its tag arrives; the others send their calls when the choice ends
+(`finish`). A call's arguments go out as one fragment, after its name. Text after the marker that is not a
+valid call goes out as content.
 """
 from __future__ import annotations
 
-from pdserve.services.gateway.tools.base import ToolCallParser
+from pdserve.services.gateway.tools.base import ToolCall, ToolCallParser
 
 
 class ToolStreamer:
@@ -16,13 +18,24 @@ class ToolStreamer:
         self.text = ""  # the whole output so far
         self.sent = 0  # characters of it sent as content
         self.in_call = False
-        self.called = False  # the choice ended with calls
+        self.calls_sent = 0  # calls already sent (formats with `call_end`)
+        self.parsed_to = 0  # where the text of the calls sent ends
 
-    def feed(self, delta: str) -> str:
-        """New text -> the content that can go out now."""
+    @property
+    def called(self) -> bool:
+        return self.calls_sent > 0
+
+    def feed(self, delta: str) -> tuple[str, list[dict]]:
+        """New text -> the content that can go out now, and the tool_calls deltas of calls completed by it."""
         self.text += delta
-        if self.in_call:
-            return ""
+        if not self.in_call:
+            out = self._content()
+            if not self.in_call:
+                return out, []
+            return out, self._complete_calls()
+        return "", self._complete_calls()
+
+    def _content(self) -> str:
         p, pending = self.parser, self.text[self.sent:]
         if p.leading_only:
             head = self.text.lstrip()
@@ -44,16 +57,41 @@ class ToolStreamer:
         out, self.sent = self.text[self.sent:end], end
         return out
 
+    def _complete_calls(self) -> list[dict]:
+        """The calls whose closing tag arrived since the last look (only for formats with `call_end`)."""
+        end_tag = self.parser.call_end
+        if end_tag is None:
+            return []
+        out = []
+        while (end := self.text.find(end_tag, max(self.parsed_to, self.sent))) >= 0:
+            end += len(end_tag)
+            parsed = self.parser.parse(self.text[:end])
+            if not parsed.calls:
+                break  # not a call after all: `finish` sends the text
+            self.parsed_to = end
+            out += self._deltas(parsed.calls)
+        return out
+
+    def _deltas(self, calls: list[ToolCall]) -> list[dict]:
+        new = calls[self.calls_sent:]
+        if self.max_calls is not None:
+            new = new[:max(0, self.max_calls - self.calls_sent)]
+        out = []
+        for c in new:
+            k = self.calls_sent
+            out.append({"index": k, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": ""}})
+            out.append({"index": k, "function": {"arguments": c.arguments}})
+            self.calls_sent += 1
+        return out
+
     def finish(self) -> tuple[str, list[dict]]:
-        """The choice ended: the content still held and the tool_calls deltas (OpenAI shape)."""
+        """The choice ended: the content still held and the remaining tool_calls deltas."""
         parsed = self.parser.parse(self.text) if self.in_call or self.parser.leading_only else None
-        if parsed is None or not parsed.calls:
-            out, self.sent = self.text[self.sent:], len(self.text)
-            return out, []
-        self.called = True
-        deltas = []
-        for k, c in enumerate(parsed.calls[:self.max_calls]):
-            deltas.append({"index": k, "id": c.id, "type": "function",
-                           "function": {"name": c.name, "arguments": ""}})
-            deltas.append({"index": k, "function": {"arguments": c.arguments}})
-        return "", deltas
+        if parsed is not None and parsed.calls:
+            return "", self._deltas(parsed.calls)
+        if self.calls_sent:  # calls went out, then text that is not one: it is content
+            rest = self.text[self.parsed_to:].strip()
+            self.sent = len(self.text)
+            return rest, []
+        out, self.sent = self.text[self.sent:], len(self.text)
+        return out, []
