@@ -58,7 +58,7 @@ def test_unknown_field_is_a_400_naming_it(gw, chat, name):
 @pytest.mark.parametrize("chat", [False, True])
 @pytest.mark.parametrize("name,value", [("suffix", "x"), ("functions", [{"name": "f"}]), ("function_call", "auto"),
                                         ("service_tier", "flex"), ("store", True), ("metadata", {"a": "b"}),
-                                        ("priority", 0), ("modalities", ["text", "audio"]), ("audio", {}),
+                                        ("modalities", ["text", "audio"]), ("audio", {}),
                                         ("prediction", {"type": "content", "content": "x"}),
                                         ("reasoning_effort", "low")])
 def test_unsupported_openai_field_is_a_400(gw, chat, name, value):
@@ -239,3 +239,38 @@ def test_docs_table_lists_every_field_with_its_endpoints():
             assert "extension" in rows[f.name], f.name
     for name in UNSUPPORTED:
         assert name in rows and "400" in rows[name], name
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+                     | st.text(max_size=5), lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=3), c,
+                                                                                              max_size=3), max_leaves=6)
+
+
+def _typed(kind: str):
+    return [(f.name, ep == "chat") for f in FIELDS for ep in f.endpoints
+            if f.schema.get("type") == kind]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=st.sampled_from(_typed("boolean")), value=_JSON.filter(lambda v: v is not None and not isinstance(v, bool)))
+def test_every_boolean_field_takes_only_booleans(gw, case, value):
+    name, chat = case
+    refused(gw, {name: value}, chat, name)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=st.sampled_from(_typed("integer")),
+       value=_JSON.filter(lambda v: v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)))))
+def test_every_integer_field_takes_only_numbers(gw, case, value):
+    name, chat = case
+    refused(gw, {name: value}, chat, name)
+
+
+def test_priority_may_only_lower_urgency(gw):
+    from pdserve.services.gateway.schema import GenerateCall
+    call = GenerateCall("cmpl", [[1]], sp({}), priority=5)
+    assert call.priority_for(1) == 5 and call.priority_for(9) == 9  # never more urgent than the key's class
+    assert GenerateCall("cmpl", [[1]], sp({})).priority_for(3) == 3
+    accepted(gw, {"priority": 7}, False)
+    for v in (-1, 1001, "1", True, 1.5):
+        refused(gw, {"priority": v}, True, "priority")

@@ -24,7 +24,8 @@ from pdserve.services.gateway.core import Dispatcher
 from pdserve.services.gateway.errors import ErrorReply, reply_for
 from pdserve.services.gateway.handler import RequestHandler
 from pdserve.services.gateway.lifecycle import build_lifecycle
-from pdserve.services.gateway.params import APIError, flag, prompt_only, to_sampling_params
+from pdserve.services.gateway.fields import MAX_PRIORITY
+from pdserve.services.gateway.params import APIError, _num, flag, prompt_only, to_sampling_params
 from pdserve.services.gateway.guard import MAX_HEADER_BYTES, HttpGuard  # noqa: I001 - out of order: fewer merge conflicts
 from pdserve.services.gateway.ingress import IngressGate
 from pdserve.services.gateway import http_metrics, openapi
@@ -208,7 +209,8 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
                                 streamed=bool(body.get("stream", False)),
                                 debug_route="route" in debug,
                                 stage_times="stage-times" in debug or flag(body, "return_stage_times"),
-                                prompt_only=prompt_only(body))
+                                prompt_only=prompt_only(body),
+                                priority=_num(body, "priority", int, None, 0, MAX_PRIORITY))
 
         try:
             raw = await life.gate.read_body(request)  # stage one starts before parsing or tokenizing

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pdserve.services.gateway.params import INT32_MAX, MAX_N, bad
 
 COMPLETIONS, CHAT = "completions", "chat"
+MAX_PRIORITY = 1000
 BOTH = (COMPLETIONS, CHAT)
 
 _INT = {"type": "integer"}
@@ -95,6 +96,9 @@ FIELDS: list[Field] = [
     Field("guided_choice", {**_STRS, "minItems": 1}, "output is exactly one of these strings", extension=True),
     Field("timeout", {**_NUM, "exclusiveMinimum": 0}, "seconds; capped by the tenant's / server's maximum",
           extension=True),
+    Field("priority", {**_INT, "minimum": 0, "maximum": MAX_PRIORITY},
+          "scheduling class, lower is more urgent; never more urgent than the API key's (the larger one counts)",
+          extension=True),
     Field("allow_degrade", _BOOL, "admission may lower n instead of refusing (default true)", extension=True),
     Field("return_token_ids", _BOOL, "each non-streamed choice's token ids", extension=True),
     Field("return_stage_times", _BOOL, "usage.stage_times, for a tenant allowed to see it", extension=True),
@@ -113,7 +117,6 @@ UNSUPPORTED: dict[str, tuple[str, tuple]] = {
     "service_tier": ("service tiers are not supported", ("auto", "default")),
     "reasoning_effort": ("this model has no reasoning effort setting", ()),
     "web_search_options": ("web search is not supported", ()),
-    "priority": ("a request's priority is its API key's (tenant's); see docs/admission.md", ()),
 }
 
 _BY_ENDPOINT = {ep: {f.name: f for f in FIELDS if ep in f.endpoints} for ep in BOTH}

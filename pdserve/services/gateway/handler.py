@@ -60,7 +60,8 @@ class RequestHandler:
             timing.mode = r.mode
             routes.append(r.debug)
 
-        md = lifecycle_metadata(deadline, rec.tenant.priority, ticket.predicted_output if ticket is not None else None)
+        md = lifecycle_metadata(deadline, call.priority_for(rec.tenant.priority),
+                                ticket.predicted_output if ticket is not None else None)
         upstream = self.disp.generate_many(rid, subs, rec.tenant.namespace, on_route=on_route, metadata=md,
                                            traces=traces)
         try:

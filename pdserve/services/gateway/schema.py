@@ -29,6 +29,12 @@ class GenerateCall:
     debug_route: bool = False  # `x-pdserve-debug: route`, for a tenant allowed to see it
     stage_times: bool = False  # asked for `usage.stage_times` (honoured for a tenant allowed to see it)
     prompt_only: bool = False  # echo with max_tokens 0: the sampled token is not part of the answer
+    priority: int | None = None  # the body's `priority`: may only lower the tenant's urgency
+
+    def priority_for(self, tenant_priority: int) -> int:
+        """The engine priority (lower is more urgent): a request may ask to be less urgent than its API key's
+        class, never more."""
+        return tenant_priority if self.priority is None else max(self.priority, tenant_priority)
 
 
 @dataclass
