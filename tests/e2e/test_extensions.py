@@ -1,0 +1,82 @@
+"""pdserve's sampling extensions (issue 18, item 2) reach the engine through a real deployment: each one changes
+the answer the way it says (a constraint is met, a stop token stops, prompt log-probs come back), and a grammar
+the worker cannot compile is a 400 naming the client's field."""
+from __future__ import annotations
+
+import re
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import Up
+
+
+@pytest.fixture(scope="module")
+def up(tiny_llama):
+    import shutil
+    model = tiny_llama.parent / "ck"
+    if not model.exists():
+        shutil.copytree(tiny_llama, model)
+    d = Up(model, "--mode", "colocated", "--workers", "1")
+    yield d
+    assert d.stop() == 0
+
+
+def post(up, body: dict, chat: bool = False) -> httpx.Response:
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    return httpx.post(up.base_url + path, json=body, timeout=60)
+
+
+def ok(up, body: dict, chat: bool = False) -> dict:
+    r = post(up, body, chat)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+P = {"prompt": "the quick brown fox", "temperature": 0}
+
+
+def test_guided_choice_regex_and_json(up):
+    for seed in range(3):
+        c = ok(up, {**P, "temperature": 1.0, "seed": seed, "max_tokens": 20, "guided_choice": ["Köln", "Rom"]})
+        assert c["text"] in ("Köln", "Rom") and c["finish_reason"] == "stop"
+    c = ok(up, {**P, "max_tokens": 20, "guided_regex": "[ab]{3}-[0-9]"})
+    assert re.fullmatch("[ab]{3}-[0-9]", c["text"]), c
+    c = ok(up, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 30, "temperature": 0,
+                "guided_json": {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                                "additionalProperties": False}}, chat=True)
+    assert c["message"]["content"] in ('{"ok": true}', '{"ok": false}')
+
+
+def test_token_level_extensions(up):
+    base = ok(up, {**P, "max_tokens": 6, "ignore_eos": True, "return_token_ids": True})["token_ids"]
+    assert len(base) == 6
+    allowed = [base[0], 200, 201]
+    c = ok(up, {**P, "max_tokens": 6, "ignore_eos": True, "return_token_ids": True, "allowed_token_ids": allowed})
+    assert set(c["token_ids"]) <= set(allowed)
+    # a stop token: the answer ends at its first occurrence (the stop token itself is not part of it)
+    stop = base[3]
+    c = ok(up, {**P, "max_tokens": 6, "ignore_eos": True, "return_token_ids": True, "stop_token_ids": [stop]})
+    assert c["finish_reason"] == "stop" and c["token_ids"][:base.index(stop)] == base[:base.index(stop)]
+    assert len(c["token_ids"]) <= base.index(stop) + 1
+    # typical_p and no_repeat_ngram_size are accepted and sampled with
+    ok(up, {**P, "max_tokens": 4, "typical_p": 0.5, "no_repeat_ngram_size": 2, "temperature": 1.0, "seed": 1})
+
+
+def test_prompt_logprobs_come_back(up):
+    c = ok(up, {**P, "max_tokens": 1, "prompt_logprobs": 2, "return_token_ids": True})
+    plp = c["prompt_logprobs"]
+    r = post(up, {**P, "max_tokens": 1, "echo": True, "logprobs": 2})
+    echoed = r.json()["choices"][0]["logprobs"]
+    n_prompt = len(echoed["tokens"]) - 1  # the echo's tokens: the prompt's, then the one generated
+    assert len(plp) == n_prompt and plp[0] is None
+    # the same numbers the echo path reports for the prompt's tokens
+    for e, lp in zip(plp[1:], echoed["token_logprobs"][1:n_prompt]):
+        assert any(abs(v["logprob"] - lp) < 1e-4 for v in e.values())
+
+
+def test_a_grammar_the_worker_cannot_compile_names_the_field(up):
+    for field, value in (("guided_regex", "(unclosed"), ("guided_grammar", "root ::= nothing_defined")):
+        r = post(up, {**P, "max_tokens": 4, field: value})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == field
