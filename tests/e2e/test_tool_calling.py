@@ -12,7 +12,6 @@ from the template). A random model writes no calls by itself, so:
 from __future__ import annotations
 
 import json
-import shutil
 
 import httpx
 import jsonschema

@@ -232,7 +232,7 @@ def test_every_extension_passes_the_gateway(gw, chat):
 
 def test_docs_table_lists_every_field_with_its_endpoints():
     text = DOCS.read_text()
-    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `([a-z_]+)` \|.*$", text, re.M)}
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `([a-z_]+)` \|.*$", text, re.MULTILINE)}
     for f in FIELDS:
         assert f.name in rows, f"docs/api.md has no row for {f.name}"
         if f.extension:

@@ -3,8 +3,6 @@ gateway's own verdict on bodies it accepts and bodies it refuses, and `/v1/model
 max_model_len."""
 from __future__ import annotations
 
-import json
-
 import jsonschema
 import pytest
 

@@ -86,6 +86,7 @@ def compiler():
 
 def accepts(compiler, spec, text: str) -> bool:
     import xgrammar as xgr
+
     from pdserve.engine.grammar import wrapped_json_ebnf
     m = xgr.GrammarMatcher(compiler.compile_grammar(wrapped_json_ebnf(spec.grammar, spec.json_schema)))
     return m.accept_string(text) and m.is_completed()
@@ -206,8 +207,8 @@ OPENAI_HISTORY = [
 def test_openai_tool_history_renders_as_transformers(tmp_path, name):
     """The OpenAI-shaped history (arguments as JSON text) through the gateway's message checks renders exactly
     as transformers renders the same conversation (arguments as objects, as its templates expect)."""
-    from tests.engine.test_chat_template import TOOL_HISTORY, both, write_checkpoint
     from pdserve.services.gateway.parse import RequestParser
+    from tests.engine.test_chat_template import TOOL_HISTORY, both, write_checkpoint
     ours, ref = both(write_checkpoint(tmp_path / name, name, (TEMPLATES / f"{name}.jinja").read_text(), False))
     parser = RequestParser(ours, ours.vocab_size, 4096, "m")
     got = parser.render(parser.messages({"messages": OPENAI_HISTORY}), [WEATHER_TOOL])

@@ -5,9 +5,15 @@ import json
 import re
 
 from pdserve.engine.sampling_params import GuidedSpec
-from pdserve.services.gateway.tools.base import ParsedOutput, ToolCallParser, call_from, call_schema, lit
+from pdserve.services.gateway.tools.base import (
+    ParsedOutput,
+    ToolCallParser,
+    call_from,
+    call_schema,
+    lit,
+)
 
-_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
 class HermesParser(ToolCallParser):

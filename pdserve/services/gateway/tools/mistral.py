@@ -5,7 +5,13 @@ from __future__ import annotations
 import json
 
 from pdserve.engine.sampling_params import GuidedSpec
-from pdserve.services.gateway.tools.base import ParsedOutput, ToolCallParser, call_from, call_schema, lit
+from pdserve.services.gateway.tools.base import (
+    ParsedOutput,
+    ToolCallParser,
+    call_from,
+    call_schema,
+    lit,
+)
 
 _MARK = "[TOOL_CALLS]"
 
