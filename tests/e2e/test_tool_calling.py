@@ -1,5 +1,5 @@
 """Tool calling through a real deployment (`pdserve up`: redis, router, a `both` worker, the gateway), issue 18
-item 1: a tiny random checkpoint carrying Qwen2.5's published chat template (Hermes `<tool_call>` format, detected
+item 1 (and the built-in model, whose template ignores tools): a tiny random checkpoint carrying Qwen2.5's published chat template (Hermes `<tool_call>` format, detected
 from the template). A random model writes no calls by itself, so:
 
 - `required` and a named function must still yield a call whose arguments validate against the function's schema
@@ -152,3 +152,26 @@ def test_default_max_tokens_caps_a_request_without_one(client):
     r = client.chat.completions.create(model="tk", messages=MSGS, temperature=0, max_tokens=DEFAULT_MAX + 5,
                                        extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == DEFAULT_MAX + 5
+
+
+@pytest.fixture(scope="module")
+def builtin_client():
+    """The built-in model: its chat template ignores tools (no detection: the default Hermes parser)."""
+    d = UpProcess(["--model", "builtin", "--num-gpu-blocks", "256", "--mode", "colocated", "--workers", "1"],
+                  _env(), 120)
+    yield openai.OpenAI(base_url=d.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    assert d.stop() == 0
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "set_alarm"}}])
+def test_builtin_model_gives_valid_calls(builtin_client, choice):
+    kw = {"model": "builtin", "messages": MSGS, "tools": TOOLS, "tool_choice": choice, "max_tokens": 150,
+          "temperature": 0, "parallel_tool_calls": False}
+    ch = builtin_client.chat.completions.create(**kw).choices[0]
+    assert ch.finish_reason == "tool_calls", ch
+    check_calls(ch.message.tool_calls, {"get_weather", "set_alarm"} if choice == "required" else {"set_alarm"})
+    with builtin_client.beta.chat.completions.stream(**kw) as s:
+        final = s.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in final.message.tool_calls] == \
+        [(c.function.name, json.loads(c.function.arguments)) for c in ch.message.tool_calls]
