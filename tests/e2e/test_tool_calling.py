@@ -100,13 +100,15 @@ def test_streamed_calls_reassemble_with_the_openai_client(client, choice):
     check_calls(ch.message.tool_calls, {"get_weather", "set_alarm"})
     assert [(c.function.name, json.loads(c.function.arguments)) for c in ch.message.tool_calls] == \
         [(c.function.name, json.loads(c.function.arguments)) for c in whole]
-    # the raw chunks: the role first, then per call id + name with empty arguments, then the arguments
+    # the raw chunks: per call its id + name with empty arguments, then argument fragments (several: they are
+    # sent as the tokens arrive)
     deltas = []
     for chunk in client.chat.completions.create(**kw, stream=True):
         for c in chunk.choices:
             deltas.extend(c.delta.tool_calls or [])
     assert deltas[0].id and deltas[0].function.name and deltas[0].function.arguments == ""
-    assert deltas[1].id is None and json.loads(deltas[1].function.arguments) is not None
+    assert len(deltas) > 2 and all(d.id is None and d.index == 0 for d in deltas[1:])
+    assert json.loads("".join(d.function.arguments for d in deltas[1:])) == json.loads(whole[0].function.arguments)
 
 
 def test_auto_parses_the_models_own_format(client):

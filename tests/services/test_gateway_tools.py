@@ -235,22 +235,47 @@ def test_tool_history_errors_name_the_field(msg, param):
     assert e.value.param == param
 
 
-def test_hermes_streams_each_call_when_its_block_closes():
+def test_hermes_streams_name_then_argument_fragments():
     s = ToolOutput(HermesParser()).streamer()
-    first_end = OUTPUTS["hermes"].index("</tool_call>") + len("</tool_call>")
-    content, deltas = s.feed(OUTPUTS["hermes"][:first_end - 1])
-    assert content == "Let me check.\n" and deltas == []  # the block is not closed yet
-    content, deltas = s.feed(OUTPUTS["hermes"][first_end - 1:first_end + 5])
-    assert [d.get("id") is not None for d in deltas] == [True, False]
-    assert deltas[0]["function"]["name"] == "get_weather" and json.loads(deltas[1]["function"]["arguments"]) == \
-        {"city": "Köln"}
-    content, deltas = s.feed(OUTPUTS["hermes"][first_end + 5:])
+    text = OUTPUTS["hermes"]
+    head_end = text.index('"arguments": ') + len('"arguments": ')
+    first_end = text.index("</tool_call>") + len("</tool_call>")
+    content, deltas = s.feed(text[:head_end - 3])
+    assert content == "Let me check.\n" and deltas == []  # the head is not complete yet
+    _, deltas = s.feed(text[head_end - 3:head_end])
+    assert len(deltas) == 1 and deltas[0]["function"] == {"name": "get_weather", "arguments": ""} and deltas[0]["id"]
+    fragments = []
+    for ch in text[head_end:first_end]:  # one character at a time: fragments before the call ends
+        _, ds = s.feed(ch)
+        assert all("id" not in d and d["index"] == 0 for d in ds)
+        fragments += [d["function"]["arguments"] for d in ds]
+    assert len(fragments) > 3 and json.loads("".join(fragments)) == {"city": "Köln"}
+    _, deltas = s.feed(text[first_end:])
     assert deltas[0]["index"] == 1 and deltas[0]["function"]["name"] == "get_time"
-    assert s.finish() == ("", [])  # nothing sent twice
+    assert json.loads(deltas[1]["function"]["arguments"]) == {"tz": "CET", "h24": True}
+    assert s.finish() == ("", []) and s.called  # nothing sent twice
+    # nested objects and braces inside strings: the fragments still rebuild the arguments exactly
+    args = {"q": {"a": [1, {"b": "}}"}]}, "s": "x}"}
+    out = "<tool_call>\n" + json.dumps({"name": "f", "arguments": args}) + "\n</tool_call>"
+    s = ToolOutput(HermesParser()).streamer()
+    ds = [d for ch in out for d in s.feed(ch)[1]] + s.finish()[1]
+    assert json.loads("".join(d["function"]["arguments"] for d in ds)) == args
+    # cut off inside the arguments (max_tokens): what arrived, and still a call
+    s = ToolOutput(HermesParser()).streamer()
+    ds = s.feed(out[:-25])[1] + s.finish()[1]
+    assert ds[0]["function"]["name"] == "f" and s.called
+
+
+def test_hermes_call_not_in_the_usual_key_order_goes_out_whole():
+    out = '<tool_call>\n{"arguments": {"city": "Rom"}, "name": "get_weather"}\n</tool_call>'
+    s = ToolOutput(HermesParser()).streamer()
+    _, ds = s.feed(out[:-3])
+    assert ds == []
+    _, ds = s.feed(out[-3:])
+    assert ds[0]["function"]["name"] == "get_weather" and json.loads(ds[1]["function"]["arguments"]) == {"city": "Rom"}
     # a second block that is not a call: the first call stands, the rest is content
     s = ToolOutput(HermesParser()).streamer()
-    text = OUTPUTS["hermes"][:first_end] + "\n<tool_call>\nnot json\n</tool_call>"
-    _, deltas = s.feed(text)
-    assert len(deltas) == 2
+    _, ds = s.feed(out + "\n<tool_call>\nnot json\n</tool_call>")
+    assert len(ds) == 2
     rest, more = s.finish()
     assert more == [] and rest == "<tool_call>\nnot json\n</tool_call>" and s.called

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -9,11 +10,15 @@ from dataclasses import dataclass, field
 from pdserve.engine.sampling_params import GuidedSpec
 
 
+def new_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
 @dataclass
 class ToolCall:
     name: str
     arguments: str  # JSON text of an object, as OpenAI sends it
-    id: str = field(default_factory=lambda: "call_" + secrets.token_hex(12))
+    id: str = field(default_factory=new_call_id)
 
     def to_json(self) -> dict:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
@@ -59,6 +64,7 @@ class ToolCallParser(ABC):
     markers: tuple[str, ...]
     leading_only: bool = False
     call_end: str | None = None  # text that ends each call (a streamed call goes out when it arrives)
+    call_head: re.Pattern | None = None  # with call_end: a call's start up to its arguments, group 1 the name
     skip_special_tokens: bool = True  # False where the marker is a special token the text must keep
 
     @abstractmethod

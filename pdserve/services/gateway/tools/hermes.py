@@ -20,6 +20,7 @@ class HermesParser(ToolCallParser):
     name = "hermes"
     markers = ("<tool_call>",)
     call_end = "</tool_call>"
+    call_head = re.compile(r'\s*<tool_call>\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*"arguments"\s*:\s*')
 
     def parse(self, text: str) -> ParsedOutput:
         start = text.find("<tool_call>")

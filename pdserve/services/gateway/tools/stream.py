@@ -3,13 +3,14 @@ as OpenAI `tool_calls` deltas (per call: id, type and name with empty arguments,
 
 Text that could be the start of a call marker is held back until it is known not to be one. Once a marker was
 seen, the rest is buffered. A format whose calls each end with a closing tag (`call_end`, Hermes'
-`</tool_call>`) sends each call as soon as its tag arrives; the others send their calls when the choice ends
-(`finish`). A call's arguments go out as one fragment, after its name. Text after the marker that is not a
-valid call goes out as content.
+`</tool_call>`) and start with a recognizable head (`call_head`) streams each call: id and name once the head is
+complete, then argument fragments as they arrive; the other formats send each call whole (name, then its
+arguments as one fragment) when the choice ends (`finish`). Text after the marker that is not a valid call goes
+out as content.
 """
 from __future__ import annotations
 
-from pdserve.services.gateway.tools.base import ToolCall, ToolCallParser
+from pdserve.services.gateway.tools.base import ToolCall, ToolCallParser, new_call_id
 
 
 class ToolStreamer:
@@ -20,6 +21,8 @@ class ToolStreamer:
         self.in_call = False
         self.calls_sent = 0  # calls already sent (formats with `call_end`)
         self.parsed_to = 0  # where the text of the calls sent ends
+        self.open: int | None = None  # where the arguments of a call being streamed start
+        self.open_sent = 0  # characters of them sent
 
     @property
     def called(self) -> bool:
@@ -58,18 +61,58 @@ class ToolStreamer:
         return out
 
     def _complete_calls(self) -> list[dict]:
-        """The calls whose closing tag arrived since the last look (only for formats with `call_end`)."""
+        """Deltas for what arrived since the last look (only for formats with `call_end`): a call whose head
+        (`call_head`: the marker, the name, the start of the arguments) is complete gets its id and name, then
+        its arguments as they come (everything up to the last `}` seen, which may be the call's own end, is
+        held); a call written otherwise goes out whole when its end tag arrives."""
         end_tag = self.parser.call_end
         if end_tag is None:
             return []
         out = []
-        while (end := self.text.find(end_tag, max(self.parsed_to, self.sent))) >= 0:
+        while True:
+            if self.open is not None:
+                out += self._open_fragment()
+                if self.open is not None:
+                    return out  # the open call has not ended yet
+                continue
+            if self.max_calls is not None and self.calls_sent >= self.max_calls:
+                return out
+            at = max(self.parsed_to, self.sent)
+            head = self.parser.call_head.match(self.text, at) if self.parser.call_head is not None else None
+            if head is not None:
+                k = self.calls_sent
+                out.append({"index": k, "id": new_call_id(), "type": "function",
+                            "function": {"name": head.group(1), "arguments": ""}})
+                self.open, self.open_sent = head.end(), 0
+                continue
+            end = self.text.find(end_tag, at)
+            if end < 0:
+                return out
             end += len(end_tag)
             parsed = self.parser.parse(self.text[:end])
             if not parsed.calls:
-                break  # not a call after all: `finish` sends the text
+                return out  # not a call after all: `finish` sends the text
             self.parsed_to = end
             out += self._deltas(parsed.calls)
+
+    def _open_fragment(self, final: bool = False) -> list[dict]:
+        """The open call's arguments that can go out; at its end tag (or `final`) the rest, and the call closes."""
+        tag = self.text.find(self.parser.call_end, self.open)
+        region = self.text[self.open:] if tag < 0 else self.text[self.open:tag]
+        if tag < 0 and not final:
+            cut = region.rfind("}")  # the last one may close the call: held until more arrives
+            cut = len(region) if cut < 0 else cut
+            piece = region[self.open_sent:cut] if cut > self.open_sent else ""
+        else:  # the call's text is complete: its arguments are all but the object's closing brace
+            body = region.rstrip()
+            args = body[:-1].rstrip() if body.endswith("}") else body
+            piece = args[self.open_sent:]
+            self.parsed_to = len(self.text) if tag < 0 else tag + len(self.parser.call_end)
+        self.open_sent += len(piece)
+        out = [{"index": self.calls_sent, "function": {"arguments": piece}}] if piece else []
+        if tag >= 0 or final:
+            self.open = None
+            self.calls_sent += 1
         return out
 
     def _deltas(self, calls: list[ToolCall]) -> list[dict]:
@@ -86,7 +129,11 @@ class ToolStreamer:
 
     def finish(self) -> tuple[str, list[dict]]:
         """The choice ended: the content still held and the remaining tool_calls deltas."""
+        if self.open is not None:  # ended (EOS, a stop, the length limit) inside a call: what it has
+            return "", self._open_fragment(final=True)
         parsed = self.parser.parse(self.text) if self.in_call or self.parser.leading_only else None
+        if self.calls_sent and parsed is not None and 0 < len(parsed.calls) <= self.calls_sent:
+            return "", []  # every call went out; text after them is not part of the answer (as in `parse`)
         if parsed is not None and parsed.calls:
             return "", self._deltas(parsed.calls)
         if self.calls_sent:  # calls went out, then text that is not one: it is content
