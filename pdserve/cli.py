@@ -18,6 +18,7 @@ from pdserve.cli_args import (Parser, nonneg_float, nonneg_int, port, positive_f
 POLICIES = ("fcfs", "decode-priority", "prefill-priority", "priority", "shortest-predicted-first")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MODES = ("auto", "disagg", "colocated")
+LOG_FORMATS = ("text", "json")  # pdserve/services/logs.py FORMATS (not imported: it pulls in the services package)
 
 
 def _default_served_name(model: str) -> str:
@@ -28,6 +29,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="builtin", help="checkpoint dir or 'builtin'")
     p.add_argument("--served-model-name", help="name clients use (default: the model dir's basename)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--log-format", choices=LOG_FORMATS, default="text",
+                   help="text lines, or one JSON object a line with the request id (docs/observability.md)")
 
 
 def _add_engine(p: argparse.ArgumentParser) -> None:
@@ -163,7 +166,6 @@ def main(argv: list[str] | None = None) -> None:
 def _run(args: argparse.Namespace) -> int:
     if getattr(args, "served_model_name", "x") is None:
         args.served_model_name = _default_served_name(args.model)
-    from pdserve.services.procutil import setup_logging
     if hasattr(args, "func"):  # generate / bench / sim: the lead's logging setup
         import logging
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -177,7 +179,10 @@ def _run(args: argparse.Namespace) -> int:
         if problem is not None:
             print(f"pdserve {args.command}: {problem}", file=sys.stderr)
             return 2
-    setup_logging(args.command)
+    from pdserve.services import logs, tracing
+    role = args.role if args.command == "worker" else None
+    logs.setup(args.command, args.log_format, worker_role=role)
+    tracing.setup(args.command, worker_role=role)  # only when OTEL_* ask for it (docs/observability.md)
     if args.command == "gateway":
         from pdserve.services.gateway.server import serve
         asyncio.run(serve(args))

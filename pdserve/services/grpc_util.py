@@ -1,4 +1,5 @@
-"""gRPC server/channel helpers: every server gets the standard health service and server reflection."""
+"""gRPC server/channel helpers: every server gets the standard health service and server reflection; every server
+and channel carries the request's id and trace context (grpc_context.py)."""
 from __future__ import annotations
 
 import grpc
@@ -6,13 +7,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdserve._proto.pdserve.v1 import common_pb2, gateway_pb2, router_pb2, worker_pb2  # noqa: F401
+from pdserve.services.grpc_context import ContextServerInterceptor, client_interceptors
 
 # Streams carry small token deltas but Prefill responses carry NIXL agent metadata (a few KB to MB).
 OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 
 
 def make_server(service_names: list[str]) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
-    server = grpc.aio.server(options=OPTIONS)
+    # the gateway's own service is the front door: its callers' ids are checked and echoed (grpc_context.py)
+    server = grpc.aio.server(options=OPTIONS, interceptors=[ContextServerInterceptor(GATEWAY_SERVICE)])
     hs = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
@@ -33,7 +36,8 @@ RELAY_OPTIONS = [*OPTIONS, ("grpc.http2.bdp_probe", 0)]
 
 
 def channel(address: str, relay: bool = False) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=RELAY_OPTIONS if relay else OPTIONS)
+    return grpc.aio.insecure_channel(address, options=RELAY_OPTIONS if relay else OPTIONS,
+                                     interceptors=client_interceptors())
 
 
 WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name

@@ -112,7 +112,8 @@ def up(args) -> int:
                 print("pdserve up: redis-server did not start", file=sys.stderr)
                 return 1
             redis_url = f"redis://127.0.0.1:{rport}/0"
-        common = ["--model", args.model, "--served-model-name", args.served_model_name]
+        common = ["--model", args.model, "--served-model-name", args.served_model_name,
+                  "--log-format", args.log_format]
         eng = []
         for flag in ("num_gpu_blocks", "max_num_seqs", "device", "dtype", "threads", "policy"):
             v = getattr(args, flag)

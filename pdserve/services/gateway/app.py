@@ -31,7 +31,8 @@ from pdserve.services.gateway.params import APIError, bad, to_sampling_params
 from pdserve.services.gateway.guard import MAX_HEADER_BYTES, HttpGuard  # noqa: I001 - out of order: fewer merge conflicts
 from pdserve.services.gateway.ingress import IngressGate
 from pdserve.services.gateway.parse import RequestParser
-from pdserve.services.gateway.stages import StageTrace, pick, stage_times
+from pdserve.services.gateway.stages import StageTrace, emit_spans, pick, stage_times
+from pdserve.services import tracing  # noqa: I001 - own line: fewer merge conflicts
 from pdserve.services.pb import common_pb2
 
 log = logging.getLogger("pdserve.gateway")
@@ -226,6 +227,8 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
         md = lifecycle_metadata(deadline, rec.tenant.priority,
                                 ticket.predicted_output if ticket is not None else None)
         traces = [StageTrace() for _ in subs]
+        if tracing.enabled():  # the stages as spans once the response is out (docs/observability.md)
+            tracing.at_request_end(lambda: emit_spans(rec.arrival, rec.admitted_at, traces))
         agen = disp.generate_many(rid, subs, rec.tenant.namespace, on_route=on_route, metadata=md, traces=traces)
         try:
             first = await agen.__anext__()

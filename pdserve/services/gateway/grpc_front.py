@@ -39,8 +39,7 @@ class GatewayGrpc(gateway_pb2_grpc.GatewayServicer):
     async def Generate(self, request, context):
         life = self.life
         rec = life.new_record()
-        rid = request.request_id or new_id("grpc")
-        redact.request_id.set(rid)
+        rid = request.request_id or new_id("grpc")  # the engine's; the log lines' is x-request-id (grpc_context)
         failure: tuple[grpc.StatusCode, str] | None = None
         try:
             rec.tenant = life.gate.authenticate(dict(context.invocation_metadata() or ()))
