@@ -28,7 +28,7 @@ from pdserve.services.gateway import redact
 from pdserve.services.gateway.core import Dispatcher, NoWorkersError, UpstreamError, new_id, split
 from pdserve.services.gateway.lifecycle import Lifecycle, RequestRecord, build_lifecycle
 from pdserve.services.gateway.params import APIError, bad, to_sampling_params
-from pdserve.services.gateway.guard import MAX_HEADER_BYTES, HttpGuard  # noqa: I001 - out of order: fewer merge conflicts
+from pdserve.services.gateway.guard import MAX_HEADER_BYTES, HttpGuard, fastapi_options  # noqa: I001 - out of order: fewer merge conflicts
 from pdserve.services.gateway.ingress import IngressGate
 from pdserve.services.gateway.parse import RequestParser
 from pdserve.services.gateway.stages import StageTrace, emit_spans, pick, stage_times
@@ -183,7 +183,7 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
     vocab = mcfg.vocab_size
     max_len = mcfg.max_model_len
     disp = dispatcher or Dispatcher(cfg.router_address, cfg.served_model_name)
-    app = FastAPI(title="pdserve gateway")
+    app = FastAPI(title="pdserve gateway", **fastapi_options())
     app.add_middleware(HttpGuard, max_header_bytes=cfg.max_header_bytes)
     app.state.dispatcher = disp
     app.state.config = cfg

@@ -42,6 +42,16 @@ def _error(status: int, message: str, type_: str, code: str) -> tuple[dict, byte
     return start, body
 
 
+def fastapi_options() -> dict:
+    """FastAPI's own tracing off, where it has one (newer releases open their own SERVER span once a tracer
+    provider is set): the guard's span is the request's, the one that carries its id and the stage spans, and two
+    sibling spans per request would split each trace."""
+    import inspect
+
+    from fastapi import FastAPI
+    return {"telemetry": {"tracing": False}} if "telemetry" in inspect.signature(FastAPI.__init__).parameters else {}
+
+
 class HttpGuard:
     def __init__(self, app, max_header_bytes: int = MAX_HEADER_BYTES):
         self.app = app
