@@ -12,6 +12,7 @@ and the id is echoed back as initial and trailing metadata. A worker's StageTime
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import inspect
 import logging
@@ -120,7 +121,7 @@ class _Scope:
     def end(self, context, error: BaseException | None) -> None:
         if error is None:
             status = "OK"
-        elif isinstance(error, BaseException) and type(error).__name__ == "CancelledError":
+        elif isinstance(error, (asyncio.CancelledError, GeneratorExit)):
             status = "CANCELLED"
         else:
             code = None
@@ -137,29 +138,30 @@ class _Scope:
             logs.request_id.reset(self.rid_token)
 
 
+# The exception is handed to _Scope.end inside the `except` block and never kept in a local: a frame that holds
+# its own exception is a reference cycle (frame -> exception -> traceback -> frame), and a handler generator caught
+# in one is finalized, and its cleanup run (ReleaseKV of pinned KV, engine aborts), only at a later cyclic GC.
+
 def _wrap_unary(behavior, method: str, front_door: bool):
     async def handler(request, context):
         scope = _Scope(method, context.invocation_metadata(), front_door)
-        error = None
         try:
             await scope.start(context)
             reply = behavior(request, context)
             if inspect.isawaitable(reply):
                 reply = await reply
             scope.seen(reply)
-            return reply
         except BaseException as e:
-            error = e
+            scope.end(context, e)
             raise
-        finally:
-            scope.end(context, error)
+        scope.end(context, None)
+        return reply
     return handler
 
 
 def _wrap_stream(behavior, method: str, front_door: bool):
     async def handler(request, context):
         scope = _Scope(method, context.invocation_metadata(), front_door)
-        error = None
         try:
             await scope.start(context)
             replies = behavior(request, context)
@@ -174,11 +176,10 @@ def _wrap_stream(behavior, method: str, front_door: bool):
             else:
                 for m in replies:
                     yield m
-        except BaseException as e:
-            error = e
+        except BaseException as e:  # GeneratorExit too: the call was cancelled while a reply was being sent
+            scope.end(context, e)
             raise
-        finally:
-            scope.end(context, error)
+        scope.end(context, None)
     return handler
 
 
