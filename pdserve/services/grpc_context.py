@@ -26,6 +26,8 @@ log = logging.getLogger("pdserve.rpc")
 
 _TRACE_KEYS = ("traceparent", "tracestate", "baggage")
 _QUIET = ("/grpc.health.", "/grpc.reflection.")  # probes and tooling: no context, no access line
+# polled, not part of serving a request (the gateway's /health asks ListWorkers): their access line is DEBUG
+_POLLED = frozenset({"ListWorkers", "GetStats", "Heartbeat", "Register", "GetAgentMetadata"})
 
 
 def _outgoing(details: grpc.aio.ClientCallDetails):
@@ -128,7 +130,8 @@ class _Scope:
             with contextlib.suppress(Exception):
                 code = context.code()
             status = code.name if isinstance(code, grpc.StatusCode) else type(error).__name__
-        log.info("%s %s in %.1f ms", self.method, status, (time.perf_counter() - self.t0) * 1e3)
+        level = logging.DEBUG if self.method.rsplit("/", 1)[-1] in _POLLED else logging.INFO
+        log.log(level, "%s %s in %.1f ms", self.method, status, (time.perf_counter() - self.t0) * 1e3)
         if self.span is not None:
             if self.times:
                 tracing.stage_spans("engine", self.times, tracing.ENGINE_STAGES)

@@ -31,7 +31,7 @@ request_id: contextvars.ContextVar[str] = contextvars.ContextVar("pdserve_reques
 # one of them carries safely (no spaces, quotes, control characters; bounded), which UUIDs, ULIDs and the
 # usual `prefix-123` / base64 ids all meet. Anything else is replaced, never refused (docs/observability.md).
 MAX_REQUEST_ID = 128
-_VALID_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+/=@-]{0,%d}" % (MAX_REQUEST_ID - 1))
+_VALID_ID = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._:+/=@-]{{0,{MAX_REQUEST_ID - 1}}}")
 
 
 def new_request_id() -> str:

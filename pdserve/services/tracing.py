@@ -137,7 +137,7 @@ def end_server_span(handle, error: BaseException | None = None, failed: str | No
         for fn in _at_end.get() or ():
             try:
                 fn()
-            except Exception as e:  # a span is never worth failing a request over
+            except Exception as e:  # noqa: BLE001 - a span is never worth failing a request over
                 span.record_exception(e)
         if error is not None:
             span.record_exception(error)

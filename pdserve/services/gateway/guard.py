@@ -32,6 +32,7 @@ log = logging.getLogger("pdserve.gateway")
 access = logging.getLogger("pdserve.access")
 
 MAX_HEADER_BYTES = 16 << 10
+POLLED_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapers: their access line is DEBUG
 KEEP_ALIVE_5XX = frozenset({503, 504})  # deliberate answers (load shed, deadline): the connection is sound
 
 
@@ -120,8 +121,9 @@ class HttpGuard:
             error = e
             raise
         finally:
-            access.info("%s %s %s in %.1f ms", scope.get("method"), scope.get("path"), status or "-",
-                        (time.perf_counter() - t0) * 1e3)
+            access.log(logging.DEBUG if scope.get("path") in POLLED_PATHS else logging.INFO,
+                       "%s %s %s in %.1f ms", scope.get("method"), scope.get("path"), status or "-",
+                       (time.perf_counter() - t0) * 1e3)
             if span is not None:
                 span[0].set_attribute("http.response.status_code", status)
                 tracing.end_server_span(span, error, f"HTTP {status}" if status >= 500 else None)

@@ -14,7 +14,7 @@ import re
 
 # The id of the request being served (guard.HttpGuard sets it for an HTTP request's task; the gRPC interceptor
 # for a front-door call): the one on every log line (logs.py).
-from pdserve.services.logs import request_id  # noqa: F401 - part of this module's interface
+from pdserve.services.logs import request_id
 
 log = logging.getLogger("pdserve.gateway")
 
