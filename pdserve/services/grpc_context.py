@@ -1,8 +1,8 @@
 """A request's id and trace context across gRPC hops (docs/observability.md).
 
 Client side (every channel grpc_util.channel makes): the calling task's request id goes out as `x-request-id`
-metadata, and with tracing on a CLIENT span is opened per call and its `traceparent` sent. The interceptor runs
-in a task grpc creates at call time, which copies the caller's context: the ids are the caller's.
+metadata, and with tracing on a CLIENT span is opened per call and its `traceparent` sent. Both are added when
+the call is made, in the caller's task, so they are the caller's (ContextChannel).
 
 Server side (every server grpc_util.make_server makes): the handler runs with the caller's `x-request-id` in
 logs.request_id, under a SERVER span parented by the caller's `traceparent`, and one access line is logged when
@@ -30,60 +30,61 @@ _QUIET = ("/grpc.health.", "/grpc.reflection.")  # probes and tooling: no contex
 _POLLED = frozenset({"ListWorkers", "GetStats", "Heartbeat", "Register", "GetAgentMetadata"})
 
 
-def _outgoing(details: grpc.aio.ClientCallDetails):
-    """(details with the context's metadata added, client span or None)."""
+def _outgoing(method: str, metadata) -> tuple[object, object]:
+    """(the call's metadata with the context's id and traceparent added, the client span or None)."""
     rid = logs.request_id.get()
-    client = tracing.start_client_span(details.method.decode() if isinstance(details.method, bytes)
-                                       else details.method) if tracing.enabled() else None
+    client = tracing.start_client_span(method) if tracing.enabled() else None
     if rid == logs.NO_ID and client is None:
-        return details, None
-    md = grpc.aio.Metadata(*[(k, v) for k, v in (details.metadata or ()) if k not in _TRACE_KEYS
-                             and k != logs.REQUEST_ID_HEADER])
+        return metadata, None
+    md = [(k, v) for k, v in (metadata or ()) if k not in _TRACE_KEYS and k != logs.REQUEST_ID_HEADER]
     if rid != logs.NO_ID:
-        md.add(logs.REQUEST_ID_HEADER, rid)
+        md.append((logs.REQUEST_ID_HEADER, rid))
     span = None
     if client is not None:
         span, pairs = client
-        for k, v in pairs:
-            md.add(k, v)
-    return details._replace(metadata=md), span
+        md.extend(pairs)
+    return tuple(md), span
 
 
-def _end_when_done(call, span) -> None:
-    if span is None:
-        return
-    try:
-        call.add_done_callback(lambda _c: span.end())
-    except Exception:  # noqa: BLE001 - the call object did not take it: end the span now rather than never
-        span.end()
+class _ContextCallable:
+    """A multi-callable that adds the caller's context to each call's metadata, synchronously, when the call is
+    made (grpc's own client interceptors run in an extra task per call, which also delays the call's start)."""
 
+    def __init__(self, inner, method: str):
+        self._inner, self._method = inner, method
 
-async def _intercept(continuation, client_call_details, request):
-    details, span = _outgoing(client_call_details)
-    try:
-        call = await continuation(details, request)
-    except BaseException:
+    def __call__(self, request, *, metadata=None, **kwargs):
+        md, span = _outgoing(self._method, metadata)
+        call = self._inner(request, metadata=md, **kwargs)
         if span is not None:
-            span.end()
-        raise
-    _end_when_done(call, span)
-    return call
+            try:
+                call.add_done_callback(lambda _c: span.end())
+            except Exception:  # noqa: BLE001 - the call did not take it: end the span now rather than never
+                span.end()
+        return call
 
 
-# Two classes: a channel files each interceptor under the first of these kinds it is an instance of, so one
-# class deriving from both would never see the streaming calls.
-class UnaryContextInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation, client_call_details, request):
-        return await _intercept(continuation, client_call_details, request)
+class ContextChannel:
+    """A grpc.aio channel whose unary-request calls carry the request id and trace context (the only kinds
+    pdserve's services have; the streaming-request kinds and everything else are the channel's own)."""
 
+    def __init__(self, inner: grpc.aio.Channel):
+        self._inner = inner
 
-class StreamContextInterceptor(grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation, client_call_details, request):
-        return await _intercept(continuation, client_call_details, request)
+    def unary_unary(self, method: str, *args, **kwargs):
+        return _ContextCallable(self._inner.unary_unary(method, *args, **kwargs), method)
 
+    def unary_stream(self, method: str, *args, **kwargs):
+        return _ContextCallable(self._inner.unary_stream(method, *args, **kwargs), method)
 
-def client_interceptors() -> list:
-    return [UnaryContextInterceptor(), StreamContextInterceptor()]
+    def __getattr__(self, name: str):  # close, channel_ready, get_state, stream_unary, ...
+        return getattr(self._inner, name)
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self._inner.close()
 
 
 class _Scope:

@@ -7,7 +7,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdserve._proto.pdserve.v1 import common_pb2, gateway_pb2, router_pb2, worker_pb2  # noqa: F401
-from pdserve.services.grpc_context import ContextServerInterceptor, client_interceptors
+from pdserve.services.grpc_context import ContextChannel, ContextServerInterceptor
 
 # Streams carry small token deltas but Prefill responses carry NIXL agent metadata (a few KB to MB).
 OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
@@ -36,8 +36,9 @@ RELAY_OPTIONS = [*OPTIONS, ("grpc.http2.bdp_probe", 0)]
 
 
 def channel(address: str, relay: bool = False) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=RELAY_OPTIONS if relay else OPTIONS,
-                                     interceptors=client_interceptors())
+    """A channel whose calls carry the calling task's request id and trace context (grpc_context.py)."""
+    inner = grpc.aio.insecure_channel(address, options=RELAY_OPTIONS if relay else OPTIONS)
+    return ContextChannel(inner)  # type: ignore[return-value] - the same interface
 
 
 WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
