@@ -18,6 +18,7 @@ from pdserve.cli_args import (Parser, context_len, fraction, nonneg_float, nonne
 POLICIES = ("fcfs", "decode-priority", "prefill-priority", "priority", "shortest-predicted-first")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MODES = ("auto", "disagg", "colocated")
+LOG_FORMATS = ("text", "json")  # pdserve/services/logs.py FORMATS (not imported: it pulls in the services package)
 
 
 def _default_served_name(model: str) -> str:
@@ -30,6 +31,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--metrics-compat", choices=["vllm"], default=None,
                    help="also export the metrics under vLLM's names (docs/metrics.md)")
+    p.add_argument("--log-format", choices=LOG_FORMATS, default="text",
+                   help="text lines, or one JSON object a line with the request id (docs/observability.md)")
 
 
 def _add_engine(p: argparse.ArgumentParser) -> None:
@@ -219,7 +222,6 @@ def _redis_auth(args):
 def _run(args: argparse.Namespace) -> int:
     if getattr(args, "served_model_name", "x") is None:
         args.served_model_name = _default_served_name(args.model)
-    from pdserve.services.procutil import setup_logging
     if hasattr(args, "func"):  # generate / bench / sim: the lead's logging setup
         import logging
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -237,7 +239,10 @@ def _run(args: argparse.Namespace) -> int:
         if problem is not None:
             print(f"pdserve {args.command}: {problem}", file=sys.stderr)
             return 2
-    setup_logging(args.command)
+    from pdserve.services import logs, tracing
+    role = args.role if args.command == "worker" else None
+    logs.setup(args.command, args.log_format, worker_role=role)
+    tracing.setup(args.command, worker_role=role)  # only when OTEL_* ask for it (docs/observability.md)
     from pdserve.services.grpc_util import configure
     security = _security(args)
     configure(security)

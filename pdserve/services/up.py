@@ -131,7 +131,7 @@ def up(args) -> int:
                 return 1
             redis_url = f"redis://127.0.0.1:{rport}/0"
         common = ["--model", args.model, "--served-model-name", args.served_model_name,
-                  *_flags(args, SECURITY_FLAGS)]
+                  "--log-format", args.log_format, *_flags(args, SECURITY_FLAGS)]
         if args.metrics_compat:
             common += ["--metrics-compat", args.metrics_compat]
         eng = []

@@ -20,7 +20,8 @@ from pdserve.services.gateway.core import Dispatcher, new_id, split
 from pdserve.services.gateway.errors import ErrorReply, RequestFailed, reply_for
 from pdserve.services.gateway.lifecycle import Lifecycle, RequestRecord
 from pdserve.services.gateway.schema import FINISH_REASONS, Degraded, Delta, GenerateCall, RequestState
-from pdserve.services.gateway.stages import StageTrace, pick, stage_times
+from pdserve.services.gateway.stages import StageTrace, emit_spans, pick, stage_times
+from pdserve.services import tracing  # noqa: I001 - own line: fewer merge conflicts
 from pdserve.services.gateway.timing import Timing
 
 
@@ -53,6 +54,8 @@ class RequestHandler:
             params = replace(params, n=ticket.n_granted, best_of=None)
         subs = split(call.prompts, params)
         traces = [StageTrace() for _ in subs]
+        if tracing.enabled():  # the stages as spans once the response is out (docs/observability.md)
+            tracing.at_request_end(lambda: emit_spans(rec.arrival, rec.admitted_at, traces))
         timing = Timing(rec=rec)
         routes: list[str] = []
 
