@@ -217,6 +217,7 @@ def test_admission_outcomes():
         # DEGRADED: n=4 needs 9 blocks, 1 left... n=... nothing fits -> queue; free a, then degrade path
         await adm.release("a")
         t2 = await adm.admit("b", "t", 10, 20, 2, 4096, far)  # 5 blocks
+        assert (t2.n_granted, t2.blocks, t2.degraded) == (2, 5, False)
         t3 = await adm.admit("c", "t", 10, 20, 4, 4096, far)  # 9 won't fit in 5 left: n lowered to 2
         assert t3.degraded and t3.n_granted == 2 and t3.states == ["DEGRADED"]
         # full: first waiter queues (QUEUED) and gets in when capacity frees

@@ -10,7 +10,6 @@ import signal
 import time
 import uuid
 
-import pytest
 import redis.asyncio as aioredis
 
 from pdserve.engine.engine import Engine, EngineConfig

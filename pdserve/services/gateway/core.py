@@ -144,7 +144,7 @@ class Dispatcher:
                     skip = None
                     if pre.HasField("first"):
                         # The first token goes to the client now; the KV transfer and the decode worker's pickup
-                        # run behind it (they used to be ~5 ms of TTFT). The decode stream repeats it: left out.
+                        # (~5 ms) run behind it, off the TTFT path. The decode stream repeats it: left out.
                         emitted = True
                         skip = _SkipFirst(pre.first)
                         yield pre.first
