@@ -1,8 +1,11 @@
-"""Engine RequestOutput -> GenerateResponse deltas."""
+"""The one place where Python-side values become wire messages and back: engine outputs -> GenerateResponse
+deltas, worker records <-> WorkerInfo + LoadReport (the Redis registry stores these serialized), KV regions.
+Everything between processes is a proto message; nothing here builds a string-keyed dict for the wire."""
 from __future__ import annotations
 
 from pdserve.engine.outputs import RequestOutput
 from pdserve.services.pb import common_pb2
+from pdserve.services.registry import WorkerRecord
 
 
 class DeltaEncoder:
@@ -58,3 +61,33 @@ def full_response(out: RequestOutput, tokenizer=None) -> common_pb2.GenerateResp
     from dataclasses import replace
     cum = replace(out, outputs=[replace(c, new_text=c.text, new_token_ids=list(c.token_ids)) for c in out.outputs])
     return DeltaEncoder(tokenizer).encode(cum)
+
+
+# ---- worker records (registry, router) ------------------------------------------------------------------------
+def record_to_pb(r: WorkerRecord) -> common_pb2.WorkerInfo:
+    return common_pb2.WorkerInfo(worker_id=r.worker_id, role=r.role, address=r.address, agent_name=r.agent_name,
+                                 capacity_blocks=r.capacity_blocks, layout=r.layout)
+
+
+def record_from_pb(w: common_pb2.WorkerInfo, load: common_pb2.LoadReport | None = None) -> WorkerRecord:
+    return WorkerRecord(w.worker_id, w.role, w.address, w.agent_name, w.capacity_blocks, _copy(w.layout),
+                        _copy(load) if load is not None else common_pb2.LoadReport())
+
+
+def _copy(m):
+    out = type(m)()
+    out.CopyFrom(m)
+    return out
+
+
+def record_to_hash(rec: WorkerRecord) -> dict[str, bytes]:
+    """The registry's Redis hash: serialized protos plus the heartbeat time (the TTL check reads it)."""
+    return {"info": record_to_pb(rec).SerializeToString(), "load": rec.load.SerializeToString(),
+            "updated": repr(float(rec.updated)).encode()}
+
+
+def record_from_hash(h: dict) -> WorkerRecord:
+    h = {(k.decode() if isinstance(k, bytes) else k): v for k, v in h.items()}
+    rec = record_from_pb(common_pb2.WorkerInfo.FromString(h["info"]), common_pb2.LoadReport.FromString(h["load"]))
+    rec.updated = float(h["updated"])
+    return rec

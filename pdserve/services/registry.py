@@ -1,17 +1,18 @@
 """Redis worker registry.
 
-Key `pdserve:{model}:workers:{id}` is a hash (role, address, agent_name, capacity_blocks, layout, load,
-updated) whose TTL is refreshed by every heartbeat: a worker that stops heartbeating disappears by itself, so a
+Key `pdserve:{model}:workers:{id}` is a hash (`info`: a serialized WorkerInfo, `load`: a serialized LoadReport,
+`updated`: unix time) whose TTL is refreshed by every heartbeat: a worker that stops heartbeating disappears by itself, so a
 lapsed worker can never be routed to. `pdserve:{model}:worker_ids` is a set indexing the hashes (stale members
 are pruned on read). KV events (the prefix index) live in router/prefix_index.py's keys.
 """
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
+
+from pdserve.services.pb import common_pb2
 
 DEFAULT_TTL_S = 3.0
 
@@ -26,29 +27,16 @@ def index_key(model: str) -> str:
 
 @dataclass
 class WorkerRecord:
+    """A live worker as the registry holds it; `load` is its last LoadReport (services/convert.py converts)."""
+
     worker_id: str
     role: str  # prefill | decode | both
     address: str
     agent_name: str = ""
     capacity_blocks: int = 0
-    layout: dict = field(default_factory=dict)
-    load: dict = field(default_factory=dict)
+    layout: common_pb2.KvLayout = field(default_factory=common_pb2.KvLayout)
+    load: common_pb2.LoadReport = field(default_factory=common_pb2.LoadReport)
     updated: float = 0.0
-
-    def to_hash(self) -> dict[str, str]:
-        d = asdict(self)
-        d["layout"] = json.dumps(self.layout)
-        d["load"] = json.dumps(self.load)
-        return {k: str(v) for k, v in d.items()}
-
-    @classmethod
-    def from_hash(cls, h: dict) -> "WorkerRecord":
-        h = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
-             for k, v in h.items()}
-        return cls(worker_id=h["worker_id"], role=h["role"], address=h["address"],
-                   agent_name=h.get("agent_name", ""), capacity_blocks=int(h.get("capacity_blocks", 0) or 0),
-                   layout=json.loads(h.get("layout") or "{}"), load=json.loads(h.get("load") or "{}"),
-                   updated=float(h.get("updated", 0) or 0))
 
 
 class Registry:
@@ -59,10 +47,11 @@ class Registry:
 
     async def heartbeat(self, rec: WorkerRecord) -> None:
         """Register or refresh (same write: a worker that lapsed re-registers with its next heartbeat)."""
+        from pdserve.services import convert  # convert imports WorkerRecord from here
         rec.updated = time.time()
         key = workers_key(self.model, rec.worker_id)
         async with self.r.pipeline(transaction=True) as p:
-            p.hset(key, mapping=rec.to_hash())
+            p.hset(key, mapping=convert.record_to_hash(rec))
             p.pexpire(key, int(self.ttl_s * 1000))
             p.sadd(index_key(self.model), rec.worker_id)
             await p.execute()
@@ -74,6 +63,7 @@ class Registry:
             await p.execute()
 
     async def live_workers(self) -> list[WorkerRecord]:
+        from pdserve.services import convert
         ids = sorted(m.decode() for m in await self.r.smembers(index_key(self.model)))
         if not ids:
             return []
@@ -87,7 +77,7 @@ class Registry:
             if not h:
                 stale.append(i)  # hash expired: heartbeat lapsed
                 continue
-            rec = WorkerRecord.from_hash(h)
+            rec = convert.record_from_hash(h)
             if now - rec.updated > self.ttl_s:  # belt and braces if a TTL refresh raced
                 continue
             out.append(rec)
@@ -97,3 +87,4 @@ class Registry:
 
     async def close(self) -> None:
         await self.r.aclose()
+

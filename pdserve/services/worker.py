@@ -75,16 +75,20 @@ class Worker(worker_pb2_grpc.WorkerServicer):
     # ---- helpers ----------------------------------------------------------------------------------------------
     def record(self) -> WorkerRecord:
         return WorkerRecord(self.worker_id, self.role, self.address, self.agent.name if self.agent else "",
-                            self.engine.kv_cache.num_blocks, self.layout.to_dict(),
-                            # + sequence slots: the gateway's admission capacity (not in the LoadReport proto)
-                            {**self.load(), "max_num_seqs": self.engine.config.max_num_seqs})
+                            self.engine.kv_cache.num_blocks, layout_to_pb(self.layout.to_dict()), self.load())
 
-    def load(self) -> dict:
+    def load(self) -> common_pb2.LoadReport:
         s = self.last_stats
-        return {"num_running": s.get("num_running", 0), "num_waiting": s.get("num_waiting", 0) + self.inflight,
-                "kv_blocks_in_use": s.get("kv_blocks_in_use", 0), "kv_blocks_total": s.get("kv_blocks_total", 0),
-                "pinned_blocks": self.prefill.leases.pinned_blocks(),
-                "prefix_hit_ratio": float(s.get("prefix_hit_ratio", 0.0) or 0.0), **self.meter.report()}
+        ld = self.meter.report()
+        ld.worker_id = self.worker_id
+        ld.num_running = s.get("num_running", 0)
+        ld.num_waiting = s.get("num_waiting", 0) + self.inflight
+        ld.kv_blocks_in_use = s.get("kv_blocks_in_use", 0)
+        ld.kv_blocks_total = s.get("kv_blocks_total", 0)
+        ld.pinned_blocks = self.prefill.leases.pinned_blocks()
+        ld.prefix_hit_ratio = float(s.get("prefix_hit_ratio", 0.0) or 0.0)
+        ld.max_num_seqs = self.engine.config.max_num_seqs
+        return ld
 
     def refresh_stats(self) -> dict:
         """From the snapshot the engine thread published last: never waits for a step."""
@@ -179,8 +183,7 @@ class Worker(worker_pb2_grpc.WorkerServicer):
 
     async def GetStats(self, request, context):
         s = await self.exact_stats()
-        ld = self.load()
-        return worker_pb2.GetStatsResponse(load=common_pb2.LoadReport(worker_id=self.worker_id, **ld),
+        return worker_pb2.GetStatsResponse(load=self.load(),
                                            stats_json=json.dumps(s, default=str))
 
 

@@ -18,6 +18,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from pdserve.engine.block_manager import KVEvent
+from pdserve.services.pb import common_pb2
 from pdserve.services.registry import WorkerRecord
 from pdserve.services.router.load import Ewma, EwmaLine
 from pdserve.services.router.policy import Placement, RouteInput
@@ -96,13 +97,14 @@ class SimWorker:
                       for r in self.queue) + self.current_left
         d0, d1 = self.decode_line.fit()
         return WorkerRecord(self.id, self.spec.role, f"sim:{self.id}", capacity_blocks=self.spec.kv_blocks,
-                            layout={"fingerprint": FP, "block_size": BS, "block_bytes": 2 * 1024 * 1024},
-                            load={"num_running": self.active, "num_waiting": len(self.queue),
-                                  "kv_blocks_total": self.spec.kv_blocks, "kv_blocks_in_use": 0,
-                                  "prefill_tokens_per_s": 1.0 / slope if slope > 0 else 0.0,
-                                  "prefill_overhead_s": ov, "decode_step_s": self.decode_now.value,
-                                  "decode_step_per_seq_s": d1, "pending_prefill_tokens": pending,
-                                  "report_time": now}, updated=now)
+                            layout=common_pb2.KvLayout(fingerprint=FP, block_size=BS, block_bytes=2 * 1024 * 1024),
+                            load=common_pb2.LoadReport(
+                                num_running=self.active, num_waiting=len(self.queue),
+                                kv_blocks_total=self.spec.kv_blocks, kv_blocks_in_use=0,
+                                prefill_tokens_per_s=1.0 / slope if slope > 0 else 0.0,
+                                prefill_overhead_s=ov, decode_step_s=self.decode_now.value,
+                                decode_step_per_seq_s=d1, pending_prefill_tokens=pending,
+                                report_time=now), updated=now)
 
 
 @dataclass
@@ -337,8 +339,8 @@ class LeastLoaded:
 
     def place(self, workers: list[WorkerRecord], req: RouteInput) -> Placement:
         def load(w):
-            since = [n for t, n in self.placed.get(w.worker_id, []) if t > w.load.get("report_time", 0)]
-            return w.load.get("pending_prefill_tokens", 0) + sum(since) + 100 * w.load.get("num_running", 0)
+            since = [n for t, n in self.placed.get(w.worker_id, []) if t > w.load.report_time]
+            return w.load.pending_prefill_tokens + sum(since) + 100 * w.load.num_running
         ws = [w for w in workers if w.role == "both"]
         best = min(load(w) for w in ws)
         w = self.rng.choice([w for w in ws if load(w) == best])
