@@ -736,35 +736,3 @@ def smooth_rates(old: ServiceRates | None, new: ServiceRates, a: float) -> Servi
     return ServiceRates(mix(old.step0_s, new.step0_s), mix(old.step_per_seq_s, new.step_per_seq_s),
                         mix(old.prefill_tokens_per_s, new.prefill_tokens_per_s),
                         mix(old.prefill_overhead_s, new.prefill_overhead_s), new.workers)
-
-
-# ---- request lifecycle metadata between gateway and workers (gRPC metadata: no proto change needed) ----------
-MD_DEADLINE, MD_PRIORITY, MD_PREDICTED = "x-pdserve-deadline", "x-pdserve-priority", "x-pdserve-predicted-output"
-
-
-def lifecycle_metadata(deadline: float | None, priority: int | None, predicted: int | None) -> tuple:
-    md = []
-    if deadline is not None:
-        md.append((MD_DEADLINE, f"{deadline:.6f}"))
-    if priority is not None:
-        md.append((MD_PRIORITY, str(int(priority))))
-    if predicted is not None:
-        md.append((MD_PREDICTED, str(int(predicted))))
-    return tuple(md)
-
-
-def lifecycle_from_context(context) -> dict:
-    """Worker side: deadline / priority / predicted output from the call's metadata (absent -> engine defaults)."""
-    out: dict = {}
-    try:
-        md = dict(context.invocation_metadata() or ())
-    except Exception:  # noqa: BLE001
-        return out
-    with contextlib.suppress(ValueError, TypeError):
-        if MD_DEADLINE in md:
-            out["deadline"] = float(md[MD_DEADLINE])
-        if MD_PRIORITY in md:
-            out["priority"] = int(md[MD_PRIORITY])
-        if MD_PREDICTED in md:
-            out["predicted_output_tokens"] = int(md[MD_PREDICTED])
-    return out

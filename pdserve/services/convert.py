@@ -3,6 +3,8 @@ deltas, worker records <-> WorkerInfo + LoadReport (the Redis registry stores th
 Everything between processes is a proto message; nothing here builds a string-keyed dict for the wire."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from pdserve.engine.outputs import RequestOutput
 from pdserve.services.pb import common_pb2
 from pdserve.services.registry import WorkerRecord
@@ -91,3 +93,30 @@ def record_from_hash(h: dict) -> WorkerRecord:
     rec = record_from_pb(common_pb2.WorkerInfo.FromString(h["info"]), common_pb2.LoadReport.FromString(h["load"]))
     rec.updated = float(h["updated"])
     return rec
+
+
+# ---- request lifecycle (gateway -> workers) -------------------------------------------------------------------
+def lifecycle_to_pb(deadline: float | None, priority: int | None, predicted: int | None) -> common_pb2.Lifecycle:
+    m = common_pb2.Lifecycle()
+    if deadline is not None:
+        m.deadline_unix = deadline
+    if priority is not None:
+        m.priority = int(priority)
+    if predicted is not None:
+        m.predicted_output_tokens = int(predicted)
+    return m
+
+
+@dataclass(frozen=True)
+class Limits:
+    """A Lifecycle as the engine takes it (None / 0: the engine's defaults)."""
+
+    deadline: float | None = None
+    priority: int = 0
+    predicted_output_tokens: int | None = None
+
+
+def limits_from_pb(m: common_pb2.Lifecycle) -> Limits:
+    return Limits(m.deadline_unix if m.HasField("deadline_unix") else None,
+                  m.priority if m.HasField("priority") else 0,
+                  m.predicted_output_tokens if m.HasField("predicted_output_tokens") else None)

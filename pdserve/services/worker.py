@@ -25,15 +25,14 @@ from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.services import metrics as M
 from pdserve.engine.request_state import RequestState
-from pdserve.services.admission import lifecycle_from_context
-from pdserve.services.convert import DeltaEncoder
+from pdserve.services.convert import DeltaEncoder, limits_from_pb
 from pdserve.services.decode.service import DecodeSide
 from pdserve.services.grpc_util import WORKER_SERVICE, make_server, set_serving
 from pdserve.services.pb import common_pb2, layout_to_pb, params_from_pb, worker_pb2, worker_pb2_grpc
 from pdserve.services.prefill.service import PrefillSide
 from pdserve.services.registry import Registry, WorkerRecord
-from pdserve.services.router.load import LoadMeter
-from pdserve.services.router.prefix_index import KvEventPublisher, publish_forever
+from pdserve.services.kv_events import KvEventPublisher, publish_forever
+from pdserve.services.load_meter import LoadMeter
 
 log = logging.getLogger("pdserve.worker")
 
@@ -134,8 +133,10 @@ class Worker(worker_pb2_grpc.WorkerServicer):
                 prompt = self.tokenizer.encode(request.prompt)
             enc = DeltaEncoder(self.tokenizer)
             finished = False
+            lim = limits_from_pb(request.lifecycle)
             gen = self.host.generate(request.request_id, prompt, params, namespace=request.namespace,
-                                     **lifecycle_from_context(context))
+                                     deadline=lim.deadline, priority=lim.priority,
+                                     predicted_output_tokens=lim.predicted_output_tokens)
             try:
                 async with contextlib.aclosing(gen):
                     first = True

@@ -116,7 +116,7 @@ def test_router_register_heartbeat_kvevents_and_gateway_503(tiny_llama):
 
     from pdserve.services.gateway.app import GatewayConfig, create_app
     from pdserve.services.pb import common_pb2
-    from pdserve.services.router.prefix_index import blocks_key
+    from pdserve.services.kv_events import blocks_key
 
     async def main():
         model = f"test-{uuid.uuid4().hex[:8]}"

@@ -25,8 +25,7 @@ import grpc
 from pdserve.kv_transfer.agent import KVRegion, KVTransferError
 from pdserve.kv_transfer.layout import KVLayout, KVLayoutMismatch, check_compatible
 from pdserve.services import metrics as M
-from pdserve.services.admission import lifecycle_from_context
-from pdserve.services.convert import DeltaEncoder
+from pdserve.services.convert import DeltaEncoder, limits_from_pb
 from pdserve.services.grpc_util import channel
 from pdserve.services.pb import common_pb2, layout_from_pb, params_from_pb, worker_pb2, worker_pb2_grpc
 
@@ -135,13 +134,13 @@ class DecodeSide:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         prompt = list(request.prompt_token_ids)
         t_start = time.time()
-        lc = lifecycle_from_context(context)
-        lc.pop("predicted_output_tokens", None)
+        lim = limits_from_pb(request.lifecycle)
         budget = self.transfer_timeout_s + TRANSFER_GRACE_S
 
         def add(e):
             return e.add_prefilled_request(rid, prompt, request.first_token_id, params, namespace=request.namespace,
-                                           transfer_deadline=time.time() + budget, **lc)
+                                           transfer_deadline=time.time() + budget, deadline=lim.deadline,
+                                           priority=lim.priority)
 
         # 1. allocate (waiting a little for capacity: decode blocks free up as other requests finish)
         deadline = time.monotonic() + self.alloc_wait_s

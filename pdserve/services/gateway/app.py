@@ -23,7 +23,8 @@ from pdserve.engine.config import ModelConfig
 from pdserve.engine.engine import resolve_model_dir
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.services import metrics as M
-from pdserve.services.admission import AdmissionError, lifecycle_metadata
+from pdserve.services.admission import AdmissionError
+from pdserve.services.convert import lifecycle_to_pb
 from pdserve.services.gateway import redact
 from pdserve.services.gateway.core import Dispatcher, NoWorkersError, UpstreamError, new_id, split
 from pdserve.services.gateway.lifecycle import Lifecycle, RequestRecord, build_lifecycle
@@ -223,10 +224,11 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
             timing.mode = r.mode
             routes.append(r.debug)
 
-        md = lifecycle_metadata(deadline, rec.tenant.priority,
-                                ticket.predicted_output if ticket is not None else None)
+        lifecycle = lifecycle_to_pb(deadline, rec.tenant.priority,
+                                    ticket.predicted_output if ticket is not None else None)
         traces = [StageTrace() for _ in subs]
-        agen = disp.generate_many(rid, subs, rec.tenant.namespace, on_route=on_route, metadata=md, traces=traces)
+        agen = disp.generate_many(rid, subs, rec.tenant.namespace, on_route=on_route, traces=traces,
+                                  lifecycle=lifecycle)
         try:
             first = await agen.__anext__()
         except StopAsyncIteration:

@@ -16,7 +16,8 @@ import logging
 
 import grpc
 
-from pdserve.services.admission import AdmissionError, lifecycle_metadata
+from pdserve.services.admission import AdmissionError
+from pdserve.services.convert import lifecycle_to_pb
 from pdserve.services.gateway import redact
 from pdserve.services.gateway.core import Dispatcher, NoWorkersError, UpstreamError, new_id, split
 from pdserve.services.gateway.lifecycle import Lifecycle
@@ -56,9 +57,9 @@ class GatewayGrpc(gateway_pb2_grpc.GatewayServicer):
             deadline = life.deadline_for({} if remaining is None else {"timeout": max(remaining, 1e-3)}, rec)
             ticket = await life.admit(rec, rid, [ids], params.max_tokens, params.n, self.parser.max_len,
                                       allow_degrade=False)
-            md = lifecycle_metadata(deadline, rec.tenant.priority,
-                                    ticket.predicted_output if ticket is not None else None)
-            agen = self.disp.generate_many(rid, split([ids], params), rec.tenant.namespace, metadata=md)
+            lifecycle = lifecycle_to_pb(deadline, rec.tenant.priority,
+                                        ticket.predicted_output if ticket is not None else None)
+            agen = self.disp.generate_many(rid, split([ids], params), rec.tenant.namespace, lifecycle=lifecycle)
             end_state, error, cached = "FINISHED", None, 0
             async with contextlib.aclosing(agen):
                 async for _, m in agen:

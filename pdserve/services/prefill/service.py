@@ -21,8 +21,7 @@ import grpc
 
 from pdserve.kv_transfer.lease import Lease, LeaseTable, reap_forever
 from pdserve.services import metrics as M
-from pdserve.services.admission import lifecycle_from_context
-from pdserve.services.convert import fill_times, full_response
+from pdserve.services.convert import fill_times, full_response, limits_from_pb
 from pdserve.services.pb import params_from_pb, worker_pb2
 
 log = logging.getLogger("pdserve.prefill")
@@ -140,9 +139,11 @@ class PrefillSide:
         # One branch: n > 1 is fanned out by the gateway (the decode side continues exactly one sequence).
         params = replace(params_from_pb(request.params), n=1, best_of=None)
         final = None
-        lc = lifecycle_from_context(context)
+        lim = limits_from_pb(request.lifecycle)
         async for out in self.w.host.generate(rid, list(request.prompt_token_ids), params,
-                                              namespace=request.namespace, prefill_only=True, **lc):
+                                              namespace=request.namespace, prefill_only=True, deadline=lim.deadline,
+                                              priority=lim.priority,
+                                              predicted_output_tokens=lim.predicted_output_tokens):
             final = out
         if self._was_released(rid):  # ReleaseKV came while it ran: pin nothing (the finally frees it)
             await context.abort(grpc.StatusCode.CANCELLED, "the KV of this request was released during its prefill")

@@ -13,7 +13,8 @@ from pdserve.services.convert import record_from_pb, record_to_pb
 from pdserve.services.pb import router_pb2, router_pb2_grpc
 from pdserve.services.registry import Registry, WorkerRecord
 from pdserve.services.router.policy import NoWorkers, Policy, RouteInput
-from pdserve.services.router.prefix_index import IndexSync, KvEventPublisher
+from pdserve.services.kv_events import KvEventPublisher
+from pdserve.services.router.prefix_index import IndexSync
 from pdserve.services.router.view import LiveView
 
 log = logging.getLogger("pdserve.router")

@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from pdserve.engine.block_manager import KVEvent
 from pdserve.services.pb import common_pb2
 from pdserve.services.registry import WorkerRecord
-from pdserve.services.router.load import Ewma, EwmaLine
+from pdserve.services.load_meter import Ewma, EwmaLine
 from pdserve.services.router.policy import Placement, RouteInput
-from pdserve.services.router.prefix_index import IndexSync, KvEventPublisher, chain_hashes
+from pdserve.services.kv_events import KvEventPublisher
+from pdserve.services.router.prefix_index import IndexSync, chain_hashes
 
 FP = "sim-model"
 BS = 16

@@ -8,32 +8,36 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "namespace", "model", "prompt")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "namespace", "model", "prompt", "lifecycle")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
+    LIFECYCLE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
     namespace: str
     model: str
     prompt: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., namespace: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ...) -> None: ...
+    lifecycle: _common_pb2.Lifecycle
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., namespace: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., lifecycle: _Optional[_Union[_common_pb2.Lifecycle, _Mapping]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "namespace")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "namespace", "lifecycle")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    LIFECYCLE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
     namespace: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., namespace: _Optional[str] = ...) -> None: ...
+    lifecycle: _common_pb2.Lifecycle
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., namespace: _Optional[str] = ..., lifecycle: _Optional[_Union[_common_pb2.Lifecycle, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("request_id", "first_token_id", "finished", "final", "kv", "num_cached_tokens", "times", "first_logprob", "first")
@@ -58,7 +62,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., finished: _Optional[bool] = ..., final: _Optional[_Union[_common_pb2.GenerateResponse, _Mapping]] = ..., kv: _Optional[_Union[_common_pb2.KvHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., times: _Optional[_Union[_common_pb2.StageTimes, _Mapping]] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., first: _Optional[_Union[_common_pb2.GenerateResponse, _Mapping]] = ...) -> None: ...
 
 class GenerateFromPrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "namespace", "first_token_id", "kv", "first_logprob")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "namespace", "first_token_id", "kv", "first_logprob", "lifecycle")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +70,7 @@ class GenerateFromPrefillRequest(_message.Message):
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    LIFECYCLE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
@@ -73,7 +78,8 @@ class GenerateFromPrefillRequest(_message.Message):
     first_token_id: int
     kv: _common_pb2.KvHandle
     first_logprob: _common_pb2.TokenLogprob
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., namespace: _Optional[str] = ..., first_token_id: _Optional[int] = ..., kv: _Optional[_Union[_common_pb2.KvHandle, _Mapping]] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
+    lifecycle: _common_pb2.Lifecycle
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., namespace: _Optional[str] = ..., first_token_id: _Optional[int] = ..., kv: _Optional[_Union[_common_pb2.KvHandle, _Mapping]] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., lifecycle: _Optional[_Union[_common_pb2.Lifecycle, _Mapping]] = ...) -> None: ...
 
 class ReleaseKVRequest(_message.Message):
     __slots__ = ("request_id", "lease_id")
