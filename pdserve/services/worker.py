@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import socket
@@ -173,19 +172,9 @@ class Worker(worker_pb2_grpc.WorkerServicer):
     async def ReleaseKV(self, request, context):
         return await self.prefill.ReleaseKV(request, context)
 
-    async def Abort(self, request, context):
-        rid = request.request_id
-        await self.host.abort(rid, request.state or "CANCELLED")
-        await self.prefill.release(request_id=rid)
-        return worker_pb2.AbortResponse()
-
-    async def GetAgentMetadata(self, request, context):
-        return self.region_pb
-
     async def GetStats(self, request, context):
         s = await self.exact_stats()
-        return worker_pb2.GetStatsResponse(load=self.load(),
-                                           stats_json=json.dumps(s, default=str))
+        return worker_pb2.GetStatsResponse(load=self.load(), states=s.get("states", {}))
 
 
 async def _heartbeat_loop(w: Worker, registry: Registry | None, interval_s: float,

@@ -9,11 +9,10 @@ import grpc
 
 from pdserve.services import metrics as M
 from pdserve.services.grpc_util import ROUTER_SERVICE, make_server, set_serving
-from pdserve.services.convert import record_from_pb, record_to_pb
+from pdserve.services.convert import record_to_pb
 from pdserve.services.pb import router_pb2, router_pb2_grpc
 from pdserve.services.registry import Registry, WorkerRecord
 from pdserve.services.router.policy import NoWorkers, Policy, RouteInput
-from pdserve.services.kv_events import KvEventPublisher
 from pdserve.services.router.prefix_index import IndexSync
 from pdserve.services.router.view import LiveView
 
@@ -68,24 +67,6 @@ class RouterService(router_pb2_grpc.RouterServicer):
             if rec is not None:
                 getattr(resp, name).CopyFrom(record_to_pb(rec))
         return resp
-
-    async def Register(self, request, context):
-        await self.registry.heartbeat(record_from_pb(request))
-        return router_pb2.RegisterResponse(heartbeat_ttl_s=int(self.registry.ttl_s))
-
-    async def Heartbeat(self, request, context):
-        await self.registry.heartbeat(record_from_pb(request.worker, request.load))
-        return router_pb2.HeartbeatResponse()
-
-    async def KvEvents(self, request_iterator, context):
-        # A worker without Redis access reports through here; the same keys/stream as KvEventPublisher.
-        from pdserve.engine.block_manager import KVEvent
-        n = 0
-        async for ev in request_iterator:
-            pub = KvEventPublisher(self.registry.r, self.registry.model, ev.worker_id)
-            await pub.publish([KVEvent(ev.kind, int(h, 16), ev.namespace) for h in ev.block_hashes])
-            n += 1
-        return router_pb2.KvEventsAck(received=n)
 
     async def ListWorkers(self, request, context):
         # The same view Route places on: /health (which asks this) says ready only once routing sees the workers.

@@ -95,30 +95,21 @@ class ReleaseKVResponse(_message.Message):
     released: bool
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
-class AbortRequest(_message.Message):
-    __slots__ = ("request_id", "state")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    STATE_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    state: str
-    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[str] = ...) -> None: ...
-
-class AbortResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
-class GetAgentMetadataRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
 class GetStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("load", "stats_json")
+    __slots__ = ("load", "states")
+    class StatesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     LOAD_FIELD_NUMBER: _ClassVar[int]
-    STATS_JSON_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
     load: _common_pb2.LoadReport
-    stats_json: str
-    def __init__(self, load: _Optional[_Union[_common_pb2.LoadReport, _Mapping]] = ..., stats_json: _Optional[str] = ...) -> None: ...
+    states: _containers.ScalarMap[str, int]
+    def __init__(self, load: _Optional[_Union[_common_pb2.LoadReport, _Mapping]] = ..., states: _Optional[_Mapping[str, int]] = ...) -> None: ...

@@ -55,16 +55,6 @@ class WorkerStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.ReleaseKVRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.ReleaseKVResponse.FromString,
                 _registered_method=True)
-        self.Abort = channel.unary_unary(
-                '/pdserve.v1.Worker/Abort',
-                request_serializer=pdserve_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_worker__pb2.AbortResponse.FromString,
-                _registered_method=True)
-        self.GetAgentMetadata = channel.unary_unary(
-                '/pdserve.v1.Worker/GetAgentMetadata',
-                request_serializer=pdserve_dot_v1_dot_worker__pb2.GetAgentMetadataRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_common__pb2.KvRegion.FromString,
-                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/pdserve.v1.Worker/GetStats',
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.GetStatsRequest.SerializeToString,
@@ -104,18 +94,6 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Abort(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def GetAgentMetadata(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def GetStats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -144,16 +122,6 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ReleaseKV,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.ReleaseKVRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.ReleaseKVResponse.SerializeToString,
-            ),
-            'Abort': grpc.unary_unary_rpc_method_handler(
-                    servicer.Abort,
-                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.AbortRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_worker__pb2.AbortResponse.SerializeToString,
-            ),
-            'GetAgentMetadata': grpc.unary_unary_rpc_method_handler(
-                    servicer.GetAgentMetadata,
-                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.GetAgentMetadataRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_common__pb2.KvRegion.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -269,60 +237,6 @@ class Worker:
             '/pdserve.v1.Worker/ReleaseKV',
             pdserve_dot_v1_dot_worker__pb2.ReleaseKVRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.ReleaseKVResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Abort(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdserve.v1.Worker/Abort',
-            pdserve_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
-            pdserve_dot_v1_dot_worker__pb2.AbortResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def GetAgentMetadata(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdserve.v1.Worker/GetAgentMetadata',
-            pdserve_dot_v1_dot_worker__pb2.GetAgentMetadataRequest.SerializeToString,
-            pdserve_dot_v1_dot_common__pb2.KvRegion.FromString,
             options,
             channel_credentials,
             insecure,
