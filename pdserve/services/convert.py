@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.engine.outputs import RequestOutput
-from pdserve.services.pb import common_pb2
+from pdserve.kv_transfer.layout import KVLayout, KVRegion
+from pdserve.services.pb import common_pb2, layout_from_pb, layout_to_pb
 from pdserve.services.registry import WorkerRecord
 
 
@@ -120,3 +121,15 @@ def limits_from_pb(m: common_pb2.Lifecycle) -> Limits:
     return Limits(m.deadline_unix if m.HasField("deadline_unix") else None,
                   m.priority if m.HasField("priority") else 0,
                   m.predicted_output_tokens if m.HasField("predicted_output_tokens") else None)
+
+
+# ---- KV regions (the KV handshake) ----------------------------------------------------------------------------
+def region_to_pb(r: KVRegion) -> common_pb2.KvRegion:
+    return common_pb2.KvRegion(agent_name=r.agent_name, agent_metadata=r.agent_metadata, base_addr=r.base_addr,
+                               num_blocks=r.num_blocks, device_id=r.device_id, mem_type=r.mem_type,
+                               layout=layout_to_pb(r.layout.to_dict()))
+
+
+def region_from_pb(r: common_pb2.KvRegion) -> KVRegion:
+    return KVRegion(r.agent_name, r.agent_metadata, r.base_addr, r.num_blocks, r.device_id, r.mem_type,
+                    KVLayout.from_dict(layout_from_pb(r.layout)))

@@ -19,6 +19,8 @@ KV_TRANSFER_SECONDS = Histogram("pdserve_kv_transfer_seconds", "One batched NIXL
                                 buckets=_FAST)
 KV_TRANSFER_BYTES = Counter("pdserve_kv_transfer_bytes_total", "Bytes pulled over NIXL")
 KV_TRANSFER_FAILURES = Counter("pdserve_kv_transfer_failures_total", "Failed or timed-out KV pulls", ["reason"])
+KV_HANDSHAKES = Counter("pdserve_kv_handshakes_total", "KV handshakes between a decode and a prefill worker "
+                        "(side: initiated on the decode worker, served on the prefill worker)", ["side"])
 KV_BLOCKS_IN_USE = Gauge("pdserve_kv_blocks_in_use", "KV blocks allocated (incl. pinned for transfer)")
 KV_BLOCKS_TOTAL = Gauge("pdserve_kv_blocks_total", "KV blocks in the pool")
 KV_BLOCKS_PINNED = Gauge("pdserve_kv_blocks_pinned", "Prefill-side blocks pinned under a lease")

@@ -16,15 +16,16 @@ import logging
 import os
 import socket
 import time
+import uuid
 
 import grpc
 
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import Engine, EngineConfig
-from pdserve.kv_transfer.layout import KVLayout
+from pdserve.kv_transfer.layout import KV_PROTOCOL_VERSION, KVLayout
 from pdserve.services import metrics as M
 from pdserve.engine.request_state import RequestState
-from pdserve.services.convert import DeltaEncoder, limits_from_pb
+from pdserve.services.convert import DeltaEncoder, limits_from_pb, region_to_pb
 from pdserve.services.decode.service import DecodeSide
 from pdserve.services.grpc_util import WORKER_SERVICE, make_server, set_serving
 from pdserve.services.pb import common_pb2, layout_to_pb, params_from_pb, worker_pb2, worker_pb2_grpc
@@ -55,16 +56,16 @@ class Worker(worker_pb2_grpc.WorkerServicer):
         self.meter.chain(self.host.on_step)
         self.host.on_step = self.meter.on_step
         self.layout = KVLayout.from_dict(engine.kv_cache.layout())
+        # this process, as KvHandles name it: a decode worker re-does the KV handshake when it changes
+        self.incarnation = uuid.uuid4().hex
+        # PDSERVE_FAULT_KV_PROTOCOL_VERSION: fault injection only (a worker of another release, in tests)
+        self.kv_protocol_version = int(os.environ.get("PDSERVE_FAULT_KV_PROTOCOL_VERSION") or KV_PROTOCOL_VERSION)
         self.agent = None
         self.region_pb = common_pb2.KvRegion()
         if role in ("prefill", "decode"):
             from pdserve.kv_transfer.agent import KVAgent
             self.agent = KVAgent(worker_id, engine.kv_cache.data, self.layout)
-            r = self.agent.region()
-            self.region_pb = common_pb2.KvRegion(agent_name=r.agent_name, agent_metadata=r.agent_metadata,
-                                                 base_addr=r.base_addr, num_blocks=r.num_blocks,
-                                                 device_id=r.device_id, mem_type=r.mem_type,
-                                                 layout=layout_to_pb(self.layout.to_dict()))
+            self.region_pb = region_to_pb(self.agent.region())
         self.prefill = PrefillSide(self, lease_ttl_s)
         self.decode = DecodeSide(self, transfer_timeout_s)
         self.inflight = 0
@@ -171,6 +172,11 @@ class Worker(worker_pb2_grpc.WorkerServicer):
 
     async def ReleaseKV(self, request, context):
         return await self.prefill.ReleaseKV(request, context)
+
+    async def KvHandshake(self, request, context):
+        if self.role != "prefill":
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"worker role is {self.role}, not prefill")
+        return await self.prefill.KvHandshake(request, context)
 
     async def GetStats(self, request, context):
         s = await self.exact_stats()

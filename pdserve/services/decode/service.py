@@ -22,19 +22,15 @@ from dataclasses import dataclass, replace
 
 import grpc
 
-from pdserve.kv_transfer.agent import KVRegion, KVTransferError
-from pdserve.kv_transfer.layout import KVLayout, KVLayoutMismatch, check_compatible
+from pdserve.kv_transfer.agent import KVTransferError, TransferFailure
+from pdserve.kv_transfer.layout import KVLayoutMismatch
 from pdserve.services import metrics as M
 from pdserve.services.convert import DeltaEncoder, limits_from_pb
 from pdserve.services.grpc_util import channel
-from pdserve.services.pb import common_pb2, layout_from_pb, params_from_pb, worker_pb2, worker_pb2_grpc
+from pdserve.services.decode.peers import KvPeers
+from pdserve.services.pb import common_pb2, params_from_pb, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("pdserve.decode")
-
-
-def region_from_pb(r: common_pb2.KvRegion) -> KVRegion:
-    return KVRegion(r.agent_name, r.agent_metadata, r.base_addr, r.num_blocks, r.device_id, r.mem_type,
-                    KVLayout.from_dict(layout_from_pb(r.layout)))
 
 
 # The engine's backstop for a pickup left neither committed nor failed: this long past the READ's own timeout
@@ -60,6 +56,8 @@ class DecodeSide:
         self.alloc_wait_s = alloc_wait_s
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._tasks: set[asyncio.Task] = set()  # cleanups that outlive their (cancelled) RPC
+        self.peers = KvPeers(self._stub, worker.layout, worker.kv_protocol_version,
+                             worker.agent.forget_remote if worker.agent is not None else (lambda name: None))
 
     def _stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         ch = self._channels.get(address)
@@ -74,6 +72,7 @@ class DecodeSide:
 
     async def close(self) -> None:
         """Let outstanding cleanups (ReleaseKV calls, aborts waiting for a READ) finish."""
+        await self.peers.close()
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
@@ -125,13 +124,24 @@ class DecodeSide:
         kv = request.kv
         # exactly one sequence continues here (the gateway fans n > 1 out into separate requests)
         params = replace(params_from_pb(request.params), n=1, best_of=None)
-        region = region_from_pb(kv.region)
-        try:
-            check_compatible(w.layout, region.layout)
+        try:  # where the peer's blocks live: a handshake with the first hand-off from each peer incarnation
+            region = await self.peers.region(kv.worker_address, kv.incarnation)
         except KVLayoutMismatch as e:
             M.REJECTIONS.labels("kv_layout_mismatch").inc()
             p.ended = True
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except KVTransferError as e:
+            M.KV_TRANSFER_FAILURES.labels(e.kind.value).inc()
+            p.ended = True
+            if e.kind is TransferFailure.INCOMPATIBLE:  # the gateway fails it like a broken prefill peer
+                M.REJECTIONS.labels("kv_incompatible_peer").inc()
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            self._release_once(p, kv, rid)
+            M.TERMINAL.labels("FAILED").inc()
+            log.warning("request %s: %s", rid, e)
+            yield common_pb2.GenerateResponse(request_id=rid, finished=True, state="FAILED",
+                                              error=f"KV transfer failed: {e}")
+            return
         prompt = list(request.prompt_token_ids)
         t_start = time.time()
         lim = limits_from_pb(request.lifecycle)
@@ -164,7 +174,7 @@ class DecodeSide:
         need = -(-kv.num_tokens // w.layout.block_size)
         src, dst = list(kv.block_ids[cached:need]), list(dst_blocks[cached:need])
         t0 = time.time()
-        err = None
+        failure: KVTransferError | None = None
         nbytes = 0
         # The READ must give up before the prefill side's lease can free the source blocks (a READ
         # racing the reaper would copy blocks that may already hold another request's KV).
@@ -172,21 +182,25 @@ class DecodeSide:
         if kv.lease_expiry_unix:
             timeout = min(timeout, kv.lease_expiry_unix - time.time() - 0.5)
         if timeout <= 0:
-            err = "KV lease expired before the transfer started"
+            failure = KVTransferError("KV lease expired before the transfer started", TransferFailure.LEASE_EXPIRED)
         elif src:
             p.xfer = asyncio.ensure_future(asyncio.to_thread(
                 w.agent.read_blocks, region, src, dst, kv.lease_id.encode(), timeout))
             try:
                 nbytes = await asyncio.shield(p.xfer)  # a cancel here leaves the READ to _cleanup
                 M.KV_TRANSFER_BYTES.inc(nbytes)
-            except (KVTransferError, KVLayoutMismatch, ValueError, RuntimeError) as e:
-                err = f"KV transfer failed: {e}"
+            except KVTransferError as e:
+                failure = e
+            except (KVLayoutMismatch, ValueError, RuntimeError) as e:  # NIXL's own exceptions are RuntimeErrors
+                failure = KVTransferError(str(e), TransferFailure.NIXL_ERROR)
+            if failure is not None:
                 w.agent.forget_remote(region.agent_name)  # a dead peer must be re-added if it comes back
         t1 = time.time()
         M.KV_TRANSFER_SECONDS.observe(t1 - t0)
-        if err is not None:
+        if failure is not None:
+            err = f"KV transfer failed: {failure}"
             self._release_once(p, kv, rid)
-            M.KV_TRANSFER_FAILURES.labels("timeout" if "timed out" in err else "error").inc()
+            M.KV_TRANSFER_FAILURES.labels(failure.kind.value).inc()
             w.host.submit(lambda e: e.fail_prefilled(rid))
             M.TERMINAL.labels("FAILED").inc()
             p.ended = True

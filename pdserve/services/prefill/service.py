@@ -19,10 +19,11 @@ from dataclasses import replace
 
 import grpc
 
+from pdserve.kv_transfer.layout import KVLayout, KVLayoutMismatch, check_compatible
 from pdserve.kv_transfer.lease import Lease, LeaseTable, reap_forever
 from pdserve.services import metrics as M
 from pdserve.services.convert import fill_times, full_response, limits_from_pb
-from pdserve.services.pb import params_from_pb, worker_pb2
+from pdserve.services.pb import layout_from_pb, params_from_pb, worker_pb2
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -179,12 +180,29 @@ class PrefillSide:
         kv = resp.kv
         kv.worker_id = self.w.worker_id
         kv.worker_address = self.w.address
-        kv.region.CopyFrom(self.w.region_pb)
+        kv.incarnation = self.w.incarnation
         kv.block_ids.extend(blocks)
         kv.num_tokens = ntok
         kv.lease_id = lease.lease_id
         kv.lease_expiry_unix = lease.expiry
         return resp
+
+    async def KvHandshake(self, request: worker_pb2.KvHandshakeRequest, context) -> worker_pb2.KvHandshakeResponse:
+        """A decode worker's first hand-off from this process: agree on the protocol, hand out the region."""
+        if request.protocol_version != self.w.kv_protocol_version:
+            M.REJECTIONS.labels("kv_protocol_mismatch").inc()
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"KV protocol version mismatch: local={self.w.kv_protocol_version} "
+                                f"remote={request.protocol_version}")
+        try:  # the decode side checks the region's layout in any case; this names the problem on both sides
+            if request.HasField("layout"):
+                check_compatible(self.w.layout, KVLayout.from_dict(layout_from_pb(request.layout)))
+        except KVLayoutMismatch as e:
+            M.REJECTIONS.labels("kv_layout_mismatch").inc()
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        M.KV_HANDSHAKES.labels("served").inc()
+        return worker_pb2.KvHandshakeResponse(protocol_version=self.w.kv_protocol_version,
+                                              incarnation=self.w.incarnation, region=self.w.region_pb)
 
     async def ReleaseKV(self, request, context):
         ok = await self.release(lease_id=request.lease_id, request_id=request.request_id)

@@ -130,22 +130,22 @@ class KvRegion(_message.Message):
     def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., base_addr: _Optional[int] = ..., num_blocks: _Optional[int] = ..., device_id: _Optional[int] = ..., mem_type: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ...) -> None: ...
 
 class KvHandle(_message.Message):
-    __slots__ = ("worker_id", "worker_address", "region", "block_ids", "num_tokens", "lease_id", "lease_expiry_unix")
+    __slots__ = ("worker_id", "worker_address", "block_ids", "num_tokens", "lease_id", "lease_expiry_unix", "incarnation")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    REGION_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRY_UNIX_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     worker_address: str
-    region: KvRegion
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
     lease_id: str
     lease_expiry_unix: float
-    def __init__(self, worker_id: _Optional[str] = ..., worker_address: _Optional[str] = ..., region: _Optional[_Union[KvRegion, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_id: _Optional[str] = ..., lease_expiry_unix: _Optional[float] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, worker_id: _Optional[str] = ..., worker_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_id: _Optional[str] = ..., lease_expiry_unix: _Optional[float] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "token", "logprob")

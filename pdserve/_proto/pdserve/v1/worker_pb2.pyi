@@ -95,6 +95,24 @@ class ReleaseKVResponse(_message.Message):
     released: bool
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
+class KvHandshakeRequest(_message.Message):
+    __slots__ = ("protocol_version", "layout")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    layout: _common_pb2.KvLayout
+    def __init__(self, protocol_version: _Optional[int] = ..., layout: _Optional[_Union[_common_pb2.KvLayout, _Mapping]] = ...) -> None: ...
+
+class KvHandshakeResponse(_message.Message):
+    __slots__ = ("protocol_version", "incarnation", "region")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    incarnation: str
+    region: _common_pb2.KvRegion
+    def __init__(self, protocol_version: _Optional[int] = ..., incarnation: _Optional[str] = ..., region: _Optional[_Union[_common_pb2.KvRegion, _Mapping]] = ...) -> None: ...
+
 class GetStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

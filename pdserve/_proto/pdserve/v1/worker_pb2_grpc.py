@@ -55,6 +55,11 @@ class WorkerStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.ReleaseKVRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.ReleaseKVResponse.FromString,
                 _registered_method=True)
+        self.KvHandshake = channel.unary_unary(
+                '/pdserve.v1.Worker/KvHandshake',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.KvHandshakeRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.KvHandshakeResponse.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/pdserve.v1.Worker/GetStats',
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.GetStatsRequest.SerializeToString,
@@ -94,6 +99,13 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KvHandshake(self, request, context):
+        """Called by a decode worker on a prefill worker (see KvHandshakeRequest).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -122,6 +134,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ReleaseKV,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.ReleaseKVRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.ReleaseKVResponse.SerializeToString,
+            ),
+            'KvHandshake': grpc.unary_unary_rpc_method_handler(
+                    servicer.KvHandshake,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.KvHandshakeRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.KvHandshakeResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -237,6 +254,33 @@ class Worker:
             '/pdserve.v1.Worker/ReleaseKV',
             pdserve_dot_v1_dot_worker__pb2.ReleaseKVRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.ReleaseKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KvHandshake(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/KvHandshake',
+            pdserve_dot_v1_dot_worker__pb2.KvHandshakeRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.KvHandshakeResponse.FromString,
             options,
             channel_credentials,
             insecure,
