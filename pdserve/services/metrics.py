@@ -91,3 +91,13 @@ def set_state_gauges(counts: dict[str, int], states: list[str]) -> None:
         STATE_GAUGE.labels(s).set(counts.get(s, 0))
 REJECT_LATENCY = Histogram("pdserve_rejection_latency_seconds", "Gateway: arrival -> rejection response written "
                            "(ingress or admission)", buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1))
+
+
+def observe_engine_times(role: str, out) -> None:
+    """Queue and prefill time of a request from its engine output's timestamps (a worker's first output)."""
+    m = (out.metrics or {}) if out is not None else {}
+    a, s, f = m.get("arrival_time"), m.get("first_scheduled_time"), m.get("first_token_time")
+    if a and s:
+        QUEUE_TIME.labels(role).observe(max(0.0, s - a))
+    if s and f:
+        PREFILL_TIME.labels(role).observe(max(0.0, f - s))

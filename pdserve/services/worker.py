@@ -28,6 +28,7 @@ from pdserve.engine.request_state import RequestState
 from pdserve.services.convert import DeltaEncoder, limits_from_pb, region_to_pb
 from pdserve.services.decode.service import DecodeSide
 from pdserve.services.grpc_util import WORKER_SERVICE, make_server, set_serving
+from pdserve.services.kv_endpoint import KvEndpoint
 from pdserve.services.pb import common_pb2, layout_to_pb, params_from_pb, worker_pb2, worker_pb2_grpc
 from pdserve.services.prefill.service import PrefillSide
 from pdserve.services.registry import Registry, WorkerRecord
@@ -56,18 +57,20 @@ class Worker(worker_pb2_grpc.WorkerServicer):
         self.meter.chain(self.host.on_step)
         self.host.on_step = self.meter.on_step
         self.layout = KVLayout.from_dict(engine.kv_cache.layout())
-        # this process, as KvHandles name it: a decode worker re-does the KV handshake when it changes
-        self.incarnation = uuid.uuid4().hex
-        # PDSERVE_FAULT_KV_PROTOCOL_VERSION: fault injection only (a worker of another release, in tests)
-        self.kv_protocol_version = int(os.environ.get("PDSERVE_FAULT_KV_PROTOCOL_VERSION") or KV_PROTOCOL_VERSION)
         self.agent = None
-        self.region_pb = common_pb2.KvRegion()
         if role in ("prefill", "decode"):
             from pdserve.kv_transfer.agent import KVAgent
             self.agent = KVAgent(worker_id, engine.kv_cache.data, self.layout)
-            self.region_pb = region_to_pb(self.agent.region())
-        self.prefill = PrefillSide(self, lease_ttl_s)
-        self.decode = DecodeSide(self, transfer_timeout_s)
+        self.endpoint = KvEndpoint(
+            worker_id, address,
+            # this process, as KvHandles name it: a decode worker re-does the KV handshake when it changes
+            incarnation=uuid.uuid4().hex,
+            # PDSERVE_FAULT_KV_PROTOCOL_VERSION: fault injection only (a worker of another release, in tests)
+            protocol_version=int(os.environ.get("PDSERVE_FAULT_KV_PROTOCOL_VERSION") or KV_PROTOCOL_VERSION),
+            layout=self.layout,
+            region=region_to_pb(self.agent.region()) if self.agent is not None else common_pb2.KvRegion())
+        self.prefill = PrefillSide(self.host, self.endpoint, self.agent, engine.pinned_kv, self.tokenizer, lease_ttl_s)
+        self.decode = DecodeSide(self.host, self.endpoint, self.agent, self.tokenizer, self.meter, transfer_timeout_s)
         self.inflight = 0
         self.last_stats: dict = {}
 
@@ -108,14 +111,6 @@ class Worker(worker_pb2_grpc.WorkerServicer):
         M.set_state_gauges(s.get("states", {}), [st.value for st in RequestState if not st.terminal])
         return s
 
-    def observe_engine_times(self, out) -> None:
-        m = (out.metrics or {}) if out is not None else {}
-        a, s, f = m.get("arrival_time"), m.get("first_scheduled_time"), m.get("first_token_time")
-        if a and s:
-            M.QUEUE_TIME.labels(self.role).observe(max(0.0, s - a))
-        if s and f:
-            M.PREFILL_TIME.labels(self.role).observe(max(0.0, f - s))
-
     @contextlib.contextmanager
     def _track(self):
         self.inflight += 1
@@ -142,7 +137,7 @@ class Worker(worker_pb2_grpc.WorkerServicer):
                     first = True
                     async for out in gen:
                         if first and out.outputs and any(c.new_token_ids for c in out.outputs):
-                            self.observe_engine_times(out)
+                            M.observe_engine_times(self.role, out)
                             first = False
                         if out.finished:
                             finished = True

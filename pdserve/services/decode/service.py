@@ -22,12 +22,15 @@ from dataclasses import dataclass, replace
 
 import grpc
 
-from pdserve.kv_transfer.agent import KVTransferError, TransferFailure
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.kv_transfer.agent import KVAgent, KVTransferError, TransferFailure
 from pdserve.kv_transfer.layout import KVLayoutMismatch
 from pdserve.services import metrics as M
 from pdserve.services.convert import DeltaEncoder, limits_from_pb
-from pdserve.services.grpc_util import channel
 from pdserve.services.decode.peers import KvPeers
+from pdserve.services.grpc_util import channel
+from pdserve.services.kv_endpoint import KvEndpoint
+from pdserve.services.load_meter import LoadMeter
 from pdserve.services.pb import common_pb2, params_from_pb, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("pdserve.decode")
@@ -50,14 +53,21 @@ class _Pickup:
 
 
 class DecodeSide:
-    def __init__(self, worker, transfer_timeout_s: float, alloc_wait_s: float = 10.0):
-        self.w = worker
+    def __init__(self, host: AsyncEngine, endpoint: KvEndpoint, agent: KVAgent | None, tokenizer,
+                 meter: LoadMeter | None, transfer_timeout_s: float, alloc_wait_s: float = 10.0):
+        self.host = host
+        self.agent = agent
+        self.layout = endpoint.layout
+        self.tokenizer = tokenizer
+        self.meter = meter  # the router's link bandwidth and hand-off cost are measured here
         self.transfer_timeout_s = transfer_timeout_s
         self.alloc_wait_s = alloc_wait_s
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._tasks: set[asyncio.Task] = set()  # cleanups that outlive their (cancelled) RPC
-        self.peers = KvPeers(self._stub, worker.layout, worker.kv_protocol_version,
-                             worker.agent.forget_remote if worker.agent is not None else (lambda name: None))
+        # every task this side starts (ReleaseKV calls, aborts waiting for a READ, the READs themselves): owned,
+        # so none is collected mid-flight, and close() waits for them, then cancels what is left
+        self._tasks: set[asyncio.Task] = set()
+        self.peers = KvPeers(self._stub, endpoint.layout, endpoint.protocol_version,
+                             agent.forget_remote if agent is not None else (lambda name: None))
 
     def _stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         ch = self._channels.get(address)
@@ -65,15 +75,21 @@ class DecodeSide:
             ch = self._channels[address] = channel(address)
         return worker_pb2_grpc.WorkerStub(ch)
 
-    def _spawn(self, coro) -> None:
-        t = asyncio.ensure_future(coro)
-        self._tasks.add(t)  # owned: not collected mid-flight, awaited by close()
+    def _spawn(self, coro) -> asyncio.Task:
+        t = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
+        return t
 
-    async def close(self) -> None:
-        """Let outstanding cleanups (ReleaseKV calls, aborts waiting for a READ) finish."""
+    async def close(self, grace_s: float = 10.0) -> None:
+        """Let outstanding cleanups (ReleaseKV calls, aborts waiting for a READ) finish for `grace_s` (a READ
+        ends by its own timeout), then cancel what is left and wait for it."""
         await self.peers.close()
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=grace_s)
         while self._tasks:
+            for t in list(self._tasks):
+                t.cancel()
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
     async def _release_remote(self, kv: common_pb2.KvHandle, request_id: str) -> None:
@@ -93,7 +109,7 @@ class DecodeSide:
         await asyncio.wait({xfer})
         if not xfer.cancelled():
             xfer.exception()  # retrieved: a failed READ of a cancelled pickup is no news
-        self.w.host.submit(lambda e: e.abort(rid, "CANCELLED"))
+        self.host.submit(lambda e: e.abort(rid, "CANCELLED"))
 
     def _cleanup(self, p: _Pickup, kv: common_pb2.KvHandle, rid: str) -> None:
         """Every exit of GenerateFromPrefill. Awaits nothing, so a cancellation cannot cut it short; idempotent
@@ -105,9 +121,9 @@ class DecodeSide:
                 if p.xfer is not None and not p.xfer.done():
                     self._spawn(self._abort_after(p.xfer, rid))
                 else:  # queued behind the allocation if that is still queued: it undoes it
-                    self.w.host.submit(lambda e: e.abort(rid, "CANCELLED"))
+                    self.host.submit(lambda e: e.abort(rid, "CANCELLED"))
         if p.attached:  # attached before a commit whose output we may never have read
-            self.w.host.detach(rid)
+            self.host.detach(rid)
 
     async def GenerateFromPrefill(self, request: worker_pb2.GenerateFromPrefillRequest, context):
         p = _Pickup()
@@ -119,7 +135,7 @@ class DecodeSide:
             self._cleanup(p, request.kv, request.request_id)
 
     async def _pickup(self, request: worker_pb2.GenerateFromPrefillRequest, context, p: _Pickup):
-        w = self.w
+        host = self.host
         rid = request.request_id
         kv = request.kv
         # exactly one sequence continues here (the gateway fans n > 1 out into separate requests)
@@ -157,7 +173,7 @@ class DecodeSide:
         while True:
             p.added = True  # queued from here on: it runs even if this call is cancelled while awaiting it
             try:
-                alloc = await w.host.run(add)
+                alloc = await host.run(add)
             except ValueError as e:
                 p.added, p.ended = False, True  # refused: nothing of ours (a duplicate id is someone else's)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -171,7 +187,7 @@ class DecodeSide:
             await asyncio.sleep(0.02)
         dst_blocks, cached = alloc
         # 2. pull the blocks the local prefix cache does not already hold: ONE batched READ
-        need = -(-kv.num_tokens // w.layout.block_size)
+        need = -(-kv.num_tokens // self.layout.block_size)
         src, dst = list(kv.block_ids[cached:need]), list(dst_blocks[cached:need])
         t0 = time.time()
         failure: KVTransferError | None = None
@@ -184,8 +200,8 @@ class DecodeSide:
         if timeout <= 0:
             failure = KVTransferError("KV lease expired before the transfer started", TransferFailure.LEASE_EXPIRED)
         elif src:
-            p.xfer = asyncio.ensure_future(asyncio.to_thread(
-                w.agent.read_blocks, region, src, dst, kv.lease_id.encode(), timeout))
+            p.xfer = self._spawn(asyncio.to_thread(
+                self.agent.read_blocks, region, src, dst, kv.lease_id.encode(), timeout))
             try:
                 nbytes = await asyncio.shield(p.xfer)  # a cancel here leaves the READ to _cleanup
                 M.KV_TRANSFER_BYTES.inc(nbytes)
@@ -194,34 +210,33 @@ class DecodeSide:
             except (KVLayoutMismatch, ValueError, RuntimeError) as e:  # NIXL's own exceptions are RuntimeErrors
                 failure = KVTransferError(str(e), TransferFailure.NIXL_ERROR)
             if failure is not None:
-                w.agent.forget_remote(region.agent_name)  # a dead peer must be re-added if it comes back
+                self.agent.forget_remote(region.agent_name)  # a dead peer must be re-added if it comes back
         t1 = time.time()
         M.KV_TRANSFER_SECONDS.observe(t1 - t0)
         if failure is not None:
             err = f"KV transfer failed: {failure}"
             self._release_once(p, kv, rid)
             M.KV_TRANSFER_FAILURES.labels(failure.kind.value).inc()
-            w.host.submit(lambda e: e.fail_prefilled(rid))
+            host.submit(lambda e: e.fail_prefilled(rid))
             M.TERMINAL.labels("FAILED").inc()
             p.ended = True
             log.warning("request %s: %s", rid, err)
             yield common_pb2.GenerateResponse(request_id=rid, finished=True, state="FAILED", error=err)
             return
         # 3. commit: the request joins the decode batch; its first output carries the first token
-        stream = w.host.attach(rid)  # before the commit, so the first output (the first token) is not missed
+        stream = host.attach(rid)  # before the commit, so the first output (the first token) is not missed
         p.attached = True
-        if not await w.host.run(lambda e: e.commit_prefilled(rid)):
+        if not await host.run(lambda e: e.commit_prefilled(rid)):
             # the engine already gave the blocks back (transfer deadline): the KV that arrived has nowhere to go
             M.TERMINAL.labels("FAILED").inc()
             p.ended = True
             yield common_pb2.GenerateResponse(request_id=rid, finished=True, state="FAILED",
                                               error="KV transfer completed after its deadline")
             return
-        meter = getattr(w, "meter", None)
-        if meter is not None:  # the router's link bandwidth and hand-off cost are these measurements
-            meter.observe_transfer(nbytes, t1 - t0, time.time() - t_start)
+        if self.meter is not None:
+            self.meter.observe_transfer(nbytes, t1 - t0, time.time() - t_start)
         async with contextlib.aclosing(stream):
-            enc = DeltaEncoder(w.tokenizer)
+            enc = DeltaEncoder(self.tokenizer)
             first = True
             async for out in stream:
                 msg = enc.encode(out)
