@@ -25,11 +25,11 @@ from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.kv_transfer.layout import KV_PROTOCOL_VERSION, KVLayout
 from pdserve.services import metrics as M
 from pdserve.engine.request_state import RequestState
-from pdserve.services.convert import DeltaEncoder, limits_from_pb, region_to_pb
+from pdserve.services.convert import DeltaEncoder, layout_to_pb, limits_from_pb, params_from_pb, region_to_pb
 from pdserve.services.decode.service import DecodeSide
 from pdserve.services.grpc_util import WORKER_SERVICE, make_server, set_serving
 from pdserve.services.kv_endpoint import KvEndpoint
-from pdserve.services.pb import common_pb2, layout_to_pb, params_from_pb, worker_pb2, worker_pb2_grpc
+from pdserve.services.pb import common_pb2, worker_pb2, worker_pb2_grpc
 from pdserve.services.prefill.service import PrefillSide
 from pdserve.services.registry import Registry, WorkerRecord
 from pdserve.services.kv_events import KvEventPublisher, publish_forever

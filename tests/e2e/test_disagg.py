@@ -10,7 +10,8 @@ import pytest
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.services.grpc_util import channel
-from pdserve.services.pb import params_to_pb, worker_pb2, worker_pb2_grpc, gateway_pb2_grpc
+from pdserve.services.convert import params_to_pb
+from pdserve.services.pb import worker_pb2, worker_pb2_grpc, gateway_pb2_grpc
 from tests.e2e import _common
 from tests.e2e.conftest import Up, metric, wait_until
 

@@ -102,7 +102,8 @@ def test_redis_mirror_replicas_agree_restart_rebuilds_and_dead_worker_leaves():
 def test_real_worker_kv_events_reach_the_index_evictions_and_death(tiny_llama):
     """A worker process publishes stored/evicted events; the router index follows; SIGKILL -> gone."""
     from pdserve.services.grpc_util import channel
-    from pdserve.services.pb import params_to_pb, worker_pb2, worker_pb2_grpc
+    from pdserve.services.convert import params_to_pb
+    from pdserve.services.pb import worker_pb2, worker_pb2_grpc
     from pdserve.engine.sampling_params import SamplingParams
     from pdserve.services.registry import Registry
     from pdserve.services.up import free_port

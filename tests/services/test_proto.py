@@ -2,7 +2,7 @@
 
 from pdserve import proto_gen
 from pdserve.engine.sampling_params import GuidedSpec, SamplingParams
-from pdserve.services import pb
+from pdserve.services import convert
 
 
 def test_regenerated_stubs_identical(tmp_path):
@@ -23,7 +23,7 @@ def test_sampling_params_roundtrip():
         SamplingParams(n=3, top_k=5, top_p=0.5, min_p=0.1, presence_penalty=1.0, frequency_penalty=-1.0),
     ]
     for p in cases:
-        assert pb.params_from_pb(pb.params_to_pb(p)) == p
+        assert convert.params_from_pb(convert.params_to_pb(p)) == p
 
 
 def test_services_have_only_called_rpcs():

@@ -12,9 +12,9 @@ import time
 import pytest
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.services.convert import lifecycle_to_pb
+from pdserve.services.convert import lifecycle_to_pb, params_to_pb
 from pdserve.services.grpc_util import channel
-from pdserve.services.pb import params_to_pb, worker_pb2, worker_pb2_grpc
+from pdserve.services.pb import worker_pb2, worker_pb2_grpc
 from tests.services._workers import start_worker, wait_serving
 
 MAX_TOKENS = 48

@@ -26,12 +26,12 @@ from pdserve.engine.async_engine import AsyncEngine
 from pdserve.kv_transfer.agent import KVAgent, KVTransferError, TransferFailure
 from pdserve.kv_transfer.layout import KVLayoutMismatch
 from pdserve.services import metrics as M
-from pdserve.services.convert import DeltaEncoder, limits_from_pb
+from pdserve.services.convert import DeltaEncoder, limits_from_pb, params_from_pb
 from pdserve.services.decode.peers import KvPeers
 from pdserve.services.grpc_util import channel
 from pdserve.services.kv_endpoint import KvEndpoint
 from pdserve.services.load_meter import LoadMeter
-from pdserve.services.pb import common_pb2, params_from_pb, worker_pb2, worker_pb2_grpc
+from pdserve.services.pb import common_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("pdserve.decode")
 

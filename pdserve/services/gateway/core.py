@@ -23,7 +23,8 @@ import grpc
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.services.gateway.stages import StageTrace
 from pdserve.services.grpc_util import channel
-from pdserve.services.pb import common_pb2, params_to_pb, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pdserve.services.convert import params_to_pb
+from pdserve.services.pb import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("pdserve.gateway")
 

@@ -17,13 +17,13 @@ import logging
 import grpc
 
 from pdserve.services.admission import AdmissionError
-from pdserve.services.convert import lifecycle_to_pb
+from pdserve.services.convert import lifecycle_to_pb, params_from_pb
 from pdserve.services.gateway import redact
 from pdserve.services.gateway.core import Dispatcher, NoWorkersError, UpstreamError, new_id, split
 from pdserve.services.gateway.lifecycle import Lifecycle
 from pdserve.services.gateway.params import APIError
 from pdserve.services.gateway.parse import RequestParser
-from pdserve.services.pb import gateway_pb2_grpc, params_from_pb
+from pdserve.services.pb import gateway_pb2_grpc
 
 log = logging.getLogger("pdserve.gateway")
 

@@ -25,9 +25,10 @@ from pdserve.engine.async_engine import AsyncEngine
 from pdserve.kv_transfer.layout import KVLayout, KVLayoutMismatch, check_compatible
 from pdserve.kv_transfer.lease import Lease, LeaseTable, reap_forever
 from pdserve.services import metrics as M
-from pdserve.services.convert import fill_times, full_response, limits_from_pb
+from pdserve.services.convert import (DeltaEncoder, fill_times, full_response, layout_from_pb, limits_from_pb,
+                                      params_from_pb)
 from pdserve.services.kv_endpoint import KvEndpoint
-from pdserve.services.pb import layout_from_pb, params_from_pb, worker_pb2
+from pdserve.services.pb import worker_pb2
 
 if TYPE_CHECKING:
     from pdserve.kv_transfer.agent import KVAgent
@@ -186,7 +187,6 @@ class PrefillSide:
         first.request_id = rid
         delta = first.outputs.add(index=0, text=comp.text or "", token_ids=[resp.first_token_id])
         if params.logprobs is not None and comp.logprobs:
-            from pdserve.services.convert import DeltaEncoder
             resp.first_logprob.CopyFrom(DeltaEncoder(self.tokenizer).token_logprob(comp.logprobs[0]))
             delta.logprobs.append(resp.first_logprob)
         # Read in this thread, not through an engine-thread round trip (~0.2 ms of TTFT): the engine filed the
