@@ -47,8 +47,8 @@ def stream_ttft(base: str, body: dict) -> tuple[float, dict, int]:
     _local.client = client
     t0 = time.perf_counter()
     ttft, usage, chunks = None, {}, 0
-    with client.stream("POST", base + "/v1/completions", json={**body, "stream": True,
-                                                               "stream_options": {"include_usage": True}}) as r:
+    with client.stream("POST", base + "/v1/completions", headers={"x-pdserve-debug": "stage-times"},
+                       json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue

@@ -10,7 +10,7 @@ import asyncio
 import os
 import sys
 
-from pdserve.cli_args import (Parser, nonneg_float, nonneg_int, port, positive_float, positive_int,
+from pdserve.cli_args import (Parser, context_len, fraction, nonneg_float, nonneg_int, port, positive_float, positive_int,
                               print_error)
 
 
@@ -28,11 +28,23 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="builtin", help="checkpoint dir or 'builtin'")
     p.add_argument("--served-model-name", help="name clients use (default: the model dir's basename)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--metrics-compat", choices=["vllm"], default=None,
+                   help="also export the metrics under vLLM's names (docs/metrics.md)")
 
 
 def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-gpu-blocks", type=positive_int, help="KV blocks (default: from the KV memory budget)")
+    p.add_argument("--kv-cache-bytes", type=positive_int,
+                   help="KV pool bytes when --num-gpu-blocks is unset (default: CUDA: --gpu-memory-utilization; "
+                        "CPU: 256 MiB)")
+    p.add_argument("--gpu-memory-utilization", type=fraction,
+                   help="fraction of the GPU's memory for weights + activations + KV pool; the pool takes what "
+                        "is left after loading and a profiling forward (default: 0.9)")
+    p.add_argument("--block-size", type=positive_int, help="tokens per KV block (default: 16)")
     p.add_argument("--max-num-seqs", type=positive_int, help="sequences per batch (default: the engine's)")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, help="tokens per step (default: 2048)")
+    p.add_argument("--max-model-len", type=context_len,
+                   help="context limit in tokens, prompt + output (default: the checkpoint's)")
     p.add_argument("--device", help="cpu | cuda | cuda:N (default: cpu)")
     p.add_argument("--dtype", choices=DTYPES, help="weights and KV dtype (default: the checkpoint's)")
     p.add_argument("--policy", choices=POLICIES, help="scheduling policy (default: fcfs)")
@@ -53,6 +65,20 @@ def _add_lifecycle(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue-wait", type=nonneg_float, default=10.0)
     p.add_argument("--kv-overcommit", type=positive_float, default=1.0, help="reservable blocks = worker KV blocks x this")
     p.add_argument("--reservation-lease", type=positive_float, default=10.0)
+
+
+def _add_security(p: argparse.ArgumentParser) -> None:
+    """Internal transport security (docs/services.md, Trust model). Secrets come as files, never as values; the
+    files are read (and a missing one reported) once the command line is parsed: `_check_security`."""
+    p.add_argument("--internal-token-file",
+                   help="shared token for router/worker RPCs and registry records (a mounted Secret)")
+    p.add_argument("--tls-cert", help="PEM certificate for internal gRPC (with --tls-key)")
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    p.add_argument("--tls-ca",
+                   help="PEM CA: servers require client certificates it signed (mTLS), clients verify servers by it")
+    p.add_argument("--tls-server-name", help="name internal servers' certificates carry (default: the dialed host)")
+    p.add_argument("--redis-password-file", help="Redis AUTH password (username, if any, in --redis-url)")
+    p.add_argument("--redis-ca-file", help="PEM CA for a rediss:// (TLS) Redis")
 
 
 def _add_lifecycle_up(p: argparse.ArgumentParser) -> None:
@@ -86,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--heartbeat-ttl", type=positive_float, default=3.0)
     up.add_argument("--ready-timeout", type=positive_float, default=180.0)
     _add_lifecycle_up(up)
+    _add_security(up)
 
     gw = sub.add_parser("gateway", env=True, help="OpenAI HTTP API + gRPC front door")
     _add_common(gw)
@@ -93,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--grpc-port", type=port, default=0)
     gw.add_argument("--router", default="127.0.0.1:7000", help="router gRPC address")
     _add_lifecycle(gw)
+    _add_security(gw)
     # slow clients, big heads, who reads /metrics (docs/reliability.md "Hostile input", docs/admission.md)
     gw.add_argument("--header-timeout", type=positive_float, default=10.0,
                     help="seconds for a request head to arrive (connection open or keep-alive reuse -> headers)")
@@ -112,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--metrics-port", type=port, default=0)
     rt.add_argument("--heartbeat-ttl", type=positive_float, default=3.0)
     rt.add_argument("--mode", choices=MODES, default="auto", help="placement policy (docs/routing.md)")
+    _add_security(rt)
 
     wk = sub.add_parser("worker", env=True, help="engine worker: --role prefill|decode|both")
     _add_common(wk)
@@ -127,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds pinned prefill KV waits for a decode worker to pull it")
     wk.add_argument("--transfer-timeout", type=positive_float, default=10.0)
     wk.add_argument("--drain-timeout", type=nonneg_float, default=30.0)
+    _add_security(wk)
 
     # ---- lead's subcommands -----------------------------------------------------------------------------------
     # `generate` (offline engine) is added by pdserve/engine/cli_generate.py when it exists.
@@ -160,6 +190,32 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
 
 
+def _check_security(args: argparse.Namespace) -> str | None:
+    """Read the secret files once up front: a wrong combination or an unusable file is one line, before any start."""
+    from pdserve.services.internal_security import ConfigError, InternalSecurity
+    from pdserve.services.redis_conn import RedisAuth
+    try:
+        InternalSecurity.from_args(args)
+        auth = RedisAuth.from_args(args)
+        # `up` without --redis-url starts a plain redis:// server of its own
+        url = getattr(args, "redis_url", None) or ("redis://127.0.0.1/0" if args.command == "up" else None)
+        if url:
+            auth.check(url)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def _security(args):
+    from pdserve.services.internal_security import InternalSecurity
+    return InternalSecurity.from_args(args)
+
+
+def _redis_auth(args):
+    from pdserve.services.redis_conn import RedisAuth
+    return RedisAuth.from_args(args)
+
+
 def _run(args: argparse.Namespace) -> int:
     if getattr(args, "served_model_name", "x") is None:
         args.served_model_name = _default_served_name(args.model)
@@ -168,6 +224,10 @@ def _run(args: argparse.Namespace) -> int:
         import logging
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         return args.func(args) or 0
+    problem = _check_security(args)
+    if problem is not None:
+        print(f"pdserve {args.command}: {problem}", file=sys.stderr)
+        return 2
     if args.command == "up":
         from pdserve.services.up import up
         return up(args)
@@ -178,13 +238,17 @@ def _run(args: argparse.Namespace) -> int:
             print(f"pdserve {args.command}: {problem}", file=sys.stderr)
             return 2
     setup_logging(args.command)
+    from pdserve.services.grpc_util import configure
+    security = _security(args)
+    configure(security)
     if args.command == "gateway":
         from pdserve.services.gateway.server import serve
         asyncio.run(serve(args))
     elif args.command == "router":
         from pdserve.services.router.server import serve
         asyncio.run(serve(args.host, args.port, args.redis_url, args.served_model_name, args.metrics_port,
-                          args.heartbeat_ttl, args.mode))
+                          args.heartbeat_ttl, args.mode, args.metrics_compat,
+                          security=security, redis_auth=_redis_auth(args)))
     elif args.command == "worker":
         from pdserve.services.worker import serve
         asyncio.run(serve(args))

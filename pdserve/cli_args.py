@@ -52,6 +52,8 @@ positive_int = _number(int, 1)
 nonneg_int = _number(int, 0)
 positive_float = _number(float, 0, lo_open=True)
 nonneg_float = _number(float, 0)
+fraction = _number(float, 0, 1, lo_open=True)  # (0, 1]
+context_len = _number(int, 2)  # a prompt token and an output token
 
 
 class HelpFormatter(argparse.HelpFormatter):

@@ -2,10 +2,17 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without a GPU the CUDA path's Triton kernels run under Triton's interpreter (tests/engine/test_triton_*.py).
+# It has to be chosen before triton is first imported: triton.language's own helpers are jitted at import.
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex every jolly "
          "vexing sphinx of black quartz judge my vow and pack my box with five dozen liquor jugs").split()

@@ -52,9 +52,11 @@ class Target:
         return b
 
     def headers(self, tenant: int) -> dict:
-        if not self.api_keys:
-            return {}
-        return {"Authorization": f"Bearer {self.api_keys[tenant % len(self.api_keys)]}"}
+        # pdserve sends `usage.stage_times` only when asked (and the key may see it); other servers ignore this
+        h = {"x-pdserve-debug": "stage-times"}
+        if self.api_keys:
+            h["Authorization"] = f"Bearer {self.api_keys[tenant % len(self.api_keys)]}"
+        return h
 
 
 async def resolve_model(client: httpx.AsyncClient, target: Target) -> None:

@@ -53,7 +53,9 @@ class AttentionMetadata:
     decodes: list[DecodeGroup]  # single-token decodes, grouped by similar context length (torch path)
     native_decode: NativeDecode | None = None  # the same decodes for the native kernel (replaces `decodes`)
     native_prefill: NativePrefill | None = None  # the prefill spans for the native kernel (replaces `prefills`)
-    native_ops: object = None  # the compiled kernel module when `native_decode` or `native_prefill` is set
+    # The kernels when `native_decode` or `native_prefill` is set: the compiled CPU module (kernels.py) or, on
+    # CUDA, triton_attention.TritonAttention (the same two entry points).
+    native_ops: object = None
     sliding_window: int | None = None
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.engine.architectures import SUPPORTED_ARCHITECTURES
+from pdserve.engine.checkpoint import max_position_embeddings, need_int, read_config
 from pdserve.engine.errors import CheckpointError
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -43,26 +43,10 @@ class ModelConfig:
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
         model_dir = Path(model_dir)
-        path = model_dir / "config.json"
-        if not model_dir.is_dir():
-            raise CheckpointError(f"{model_dir}: not a checkpoint directory")
-        if not path.is_file():
-            raise CheckpointError(f"{model_dir}: missing config.json")
-        try:
-            cfg = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{path}: malformed JSON ({e})") from e
-        archs = cfg.get("architectures") or []
-        arch = archs[0] if archs else None
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise CheckpointError(
-                f"{path}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        path, cfg, arch = read_config(model_dir)
+
         def need(name: str) -> int:
-            try:
-                return int(cfg[name])
-            except (KeyError, TypeError, ValueError):
-                raise CheckpointError(f"{path}: missing or invalid field {name!r} ({cfg.get(name)!r})") from None
+            return need_int(path, cfg, name)
 
         try:
             hidden = need("hidden_size")
@@ -95,7 +79,7 @@ class ModelConfig:
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope_theta=theta,
                 rope_scaling=scaling,
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                max_position_embeddings=max_position_embeddings(cfg),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
                 o_bias=arch != "Qwen2ForCausalLM" and bool(cfg.get("attention_bias", False)),
@@ -132,11 +116,13 @@ POLICIES = ("fcfs", "decode-priority", "prefill-priority", "priority", "shortest
 
 @dataclass
 class EngineConfig:
-    """Engine knobs. `num_gpu_blocks=None` sizes the KV pool from `kv_cache_bytes`."""
+    """Engine knobs. The KV pool: `num_gpu_blocks`, else `kv_cache_bytes`, else on CUDA what
+    `gpu_memory_utilization` of the device leaves after weights and activations (kv_sizing.py), on CPU 256 MiB."""
 
     block_size: int = 16
     num_gpu_blocks: int | None = None
-    kv_cache_bytes: int = 256 << 20
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
     num_cpu_blocks: int = 0  # host swap space in blocks; 0 disables swapping
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -159,6 +145,10 @@ class EngineConfig:
     num_threads: int | None = None
     # Decode attention by the compiled in-place kernel (engine/kernels.py) where it builds; False: torch only.
     native_kernels: bool = True
+    # Attention kernels (model_runner.ATTENTION_BACKENDS): auto = compiled CPU kernels on CPU, Triton on CUDA.
+    attention: str = "auto"
+    # CUDA graphs for decode steps of up to max_num_seqs sequences (CUDA with the Triton kernels only).
+    cuda_graphs: bool = True
     # Fault injection for tests and drills: every step that runs a forward first sleeps this long (a slow or
     # stalled device), e.g. to show that heartbeats do not wait for the engine thread. 0 in production.
     fault_step_delay_s: float = 0.0
@@ -172,5 +162,13 @@ class EngineConfig:
             raise ValueError("preemption_mode='swap' needs num_cpu_blocks > 0")
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be positive")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.attention not in ("auto", "native", "triton", "torch"):
+            raise ValueError(f"unknown attention backend {self.attention!r} (auto, native, triton, torch)")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}")

@@ -18,9 +18,12 @@ from pathlib import Path
 import torch
 
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.checkpoint import resolve_model_dir
 from pdserve.engine.config import DTYPES, EngineConfig, ModelConfig
+from pdserve.engine.core import EngineCore
 from pdserve.engine.errors import RequestRejected
 from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.kv_sizing import block_bytes_for, num_blocks as kv_pool_blocks
 from pdserve.engine.loader import load_state_dict
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.model_runner import ModelRunner
@@ -62,13 +65,6 @@ class Request:
         return self.reclaimed or (all(s.finished for s in self.seqs) and len(self.seqs) >= self.params.num_branches)
 
 
-def resolve_model_dir(model: str | Path) -> Path:
-    if str(model) == "builtin":
-        from pdserve.builtin import builtin_model_dir
-        return builtin_model_dir()
-    return Path(model)
-
-
 class Engine:
     def __init__(self, model_config: ModelConfig, config: EngineConfig, model: LlamaModel, tokenizer: Tokenizer,
                  fingerprint: str):
@@ -79,20 +75,21 @@ class Engine:
         self.fingerprint = fingerprint
         self.max_model_len = min(config.max_model_len or model_config.max_model_len, model_config.max_model_len)
         dtype = next(model.parameters()).dtype
-        per_block = (model_config.num_layers * 2 * config.block_size * model_config.num_kv_heads
-                     * model_config.head_dim * torch.tensor([], dtype=dtype).element_size())
-        num_blocks = config.num_gpu_blocks or max(1, config.kv_cache_bytes // per_block)
+        per_block = block_bytes_for(model_config.num_layers, config.block_size, model_config.num_kv_heads,
+                                    model_config.head_dim, dtype)
+        num_blocks = kv_pool_blocks(config, model, torch.device(config.device), per_block)
         self.kv_cache = KVCache(model_config, num_blocks, config.block_size, dtype, config.device,
                                 config.num_cpu_blocks, fingerprint)
         self.block_manager = BlockManager(num_blocks, config.block_size, fingerprint, config.enable_prefix_caching,
                                           config.num_cpu_blocks, kv=self.kv_cache)
         self.scheduler = Scheduler(config, self.block_manager)
-        self.runner = ModelRunner(model, self.kv_cache, native=config.native_kernels)
+        self.core = EngineCore(self.scheduler, self.block_manager, self.max_model_len)  # shared with the simulator
+        self.runner = ModelRunner(model, self.kv_cache, native=config.native_kernels, attention=config.attention,
+                                  cuda_graph_max_batch=config.max_num_seqs if config.cuda_graphs else 0)
         self.sampler = Sampler(model_config.vocab_size)
         self.sampler.native_ops = self.runner.native_ops
         self.eos_token_ids = sorted(set(model_config.eos_token_ids) | set(tokenizer.eos_token_ids))
         self.requests: dict[str, Request] = {}
-        self.pinned: dict[str, tuple[list[int], int]] = {}
         self.remote_pending: dict[str, Request] = {}
         self.usage_records: list[dict] = []
         self.terminal_counts: dict[str, int] = {}
@@ -201,9 +198,7 @@ class Engine:
         want_prompt = {i for i, it in enumerate(sched.scheduled)
                        if it.seq.wants_prompt_logprobs and it.seq.num_output_tokens == 0}
         logits, owner = self.runner.execute(sched.scheduled, want_prompt)
-        for item in sched.scheduled:
-            item.seq.num_computed_tokens += item.num_tokens
-            self.block_manager.mark_computed(item.seq)
+        self.core.computed(sched)
         # Rows to sample: a request's first sample forks its extra branches, which share the prompt's blocks.
         rows, seqs = [], []
         for row, (i, pos) in enumerate(owner):
@@ -227,22 +222,9 @@ class Engine:
             req = self.requests[seq.request_id]
             touched[req.request_id] = req
             req.metrics.setdefault("first_token_time", now)
-            seq.token_ids.append(res.token_id)
-            delta, reason = seq.output.step(res.token_id, seq.sampling)
-            seq.new_text += delta
-            seq.new_token_ids.append(res.token_id)
             if seq.sampling.params.logprobs is not None:
                 seq.logprobs.append(res)
-            if reason is None and seq.num_tokens >= self.max_model_len:
-                reason = "length"
-                seq.new_text += seq.output.finish(reason)
-            elif reason is None and req.prefill_only:
-                reason = "prefill"
-            if reason is not None:
-                seq.finish_reason = reason
-                self._finish_seq(req, seq, S.FINISHED)
-            elif seq.state == S.PREFILLING:
-                seq.set_state(S.DECODING)
+            self.core.commit(seq, res.token_id, req.prefill_only)
         for req in touched.values():
             if req.finished:
                 self._reclaim(req, S.FINISHED)
@@ -265,10 +247,7 @@ class Engine:
                              parent.arrival_time)
             child.sampling = parent.sampling.fork(b)  # own RNG stream, forked grammar matcher
             child.output = OutputProcessor(req.params, self.tokenizer, self.eos_token_ids)
-            for st in (S.QUEUED, S.RUNNABLE, S.PREFILLING):
-                child.set_state(st)
-            self.block_manager.fork(parent, child)
-            self.scheduler.running.append(child)
+            self.core.fork(parent, child)
             req.seqs.append(child)
             children.append(child)
         return children
@@ -357,25 +336,11 @@ class Engine:
         return counts
 
     # ---- termination: one idempotent reclaim ------------------------------------------------------------------
-    def _finish_seq(self, req: Request, seq: Sequence, state: S) -> None:
-        if seq.finished:
-            return
-        seq.set_state(state)
-        self.scheduler.remove(seq)
-        if req.prefill_only and state == S.FINISHED and seq.branch == 0:
-            # Prefill worker: the prompt's blocks stay pinned until the decode side has pulled them.
-            self.pinned[req.request_id] = (list(seq.block_table), seq.num_prompt_tokens)
-            seq.block_table = []
-        else:
-            self.block_manager.free(seq)
-        if seq.host_table:
-            self.block_manager.free_host(seq)
-
     def _reclaim(self, req: Request, state: S) -> None:
         if req.reclaimed:
             return
         for seq in req.seqs:
-            self._finish_seq(req, seq, state)
+            self.core.finish(seq, state, req.prefill_only)
         req.reclaimed = True
         self.requests.pop(req.request_id, None)
         self.remote_pending.pop(req.request_id, None)
@@ -417,12 +382,10 @@ class Engine:
 
     # ---- disaggregation hooks ---------------------------------------------------------------------------------
     def pinned_kv(self, request_id: str) -> tuple[list[int], int]:
-        return self.pinned[request_id]
+        return self.core.pinned_kv(request_id)
 
     def release_pinned(self, request_id: str) -> None:
-        blocks, _ = self.pinned.pop(request_id, ([], 0))
-        for b in reversed(blocks):
-            self.block_manager.release_block(b)
+        self.core.release_pinned(request_id)
 
     def discard(self, request_id: str) -> None:
         """Prefill side, the caller is gone: end the request CANCELLED wherever it is (still prefilling: aborted;
@@ -444,19 +407,14 @@ class Engine:
         req = self._new_request(request_id, prompt_token_ids, params, namespace, arrival_time)
         self._lifecycle(req, deadline, priority, None)
         seq = req.seqs[0]
-        bm = self.block_manager
-        hits = bm.lookup(seq)
-        n = len(prompt_token_ids) - len(hits) * bm.block_size
-        if not bm.can_allocate(seq, n, hits):
+        hits = self.core.allocate_prefilled(seq)
+        if hits is None:
             return None
-        bm.allocate(seq, n, hits)
         Sampler.skip_draw(seq.sampling)  # the first token was drawn on the prefill worker
-        seq.set_state(S.RUNNABLE)
-        seq.set_state(S.PREFILLING)  # prefilling remotely: the blocks are being filled by a transfer
         req.metrics["first_token_id"] = first_token_id
         req.transfer_deadline = transfer_deadline
         self.remote_pending[request_id] = req
-        return list(seq.block_table), len(hits)
+        return list(seq.block_table), hits
 
     def commit_prefilled(self, request_id: str) -> bool:
         """The transferred blocks hold the prompt's KV: append the first token and join the decode batch.
@@ -464,27 +422,12 @@ class Engine:
         req = self.remote_pending.pop(request_id, None)
         if req is None:
             return False
-        seq = req.seqs[0]
-        seq.num_computed_tokens = seq.num_prompt_tokens
-        self.block_manager.mark_computed(seq)
         tok = req.metrics.pop("first_token_id")
-        seq.sampling.append(tok)
-        seq.token_ids.append(tok)
-        delta, reason = seq.output.step(tok, seq.sampling)
-        seq.new_text += delta
-        seq.new_token_ids.append(tok)
+        req.seqs[0].sampling.append(tok)
         req.metrics["first_token_time"] = time.time()
         self.requests[request_id] = req
-        if reason is not None or seq.num_tokens >= self.max_model_len:
-            if reason is None:
-                reason = "length"
-                seq.new_text += seq.output.finish(reason)
-            seq.finish_reason = reason
+        if self.core.commit_prefilled(req.seqs[0], tok) is not None:
             self._reclaim(req, S.FINISHED)
-            self._pending_outputs.append(self._output(req))
-            return True
-        seq.set_state(S.DECODING)
-        self.scheduler.running.append(seq)
         self._pending_outputs.append(self._output(req))
         return True
 
@@ -537,7 +480,7 @@ class Engine:
             "kv_blocks_in_use": bm.blocks_in_use,
             "kv_blocks_total": bm.num_blocks,
             "kv_blocks_cached_free": len(bm.evictable),
-            "kv_blocks_pinned": sum(len(b) for b, _ in self.pinned.values()),
+            "kv_blocks_pinned": self.core.num_pinned_blocks(),
             "kv_logical_slots": logical,
             "kv_allocated_slots": bm.blocks_in_use * bm.block_size,
             "cpu_blocks_in_use": bm.num_cpu_blocks - len(bm.cpu_free),
@@ -546,6 +489,8 @@ class Engine:
             "num_swapped": len(self.scheduler.swapped),
             "states": self.state_counts(),
             "prefix_hit_ratio": bm.hit_ratio,
+            "prefix_queried_tokens": bm.queried_tokens,
+            "prefix_hit_tokens": bm.hit_tokens,
             "preemptions": dict(self.scheduler.num_preemptions),
             "terminal": dict(self.terminal_counts),
         }

@@ -29,7 +29,7 @@ from collections import OrderedDict
 import torch
 import xgrammar as xgr
 
-from pdserve.engine.sampling_params import GuidedSpec
+from pdserve.engine.sampling_params import GuidedSpec, InvalidParameter
 
 _MAX_CACHED = 256
 _compilers: dict[tuple[int, int], tuple[object, xgr.GrammarCompiler]] = {}
@@ -37,7 +37,7 @@ _compiled: "OrderedDict[tuple, xgr.CompiledGrammar]" = OrderedDict()
 
 
 def _bad(field: str, why: str) -> ValueError:
-    return ValueError(f"invalid sampling parameter 'guided.{field}': {why}")
+    return InvalidParameter(f"guided.{field}", why)
 
 
 def tokenizer_info(tokenizer, vocab_size: int) -> xgr.TokenizerInfo:
@@ -75,7 +75,7 @@ def compile_guided(spec: GuidedSpec, tokenizer, vocab_size: int) -> xgr.Compiled
     elif spec.grammar is not None:
         kind, text = "grammar", spec.grammar
     else:
-        raise ValueError("invalid sampling parameter 'guided': no constraint set")
+        raise InvalidParameter("guided", "no constraint set")
     key = (id(tokenizer), vocab_size, kind, text)
     if key in _compiled:
         _compiled.move_to_end(key)

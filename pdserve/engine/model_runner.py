@@ -1,14 +1,29 @@
 """Turn a scheduler tick into one forward over a flat token batch and return the logits to sample from."""
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from pdserve.engine.attention import (AttentionMetadata, DecodeGroup, NativeDecode, NativePrefill, PrefillSpan,
                                       causal_mask, decode_bias)
+from pdserve.engine.cuda_graphs import DecodeGraphs, DecodeInputs, capture_sizes
 from pdserve.engine.kernels import native_ops
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.scheduler import ScheduledSeq
+
+log = logging.getLogger(__name__)
+ATTENTION_BACKENDS = ("auto", "native", "triton", "torch")
+
+
+def triton_attention(device: torch.device):
+    """The Triton paged-attention backend for `device`, or None (with the reason logged) where it cannot run."""
+    from pdserve.engine import triton_attention as ta
+    if ta.IMPORT_ERROR:
+        log.warning("Triton attention unavailable, using the torch path (gather + SDPA): %s", ta.IMPORT_ERROR)
+        return None
+    return ta.TritonAttention.for_device(device)
 
 
 def padded_tables(tables: list[list[int]], device=None) -> torch.Tensor:
@@ -20,17 +35,41 @@ def padded_tables(tables: list[list[int]], device=None) -> torch.Tensor:
 
 class ModelRunner:
     DECODE_GROUP = 16  # decode sequences per padded attention group
-    def __init__(self, model: LlamaModel, kv: KVCache, native: bool = True):
+    def __init__(self, model: LlamaModel, kv: KVCache, native: bool = True, attention: str = "auto",
+                 cuda_graph_max_batch: int = 0):
+        """attention: auto = the compiled CPU kernels on CPU, Triton on CUDA; native / triton / torch force one
+        (triton runs on CPU only under TRITON_INTERPRET=1, which is how the tests drive it).
+        cuda_graph_max_batch > 0: on CUDA with the Triton kernels, decode steps up to that many sequences replay
+        CUDA graphs captured here (cuda_graphs.py)."""
+        if attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"unknown attention backend {attention!r} (choose from {', '.join(ATTENTION_BACKENDS)})")
         self.model = model
         self.kv = kv
         self.device = kv.data.device
         self.sliding_window = model.cfg.sliding_window
-        # Decode attention in place over the pool (kernels.py) on CPU; the torch formulation otherwise.
+        # Norms, rope, SwiGLU and decode attention in place over the pool (kernels.py) on CPU.
         self.native_ops = native_ops() if native and self.device.type == "cpu" else None
         model.use_native_ops(self.native_ops)
-        # Prefill attention natively where that kernel exists (bf16 pool on AVX512-BF16); SDPA otherwise.
-        self.native_prefill = bool(self.native_ops is not None
-                                   and self.native_ops.prefill_attention_supported(kv.data, model.cfg.num_heads))
+        # The attention kernels that read the pool in place: the CPU module, or Triton on CUDA; None -> torch.
+        use_triton = native and (attention == "triton" or (attention == "auto" and self.device.type == "cuda"))
+        if attention == "torch":
+            self.attention_ops = None
+        elif use_triton:
+            self.attention_ops = triton_attention(self.device)
+        else:
+            self.attention_ops = self.native_ops
+        # Prefill attention over the pool where that kernel exists (Triton; on CPU bf16 with AVX512-BF16); SDPA
+        # otherwise.
+        if self.attention_ops is not None and self.attention_ops is not self.native_ops:
+            self.native_prefill = True
+        else:
+            self.native_prefill = bool(self.attention_ops is not None and self.native_ops.prefill_attention_supported(
+                kv.data, model.cfg.num_heads))
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graph_max_batch > 0 and self.device.type == "cuda" and self.native_prefill:
+            self.graphs = DecodeGraphs(model, kv.data, self.attention_ops, capture_sizes(cuda_graph_max_batch),
+                                       width=-(-model.cfg.max_model_len // kv.block_size),
+                                       sliding_window=self.sliding_window)
 
     def prepare(self, batch: list[ScheduledSeq], prompt_logits: set[int] = frozenset()):
         """Build flat inputs. Returns (input_ids, positions, metadata, logits_rows, row_owner) where row_owner[i]
@@ -72,31 +111,33 @@ class ModelRunner:
             slot_blocks=torch.tensor(blocks, dtype=torch.long, device=self.device),
             slot_offsets=torch.tensor(offsets, dtype=torch.long, device=self.device),
             prefills=prefills,
-            decodes=[] if self.native_ops else self._decode_groups(decode_rows, decode_tables, decode_lens),
-            native_decode=self._native_decode(decode_rows, decode_tables, decode_lens) if self.native_ops else None,
+            decodes=[] if self.attention_ops else self._decode_groups(decode_rows, decode_tables, decode_lens),
+            native_decode=self._native_decode(decode_rows, decode_tables, decode_lens) if self.attention_ops else None,
             native_prefill=self._native_prefill(native_spans),
-            native_ops=self.native_ops,
+            native_ops=self.attention_ops,
             sliding_window=self.sliding_window,
         )
         return (torch.tensor(ids, dtype=torch.long, device=self.device),
                 torch.tensor(pos, dtype=torch.long, device=self.device), meta,
                 torch.tensor(logits_rows, dtype=torch.long, device=self.device), row_owner)
 
-    @staticmethod
-    def _native_prefill(spans: list[tuple[int, int, int, list[int]]]) -> NativePrefill | None:
+    def _native_prefill(self, spans: list[tuple[int, int, int, list[int]]]) -> NativePrefill | None:
         if not spans:
             return None
+        dev = self.device
         return NativePrefill(
-            starts=torch.tensor([s[0] for s in spans], dtype=torch.long),
-            q_lens=torch.tensor([s[1] for s in spans], dtype=torch.long),
-            context_lens=torch.tensor([s[2] for s in spans], dtype=torch.long),
-            block_tables=padded_tables([s[3] for s in spans]))
+            starts=torch.tensor([s[0] for s in spans], dtype=torch.long, device=dev),
+            q_lens=torch.tensor([s[1] for s in spans], dtype=torch.long, device=dev),
+            context_lens=torch.tensor([s[2] for s in spans], dtype=torch.long, device=dev),
+            block_tables=padded_tables([s[3] for s in spans], dev))
 
     def _native_decode(self, rows: list[int], tables: list[list[int]], lens: list[int]) -> NativeDecode | None:
         if not rows:
             return None
-        return NativeDecode(rows=torch.tensor(rows, dtype=torch.long), block_tables=padded_tables(tables),
-                            context_lens=torch.tensor(lens, dtype=torch.long))
+        dev = self.device
+        return NativeDecode(rows=torch.tensor(rows, dtype=torch.long, device=dev),
+                            block_tables=padded_tables(tables, dev),
+                            context_lens=torch.tensor(lens, dtype=torch.long, device=dev))
 
     def _decode_groups(self, rows: list[int], tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
         """Decodes sorted by context length and cut into groups of similar length: each group is padded only to
@@ -117,5 +158,10 @@ class ModelRunner:
 
     def execute(self, batch: list[ScheduledSeq], prompt_logits: set[int] = frozenset()):
         ids, pos, meta, rows, owner = self.prepare(batch, prompt_logits)
+        if (self.graphs is not None and meta.native_decode is not None and not meta.native_prefill
+                and rows.numel() == ids.numel() and self.graphs.bucket(ids.numel()) is not None):
+            nd = meta.native_decode  # every row a decode that samples: row i is sequence i
+            return self.graphs.run(DecodeInputs(ids, pos, meta.slot_blocks, meta.slot_offsets, nd.block_tables,
+                                                nd.context_lens)), owner
         logits = self.model(ids, pos, self.kv.data, meta, rows)
         return logits, owner

@@ -20,6 +20,15 @@ class GuidedSpec:
 MAX_N = 128
 
 
+class InvalidParameter(ValueError):
+    """A request parameter the engine refuses; `param` names it (the gateway reports it as the OpenAI `param`,
+    a worker sends it in the `pdserve-param` trailing metadata)."""
+
+    def __init__(self, param: str, why: str):
+        super().__init__(f"invalid sampling parameter '{param}': {why}")
+        self.param = param
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -53,7 +62,7 @@ class SamplingParams:
         """Raise ValueError naming the offending field."""
 
         def bad(name: str, why: str) -> None:
-            raise ValueError(f"invalid sampling parameter '{name}': {why}")
+            raise InvalidParameter(name, why)
 
         if self.n < 1:
             bad("n", "must be >= 1")

@@ -36,7 +36,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from pdserve.services import metrics as M
+from pdserve.services.metrics import gateway as M
 
 log = logging.getLogger("pdserve.admission")
 

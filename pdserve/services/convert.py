@@ -20,6 +20,7 @@ class DeltaEncoder:
     def __init__(self, tokenizer=None):
         self.tokenizer = tokenizer
         self._lp_sent: dict[int, int] = {}
+        self._prompt_lp_sent = False
 
     def _tok(self, tid: int) -> str:
         if self.tokenizer is None:
@@ -33,6 +34,11 @@ class DeltaEncoder:
             lp.top.add(token_id=tid, token=self._tok(tid), logprob=float(v))
         return lp
 
+    def prompt_logprobs(self, msg: common_pb2.GenerateResponse, out: RequestOutput) -> None:
+        """The engine's prompt logprobs (entry 0 is None: the first token has no prefix) into `msg`."""
+        for r in (out.prompt_logprobs or [])[1:]:
+            msg.prompt_logprobs.append(self.token_logprob(r))
+
     def encode(self, out: RequestOutput) -> common_pb2.GenerateResponse:
         msg = common_pb2.GenerateResponse(request_id=out.request_id, finished=out.finished, state=out.state or "")
         for c in out.outputs:
@@ -43,6 +49,9 @@ class DeltaEncoder:
                 for r in c.logprobs[start:]:
                     d.logprobs.append(self.token_logprob(r))
                 self._lp_sent[c.index] = len(c.logprobs)
+        if out.prompt_logprobs and not self._prompt_lp_sent:
+            self._prompt_lp_sent = True
+            self.prompt_logprobs(msg, out)
         if out.error:
             msg.error = out.error
         if out.finished:

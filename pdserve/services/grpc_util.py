@@ -1,22 +1,49 @@
-"""gRPC server/channel helpers: every server gets the standard health service and server reflection."""
+"""gRPC server/channel helpers: every server gets the standard health service (and server reflection while no
+internal auth is configured); every internal server and channel uses the process's internal security
+(internal_security.py), set once at start-up by `configure`."""
 from __future__ import annotations
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdserve.services.internal_security import NONE, InternalSecurity
 from pdserve._proto.pdserve.v1 import common_pb2, gateway_pb2, router_pb2, worker_pb2  # noqa: F401
 
 # Streams carry small token deltas but Prefill responses carry NIXL agent metadata (a few KB to MB).
 OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 
 
-def make_server(service_names: list[str]) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
-    server = grpc.aio.server(options=OPTIONS)
+_security: InternalSecurity = NONE
+
+
+def configure(security: InternalSecurity) -> None:
+    """The process's internal identity (token, TLS): every later `channel`, `make_server` and `listen` uses it."""
+    global _security
+    _security = security
+
+
+def security() -> InternalSecurity:
+    return _security
+
+
+def make_server(service_names: list[str], internal: bool = True) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    """`internal=False` for the gateway's public front door, which authenticates tenants by API key instead."""
+    sec = _security if internal else NONE
+    server = grpc.aio.server(options=OPTIONS, interceptors=sec.server_interceptors() or None)
     hs = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
-    reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    if not sec.token and not sec.mutual:
+        # Reflection lists every method and message: useful on loopback, a map for an intruder once callers are
+        # meant to be authenticated. With a token it would sit behind the check anyway; closed outright.
+        reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     return server, hs
+
+
+def listen(server: grpc.aio.Server, address: str) -> int:
+    """Bind an internal server: TLS (mutual with a CA) when configured, plaintext otherwise."""
+    creds = _security.server_credentials()
+    return server.add_secure_port(address, creds) if creds is not None else server.add_insecure_port(address)
 
 
 async def set_serving(hs: health.aio.HealthServicer, service_names: list[str], serving: bool) -> None:
@@ -33,9 +60,32 @@ RELAY_OPTIONS = [*OPTIONS, ("grpc.http2.bdp_probe", 0)]
 
 
 def channel(address: str, relay: bool = False) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=RELAY_OPTIONS if relay else OPTIONS)
+    """A channel to an internal service (router, worker), with the process's token and TLS."""
+    options = [*(RELAY_OPTIONS if relay else OPTIONS), *_security.channel_options()]
+    interceptors = _security.client_interceptors() or None
+    creds = _security.channel_credentials()
+    if creds is not None:
+        return grpc.aio.secure_channel(address, creds, options=options, interceptors=interceptors)
+    return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
 
 
 WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 ROUTER_SERVICE = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
 GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+
+
+PARAM_METADATA = "pdserve-param"  # trailing metadata of an INVALID_ARGUMENT: the request parameter refused
+
+
+def param_metadata(e: Exception) -> tuple:
+    """Trailing metadata naming the parameter an `InvalidParameter` refused (none for other errors)."""
+    param = getattr(e, "param", None)
+    return ((PARAM_METADATA, param),) if param else ()
+
+
+def param_of(e: grpc.aio.AioRpcError) -> str | None:
+    """The parameter a peer's INVALID_ARGUMENT named in its trailing metadata, if any."""
+    for k, v in e.trailing_metadata() or ():
+        if k == PARAM_METADATA:
+            return v
+    return None

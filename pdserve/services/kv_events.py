@@ -11,7 +11,7 @@ import time
 
 import redis.asyncio as aioredis
 
-from pdserve.services import metrics as M
+from pdserve.services.metrics import worker as M
 
 log = logging.getLogger("pdserve.kv_events")
 

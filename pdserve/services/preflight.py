@@ -118,6 +118,15 @@ def check_port(flag: str, host: str, port: int) -> Problem | None:
                    f"stop that process or pass a free port (e.g. {flag} {free_port()})")
 
 
+def redact_url(url: str) -> str:
+    """The URL with its password (if any) replaced: error lines end up in logs."""
+    u = urlparse(url)
+    if not u.password:
+        return url
+    netloc = f"{u.username or ''}:***@{u.hostname}" + (f":{u.port}" if u.port else "")
+    return u._replace(netloc=netloc).geturl()
+
+
 def check_redis(redis_url: str | None) -> Problem | None:
     if not redis_url:
         if shutil.which("redis-server") is None:
@@ -125,20 +134,21 @@ def check_redis(redis_url: str | None) -> Problem | None:
                            "install it (Debian: apt-get install redis-server) or pass --redis-url redis://HOST:PORT/0")
         return None
     u = urlparse(redis_url)
+    shown = redact_url(redis_url)
     if u.scheme == "unix":
         if not Path(u.path).exists():
-            return Problem(f"--redis-url {redis_url}: no socket at {u.path}", "start Redis or fix the path")
+            return Problem(f"--redis-url {shown}: no socket at {u.path}", "start Redis or fix the path")
         return None
     if u.scheme not in ("redis", "rediss") or not u.hostname:
-        return Problem(f"--redis-url {redis_url}: not a Redis URL", "use redis://HOST:PORT/DB (or rediss://, unix://)")
+        return Problem(f"--redis-url {shown}: not a Redis URL", "use redis://HOST:PORT/DB (or rediss://, unix://)")
     try:
         port = u.port or 6379
     except ValueError:
-        return Problem(f"--redis-url {redis_url}: bad port", "use redis://HOST:PORT/DB")
+        return Problem(f"--redis-url {shown}: bad port", "use redis://HOST:PORT/DB")
     try:
         socket.create_connection((u.hostname, port), timeout=1.0).close()
     except OSError as e:
-        return Problem(f"--redis-url {redis_url}: nothing answers at {u.hostname}:{port} ({e.strerror or e})",
+        return Problem(f"--redis-url {shown}: nothing answers at {u.hostname}:{port} ({e.strerror or e})",
                        "start Redis there, or leave --redis-url out and `up` starts its own")
     return None
 

@@ -1,4 +1,4 @@
-"""Process plumbing shared by every server: signals, metrics endpoint, logging."""
+"""Process plumbing shared by every server: signals, logging."""
 from __future__ import annotations
 
 import asyncio
@@ -19,8 +19,3 @@ def install_stop_signals() -> asyncio.Event:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, ev.set)
     return ev
-
-
-def start_metrics_server(port: int) -> None:
-    from prometheus_client import start_http_server
-    start_http_server(port)

@@ -4,17 +4,30 @@ Key `pdserve:{model}:workers:{id}` is a hash (`info`: a serialized WorkerInfo, `
 `updated`: unix time) whose TTL is refreshed by every heartbeat: a worker that stops heartbeating disappears by itself, so a
 lapsed worker can never be routed to. `pdserve:{model}:worker_ids` is a set indexing the hashes (stale members
 are pruned on read). KV events (the prefix index) live in router/prefix_index.py's keys.
+
+With an internal token configured (internal_security.py), each hash also carries `sig`, an HMAC-SHA256 over the
+model and the other stored fields (the serialized WorkerInfo and LoadReport as stored, `updated`) keyed by a key
+derived from the token, and readers skip any record whose HMAC does not verify: a
+process that can write to Redis but lacks the token cannot register a worker (and so receive prompts). `updated`
+is signed too, so a replayed old record lapses like any other; the WorkerInfo's worker id must match the key's.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
+import logging
 import time
 from dataclasses import dataclass, field
 
-import redis.asyncio as aioredis
-
+from pdserve.services.metrics import common as M
 from pdserve.services.pb import common_pb2
+from pdserve.services.redis_conn import NO_AUTH, RedisAuth, connect
+
+log = logging.getLogger("pdserve.registry")
 
 DEFAULT_TTL_S = 3.0
+SIG_FIELD = "sig"
 
 
 def workers_key(model: str, worker_id: str) -> str:
@@ -39,19 +52,52 @@ class WorkerRecord:
     updated: float = 0.0
 
 
+def record_sig(key: bytes, model: str, fields: dict[str, bytes]) -> str:
+    """HMAC over the model and every stored field but the signature itself (the serialized WorkerInfo and
+    LoadReport, `updated`), in a canonical form: JSON of [model, sorted [name, hex(value)] pairs]."""
+    pairs = sorted((k, (v if isinstance(v, bytes) else str(v).encode()).hex())
+                   for k, v in fields.items() if k != SIG_FIELD)
+    body = json.dumps([model, pairs], separators=(",", ":"))
+    return hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
+
+
 class Registry:
-    def __init__(self, redis_url: str, model: str, ttl_s: float = DEFAULT_TTL_S):
+    def __init__(self, redis_url: str, model: str, ttl_s: float = DEFAULT_TTL_S, auth: RedisAuth = NO_AUTH,
+                 key: bytes | None = None):
+        """`key`: the registry HMAC key (InternalSecurity.registry_key()); None: records are neither signed nor
+        checked."""
         self.model = model
         self.ttl_s = ttl_s
-        self.r = aioredis.from_url(redis_url)
+        self.key = key
+        self.r = connect(redis_url, auth)
+        self._refused: set[str] = set()  # worker ids already logged as forged (log once, count every time)
+
+    def _authentic(self, worker_id: str, h: dict[str, bytes]) -> bool:
+        if self.key is None:
+            return True
+        sig = h.get(SIG_FIELD, b"")
+        if hmac.compare_digest(sig, record_sig(self.key, self.model, h).encode()):
+            return True
+        self._refuse(worker_id, "its HMAC does not verify (written without the internal token)")
+        return False
+
+    def _refuse(self, worker_id: str, why: str) -> None:
+        M.REGISTRY_REJECTED.inc()
+        if worker_id not in self._refused:
+            self._refused.add(worker_id)
+            log.warning("ignoring registry record %r: %s", worker_id, why)
 
     async def heartbeat(self, rec: WorkerRecord) -> None:
         """Register or refresh (same write: a worker that lapsed re-registers with its next heartbeat)."""
         from pdserve.services import convert  # convert imports WorkerRecord from here
         rec.updated = time.time()
         key = workers_key(self.model, rec.worker_id)
+        fields = convert.record_to_hash(rec)
+        if self.key is not None:
+            fields[SIG_FIELD] = record_sig(self.key, self.model, fields).encode()
         async with self.r.pipeline(transaction=True) as p:
-            p.hset(key, mapping=convert.record_to_hash(rec))
+            p.delete(key)  # no field of an earlier (or forged) record survives next to the signed ones
+            p.hset(key, mapping=fields)
             p.pexpire(key, int(self.ttl_s * 1000))
             p.sadd(index_key(self.model), rec.worker_id)
             await p.execute()
@@ -77,7 +123,18 @@ class Registry:
             if not h:
                 stale.append(i)  # hash expired: heartbeat lapsed
                 continue
-            rec = convert.record_from_hash(h)
+            h = {(k.decode() if isinstance(k, bytes) else k): v for k, v in h.items()}
+            if not self._authentic(i, h):
+                continue
+            try:
+                rec = convert.record_from_hash(h)
+            except Exception as e:  # noqa: BLE001 - a malformed record is skipped like a forged one
+                self._refuse(i, f"it does not parse ({e!r})")
+                continue
+            if self.key is not None and rec.worker_id != i:
+                # the key name is not signed: a signed record copied under another worker's key is refused too
+                self._refuse(i, f"it names worker {rec.worker_id!r}")
+                continue
             if now - rec.updated > self.ttl_s:  # belt and braces if a TTL refresh raced
                 continue
             out.append(rec)

@@ -45,9 +45,9 @@ class Deployment:
         env.setdefault("PYTHONUNBUFFERED", "1")
         self.env = env
 
-    def spawn(self, name: str, cmd: list[str], info: dict) -> subprocess.Popen:
+    def spawn(self, name: str, cmd: list[str], info: dict, stdin=None) -> subprocess.Popen:
         # own process group: a Ctrl-C on the terminal reaches `up` only, which then stops children in order
-        p = subprocess.Popen(cmd, env=self.env, start_new_session=True)
+        p = subprocess.Popen(cmd, env=self.env, start_new_session=True, stdin=stdin)
         self.procs.append((name, p, {"name": name, "pid": p.pid, **info}))
         return p
 
@@ -76,13 +76,22 @@ LIFECYCLE_FLAGS = ("api_keys_file", "max_body_bytes", "default_timeout", "max_ti
                    "max_queue_wait", "kv_overcommit", "reservation_lease")
 
 
-def _lifecycle_flags(args) -> list[str]:
+# Paths only: the secrets stay in their files (a child's command line is visible to every local user).
+SECURITY_FLAGS = ("internal_token_file", "tls_cert", "tls_key", "tls_ca", "tls_server_name", "redis_password_file",
+                  "redis_ca_file")
+
+
+def _flags(args, names) -> list[str]:
     out = []
-    for name in LIFECYCLE_FLAGS:
+    for name in names:
         v = getattr(args, name, None)
         if v is not None:
             out += ["--" + name.replace("_", "-"), str(v)]
     return out
+
+
+def _lifecycle_flags(args) -> list[str]:
+    return _flags(args, LIFECYCLE_FLAGS)
 
 
 def up(args) -> int:
@@ -106,15 +115,28 @@ def up(args) -> int:
         if not redis_url:
             binary = shutil.which("redis-server")  # preflight made sure there is one
             rport = free_port()
-            d.spawn("redis", [binary, "--port", str(rport), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-                              "no", "--loglevel", "warning"], {"port": rport})
+            redis_cmd = [binary, "--port", str(rport), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                         "--loglevel", "warning"]
+            if args.redis_password_file:
+                # the private server takes the same password, through its stdin (`-`), not its command line
+                redis_cmd.insert(1, "-")
+            p = d.spawn("redis", redis_cmd, {"port": rport}, stdin=subprocess.PIPE if args.redis_password_file
+                        else None)
+            if args.redis_password_file:
+                pw = Path(args.redis_password_file).read_text().strip().replace("\\", "\\\\").replace('"', '\\"')
+                p.stdin.write(f'requirepass "{pw}"\n'.encode())
+                p.stdin.close()
             if not _wait_tcp(rport, 10):
                 print("pdserve up: redis-server did not start", file=sys.stderr)
                 return 1
             redis_url = f"redis://127.0.0.1:{rport}/0"
-        common = ["--model", args.model, "--served-model-name", args.served_model_name]
+        common = ["--model", args.model, "--served-model-name", args.served_model_name,
+                  *_flags(args, SECURITY_FLAGS)]
+        if args.metrics_compat:
+            common += ["--metrics-compat", args.metrics_compat]
         eng = []
-        for flag in ("num_gpu_blocks", "max_num_seqs", "device", "dtype", "threads", "policy"):
+        for flag in ("num_gpu_blocks", "max_num_seqs", "device", "dtype", "threads", "policy", "kv_cache_bytes",
+                     "gpu_memory_utilization", "block_size", "max_num_batched_tokens", "max_model_len"):
             v = getattr(args, flag)
             if v:
                 eng += ["--" + flag.replace("_", "-"), str(v)]

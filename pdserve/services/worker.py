@@ -23,11 +23,11 @@ import grpc
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.kv_transfer.layout import KV_PROTOCOL_VERSION, KVLayout
-from pdserve.services import metrics as M
+from pdserve.services.metrics import worker as M
 from pdserve.engine.request_state import RequestState
 from pdserve.services.convert import DeltaEncoder, layout_to_pb, limits_from_pb, params_from_pb, region_to_pb
 from pdserve.services.decode.service import DecodeSide
-from pdserve.services.grpc_util import WORKER_SERVICE, make_server, set_serving
+from pdserve.services.grpc_util import WORKER_SERVICE, listen, make_server, param_metadata, security, set_serving
 from pdserve.services.kv_endpoint import KvEndpoint
 from pdserve.services.pb import common_pb2, worker_pb2, worker_pb2_grpc
 from pdserve.services.prefill.service import PrefillSide
@@ -56,6 +56,8 @@ class Worker(worker_pb2_grpc.WorkerServicer):
         self.meter = LoadMeter()
         self.meter.chain(self.host.on_step)
         self.host.on_step = self.meter.on_step
+        # engine stats snapshot -> this worker's gauges and prefix-cache counters (metrics/worker.py)
+        self.exporter = M.EngineStatsExporter([st.value for st in RequestState if not st.terminal])
         self.layout = KVLayout.from_dict(engine.kv_cache.layout())
         self.agent = None
         if role in ("prefill", "decode"):
@@ -102,13 +104,7 @@ class Worker(worker_pb2_grpc.WorkerServicer):
 
     def _use_stats(self, s: dict) -> dict:
         self.last_stats = s
-        M.KV_BLOCKS_IN_USE.set(s.get("kv_blocks_in_use", 0))
-        M.KV_BLOCKS_TOTAL.set(s.get("kv_blocks_total", 0))
-        M.KV_BLOCKS_PINNED.set(s.get("kv_blocks_pinned", 0))
-        M.PREFIX_HIT_RATIO.set(float(s.get("prefix_hit_ratio", 0.0) or 0.0))
-        M.NUM_RUNNING.set(s.get("num_running", 0))
-        M.NUM_WAITING.set(s.get("num_waiting", 0))
-        M.set_state_gauges(s.get("states", {}), [st.value for st in RequestState if not st.terminal])
+        self.exporter.update(s)
         return s
 
     @contextlib.contextmanager
@@ -137,7 +133,7 @@ class Worker(worker_pb2_grpc.WorkerServicer):
                     first = True
                     async for out in gen:
                         if first and out.outputs and any(c.new_token_ids for c in out.outputs):
-                            M.observe_engine_times(self.role, out)
+                            M.observe_engine_times(out)
                             first = False
                         if out.finished:
                             finished = True
@@ -146,7 +142,7 @@ class Worker(worker_pb2_grpc.WorkerServicer):
             except ValueError as e:
                 M.REJECTIONS.labels("invalid_request").inc()
                 finished = True
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e), trailing_metadata=param_metadata(e))
             finally:
                 if not finished:
                     M.TERMINAL.labels("CANCELLED").inc()
@@ -199,6 +195,10 @@ async def _heartbeat_loop(w: Worker, registry: Registry | None, interval_s: floa
         await asyncio.sleep(interval_s)
 
 
+ENGINE_SIZE_FLAGS = ("kv_cache_bytes", "gpu_memory_utilization", "block_size", "max_num_batched_tokens",
+                     "max_model_len")
+
+
 def engine_config_from_env(args) -> EngineConfig:
     kw = {}
     if getattr(args, "num_gpu_blocks", None):
@@ -213,15 +213,20 @@ def engine_config_from_env(args) -> EngineConfig:
         kw["policy"] = args.policy
     if getattr(args, "threads", None):
         kw["num_threads"] = args.threads
+    for name in ENGINE_SIZE_FLAGS:  # KV pool and batch sizes (kv_sizing.py)
+        if getattr(args, name, None) is not None:
+            kw[name] = getattr(args, name)
     if os.environ.get("PDSERVE_FAULT_STEP_DELAY_S"):  # fault injection only (EngineConfig.fault_step_delay_s)
         kw["fault_step_delay_s"] = float(os.environ["PDSERVE_FAULT_STEP_DELAY_S"])
     return EngineConfig(**kw)
 
 
 async def serve(args) -> None:
-    from pdserve.services.procutil import install_stop_signals, start_metrics_server
+    from pdserve.services.metrics import exposition
+    from pdserve.services.procutil import install_stop_signals
     if args.metrics_port:
-        start_metrics_server(args.metrics_port)
+        exposition.serve(exposition.exposition(M.WORKER, {"model": args.served_model_name, "role": args.role},
+                                               args.metrics_compat), args.metrics_port, args.host)
     host = args.advertise_host or "127.0.0.1"
     worker_id = args.worker_id or f"{args.role}-{socket.gethostname()}-{args.port}"
     engine = Engine.from_pretrained(args.model, engine_config_from_env(args))
@@ -231,9 +236,11 @@ async def serve(args) -> None:
     await w.prefill.start()
     server, hs = make_server([WORKER_SERVICE])
     worker_pb2_grpc.add_WorkerServicer_to_server(w, server)
-    server.add_insecure_port(f"{args.host}:{args.port}")
+    listen(server, f"{args.host}:{args.port}")
     await server.start()
-    registry = Registry(args.redis_url, args.served_model_name, ttl_s=args.heartbeat_ttl) if args.redis_url else None
+    from pdserve.services.redis_conn import RedisAuth
+    registry = Registry(args.redis_url, args.served_model_name, ttl_s=args.heartbeat_ttl,
+                        auth=RedisAuth.from_args(args), key=security().registry_key()) if args.redis_url else None
     w.refresh_stats()
     if registry is not None:
         await registry.heartbeat(w.record())

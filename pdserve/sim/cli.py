@@ -94,6 +94,12 @@ def add_sim_parser(sub) -> None:
     rn.add_argument("--rate", type=float, required=True)
     rn.add_argument("--requests", type=int, default=1000)
     rn.add_argument("--out", default=None, help="report dir: results.json, cdf.png, report.html (as pdserve bench)")
+    rn.add_argument("--router-policy", default="cache-aware",
+                    choices=["cache-aware", "round-robin", "least-loaded", "oracle"],
+                    help="the router's Policy, or a baseline (round-robin etc. place on colocated replicas only)")
+    rn.add_argument("--router-index", default="direct", choices=["direct", "redis"],
+                    help="prefix index fed in-process, or through Redis as a deployment's router does")
+    rn.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="with --router-index redis")
     rn.set_defaults(func=cmd_run)
 
     pl = ss.add_parser("plan", help="cheapest prefill/decode/colocated replica counts meeting an SLO (spec Q19)")
@@ -159,13 +165,20 @@ def cmd_roofline(a) -> int:
 
 def cmd_run(a) -> int:
     from pdserve.sim.cluster import Cluster, ClusterSpec
+    from pdserve.sim.placer import RouterSpec
     cm, blocks, tp, desc = _cost(a)
+    router = RouterSpec(policy=a.router_policy, index=a.router_index, redis_url=a.redis_url)
+    if router.policy != "cache-aware" and (a.prefill or a.decode):
+        raise SystemExit(f"--router-policy {router.policy} places on colocated replicas only")
     spec = ClusterSpec(prefill=a.prefill, decode=a.decode, colocated=a.colocated, num_blocks=blocks,
-                       engine=_engine_cfg(a), seed=a.seed)
+                       engine=_engine_cfg(a), seed=a.seed, router=router)
     specs = _workload_fn(a)(a.rate, a.requests, a.seed)
     t = time.time()
     c = Cluster(spec, cm)
-    c.run(specs)
+    try:
+        c.run(specs)
+    finally:
+        c.close()
     s = c.summary(_slo(a))
     s["cost_model"] = desc
     s["sim_wall_s"] = time.time() - t

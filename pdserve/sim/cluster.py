@@ -10,20 +10,22 @@ Event flow per request (mirrors the gateway / prefill / decode services):
              the blocks d's prefix cache lacks (cost model `transfer_time`) -> p releases its pinned blocks, d
              commits: the first token is emitted to the client then (the real decode stream's first message),
              and the request joins d's decode batch.
-Placement: `RouterPlacer` wraps the real `pdserve.services.router.policy.Policy` over `WorkerRecord`s that carry
-the replicas' load, refreshed every `report_s` of virtual time (the workers' heartbeat), so the policy sees load
-as stale as it does in a deployment.
+Placement: `RouterPlacer` (placer.py) runs the real `pdserve.services.router.policy.Policy` - or a baseline:
+round-robin, least-loaded, oracle (`RouterSpec.policy`) - over `WorkerRecord`s that carry the replicas' load,
+refreshed every `report_s` of virtual time (the workers' heartbeat), so the policy sees load as stale as it does
+in a deployment; the prefix index follows the replicas' block events in-process or through Redis
+(`RouterSpec.index`).
 """
 from __future__ import annotations
 
 import heapq
 import itertools
-import random
 from dataclasses import dataclass, field
 
 from pdserve.engine.config import EngineConfig
 from pdserve.sim.admission import AdmissionSpec, SimAdmission, capacity_of
 from pdserve.sim.executor import SimReplica, SimRequest
+from pdserve.sim.placer import RouterPlacer, RouterSpec
 from pdserve.sim.workload import RequestRecord, summarize
 
 
@@ -37,7 +39,7 @@ class ClusterSpec:
     max_model_len: int | None = None
     report_s: float = 1.0            # load-report interval seen by the router (0: exact load every placement)
     seed: int = 0
-    router_mode: str | None = None   # the router's mode; default: disagg with P/D pools, colocated otherwise
+    router: RouterSpec = field(default_factory=RouterSpec)  # policy (or a baseline), index feed
     # the gateway's admission stage (on in every `pdserve up`); None = off (e.g. against a bare in-process Engine)
     admission: AdmissionSpec | None = field(default_factory=AdmissionSpec)
 
@@ -54,109 +56,8 @@ class ClusterSpec:
         return "+".join(parts) or "empty"
 
 
-class RouterPlacer:
-    """The router's real `Policy` (cost model, prefix index, in-flight bookkeeping) over simulated workers.
-
-    Load reports are rebuilt every `report_s` of virtual time from the replicas' real scheduler/block-manager
-    state, with the rates a worker would have measured taken from the sim's cost model; the policy's clock is
-    virtual time, so it ages reports and in-flight placements as in a deployment. The prefix index is fed with
-    the replicas' real BlockManager stored/evicted events at each report. With pools larger than `candidates`,
-    each decision sees a random sample of `candidates` workers per pool (power-of-k choices): the policy scores
-    every (prefill, decode) pair, which is O(P x D) per request and too slow at 64 x 64 in a simulation; this
-    sampling is the sim's, not the router's.
-    """
-
-    def __init__(self, replicas: list[SimReplica], report_s: float, seed: int = 0, mode: str | None = None,
-                 clock=None, cost=None, candidates: int = 8):
-        from pdserve.services.pb import common_pb2
-        from pdserve.services.registry import WorkerRecord
-        from pdserve.services.router.policy import Policy
-        from pdserve.services.router.prefix_index import PrefixIndex
-
-        roles = {r.role for r in replicas}
-        mode = mode or ("disagg" if {"prefill", "decode"} <= roles else "colocated")
-        self.index = PrefixIndex()
-        self.clock = clock or (lambda: 0.0)
-        self.policy = Policy(mode, self.index, rng=random.Random(seed), clock=self.clock)
-        self.rng = random.Random(seed + 1)
-        self.replicas = replicas
-        self.cost = cost
-        self.candidates = candidates
-        self.by_id = {r.name: r for r in replicas}
-        bs = replicas[0].bm.block_size if replicas else 16
-        kvb = getattr(cost, "kv_bytes_per_token", 0) or getattr(getattr(cost, "model", None), "kv_bytes_per_token", 0)
-        self.records = {r.name: WorkerRecord(r.name, r.role, f"sim:{r.name}", capacity_blocks=r.bm.num_blocks,
-                                             layout=common_pb2.KvLayout(fingerprint=r.bm.fingerprint,
-                                                                        block_size=bs, block_bytes=int(kvb * bs)))
-                        for r in replicas}
-        self.pools = {role: [r.name for r in replicas if r.role == role] for role in ("prefill", "decode", "both")}
-        self.report_s = report_s
-        self.next_report = -1.0
-        self._rates = self._prefill_line()
-
-    def _prefill_line(self) -> tuple[float, float]:
-        from pdserve.sim.costmodel import StepShape
-        if self.cost is None:
-            return 0.0, 0.0
-        t1 = self.cost.step_time(StepShape(512, 1, 0, 512, 512 * 513 // 2, 1))
-        t2 = self.cost.step_time(StepShape(2048, 1, 0, 2048, 2048 * 2049 // 2, 1))
-        slope = (t2 - t1) / 1536
-        return (1.0 / slope if slope > 0 else 0.0), max(0.0, t1 - 512 * slope)
-
-    def _report(self, rep: SimReplica, now: float):
-        from pdserve.sim.costmodel import StepShape
-        ld = rep.load()
-        sch = rep.scheduler
-        pending = sum(s.num_tokens - s.num_computed_tokens for s in sch.waiting) + \
-            sum(s.num_tokens - s.num_computed_tokens for s in sch.running if s.is_prefill)
-        ld.pending_prefill_tokens, ld.report_time = pending, now
-        if self.cost is not None:
-            dec = [s for s in sch.running if not s.is_prefill]
-            ctx = sum(s.num_tokens for s in dec)
-            n = len(dec)
-            step = self.cost.step_time(StepShape(0, 0, n, ctx, ctx, n)) if n else 0.0
-            mean = ctx // n if n else 512
-            step1 = self.cost.step_time(StepShape(0, 0, n + 1, ctx + mean, ctx + mean, n + 1))
-            rate, overhead = self._rates
-            ld.prefill_tokens_per_s, ld.prefill_overhead_s, ld.decode_step_s = rate, overhead, step
-            ld.decode_step_per_seq_s = max(0.0, step1 - step) if n else 0.0
-            bw = getattr(self.cost, "link_bytes_per_s", 0)
-            if bw:
-                ld.kv_bytes_per_s = bw
-            ld.handoff_overhead_s = getattr(self.cost, "handoff_s", 0.0) or 1e-6
-        return ld
-
-    def _refresh(self, now: float) -> None:
-        for rep in self.replicas:
-            rec = self.records[rep.name]
-            rec.load = self._report(rep, now)
-            rec.updated = now
-            ev = rep.bm.events
-            while ev:
-                e = ev.popleft()
-                key = (e.namespace, e.block_hash)
-                if e.kind == "stored":
-                    self.index.add(rep.name, key)
-                else:
-                    self.index.remove(rep.name, key)
-
-    def place(self, req: SimRequest, now: float):
-        from pdserve.services.router.policy import RouteInput
-        if now >= self.next_report:
-            self._refresh(now)
-            self.next_report = now + self.report_s if self.report_s > 0 else now
-        names = []
-        for pool in self.pools.values():
-            names += pool if len(pool) <= self.candidates else self.rng.sample(pool, self.candidates)
-        pl = self.policy.place([self.records[n] for n in names],
-                               req=RouteInput(req.rid, req.prompt, len(req.prompt), req.namespace, req.output_len))
-        if pl.mode == "colocated":
-            return "colocated", self.by_id[pl.both.worker_id], None
-        return "disagg", self.by_id[pl.prefill.worker_id], self.by_id[pl.decode.worker_id]
-
-
 class Cluster:
-    def __init__(self, spec: ClusterSpec, cost, placer=None, vocab_size: int = 32000, fingerprint: str = "sim"):
+    def __init__(self, spec: ClusterSpec, cost, vocab_size: int = 32000, fingerprint: str = "sim"):
         self.spec = spec
         self.cost = cost
         self.replicas: list[SimReplica] = []
@@ -164,9 +65,9 @@ class Cluster:
             for i in range(n):
                 self.replicas.append(SimReplica(f"{role}-{i}", role, EngineConfig(**vars(spec.engine)),
                                                 spec.num_blocks, cost, fingerprint, spec.max_model_len, vocab_size))
-        self.placer = placer or RouterPlacer(self.replicas, spec.report_s, spec.seed, spec.router_mode,
-                                             clock=lambda: self.now, cost=cost)
         self.now = 0.0
+        self.placer = RouterPlacer(self.replicas, spec.router, spec.report_s, spec.seed, clock=lambda: self.now,
+                                   cost=cost)
         self._heap: list = []
         self._tie = itertools.count()
         self.alloc_wait: dict[str, list] = {r.name: [] for r in self.replicas}
@@ -190,7 +91,9 @@ class Cluster:
             self._at(self.now + dt, self._end_step, rep, out)
 
     def _end_step(self, rep: SimReplica, out) -> None:
-        for ev in rep.end_step(out, self.now):
+        events = rep.end_step(out, self.now)
+        self.placer.kv_events(rep, self.now)
+        for ev in events:
             req = ev.req
             if ev.kind == "token":
                 req.emits.append(self.now)
@@ -247,6 +150,7 @@ class Cluster:
         mode, a, b = self.placer.place(req, self.now)
         req.mode = mode
         req.prefill_replica = a.name
+        a.placed += 1
         if not a.fits(req) or (b is not None and not b.fits(req)):
             req.state = "REJECTED"
             req.error = "REJECTED:invalid_request"
@@ -267,7 +171,8 @@ class Cluster:
         self._decode_of: dict[str, SimReplica] = {}
         for s in specs:
             prompt = s.prompt if isinstance(s.prompt, list) else list(range(3, 3 + s.prompt_len))
-            req = SimRequest(f"r{s.idx}", s.arrival, prompt, s.output_len, idx=s.idx)
+            req = SimRequest(f"r{s.idx}", s.arrival, prompt, s.output_len, idx=s.idx,
+                             namespace=getattr(s, "namespace", ""))
             self.requests.append(req)
             self._at(s.arrival, self._arrive, req)
         heap = self._heap
@@ -280,7 +185,21 @@ class Cluster:
             self.events_processed += 1
         return self.requests
 
+    def close(self) -> None:
+        """Release what the router holds outside the process (the Redis index's keys and client)."""
+        self.placer.close()
+
     # ---- results ----------------------------------------------------------------------------------------------
+    def prefix_hit_ratio(self, requests: list[SimRequest] | None = None) -> float:
+        """Prompt tokens served from a prefix cache / prompt tokens, over finished requests."""
+        done = [r for r in (self.requests if requests is None else requests) if r.state == "FINISHED"]
+        return sum(r.cached_tokens for r in done) / max(1, sum(len(r.prompt) for r in done))
+
+    def best_hit_ratio(self, requests: list[SimRequest] | None = None) -> float:
+        """The same with, per decision, the longest prefix any replica held (`RouterSpec.track_best_hit`)."""
+        done = [r for r in (self.requests if requests is None else requests) if r.state == "FINISHED"]
+        return sum(r.best_cached_tokens for r in done) / max(1, sum(len(r.prompt) for r in done))
+
     def records(self) -> list:
         out = []
         for r in self.requests:
@@ -296,6 +215,7 @@ class Cluster:
         s["cluster"] = {"label": self.spec.label(), "replicas": self.spec.replicas,
                         "busy_fraction": {r.name: r.busy_s / max(self.now, 1e-9) for r in self.replicas[:8]},
                         "steps": sum(r.num_steps for r in self.replicas),
+                        "prefix_hit_ratio": self.prefix_hit_ratio(),
                         "preemptions": sum(r.num_preemptions for r in self.requests),
                         "mean_transfer_s": (sum(r.transfer_s for r in self.requests if r.mode == "disagg")
                                             / max(1, sum(1 for r in self.requests if r.mode == "disagg")))}
@@ -306,5 +226,8 @@ class Cluster:
 
 def simulate(spec: ClusterSpec, cost, specs, slo, **kw) -> dict:
     c = Cluster(spec, cost, **kw)
-    c.run(specs)
-    return c.summary(slo)
+    try:
+        c.run(specs)
+        return c.summary(slo)
+    finally:
+        c.close()

@@ -1,14 +1,13 @@
-"""A simulated replica: the engine's REAL `Scheduler` and `BlockManager` (bookkeeping only, `kv=None`) stepped
-by a cost model instead of a model forward.
+"""A simulated replica: the engine's own step bookkeeping (`EngineCore` over the real `Scheduler` and
+`BlockManager`, `kv=None`) stepped by a cost model instead of a model forward.
 
-`SimReplica` mirrors `Engine.step` without tensors: `begin_step` calls `Scheduler.schedule()` and asks the cost
-model how long the batch takes; `end_step` applies what `Engine.step` applies after its forward, in the same
-order - `num_computed_tokens += n`, `BlockManager.mark_computed`, one synthetic token appended to every
-sequence whose chunk reached its end, state moves through `Sequence.set_state` (the real transition table),
-finishing on `max_tokens` / context length, and the reclaim (`Scheduler.remove`, `BlockManager.free`, or pinning
-the prompt blocks on a prefill-only replica). The disaggregation hooks mirror `Engine.add_prefilled_request` /
-`commit_prefilled` / `release_pinned`. Requests are single-branch (n = 1) with `ignore_eos`: output length is
-the workload's.
+`begin_step` calls `Scheduler.schedule()` and asks the cost model how long the batch takes; `end_step` does what
+`Engine.step` does after its forward, through the same `EngineCore` calls: `computed` (advance, register
+blocks), then `commit` of one token (from `token_source`, synthetic by default) for every sequence whose chunk
+reached its end, which finishes it on its output length / the context limit and pins a prefill-only
+request's prompt blocks. The disaggregation hooks are `EngineCore.allocate_prefilled` / `commit_prefilled` /
+`release_pinned`, as in `Engine`. Requests are single-branch (n = 1) with `ignore_eos`: output length is the
+workload's (`FixedLength` stands in for the engine's `OutputProcessor`).
 
 Calls made while a step is in flight are deferred to the step boundary, as the real worker's `host.run` runs
 them on the engine thread between steps.
@@ -20,6 +19,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.core import EngineCore
 from pdserve.engine.request_state import RequestState as S
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.sequence import Sequence
@@ -43,9 +43,26 @@ class SimRequest:
     prefill_replica: str = ""
     decode_replica: str = ""
     cached_tokens: int = 0
+    best_cached_tokens: int = 0  # the longest prefix any replica held when it was placed (if tracked)
     transfer_s: float = 0.0
     num_preemptions: int = 0
     error: str = ""  # why it did not finish (admission or validation), as the client would be told
+
+
+class FixedLength:
+    """The sequence's stop rule in the simulator (the engine's `OutputProcessor` with `ignore_eos`, no stop
+    strings): "length" once the workload's output length is reached; no text."""
+
+    def __init__(self, output_len: int):
+        self.output_len = output_len
+        self.num_generated = 0
+
+    def step(self, token_id: int, sampling) -> tuple[str, str | None]:
+        self.num_generated += 1
+        return "", ("length" if self.num_generated >= self.output_len else None)
+
+    def finish(self, reason: str) -> str:
+        return ""
 
 
 @dataclass
@@ -56,7 +73,7 @@ class StepEvent:
 
 class SimReplica:
     def __init__(self, name: str, role: str, cfg: EngineConfig, num_blocks: int, cost, fingerprint: str = "sim",
-                 max_model_len: int | None = None, vocab_size: int = 32000):
+                 max_model_len: int | None = None, vocab_size: int = 32000, token_source=None):
         cfg.validate()
         self.name = name
         self.role = role  # both | prefill | decode
@@ -66,15 +83,17 @@ class SimReplica:
                                cfg.num_cpu_blocks, kv=None)
         self.scheduler = Scheduler(cfg, self.bm)
         self.max_model_len = max_model_len or 1 << 62
+        self.core = EngineCore(self.scheduler, self.bm, self.max_model_len)
         self.vocab_size = vocab_size
+        # the "sampled" token of a sequence: seq -> token id (default: synthetic, distinct per sequence/position)
+        self.token_source = token_source or self._token
         self.reqs: dict[str, tuple[SimRequest, Sequence, bool]] = {}  # rid -> (request, seq, prefill_only)
         self.remote_pending: dict[str, tuple[SimRequest, Sequence]] = {}
-        self.pinned: dict[str, list[int]] = {}
         self.busy_until: float | None = None
         self.deferred: list = []
         self.num_steps = 0
         self.busy_s = 0.0
-        self.rejected = 0
+        self.placed = 0  # requests the router placed here (as prefill side, or colocated)
 
     # ---- admission (mirrors Engine.validate_request for what the sim can hit) ----------------------------------
     def fits(self, req: SimRequest) -> bool:
@@ -87,6 +106,7 @@ class SimReplica:
 
     def _new_seq(self, req: SimRequest) -> Sequence:
         seq = Sequence(next(_seq_ids), req.rid, req.prompt, req.namespace, 0, req.arrival)
+        seq.output = FixedLength(req.output_len)
         seq.set_state(S.QUEUED)
         return seq
 
@@ -115,11 +135,9 @@ class SimReplica:
         return (seq.seq_id * 7919 + seq.num_output_tokens * 104729) % (self.vocab_size - 3) + 3
 
     def end_step(self, out: SchedulerOutput, now: float) -> list[StepEvent]:
-        """What Engine.step does after the forward, with a synthetic sampled token."""
+        """What Engine.step does after the forward, with `token_source`'s token for the sampled one."""
         self.busy_until = None
-        for item in out.scheduled:
-            item.seq.num_computed_tokens += item.num_tokens
-            self.bm.mark_computed(item.seq)
+        self.core.computed(out)
         events: list[StepEvent] = []
         for item in out.scheduled:
             seq = item.seq
@@ -128,38 +146,19 @@ class SimReplica:
             req, _, prefill_only = self.reqs[seq.request_id]
             if seq.num_output_tokens == 0:
                 req.cached_tokens = seq.num_cached_tokens
-            seq.token_ids.append(self._token(seq))
-            reason = None
-            if seq.num_output_tokens >= req.output_len:
-                reason = "length"
-            elif seq.num_tokens >= self.max_model_len:
-                reason = "length"
-            elif prefill_only:
-                reason = "prefill"
+            reason = self.core.commit(seq, self.token_source(seq), prefill_only)
             events.append(StepEvent(req, "prefilled" if prefill_only else "token"))
             if reason is not None:
-                seq.finish_reason = reason
-                self._finish(req, seq, prefill_only)
+                self._finished(req)
                 if not prefill_only:
                     events.append(StepEvent(req, "finished"))
-            elif seq.state == S.PREFILLING:
-                seq.set_state(S.DECODING)
         for seq in out.preempted:
             self.reqs[seq.request_id][0].num_preemptions += 1
         self._run_deferred()
         return events
 
-    def _finish(self, req: SimRequest, seq: Sequence, prefill_only: bool) -> None:
-        """Engine._finish_seq + _reclaim for one branch."""
-        seq.set_state(S.FINISHED)
-        self.scheduler.remove(seq)
-        if prefill_only:
-            self.pinned[req.rid] = list(seq.block_table)
-            seq.block_table = []
-        else:
-            self.bm.free(seq)
-        if seq.host_table:
-            self.bm.free_host(seq)
+    def _finished(self, req: SimRequest) -> None:
+        """The request's one sequence finished (EngineCore has freed or pinned its blocks)."""
         self.reqs.pop(req.rid, None)
         req.state = S.FINISHED.value
 
@@ -177,39 +176,35 @@ class SimReplica:
 
     # ---- disaggregation hooks ---------------------------------------------------------------------------------
     def release_pinned(self, rid: str) -> None:
-        for b in reversed(self.pinned.pop(rid, [])):
-            self.bm.release_block(b)
+        self.core.release_pinned(rid)
 
     def add_prefilled(self, req: SimRequest) -> int | None:
         """Engine.add_prefilled_request: blocks for a prompt prefilled elsewhere. Returns the number of prompt
         tokens the local prefix cache already holds (not transferred), or None when blocks are short now."""
         seq = self._new_seq(req)
-        hits = self.bm.lookup(seq)
-        n = len(req.prompt) - len(hits) * self.bm.block_size
-        if not self.bm.can_allocate(seq, n, hits):
+        hits = self.core.allocate_prefilled(seq)
+        if hits is None:
             return None
-        self.bm.allocate(seq, n, hits)
-        seq.set_state(S.RUNNABLE)
-        seq.set_state(S.PREFILLING)
         self.remote_pending[req.rid] = (req, seq)
-        return len(hits) * self.bm.block_size
+        return hits * self.bm.block_size
 
     def commit_prefilled(self, req: SimRequest, first_token: int = 3) -> bool:
-        """Engine.commit_prefilled: the prompt's KV is here; append the first token and join the decode batch.
+        """Engine.commit_prefilled: the prompt's KV is here; commit the first token and join the decode batch.
         Returns True when the request finished right away (output length 1)."""
-        req_, seq = self.remote_pending.pop(req.rid)
-        seq.num_computed_tokens = seq.num_prompt_tokens
-        self.bm.mark_computed(seq)
-        seq.token_ids.append(first_token)
-        if seq.num_output_tokens >= req.output_len or seq.num_tokens >= self.max_model_len:
-            seq.finish_reason = "length"
-            self.reqs[req.rid] = (req, seq, False)
-            self._finish(req, seq, False)
-            return True
-        seq.set_state(S.DECODING)
+        _, seq = self.remote_pending.pop(req.rid)
         self.reqs[req.rid] = (req, seq, False)
-        self.scheduler.running.append(seq)
+        if self.core.commit_prefilled(seq, first_token) is not None:
+            self._finished(req)
+            return True
         return False
+
+    # ---- what a router could know -------------------------------------------------------------------------------
+    def cached_prefix(self, prompt: list[int], namespace: str = "") -> int:
+        """Prompt tokens this replica's prefix cache holds now (the scheduler's own lookup; a pure read)."""
+        return len(self.bm.lookup(Sequence(-1, "", prompt, namespace))) * self.bm.block_size
+
+    def outstanding(self) -> int:
+        return len(self.scheduler.waiting) + len(self.scheduler.running) + len(self.scheduler.swapped)
 
     # ---- load, as a worker reports it ---------------------------------------------------------------------------
     def load(self):

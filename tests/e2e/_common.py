@@ -94,7 +94,7 @@ def check_disconnect_frees_blocks(up):
         assert wait_until(lambda: metric(w["metrics_port"], "pdserve_kv_blocks_in_use") == 0, 15), \
             f"{w['name']} still holds blocks"
     # the cancellation reached the engine (not just a finished request)
-    assert any(metric(w["metrics_port"], "pdserve_requests_terminal_total", '{state="CANCELLED"}') >= 1
+    assert any(metric(w["metrics_port"], "pdserve_engine_requests_terminal_total", '{state="CANCELLED"}') >= 1
                for w in up.workers())
 
 
@@ -143,13 +143,16 @@ def _check_stage_times(st: dict, mode: str, t_before: float, t_after: float) -> 
 
 
 def check_stage_times(up):
-    """Non-streaming body and the final include_usage chunk both carry complete, monotone stage_times."""
+    """Asked for (`x-pdserve-debug: stage-times` or `return_stage_times`), the non-streaming body and the final
+    include_usage chunk both carry complete, monotone stage_times; not asked for, neither carries any."""
     import time
     mode = up.info["mode"]
     body = {"model": "ck", "prompt": "pack my box with five dozen", "max_tokens": 6, "temperature": 0,
             "ignore_eos": True}
-    t0 = time.time()
     r = httpx.post(up.base_url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200 and "stage_times" not in r.json()["usage"], r.text
+    t0 = time.time()
+    r = httpx.post(up.base_url + "/v1/completions", json=body, timeout=30, headers={"x-pdserve-debug": "stage-times"})
     t1 = time.time()
     assert r.status_code == 200, r.text
     _check_stage_times(r.json()["usage"]["stage_times"], mode, t0, t1)
@@ -157,7 +160,8 @@ def check_stage_times(up):
     t0 = time.time()
     with httpx.stream("POST", up.base_url + "/v1/chat/completions", timeout=30, json={
             "model": "ck", "messages": [{"role": "user", "content": "judge my vow"}], "max_tokens": 6,
-            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}) as s:
+            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            "return_stage_times": True}) as s:
         for line in s.iter_lines():
             if line.startswith("data: {"):
                 chunk = json.loads(line[6:])
@@ -166,3 +170,71 @@ def check_stage_times(up):
     t1 = time.time()
     assert usage is not None
     _check_stage_times(usage["stage_times"], mode, t0, t1)
+
+
+def check_echo(up, tiny_llama):
+    """`echo` on /v1/completions, shaped like lm-eval-harness' loglikelihood requests (echo, max_tokens 0 or 1,
+    logprobs 1): the prompt comes back as written, each prompt token with its log-prob given its prefix (the first
+    null), equal to transformers' on the same checkpoint, its top-1 the model's argmax, and `text_offset` the
+    characters before each token in the returned text."""
+    import torch
+    import transformers as tf
+
+    from pdserve.engine.tokenizer import Tokenizer
+    tok = Tokenizer(tiny_llama)
+    text = "the quick brown fox jumps over the lazy dog"
+    ids = tok.encode(text)
+    hf = tf.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+    for max_tokens in (0, 1):
+        r = httpx.post(up.base_url + "/v1/completions", timeout=30, json={
+            "model": "ck", "prompt": text, "echo": True, "max_tokens": max_tokens, "logprobs": 1, "temperature": 0})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        c, u = body["choices"][0], body["usage"]
+        assert u["completion_tokens"] == max_tokens and u["prompt_tokens"] == len(ids)
+        lp = c["logprobs"]
+        n = len(ids) + max_tokens
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == n
+        assert c["text"].startswith(text) and (max_tokens or c["text"] == text)
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        for j in range(1, len(ids)):
+            assert abs(lp["token_logprobs"][j] - ref[j - 1, ids[j]].item()) < 1e-4, j
+            (best, best_lp), = lp["top_logprobs"][j].items()
+            assert best == tok.decode([int(ref[j - 1].argmax())], skip_special_tokens=False)
+            assert abs(best_lp - ref[j - 1].max().item()) < 1e-4
+        # offsets: each token's text starts where the returned text has it
+        offs = lp["text_offset"]
+        assert offs == sorted(offs) and offs[0] == 0
+        for j in range(len(ids)):
+            piece = tok.decode([ids[j]])
+            assert c["text"][offs[j]:offs[j] + len(piece)] == piece, (j, piece)
+        if max_tokens:  # the sampled token continues the text right after the echoed prompt
+            assert offs[-1] == len(text) and lp["token_logprobs"][-1] <= 0
+            greedy = int(ref[len(ids) - 1].argmax())
+            assert lp["tokens"][-1] == tok.decode([greedy], skip_special_tokens=False)
+    # without echo, text_offset is filled too: offsets into the completion's own text
+    r = httpx.post(up.base_url + "/v1/completions", timeout=30, json={
+        "model": "ck", "prompt": text, "max_tokens": 5, "logprobs": 0, "temperature": 0, "ignore_eos": True})
+    c = r.json()["choices"][0]
+    offs = c["logprobs"]["text_offset"]
+    assert len(offs) == 5 and offs[0] == 0 and offs == sorted(offs)
+    for t, o in zip(c["logprobs"]["tokens"], offs):
+        assert c["text"][o:o + len(t)] == t
+    # refused shapes name the field
+    for body in ({"echo": True, "stream": True}, {"max_tokens": 0}):
+        r = httpx.post(up.base_url + "/v1/completions", timeout=30, json={"model": "ck", "prompt": text, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] in ("echo", "max_tokens"), r.text
+
+
+def check_worker_refusal_names_the_field(up):
+    """A schema only the worker's grammar compiler can refuse: 400 naming `response_format`, carried typed from
+    the worker (its `pdserve-param` trailing metadata), not parsed out of the message."""
+    schema = {"type": "object", "properties": {"a": {"$ref": "#/definitions/nope"}}}
+    r = httpx.post(up.base_url + "/v1/completions", timeout=30, json={
+        "model": "ck", "prompt": "x", "max_tokens": 2,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["code"]) == ("response_format", "invalid_parameter"), err

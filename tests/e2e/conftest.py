@@ -28,13 +28,20 @@ class Up(UpProcess):
         super().__init__(["--model", str(model), "--num-gpu-blocks", str(NUM_BLOCKS), *args], _env(), timeout)
 
 
+def samples(text: str, name: str, labels: str = "") -> list[float]:
+    """Values of the samples called `name` whose labels include `labels` (`{state="CANCELLED"}`; the constant
+    labels a process adds, such as `model`, need not be named)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    want = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+    return [s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+            if s.name == name and all(s.labels.get(k) == v for k, v in want.items())]
+
+
 def metric(port: int, name: str, labels: str = "") -> float:
-    """Read one sample from a Prometheus endpoint."""
+    """The sum of the matching samples on a Prometheus endpoint (NaN: none)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    pat = re.compile(rf"^{re.escape(name)}{re.escape(labels)}\s+(\S+)$", re.M)
-    m = pat.search(text)
-    return float(m.group(1)) if m else float("nan")
+        vals = samples(r.read().decode(), name, labels)
+    return sum(vals) if vals else float("nan")
 
 
 def wait_until(cond, timeout: float = 10.0, interval: float = 0.2) -> bool:

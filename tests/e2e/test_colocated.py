@@ -42,3 +42,11 @@ def test_disconnect_frees_blocks(up):
 
 def test_stage_times(up):
     _common.check_stage_times(up)
+
+
+def test_echo_prompt_logprobs(up, tiny_llama):
+    _common.check_echo(up, tiny_llama)
+
+
+def test_worker_refusal_names_the_field(up):
+    _common.check_worker_refusal_names_the_field(up)

@@ -119,7 +119,7 @@ def test_kill_decode_worker_mid_stream(up):
                                                               "max_tokens": 4, "temperature": 0}, timeout=30)
         assert r.status_code == 200, r.text
     assert httpx.get(up.base_url + "/health", timeout=5).status_code == 200
-    assert metric(survivor["metrics_port"], "pdserve_requests_terminal_total", '{state="FINISHED"}') >= 1
+    assert metric(survivor["metrics_port"], "pdserve_engine_requests_terminal_total", '{state="FINISHED"}') >= 1
     # the prefill side holds nothing for the dead worker's requests (released after the pull, or by lease)
     pw = up.workers("prefill")[0]
     assert wait_until(lambda: metric(pw["metrics_port"], "pdserve_kv_blocks_in_use") == 0, 15)
@@ -127,3 +127,11 @@ def test_kill_decode_worker_mid_stream(up):
 
 def test_stage_times(up):
     _common.check_stage_times(up)
+
+
+def test_echo_prompt_logprobs(up, tiny_llama):
+    _common.check_echo(up, tiny_llama)
+
+
+def test_worker_refusal_names_the_field(up):
+    _common.check_worker_refusal_names_the_field(up)

@@ -8,6 +8,7 @@ import re
 import urllib.request
 
 import grpc
+import httpx
 import pytest
 
 from pdserve.engine.sampling_params import SamplingParams
@@ -19,8 +20,12 @@ from tests.e2e.conftest import Up, served_as_ck
 KEYS = """
 tenants:
   alice: {keys: [sk-alice], permissions: [metrics]}
+  ops: {keys: [sk-ops], permissions: [debug_stage_times]}
   bob: {keys: [sk-bob]}
   slow: {keys: [sk-slow], rate_rps: 0.01, burst: 1}
+  slow-http: {keys: [sk-slow-http], rate_rps: 0.01, burst: 1}
+  slow-grpc: {keys: [sk-slow-grpc], rate_rps: 0.01, burst: 1}
+  hasty: {keys: [sk-hasty], max_timeout_s: 0.1}
 """
 PROMPT = list(range(30, 100))  # 70 tokens: 4 full blocks
 
@@ -47,12 +52,12 @@ def _generate(up, key: str | None, namespace: str = "", timeout: float | None = 
     return asyncio.run(main())
 
 
-def _records(up, tenant: str) -> float:
+def _records(up, tenant: str, family: str = "pdserve_usage_records_total", label: str = "") -> float:
     req = urllib.request.Request(up.base_url + "/metrics", headers={"Authorization": "Bearer sk-alice"})
     with urllib.request.urlopen(req, timeout=5) as r:
         text = r.read().decode()
-    return sum(float(m.group(1)) for m in re.finditer(
-        rf'^pdserve_usage_records_total\{{[^}}]*tenant="{tenant}"[^}}]*\}}\s+(\S+)$', text, re.M))
+    return sum(float(m.group(2)) for m in re.finditer(
+        rf'^{family}\{{([^}}]*tenant="{tenant}"[^}}]*)\}}\s+(\S+)$', text, re.M) if label in m.group(1))
 
 
 @pytest.mark.parametrize("key", [None, "sk-wrong"])
@@ -82,3 +87,85 @@ def test_namespace_is_the_tenants(up):
     _generate(up, "sk-alice", namespace="alice")
     assert _generate(up, "sk-alice")[-1].usage.cached_tokens > 0  # alice hits her own prefix
     assert _generate(up, "sk-bob", namespace="alice")[-1].usage.cached_tokens == 0
+
+
+# ---- the same scenarios through both front doors: one request handler, one outcome ----
+
+def _http(up, key: str | None, max_tokens: int = 4) -> str:
+    """POST /v1/completions; the outcome in the front-door-neutral words of `_grpc`."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    r = httpx.post(up.base_url + "/v1/completions", headers=headers, timeout=30,
+                   json={"model": "ck", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
+                         "ignore_eos": True})
+    if r.status_code == 200:
+        assert r.json()["usage"]["completion_tokens"] == max_tokens
+        return "finished"
+    code = r.json()["error"]["code"]
+    return {401: "unauthenticated", 429: f"limited:{code}", 504: "timed_out"}.get(r.status_code,
+                                                                              f"{r.status_code}:{code}")
+
+
+def _grpc(up, key: str | None, max_tokens: int = 4) -> str:
+    try:
+        msgs = _generate(up, key, max_tokens=max_tokens)
+    except grpc.aio.AioRpcError as e:
+        if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+            return "unauthenticated"
+        if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return "limited:" + e.details().split(":")[0]
+        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return "timed_out"
+        return f"{e.code().name}:{e.details().split(':')[0]}"
+    last = msgs[-1]
+    if last.state == "FINISHED":
+        assert sum(len(o.token_ids) for m in msgs for o in m.outputs) == max_tokens
+        return "finished"
+    return last.state.lower()
+
+
+DOORS = {"http": _http, "grpc": _grpc}
+
+
+@pytest.mark.parametrize("door", DOORS)
+def test_same_outcomes_at_both_doors(up, door):
+    """Without a key, rate-limited, admitted and billed: the same answer and the same bill at both doors."""
+    call = DOORS[door]
+    assert call(up, None) == "unauthenticated"
+    assert call(up, "sk-wrong") == "unauthenticated"
+    slow = f"sk-slow-{door}"
+    assert call(up, slow) == "finished"  # the bucket's one token
+    assert call(up, slow) == "limited:rate_limit_exceeded"
+    before = (_records(up, "alice", label='state="FINISHED"'),
+              _records(up, "alice", "pdserve_usage_tokens_total", 'kind="committed"'),
+              _records(up, "alice", "pdserve_usage_tokens_total", 'kind="prompt"'))
+    assert call(up, "sk-alice", max_tokens=5) == "finished"
+    after = (_records(up, "alice", label='state="FINISHED"'),
+             _records(up, "alice", "pdserve_usage_tokens_total", 'kind="committed"'),
+             _records(up, "alice", "pdserve_usage_tokens_total", 'kind="prompt"'))
+    assert [a - b for a, b in zip(after, before)] == [1, 5, len(PROMPT)]  # one record: prompt + 5 tokens
+
+
+@pytest.mark.parametrize("door", DOORS)
+def test_tenant_deadline_at_both_doors(up, door):
+    """The tenant's `max_timeout_s` (0.1 s) caps the request's deadline at either door: a long generation ends
+    TIMED_OUT on the worker, the client is told (504 / DEADLINE_EXCEEDED or a TIMED_OUT last message) and the
+    one billing record says TIMED_OUT; once the gateway has measured the workers' rates it may instead refuse it
+    up front (deadline_unreachable), also the same at both doors."""
+    before = _records(up, "hasty", label='state="TIMED_OUT"') + _records(up, "hasty", label='state="REJECTED"')
+    out = DOORS[door](up, "sk-hasty", max_tokens=400)
+    assert out in ("timed_out", "503:deadline_unreachable", "UNAVAILABLE:deadline_unreachable"), out
+    after = _records(up, "hasty", label='state="TIMED_OUT"') + _records(up, "hasty", label='state="REJECTED"')
+    assert after == before + 1
+
+
+@pytest.mark.parametrize("key,ask,shown", [("sk-ops", True, True), ("sk-ops", False, False),
+                                           ("sk-alice", True, False)])
+def test_stage_times_only_when_asked_and_allowed(up, key, ask, shown):
+    headers = {"Authorization": f"Bearer {key}", **({"x-pdserve-debug": "route, stage-times"} if ask else {})}
+    r = httpx.post(up.base_url + "/v1/completions", headers=headers, timeout=30,
+                   json={"model": "ck", "prompt": PROMPT, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert ("stage_times" in usage) == shown, usage
+    if shown:
+        assert usage["stage_times"]["sub_requests"] == 1 and usage["stage_times"]["durations"]["e2e"] > 0

@@ -88,6 +88,11 @@ SCENARIOS: dict[str, dict] = {
                     "extraVolumeMounts": [{"name": "kcache", "mountPath": "/kcache"}]},
         "decode": {"runtimeClassName": "nvidia-cdi", "podLabels": {"pool": "fast"}},
     },
+    "secured": {  # internal token (generated), mTLS from a cert-manager Secret, Redis AUTH (generated)
+        "security": {"internalToken": {"enabled": True}, "tls": {"enabled": True, "secretName": "pdserve-mtls"}},
+        "redis": {"auth": {"enabled": True}},
+        "networkPolicy": {"enabled": True},
+    },
     "plain_keys_secret": {
         "gateway": {"apiKeys": {"enabled": True, "existingSecret": "team-keys", "secretKey": "api-keys"}},
     },

@@ -78,20 +78,14 @@ CRD_SCHEMAS = {
 
 
 def exported_metric_names() -> set[str]:
-    """Sample names the services expose, straight from pdserve/services/metrics.py."""
-    from prometheus_client.metrics import MetricWrapperBase
-
-    import pdserve.services.metrics as M
-    names = set()
-    for m in vars(M).values():
-        if isinstance(m, MetricWrapperBase):
-            if m._type == "histogram":
-                names |= {m._name + "_bucket", m._name + "_sum", m._name + "_count"}
-            elif m._type == "counter":
-                names.add(m._name + "_total")
-            else:
-                names.add(m._name)
-    return names
+    """Sample names the services expose: every process's families (pdserve/services/metrics/) and their vLLM
+    aliases."""
+    from pdserve.services.metrics import common, gateway, router, vllm_compat, worker
+    types = {fam.name: fam.type for reg in (common.COMMON, gateway.GATEWAY, router.ROUTER, worker.WORKER)
+             for fam in reg.collect() if fam.name.startswith("pdserve_")}  # not process_* / python_*
+    types |= {a.name: types[a.native] for a in vllm_compat.ALIASES}
+    suffixes = {"histogram": ("_bucket", "_sum", "_count"), "counter": ("_total",)}
+    return {n + x for n, t in types.items() for x in suffixes.get(t, ("",))}
 
 
 def promql_metrics(expr: str) -> set[str]:
@@ -514,8 +508,8 @@ def test_dashboard_configmap():
             used |= m
     used |= promql_metrics(json.dumps(dash["templating"]))
     assert used <= exported, used - exported
-    # every metric family the services export is on the dashboard
-    families = {re.sub(r"_(bucket|sum|count)$", "", m) for m in exported}
+    # every metric family the services export is on the dashboard (under its pdserve name)
+    families = {re.sub(r"_(bucket|sum|count)$", "", m) for m in exported if m.startswith("pdserve_")}
     shown = {re.sub(r"_(bucket|sum|count)$", "", m) for m in used}
     assert families == shown, families - shown
 
@@ -716,3 +710,18 @@ def test_hf_init_container_downloads_the_snapshot(tmp_path):
         env.update(HF_REPO="Qwen/missing", MODEL_DIR=str(tmp_path / "other"))
         r = run()
         assert r.returncode != 0 and not (tmp_path / "other" / "config.json").exists()
+
+
+def test_metrics_compat_reaches_every_process(monkeypatch):
+    """`metrics.compat: vllm` -> gateway, router and every worker parse `--metrics-compat vllm` (from
+    PDSERVE_METRICS_COMPAT); unset -> pdserve's names only. The services bind --host 0.0.0.0 in pods, and the
+    metrics ports bind that host."""
+    for compat, want in (("vllm", "vllm"), ("", None)):
+        seen = []
+        for o, c in _pdserve_containers(objects({"metrics": {"compat": compat}})):
+            a = parse_pdserve(c, monkeypatch)
+            seen.append(a.command)
+            assert a.metrics_compat == want and a.host == "0.0.0.0", (o["metadata"]["name"], a.metrics_compat)
+        assert {"gateway", "router", "worker"} <= set(seen)
+    with pytest.raises(Exception):
+        objects({"metrics": {"compat": "sglang"}})  # the schema names the choices

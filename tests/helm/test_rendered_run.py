@@ -3,14 +3,16 @@ rendered by the real Helm engine and turned into local processes by tests/helm/_
 args, env and Secret files; only addresses, ports and mount paths made local). Every variant's command lines go
 through `pdserve`'s own parser and its keys file through the gateway's own loader; the disagg variant is started
 for real (Redis, router, prefill, decode, two gateways) and answers requests with API keys, its two gateways
-sharing one rate-limit bucket through the Redis URL the chart now gives them."""
+sharing one rate-limit bucket through the Redis URL the chart now gives them. A second started variant turns on
+the internal token, mTLS and Redis AUTH and shows the router, the workers and Redis refusing callers without them."""
 from __future__ import annotations
 
+import contextlib
 import os
-import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
 
@@ -108,25 +110,23 @@ def _ready(pod: LocalPod) -> bool:
         if "exec" in pr and pr["exec"]["command"][0] == "redis-cli":  # `redis-cli -p PORT ping`
             import redis
             cmd = pr["exec"]["command"]
-            return redis.Redis(port=pod.port(int(cmd[cmd.index("-p") + 1])), socket_timeout=1).ping()
+            return redis.Redis(port=pod.port(int(cmd[cmd.index("-p") + 1])), socket_timeout=1,
+                               password=pod.env.get("REDISCLI_AUTH")).ping()  # redis-cli reads it too
+        if "exec" in pr and pr["exec"]["command"][:3] == ["python", "-m", "pdserve.services.health_probe"]:
+            cmd = list(pr["exec"]["command"])  # run in the pod's env (its TLS files), on its local port
+            cmd[cmd.index("--port") + 1] = str(pod.port(int(cmd[cmd.index("--port") + 1])))
+            env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
+            env.update(pod.env, PYTHONPATH=str(ROOT))
+            return subprocess.run([sys.executable, *cmd[1:]], env=env, timeout=10).returncode == 0
     except Exception:
         return False
     raise AssertionError(f"{pod.name}: no local check for probe {pr}")
 
 
-def _metric(port: int, name: str, labels: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        m = re.search(rf"^{re.escape(name)}{re.escape(labels)}\s+(\S+)$", r.read().decode(), re.M)
-    return float(m.group(1)) if m else 0.0
-
-
-@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server (the rendered Redis pod)")
-def test_disagg_variant_serves_requests_as_rendered(tiny_llama, tmp_path):
-    import httpx
-    import redis
-
-    pods = plan(objects(variant("disagg")), tmp_path / "pods", tiny_llama)
-    comp = _by_component(pods)
+@contextlib.contextmanager
+def _started(pods: list[LocalPod], tmp_path):
+    """Redis first, then every other pod at once (as the kubelet would), each ready by its own rendered probe;
+    all stopped (SIGTERM, then SIGKILL) on the way out."""
     procs: dict[str, subprocess.Popen] = {}
     logs = tmp_path / "logs"
     logs.mkdir()
@@ -152,13 +152,41 @@ def test_disagg_variant_serves_requests_as_rendered(tiny_llama, tmp_path):
             time.sleep(0.3)
 
     try:
-        start(comp["redis"][0])
-        wait_ready(comp["redis"], 15)
+        redis = [p for p in pods if p.component == "redis"]
+        for pod in redis:
+            start(pod)
+        wait_ready(redis, 15)
         rest = [p for p in pods if p.component != "redis"]
         for pod in rest:  # the kubelet starts them together; the chart's probes say when each is ready
             start(pod)
         wait_ready(rest, 150)
+        yield
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
 
+
+def _metric(port: int, name: str, labels: str) -> float:
+    from tests.e2e.conftest import samples
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        return sum(samples(r.read().decode(), name, labels))
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server (the rendered Redis pod)")
+def test_disagg_variant_serves_requests_as_rendered(tiny_llama, tmp_path):
+    import httpx
+    import redis
+
+    pods = plan(objects(variant("disagg")), tmp_path / "pods", tiny_llama)
+    comp = _by_component(pods)
+    with _started(pods, tmp_path):
         g0, g1 = (f"http://127.0.0.1:{g.port('http')}" for g in comp["gateway"])
         body = {"model": "ck", "prompt": "the quick brown fox", "max_tokens": 4, "temperature": 0}
         r = httpx.post(g0 + "/v1/completions", json=body, timeout=60)
@@ -184,13 +212,67 @@ def test_disagg_variant_serves_requests_as_rendered(tiny_llama, tmp_path):
         while _metric(comp["gateway"][0].port("metrics"), "pdserve_ttft_seconds_count", '{mode="disagg"}') < 2:
             assert time.monotonic() < end, "gateway-0 did not record its two requests as disagg"
             time.sleep(0.2)
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server (the rendered Redis pod)")
+def test_secured_variant_serves_and_refuses_unauthenticated_callers(tiny_llama, tmp_path):
+    """Internal token (generated), mTLS (a cert-manager-style Secret, made here) and Redis AUTH (generated), as
+    rendered: requests flow gateway -> router -> prefill -> decode; the router, the workers and Redis refuse a
+    caller without the token, the certificate or the password."""
+    import asyncio
+
+    import grpc
+    import httpx
+    import redis
+
+    from pdserve.services.pb import router_pb2, router_pb2_grpc
+    from tests._tls import Pki
+
+    pki = Pki(tmp_path / "pki")
+    leaf = pki.leaf("internal")
+    values = variant("disagg")
+    values["gateway"] = {"replicas": 1, "readinessRequiresWorkers": True}
+    values["security"] = {"internalToken": {"enabled": True}, "tls": {"enabled": True, "secretName": "mtls"}}
+    values["redis"] = {"auth": {"enabled": True}}
+    objs = objects(values)
+    objs.append({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "mtls"}, "type": "kubernetes.io/tls",
+                 "stringData": {"tls.crt": leaf.cert.read_text(), "tls.key": leaf.key.read_text(),
+                                "ca.crt": pki.ca.read_text()}})
+    pods = plan(objs, tmp_path / "pods", tiny_llama)
+    comp = _by_component(pods)
+    [router] = comp["router"]
+    token = open(router.env["PDSERVE_INTERNAL_TOKEN_FILE"]).read().strip()
+    with _started(pods, tmp_path):
+        g = f"http://127.0.0.1:{comp['gateway'][0].port('http')}"
+        r = httpx.post(g + "/v1/completions", json={"model": "ck", "prompt": "the quick brown fox", "max_tokens": 4,
+                                                     "temperature": 0}, timeout=60)
+        assert r.status_code == 200 and 1 <= r.json()["usage"]["completion_tokens"] <= 4, r.text
+
+        async def calls() -> dict[str, grpc.StatusCode]:
+            out = {}
+            creds = grpc.ssl_channel_credentials(pki.ca.read_bytes(), leaf.key.read_bytes(), leaf.cert.read_bytes())
+            opts = [("grpc.ssl_target_name_override", "pdserve-internal")]
+            req = router_pb2.ListWorkersRequest()
+            for name, ch, md in (
+                    ("plaintext", grpc.aio.insecure_channel(f"127.0.0.1:{router.port('grpc')}"),
+                     (("authorization", f"Bearer {token}"),)),
+                    ("cert_no_token", grpc.aio.secure_channel(f"127.0.0.1:{router.port('grpc')}", creds, opts), ()),
+                    ("cert_and_token", grpc.aio.secure_channel(f"127.0.0.1:{router.port('grpc')}", creds, opts),
+                     (("authorization", f"Bearer {token}"),))):
+                async with ch:
+                    try:
+                        await router_pb2_grpc.RouterStub(ch).ListWorkers(req, metadata=md, timeout=10)
+                        out[name] = grpc.StatusCode.OK
+                    except grpc.aio.AioRpcError as e:
+                        out[name] = e.code()
+            return out
+
+        out = asyncio.run(calls())
+        assert out == {"plaintext": grpc.StatusCode.UNAVAILABLE, "cert_no_token": grpc.StatusCode.UNAUTHENTICATED,
+                       "cert_and_token": grpc.StatusCode.OK}, out
+        rport = comp["redis"][0].port("redis")
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            redis.Redis(port=rport, socket_timeout=2).ping()
+        rd = redis.Redis(port=rport, password=comp["redis"][0].env["REDISCLI_AUTH"], socket_timeout=2)
+        assert len(list(rd.scan_iter("pdserve:ck:workers:*"))) == 2  # both workers registered, signed
+        assert all(rd.hget(k, "sig") for k in rd.scan_iter("pdserve:ck:workers:*"))

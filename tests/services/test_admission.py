@@ -131,7 +131,7 @@ def test_two_replicas_share_one_bucket_and_quota(keys_file):
 
 
 def test_redis_down_degrades_to_local_bucket(keys_file):
-    from pdserve.services import metrics as M
+    from pdserve.services.metrics import gateway as M
 
     async def main():
         dead = aioredis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.2)

@@ -45,3 +45,33 @@ def test_split_fans_out_n_with_distinct_seeds():
     assert [s.index_base for s in subs] == [0, 1, 2, 3]
     assert [s.params.seed for s in subs] == [10, 11, 10, 11] and all(s.params.n == 1 for s in subs)
     assert split([[1]], sp({"seed": 7}))[0].params.seed == 7  # n == 1 keeps the seed as given
+
+
+def test_echo():
+    from pdserve.services.gateway.params import prompt_only
+    p = sp({"echo": True, "max_tokens": 0, "logprobs": 1})
+    assert p.max_tokens == 1 and p.prompt_logprobs == 1 and p.logprobs == 1  # one token sampled, not returned
+    assert prompt_only({"echo": True, "max_tokens": 0}) and not prompt_only({"echo": True, "max_tokens": 1})
+    assert sp({"echo": True, "max_tokens": 3}).prompt_logprobs is None  # no logprobs asked: none computed
+    assert sp({"echo": True, "logprobs": 0}).prompt_logprobs == 0
+    for body, chat, param in (({"max_tokens": 0}, False, "max_tokens"), ({"echo": True}, True, "echo"),
+                              ({"echo": True, "stream": True}, False, "echo"), ({"echo": "yes"}, False, "echo")):
+        with pytest.raises(APIError) as e:
+            sp(body, chat=chat)
+        assert e.value.status == 400 and e.value.param == param, body
+
+
+def test_engine_refusals_name_their_parameter_typed():
+    """The engine's InvalidParameter carries the field; the gateway reports it without reading the text, and a
+    worker's refusal (its pdserve-param trailing metadata) names the client's field."""
+    import grpc
+
+    from pdserve.services.gateway.core import UpstreamError
+    from pdserve.services.gateway.errors import reply_for
+    with pytest.raises(APIError) as e:
+        sp({"logit_bias": {"999": 1}})
+    assert e.value.param == "logit_bias" and "999" in e.value.message
+    r = reply_for(UpstreamError(grpc.StatusCode.INVALID_ARGUMENT, "invalid sampling parameter 'guided.json_schema': "
+                                "Cannot find field 'nope'", "guided.json_schema"))
+    assert (r.status, r.param, r.code) == (400, "response_format", "invalid_parameter")
+    assert reply_for(UpstreamError(grpc.StatusCode.INVALID_ARGUMENT, "'x' is wrong")).param is None  # no guessing

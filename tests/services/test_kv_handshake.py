@@ -28,7 +28,8 @@ PARAMS = params_to_pb(SamplingParams(temperature=0, max_tokens=6, ignore_eos=Tru
 
 def _handshakes(metrics_port: int, side: str) -> float:
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
-    m = re.search(rf'^pdserve_kv_handshakes_total{{side="{side}"}} (\S+)$', text, re.M)
+    # the process labels (model, role) come first in the sample's label set
+    m = re.search(rf'^pdserve_kv_handshakes_total{{[^}}]*\bside="{side}"[^}}]*}} (\S+)$', text, re.M)
     return float(m.group(1)) if m else 0.0
 
 

@@ -1,5 +1,6 @@
-"""Routing decisions: the real Policy / cost model / prefix index (through real Redis) on simulated workers
-(pdserve/services/router/sim.py) and on hand-built load reports. No model; bounded, seconds each."""
+"""Routing decisions: the real Policy / cost model / prefix index (through real Redis) on simulated replicas
+(`pdserve.sim`: the engine's own scheduler and block manager stepped by a cost model) and on hand-built load
+reports. No model; bounded, seconds each."""
 import asyncio
 import logging
 import random
@@ -7,63 +8,72 @@ import random
 import pytest
 import redis.asyncio as aioredis
 
-from pdserve.services import metrics as M
+from pdserve.services.metrics import router as M
 from pdserve.services.pb import common_pb2
 from pdserve.services.registry import WorkerRecord
 from pdserve.services.router.policy import NoWorkers, Policy, RouteInput
 from pdserve.services.router.prefix_index import IndexSync, PrefixIndex, chain_hashes
-from pdserve.services.router.sim import BS, FP, Oracle, Sim, WorkerSpec, Workload
+from pdserve.sim.chats import ChatWorkload
+from pdserve.sim.cluster import Cluster, ClusterSpec
+from pdserve.sim.costmodel import LinearCostModel
+from pdserve.sim.placer import RouterSpec
 
 REDIS = "redis://127.0.0.1:6379/0"
+FP = "sim-model"  # fingerprint and block size of the hand-built load reports below
+BS = 16
+# 4000 prompt tokens/s and 10 ms + 0.4 ms per sequence per decode step; KV of a 16-token block is 2 MiB
+COST = LinearCostModel(a=0.01, b=1 / 4000, c=0.0004, kv_bytes_per_token=2 * 1024 * 1024 / BS,
+                       link_bytes_per_s=5e9, handoff_s=0.002)
 
 
-async def _run_sim(policy, wl: Workload, n_workers: int = 4, keep: bool = False):
-    r = aioredis.from_url(REDIS)
-    ref: list = []
-    if isinstance(policy, type) and policy is Oracle:
-        policy = Oracle(ref)
-    sim = Sim({f"w{i}": WorkerSpec() for i in range(n_workers)}, policy, r)
-    ref.append(sim)
+def _cluster(policy: str, seed: int, index: str = "direct", workers: int = 4) -> Cluster:
+    """`workers` colocated replicas of 600 KV blocks each (the prefix caches' room), load reports every 0.5 s."""
+    spec = ClusterSpec(colocated=workers, num_blocks=600, report_s=0.5, seed=seed, admission=None,
+                       router=RouterSpec(policy=policy, index=index, redis_url=REDIS, track_best_hit=True))
+    return Cluster(spec, COST)
+
+
+def _run(policy: str, wl: ChatWorkload, index: str = "direct") -> Cluster:
+    c = _cluster(policy, wl.seed, index)
     try:
-        res = await sim.run(wl.generate())
-        if keep:
-            return res, sim, r
-        return res
+        c.run(wl.generate())
     finally:
-        if not keep:
-            async for k in r.scan_iter(f"pdserve:{sim.model}:*"):
-                await r.delete(k)
-            await r.aclose()
+        c.close()
+    assert all(r.state == "FINISHED" for r in c.requests)
+    return c
 
 
-def _spread(served: dict[str, int]) -> float:
-    return max(served.values()) / max(1, min(served.values()))
+def _spread(values: list[float]) -> float:
+    return max(values) / max(1e-9, min(values))
 
 
 @pytest.mark.timeout(60)
 def test_multi_prefix_hit_ratio_near_oracle_and_balanced():
-    """16 system prompts (Zipf), multi-turn chats, 4 workers at ~60-70% load."""
-    wl = Workload(rate=25.0, n=600, seed=1)
-    ours = asyncio.run(_run_sim(Policy("auto", rng=random.Random(1)), wl))
-    oracle = asyncio.run(_run_sim(Oracle, wl))
-    print(f"cache-aware hit={ours.hit_ratio:.3f} (per-decision oracle {ours.oracle_hit_ratio:.3f}), "
-          f"oracle policy hit={oracle.hit_ratio:.3f}, served={ours.served()}, oracle served={oracle.served()}")
-    assert ours.hit_ratio >= 0.9 * oracle.hit_ratio
-    assert ours.hit_ratio >= 0.9 * ours.oracle_hit_ratio  # each decision vs the best cache at that moment
-    assert _spread(ours.served()) <= 1.5
-    busy = ours.busy()
-    assert max(busy.values()) <= 1.5 * min(busy.values())
+    """16 system prompts (Zipf), multi-turn chats, 4 replicas; the cache-aware router's index through Redis."""
+    wl = ChatWorkload(rate=25.0, n=600, seed=1)
+    ours = _run("cache-aware", wl, index="redis")
+    oracle = _run("oracle", wl)
+    served = [r.placed for r in ours.replicas]
+    print(f"cache-aware hit={ours.prefix_hit_ratio():.3f} (per-decision best {ours.best_hit_ratio():.3f}), "
+          f"oracle policy hit={oracle.prefix_hit_ratio():.3f}, served={served}, "
+          f"oracle served={[r.placed for r in oracle.replicas]}")
+    assert ours.prefix_hit_ratio() >= 0.9 * oracle.prefix_hit_ratio()
+    assert ours.prefix_hit_ratio() >= 0.9 * ours.best_hit_ratio()  # each decision vs the best cache then
+    assert _spread(served) <= 1.5
+    assert _spread([r.busy_s for r in ours.replicas]) <= 1.5
+    # and the baselines it is measured against do worse on the same trace
+    assert ours.prefix_hit_ratio() > 1.5 * _run("round-robin", wl).prefix_hit_ratio()
 
 
 @pytest.mark.timeout(60)
 def test_shared_system_prompt_does_not_herd():
-    """Every request starts with the same system prompt: all workers get it cached, none takes everything."""
-    wl = Workload(rate=25.0, n=400, seed=2, shared_system=True, groups=8)
-    res = asyncio.run(_run_sim(Policy("auto", rng=random.Random(2)), wl))
-    served = res.served()
-    print("served", served, "hit", round(res.hit_ratio, 3))
-    assert min(served.values()) > 0 and _spread(served) <= 1.5
-    assert res.hit_ratio > 0.5  # the shared prompt is still reused (on every worker)
+    """Every request starts with the same system prompt: all replicas get it cached, none takes everything."""
+    wl = ChatWorkload(rate=25.0, n=400, seed=2, shared_system=True, groups=8)
+    res = _run("cache-aware", wl)
+    served = [r.placed for r in res.replicas]
+    print("served", served, "hit", round(res.prefix_hit_ratio(), 3))
+    assert min(served) > 0 and _spread(served) <= 1.5
+    assert res.prefix_hit_ratio() > 0.5  # the shared prompt is still reused (on every replica)
 
 
 def _rec(wid, role="both", pending=0, running=0, rate=4000.0, step=0.01, bw=0.0, kv_used=0, **load):
@@ -161,30 +171,36 @@ def test_prefill_pool_down_degrades_loudly(caplog):
 @pytest.mark.timeout(60)
 def test_router_restart_rebuilds_index_without_cold_cliff():
     """Run a workload, then replace the router (new policy, new index from Redis) and keep going."""
-    async def main():
-        wl = Workload(rate=25.0, n=300, seed=4)
-        res, sim, r = await _run_sim(Policy("auto", rng=random.Random(4)), wl, keep=True)
-        try:
-            old = sim.sync.index
-            fresh = IndexSync(r, sim.model)  # the restarted router
-            await fresh.sync_workers(sim.workers)
-            await fresh.poll()
-            assert fresh.index.holders == old.holders and len(old) > 0
-            # the restarted router routes warm: the next turns of the same chats hit as before
-            sim.policy = Policy("auto", index=fresh.index, rng=random.Random(5), clock=sim.clock)
-            sim.sync = fresh
-            sim.done = []
-            more = Workload(rate=25.0, n=300, seed=4).generate()
-            t0 = sim.now + 1
-            for q in more:
-                q.rid += "b"
-                q.arrival += t0
-            res2 = await sim.run(more)
-            print("hit before restart", round(res.hit_ratio, 3), "after", round(res2.hit_ratio, 3))
-            assert res2.hit_ratio >= 0.9 * res.hit_ratio
-        finally:
-            async for k in r.scan_iter(f"pdserve:{sim.model}:*"):
-                await r.delete(k)
-            await r.aclose()
+    c = _cluster("cache-aware", 4, index="redis")
+    try:
+        first = c.run(ChatWorkload(rate=25.0, n=300, seed=4).generate())
+        c.placer.feed.sync(c.now + 1.0)  # every published event has reached the running router
+        old = c.placer.index
 
-    asyncio.run(main())
+        async def fresh_index():  # a router process of our own, on its own connection
+            r = aioredis.from_url(REDIS)
+            try:
+                sync = IndexSync(r, c.placer.feed.model)
+                await sync.sync_workers([rep.name for rep in c.replicas])
+                await sync.poll()
+                return sync.index
+            finally:
+                await r.aclose()
+
+        fresh = asyncio.run(fresh_index())
+        assert fresh.holders == old.holders and len(old) > 0
+        # the restarted router routes warm: the next turns of the same chats hit as before
+        c.placer.restart_router(seed=5)
+        assert c.placer.index is not old and c.placer.index.holders == old.holders
+        t0 = c.now + 1
+        more = ChatWorkload(rate=25.0, n=300, seed=4).generate()
+        for q in more:
+            q.idx += 1000
+            q.arrival += t0
+        n_first = len(first)
+        c.run(more)
+        before, after = c.prefix_hit_ratio(c.requests[:n_first]), c.prefix_hit_ratio(c.requests[n_first:])
+        print("hit before restart", round(before, 3), "after", round(after, 3))
+        assert after >= 0.9 * before
+    finally:
+        c.close()

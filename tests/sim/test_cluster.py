@@ -33,7 +33,7 @@ def test_scale_16p16d_2k_requests():
     # every replica got work (the least-loaded policy spreads it) and all KV came back
     assert all(r.num_steps > 0 for r in c.replicas)
     for r in c.replicas:
-        assert not r.pinned and not r.remote_pending and not r.scheduler.has_work()
+        assert not r.core.pinned and not r.remote_pending and not r.scheduler.has_work()
         assert all(x == 0 for x in r.bm.ref)
     # TTFT includes the KV transfer: at least prefill bound + transfer bound for every request
     for req in c.requests:
@@ -73,3 +73,22 @@ def test_plan_small():
         # N+1: the plan's pools are one above the smallest that met the SLO at peak
         assert cand["gpus"] == cand["replicas"] >= 2
     assert best["gpus"] == min(c["gpus"] for c in res["candidates"] if c["meets_slo_at_peak"])
+
+
+def test_router_baselines_are_options():
+    """RouterSpec.policy swaps the router's Policy for a baseline: round-robin places request i on replica
+    (i + 1) mod 3 in name order; an unknown policy or index is refused before anything runs."""
+    import pytest
+
+    from pdserve.sim.placer import RouterSpec
+
+    cost = LinearCostModel(a=0.01, b=1e-4, c=1e-3)
+    spec = ClusterSpec(colocated=3, num_blocks=64, admission=None, router=RouterSpec(policy="round-robin"))
+    c = Cluster(spec, cost)
+    reqs = c.run(make_workload(9, 5.0, "fixed:20", "fixed:2", seed=1))
+    assert [r.prefill_replica for r in sorted(reqs, key=lambda r: r.arrival)] == \
+        [f"both-{(i + 1) % 3}" for i in range(9)]
+    assert [r.placed for r in c.replicas] == [3, 3, 3]
+    for bad in (RouterSpec(policy="random"), RouterSpec(index="etcd")):
+        with pytest.raises(ValueError):
+            Cluster(ClusterSpec(colocated=1, router=bad), cost)

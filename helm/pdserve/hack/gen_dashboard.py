@@ -1,6 +1,8 @@
 """Write dashboards/pdserve.json, the Grafana dashboard the chart ships (metrics.dashboard.enabled).
 
-Every query uses metrics that pdserve/services/metrics.py defines (tests/helm checks this).
+Every query uses metrics that pdserve/services/metrics/ defines, and every family defined there is on it (tests/helm
+checks both). Variables: namespace, model (the `model` label every sample carries) and pool (the `role` label of the
+worker pools: prefill / decode / both), which the worker panels filter on.
 Run from the repository root: python helm/pdserve/hack/gen_dashboard.py
 """
 from __future__ import annotations
@@ -9,12 +11,17 @@ import json
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parents[1] / "dashboards" / "pdserve.json"
-SEL = 'namespace="$namespace"'
+SEL = 'namespace="$namespace",model=~"$model"'
+POOL = SEL + ',role=~"$pool"'  # worker families only: the gateway's and router's samples have no role
 
 
-def q(h: str, metric: str, by: str = "") -> str:
+def q(h: str, metric: str, by: str = "", sel: str = SEL) -> str:
     grp = f"le{', ' + by if by else ''}"
-    return f"histogram_quantile({h}, sum by ({grp}) (rate({metric}_bucket{{{SEL}}}[$__rate_interval])))"
+    return f"histogram_quantile({h}, sum by ({grp}) (rate({metric}_bucket{{{sel}}}[$__rate_interval])))"
+
+
+def rate(metric: str, by: str = "", sel: str = SEL) -> str:
+    return f"sum{f' by ({by})' if by else ''} (rate({metric}{{{sel}}}[$__rate_interval]))"
 
 
 PANELS = [
@@ -30,30 +37,53 @@ PANELS = [
     ("End-to-end latency (gateway)", "s", [(q("0.5", "pdserve_e2e_seconds", "mode"), "p50 {{mode}}"),
                                            (q("0.9", "pdserve_e2e_seconds", "mode"), "p90 {{mode}}")]),
     ("Request rate by terminal state", "reqps",
-     [(f"sum by (state) (rate(pdserve_requests_terminal_total{{{SEL},service=~\".*-gateway\"}}[$__rate_interval]))",
-       "{{state}}")]),
+     [(rate("pdserve_requests_terminal_total", "state"), "{{state}}")]),
+    ("HTTP responses by endpoint and status", "reqps",
+     [(rate("pdserve_http_requests_total", "endpoint, status"), "{{endpoint}} {{status}}")]),
+    ("In-flight HTTP requests / client disconnects", "short",
+     [(f"sum by (endpoint) (pdserve_http_requests_in_flight{{{SEL}}})", "in flight {{endpoint}}"),
+      (rate("pdserve_client_disconnects_total"), "disconnects/s")]),
+    ("Token throughput (gateway)", "short",
+     [(rate("pdserve_prompt_tokens_total"), "prompt tokens/s"),
+      (rate("pdserve_generation_tokens_total"), "generated tokens/s")]),
+    ("Prompt / output length per request", "short",
+     [(q("0.5", "pdserve_request_prompt_tokens"), "prompt p50"), (q("0.9", "pdserve_request_prompt_tokens"), "prompt p90"),
+      (q("0.5", "pdserve_request_output_tokens"), "output p50"),
+      (q("0.9", "pdserve_request_output_tokens"), "output p90")]),
     ("Rejections by reason", "reqps",
      [(f"sum by (reason) (rate(pdserve_rejections_total{{{SEL}}}[$__rate_interval]))", "{{reason}}")]),
     ("Router placements", "reqps",
      [(f"sum by (mode) (rate(pdserve_routed_total{{{SEL}}}[$__rate_interval]))", "{{mode}}")]),
     ("Queue time (engine arrival -> scheduled)", "s",
-     [(q("0.9", "pdserve_queue_time_seconds", "role"), "p90 {{role}}")]),
+     [(q("0.9", "pdserve_queue_time_seconds", "role", POOL), "p90 {{role}}")]),
     ("Prefill time (scheduled -> first token)", "s",
-     [(q("0.9", "pdserve_prefill_time_seconds", "role"), "p90 {{role}}")]),
-    ("Waiting requests per pod", "short", [(f"pdserve_num_waiting{{{SEL}}}", "{{pod}}")]),
-    ("Running requests per pod", "short", [(f"pdserve_num_running{{{SEL}}}", "{{pod}}")]),
-    ("KV usage per pod", "percentunit",
-     [(f"pdserve_kv_blocks_in_use{{{SEL}}} / clamp_min(pdserve_kv_blocks_total{{{SEL}}}, 1)", "{{pod}}")]),
-    ("KV blocks pinned for transfer (prefill)", "short", [(f"pdserve_kv_blocks_pinned{{{SEL}}}", "{{pod}}")]),
-    ("Prefix cache hit ratio", "percentunit", [(f"pdserve_prefix_hit_ratio{{{SEL}}}", "{{pod}}")]),
+     [(q("0.9", "pdserve_prefill_time_seconds", "role", POOL), "p90 {{role}}")]),
+    ("Waiting requests per pod", "short", [(f"pdserve_num_waiting{{{POOL}}}", "{{pod}}")]),
+    ("Running requests per pod", "short", [(f"pdserve_num_running{{{POOL}}}", "{{pod}}")]),
+    ("KV usage per pod", "percentunit", [(f"pdserve_kv_usage_fraction{{{POOL}}}", "{{pod}}")]),
+    ("KV usage per pool (blocks in use / blocks)", "percentunit",
+     [(f"sum by (role) (pdserve_kv_blocks_in_use{{{POOL}}}) / clamp_min(sum by (role) "
+       f"(pdserve_kv_blocks_total{{{POOL}}}), 1)", "{{role}}")]),
+    ("KV blocks pinned for transfer (prefill)", "short", [(f"pdserve_kv_blocks_pinned{{{POOL}}}", "{{pod}}")]),
+    ("Prefix cache hit rate (tokens)", "percentunit",
+     [(f"{rate('pdserve_prefix_cache_hits_total', 'role', POOL)} / "
+       f"clamp_min({rate('pdserve_prefix_cache_queries_total', 'role', POOL)}, 1)", "{{role}}"),
+      (f"avg(pdserve_prefix_hit_ratio{{{POOL}}})", "lifetime ratio (deprecated)")]),
+    ("Engine requests by terminal state (workers)", "reqps",
+     [(rate("pdserve_engine_requests_terminal_total", "role, state", POOL), "{{role}} {{state}}")]),
     ("KV transfer time (one batched NIXL READ)", "s",
-     [(q("0.5", "pdserve_kv_transfer_seconds"), "p50"), (q("0.9", "pdserve_kv_transfer_seconds"), "p90")]),
+     [(q("0.5", "pdserve_kv_transfer_seconds", sel=POOL), "p50"),
+      (q("0.9", "pdserve_kv_transfer_seconds", sel=POOL), "p90")]),
     ("KV transfer throughput", "Bps",
-     [(f"sum by (pod) (rate(pdserve_kv_transfer_bytes_total{{{SEL}}}[$__rate_interval]))", "{{pod}}")]),
+     [(rate("pdserve_kv_transfer_bytes_total", "pod", POOL), "{{pod}}")]),
     ("KV transfer failures / lease expiries", "short",
-     [(f"sum by (reason) (increase(pdserve_kv_transfer_failures_total{{{SEL}}}[$__rate_interval]))",
+     [(f"sum by (reason) (increase(pdserve_kv_transfer_failures_total{{{POOL}}}[$__rate_interval]))",
        "failed {{reason}}"),
-      (f"sum (increase(pdserve_kv_leases_expired_total{{{SEL}}}[$__rate_interval]))", "leases expired")]),
+      (f"sum (increase(pdserve_kv_leases_expired_total{{{POOL}}}[$__rate_interval]))", "leases expired")]),
+    # internal security (docs/services.md, Trust model): anything above zero is a forged or mis-keyed worker
+    ("Registry records refused (HMAC does not verify)", "short",
+     [(f"sum by (service) (increase(pdserve_registry_rejected_records_total{{{SEL}}}[$__rate_interval]))",
+       "{{service}}")]),
     # router (docs/routing.md)
     ("Route decisions by mode and reason", "reqps",
      [(f"sum by (mode, reason) (rate(pdserve_route_decisions_total{{{SEL}}}[$__rate_interval]))",
@@ -67,11 +97,15 @@ PANELS = [
     ("Prefix index", "short",
      [(f"pdserve_prefix_index_blocks{{{SEL}}}", "blocks {{pod}}"),
       (f"sum(rate(pdserve_prefix_index_events_total{{{SEL}}}[$__rate_interval]))", "events applied/s"),
-      (f"sum by (kind) (rate(pdserve_kv_events_published_total{{{SEL}}}[$__rate_interval]))",
+      (f"sum by (kind) (rate(pdserve_kv_events_published_total{{{POOL}}}[$__rate_interval]))",
        "published {{kind}}/s")]),
     # admission and lifecycle (docs/admission.md)
-    ("Live requests per state", "short",
-     [(f"sum by (state) (pdserve_requests_in_state{{{SEL}}})", "{{state}}")]),
+    ("Live engine sequences per state (workers)", "short",
+     [(f"sum by (state) (pdserve_requests_in_state{{{POOL}}})", "{{state}}")]),
+    ("Sequences entering each state (workers)", "short",
+     [(rate("pdserve_request_state_entries_total", "state", POOL), "{{state}}")]),
+    ("Client requests queued / degraded (gateway)", "short",
+     [(f"sum by (state) (pdserve_gateway_requests_in_state{{{SEL}}})", "{{state}}")]),
     ("Admission reservations", "short",
      [(f"max(pdserve_admission_reserved_blocks{{{SEL}}})", "blocks reserved"),
       (f"max(pdserve_admission_reserved_requests{{{SEL}}})", "requests reserved")]),
@@ -110,6 +144,13 @@ def build() -> dict:
             {"name": "namespace", "type": "query", "label": "Namespace",
              "datasource": {"type": "prometheus", "uid": "${datasource}"},
              "query": "label_values(pdserve_kv_blocks_total, namespace)", "refresh": 2},
+            {"name": "model", "type": "query", "label": "Model", "includeAll": True, "multi": True,
+             "allValue": ".*", "datasource": {"type": "prometheus", "uid": "${datasource}"},
+             "query": 'label_values(pdserve_kv_blocks_total{namespace="$namespace"}, model)', "refresh": 2},
+            {"name": "pool", "type": "query", "label": "Pool", "includeAll": True, "multi": True,
+             "allValue": ".*", "datasource": {"type": "prometheus", "uid": "${datasource}"},
+             "query": 'label_values(pdserve_kv_blocks_total{namespace="$namespace",model=~"$model"}, role)',
+             "refresh": 2},
         ]},
         "panels": panels,
     }

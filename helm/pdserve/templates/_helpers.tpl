@@ -245,6 +245,10 @@ builtin
   value: INFO
 - name: PDSERVE_SERVED_MODEL_NAME
   value: {{ include "pdserve.servedModelName" . | quote }}
+{{- with .Values.metrics.compat }}
+- name: PDSERVE_METRICS_COMPAT
+  value: {{ . | quote }}
+{{- end }}
 {{- end -}}
 
 {{/* Pod-level scheduling keys: (dict "v" $poolValues) */}}
@@ -362,4 +366,100 @@ securityContext:
 {{- $all := list -}}
 {{- range .vs }}{{ $all = concat $all (.extraVolumeMounts | default list) }}{{ end -}}
 {{- with $all }}{{ toYaml . }}{{ end }}
+{{- end -}}
+
+{{/* Internal security (docs/services.md, "Trust model"): Secret names, the files each pdserve pod mounts, and the
+     env that names them (paths only: the secrets stay in their files) */}}
+{{- define "pdserve.internalTokenSecret" -}}
+{{- default (printf "%s-internal-token" (include "pdserve.fullname" .)) .Values.security.internalToken.existingSecret -}}
+{{- end -}}
+
+{{- define "pdserve.redisAuthSecret" -}}
+{{- default (printf "%s-redis-auth" (include "pdserve.fullname" .)) .Values.redis.auth.existingSecret -}}
+{{- end -}}
+
+{{- define "pdserve.tlsEnabled" -}}
+{{- if .Values.security.tls.enabled -}}
+{{- $_ := required "security.tls.secretName is required with security.tls.enabled (a Secret with the PEM cert, key and CA)" .Values.security.tls.secretName -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{- define "pdserve.securityEnv" -}}
+{{- $s := .Values.security -}}
+{{- if $s.internalToken.enabled }}
+- name: PDSERVE_INTERNAL_TOKEN_FILE
+  value: {{ printf "/etc/pdserve/internal-token/%s" $s.internalToken.secretKey | quote }}
+{{- end }}
+{{- if include "pdserve.tlsEnabled" . }}
+- name: PDSERVE_TLS_CERT
+  value: {{ printf "/etc/pdserve/tls/%s" $s.tls.certKey | quote }}
+- name: PDSERVE_TLS_KEY
+  value: {{ printf "/etc/pdserve/tls/%s" $s.tls.keyKey | quote }}
+{{- if $s.tls.caKey }}
+- name: PDSERVE_TLS_CA
+  value: {{ printf "/etc/pdserve/tls/%s" $s.tls.caKey | quote }}
+{{- end }}
+{{- if $s.tls.serverName }}
+- name: PDSERVE_TLS_SERVER_NAME
+  value: {{ $s.tls.serverName | quote }}
+{{- end }}
+{{- end }}
+{{- if .Values.redis.auth.enabled }}
+- name: PDSERVE_REDIS_PASSWORD_FILE
+  value: {{ printf "/etc/pdserve/redis-auth/%s" .Values.redis.auth.passwordKey | quote }}
+{{- end }}
+{{- end -}}
+
+{{- define "pdserve.securityMounts" -}}
+{{- if .Values.security.internalToken.enabled }}
+- name: internal-token
+  mountPath: /etc/pdserve/internal-token
+  readOnly: true
+{{- end }}
+{{- if include "pdserve.tlsEnabled" . }}
+- name: internal-tls
+  mountPath: /etc/pdserve/tls
+  readOnly: true
+{{- end }}
+{{- if .Values.redis.auth.enabled }}
+- name: redis-auth
+  mountPath: /etc/pdserve/redis-auth
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "pdserve.securityVolumes" -}}
+{{- if .Values.security.internalToken.enabled }}
+- name: internal-token
+  secret:
+    secretName: {{ include "pdserve.internalTokenSecret" . }}
+    defaultMode: 0440
+{{- end }}
+{{- if include "pdserve.tlsEnabled" . }}
+- name: internal-tls
+  secret:
+    secretName: {{ .Values.security.tls.secretName }}
+    defaultMode: 0440
+{{- end }}
+{{- if .Values.redis.auth.enabled }}
+- name: redis-auth
+  secret:
+    secretName: {{ include "pdserve.redisAuthSecret" . }}
+    defaultMode: 0440
+{{- end }}
+{{- end -}}
+
+{{/* A gRPC health probe of a router/worker port: the kubelet's own (plaintext), or with internal TLS the
+     exec probe that speaks it: (dict "ctx" $ "port" 7100 "service" "pdserve.v1.Worker") */}}
+{{- define "pdserve.grpcProbe" -}}
+{{- if include "pdserve.tlsEnabled" .ctx }}
+exec:
+  command: ["python", "-m", "pdserve.services.health_probe", "--port", {{ .port | quote }}, "--service", {{ .service | quote }}]
+timeoutSeconds: 3
+{{- else }}
+grpc:
+  port: {{ .port }}
+  service: {{ .service }}
+{{- end }}
 {{- end -}}

@@ -17,7 +17,7 @@ import grpc
 
 from pdserve.kv_transfer.agent import KVTransferError, TransferFailure
 from pdserve.kv_transfer.layout import KVLayout, KVRegion, check_compatible
-from pdserve.services import metrics as M
+from pdserve.services.metrics import worker as M
 from pdserve.services.convert import layout_to_pb, region_from_pb
 from pdserve.services.pb import worker_pb2, worker_pb2_grpc
 

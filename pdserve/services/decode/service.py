@@ -25,10 +25,10 @@ import grpc
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.kv_transfer.agent import KVAgent, KVTransferError, TransferFailure
 from pdserve.kv_transfer.layout import KVLayoutMismatch
-from pdserve.services import metrics as M
+from pdserve.services.metrics import worker as M
 from pdserve.services.convert import DeltaEncoder, limits_from_pb, params_from_pb
 from pdserve.services.decode.peers import KvPeers
-from pdserve.services.grpc_util import channel
+from pdserve.services.grpc_util import channel, param_metadata
 from pdserve.services.kv_endpoint import KvEndpoint
 from pdserve.services.load_meter import LoadMeter
 from pdserve.services.pb import common_pb2, worker_pb2, worker_pb2_grpc
@@ -176,7 +176,7 @@ class DecodeSide:
                 alloc = await host.run(add)
             except ValueError as e:
                 p.added, p.ended = False, True  # refused: nothing of ours (a duplicate id is someone else's)
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e), trailing_metadata=param_metadata(e))
             if alloc is not None:
                 break
             p.added = False  # None: nothing was allocated or registered

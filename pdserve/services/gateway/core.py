@@ -22,7 +22,7 @@ import grpc
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.services.gateway.stages import StageTrace
-from pdserve.services.grpc_util import channel
+from pdserve.services.grpc_util import channel, param_of
 from pdserve.services.convert import params_to_pb
 from pdserve.services.pb import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -37,11 +37,12 @@ class NoWorkersError(Exception):
 
 
 class UpstreamError(Exception):
-    """A worker refused the request (INVALID_ARGUMENT -> 400, layout mismatch -> 500, ...)."""
+    """A worker refused the request (INVALID_ARGUMENT -> 400, layout mismatch -> 500, ...). `param`: the request
+    parameter an INVALID_ARGUMENT named (the worker's `pdserve-param` trailing metadata)."""
 
-    def __init__(self, code: grpc.StatusCode, details: str):
+    def __init__(self, code: grpc.StatusCode, details: str, param: str | None = None):
         super().__init__(details)
-        self.code, self.details = code, details
+        self.code, self.details, self.param = code, details, param
 
 
 @dataclass
@@ -173,7 +174,7 @@ class Dispatcher:
                 retryable = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
                 if emitted or not retryable or attempt == self.max_attempts - 1:
                     if e.code() == grpc.StatusCode.INVALID_ARGUMENT or not emitted and not retryable:
-                        raise UpstreamError(e.code(), e.details() or "") from None
+                        raise UpstreamError(e.code(), e.details() or "", param_of(e)) from None
                     # the stream broke after tokens went out: the request ends FAILED (no silent retry: the
                     # client already has a partial output, spec §1.7)
                     yield common_pb2.GenerateResponse(request_id=rid, finished=True, state="FAILED",
@@ -205,7 +206,7 @@ class Dispatcher:
                 if not unreachable or attempt == self.max_attempts - 1:
                     self._release_soon(kv.worker_address, rid, kv.lease_id)
                     if not emitted and e.code() != grpc.StatusCode.UNAVAILABLE:
-                        raise UpstreamError(e.code(), e.details() or "") from None
+                        raise UpstreamError(e.code(), e.details() or "", param_of(e)) from None
                     yield common_pb2.GenerateResponse(
                         request_id=rid, finished=True, state="FAILED",
                         error=f"decode worker {decode.worker_id} failed: {e.code().name}: {e.details()}")

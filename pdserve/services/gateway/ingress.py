@@ -16,7 +16,7 @@ import math
 import time
 from dataclasses import dataclass
 
-from pdserve.services import metrics as M
+from pdserve.services.metrics import gateway as M
 from pdserve.services.gateway.params import APIError
 from pdserve.services.gateway.tenants import Tenant, TenantDirectory
 

@@ -1,5 +1,5 @@
 """The gateway's side of a request's life: ingress gate, admission + reservation, deadline, and the one billing
-record. `app.py` calls in here at four points (ingress, admit, first/last emit via Timing, finish).
+record. `handler.py` calls in here at four points (authorize, admit, first/last emit via Timing, finish).
 
 Billing owner: the gateway. A client request may be several engine requests (n > 1 and multi-prompt requests
 are fanned out; in disagg mode each sub-request is an engine request on the prefill worker and another on the
@@ -27,13 +27,15 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from pdserve.services import metrics as M
-from pdserve.services.admission import Admission, AdmissionError, Ticket
-from pdserve.services.gateway.ingress import IngressGate, retry_after
+from pdserve.services.metrics import gateway as M
+from pdserve.services.admission import Admission, Ticket
+from pdserve.services.gateway.ingress import IngressGate
 from pdserve.services.gateway.params import APIError
 from pdserve.services.gateway.tenants import DEFAULT_TENANT, Tenant
 
 billing_log = logging.getLogger("pdserve.billing")
+# The errors app.py (HTTP disconnect) and grpc_front.py (gRPC cancel) end a request with when its client left.
+CLIENT_GONE = ("client disconnected", "client cancelled")
 
 
 @dataclass
@@ -105,18 +107,15 @@ class Lifecycle:
     def new_record(self) -> RequestRecord:
         return RequestRecord(f"req-{uuid.uuid4().hex[:16]}", self.model)
 
-    async def ingress(self, request, rec: RequestRecord) -> bytes:
-        """Stage one: body size, key -> tenant, quota and rate. Returns the body."""
-        body = await self.gate.read_body(request)
-        rec.tenant = self.gate.authenticate(request.headers)
+    async def authorize(self, rec: RequestRecord, headers) -> None:
+        """Stage one (after an HTTP body was read within its limits): API key -> tenant, quota and rate. `headers`:
+        the HTTP headers or the gRPC call's metadata, as a mapping."""
+        rec.tenant = self.gate.authenticate(headers)
         await self.gate.check_limits(rec.tenant)
-        return body
 
-    def deadline_for(self, body: dict, rec: RequestRecord) -> float:
-        """`timeout` (seconds, request body extension) or the default, capped by the tenant / server maximum."""
-        t = body.get("timeout")
-        if t is None:
-            t = self.default_timeout_s
+    def deadline_for(self, timeout: float | None, rec: RequestRecord) -> float:
+        """The request's `timeout` (seconds; None: the default), capped by the tenant / server maximum."""
+        t = self.default_timeout_s if timeout is None else timeout
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not (0 < t):
             raise APIError(400, "invalid parameter 'timeout': must be a positive number of seconds",
                            param="timeout", code="invalid_parameter")
@@ -147,15 +146,6 @@ class Lifecycle:
             M.STATE_GAUGE.labels("DEGRADED").inc()
         return ticket
 
-    def error_response_parts(self, e: Exception) -> tuple[int, dict, dict] | None:
-        """AdmissionError -> (status, OpenAI error body, headers)."""
-        if not isinstance(e, AdmissionError):
-            return None
-        headers = {"Retry-After": retry_after(e.retry_after_s)} if e.retry_after_s else {}
-        typ = {400: "invalid_request_error", 504: "timeout_error"}.get(e.status, "service_unavailable_error")
-        param = (e.param or "prompt") if e.status == 400 else None
-        return e.status, APIError(e.status, e.message, typ, param, e.code).body(), headers
-
     async def finish(self, rec: RequestRecord, state: str, error: str | None = None) -> None:
         """The one terminal path at the gateway: release the reservation, charge the quota, write the record,
         count the terminal state — once per client request, whichever path gets here first. The work runs in an
@@ -169,6 +159,7 @@ class Lifecycle:
     async def _finish(self, rec: RequestRecord) -> None:
         state = rec.state
         M.TERMINAL.labels(state).inc()
+        self._count(rec)
         if state == "REJECTED":
             M.REJECT_LATENCY.observe(time.time() - rec.arrival)
         if self.admission is not None:
@@ -183,6 +174,17 @@ class Lifecycle:
                     await self._bill(rec)
         else:
             await self._bill(rec)
+
+    @staticmethod
+    def _count(rec: RequestRecord) -> None:
+        """Per-request token counts and lengths of requests that were admitted (a rejected one ran nothing)."""
+        if rec.state == "CANCELLED" and rec.error in CLIENT_GONE:
+            M.CLIENT_DISCONNECTS.inc()
+        if rec.state != "REJECTED" and rec.admitted_at is not None:
+            M.PROMPT_TOKENS.inc(rec.prompt_tokens)
+            M.GENERATION_TOKENS.inc(rec.generated)
+            M.REQUEST_PROMPT_TOKENS.observe(rec.prompt_tokens)
+            M.REQUEST_OUTPUT_TOKENS.observe(rec.generated)
 
     def _learn(self, rec: RequestRecord) -> None:
         """Admission's models learn from the finished request: output length, service-time error."""
@@ -219,10 +221,10 @@ def build_lifecycle(cfg) -> Lifecycle:
     redis = None
     admission = None
     if cfg.redis_url:
-        import redis.asyncio as aioredis
+        from pdserve.services.redis_conn import connect
         from pdserve.services.registry import Registry
-        redis = aioredis.from_url(cfg.redis_url, socket_timeout=0.5, socket_connect_timeout=0.5)
-        registry = Registry(cfg.redis_url, cfg.served_model_name)
+        redis = connect(cfg.redis_url, cfg.redis_auth, socket_timeout=0.5, socket_connect_timeout=0.5)
+        registry = Registry(cfg.redis_url, cfg.served_model_name, auth=cfg.redis_auth, key=cfg.registry_key)
         registry.r = redis
         ledger = ReservationLedger(redis, cfg.served_model_name, lease_s=cfg.reservation_lease_s)
         admission = Admission(ledger, RegistryCapacity(registry, cfg.kv_overcommit), max_queue=cfg.admission_queue,

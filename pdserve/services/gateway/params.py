@@ -3,9 +3,8 @@ from __future__ import annotations
 
 import json
 import math
-import re
 
-from pdserve.engine.sampling_params import GuidedSpec, SamplingParams
+from pdserve.engine.sampling_params import GuidedSpec, InvalidParameter, SamplingParams
 
 
 class APIError(Exception):
@@ -98,10 +97,17 @@ def to_sampling_params(body: dict, *, chat: bool, vocab_size: int) -> SamplingPa
     p.top_k = _num(body, "top_k", int, 0, -1)
     p.min_p = _num(body, "min_p", float, 0.0)
     p.seed = _num(body, "seed", int, None, 0, 2**63 - 1)  # int64 in the proto
+    echo = flag(body, "echo")
+    if echo and chat:
+        raise bad("echo", "is a /v1/completions parameter")
+    if echo and flag(body, "stream"):
+        raise bad("echo", "is not supported with stream")
     mt = _num(body, "max_completion_tokens", int, None, 1) if chat else None
     if mt is None:
-        mt = _num(body, "max_tokens", int, None if chat else 16, 1)
-    p.max_tokens = mt
+        # with echo, max_tokens 0 asks for the prompt's log-probs only (lm-eval's loglikelihood): the engine
+        # samples one token, which the answer leaves out (prompt_only)
+        mt = _num(body, "max_tokens", int, None if chat else 16, 0 if echo else 1)
+    p.max_tokens = max(mt, 1) if mt is not None else None
     p.min_tokens = _num(body, "min_tokens", int, 0, 0)
     p.presence_penalty = _num(body, "presence_penalty", float, 0.0)
     p.frequency_penalty = _num(body, "frequency_penalty", float, 0.0)
@@ -135,12 +141,22 @@ def to_sampling_params(body: dict, *, chat: bool, vocab_size: int) -> SamplingPa
             raise bad("top_logprobs", "requires logprobs=true")
     else:
         p.logprobs = _num(body, "logprobs", int, None, 0, 20)
+        if echo and p.logprobs is not None:  # the echoed prompt's tokens get log-probs too
+            p.prompt_logprobs = p.logprobs
     p.guided = _guided(body.get("response_format"))
-    if flag(body, "echo"):
-        raise bad("echo", "not supported")
+    validate(p, vocab_size)
+    return p
+
+
+def prompt_only(body: dict) -> bool:
+    """`echo` with `max_tokens: 0`: the prompt (and its log-probs) without a completion. After
+    to_sampling_params has checked both fields."""
+    return body.get("echo") is True and body.get("max_tokens") == 0
+
+
+def validate(p: SamplingParams, vocab_size: int) -> None:
+    """The engine's own checks, as a 400 naming the parameter."""
     try:
         p.validate(vocab_size)
-    except ValueError as e:
-        m = re.search(r"'([^']+)'", str(e))
-        raise APIError(400, str(e), param=m.group(1) if m else None, code="invalid_parameter") from None
-    return p
+    except InvalidParameter as e:
+        raise APIError(400, str(e), param=e.param, code="invalid_parameter") from None

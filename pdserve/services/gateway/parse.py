@@ -94,7 +94,7 @@ class RequestParser:
         if model is not None and model != self.model:
             raise APIError(404, f"The model '{model}' does not exist", "invalid_request_error", "model",
                            "model_not_found")
-        for name in ("stream", "return_token_ids", "allow_degrade", "echo", "ignore_eos"):
+        for name in ("stream", "return_token_ids", "return_stage_times", "allow_degrade", "echo", "ignore_eos"):
             flag(body, name)
         so = body.get("stream_options")
         if so is not None:

@@ -8,7 +8,8 @@ import uvicorn
 
 from pdserve.services.gateway.app import GatewayConfig, create_app
 from pdserve.services.gateway.grpc_front import GatewayGrpc
-from pdserve.services.grpc_util import GATEWAY_SERVICE, make_server, set_serving
+from pdserve.services.grpc_util import GATEWAY_SERVICE, make_server, security, set_serving
+from pdserve.services.redis_conn import RedisAuth
 from pdserve.services.pb import gateway_pb2_grpc
 from pdserve.services.gateway.protocol import guarded_h11  # noqa: E402,I001 - own line: fewer merge conflicts
 
@@ -51,15 +52,17 @@ async def serve(args) -> None:
         max_body_bytes=args.max_body_bytes, default_timeout_s=args.default_timeout, max_timeout_s=args.max_timeout,
         admission_queue=args.admission_queue, max_queue_wait_s=args.max_queue_wait, kv_overcommit=args.kv_overcommit,
         reservation_lease_s=args.reservation_lease, max_header_bytes=args.max_header_bytes,
-        header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout))
+        header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout, metrics_compat=args.metrics_compat,
+        redis_auth=RedisAuth.from_args(args), registry_key=security().registry_key()))
     if args.metrics_port:  # unauthenticated, for a scraper on the service network (docs/admission.md, Trust model)
-        from prometheus_client import start_http_server
-        start_http_server(args.metrics_port, addr=args.metrics_host or args.host)
+        from pdserve.services.metrics.exposition import serve as serve_metrics
+        serve_metrics(app.state.metrics, args.metrics_port, args.metrics_host or args.host)
     grpc_server = None
     if args.grpc_port:
-        grpc_server, hs = make_server([GATEWAY_SERVICE])
+        # the public front door: tenants authenticate by API key here, not by the internal token or certificate
+        grpc_server, hs = make_server([GATEWAY_SERVICE], internal=False)
         gateway_pb2_grpc.add_GatewayServicer_to_server(
-            GatewayGrpc(app.state.lifecycle, app.state.dispatcher, app.state.parser), grpc_server)
+            GatewayGrpc(app.state.handler, app.state.parser), grpc_server)
         grpc_server.add_insecure_port(f"{args.host}:{args.grpc_port}")
         await grpc_server.start()
         await set_serving(hs, [GATEWAY_SERVICE], True)

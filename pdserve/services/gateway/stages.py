@@ -1,10 +1,10 @@
 """Per-request stage timestamps for the client: `usage.stage_times` (definitions in docs/services.md).
 
 One `StageTrace` per engine sub-request. The dispatcher fills in the route time and the workers' `StageTimes`
-(the prefill worker's from `PrefillResponse.times`, the decode or `both` worker's from the stream); the HTTP
-layer adds the gateway's emit times. `stage_times` turns a trace plus the request's record into the JSON
-object: absolute timestamps (Unix seconds, `time.time()` in each process: comparable across processes on one
-host or NTP-synced hosts) and consecutive durations that partition gateway E2E.
+(the prefill worker's from `PrefillResponse.times`, the decode or `both` worker's from the stream); the
+request handler (handler.py) adds the gateway's emit times. `stage_times` turns a trace plus the request's
+record into the JSON object: absolute timestamps (Unix seconds, `time.time()` in each process: comparable
+across processes on one host or NTP-synced hosts) and consecutive durations that partition gateway E2E.
 """
 from __future__ import annotations
 

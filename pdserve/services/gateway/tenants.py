@@ -11,7 +11,8 @@ tenants:
     priority: 1            # scheduling class, lower = more urgent (engine policy `priority`)
     shared_namespace: docs # opt-in: share prefix-cache blocks with every tenant naming the same namespace
     permissions: []        # operator rights, none by default: `metrics` (read GET /metrics),
-                           # `debug_route` (the `x-pdserve-debug: route` header is honoured)
+                           # `debug_route` (the `x-pdserve-debug: route` header is honoured),
+                           # `debug_stage_times` (`usage.stage_times` when the request asks for it)
 ```
 With no file configured, every request is tenant `default` (no key needed, no limits, namespace ""). With a file,
 a missing or unknown key is 401. Keys are held only as SHA-256 digests, and looked up by digest, so the lookup
@@ -60,7 +61,7 @@ class Tenant:
         return self.burst if self.burst > 0 else max(1.0, self.rate_rps)
 
 
-PERMISSIONS = frozenset({"metrics", "debug_route"})
+PERMISSIONS = frozenset({"metrics", "debug_route", "debug_stage_times"})
 # no keys file: one namespace, as before, and nobody to tell apart, so every permission
 DEFAULT_TENANT = Tenant("default", priority=1, shared_namespace="", permissions=PERMISSIONS)
 

@@ -24,9 +24,10 @@ import grpc
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.kv_transfer.layout import KVLayout, KVLayoutMismatch, check_compatible
 from pdserve.kv_transfer.lease import Lease, LeaseTable, reap_forever
-from pdserve.services import metrics as M
+from pdserve.services.metrics import worker as M
 from pdserve.services.convert import (DeltaEncoder, fill_times, full_response, layout_from_pb, limits_from_pb,
                                       params_from_pb)
+from pdserve.services.grpc_util import param_metadata
 from pdserve.services.kv_endpoint import KvEndpoint
 from pdserve.services.pb import worker_pb2
 
@@ -133,7 +134,7 @@ class PrefillSide:
         except ValueError as e:  # refused by the engine (a duplicate id there is someone else's)
             owned = False
             M.REJECTIONS.labels("invalid_request").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e), trailing_metadata=param_metadata(e))
         finally:
             self._running.discard(rid)
             if owned and not handed_over:
@@ -167,7 +168,7 @@ class PrefillSide:
             final = out
         if self._was_released(rid):  # ReleaseKV came while it ran: pin nothing (the finally frees it)
             await context.abort(grpc.StatusCode.CANCELLED, "the KV of this request was released during its prefill")
-        M.observe_engine_times("prefill", final)
+        M.observe_engine_times(final)
         comp = final.outputs[0] if final.outputs else None
         resp = worker_pb2.PrefillResponse(request_id=rid, num_cached_tokens=final.num_cached_tokens or 0)
         fill_times(resp.times, final.metrics)  # the gateway combines these with the decode worker's (stage_times)
@@ -189,6 +190,8 @@ class PrefillSide:
         if params.logprobs is not None and comp.logprobs:
             resp.first_logprob.CopyFrom(DeltaEncoder(self.tokenizer).token_logprob(comp.logprobs[0]))
             delta.logprobs.append(resp.first_logprob)
+        if final.prompt_logprobs:  # computed here, over the prompt: the decode side never sees them
+            DeltaEncoder(self.tokenizer).prompt_logprobs(first, final)
         # Read in this thread, not through an engine-thread round trip (~0.2 ms of TTFT): the engine filed the
         # entry before it delivered this final output, and only a release of the lease made below changes it.
         blocks, ntok = self.pinned_kv(rid)

@@ -25,7 +25,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from pdserve.services import metrics as M
+from pdserve.services.metrics import router as M
 from pdserve.services.registry import WorkerRecord
 from pdserve.services.router.cost import CostModel, CostParams, Estimate, Inflight, WorkerCost
 from pdserve.services.router.prefix_index import PrefixIndex, chain_hashes

@@ -26,7 +26,6 @@ from collections.abc import Iterable
 import redis.asyncio as aioredis
 
 from pdserve.engine.block_manager import block_hash
-from pdserve.services import metrics as M
 from pdserve.services.kv_events import blocks_key, parse_member, stream_key
 
 log = logging.getLogger("pdserve.router.index")

@@ -7,10 +7,12 @@ import logging
 
 import grpc
 
-from pdserve.services import metrics as M
-from pdserve.services.grpc_util import ROUTER_SERVICE, make_server, set_serving
+from pdserve.services.metrics import router as M
+from pdserve.services.grpc_util import ROUTER_SERVICE, listen, make_server, set_serving
 from pdserve.services.convert import record_to_pb
+from pdserve.services.internal_security import NONE, InternalSecurity
 from pdserve.services.pb import router_pb2, router_pb2_grpc
+from pdserve.services.redis_conn import NO_AUTH, RedisAuth
 from pdserve.services.registry import Registry, WorkerRecord
 from pdserve.services.router.policy import NoWorkers, Policy, RouteInput
 from pdserve.services.router.prefix_index import IndexSync
@@ -77,21 +79,24 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
 
 async def serve(host: str, port: int, redis_url: str, model: str, metrics_port: int | None = None,
-                ttl_s: float = 3.0, mode: str = "auto") -> None:
-    from pdserve.services.procutil import install_stop_signals, start_metrics_server
+                ttl_s: float = 3.0, mode: str = "auto", metrics_compat: str | None = None,
+                security: InternalSecurity = NONE, redis_auth: RedisAuth = NO_AUTH) -> None:
+    """`security` must be what grpc_util.configure was given (the CLI does both): it keys the registry HMAC."""
+    from pdserve.services.metrics import exposition
+    from pdserve.services.procutil import install_stop_signals
     if metrics_port:
-        start_metrics_server(metrics_port)
-    registry = Registry(redis_url, model, ttl_s=ttl_s)
+        exposition.serve(exposition.exposition(M.ROUTER, {"model": model}, metrics_compat), metrics_port, host)
+    registry = Registry(redis_url, model, ttl_s=ttl_s, auth=redis_auth, key=security.registry_key())
     await registry.r.ping()  # fail fast with a clear error when Redis is not there
     server, hs = make_server([ROUTER_SERVICE])
     svc = RouterService(registry, mode=mode)
     await svc.start()
     router_pb2_grpc.add_RouterServicer_to_server(svc, server)
-    server.add_insecure_port(f"{host}:{port}")
+    listen(server, f"{host}:{port}")
     await server.start()
     await set_serving(hs, [ROUTER_SERVICE], True)
-    log.info("router listening on %s:%d (model %s, mode %s, index rebuilt with %d blocks)", host, port, model,
-             mode, len(svc.sync.index))
+    log.info("router listening on %s:%d (model %s, mode %s, index rebuilt with %d blocks, internal auth %s)", host,
+             port, model, mode, len(svc.sync.index), security.describe())
     stop = install_stop_signals()
     await stop.wait()
     await set_serving(hs, [ROUTER_SERVICE], False)

@@ -1,0 +1,167 @@
+"""The one request handler behind both front doors (HTTP `create_app`, gRPC `GatewayGrpc`).
+
+A request's path: `authorize` (stage one: key -> tenant, quota, rate) -> the front door parses its wire format
+into a `GenerateCall` -> `start` (deadline, admission, dispatch, the first upstream message pulled so that a
+refusal is still an error reply) -> `consume`, the one consumer of the upstream stream, for streaming and
+non-streaming answers alike. Every terminal path goes through one of three methods, each once per request:
+`consume` ends FINISHED, `fail` ends any error (typed reply + terminal state + rejection counter), `cancel`
+ends a request whose client left.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import replace
+from typing import AsyncIterator, Awaitable, Callable
+
+from pdserve.services.metrics import gateway as M
+from pdserve.services.gateway.core import Dispatcher, new_id, split
+from pdserve.services.gateway.errors import ErrorReply, RequestFailed, reply_for
+from pdserve.services.convert import lifecycle_to_pb
+from pdserve.services.gateway.lifecycle import Lifecycle, RequestRecord
+from pdserve.services.gateway.schema import FINISH_REASONS, Degraded, Delta, GenerateCall, RequestState
+from pdserve.services.gateway.stages import StageTrace, pick, stage_times
+from pdserve.services.gateway.timing import Timing
+
+
+class RequestHandler:
+    def __init__(self, life: Lifecycle, dispatcher: Dispatcher, max_model_len: int):
+        self.life, self.disp, self.max_len = life, dispatcher, max_model_len
+
+    def new_record(self) -> RequestRecord:
+        return self.life.new_record()
+
+    async def open(self, rec: RequestRecord, headers, parse: Callable[[], Awaitable[GenerateCall]]) -> RequestState:
+        """Stage one (`headers`: HTTP headers or gRPC metadata; an HTTP body was read within its limits before),
+        then `parse` (the front door's wire format -> GenerateCall), then `start`. Raises for `fail`."""
+        await self.life.authorize(rec, headers)
+        return await self.start(rec, await parse())
+
+    async def start(self, rec: RequestRecord, call: GenerateCall) -> RequestState:
+        """Admit and dispatch; raises (for `fail`) if the request is refused before its first message."""
+        params = call.params
+        deadline = self.life.deadline_for(call.timeout_s, rec)
+        rid = call.request_id or new_id(call.id_prefix)
+        # stage two: reserve KV for prompt + predicted output (may queue, degrade n, or reject)
+        ticket = await self.life.admit(rec, rid, call.prompts, params.max_tokens, params.n, self.max_len,
+                                       allow_degrade=call.allow_degrade)
+        degraded = None
+        headers: dict[str, str] = {}
+        if ticket is not None and ticket.degraded:
+            degraded = Degraded(ticket.n_requested, ticket.n_granted)
+            headers["x-pdserve-degraded"] = f"n={params.n}->{ticket.n_granted}"
+            params = replace(params, n=ticket.n_granted, best_of=None)
+        subs = split(call.prompts, params)
+        traces = [StageTrace() for _ in subs]
+        timing = Timing(rec=rec)
+        routes: list[str] = []
+
+        def on_route(r) -> None:
+            timing.mode = r.mode
+            routes.append(r.debug)
+
+        # the limits every worker obeys travel as a field of its request (metadata carries only tracing headers)
+        lifecycle = lifecycle_to_pb(deadline, rec.tenant.priority,
+                                    ticket.predicted_output if ticket is not None else None)
+        upstream = self.disp.generate_many(rid, subs, rec.tenant.namespace, on_route=on_route, traces=traces,
+                                           lifecycle=lifecycle)
+        try:
+            first = await upstream.__anext__()
+        except StopAsyncIteration:
+            first = None
+        except BaseException:
+            await upstream.aclose()
+            raise
+        if call.debug_route and rec.tenant.can("debug_route"):
+            headers["x-pdserve-route"] = " | ".join(routes)
+        n = len(subs)
+        return RequestState(rid, int(time.time()), call, rec, subs, traces, timing, upstream, first, degraded,
+                            routes, headers, tokens_per_choice=[0] * n, finish_reasons=[None] * n,
+                            prompt_logprobs=[[] for _ in range(n)])
+
+    async def consume(self, st: RequestState) -> AsyncIterator[Delta]:
+        """The upstream messages, counted (tokens, finish reasons, emit times, the record's counts). Ends the
+        request FINISHED after the last one; a failure reported by a worker raises `RequestFailed`, a broken
+        upstream its own error: the caller passes either to `fail`."""
+        rec, streamed = st.rec, st.call.streamed
+        async with contextlib.aclosing(st.upstream):
+            async for i, m in _messages(st.first, st.upstream):
+                ntok = 0
+                for o in m.outputs:
+                    k = len(o.token_ids)
+                    ntok += k
+                    st.tokens_per_choice[o.index] += k
+                    if o.finish_reason:
+                        st.finish_reasons[o.index] = FINISH_REASONS.get(o.finish_reason, "stop")
+                if m.prompt_logprobs:  # one sub-request = one choice (core.split)
+                    st.prompt_logprobs[st.subs[i].index_base].extend(m.prompt_logprobs)
+                st.generated_tokens += ntok
+                rec.generated = st.generated_tokens
+                if st.call.prompt_only:
+                    ntok = 0  # sampled, but not part of the answer
+                st.completion_tokens += ntok
+                if m.finished:
+                    st.cached_tokens += m.usage.cached_tokens
+                    if m.state and m.state != "FINISHED":
+                        raise RequestFailed(m.state, m.error or m.state, m)
+                if streamed:
+                    # counted before the delta goes out: a client that leaves while it is written leaves the
+                    # consumer suspended there, never resumed
+                    rec.emitted += ntok
+                t = st.timing.emit(ntok)
+                if t is not None:
+                    st.traces[i].on_emit(t)
+                yield Delta(i, m, ntok)
+        st.timing.done()
+        if not streamed:
+            rec.emitted = st.completion_tokens  # the whole answer goes out at once
+            # the output-length predictor learns from whole answers only: a streamed answer's admission learns
+            # its service time from the emitted count instead (lifecycle._learn)
+            rec.outputs_per_choice = list(st.tokens_per_choice)
+        rec.committed = rec.emitted
+        rec.cached_tokens = st.cached_tokens
+        await self.life.finish(rec, "FINISHED")
+
+    async def fail(self, rec: RequestRecord, e: BaseException) -> ErrorReply:
+        """The request ended with `e`: its reply, and (once) its terminal state. What was streamed is billed."""
+        reply = reply_for(e)
+        if rec.state is None:
+            if reply.rejection is not None:
+                M.REJECTIONS.labels(reply.rejection).inc()
+            rec.committed = rec.emitted
+            detail = e.detail if isinstance(e, RequestFailed) else (str(e) if isinstance(e, Exception) else repr(e))
+            await self.life.finish(rec, reply.state, detail or reply.state)
+        return reply
+
+    def cancel(self, st: RequestState | None, rec: RequestRecord, reason: str, *gens) -> None:
+        """The client left before the end: close `gens` (the front door's own generators) and the upstream calls
+        (aborting the request on its workers, releasing pinned prefill KV), and end the request CANCELLED,
+        billing what was streamed. Synchronous: it is called where the caller is being cancelled (an await there
+        would be interrupted); the work runs in a task the Lifecycle owns."""
+        async def cleanup() -> None:
+            try:
+                for gen in (*gens, st.upstream if st is not None else None):
+                    if gen is not None:
+                        with contextlib.suppress(RuntimeError):  # "already running": it is closing itself
+                            await gen.aclose()
+            finally:
+                if rec.state is None:
+                    rec.committed = rec.emitted
+                await self.life.finish(rec, "CANCELLED", reason)
+        self.life.spawn(cleanup())
+
+    def stage_times(self, st: RequestState) -> dict | None:
+        """The `usage.stage_times` extension (docs/services.md, "Stage times"), when the call asked for it and
+        its tenant may see it (`debug_stage_times`): ~1 KB that most clients never read."""
+        if not (st.call.stage_times and st.rec.tenant.can("debug_stage_times")):
+            return None
+        i = pick(st.traces)
+        return stage_times(st.rec.arrival, st.rec.admitted_at, st.traces[i], i, len(st.traces))
+
+
+async def _messages(first, upstream) -> AsyncIterator:
+    if first is not None:
+        yield first
+    async for x in upstream:
+        yield x
+

@@ -1,0 +1,161 @@
+"""OpenAI response bodies (completions and chat, whole or as server-sent events) from the handler's one consumer.
+
+Both renderings read the same `Delta`s from `RequestHandler.consume`; neither counts tokens or ends the request
+itself. A failure is rendered by the caller of `collect` (an error reply) or inside `stream` (an error event and
+no `[DONE]`), from the handler's `fail`.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.services.gateway.errors import RequestFailed
+from pdserve.services.gateway.handler import RequestHandler
+from pdserve.services.gateway.schema import FINISH_REASONS, RequestState
+
+
+@dataclass
+class OpenAIForm:
+    """How the client asked to see the answer (the OpenAI body's presentation fields)."""
+    model: str  # the served model name
+    chat: bool
+    return_token_ids: bool = False  # extension (vLLM-style): exact ids, for clients that detokenize
+    include_usage: bool = False  # stream_options.include_usage
+    echo_prompts: list[str] | None = None  # completions `echo`: each prompt's text, prepended to its choices
+    tokenizer: Tokenizer | None = None  # token texts for `text_offset` and the echoed prompt's first token
+
+
+def sse(obj) -> bytes:
+    return f"data: {json.dumps(obj)}\n\n".encode()
+
+
+def choice_logprobs(chat: bool, lps: list, offset: int = 0, tok: Tokenizer | None = None) -> dict:
+    if chat:
+        return {"content": [{"token": lp.token, "logprob": lp.logprob, "bytes": list(lp.token.encode()),
+                             "top_logprobs": [{"token": t.token, "logprob": t.logprob,
+                                               "bytes": list(t.token.encode())} for t in lp.top]}
+                            for lp in lps]}
+    return {"tokens": [lp.token for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{t.token: t.logprob for t in lp.top} for lp in lps],
+            "text_offset": text_offsets([lp.token_id for lp in lps], offset, tok)}
+
+
+def text_offsets(ids: list[int], start: int, tok: Tokenizer | None) -> list[int]:
+    """Each token's character offset in the returned text, from `start`: the running length of the tokens'
+    texts as the answer's text is decoded (special tokens skipped), as vLLM computes it. A character split over
+    several byte-level tokens counts at each piece, so offsets after one may run ahead of the text."""
+    out, at = [], start
+    for t in ids:
+        out.append(at)
+        at += len(tok.decode([t])) if tok is not None else 0
+    return out
+
+
+def echo_logprobs(prompt_ids: list[int], prompt_lps: list, answer: dict, tok: Tokenizer | None) -> dict:
+    """The legacy completions' logprobs with `echo`: the prompt's tokens first (the first has no log-prob:
+    null, as have its top_logprobs), then the answer's (`answer`'s offsets already start after the echoed
+    prompt's text)."""
+    first = tok.decode(prompt_ids[:1], skip_special_tokens=False) if tok is not None and prompt_ids else ""
+    return {"tokens": [first] + [lp.token for lp in prompt_lps] + answer["tokens"],
+            "token_logprobs": [None] + [lp.logprob for lp in prompt_lps] + answer["token_logprobs"],
+            "top_logprobs": [None] + [{t.token: t.logprob for t in lp.top} for lp in prompt_lps]
+            + answer["top_logprobs"],
+            "text_offset": text_offsets(prompt_ids, 0, tok) + answer["text_offset"]}
+
+
+def usage(handler: RequestHandler, st: RequestState) -> dict:
+    pt, ct = st.prompt_tokens, st.completion_tokens
+    u = {"prompt_tokens": pt, "completion_tokens": ct, "total_tokens": pt + ct,
+         "prompt_tokens_details": {"cached_tokens": st.cached_tokens}}
+    times = handler.stage_times(st)
+    if times is not None:
+        u["stage_times"] = times
+    return u
+
+
+def _base(form: OpenAIForm, st: RequestState, obj: str) -> dict:
+    return {"id": st.rid, "object": obj, "created": st.created, "model": form.model}
+
+
+async def collect(handler: RequestHandler, st: RequestState, form: OpenAIForm) -> dict:
+    """The whole answer's body. Raises what `consume` raises (the caller renders it with `fail`)."""
+    chat = form.chat
+    n = st.n_choices
+    texts = [""] * n
+    ids: list[list[int]] = [[] for _ in range(n)]
+    lps: list[list] = [[] for _ in range(n)]
+    async for d in handler.consume(st):
+        for o in d.msg.outputs:
+            texts[o.index] += o.text
+            ids[o.index].extend(o.token_ids)
+            lps[o.index].extend(o.logprobs)
+    want_lp = st.call.params.logprobs is not None
+    if st.call.prompt_only:  # echo with max_tokens 0: the sampled token is not part of the answer
+        texts, ids, lps = [""] * n, [[] for _ in range(n)], [[] for _ in range(n)]
+    per_prompt = n // len(st.call.prompts)
+    choices = []
+    for i, t in enumerate(texts):
+        echoed = form.echo_prompts[i // per_prompt] if form.echo_prompts is not None else ""
+        c = {"index": i, "finish_reason": st.finish_reasons[i] or "stop",
+             "logprobs": choice_logprobs(chat, lps[i], len(echoed), form.tokenizer) if want_lp else None}
+        if form.echo_prompts is not None:
+            if want_lp:
+                c["logprobs"] = echo_logprobs(st.subs[i].prompt_token_ids, st.prompt_logprobs[i], c["logprobs"],
+                                              form.tokenizer)
+            t = echoed + t
+        if chat:
+            c["message"] = {"role": "assistant", "content": t}
+        else:
+            c["text"] = t
+        if form.return_token_ids:
+            c["token_ids"] = ids[i]
+        choices.append(c)
+    out = {**_base(form, st, "chat.completion" if chat else "text_completion"), "choices": choices,
+           "usage": usage(handler, st)}
+    if st.degraded is not None:  # DEGRADED: fewer choices than asked, in the body and the x-pdserve-degraded header
+        out["pdserve"] = {"degraded": st.degraded.to_json()}
+    return out
+
+
+async def stream(handler: RequestHandler, st: RequestState, form: OpenAIForm) -> AsyncIterator[bytes]:
+    """Server-sent events, ending with `[DONE]` or, if the request fails on the way, with one error event.
+    A client that leaves mid-stream leaves this generator unfinished: the caller's `cancel` ends the request."""
+    chat = form.chat
+    base = _base(form, st, "chat.completion.chunk" if chat else "text_completion")
+    want_lp = st.call.params.logprobs is not None
+    chars = [0] * st.n_choices  # each choice's text so far: where its next tokens' text_offset starts
+    try:
+        if st.degraded is not None:
+            yield sse({**base, "choices": [], "pdserve": {"degraded": st.degraded.to_json()}})
+        if chat:
+            yield sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None} for i in range(st.n_choices)]})
+        async for d in handler.consume(st):
+            choices = []
+            for o in d.msg.outputs:
+                fr = FINISH_REASONS.get(o.finish_reason, "stop") if o.finish_reason else None
+                if not o.text and not o.token_ids and fr is None:
+                    continue
+                c = {"index": o.index, "finish_reason": fr,
+                     "logprobs": choice_logprobs(chat, list(o.logprobs), chars[o.index], form.tokenizer)
+                     if want_lp and o.logprobs else None}
+                chars[o.index] += len(o.text)
+                if chat:
+                    c["delta"] = {"content": o.text} if o.text or fr is None else {}
+                else:
+                    c["text"] = o.text
+                choices.append(c)
+            if choices:
+                yield sse({**base, "choices": choices})
+    except Exception as e:  # noqa: BLE001 - every failure ends the stream with its error event
+        reply = await handler.fail(st.rec, e)
+        body = reply.body()
+        if isinstance(e, RequestFailed):  # the request failed or timed out mid-stream
+            body["error"]["code"] = e.state.lower()
+        yield sse(body)
+        return
+    if form.include_usage:
+        yield sse({**base, "choices": [], "usage": usage(handler, st)})
+    yield b"data: [DONE]\n\n"

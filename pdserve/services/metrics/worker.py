@@ -1,0 +1,108 @@
+"""A worker's families: its engine, its KV pool, KV transfer. The `role` label (prefill / decode / both: the
+pool) is added to every sample at exposition, with `model`."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+
+from pdserve.services.metrics.common import FAST, LAT, REJECTIONS  # noqa: F401 - worker-side rejections
+
+WORKER = CollectorRegistry(auto_describe=True)
+
+QUEUE_TIME = Histogram("pdserve_queue_time_seconds", "Engine arrival -> first scheduled", buckets=LAT,
+                       registry=WORKER)
+PREFILL_TIME = Histogram("pdserve_prefill_time_seconds", "First scheduled -> first token", buckets=LAT,
+                         registry=WORKER)
+KV_TRANSFER_SECONDS = Histogram("pdserve_kv_transfer_seconds", "One batched NIXL READ of a request's blocks",
+                                buckets=FAST, registry=WORKER)
+KV_TRANSFER_BYTES = Counter("pdserve_kv_transfer_bytes_total", "Bytes pulled over NIXL", registry=WORKER)
+KV_TRANSFER_FAILURES = Counter("pdserve_kv_transfer_failures_total", "Failed or timed-out KV pulls", ["reason"],
+                               registry=WORKER)
+LEASES_EXPIRED = Counter("pdserve_kv_leases_expired_total", "Pinned KV freed by lease expiry (nobody pulled)",
+                         registry=WORKER)
+KV_HANDSHAKES = Counter("pdserve_kv_handshakes_total", "KV handshakes between a decode and a prefill worker "
+                        "(side: initiated on the decode worker, served on the prefill worker)", ["side"],
+                        registry=WORKER)
+KV_EVENTS_PUBLISHED = Counter("pdserve_kv_events_published_total", "KV events a worker published", ["kind"],
+                              registry=WORKER)
+TERMINAL = Counter("pdserve_engine_requests_terminal_total", "Engine requests on this worker reaching a terminal "
+                   "state (a client request is one or more engine requests; the gateway counts client requests)",
+                   ["state"], registry=WORKER)
+
+# ---- from the engine's stats snapshot (EngineStatsExporter) --------------------------------------------------
+KV_BLOCKS_IN_USE = Gauge("pdserve_kv_blocks_in_use", "KV blocks allocated (incl. pinned for transfer)",
+                         registry=WORKER)
+KV_BLOCKS_TOTAL = Gauge("pdserve_kv_blocks_total", "KV blocks in the pool", registry=WORKER)
+KV_BLOCKS_PINNED = Gauge("pdserve_kv_blocks_pinned", "Prefill-side blocks pinned under a lease", registry=WORKER)
+KV_USAGE = Gauge("pdserve_kv_usage_fraction", "KV blocks in use / KV blocks in the pool (0..1)", registry=WORKER)
+PREFIX_QUERIES = Counter("pdserve_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache",
+                         registry=WORKER)
+PREFIX_HITS = Counter("pdserve_prefix_cache_hits_total", "Prompt tokens found in the prefix cache", registry=WORKER)
+PREFIX_HIT_RATIO = Gauge("pdserve_prefix_hit_ratio", "DEPRECATED (cannot be aggregated across workers): lifetime "
+                         "prefix-cache hit ratio; use pdserve_prefix_cache_hits_total / "
+                         "pdserve_prefix_cache_queries_total", registry=WORKER)
+NUM_RUNNING = Gauge("pdserve_num_running", "Requests running in the engine", registry=WORKER)
+NUM_WAITING = Gauge("pdserve_num_waiting", "Requests waiting in the engine", registry=WORKER)
+STATE_GAUGE = Gauge("pdserve_requests_in_state", "Live engine sequences per state", ["state"], registry=WORKER)
+
+
+def observe_engine_times(out) -> None:
+    """Queue and prefill time of a request from its engine output's timestamps (a worker's first output)."""
+    m = (out.metrics or {}) if out is not None else {}
+    a, s, f = m.get("arrival_time"), m.get("first_scheduled_time"), m.get("first_token_time")
+    if a and s:
+        QUEUE_TIME.observe(max(0.0, s - a))
+    if s and f:
+        PREFILL_TIME.observe(max(0.0, f - s))
+
+
+class EngineStatsExporter:
+    """Engine stats snapshot -> the gauges above, and the engine's cumulative prefix-cache token counts -> the
+    counters (incremented by what grew since the last snapshot, so they stay counters Prometheus can rate and sum
+    across workers)."""
+
+    def __init__(self, states: list[str]):
+        self.states = states
+        self.queried = 0
+        self.hits = 0
+
+    def update(self, s: dict) -> None:
+        used, total = s.get("kv_blocks_in_use", 0), s.get("kv_blocks_total", 0)
+        KV_BLOCKS_IN_USE.set(used)
+        KV_BLOCKS_TOTAL.set(total)
+        KV_USAGE.set(used / total if total else 0.0)
+        KV_BLOCKS_PINNED.set(s.get("kv_blocks_pinned", 0))
+        PREFIX_HIT_RATIO.set(float(s.get("prefix_hit_ratio", 0.0) or 0.0))
+        NUM_RUNNING.set(s.get("num_running", 0))
+        NUM_WAITING.set(s.get("num_waiting", 0))
+        counts = s.get("states", {})
+        for st in self.states:
+            STATE_GAUGE.labels(st).set(counts.get(st, 0))
+        q, h = s.get("prefix_queried_tokens", 0), s.get("prefix_hit_tokens", 0)
+        if q > self.queried:
+            PREFIX_QUERIES.inc(q - self.queried)
+            self.queried = q
+        if h > self.hits:
+            PREFIX_HITS.inc(h - self.hits)
+            self.hits = h
+
+
+class _StateEntries:
+    """`pdserve_request_state_entries_total{state}`: how often sequences entered each of the 14 states in this
+    process (transient states such as RUNNABLE / RESUMED last less than a tick, so only a counter shows them)."""
+
+    def describe(self):  # the registry's name check, without importing the engine here
+        return [self._family()]
+
+    def _family(self) -> CounterMetricFamily:
+        return CounterMetricFamily("pdserve_request_state_entries", "Sequences entering each state", labels=["state"])
+
+    def collect(self):
+        from pdserve.engine.request_state import ENTERED
+        m = self._family()
+        for state, n in ENTERED.items():
+            m.add_metric([state], n)
+        yield m
+
+
+WORKER.register(_StateEntries())

@@ -1,0 +1,88 @@
+"""KV pool sizing: the arithmetic (checked against hand-computed figures), the precedence of the knobs, and the
+worker flags / PDSERVE_* variables that set them."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_sizing import (CPU_DEFAULT_KV_BYTES, KVSizingError, MemoryProfile, block_bytes_for,
+                                      num_blocks, pool_blocks)
+
+GIB = 1 << 30
+
+
+def test_block_bytes_llama3_8b_bf16():
+    # 32 layers x K,V x 16 tokens x 8 KV heads x 128 dims x 2 bytes = 2 MiB
+    assert block_bytes_for(32, 16, 8, 128, torch.bfloat16) == 2 * 1024 * 1024
+    assert block_bytes_for(2, 4, 2, 16, torch.float32) == 2 * 2 * 4 * 2 * 16 * 4
+
+
+def test_pool_takes_what_is_left_under_the_fraction():
+    # H200-like: 141 GiB x 0.9 = 126.9 GiB; 16 GiB weights, 3 GiB activations, 0.5 GiB context -> 107.4 GiB left
+    prof = MemoryProfile(total_bytes=141 * GIB, weight_bytes=16 * GIB, activation_peak_bytes=3 * GIB,
+                         non_torch_bytes=GIB // 2)
+    left = int(141 * GIB * 0.9) - 16 * GIB - 3 * GIB - GIB // 2
+    assert pool_blocks(prof, 0.9, 2 << 20) == left // (2 << 20)
+    assert pool_blocks(prof, 0.9, 2 << 20) == 54988  # 107.39 GiB / 2 MiB, by hand
+    assert pool_blocks(prof, 0.5, 2 << 20) < pool_blocks(prof, 0.9, 2 << 20)
+
+
+def test_no_room_names_the_parts():
+    prof = MemoryProfile(total_bytes=24 * GIB, weight_bytes=16 * GIB, activation_peak_bytes=6 * GIB,
+                         non_torch_bytes=GIB)
+    with pytest.raises(KVSizingError, match=r"weights 16\.00 \+ activations 6\.00 \+ CUDA context 1\.00 GiB"):
+        pool_blocks(prof, 0.9, 2 << 20)
+
+
+@pytest.mark.parametrize("util", [0.0, 1.5, -0.1])
+def test_bad_fraction(util):
+    with pytest.raises(KVSizingError):
+        pool_blocks(MemoryProfile(GIB, 0, 0, 0), util, 1024)
+
+
+def test_precedence_on_cpu():
+    """num_gpu_blocks > kv_cache_bytes > the CPU default (no model is touched on these paths)."""
+    cpu = torch.device("cpu")
+    assert num_blocks(EngineConfig(num_gpu_blocks=7, kv_cache_bytes=1 << 20), None, cpu, 1024) == 7
+    assert num_blocks(EngineConfig(kv_cache_bytes=10 * 1024 + 5), None, cpu, 1024) == 10
+    assert num_blocks(EngineConfig(kv_cache_bytes=5), None, cpu, 1024) == 1
+    assert num_blocks(EngineConfig(), None, cpu, 1 << 20) == CPU_DEFAULT_KV_BYTES >> 20
+
+
+@pytest.mark.parametrize("kw", [dict(gpu_memory_utilization=0), dict(gpu_memory_utilization=1.01),
+                                dict(kv_cache_bytes=0), dict(max_model_len=1), dict(attention="flash")])
+def test_engine_config_rejects(kw):
+    with pytest.raises(ValueError):
+        EngineConfig(**kw).validate()
+
+
+def test_worker_flags_and_env_reach_the_engine_config(monkeypatch):
+    from pdserve.cli import build_parser
+    from pdserve.services.worker import engine_config_from_env
+    monkeypatch.setenv("PDSERVE_GPU_MEMORY_UTILIZATION", "0.8")
+    monkeypatch.setenv("PDSERVE_MAX_NUM_BATCHED_TOKENS", "4096")
+    args = build_parser().parse_args(["worker", "--role", "both", "--kv-cache-bytes", "1048576", "--block-size",
+                                      "32", "--max-model-len", "8192", "--max-num-seqs", "128",
+                                      "--dtype", "bfloat16"])
+    cfg = engine_config_from_env(args)
+    assert (cfg.gpu_memory_utilization, cfg.max_num_batched_tokens, cfg.kv_cache_bytes, cfg.block_size,
+            cfg.max_model_len, cfg.max_num_seqs, cfg.dtype) == (0.8, 4096, 1 << 20, 32, 8192, 128, "bfloat16")
+    unset = engine_config_from_env(build_parser().parse_args(["worker", "--role", "both"]))
+    assert unset.kv_cache_bytes is None and unset.block_size == 16 and unset.max_model_len is None
+
+
+@pytest.mark.parametrize("argv,want", [
+    (["--gpu-memory-utilization", "1.2"], "'1.2' must be <= 1"),
+    (["--gpu-memory-utilization", "0"], "'0' must be > 0"),
+    (["--kv-cache-bytes", "8GiB"], "'8GiB' is not an integer"),
+    (["--max-model-len", "1"], "'1' must be >= 2"),
+    (["--block-size", "0"], "'0' must be >= 1"),
+])
+def test_bad_flags_are_one_line_errors(capsys, argv, want):
+    from pdserve.cli import build_parser
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["worker", "--role", "both", *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert want in err and argv[0] in err and len(err.strip().splitlines()) == 1

@@ -1,0 +1,50 @@
+"""Compile the CUDA kernels for given GPU architectures without a GPU and print one JSON line per variant.
+
+Run in a process of its own (tests/engine/test_triton_compile.py): Triton's JIT must not be in interpreter mode,
+which the test session turns on for the other Triton tests."""
+from __future__ import annotations
+
+import json
+import sys
+
+import triton
+import triton.compiler as tc
+from triton.backends.compiler import GPUTarget
+
+from pdserve.engine import triton_attention as ta
+
+
+def build(fn, types: dict, consts: dict, arch: int):
+    sig = {n: "constexpr" if n in consts else types.get(n, "i64") for n in fn.arg_names}  # strides: i64
+    src = tc.ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32))
+
+
+def variants():
+    for arch in (90, 80):
+        for dt in ("bf16", "fp32"):
+            for splits in (1, 8):
+                yield (f"decode-sm{arch}-{dt}-splits{splits}", ta._decode_kernel, dict(
+                    Q=f"*{dt}", K=f"*{dt}", V=f"*{dt}", Out=f"*{dt}", Rows="*i64", Tables="*i64", Lens="*i64",
+                    PartAcc="*fp32", PartML="*fp32", scale="fp32", window="i32"), dict(
+                    GROUP=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_N=32, SPLITS=splits,
+                    PRECISION="ieee", UPCAST=False), arch)
+            yield (f"merge-sm{arch}-{dt}", ta._merge_kernel, dict(Out=f"*{dt}", Rows="*i64", PartAcc="*fp32",
+                                                                   PartML="*fp32"),
+                   dict(HEAD_DIM=128, BLOCK_D=128, SPLITS=8), arch)
+        for dt, hd in (("bf16", 128), ("fp32", 64), ("bf16", 96)):
+            yield (f"prefill-sm{arch}-{dt}-d{hd}", ta._prefill_kernel, dict(
+                Q=f"*{dt}", K=f"*{dt}", V=f"*{dt}", Out=f"*{dt}", Starts="*i64", QLens="*i64", Lens="*i64",
+                Tables="*i64", scale="fp32", window="i32"), dict(
+                GROUP=4, HEAD_DIM=hd, BLOCK_D=1 << (hd - 1).bit_length(), BLOCK_SIZE=16, BLOCK_M=32, BLOCK_N=32,
+                PRECISION="ieee", UPCAST=False), arch)
+
+
+if __name__ == "__main__":
+    for name, fn, types, consts, arch in variants():
+        try:
+            k = build(fn, types, consts, arch)
+            print(json.dumps({"name": name, "cubin_bytes": len(k.asm["cubin"]), "mma": "mma" in k.asm["ptx"]}))
+        except Exception as e:  # reported per variant; the test names it
+            print(json.dumps({"name": name, "error": f"{type(e).__name__}: {str(e)[:2000]}"}))
+        sys.stdout.flush()

@@ -1,0 +1,39 @@
+"""The gateway and the router serve without torch and without the engine (issue 21, item 7): a fresh
+interpreter that imports their server modules and builds the gateway app for the builtin model has loaded
+neither."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+PROBE = """
+import asyncio, json, sys
+import pdserve.services.gateway.server
+import pdserve.services.router.server
+from pdserve.services.gateway.app import GatewayConfig, create_app
+
+async def main():
+    app = create_app(GatewayConfig("builtin", "builtin", "127.0.0.1:1"))
+    ids = app.state.tokenizer.encode("the quick brown fox")
+    return len(ids)
+
+n = asyncio.run(main())
+print(json.dumps({"tokens": n, "heavy": sorted(m for m in sys.modules
+                  if m == "torch" or m.startswith("torch.") or m.startswith("pdserve.engine.engine")
+                  or m in ("pdserve.engine.model", "pdserve.engine.grammar", "xgrammar"))}))
+"""
+
+
+def test_gateway_and_router_import_neither_torch_nor_the_engine():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["tokens"] > 0  # the app really tokenizes (the `tokenizers` library)
+    assert got["heavy"] == [], got["heavy"]
