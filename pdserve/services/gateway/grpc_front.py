@@ -20,7 +20,8 @@ from pdserve.services.gateway.handler import RequestHandler
 from pdserve.services.gateway.params import validate
 from pdserve.services.gateway.parse import RequestParser
 from pdserve.services.gateway.schema import GenerateCall
-from pdserve.services.pb import gateway_pb2_grpc, params_from_pb
+from pdserve.services.convert import params_from_pb
+from pdserve.services.pb import gateway_pb2_grpc
 
 log = logging.getLogger("pdserve.gateway")
 
