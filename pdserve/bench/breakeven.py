@@ -224,9 +224,10 @@ def compare(results: dict, grid) -> list[dict]:
 
 
 def plot_heatmap(rows: list[dict], path: Path, slo: MX.SLO) -> Path | None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from pdserve.bench.report import pyplot
+    plt = pyplot()
+    if plt is None:
+        return None
     if not rows:
         return None
     olens = sorted({r["output_len"] for r in rows})
@@ -263,9 +264,10 @@ def plot_heatmap(rows: list[dict], path: Path, slo: MX.SLO) -> Path | None:
 
 
 def plot_detail(results: dict, grid, path: Path) -> Path | None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from pdserve.bench.report import pyplot
+    plt = pyplot()
+    if plt is None:
+        return None
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for mode, style in (("colocated", "o-"), ("disagg", "s--")):
         cells = results.get(mode, {}).get("cells", {})

@@ -1,4 +1,7 @@
-"""Results -> JSON, PNG plots (matplotlib, Agg) and one self-contained HTML page (images base64-inlined)."""
+"""Results -> JSON, PNG plots (matplotlib, Agg) and one self-contained HTML page (images base64-inlined).
+
+matplotlib is the `bench` extra (`pip install pdserve[bench]`): a serving install does without it, and a bench run
+without it writes the JSON and the tables, with a line in place of each plot."""
 from __future__ import annotations
 
 import base64
@@ -7,10 +10,17 @@ import json
 import math
 from pathlib import Path
 
-import matplotlib
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None when the `bench` extra is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
 
 
 
@@ -47,7 +57,10 @@ def _point_label(p: dict) -> str:
 
 
 # ---- plots -------------------------------------------------------------------------------------------------
-def plot_cdfs(points: list[dict], path: Path) -> Path:
+def plot_cdfs(points: list[dict], path: Path) -> Path | None:
+    plt = pyplot()
+    if plt is None:
+        return None
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
     for ax, key, title in zip(axes.flat, ("ttft_s", "itl_s", "tpot_s", "e2e_s"),
                               ("TTFT (from scheduled arrival)", "ITL (per chunk)", "TPOT (N_out ≥ 2)",
@@ -73,7 +86,10 @@ def plot_cdfs(points: list[dict], path: Path) -> Path:
     return path
 
 
-def plot_latency_throughput(points: list[dict], path: Path, knee: dict | None = None) -> Path:
+def plot_latency_throughput(points: list[dict], path: Path, knee: dict | None = None) -> Path | None:
+    plt = pyplot()
+    if plt is None:
+        return None
     pts = [p for p in points if p.get("offered_rate_req_per_s") is not None]
     pts.sort(key=lambda p: p["offered_rate_req_per_s"])
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
@@ -119,6 +135,9 @@ STAGE_KEYS = ("client_to_gateway_s", "route_rpc_other_s", "queue_s", "prefill_s"
 
 
 def plot_stages(points: list[dict], path: Path) -> Path | None:
+    plt = pyplot()
+    if plt is None:
+        return None
     pts = [p for p in points if p.get("stage_breakdown_mean_s")]
     if not pts:
         return None
@@ -243,7 +262,9 @@ def run_report(result: dict, out_dir: Path, title: str = "pdserve bench") -> dic
     out_dir.mkdir(parents=True, exist_ok=True)
     points = result["points"]
     files = {"json": write_json(result, out_dir / "results.json")}
-    files["cdf_png"] = plot_cdfs(points, out_dir / "cdf.png")
+    cdf = plot_cdfs(points, out_dir / "cdf.png")
+    if cdf:
+        files["cdf_png"] = cdf
     lt = None
     if sum(1 for p in points if p.get("offered_rate_req_per_s") is not None) >= 2:
         lt = files["latency_throughput_png"] = plot_latency_throughput(points, out_dir / "latency_throughput.png",
@@ -256,7 +277,8 @@ def run_report(result: dict, out_dir: Path, title: str = "pdserve bench") -> dic
         sections.append(("Knee", "<pre>" + html.escape(json.dumps(_clean(result["knee"]), indent=1)) + "</pre>"))
     if lt:
         sections.append(("Latency–throughput", _img(lt)))
-    sections.append(("CDFs", _img(files["cdf_png"])))
+    sections.append(("CDFs", _img(cdf) if cdf else "<p>No plots: matplotlib is not installed "
+                     "(<code>pip install pdserve[bench]</code>).</p>"))
     dist = stage_table(points)
     if dist:
         sections.append(("Per-stage breakdown", (_img(st) if st else "") + "<p>Per-request distributions from each "

@@ -60,3 +60,22 @@ def test_ctrl_c_reports_partial(mock_factory, tmp_path):
     p = res["points"][0]
     assert p["interrupted"] and 3 <= p["steady"]["n_ok"] < 200
     assert "INTERRUPTED" in se and "html:" in so
+
+
+def test_report_without_matplotlib(mock_factory, tmp_path):
+    """matplotlib is the `bench` extra: without it a run still writes its JSON and tables, and says why no plots."""
+    m = mock_factory("--ttft", "0.01", "--itl", "0.003")
+    out = tmp_path / "noplt"
+    blocker = tmp_path / "site"
+    blocker.mkdir()
+    # a `matplotlib` that cannot be imported, first on the path (as on an install without the extra)
+    (blocker / "matplotlib.py").write_text("raise ImportError('no matplotlib here')\n")
+    e = env()
+    e["PYTHONPATH"] = f"{blocker}:{e.get('PYTHONPATH', '')}"
+    r = subprocess.run([sys.executable, "-m", "pdserve.bench", "run", "--base-url", m.url, "--num-requests", "5",
+                        "--output-len", "fixed:4", "--prompt-len", "uniform:4:16", "--out", str(out), "--no-progress"],
+                       env=e, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((out / "results.json").read_text())["points"][0]["steady"]["n_ok"] == 5
+    assert not list(out.glob("*.png"))
+    assert "pip install pdserve[bench]" in (out / "report.html").read_text()

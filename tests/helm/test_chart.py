@@ -725,3 +725,25 @@ def test_metrics_compat_reaches_every_process(monkeypatch):
         assert {"gateway", "router", "worker"} <= set(seen)
     with pytest.raises(Exception):
         objects({"metrics": {"compat": "sglang"}})  # the schema names the choices
+
+
+def test_logging_and_tracing_values_reach_every_process(monkeypatch):
+    """`logging.format: json` -> every pdserve process parses `--log-format json` (PDSERVE_LOG_FORMAT);
+    `tracing.otlpEndpoint` -> OTEL_EXPORTER_OTLP_ENDPOINT on each, which is what turns tracing on
+    (docs/observability.md); defaults: text logs, no tracing variable at all."""
+    vals = {"logging": {"format": "json", "level": "DEBUG"},
+            "tracing": {"otlpEndpoint": "http://otel-collector.monitoring:4318"}}
+    seen = []
+    for o, c in _pdserve_containers(objects(vals)):
+        a = parse_pdserve(c, monkeypatch)
+        seen.append(a.command)
+        env = container_env(c)
+        assert a.log_format == "json" and env["PDSERVE_LOG_LEVEL"] == "DEBUG", o["metadata"]["name"]
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector.monitoring:4318"
+    assert {"gateway", "router", "worker"} <= set(seen)
+    for o, c in _pdserve_containers(objects({})):
+        assert parse_pdserve(c, monkeypatch).log_format == "text"
+        assert not any(k.startswith("OTEL_") for k in container_env(c)), o["metadata"]["name"]
+    for bad in ({"logging": {"format": "xml"}}, {"tracing": {"otlpEndpoint": "collector:4318"}}):
+        with pytest.raises(Exception):
+            objects(bad)  # the schema names the choices / wants a URL

@@ -80,6 +80,9 @@ PANELS = [
      [(f"sum by (reason) (increase(pdserve_kv_transfer_failures_total{{{POOL}}}[$__rate_interval]))",
        "failed {{reason}}"),
       (f"sum (increase(pdserve_kv_leases_expired_total{{{POOL}}}[$__rate_interval]))", "leases expired")]),
+    # one per (decode, prefill incarnation) pair; a steady rate means prefill workers keep restarting
+    ("KV handshakes (new or restarted prefill peers)", "short",
+     [(f"sum by (side) (increase(pdserve_kv_handshakes_total{{{POOL}}}[$__rate_interval]))", "{{side}}")]),
     # internal security (docs/services.md, Trust model): anything above zero is a forged or mis-keyed worker
     ("Registry records refused (HMAC does not verify)", "short",
      [(f"sum by (service) (increase(pdserve_registry_rejected_records_total{{{SEL}}}[$__rate_interval]))",

@@ -242,7 +242,13 @@ builtin
 
 {{- define "pdserve.commonEnv" -}}
 - name: PDSERVE_LOG_LEVEL
-  value: INFO
+  value: {{ .Values.logging.level | quote }}
+- name: PDSERVE_LOG_FORMAT
+  value: {{ .Values.logging.format | quote }}
+{{- with .Values.tracing.otlpEndpoint }}
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ . | quote }}
+{{- end }}
 - name: PDSERVE_SERVED_MODEL_NAME
   value: {{ include "pdserve.servedModelName" . | quote }}
 {{- with .Values.metrics.compat }}
