@@ -1,7 +1,8 @@
 """Engine RequestOutput -> GenerateResponse deltas."""
 from __future__ import annotations
 
-from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.outputs import FirstToken, RequestOutput
+from pdserve.engine.sampler import SampleResult
 from pdserve.services.pb import common_pb2
 
 
@@ -51,6 +52,17 @@ class DeltaEncoder:
             msg.usage.cached_tokens = out.num_cached_tokens or 0
         fill_times(msg.times, out.metrics)
         return msg
+
+
+def first_tokens_from_pb(firsts) -> list[FirstToken]:
+    """The prefill worker's `FirstToken`s (worker.proto) -> the engine's, one per branch."""
+    out = []
+    for f in firsts:
+        lp = None
+        if f.HasField("logprob"):
+            lp = SampleResult(f.logprob.token_id, f.logprob.logprob, [(t.token_id, t.logprob) for t in f.logprob.top])
+        out.append(FirstToken(f.token_id, f.cumulative_logprob, lp))
+    return out
 
 
 def fill_times(times: common_pb2.StageTimes, metrics: dict | None) -> None:
