@@ -238,3 +238,82 @@ def check_worker_refusal_names_the_field(up):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert (err["param"], err["code"]) == ("response_format", "invalid_parameter"), err
+
+
+N_PROMPT = "seven wizards quietly hex every jolly sphinx of black quartz " * 6  # several KV blocks
+N_SAMPLED = dict(temperature=1.0, seed=4242, ignore_eos=True)
+
+
+def _blocks_in_use(w) -> int:
+    """Exactly what the worker's engine holds now (the GetStats RPC runs on its engine thread)."""
+    import grpc
+
+    from pdserve.services.pb import worker_pb2, worker_pb2_grpc
+    with grpc.insecure_channel(f"127.0.0.1:{w['port']}") as ch:
+        st = worker_pb2_grpc.WorkerStub(ch).GetStats(worker_pb2.GetStatsRequest(), timeout=10)
+    return st.load.kv_blocks_in_use
+
+
+def _prompt_lookups(up) -> float:
+    """Prompt tokens every worker's engine looked up to allocate a sequence's prompt (a forked branch looks
+    nothing up: it shares its parent's blocks)."""
+    return sum(metric(w["metrics_port"], "pdserve_prefix_cache_queries_total") for w in up.workers())
+
+
+def check_n_branches(up, tiny_llama):
+    """Served n=3 (seeded) is one engine request with three copy-on-write branches: the prompt is allocated once
+    per engine it passes through (one prefill; disaggregated: one decode-side allocation, one transfer), the
+    branches share its KV while they run, and each branch's tokens equal the offline engine's n=3 branches with
+    the same seed. best_of=3, n=1 returns the branch of highest cumulative logprob; streaming it is a 400."""
+    from pdserve.engine.engine import Engine, EngineConfig
+    from pdserve.engine.sampling_params import SamplingParams
+    from tests.e2e.conftest import NUM_BLOCKS
+    eng = Engine.from_pretrained(str(tiny_llama), EngineConfig(num_gpu_blocks=NUM_BLOCKS))
+    prompt_ids = eng.tokenizer.encode(N_PROMPT)
+    ref = eng.generate([prompt_ids], SamplingParams(n=3, max_tokens=8, **N_SAMPLED))[0].outputs
+    assert len({tuple(c.token_ids) for c in ref}) > 1  # the branches really differ
+    hops = 2 if up.info["mode"] == "disagg" else 1
+
+    def post(**body):
+        return httpx.post(up.base_url + "/v1/completions", timeout=60, json={
+            "model": "ck", "prompt": N_PROMPT, "return_token_ids": True, **N_SAMPLED, **body})
+
+    for w in up.workers():  # nothing else running: the lookup counters move for this request only
+        assert wait_until(lambda: _blocks_in_use(w) == 0, 15)
+    before = _prompt_lookups(up)
+    r = post(n=3, max_tokens=8)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert [c["token_ids"] for c in body["choices"]] == [c.token_ids for c in ref]
+    assert body["usage"]["prompt_tokens"] == len(prompt_ids) and body["usage"]["completion_tokens"] == 24
+    # one prompt allocation per engine (fanned out, it was three): the exporter refreshes from engine snapshots
+    assert wait_until(lambda: _prompt_lookups(up) - before == hops * len(prompt_ids), 10), \
+        (_prompt_lookups(up) - before, hops, len(prompt_ids))
+
+    # best_of=3, n=1: the offline n=3 branch of highest cumulative logprob (the engine's own choice is not the
+    # reference: the test ranks the offline branches itself)
+    best = max(ref, key=lambda c: c.cumulative_logprob)
+    r = post(n=1, best_of=3, max_tokens=8)
+    assert r.status_code == 200, r.text
+    assert [c["token_ids"] for c in r.json()["choices"]] == [best.token_ids]
+    assert r.json()["usage"]["completion_tokens"] == 8  # the returned choice, not the three sampled
+    r = post(n=1, best_of=3, max_tokens=8, stream=True)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "best_of", r.text
+
+    # while a long n=3 request runs, the worker decoding it holds the prompt's blocks once, not three times
+    block_size = 16
+    prompt_blocks = -(-len(prompt_ids) // block_size)
+    decoders = up.workers("decode") or up.workers("both")
+    held = []
+    with httpx.stream("POST", up.base_url + "/v1/completions", timeout=60, json={
+            "model": "ck", "prompt": N_PROMPT, "n": 3, "max_tokens": 400, "stream": True, **N_SAMPLED}) as s:
+        chunks = [0, 0, 0]
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    chunks[c["index"]] += 1
+                if min(chunks) >= 3 and not held:  # every branch is decoding (past the prefill's first token)
+                    held = [_blocks_in_use(w) for w in decoders]
+    assert max(held) >= prompt_blocks, (held, prompt_blocks)  # the request was really running there
+    assert max(held) < 3 * prompt_blocks - 2, (held, prompt_blocks)  # shared (+ each branch's own tail)
