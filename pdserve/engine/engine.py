@@ -278,7 +278,8 @@ class Engine:
         cached = req.seqs[0].num_cached_tokens
         return RequestOutput(req.request_id, req.prompt_token_ids, outs, req.finished,
                              req.seqs[0].state.value if not req.finished else self._terminal_state(req).value,
-                             cached, dict(req.metrics), req.prompt_logprobs)
+                             cached, dict(req.metrics), req.prompt_logprobs,
+                             num_generated_tokens=sum(s.num_output_tokens for s in req.seqs))
 
     @staticmethod
     def _hides_branches(req: Request) -> bool:

@@ -37,3 +37,4 @@ class RequestOutput:
     metrics: dict = field(default_factory=dict)
     prompt_logprobs: list | None = None
     error: str | None = None
+    num_generated_tokens: int = 0  # sampled so far, every branch (best_of: the ones not returned too)

@@ -50,6 +50,7 @@ class DeltaEncoder:
             msg.usage.prompt_tokens = len(out.prompt_token_ids)
             msg.usage.completion_tokens = sum(len(c.token_ids) for c in out.outputs)
             msg.usage.cached_tokens = out.num_cached_tokens or 0
+            msg.usage.generated_tokens = out.num_generated_tokens
         fill_times(msg.times, out.metrics)
         return msg
 

@@ -240,7 +240,7 @@ def check_worker_refusal_names_the_field(up):
     assert (err["param"], err["code"]) == ("response_format", "invalid_parameter"), err
 
 
-N_PROMPT = "seven wizards quietly hex every jolly sphinx of black quartz " * 6  # several KV blocks
+N_PROMPT = "seven wizards quietly hex every jolly sphinx of black quartz " * 6  # ~23 KV blocks
 N_SAMPLED = dict(temperature=1.0, seed=4242, ignore_eos=True)
 
 
@@ -272,7 +272,6 @@ def check_n_branches(up, tiny_llama):
     prompt_ids = eng.tokenizer.encode(N_PROMPT)
     ref = eng.generate([prompt_ids], SamplingParams(n=3, max_tokens=8, **N_SAMPLED))[0].outputs
     assert len({tuple(c.token_ids) for c in ref}) > 1  # the branches really differ
-    hops = 2 if up.info["mode"] == "disagg" else 1
 
     def post(**body):
         return httpx.post(up.base_url + "/v1/completions", timeout=60, json={
@@ -287,33 +286,49 @@ def check_n_branches(up, tiny_llama):
     assert [c["index"] for c in body["choices"]] == [0, 1, 2]
     assert [c["token_ids"] for c in body["choices"]] == [c.token_ids for c in ref]
     assert body["usage"]["prompt_tokens"] == len(prompt_ids) and body["usage"]["completion_tokens"] == 24
-    # one prompt allocation per engine (fanned out, it was three): the exporter refreshes from engine snapshots
-    assert wait_until(lambda: _prompt_lookups(up) - before == hops * len(prompt_ids), 10), \
-        (_prompt_lookups(up) - before, hops, len(prompt_ids))
+    # one prompt allocation per engine it passed through (fanned out, it was three per engine): one worker, or a
+    # prefill and a decode worker (the router may also serve a request whole on one worker in disagg mode). The
+    # exporter refreshes from engine snapshots.
+    assert wait_until(lambda: _prompt_lookups(up) - before in (len(prompt_ids), 2 * len(prompt_ids)), 10), \
+        (_prompt_lookups(up) - before, len(prompt_ids))
 
     # best_of=3, n=1: the offline n=3 branch of highest cumulative logprob (the engine's own choice is not the
     # reference: the test ranks the offline branches itself)
     best = max(ref, key=lambda c: c.cumulative_logprob)
+    gen0 = metric(up.port, "pdserve_generation_tokens_total")
+    committed0 = metric(up.port, "pdserve_usage_tokens_total", '{kind="committed"}')
     r = post(n=1, best_of=3, max_tokens=8)
     assert r.status_code == 200, r.text
     assert [c["token_ids"] for c in r.json()["choices"]] == [best.token_ids]
     assert r.json()["usage"]["completion_tokens"] == 8  # the returned choice, not the three sampled
+    # the record: 24 tokens generated (three branches), 8 committed (billed with the prompt)
+    assert wait_until(lambda: metric(up.port, "pdserve_generation_tokens_total") - gen0 == 24, 5), \
+        metric(up.port, "pdserve_generation_tokens_total") - gen0
+    assert metric(up.port, "pdserve_usage_tokens_total", '{kind="committed"}') - committed0 == 8
     r = post(n=1, best_of=3, max_tokens=8, stream=True)
     assert r.status_code == 400 and r.json()["error"]["param"] == "best_of", r.text
 
-    # while a long n=3 request runs, the worker decoding it holds the prompt's blocks once, not three times
-    block_size = 16
+    # while an n=3 request runs, the workers decoding it hold the prompt's blocks once, not three times: polled
+    # (exactly, through each engine thread) for the request's whole life, the most they held at once is the
+    # prompt's blocks plus each branch's own (its copied tail and its output), far below three prompts' worth
+    import threading
+    block_size, max_tokens = 16, 100
     prompt_blocks = -(-len(prompt_ids) // block_size)
+    own = -(-(block_size + max_tokens) // block_size)  # a branch's blocks beyond the shared ones, at most
     decoders = up.workers("decode") or up.workers("both")
-    held = []
-    with httpx.stream("POST", up.base_url + "/v1/completions", timeout=60, json={
-            "model": "ck", "prompt": N_PROMPT, "n": 3, "max_tokens": 400, "stream": True, **N_SAMPLED}) as s:
-        chunks = [0, 0, 0]
-        for line in s.iter_lines():
-            if line.startswith("data: {"):
-                for c in json.loads(line[6:])["choices"]:
-                    chunks[c["index"]] += 1
-                if min(chunks) >= 3 and not held:  # every branch is decoding (past the prefill's first token)
-                    held = [_blocks_in_use(w) for w in decoders]
-    assert max(held) >= prompt_blocks, (held, prompt_blocks)  # the request was really running there
-    assert max(held) < 3 * prompt_blocks - 2, (held, prompt_blocks)  # shared (+ each branch's own tail)
+    held, done = [], threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            held.append(sum(_blocks_in_use(w) for w in decoders))
+
+    t = threading.Thread(target=poll)
+    t.start()
+    try:
+        r = post(n=3, max_tokens=max_tokens)
+    finally:
+        done.set()
+        t.join()
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3 * max_tokens, r.text
+    assert max(held) >= prompt_blocks, (max(held), prompt_blocks)  # the polls saw the request running
+    assert max(held) <= prompt_blocks + 3 * own < 3 * prompt_blocks, (max(held), prompt_blocks, own)

@@ -87,6 +87,7 @@ class RequestHandler:
         request FINISHED after the last one; a failure reported by a worker raises `RequestFailed`, a broken
         upstream its own error: the caller passes either to `fail`."""
         rec, streamed = st.rec, st.call.streamed
+        seen = [0] * len(st.subs)  # tokens each sub-request's messages carried
         async with contextlib.aclosing(st.upstream):
             async for i, m in _messages(st.first, st.upstream):
                 ntok = 0
@@ -100,7 +101,11 @@ class RequestHandler:
                     sub = st.subs[i]
                     for c in range(sub.index_base, sub.index_base + sub.n_choices):
                         st.prompt_logprobs[c].extend(m.prompt_logprobs)
+                seen[i] += ntok
                 st.generated_tokens += ntok
+                if m.finished and m.usage.generated_tokens > seen[i]:
+                    # best_of > n: the worker sampled branches it did not return (its final usage says how many)
+                    st.generated_tokens += m.usage.generated_tokens - seen[i]
                 rec.generated = st.generated_tokens
                 if st.call.prompt_only:
                     ntok = 0  # sampled, but not part of the answer
