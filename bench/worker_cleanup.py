@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import sys
 import threading
@@ -46,7 +45,7 @@ async def held(up: UpProcess) -> list[tuple[str, int, int, dict]]:
     for w in up.workers():
         st = await worker_pb2_grpc.WorkerStub(channel(f"127.0.0.1:{w['port']}")).GetStats(
             worker_pb2.GetStatsRequest(), timeout=10)
-        out.append((w["name"], st.load.kv_blocks_in_use, st.load.pinned_blocks, json.loads(st.stats_json)["states"]))
+        out.append((w["name"], st.load.kv_blocks_in_use, st.load.pinned_blocks, dict(st.states)))
     return out
 
 

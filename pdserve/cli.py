@@ -1,4 +1,4 @@
-"""`pdserve` command line: up | gateway | router | worker, plus the lead's generate / bench.
+"""`pdserve` command line: up | gateway | router | worker (services), generate (offline engine), bench, sim.
 
 Every flag of up / gateway / router / worker also reads an environment variable (PDSERVE_<FLAG>), which is what a
 Kubernetes pod sets. Errors are one line; -v / --verbose adds the traceback.
@@ -18,6 +18,7 @@ from pdserve.cli_args import (Parser, context_len, fraction, nonneg_float, nonne
 POLICIES = ("fcfs", "decode-priority", "prefill-priority", "priority", "shortest-predicted-first")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MODES = ("auto", "disagg", "colocated")
+LOG_FORMATS = ("text", "json")  # pdserve/services/logs.py FORMATS (not imported: it pulls in the services package)
 
 
 def _default_served_name(model: str) -> str:
@@ -30,6 +31,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--metrics-compat", choices=["vllm"], default=None,
                    help="also export the metrics under vLLM's names (docs/metrics.md)")
+    p.add_argument("--log-format", choices=LOG_FORMATS, default="text",
+                   help="text lines, or one JSON object a line with the request id (docs/observability.md)")
 
 
 def _add_engine(p: argparse.ArgumentParser) -> None:
@@ -52,9 +55,11 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
                    help="torch intra-op threads (default: all cores; `up` splits the cores between workers)")
 
 
-def _add_lifecycle(p: argparse.ArgumentParser) -> None:
-    """Gateway ingress gate + admission (docs/admission.md)."""
-    p.add_argument("--redis-url", help="shared rate limits, quotas and KV reservations (unset: none of them shared)")
+def _add_lifecycle(p: argparse.ArgumentParser, redis_url: bool = True) -> None:
+    """Gateway ingress gate + admission (docs/admission.md). `up` has its own --redis-url (its private Redis)."""
+    if redis_url:
+        p.add_argument("--redis-url",
+                       help="shared rate limits, quotas and KV reservations (unset: none of them shared)")
     p.add_argument("--api-keys-file", help="JSON/YAML tenants + keys (a mounted Secret); unset: no keys required")
     p.add_argument("--max-body-bytes", type=positive_int, default=1 << 20)
     p.add_argument("--default-timeout", type=positive_float, default=60.0,
@@ -81,15 +86,6 @@ def _add_security(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-ca-file", help="PEM CA for a rediss:// (TLS) Redis")
 
 
-def _add_lifecycle_up(p: argparse.ArgumentParser) -> None:
-    # the same flags as the gateway's, minus --redis-url (up already has one)
-    tmp = Parser(add_help=False)
-    _add_lifecycle(tmp)
-    for a in tmp._actions:
-        if a.dest != "redis_url":
-            p._add_action(a)
-
-
 def build_parser() -> argparse.ArgumentParser:
     """Flags of up / gateway / router / worker also read PDSERVE_<FLAG> (what a Kubernetes pod sets), parsed and
     checked like the flag when the command line is parsed (pdserve/cli_args.py)."""
@@ -111,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--lease-ttl", type=positive_float, default=30.0)
     up.add_argument("--heartbeat-ttl", type=positive_float, default=3.0)
     up.add_argument("--ready-timeout", type=positive_float, default=180.0)
-    _add_lifecycle_up(up)
+    _add_lifecycle(up, redis_url=False)
     _add_security(up)
 
     gw = sub.add_parser("gateway", env=True, help="OpenAI HTTP API + gRPC front door")
@@ -159,21 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_security(wk)
 
     # ---- lead's subcommands -----------------------------------------------------------------------------------
-    # `generate` (offline engine) is added by pdserve/engine/cli_generate.py when it exists.
-    try:
-        from pdserve.engine.cli_generate import add_generate_parser
-    except ImportError:
-        pass
-    else:
-        add_generate_parser(sub)
-    # `bench`: TODO(lead) - load generator / break-even study; add_bench_parser(sub) from pdserve/bench/cli.py.
-    try:
-        from pdserve.bench.cli import add_bench_parser  # type: ignore[import-not-found]
-    except ImportError:
-        pass
-    else:
-        add_bench_parser(sub)
+    from pdserve.bench.cli import add_bench_parser
+    from pdserve.engine.cli_generate import add_generate_parser
     from pdserve.sim.cli import add_sim_parser
+    add_generate_parser(sub)
+    add_bench_parser(sub)
     add_sim_parser(sub)
     return ap
 
@@ -219,8 +205,7 @@ def _redis_auth(args):
 def _run(args: argparse.Namespace) -> int:
     if getattr(args, "served_model_name", "x") is None:
         args.served_model_name = _default_served_name(args.model)
-    from pdserve.services.procutil import setup_logging
-    if hasattr(args, "func"):  # generate / bench / sim: the lead's logging setup
+    if hasattr(args, "func"):  # generate / bench / sim: plain warnings (the services configure logs.py)
         import logging
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         return args.func(args) or 0
@@ -237,7 +222,10 @@ def _run(args: argparse.Namespace) -> int:
         if problem is not None:
             print(f"pdserve {args.command}: {problem}", file=sys.stderr)
             return 2
-    setup_logging(args.command)
+    from pdserve.services import logs, tracing
+    role = args.role if args.command == "worker" else None
+    logs.setup(args.command, args.log_format, worker_role=role)
+    tracing.setup(args.command, worker_role=role)  # only when OTEL_* ask for it (docs/observability.md)
     from pdserve.services.grpc_util import configure
     security = _security(args)
     configure(security)

@@ -7,10 +7,10 @@ descriptor building.
 """
 from __future__ import annotations
 
+import enum
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -21,24 +21,25 @@ except ImportError:  # pragma: no cover
     from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[no-redef]
 
 from pdserve.kv_transfer.hugepages import use_huge_pages
-from pdserve.kv_transfer.layout import KVLayout, check_compatible
+from pdserve.kv_transfer.layout import KVLayout, KVRegion, check_compatible
+
+
+class TransferFailure(enum.Enum):
+    """Why a KV pull failed (the value is the `reason` label of pdserve_kv_transfer_failures_total)."""
+
+    TIMEOUT = "timeout"                # the READ did not finish before its deadline
+    PEER_GONE = "peer_gone"            # the peer cannot be reached (process died, restarted, unreachable)
+    NIXL_ERROR = "nixl_error"          # NIXL reported ERR for the transfer
+    INCOMPATIBLE = "incompatible"      # the peers refused to pair: KV protocol version or layout differs
+    LEASE_EXPIRED = "lease_expired"    # the source blocks' lease ran out before the READ could start
 
 
 class KVTransferError(RuntimeError):
-    """A NIXL transfer ended in ERR or did not finish before its deadline."""
+    """A KV transfer (or the handshake before it) failed; `kind` says why."""
 
-
-@dataclass(frozen=True)
-class KVRegion:
-    """What a peer needs to address our blocks: shipped in Prefill responses and GetAgentMetadata."""
-
-    agent_name: str
-    agent_metadata: bytes
-    base_addr: int
-    num_blocks: int
-    device_id: int
-    mem_type: str
-    layout: KVLayout
+    def __init__(self, message: str, kind: TransferFailure):
+        super().__init__(message)
+        self.kind = kind
 
 
 def _descs(base: int, num_blocks: int, block_bytes: int, dev: int) -> np.ndarray:
@@ -92,15 +93,18 @@ class KVAgent:
             try:
                 name = self._agent.add_remote_agent(r.agent_metadata)
             except Exception as e:  # the peer's endpoint is unreachable (e.g. the process died)
-                raise KVTransferError(f"cannot connect to NIXL peer {r.agent_name}: {e!r}") from e
+                raise KVTransferError(f"cannot connect to NIXL peer {r.agent_name}: {e!r}",
+                                      TransferFailure.PEER_GONE) from e
             name = name.decode() if isinstance(name, bytes) else name
             if name != r.agent_name:
-                raise KVTransferError(f"remote metadata names agent {name!r}, expected {r.agent_name!r}")
+                raise KVTransferError(f"remote metadata names agent {name!r}, expected {r.agent_name!r}",
+                                      TransferFailure.PEER_GONE)
             try:
                 dl = self._agent.prep_xfer_dlist(
                     r.agent_name, _descs(r.base_addr, r.num_blocks, self.block_bytes, r.device_id), r.mem_type)
             except Exception as e:
-                raise KVTransferError(f"cannot prepare descriptors for {r.agent_name}: {e!r}") from e
+                raise KVTransferError(f"cannot prepare descriptors for {r.agent_name}: {e!r}",
+                                      TransferFailure.NIXL_ERROR) from e
             self._remotes[key] = dl
         return dl
 
@@ -125,20 +129,23 @@ class KVAgent:
                                                   np.asarray(remote_block_ids, dtype=np.int32), notif)
                 state = self._agent.transfer(h)
             except Exception as e:  # nixlBackendError etc.: peer gone, connection refused
-                raise KVTransferError(f"KV transfer from {remote.agent_name} could not start: {e!r}") from e
+                raise KVTransferError(f"KV transfer from {remote.agent_name} could not start: {e!r}",
+                                      TransferFailure.PEER_GONE) from e
         deadline = time.monotonic() + timeout_s
         sleep = 0.0
         try:
             while state not in ("DONE", "ERR"):
                 if time.monotonic() > deadline:
-                    raise KVTransferError(f"KV transfer from {remote.agent_name} timed out after {timeout_s}s")
+                    raise KVTransferError(f"KV transfer from {remote.agent_name} timed out after {timeout_s}s",
+                                          TransferFailure.TIMEOUT)
                 if sleep:
                     time.sleep(sleep)
                 sleep = min(sleep * 2 or 1e-5, 1e-3)  # spin briefly, then back off: small transfers finish fast
                 with self._lock:
                     state = self._agent.check_xfer_state(h)
             if state == "ERR":
-                raise KVTransferError(f"KV transfer from {remote.agent_name} failed (NIXL state ERR)")
+                raise KVTransferError(f"KV transfer from {remote.agent_name} failed (NIXL state ERR)",
+                                      TransferFailure.NIXL_ERROR)
         finally:
             with self._lock:
                 try:

@@ -1,7 +1,14 @@
-"""KV block layout descriptor: two engines can exchange KV blocks only when their layouts are identical."""
+"""KV block layout descriptor: two engines can exchange KV blocks only when their layouts are identical.
+
+Also what a peer's KV region is (KVRegion) and the version of the handshake that exchanges it.
+"""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
+
+# The KV handshake's protocol (KvHandshake in worker.proto: what a region is, how blocks are addressed and how a
+# READ is acknowledged). Bump it when any of that changes; workers of different versions refuse to pair.
+KV_PROTOCOL_VERSION = 1
 
 # Fields that must match for a block copied byte-for-byte to mean the same thing on the other side.
 COMPAT_FIELDS = ("fingerprint", "block_size", "dtype", "num_layers", "num_kv_heads", "head_dim")
@@ -47,3 +54,16 @@ def check_compatible(local: KVLayout | dict, remote: KVLayout | dict) -> None:
         mism["block_bytes"] = (lo.block_bytes, re_.block_bytes)
     if mism:
         raise KVLayoutMismatch(mism)
+
+
+@dataclass(frozen=True)
+class KVRegion:
+    """What a peer needs to address our blocks: sent once per peer pair, in the KV handshake."""
+
+    agent_name: str
+    agent_metadata: bytes
+    base_addr: int
+    num_blocks: int
+    device_id: int
+    mem_type: str
+    layout: KVLayout

@@ -664,9 +664,9 @@ def capacity_from_workers(records, overcommit: float = 1.0, default_seqs: int = 
     serving = [r for r in records if r.role == "decode"] or [r for r in records if r.role == "both"]
     if not serving:
         return None
-    bs = int((serving[0].layout or {}).get("block_size", 16) or 16)
-    blocks = [int((r.load or {}).get("kv_blocks_total") or r.capacity_blocks or 0) for r in serving]
-    seqs = sum(int((r.load or {}).get("max_num_seqs") or default_seqs) for r in serving)
+    bs = serving[0].layout.block_size or 16
+    blocks = [r.load.kv_blocks_total or r.capacity_blocks or 0 for r in serving]
+    seqs = sum(r.load.max_num_seqs or default_seqs for r in serving)
     return Capacity(int(sum(blocks) * overcommit), seqs, bs, max(blocks), rates_from_workers(records, serving))
 
 
@@ -676,21 +676,21 @@ def rates_from_workers(records, serving) -> ServiceRates:
     is right where the worker is now. Unmeasured figures stay 0 (and deadlines are then not judged)."""
     d0s, d1s = [], []
     for r in serving:
-        ld = r.load or {}
-        step = float(ld.get("decode_step_s") or 0.0)
+        ld = r.load
+        step = ld.decode_step_s
         if step <= 0:
             continue
-        slope = float(ld.get("decode_step_per_seq_s") or 0.0)
-        batch = int(ld.get("num_running") or 0)
+        slope = ld.decode_step_per_seq_s
+        batch = ld.num_running
         d1s.append(slope)
         d0s.append(max(0.0, step - slope * batch))
     if not d0s:
         return ServiceRates(workers=len(serving))
     prefill = [r for r in records if r.role in ("prefill", "both")] or serving
-    rated = [r.load for r in prefill if float((r.load or {}).get("prefill_tokens_per_s") or 0) > 0]
-    rate = max((float(ld["prefill_tokens_per_s"]) for ld in rated), default=0.0)
-    overhead = min((float(ld.get("prefill_overhead_s") or 0.0) for ld in rated), default=0.0)
-    handoff = sum(float((r.load or {}).get("handoff_overhead_s") or 0.0) for r in serving) / len(serving)
+    rated = [r.load for r in prefill if r.load.prefill_tokens_per_s > 0]
+    rate = max((ld.prefill_tokens_per_s for ld in rated), default=0.0)
+    overhead = min((ld.prefill_overhead_s for ld in rated), default=0.0)
+    handoff = sum(r.load.handoff_overhead_s for r in serving) / len(serving)
     return ServiceRates(sum(d0s) / len(d0s), sum(d1s) / len(d1s), rate, overhead + handoff, len(serving))
 
 
@@ -736,35 +736,3 @@ def smooth_rates(old: ServiceRates | None, new: ServiceRates, a: float) -> Servi
     return ServiceRates(mix(old.step0_s, new.step0_s), mix(old.step_per_seq_s, new.step_per_seq_s),
                         mix(old.prefill_tokens_per_s, new.prefill_tokens_per_s),
                         mix(old.prefill_overhead_s, new.prefill_overhead_s), new.workers)
-
-
-# ---- request lifecycle metadata between gateway and workers (gRPC metadata: no proto change needed) ----------
-MD_DEADLINE, MD_PRIORITY, MD_PREDICTED = "x-pdserve-deadline", "x-pdserve-priority", "x-pdserve-predicted-output"
-
-
-def lifecycle_metadata(deadline: float | None, priority: int | None, predicted: int | None) -> tuple:
-    md = []
-    if deadline is not None:
-        md.append((MD_DEADLINE, f"{deadline:.6f}"))
-    if priority is not None:
-        md.append((MD_PRIORITY, str(int(priority))))
-    if predicted is not None:
-        md.append((MD_PREDICTED, str(int(predicted))))
-    return tuple(md)
-
-
-def lifecycle_from_context(context) -> dict:
-    """Worker side: deadline / priority / predicted output from the call's metadata (absent -> engine defaults)."""
-    out: dict = {}
-    try:
-        md = dict(context.invocation_metadata() or ())
-    except Exception:  # noqa: BLE001
-        return out
-    with contextlib.suppress(ValueError, TypeError):
-        if MD_DEADLINE in md:
-            out["deadline"] = float(md[MD_DEADLINE])
-        if MD_PRIORITY in md:
-            out["priority"] = int(md[MD_PRIORITY])
-        if MD_PREDICTED in md:
-            out["predicted_output_tokens"] = int(md[MD_PREDICTED])
-    return out

@@ -1,9 +1,18 @@
-"""Engine RequestOutput -> GenerateResponse deltas."""
+"""The one place where Python-side values become wire messages and back: engine outputs -> GenerateResponse
+deltas, SamplingParams and KV layouts, worker records <-> WorkerInfo + LoadReport (the Redis registry stores these
+serialized), request lifecycle limits, KV regions.
+Everything between processes is a proto message; nothing here builds a string-keyed dict for the wire."""
 from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
 
 from pdserve.engine.outputs import FirstToken, RequestOutput
 from pdserve.engine.sampler import SampleResult
+from pdserve.engine.sampling_params import GuidedSpec, SamplingParams
+from pdserve.kv_transfer.layout import KVLayout, KVRegion
 from pdserve.services.pb import common_pb2
+from pdserve.services.registry import WorkerRecord
 
 
 class DeltaEncoder:
@@ -80,3 +89,136 @@ def full_response(out: RequestOutput, tokenizer=None) -> common_pb2.GenerateResp
     from dataclasses import replace
     cum = replace(out, outputs=[replace(c, new_text=c.text, new_token_ids=list(c.token_ids)) for c in out.outputs])
     return DeltaEncoder(tokenizer).encode(cum)
+
+
+# ---- worker records (registry, router) ------------------------------------------------------------------------
+def record_to_pb(r: WorkerRecord) -> common_pb2.WorkerInfo:
+    return common_pb2.WorkerInfo(worker_id=r.worker_id, role=r.role, address=r.address, agent_name=r.agent_name,
+                                 capacity_blocks=r.capacity_blocks, layout=r.layout)
+
+
+def record_from_pb(w: common_pb2.WorkerInfo, load: common_pb2.LoadReport | None = None) -> WorkerRecord:
+    return WorkerRecord(w.worker_id, w.role, w.address, w.agent_name, w.capacity_blocks, _copy(w.layout),
+                        _copy(load) if load is not None else common_pb2.LoadReport())
+
+
+def _copy(m):
+    out = type(m)()
+    out.CopyFrom(m)
+    return out
+
+
+def record_to_hash(rec: WorkerRecord) -> dict[str, bytes]:
+    """The registry's Redis hash: serialized protos plus the heartbeat time (the TTL check reads it)."""
+    return {"info": record_to_pb(rec).SerializeToString(), "load": rec.load.SerializeToString(),
+            "updated": repr(float(rec.updated)).encode()}
+
+
+def record_from_hash(h: dict) -> WorkerRecord:
+    h = {(k.decode() if isinstance(k, bytes) else k): v for k, v in h.items()}
+    rec = record_from_pb(common_pb2.WorkerInfo.FromString(h["info"]), common_pb2.LoadReport.FromString(h["load"]))
+    rec.updated = float(h["updated"])
+    return rec
+
+
+# ---- request lifecycle (gateway -> workers) -------------------------------------------------------------------
+def lifecycle_to_pb(deadline: float | None, priority: int | None, predicted: int | None) -> common_pb2.Lifecycle:
+    m = common_pb2.Lifecycle()
+    if deadline is not None:
+        m.deadline_unix = deadline
+    if priority is not None:
+        m.priority = int(priority)
+    if predicted is not None:
+        m.predicted_output_tokens = int(predicted)
+    return m
+
+
+@dataclass(frozen=True)
+class Limits:
+    """A Lifecycle as the engine takes it (None / 0: the engine's defaults)."""
+
+    deadline: float | None = None
+    priority: int = 0
+    predicted_output_tokens: int | None = None
+
+
+def limits_from_pb(m: common_pb2.Lifecycle) -> Limits:
+    return Limits(m.deadline_unix if m.HasField("deadline_unix") else None,
+                  m.priority if m.HasField("priority") else 0,
+                  m.predicted_output_tokens if m.HasField("predicted_output_tokens") else None)
+
+
+# ---- KV regions (the KV handshake) ----------------------------------------------------------------------------
+def region_to_pb(r: KVRegion) -> common_pb2.KvRegion:
+    return common_pb2.KvRegion(agent_name=r.agent_name, agent_metadata=r.agent_metadata, base_addr=r.base_addr,
+                               num_blocks=r.num_blocks, device_id=r.device_id, mem_type=r.mem_type,
+                               layout=layout_to_pb(r.layout.to_dict()))
+
+
+def region_from_pb(r: common_pb2.KvRegion) -> KVRegion:
+    return KVRegion(r.agent_name, r.agent_metadata, r.base_addr, r.num_blocks, r.device_id, r.mem_type,
+                    KVLayout.from_dict(layout_from_pb(r.layout)))
+
+
+# ---- sampling parameters and KV layouts -----------------------------------------------------------------------
+# Fields whose proto type is a plain repeated/map (no presence): copied as lists/dicts.
+_LISTS = {"stop", "stop_token_ids", "bad_words"}
+
+
+def params_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
+    m = common_pb2.SamplingParams()
+    for f in dataclasses.fields(p):
+        v = getattr(p, f.name)
+        if f.name == "guided":
+            if v is not None:
+                g = m.guided
+                g.json_object = v.json_object
+                for k in ("json_schema", "regex", "grammar"):
+                    if getattr(v, k) is not None:
+                        setattr(g, k, getattr(v, k))
+        elif f.name == "logit_bias":
+            for k, b in v.items():
+                m.logit_bias[int(k)] = float(b)
+        elif f.name == "allowed_token_ids":
+            if v is not None:
+                m.has_allowed_token_ids = True
+                m.allowed_token_ids.extend(v)
+        elif f.name in _LISTS:
+            getattr(m, f.name).extend(v)
+        elif v is not None:
+            setattr(m, f.name, v)
+    return m
+
+
+def params_from_pb(m: common_pb2.SamplingParams) -> SamplingParams:
+    kw: dict = {}
+    for f in dataclasses.fields(SamplingParams):
+        n = f.name
+        if n == "guided":
+            if m.HasField("guided"):
+                g = m.guided
+                kw[n] = GuidedSpec(
+                    json_schema=g.json_schema if g.HasField("json_schema") else None,
+                    json_object=g.json_object,
+                    regex=g.regex if g.HasField("regex") else None,
+                    grammar=g.grammar if g.HasField("grammar") else None,
+                )
+        elif n == "logit_bias":
+            kw[n] = {int(k): float(v) for k, v in m.logit_bias.items()}
+        elif n == "allowed_token_ids":
+            kw[n] = list(m.allowed_token_ids) if m.has_allowed_token_ids else None
+        elif n in _LISTS:
+            kw[n] = list(getattr(m, n))
+        elif m.HasField(n):
+            kw[n] = getattr(m, n)
+        elif n == "max_tokens":
+            kw[n] = None  # absent on the wire means "up to the context limit", not the dataclass default 16
+    return SamplingParams(**kw)
+
+
+def layout_to_pb(d: dict) -> common_pb2.KvLayout:
+    return common_pb2.KvLayout(**{k: d[k] for k in common_pb2.KvLayout.DESCRIPTOR.fields_by_name if k in d})
+
+
+def layout_from_pb(m: common_pb2.KvLayout) -> dict:
+    return {f.name: getattr(m, f.name) for f in m.DESCRIPTOR.fields}

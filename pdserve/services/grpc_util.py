@@ -1,6 +1,7 @@
 """gRPC server/channel helpers: every server gets the standard health service (and server reflection while no
 internal auth is configured); every internal server and channel uses the process's internal security
-(internal_security.py), set once at start-up by `configure`."""
+(internal_security.py), set once at start-up by `configure`; every server and channel carries the request's id and
+trace context (grpc_context.py)."""
 from __future__ import annotations
 
 import grpc
@@ -9,6 +10,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pdserve.services.internal_security import NONE, InternalSecurity
 from pdserve._proto.pdserve.v1 import common_pb2, gateway_pb2, router_pb2, worker_pb2  # noqa: F401
+from pdserve.services.grpc_context import ContextChannel, ContextServerInterceptor
 
 # Streams carry small token deltas but Prefill responses carry NIXL agent metadata (a few KB to MB).
 OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
@@ -30,7 +32,9 @@ def security() -> InternalSecurity:
 def make_server(service_names: list[str], internal: bool = True) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     """`internal=False` for the gateway's public front door, which authenticates tenants by API key instead."""
     sec = _security if internal else NONE
-    server = grpc.aio.server(options=OPTIONS, interceptors=sec.server_interceptors() or None)
+    # the gateway's own service is the front door: its callers' ids are checked and echoed (grpc_context.py)
+    server = grpc.aio.server(options=OPTIONS, interceptors=[ContextServerInterceptor(GATEWAY_SERVICE),
+                                                            *sec.server_interceptors()])
     hs = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     if not sec.token and not sec.mutual:
@@ -60,13 +64,16 @@ RELAY_OPTIONS = [*OPTIONS, ("grpc.http2.bdp_probe", 0)]
 
 
 def channel(address: str, relay: bool = False) -> grpc.aio.Channel:
-    """A channel to an internal service (router, worker), with the process's token and TLS."""
+    """A channel to an internal service (router, worker), with the process's token and TLS; its calls carry the
+    calling task's request id and trace context (grpc_context.py)."""
     options = [*(RELAY_OPTIONS if relay else OPTIONS), *_security.channel_options()]
     interceptors = _security.client_interceptors() or None
     creds = _security.channel_credentials()
     if creds is not None:
-        return grpc.aio.secure_channel(address, creds, options=options, interceptors=interceptors)
-    return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+        inner = grpc.aio.secure_channel(address, creds, options=options, interceptors=interceptors)
+    else:
+        inner = grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+    return ContextChannel(inner)  # type: ignore[return-value] - the same interface
 
 
 WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name

@@ -1,15 +1,8 @@
-"""Process plumbing shared by every server: signals, logging."""
+"""Process plumbing shared by every server: signals (logging: logs.py)."""
 from __future__ import annotations
 
 import asyncio
-import logging
-import os
 import signal
-
-
-def setup_logging(name: str) -> None:
-    logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"),
-                        format=f"%(asctime)s {name}[%(process)d] %(levelname)s %(name)s: %(message)s")
 
 
 def install_stop_signals() -> asyncio.Event:

@@ -1,14 +1,15 @@
 """Redis worker registry.
 
-Key `pdserve:{model}:workers:{id}` is a hash (role, address, agent_name, capacity_blocks, layout, load,
-updated) whose TTL is refreshed by every heartbeat: a worker that stops heartbeating disappears by itself, so a
+Key `pdserve:{model}:workers:{id}` is a hash (`info`: a serialized WorkerInfo, `load`: a serialized LoadReport,
+`updated`: unix time) whose TTL is refreshed by every heartbeat: a worker that stops heartbeating disappears by itself, so a
 lapsed worker can never be routed to. `pdserve:{model}:worker_ids` is a set indexing the hashes (stale members
 are pruned on read). KV events (the prefix index) live in router/prefix_index.py's keys.
 
 With an internal token configured (internal_security.py), each hash also carries `sig`, an HMAC-SHA256 over the
-other fields keyed by a key derived from the token, and readers skip any record whose HMAC does not verify: a
+model and the other stored fields (the serialized WorkerInfo and LoadReport as stored, `updated`) keyed by a key
+derived from the token, and readers skip any record whose HMAC does not verify: a
 process that can write to Redis but lacks the token cannot register a worker (and so receive prompts). `updated`
-is signed too, so a replayed old record lapses like any other.
+is signed too, so a replayed old record lapses like any other; the WorkerInfo's worker id must match the key's.
 """
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ import hmac
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from pdserve.services.metrics import common as M
+from pdserve.services.pb import common_pb2
 from pdserve.services.redis_conn import NO_AUTH, RedisAuth, connect
 
 log = logging.getLogger("pdserve.registry")
@@ -38,38 +40,24 @@ def index_key(model: str) -> str:
 
 @dataclass
 class WorkerRecord:
+    """A live worker as the registry holds it; `load` is its last LoadReport (services/convert.py converts)."""
+
     worker_id: str
     role: str  # prefill | decode | both
     address: str
     agent_name: str = ""
     capacity_blocks: int = 0
-    layout: dict = field(default_factory=dict)
-    load: dict = field(default_factory=dict)
+    layout: common_pb2.KvLayout = field(default_factory=common_pb2.KvLayout)
+    load: common_pb2.LoadReport = field(default_factory=common_pb2.LoadReport)
     updated: float = 0.0
 
-    def to_hash(self) -> dict[str, str]:
-        d = asdict(self)
-        d["layout"] = json.dumps(self.layout)
-        d["load"] = json.dumps(self.load)
-        return {k: str(v) for k, v in d.items()}
 
-    @classmethod
-    def from_hash(cls, h: dict) -> "WorkerRecord":
-        h = _decoded(h)
-        return cls(worker_id=h["worker_id"], role=h["role"], address=h["address"],
-                   agent_name=h.get("agent_name", ""), capacity_blocks=int(h.get("capacity_blocks", 0) or 0),
-                   layout=json.loads(h.get("layout") or "{}"), load=json.loads(h.get("load") or "{}"),
-                   updated=float(h.get("updated", 0) or 0))
-
-
-def _decoded(h: dict) -> dict[str, str]:
-    return {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
-            for k, v in h.items()}
-
-
-def record_sig(key: bytes, model: str, fields: dict[str, str]) -> str:
-    """HMAC over the model and every field but the signature itself, in a canonical (sorted JSON) form."""
-    body = json.dumps([model, sorted((k, v) for k, v in fields.items() if k != SIG_FIELD)], separators=(",", ":"))
+def record_sig(key: bytes, model: str, fields: dict[str, bytes]) -> str:
+    """HMAC over the model and every stored field but the signature itself (the serialized WorkerInfo and
+    LoadReport, `updated`), in a canonical form: JSON of [model, sorted [name, hex(value)] pairs]."""
+    pairs = sorted((k, (v if isinstance(v, bytes) else str(v).encode()).hex())
+                   for k, v in fields.items() if k != SIG_FIELD)
+    body = json.dumps([model, pairs], separators=(",", ":"))
     return hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
 
 
@@ -84,28 +72,29 @@ class Registry:
         self.r = connect(redis_url, auth)
         self._refused: set[str] = set()  # worker ids already logged as forged (log once, count every time)
 
-    def _authentic(self, worker_id: str, h: dict[str, str]) -> bool:
+    def _authentic(self, worker_id: str, h: dict[str, bytes]) -> bool:
         if self.key is None:
             return True
-        sig = h.get(SIG_FIELD, "")
-        # the key name is not signed: a signed record copied under another worker's key is refused too
-        if h.get("worker_id") == worker_id and \
-                hmac.compare_digest(sig.encode(), record_sig(self.key, self.model, h).encode()):
+        sig = h.get(SIG_FIELD, b"")
+        if hmac.compare_digest(sig, record_sig(self.key, self.model, h).encode()):
             return True
+        self._refuse(worker_id, "its HMAC does not verify (written without the internal token)")
+        return False
+
+    def _refuse(self, worker_id: str, why: str) -> None:
         M.REGISTRY_REJECTED.inc()
         if worker_id not in self._refused:
             self._refused.add(worker_id)
-            log.warning("ignoring registry record %r: its HMAC does not verify (written without the internal token)",
-                        worker_id)
-        return False
+            log.warning("ignoring registry record %r: %s", worker_id, why)
 
     async def heartbeat(self, rec: WorkerRecord) -> None:
         """Register or refresh (same write: a worker that lapsed re-registers with its next heartbeat)."""
+        from pdserve.services import convert  # convert imports WorkerRecord from here
         rec.updated = time.time()
         key = workers_key(self.model, rec.worker_id)
-        fields = rec.to_hash()
+        fields = convert.record_to_hash(rec)
         if self.key is not None:
-            fields[SIG_FIELD] = record_sig(self.key, self.model, fields)
+            fields[SIG_FIELD] = record_sig(self.key, self.model, fields).encode()
         async with self.r.pipeline(transaction=True) as p:
             p.delete(key)  # no field of an earlier (or forged) record survives next to the signed ones
             p.hset(key, mapping=fields)
@@ -120,6 +109,7 @@ class Registry:
             await p.execute()
 
     async def live_workers(self) -> list[WorkerRecord]:
+        from pdserve.services import convert
         ids = sorted(m.decode() for m in await self.r.smembers(index_key(self.model)))
         if not ids:
             return []
@@ -133,10 +123,18 @@ class Registry:
             if not h:
                 stale.append(i)  # hash expired: heartbeat lapsed
                 continue
-            h = _decoded(h)
+            h = {(k.decode() if isinstance(k, bytes) else k): v for k, v in h.items()}
             if not self._authentic(i, h):
                 continue
-            rec = WorkerRecord.from_hash(h)
+            try:
+                rec = convert.record_from_hash(h)
+            except Exception as e:  # noqa: BLE001 - a malformed record is skipped like a forged one
+                self._refuse(i, f"it does not parse ({e!r})")
+                continue
+            if self.key is not None and rec.worker_id != i:
+                # the key name is not signed: a signed record copied under another worker's key is refused too
+                self._refuse(i, f"it names worker {rec.worker_id!r}")
+                continue
             if now - rec.updated > self.ttl_s:  # belt and braces if a TTL refresh raced
                 continue
             out.append(rec)
@@ -146,3 +144,4 @@ class Registry:
 
     async def close(self) -> None:
         await self.r.aclose()
+

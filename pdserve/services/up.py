@@ -95,8 +95,8 @@ def _lifecycle_flags(args) -> list[str]:
 
 
 def up(args) -> int:
-    # Everything that can be known wrong before a process starts ends here, in one line and well under a second
-    # (a wrong model path used to take 10 s and print three tracebacks; a busy port ended in a bare OSError).
+    # Everything that can be known wrong before a process starts ends here, in one line and well under a second,
+    # rather than as a child's traceback seconds later.
     from pdserve.services.preflight import check_up
     problem = check_up(args)
     if problem is not None:
@@ -131,7 +131,7 @@ def up(args) -> int:
                 return 1
             redis_url = f"redis://127.0.0.1:{rport}/0"
         common = ["--model", args.model, "--served-model-name", args.served_model_name,
-                  *_flags(args, SECURITY_FLAGS)]
+                  "--log-format", args.log_format, *_flags(args, SECURITY_FLAGS)]
         if args.metrics_compat:
             common += ["--metrics-compat", args.metrics_compat]
         eng = []

@@ -12,28 +12,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import socket
 import time
+import uuid
 
 import grpc
 
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import Engine, EngineConfig
-from pdserve.kv_transfer.layout import KVLayout
+from pdserve.kv_transfer.layout import KV_PROTOCOL_VERSION, KVLayout
 from pdserve.services.metrics import worker as M
 from pdserve.engine.request_state import RequestState
-from pdserve.services.admission import lifecycle_from_context
-from pdserve.services.convert import DeltaEncoder
+from pdserve.services.convert import DeltaEncoder, layout_to_pb, limits_from_pb, params_from_pb, region_to_pb
 from pdserve.services.decode.service import DecodeSide
 from pdserve.services.grpc_util import WORKER_SERVICE, listen, make_server, param_metadata, security, set_serving
-from pdserve.services.pb import common_pb2, layout_to_pb, params_from_pb, worker_pb2, worker_pb2_grpc
+from pdserve.services.kv_endpoint import KvEndpoint
+from pdserve.services.pb import common_pb2, worker_pb2, worker_pb2_grpc
 from pdserve.services.prefill.service import PrefillSide
 from pdserve.services.registry import Registry, WorkerRecord
-from pdserve.services.router.load import LoadMeter
-from pdserve.services.router.prefix_index import KvEventPublisher, publish_forever
+from pdserve.services.kv_events import KvEventPublisher, publish_forever
+from pdserve.services.load_meter import LoadMeter
 
 log = logging.getLogger("pdserve.worker")
 
@@ -60,33 +60,39 @@ class Worker(worker_pb2_grpc.WorkerServicer):
         self.exporter = M.EngineStatsExporter([st.value for st in RequestState if not st.terminal])
         self.layout = KVLayout.from_dict(engine.kv_cache.layout())
         self.agent = None
-        self.region_pb = common_pb2.KvRegion()
         if role in ("prefill", "decode"):
             from pdserve.kv_transfer.agent import KVAgent
             self.agent = KVAgent(worker_id, engine.kv_cache.data, self.layout)
-            r = self.agent.region()
-            self.region_pb = common_pb2.KvRegion(agent_name=r.agent_name, agent_metadata=r.agent_metadata,
-                                                 base_addr=r.base_addr, num_blocks=r.num_blocks,
-                                                 device_id=r.device_id, mem_type=r.mem_type,
-                                                 layout=layout_to_pb(self.layout.to_dict()))
-        self.prefill = PrefillSide(self, lease_ttl_s)
-        self.decode = DecodeSide(self, transfer_timeout_s)
+        self.endpoint = KvEndpoint(
+            worker_id, address,
+            # this process, as KvHandles name it: a decode worker re-does the KV handshake when it changes
+            incarnation=uuid.uuid4().hex,
+            # PDSERVE_FAULT_KV_PROTOCOL_VERSION: fault injection only (a worker of another release, in tests)
+            protocol_version=int(os.environ.get("PDSERVE_FAULT_KV_PROTOCOL_VERSION") or KV_PROTOCOL_VERSION),
+            layout=self.layout,
+            region=region_to_pb(self.agent.region()) if self.agent is not None else common_pb2.KvRegion())
+        self.prefill = PrefillSide(self.host, self.endpoint, self.agent, engine.pinned_kv, self.tokenizer, lease_ttl_s)
+        self.decode = DecodeSide(self.host, self.endpoint, self.agent, self.tokenizer, self.meter, transfer_timeout_s)
         self.inflight = 0
         self.last_stats: dict = {}
 
     # ---- helpers ----------------------------------------------------------------------------------------------
     def record(self) -> WorkerRecord:
         return WorkerRecord(self.worker_id, self.role, self.address, self.agent.name if self.agent else "",
-                            self.engine.kv_cache.num_blocks, self.layout.to_dict(),
-                            # + sequence slots: the gateway's admission capacity (not in the LoadReport proto)
-                            {**self.load(), "max_num_seqs": self.engine.config.max_num_seqs})
+                            self.engine.kv_cache.num_blocks, layout_to_pb(self.layout.to_dict()), self.load())
 
-    def load(self) -> dict:
+    def load(self) -> common_pb2.LoadReport:
         s = self.last_stats
-        return {"num_running": s.get("num_running", 0), "num_waiting": s.get("num_waiting", 0) + self.inflight,
-                "kv_blocks_in_use": s.get("kv_blocks_in_use", 0), "kv_blocks_total": s.get("kv_blocks_total", 0),
-                "pinned_blocks": self.prefill.leases.pinned_blocks(),
-                "prefix_hit_ratio": float(s.get("prefix_hit_ratio", 0.0) or 0.0), **self.meter.report()}
+        ld = self.meter.report()
+        ld.worker_id = self.worker_id
+        ld.num_running = s.get("num_running", 0)
+        ld.num_waiting = s.get("num_waiting", 0) + self.inflight
+        ld.kv_blocks_in_use = s.get("kv_blocks_in_use", 0)
+        ld.kv_blocks_total = s.get("kv_blocks_total", 0)
+        ld.pinned_blocks = self.prefill.leases.pinned_blocks()
+        ld.prefix_hit_ratio = float(s.get("prefix_hit_ratio", 0.0) or 0.0)
+        ld.max_num_seqs = self.engine.config.max_num_seqs
+        return ld
 
     def refresh_stats(self) -> dict:
         """From the snapshot the engine thread published last: never waits for a step."""
@@ -100,14 +106,6 @@ class Worker(worker_pb2_grpc.WorkerServicer):
         self.last_stats = s
         self.exporter.update(s)
         return s
-
-    def observe_engine_times(self, out) -> None:
-        m = (out.metrics or {}) if out is not None else {}
-        a, s, f = m.get("arrival_time"), m.get("first_scheduled_time"), m.get("first_token_time")
-        if a and s:
-            M.QUEUE_TIME.observe(max(0.0, s - a))
-        if s and f:
-            M.PREFILL_TIME.observe(max(0.0, f - s))
 
     @contextlib.contextmanager
     def _track(self):
@@ -126,14 +124,16 @@ class Worker(worker_pb2_grpc.WorkerServicer):
                 prompt = self.tokenizer.encode(request.prompt)
             enc = DeltaEncoder(self.tokenizer)
             finished = False
+            lim = limits_from_pb(request.lifecycle)
             gen = self.host.generate(request.request_id, prompt, params, namespace=request.namespace,
-                                     **lifecycle_from_context(context))
+                                     deadline=lim.deadline, priority=lim.priority,
+                                     predicted_output_tokens=lim.predicted_output_tokens)
             try:
                 async with contextlib.aclosing(gen):
                     first = True
                     async for out in gen:
                         if first and out.outputs and any(c.new_token_ids for c in out.outputs):
-                            self.observe_engine_times(out)
+                            M.observe_engine_times(out)
                             first = False
                         if out.finished:
                             finished = True
@@ -164,20 +164,14 @@ class Worker(worker_pb2_grpc.WorkerServicer):
     async def ReleaseKV(self, request, context):
         return await self.prefill.ReleaseKV(request, context)
 
-    async def Abort(self, request, context):
-        rid = request.request_id
-        await self.host.abort(rid, request.state or "CANCELLED")
-        await self.prefill.release(request_id=rid)
-        return worker_pb2.AbortResponse()
-
-    async def GetAgentMetadata(self, request, context):
-        return self.region_pb
+    async def KvHandshake(self, request, context):
+        if self.role != "prefill":
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"worker role is {self.role}, not prefill")
+        return await self.prefill.KvHandshake(request, context)
 
     async def GetStats(self, request, context):
         s = await self.exact_stats()
-        ld = self.load()
-        return worker_pb2.GetStatsResponse(load=common_pb2.LoadReport(worker_id=self.worker_id, **ld),
-                                           stats_json=json.dumps(s, default=str))
+        return worker_pb2.GetStatsResponse(load=self.load(), states=s.get("states", {}))
 
 
 async def _heartbeat_loop(w: Worker, registry: Registry | None, interval_s: float,

@@ -34,9 +34,10 @@ class AdmissionSpec:
 
 def capacity_of(replicas) -> Capacity | None:
     """What `RegistryCapacity` reads from the registry: roles, layouts and heartbeat loads of the workers."""
+    from pdserve.services.pb import common_pb2
     from pdserve.services.registry import WorkerRecord
     recs = [WorkerRecord(r.name, r.role, f"sim:{r.name}", capacity_blocks=r.bm.num_blocks,
-                         layout={"block_size": r.bm.block_size}, load=r.load()) for r in replicas]
+                         layout=common_pb2.KvLayout(block_size=r.bm.block_size), load=r.load()) for r in replicas]
     return recs and capacity_from_workers(recs)
 
 

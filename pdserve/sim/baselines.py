@@ -29,8 +29,8 @@ class LeastLoaded:
 
     def place(self, workers: list[WorkerRecord], req: RouteInput) -> Placement:
         def load(w: WorkerRecord) -> float:
-            since = [n for t, n in self.placed.get(w.worker_id, []) if t > w.load.get("report_time", 0)]
-            return w.load.get("pending_prefill_tokens", 0) + sum(since) + 100 * w.load.get("num_running", 0)
+            since = [n for t, n in self.placed.get(w.worker_id, []) if t > w.load.report_time]
+            return w.load.pending_prefill_tokens + sum(since) + 100 * w.load.num_running
 
         ws = [w for w in workers if w.role == "both"]
         best = min(load(w) for w in ws)

@@ -207,8 +207,11 @@ class SimReplica:
         return len(self.scheduler.waiting) + len(self.scheduler.running) + len(self.scheduler.swapped)
 
     # ---- load, as a worker reports it ---------------------------------------------------------------------------
-    def load(self) -> dict:
+    def load(self):
+        """The LoadReport a real worker would heartbeat (services/worker.py), from the simulated state."""
+        from pdserve.services.pb import common_pb2
         sch = self.scheduler
-        return {"num_running": len(sch.running), "num_waiting": len(sch.waiting) + len(self.remote_pending),
-                "kv_blocks_in_use": self.bm.blocks_in_use, "kv_blocks_total": self.bm.num_blocks,
-                "max_num_seqs": self.cfg.max_num_seqs}  # the worker's heartbeat carries it for admission
+        return common_pb2.LoadReport(num_running=len(sch.running),
+                                     num_waiting=len(sch.waiting) + len(self.remote_pending),
+                                     kv_blocks_in_use=self.bm.blocks_in_use, kv_blocks_total=self.bm.num_blocks,
+                                     max_num_seqs=self.cfg.max_num_seqs)

@@ -15,7 +15,8 @@ import asyncio
 import uuid
 from collections import deque
 
-from pdserve.services.router.prefix_index import IndexSync, KvEventPublisher, PrefixIndex
+from pdserve.services.kv_events import KvEventPublisher
+from pdserve.services.router.prefix_index import IndexSync, PrefixIndex
 
 
 class DirectIndex:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from pdserve.services.pb import common_pb2
 from pdserve.services.registry import WorkerRecord
 from pdserve.services.router.policy import Policy, RouteInput
 from pdserve.sim.baselines import LeastLoaded, Oracle, RoundRobin
@@ -59,8 +60,8 @@ class RouterPlacer:
         bs = replicas[0].bm.block_size if replicas else 16
         kvb = getattr(cost, "kv_bytes_per_token", 0) or getattr(getattr(cost, "model", None), "kv_bytes_per_token", 0)
         self.records = {r.name: WorkerRecord(r.name, r.role, f"sim:{r.name}", capacity_blocks=r.bm.num_blocks,
-                                             layout={"fingerprint": r.bm.fingerprint, "block_size": bs,
-                                                     "block_bytes": int(kvb * bs)})
+                                             layout=common_pb2.KvLayout(fingerprint=r.bm.fingerprint,
+                                                                        block_size=bs, block_bytes=int(kvb * bs)))
                         for r in replicas}
         self.pools = {role: [r.name for r in replicas if r.role == role] for role in ("prefill", "decode", "both")}
         self.report_s = report_s
@@ -109,12 +110,12 @@ class RouterPlacer:
         slope = (t2 - t1) / 1536
         return (1.0 / slope if slope > 0 else 0.0), max(0.0, t1 - 512 * slope)
 
-    def _report(self, rep: SimReplica, now: float) -> dict:
+    def _report(self, rep: SimReplica, now: float) -> common_pb2.LoadReport:
         ld = rep.load()
         sch = rep.scheduler
         pending = sum(s.num_tokens - s.num_computed_tokens for s in sch.waiting) + \
             sum(s.num_tokens - s.num_computed_tokens for s in sch.running if s.is_prefill)
-        ld.update(pending_prefill_tokens=pending, report_time=now)
+        ld.pending_prefill_tokens, ld.report_time = pending, now
         if self.cost is not None:
             dec = [s for s in sch.running if not s.is_prefill]
             ctx = sum(s.num_tokens for s in dec)
@@ -123,12 +124,12 @@ class RouterPlacer:
             mean = ctx // n if n else 512
             step1 = self.cost.step_time(StepShape(0, 0, n + 1, ctx + mean, ctx + mean, n + 1))
             rate, overhead = self._rates
-            ld.update(prefill_tokens_per_s=rate, prefill_overhead_s=overhead, decode_step_s=step,
-                      decode_step_per_seq_s=max(0.0, step1 - step) if n else 0.0)
+            ld.prefill_tokens_per_s, ld.prefill_overhead_s, ld.decode_step_s = rate, overhead, step
+            ld.decode_step_per_seq_s = max(0.0, step1 - step) if n else 0.0
             bw = getattr(self.cost, "link_bytes_per_s", 0)
             if bw:
-                ld["kv_bytes_per_s"] = bw
-            ld["handoff_overhead_s"] = getattr(self.cost, "handoff_s", 0.0) or 1e-6
+                ld.kv_bytes_per_s = bw
+            ld.handoff_overhead_s = getattr(self.cost, "handoff_s", 0.0) or 1e-6
         return ld
 
     def _refresh(self, now: float) -> None:

@@ -10,7 +10,8 @@ import pytest
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.services.grpc_util import channel
-from pdserve.services.pb import params_to_pb, worker_pb2, worker_pb2_grpc, gateway_pb2_grpc
+from pdserve.services.convert import params_to_pb
+from pdserve.services.pb import worker_pb2, worker_pb2_grpc, gateway_pb2_grpc
 from tests.e2e import _common
 from tests.e2e.conftest import Up, metric, wait_until
 
@@ -31,6 +32,11 @@ def test_greedy_matches_offline_engine(up, offline_greedy):
     # the KV really moved: decode workers pulled bytes over NIXL
     pulled = sum(metric(w["metrics_port"], "pdserve_kv_transfer_bytes_total") for w in up.workers("decode"))
     assert pulled > 0
+    # the prefill worker's NIXL region went to each decode worker once (one handshake per peer pair), however
+    # many requests moved KV: it is not re-shipped in every PrefillResponse
+    hs = [metric(w["metrics_port"], "pdserve_kv_handshakes_total", '{side="initiated"}') for w in up.workers("decode")]
+    served = metric(up.workers("prefill")[0]["metrics_port"], "pdserve_kv_handshakes_total", '{side="served"}')
+    assert all(h == 1 for h in hs if h == h) and served == sum(h for h in hs if h == h) >= 1, (hs, served)
 
 
 def test_seeded_sampling_matches_offline_engine(up, offline_seeded):

@@ -18,7 +18,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.services.pb import common_pb2, params_to_pb, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pdserve.services.convert import params_to_pb
+from pdserve.services.pb import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests._tls import Pki
 from tests.e2e.conftest import PROMPTS, Up, metric, wait_until
 
@@ -108,9 +109,9 @@ def test_worker_and_router_refuse_without_token(up):
                 worker_pb2.PrefillRequest(request_id="p", prompt_token_ids=[2, 3, 4]), timeout=10))
             out["route_none"] = await _code(rt.Route(route, timeout=10))
             out["route_wrong"] = await _code(rt.Route(route, metadata=_bearer("nope" * 8), timeout=10))
-            if hasattr(rt, "Register"):  # the other way to plant a worker, while the router still has the RPC
-                out["register_none"] = await _code(rt.Register(common_pb2.WorkerInfo(
-                    worker_id="evil", role="decode", address="127.0.0.1:1"), timeout=10))
+            # the KV handshake hands out the NIXL region: a caller without the token gets nothing
+            out["handshake_none"] = await _code(worker_pb2_grpc.WorkerStub(p).KvHandshake(
+                worker_pb2.KvHandshakeRequest(protocol_version=1), timeout=10))
             out["list_none"] = await _code(rt.ListWorkers(router_pb2.ListWorkersRequest(), timeout=10))
             # with the token the same calls go through
             out["generate_ok"] = await _generate(w, _bearer(TOKEN))
@@ -130,7 +131,7 @@ def test_worker_and_router_refuse_without_token(up):
 
     out = asyncio.run(main())
     for k in ("generate_none", "generate_wrong", "generate_not_bearer", "prefill_none", "route_none", "route_wrong",
-              "register_none", "list_none"):
+              "handshake_none", "list_none"):
         assert out.get(k, grpc.StatusCode.UNAUTHENTICATED) == grpc.StatusCode.UNAUTHENTICATED, (k, out.get(k))
     assert len(out["generate_ok"]) == 3
     assert out["route_ok"] in ("disagg", "colocated", "local")
@@ -161,7 +162,7 @@ def test_forged_registry_record_is_never_routed_to(up, token_file):
     with pytest.raises(redis.exceptions.AuthenticationError):
         redis.Redis.from_url(up.info["redis_url"]).ping()
     r = redis.Redis.from_url(up.info["redis_url"], password=REDIS_PASSWORD)
-    genuine = {k.decode(): v.decode() for k, v in r.hgetall(workers_key(MODEL, real["worker_id"])).items()}
+    genuine = {k.decode(): v for k, v in r.hgetall(workers_key(MODEL, real["worker_id"])).items()}
     assert SIG_FIELD in genuine  # the worker signs what it writes
     router_port = up.process("router")["port"]
     key = InternalSecurity(token=TOKEN).registry_key()
@@ -174,12 +175,14 @@ def test_forged_registry_record_is_never_routed_to(up, token_file):
         await server.start()
         stop = asyncio.Event()
 
-        def forged(signed: bool) -> dict[str, str]:
-            f = {**genuine, "worker_id": "impostor", "address": f"127.0.0.1:{port}", "updated": str(time.time()),
-                 "load": "{}"}
+        def forged(signed: bool) -> dict[str, bytes]:
+            info = common_pb2.WorkerInfo.FromString(genuine["info"])
+            info.worker_id, info.address = "impostor", f"127.0.0.1:{port}"
+            f = {**genuine, "info": info.SerializeToString(), "updated": str(time.time()).encode(),
+                 "load": common_pb2.LoadReport(worker_id="impostor").SerializeToString()}
             f.pop(SIG_FIELD)
             if signed:  # the control: what a process holding the token could write
-                f[SIG_FIELD] = record_sig(key, MODEL, f)
+                f[SIG_FIELD] = record_sig(key, MODEL, f).encode()
             return f
 
         async def keep_writing(signed_: dict):  # a forger "heartbeats" too, or its record lapses

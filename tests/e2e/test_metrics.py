@@ -34,7 +34,8 @@ ROUTER = {
 WORKER = {
     "pdserve_queue_time_seconds", "pdserve_prefill_time_seconds", "pdserve_kv_transfer_seconds",
     "pdserve_kv_transfer_bytes", "pdserve_kv_transfer_failures", "pdserve_kv_leases_expired",
-    "pdserve_kv_events_published", "pdserve_engine_requests_terminal", "pdserve_kv_blocks_in_use",
+    "pdserve_kv_events_published", "pdserve_kv_handshakes", "pdserve_engine_requests_terminal",
+    "pdserve_kv_blocks_in_use",
     "pdserve_kv_blocks_total", "pdserve_kv_blocks_pinned", "pdserve_kv_usage_fraction",
     "pdserve_prefix_cache_queries", "pdserve_prefix_cache_hits", "pdserve_prefix_hit_ratio", "pdserve_num_running",
     "pdserve_num_waiting", "pdserve_requests_in_state", "pdserve_request_state_entries"}

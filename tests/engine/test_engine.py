@@ -109,7 +109,7 @@ def test_context_limit_finishes_with_length(tmp_path):
 def test_queued_prefill_tokens_subtracts_prefix_cache_hits(tiny_llama):
     """The routing load report's queued prefill work: a waiting request whose prefix is cached counts only its
     uncached tokens (and the worker's load report uses it)."""
-    from pdserve.services.router.load import _pending_prefill
+    from pdserve.services.load_meter import _pending_prefill
     eng = Engine.from_pretrained(tiny_llama, EngineConfig(block_size=4, num_gpu_blocks=128))
     prefix = list(range(10, 30))  # 20 tokens = 5 full blocks
     eng.generate([prefix + [40, 41]], GREEDY)  # caches the prefix's blocks (freed, still hashed)

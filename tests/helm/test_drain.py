@@ -48,7 +48,8 @@ def test_sigterm_drains_within_grace_period(redis_url, tmp_path):
 
     from pdserve.engine.sampling_params import SamplingParams
     from pdserve.services.grpc_util import WORKER_SERVICE, channel
-    from pdserve.services.pb import params_to_pb, worker_pb2, worker_pb2_grpc
+    from pdserve.services.convert import params_to_pb
+    from pdserve.services.pb import worker_pb2, worker_pb2_grpc
 
     dep = by_kind(objects(VALUES), "Deployment")[f"{FULL}-worker"]
     spec = pod_template(dep)

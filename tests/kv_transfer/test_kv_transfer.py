@@ -5,16 +5,20 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from pdserve.kv_transfer.agent import KVAgent
+from pdserve.kv_transfer.agent import KVAgent, KVTransferError, TransferFailure
 from pdserve.kv_transfer.layout import KVLayout, KVLayoutMismatch, check_compatible
 from pdserve.kv_transfer.lease import LeaseTable, reap_forever
 from tests.kv_transfer import _peer
 
 
+_PROCS: list = []  # the current test's peers (process, pipe)
+
+
 @pytest.fixture
 def peer():
     ctx = mp.get_context("spawn")
-    procs = []
+    procs = _PROCS
+    procs.clear()
 
     def start(name, seed, **layout_over):
         parent, child = ctx.Pipe()
@@ -26,8 +30,9 @@ def peer():
 
     yield start
     for p, conn in procs:
-        conn.send("stop")
-        p.join(5)
+        if p.is_alive():
+            conn.send("stop")
+            p.join(5)
         if p.is_alive():
             p.kill()
 
@@ -48,6 +53,24 @@ def test_read_blocks_across_processes_moves_exactly_the_right_blocks(peer):
     # a second transfer reuses the prepped remote dlist
     agent.read_blocks(region, [2], [2])
     assert torch.equal(local[2], remote[2])
+
+
+def test_dead_peer_is_a_typed_peer_gone_failure(peer):
+    """A peer killed after a first READ: the next READ fails as PEER_GONE (not by matching error text), and so
+    does reconnecting after forget_remote."""
+    region, _ = peer("prefill-dies", seed=3)
+    agent = KVAgent("decode-dead", torch.zeros(_peer.SHAPE), _peer.layout())
+    agent.read_blocks(region, [1], [1])
+    p, _ = _PROCS[-1]
+    p.kill()
+    p.join(5)
+    with pytest.raises(KVTransferError) as e:
+        agent.read_blocks(region, [2], [2], timeout_s=3)
+    assert e.value.kind is TransferFailure.PEER_GONE, e.value
+    agent.forget_remote(region.agent_name)
+    with pytest.raises(KVTransferError) as e:
+        agent.read_blocks(region, [2], [2], timeout_s=3)
+    assert e.value.kind is TransferFailure.PEER_GONE, e.value
 
 
 def test_layout_mismatch_names_each_field(peer):

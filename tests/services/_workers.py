@@ -19,9 +19,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def start_worker(model: Path, role: str, *args: str, env: dict | None = None,
-                 redis_url: str = "") -> tuple[subprocess.Popen, int]:
-    """A worker on a free port (no registry unless `redis_url`); extra CLI `args` and `env` go to it as given."""
-    port = free_port()
+                 redis_url: str = "", port: int | None = None) -> tuple[subprocess.Popen, int]:
+    """A worker on `port` or a free one (no registry unless `redis_url`); extra CLI `args` and `env` go to it as
+    given. Its worker id (and NIXL agent name) is `{role}-{port}`: a restart on the same port keeps it."""
+    port = port or free_port()
     penv = {**os.environ, "PYTHONPATH": str(ROOT), "PDSERVE_LOG_LEVEL": "WARNING", **(env or {})}
     p = subprocess.Popen([sys.executable, "-m", "pdserve", "worker", "--model", str(model), "--role", role,
                           "--port", str(port), "--redis-url", redis_url, "--num-gpu-blocks", "64",

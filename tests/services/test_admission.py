@@ -217,6 +217,7 @@ def test_admission_outcomes():
         # DEGRADED: n=4 needs 9 blocks, 1 left... n=... nothing fits -> queue; free a, then degrade path
         await adm.release("a")
         t2 = await adm.admit("b", "t", 10, 20, 2, 4096, far)  # 5 blocks
+        assert (t2.n_granted, t2.blocks, t2.degraded) == (2, 5, False)
         t3 = await adm.admit("c", "t", 10, 20, 4, 4096, far)  # 9 won't fit in 5 left: n lowered to 2
         assert t3.degraded and t3.n_granted == 2 and t3.states == ["DEGRADED"]
         # full: first waiter queues (QUEUED) and gets in when capacity frees
@@ -331,19 +332,21 @@ def test_service_model_and_its_inverse():
 
 def test_rates_from_workers_load_reports():
     from pdserve.services.admission import capacity_from_workers
+    from pdserve.services.pb import common_pb2
     from pdserve.services.registry import WorkerRecord
     load = {"kv_blocks_total": 100, "max_num_seqs": 32, "decode_step_s": 0.030, "decode_step_per_seq_s": 0.002,
             "num_running": 10, "prefill_tokens_per_s": 1000.0, "prefill_overhead_s": 0.01}
-    recs = [WorkerRecord("d1", "decode", "x", "", 100, {"block_size": 16}, dict(load)),
-            WorkerRecord("d2", "decode", "x", "", 100, {"block_size": 16}, {**load, "decode_step_s": 0.050}),
-            WorkerRecord("p1", "prefill", "x", "", 100, {"block_size": 16},
-                         {"prefill_tokens_per_s": 2000.0, "prefill_overhead_s": 0.02})]
+    lay = common_pb2.KvLayout(block_size=16)
+    recs = [WorkerRecord("d1", "decode", "x", "", 100, lay, common_pb2.LoadReport(**load)),
+            WorkerRecord("d2", "decode", "x", "", 100, lay, common_pb2.LoadReport(**{**load, "decode_step_s": 0.050})),
+            WorkerRecord("p1", "prefill", "x", "", 100, lay,
+                         common_pb2.LoadReport(prefill_tokens_per_s=2000.0, prefill_overhead_s=0.02))]
     r = capacity_from_workers(recs).rates
     # intercept through each worker's current point: 0.030 - 0.002 x 10 = 0.010 and 0.030; mean 0.020
     assert (r.step0_s, r.step_per_seq_s, r.workers) == (pytest.approx(0.020), pytest.approx(0.002), 2)
     assert (r.prefill_tokens_per_s, r.prefill_overhead_s) == (2000.0, 0.02)  # the prefill pool's
     # nothing measured yet: no rates, deadlines not judged
-    assert not capacity_from_workers([WorkerRecord("b", "both", "x", "", 10, {}, {})]).rates.measured
+    assert not capacity_from_workers([WorkerRecord("b", "both", "x", "")]).rates.measured
 
 
 async def _dcap():

@@ -13,8 +13,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from pdserve.engine.block_manager import KVEvent, block_hash
-from pdserve.services.router.prefix_index import (IndexSync, KvEventPublisher, PrefixIndex, blocks_key,
-                                                  chain_hashes, stream_key)
+from pdserve.services.kv_events import KvEventPublisher, blocks_key, stream_key
+from pdserve.services.router.prefix_index import IndexSync, PrefixIndex, chain_hashes
 
 REDIS = "redis://127.0.0.1:6379/0"
 ROOT = Path(__file__).resolve().parents[2]
@@ -102,7 +102,8 @@ def test_redis_mirror_replicas_agree_restart_rebuilds_and_dead_worker_leaves():
 def test_real_worker_kv_events_reach_the_index_evictions_and_death(tiny_llama):
     """A worker process publishes stored/evicted events; the router index follows; SIGKILL -> gone."""
     from pdserve.services.grpc_util import channel
-    from pdserve.services.pb import params_to_pb, worker_pb2, worker_pb2_grpc
+    from pdserve.services.convert import params_to_pb
+    from pdserve.services.pb import worker_pb2, worker_pb2_grpc
     from pdserve.engine.sampling_params import SamplingParams
     from pdserve.services.registry import Registry
     from pdserve.services.up import free_port
@@ -128,7 +129,7 @@ def test_real_worker_kv_events_reach_the_index_evictions_and_death(tiny_llama):
                 await asyncio.sleep(0.2)
             assert live, "worker did not register"
             rec = live[0]
-            fp, bs = rec.layout["fingerprint"], rec.layout["block_size"]
+            fp, bs = rec.layout.fingerprint, rec.layout.block_size
             await sync.sync_workers([rec.worker_id])
             stub = worker_pb2_grpc.WorkerStub(channel(f"127.0.0.1:{port}"))
             params = params_to_pb(SamplingParams(temperature=0.0, max_tokens=2))

@@ -2,7 +2,7 @@
 
 from pdserve import proto_gen
 from pdserve.engine.sampling_params import GuidedSpec, SamplingParams
-from pdserve.services import pb
+from pdserve.services import convert
 
 
 def test_regenerated_stubs_identical(tmp_path):
@@ -23,4 +23,26 @@ def test_sampling_params_roundtrip():
         SamplingParams(n=3, top_k=5, top_p=0.5, min_p=0.1, presence_penalty=1.0, frequency_penalty=-1.0),
     ]
     for p in cases:
-        assert pb.params_from_pb(pb.params_to_pb(p)) == p
+        assert convert.params_from_pb(convert.params_to_pb(p)) == p
+
+
+def test_services_have_only_called_rpcs():
+    """The RPCs nobody called (Worker.Abort, GetAgentMetadata; Router.Register, Heartbeat, KvEvents) are gone;
+    each remaining one has a caller: the gateway (Generate, Prefill, GenerateFromPrefill, ReleaseKV, Route,
+    ListWorkers), the decode worker (ReleaseKV, KvHandshake), operators and tests (GetStats)."""
+    from pdserve.services.pb import router_pb2, worker_pb2
+    worker = {m.name for m in worker_pb2.DESCRIPTOR.services_by_name["Worker"].methods}
+    router = {m.name for m in router_pb2.DESCRIPTOR.services_by_name["Router"].methods}
+    assert worker == {"Generate", "Prefill", "GenerateFromPrefill", "ReleaseKV", "KvHandshake", "GetStats"}
+    assert router == {"Route", "ListWorkers"}
+
+
+def test_lifecycle_fields_round_trip_with_presence():
+    from pdserve.services.convert import Limits, lifecycle_to_pb, limits_from_pb
+    from pdserve.services.pb import worker_pb2
+    req = worker_pb2.PrefillRequest(lifecycle=lifecycle_to_pb(1.7e9 + 0.25, 3, 120))
+    back = worker_pb2.PrefillRequest.FromString(req.SerializeToString())
+    assert limits_from_pb(back.lifecycle) == Limits(1.7e9 + 0.25, 3, 120)
+    # absent stays absent (engine defaults), and 0 is a value, not "unset"
+    assert limits_from_pb(worker_pb2.PrefillRequest().lifecycle) == Limits(None, 0, None)
+    assert limits_from_pb(lifecycle_to_pb(0.0, None, 0)) == Limits(0.0, 0, 0)

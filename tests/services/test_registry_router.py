@@ -6,7 +6,7 @@ import grpc
 import pytest
 
 from pdserve.services.grpc_util import channel
-from pdserve.services.pb import router_pb2, router_pb2_grpc
+from pdserve.services.pb import common_pb2, router_pb2, router_pb2_grpc
 from pdserve.services.registry import Registry, WorkerRecord
 from pdserve.services.router.policy import NoWorkers, Policy
 from pdserve.services.router.server import RouterService
@@ -16,8 +16,8 @@ REDIS = "redis://127.0.0.1:6379/0"
 
 def rec(wid, role, running=0, **kw):
     # queued prefill work follows the running count (the cost model reads pending_prefill_tokens)
-    return WorkerRecord(wid, role, f"127.0.0.1:{abs(hash(wid)) % 1000 + 20000}", load={"num_running": running,
-                        "kv_blocks_total": 100, "pending_prefill_tokens": 500 * running}, **kw)
+    return WorkerRecord(wid, role, f"127.0.0.1:{abs(hash(wid)) % 1000 + 20000}", load=common_pb2.LoadReport(
+                        num_running=running, kv_blocks_total=100, pending_prefill_tokens=500 * running), **kw)
 
 
 def test_policy_least_loaded_and_ties_random():
@@ -110,13 +110,12 @@ def test_registry_survives_redis_restart(tmp_path):
     asyncio.run(main())
 
 
-def test_router_register_heartbeat_kvevents_and_gateway_503(tiny_llama):
-    """Workers may report through the router; with no live worker the gateway answers 503 (and /health 503)."""
+def test_router_list_workers_and_gateway_503(tiny_llama):
+    """ListWorkers returns the registry's records with their load reports; with no live worker the gateway
+    answers 503 (and /health 503)."""
     import httpx
 
     from pdserve.services.gateway.app import GatewayConfig, create_app
-    from pdserve.services.pb import common_pb2
-    from pdserve.services.router.prefix_index import blocks_key
 
     async def main():
         model = f"test-{uuid.uuid4().hex[:8]}"
@@ -136,23 +135,49 @@ def test_router_register_heartbeat_kvevents_and_gateway_503(tiny_llama):
                 r = await c.post("/v1/chat/completions", json={"model": model, "messages": []})
                 assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
             stub = router_pb2_grpc.RouterStub(channel(f"127.0.0.1:{port}"))
-            w = common_pb2.WorkerInfo(worker_id="w9", role="both", address="127.0.0.1:1")
-            assert (await stub.Register(w)).heartbeat_ttl_s == 1
-            await stub.Heartbeat(router_pb2.HeartbeatRequest(worker=w, load=common_pb2.LoadReport(num_running=2)))
+            await reg.heartbeat(WorkerRecord("w9", "both", "127.0.0.1:1",
+                                             load=common_pb2.LoadReport(worker_id="w9", num_running=2)))
             ws = await stub.ListWorkers(router_pb2.ListWorkersRequest(model=model))
             assert [x.worker_id for x in ws.workers] == ["w9"] and ws.loads[0].num_running == 2
-
-            async def events():
-                yield router_pb2.KvEvent(worker_id="w9", kind="stored", namespace="t", block_hashes=["a1", "b2"])
-                yield router_pb2.KvEvent(worker_id="w9", kind="evicted", namespace="t", block_hashes=["b2"])
-
-            assert (await stub.KvEvents(events())).received == 2
-            assert await reg.r.smembers(blocks_key(model, "w9")) == {b"a1:t"}  # hex hash : namespace
             await asyncio.sleep(1.2)  # no more heartbeats: lapsed
             assert (await stub.ListWorkers(router_pb2.ListWorkersRequest(model=model))).workers == []
         finally:
             await server.stop(0)
             async for k in reg.r.scan_iter(f"pdserve:{model}:*"):  # leave the shared Redis as found
+                await reg.r.delete(k)
+            await reg.close()
+
+    asyncio.run(main())
+
+
+def test_registry_round_trips_a_typed_load_report():
+    """The registry stores the worker's LoadReport as the proto itself (no JSON dict): every field, float and int,
+    comes back equal, and the raw Redis hash parses as a LoadReport without pdserve's own decoder."""
+    from pdserve.services.registry import workers_key
+
+    async def main():
+        model = f"test-{uuid.uuid4().hex[:8]}"
+        reg = Registry(REDIS, model, ttl_s=5.0)
+        load = common_pb2.LoadReport(worker_id="w1", num_running=3, num_waiting=4, kv_blocks_in_use=17,
+                                     kv_blocks_total=64, pinned_blocks=5, prefix_hit_ratio=0.25,
+                                     prefill_tokens_per_s=1234.5, prefill_overhead_s=0.0125, decode_step_s=0.031,
+                                     decode_step_per_seq_s=0.0007, pending_prefill_tokens=900,
+                                     kv_bytes_per_s=3.5e9, handoff_overhead_s=0.004, report_time=1.7e9 + 0.5,
+                                     max_num_seqs=48)
+        lay = common_pb2.KvLayout(fingerprint="fp", block_size=16, dtype="float16", num_layers=2, num_kv_heads=4,
+                                  head_dim=8, block_bytes=4096)
+        try:
+            await reg.heartbeat(WorkerRecord("w1", "decode", "127.0.0.1:1", "agent-w1", 64, lay, load))
+            raw = await reg.r.hgetall(workers_key(model, "w1"))
+            assert common_pb2.LoadReport.FromString(raw[b"load"]) == load
+            info = common_pb2.WorkerInfo.FromString(raw[b"info"])
+            assert (info.role, info.address, info.agent_name, info.capacity_blocks, info.layout) == \
+                ("decode", "127.0.0.1:1", "agent-w1", 64, lay)
+            [back] = await reg.live_workers()
+            assert back.load == load and back.layout == lay and back.role == "decode"
+            assert back.load.max_num_seqs == 48 and back.load.prefill_tokens_per_s == 1234.5
+        finally:
+            async for k in reg.r.scan_iter(f"pdserve:{model}:*"):
                 await reg.r.delete(k)
             await reg.close()
 

@@ -9,6 +9,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from pdserve.services.metrics import router as M
+from pdserve.services.pb import common_pb2
 from pdserve.services.registry import WorkerRecord
 from pdserve.services.router.policy import NoWorkers, Policy, RouteInput
 from pdserve.services.router.prefix_index import IndexSync, PrefixIndex, chain_hashes
@@ -77,11 +78,12 @@ def test_shared_system_prompt_does_not_herd():
 
 def _rec(wid, role="both", pending=0, running=0, rate=4000.0, step=0.01, bw=0.0, kv_used=0, **load):
     return WorkerRecord(wid, role, f"sim:{wid}", capacity_blocks=1000,
-                        layout={"fingerprint": FP, "block_size": BS, "block_bytes": 2 * 1024 * 1024},
-                        load={"pending_prefill_tokens": pending, "num_running": running, "kv_blocks_total": 1000,
-                              "kv_blocks_in_use": kv_used, "prefill_tokens_per_s": rate, "prefill_overhead_s": 0.01,
-                              "decode_step_s": step, "decode_step_per_seq_s": 0.0005, "kv_bytes_per_s": bw,
-                              "report_time": 1e12, **{"handoff_overhead_s": 0.005, **load}})
+                        layout=common_pb2.KvLayout(fingerprint=FP, block_size=BS, block_bytes=2 * 1024 * 1024),
+                        load=common_pb2.LoadReport(
+                            pending_prefill_tokens=pending, num_running=running, kv_blocks_total=1000,
+                            kv_blocks_in_use=kv_used, prefill_tokens_per_s=rate, prefill_overhead_s=0.01,
+                            decode_step_s=step, decode_step_per_seq_s=0.0005, kv_bytes_per_s=bw,
+                            report_time=1e12, **{"handoff_overhead_s": 0.005, **load}))
 
 
 def _index_with(prompt, worker) -> PrefixIndex:

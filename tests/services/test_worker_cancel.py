@@ -8,7 +8,6 @@ request within 2 s, long before any lease could expire (the lease TTL is 60 s he
 cleans up).
 """
 import asyncio
-import json
 import random
 import signal
 import time
@@ -18,7 +17,8 @@ import pytest
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.services.grpc_util import channel
-from pdserve.services.pb import params_to_pb, worker_pb2, worker_pb2_grpc
+from pdserve.services.convert import params_to_pb
+from pdserve.services.pb import worker_pb2, worker_pb2_grpc
 from tests.services._workers import start_worker, wait_serving
 
 N_REQUESTS = 120
@@ -47,7 +47,7 @@ def pd(tiny_llama):
 async def _held(stub: worker_pb2_grpc.WorkerStub) -> tuple[int, int, dict]:
     """(blocks in use, blocks pinned under leases, live requests per state) as the engine sees them now."""
     st = await stub.GetStats(worker_pb2.GetStatsRequest(), timeout=5)
-    return st.load.kv_blocks_in_use, st.load.pinned_blocks, json.loads(st.stats_json)["states"]
+    return st.load.kv_blocks_in_use, st.load.pinned_blocks, dict(st.states)
 
 
 async def _settled(stubs, timeout: float) -> tuple[float, list]:

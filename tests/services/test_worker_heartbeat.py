@@ -10,13 +10,13 @@ import signal
 import time
 import uuid
 
-import pytest
 import redis.asyncio as aioredis
 
 from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.services.grpc_util import channel
-from pdserve.services.pb import params_to_pb, worker_pb2, worker_pb2_grpc
+from pdserve.services.convert import params_to_pb
+from pdserve.services.pb import worker_pb2, worker_pb2_grpc
 from pdserve.services.registry import Registry, workers_key
 from tests.services._workers import start_worker, wait_serving
 

@@ -10,7 +10,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.services.grpc_util import channel
-from pdserve.services.pb import params_to_pb, worker_pb2, worker_pb2_grpc
+from pdserve.services.convert import params_to_pb
+from pdserve.services.pb import worker_pb2, worker_pb2_grpc
 from tests.conftest import make_checkpoint
 from tests.services._workers import start_worker, wait_serving
 

@@ -22,20 +22,18 @@ from dataclasses import dataclass
 
 import grpc
 
-from pdserve.kv_transfer.agent import KVRegion, KVTransferError
-from pdserve.kv_transfer.layout import KVLayout, KVLayoutMismatch, check_compatible
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.kv_transfer.agent import KVAgent, KVTransferError, TransferFailure
+from pdserve.kv_transfer.layout import KVLayoutMismatch
 from pdserve.services.metrics import worker as M
-from pdserve.services.admission import lifecycle_from_context
-from pdserve.services.convert import DeltaEncoder, first_tokens_from_pb
+from pdserve.services.convert import DeltaEncoder, first_tokens_from_pb, limits_from_pb, params_from_pb
+from pdserve.services.decode.peers import KvPeers
 from pdserve.services.grpc_util import channel, param_metadata
-from pdserve.services.pb import common_pb2, layout_from_pb, params_from_pb, worker_pb2, worker_pb2_grpc
+from pdserve.services.kv_endpoint import KvEndpoint
+from pdserve.services.load_meter import LoadMeter
+from pdserve.services.pb import common_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("pdserve.decode")
-
-
-def region_from_pb(r: common_pb2.KvRegion) -> KVRegion:
-    return KVRegion(r.agent_name, r.agent_metadata, r.base_addr, r.num_blocks, r.device_id, r.mem_type,
-                    KVLayout.from_dict(layout_from_pb(r.layout)))
 
 
 # The engine's backstop for a pickup left neither committed nor failed: this long past the READ's own timeout
@@ -55,12 +53,21 @@ class _Pickup:
 
 
 class DecodeSide:
-    def __init__(self, worker, transfer_timeout_s: float, alloc_wait_s: float = 10.0):
-        self.w = worker
+    def __init__(self, host: AsyncEngine, endpoint: KvEndpoint, agent: KVAgent | None, tokenizer,
+                 meter: LoadMeter | None, transfer_timeout_s: float, alloc_wait_s: float = 10.0):
+        self.host = host
+        self.agent = agent
+        self.layout = endpoint.layout
+        self.tokenizer = tokenizer
+        self.meter = meter  # the router's link bandwidth and hand-off cost are measured here
         self.transfer_timeout_s = transfer_timeout_s
         self.alloc_wait_s = alloc_wait_s
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._tasks: set[asyncio.Task] = set()  # cleanups that outlive their (cancelled) RPC
+        # every task this side starts (ReleaseKV calls, aborts waiting for a READ, the READs themselves): owned,
+        # so none is collected mid-flight, and close() waits for them, then cancels what is left
+        self._tasks: set[asyncio.Task] = set()
+        self.peers = KvPeers(self._stub, endpoint.layout, endpoint.protocol_version,
+                             agent.forget_remote if agent is not None else (lambda name: None))
 
     def _stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         ch = self._channels.get(address)
@@ -68,14 +75,21 @@ class DecodeSide:
             ch = self._channels[address] = channel(address)
         return worker_pb2_grpc.WorkerStub(ch)
 
-    def _spawn(self, coro) -> None:
-        t = asyncio.ensure_future(coro)
-        self._tasks.add(t)  # owned: not collected mid-flight, awaited by close()
+    def _spawn(self, coro) -> asyncio.Task:
+        t = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
+        return t
 
-    async def close(self) -> None:
-        """Let outstanding cleanups (ReleaseKV calls, aborts waiting for a READ) finish."""
+    async def close(self, grace_s: float = 10.0) -> None:
+        """Let outstanding cleanups (ReleaseKV calls, aborts waiting for a READ) finish for `grace_s` (a READ
+        ends by its own timeout), then cancel what is left and wait for it."""
+        await self.peers.close()
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=grace_s)
         while self._tasks:
+            for t in list(self._tasks):
+                t.cancel()
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
     async def _release_remote(self, kv: common_pb2.KvHandle, request_id: str) -> None:
@@ -95,7 +109,7 @@ class DecodeSide:
         await asyncio.wait({xfer})
         if not xfer.cancelled():
             xfer.exception()  # retrieved: a failed READ of a cancelled pickup is no news
-        self.w.host.submit(lambda e: e.abort(rid, "CANCELLED"))
+        self.host.submit(lambda e: e.abort(rid, "CANCELLED"))
 
     def _cleanup(self, p: _Pickup, kv: common_pb2.KvHandle, rid: str) -> None:
         """Every exit of GenerateFromPrefill. Awaits nothing, so a cancellation cannot cut it short; idempotent
@@ -107,9 +121,9 @@ class DecodeSide:
                 if p.xfer is not None and not p.xfer.done():
                     self._spawn(self._abort_after(p.xfer, rid))
                 else:  # queued behind the allocation if that is still queued: it undoes it
-                    self.w.host.submit(lambda e: e.abort(rid, "CANCELLED"))
+                    self.host.submit(lambda e: e.abort(rid, "CANCELLED"))
         if p.attached:  # attached before a commit whose output we may never have read
-            self.w.host.detach(rid)
+            self.host.detach(rid)
 
     async def GenerateFromPrefill(self, request: worker_pb2.GenerateFromPrefillRequest, context):
         p = _Pickup()
@@ -121,35 +135,46 @@ class DecodeSide:
             self._cleanup(p, request.kv, request.request_id)
 
     async def _pickup(self, request: worker_pb2.GenerateFromPrefillRequest, context, p: _Pickup):
-        w = self.w
+        host = self.host
         rid = request.request_id
         kv = request.kv
         # every branch continues here, forked over one copy of the prompt's KV, each from its own first token
         params = params_from_pb(request.params)
         firsts = first_tokens_from_pb(request.first_tokens)
-        region = region_from_pb(kv.region)
-        try:
-            check_compatible(w.layout, region.layout)
+        try:  # where the peer's blocks live: a handshake with the first hand-off from each peer incarnation
+            region = await self.peers.region(kv.worker_address, kv.incarnation)
         except KVLayoutMismatch as e:
             M.REJECTIONS.labels("kv_layout_mismatch").inc()
             p.ended = True
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except KVTransferError as e:
+            M.KV_TRANSFER_FAILURES.labels(e.kind.value).inc()
+            p.ended = True
+            if e.kind is TransferFailure.INCOMPATIBLE:  # the gateway fails it like a broken prefill peer
+                M.REJECTIONS.labels("kv_incompatible_peer").inc()
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            self._release_once(p, kv, rid)
+            M.TERMINAL.labels("FAILED").inc()
+            log.warning("request %s: %s", rid, e)
+            yield common_pb2.GenerateResponse(request_id=rid, finished=True, state="FAILED",
+                                              error=f"KV transfer failed: {e}")
+            return
         prompt = list(request.prompt_token_ids)
         t_start = time.time()
-        lc = lifecycle_from_context(context)
-        lc.pop("predicted_output_tokens", None)
+        lim = limits_from_pb(request.lifecycle)
         budget = self.transfer_timeout_s + TRANSFER_GRACE_S
 
         def add(e):
             return e.add_prefilled_request(rid, prompt, firsts, params, namespace=request.namespace,
-                                           transfer_deadline=time.time() + budget, **lc)
+                                           transfer_deadline=time.time() + budget, deadline=lim.deadline,
+                                           priority=lim.priority)
 
         # 1. allocate (waiting a little for capacity: decode blocks free up as other requests finish)
         deadline = time.monotonic() + self.alloc_wait_s
         while True:
             p.added = True  # queued from here on: it runs even if this call is cancelled while awaiting it
             try:
-                alloc = await w.host.run(add)
+                alloc = await host.run(add)
             except ValueError as e:
                 p.added, p.ended = False, True  # refused: nothing of ours (a duplicate id is someone else's)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e), trailing_metadata=param_metadata(e))
@@ -163,10 +188,10 @@ class DecodeSide:
             await asyncio.sleep(0.02)
         dst_blocks, cached = alloc
         # 2. pull the blocks the local prefix cache does not already hold: ONE batched READ
-        need = -(-kv.num_tokens // w.layout.block_size)
+        need = -(-kv.num_tokens // self.layout.block_size)
         src, dst = list(kv.block_ids[cached:need]), list(dst_blocks[cached:need])
         t0 = time.time()
-        err = None
+        failure: KVTransferError | None = None
         nbytes = 0
         # The READ must give up before the prefill side's lease can free the source blocks (a READ
         # racing the reaper would copy blocks that may already hold another request's KV).
@@ -174,42 +199,45 @@ class DecodeSide:
         if kv.lease_expiry_unix:
             timeout = min(timeout, kv.lease_expiry_unix - time.time() - 0.5)
         if timeout <= 0:
-            err = "KV lease expired before the transfer started"
+            failure = KVTransferError("KV lease expired before the transfer started", TransferFailure.LEASE_EXPIRED)
         elif src:
-            p.xfer = asyncio.ensure_future(asyncio.to_thread(
-                w.agent.read_blocks, region, src, dst, kv.lease_id.encode(), timeout))
+            p.xfer = self._spawn(asyncio.to_thread(
+                self.agent.read_blocks, region, src, dst, kv.lease_id.encode(), timeout))
             try:
                 nbytes = await asyncio.shield(p.xfer)  # a cancel here leaves the READ to _cleanup
                 M.KV_TRANSFER_BYTES.inc(nbytes)
-            except (KVTransferError, KVLayoutMismatch, ValueError, RuntimeError) as e:
-                err = f"KV transfer failed: {e}"
-                w.agent.forget_remote(region.agent_name)  # a dead peer must be re-added if it comes back
+            except KVTransferError as e:
+                failure = e
+            except (KVLayoutMismatch, ValueError, RuntimeError) as e:  # NIXL's own exceptions are RuntimeErrors
+                failure = KVTransferError(str(e), TransferFailure.NIXL_ERROR)
+            if failure is not None:
+                self.agent.forget_remote(region.agent_name)  # a dead peer must be re-added if it comes back
         t1 = time.time()
         M.KV_TRANSFER_SECONDS.observe(t1 - t0)
-        if err is not None:
+        if failure is not None:
+            err = f"KV transfer failed: {failure}"
             self._release_once(p, kv, rid)
-            M.KV_TRANSFER_FAILURES.labels("timeout" if "timed out" in err else "error").inc()
-            w.host.submit(lambda e: e.fail_prefilled(rid))
+            M.KV_TRANSFER_FAILURES.labels(failure.kind.value).inc()
+            host.submit(lambda e: e.fail_prefilled(rid))
             M.TERMINAL.labels("FAILED").inc()
             p.ended = True
             log.warning("request %s: %s", rid, err)
             yield common_pb2.GenerateResponse(request_id=rid, finished=True, state="FAILED", error=err)
             return
         # 3. commit: the request joins the decode batch; its first output carries the first token
-        stream = w.host.attach(rid)  # before the commit, so the first output (the first token) is not missed
+        stream = host.attach(rid)  # before the commit, so the first output (the first token) is not missed
         p.attached = True
-        if not await w.host.run(lambda e: e.commit_prefilled(rid)):
+        if not await host.run(lambda e: e.commit_prefilled(rid)):
             # the engine already gave the blocks back (transfer deadline): the KV that arrived has nowhere to go
             M.TERMINAL.labels("FAILED").inc()
             p.ended = True
             yield common_pb2.GenerateResponse(request_id=rid, finished=True, state="FAILED",
                                               error="KV transfer completed after its deadline")
             return
-        meter = getattr(w, "meter", None)
-        if meter is not None:  # the router's link bandwidth and hand-off cost are these measurements
-            meter.observe_transfer(nbytes, t1 - t0, time.time() - t_start)
+        if self.meter is not None:
+            self.meter.observe_transfer(nbytes, t1 - t0, time.time() - t_start)
         async with contextlib.aclosing(stream):
-            enc = DeltaEncoder(w.tokenizer)
+            enc = DeltaEncoder(self.tokenizer)
             first = True
             async for out in stream:
                 msg = enc.encode(out)

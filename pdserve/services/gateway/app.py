@@ -25,7 +25,7 @@ from pdserve.services.gateway.errors import ErrorReply, reply_for
 from pdserve.services.gateway.handler import RequestHandler
 from pdserve.services.gateway.lifecycle import build_lifecycle
 from pdserve.services.gateway.params import APIError, flag, prompt_only, to_sampling_params
-from pdserve.services.gateway.guard import MAX_HEADER_BYTES, HttpGuard  # noqa: I001 - out of order: fewer merge conflicts
+from pdserve.services.gateway.guard import MAX_HEADER_BYTES, HttpGuard, fastapi_options  # noqa: I001 - out of order: fewer merge conflicts
 from pdserve.services.gateway.ingress import IngressGate
 from pdserve.services.gateway import http_metrics
 from pdserve.services.gateway.parse import RequestParser
@@ -124,7 +124,7 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
     vocab = limits.vocab_size
     max_len = limits.max_model_len
     disp = dispatcher or Dispatcher(cfg.router_address, cfg.served_model_name)
-    app = FastAPI(title="pdserve gateway")
+    app = FastAPI(title="pdserve gateway", **fastapi_options())
     app.add_middleware(HttpGuard, max_header_bytes=cfg.max_header_bytes)
     http_metrics.install(app, cfg.served_model_name, cfg.metrics_compat)  # outermost: counts HttpGuard's refusals
     app.state.dispatcher = disp

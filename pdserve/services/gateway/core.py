@@ -23,7 +23,8 @@ import grpc
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.services.gateway.stages import StageTrace
 from pdserve.services.grpc_util import channel, param_of
-from pdserve.services.pb import common_pb2, params_to_pb, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pdserve.services.convert import params_to_pb
+from pdserve.services.pb import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -95,10 +96,13 @@ class Dispatcher:
             raise NoWorkersError(e.details() or str(e.code())) from None
 
     async def generate(self, rid: str, sub: SubRequest, namespace: str = "", on_route=None, metadata: tuple = (),
-                       trace: StageTrace | None = None) -> AsyncIterator[common_pb2.GenerateResponse]:
-        """One engine request, all its branches on one worker (or one prefill + one decode worker). Retries placement while nothing was emitted
+                       trace: StageTrace | None = None, lifecycle: common_pb2.Lifecycle | None = None
+                       ) -> AsyncIterator[common_pb2.GenerateResponse]:
+        """One engine request, all its branches on one worker (or one prefill + one decode worker). Retries
+        placement while nothing was emitted
         and the failure was a worker being unreachable. `trace` collects the route time and the workers'
-        stage timestamps (usage.stage_times)."""
+        stage timestamps (usage.stage_times). `lifecycle` (deadline, priority, predicted output) goes to every
+        worker in its request message; `metadata` carries only tracing headers."""
         trace = trace if trace is not None else StageTrace()
         exclude: list[str] = []
         pp = params_to_pb(sub.params)
@@ -114,8 +118,8 @@ class Dispatcher:
                 if route.mode == "colocated":
                     failed_worker = route.both.worker_id
                     call = self.stub(route.both.address).Generate(worker_pb2.GenerateRequest(
-                        request_id=rid, prompt_token_ids=sub.prompt_token_ids, params=pp, namespace=namespace),
-                        metadata=metadata)
+                        request_id=rid, prompt_token_ids=sub.prompt_token_ids, params=pp, namespace=namespace,
+                        lifecycle=lifecycle), metadata=metadata)
                     try:
                         async for m in call:
                             emitted = True
@@ -127,8 +131,8 @@ class Dispatcher:
                 # disaggregated
                 failed_worker = route.prefill.worker_id
                 pcall = self.stub(route.prefill.address).Prefill(worker_pb2.PrefillRequest(
-                    request_id=rid, prompt_token_ids=sub.prompt_token_ids, params=pp, namespace=namespace),
-                    metadata=metadata)
+                    request_id=rid, prompt_token_ids=sub.prompt_token_ids, params=pp, namespace=namespace,
+                    lifecycle=lifecycle), metadata=metadata)
                 handed_over = False  # the decode stream ended normally: its pull released the prefill side
                 pinned_on = route.prefill.address  # where KV may be pinned for rid from here on
                 try:
@@ -149,12 +153,12 @@ class Dispatcher:
                     skip = None
                     if pre.HasField("first"):
                         # The first token goes to the client now; the KV transfer and the decode worker's pickup
-                        # run behind it (they used to be ~5 ms of TTFT). The decode stream repeats it: left out.
+                        # (~5 ms) run behind it, off the TTFT path. The decode stream repeats it: left out.
                         emitted = True
                         skip = _SkipFirst(pre.first)
                         yield pre.first
                     try:
-                        async for m in self._decode(rid, sub, pp, namespace, route, pre, metadata):
+                        async for m in self._decode(rid, sub, pp, namespace, route, pre, metadata, lifecycle):
                             trace.on_stream(m.times)
                             if m.finished and (m.state or "FINISHED") == "FINISHED":
                                 handed_over = True
@@ -186,15 +190,15 @@ class Dispatcher:
                 log.warning("request %s: worker %s unavailable (%s), rerouting", rid, failed_worker, e.code().name)
                 exclude.append(failed_worker)
 
-    async def _decode(self, rid, sub, pp, namespace, route, pre,
-                      metadata: tuple = ()) -> AsyncIterator[common_pb2.GenerateResponse]:
+    async def _decode(self, rid, sub, pp, namespace, route, pre, metadata: tuple = (),
+                      lifecycle: common_pb2.Lifecycle | None = None) -> AsyncIterator[common_pb2.GenerateResponse]:
         kv = pre.kv
         exclude = [route.decode.worker_id]
         decode = route.decode
         for attempt in range(self.max_attempts):
             call = self.stub(decode.address).GenerateFromPrefill(worker_pb2.GenerateFromPrefillRequest(
                 request_id=rid, prompt_token_ids=sub.prompt_token_ids, params=pp, namespace=namespace,
-                first_tokens=pre.first_tokens, kv=kv), metadata=metadata)
+                first_tokens=pre.first_tokens, kv=kv, lifecycle=lifecycle), metadata=metadata)
             emitted = False
             try:
                 async for m in call:
@@ -239,13 +243,14 @@ class Dispatcher:
         self._spawn(release())
 
     async def generate_many(self, rid: str, subs: list[SubRequest], namespace: str = "", on_route=None,
-                            metadata: tuple = (), traces: list[StageTrace] | None = None
+                            metadata: tuple = (), traces: list[StageTrace] | None = None,
+                            lifecycle: common_pb2.Lifecycle | None = None
                             ) -> AsyncIterator[tuple[int, common_pb2.GenerateResponse]]:
         """Several sub-requests (one per prompt) merged into one stream; yields (sub index, message) with each
         message's choice indexes already shifted to the response's numbering. `traces[i]` is sub-request i's."""
         traces = traces if traces is not None else [StageTrace() for _ in subs]
         if len(subs) == 1:
-            async for m in self.generate(rid, subs[0], namespace, on_route, metadata, traces[0]):
+            async for m in self.generate(rid, subs[0], namespace, on_route, metadata, traces[0], lifecycle):
                 _shift(m, subs[0].index_base)
                 yield 0, m
             return
@@ -255,7 +260,7 @@ class Dispatcher:
 
         async def pump(i: int, sub: SubRequest) -> None:
             try:
-                async for m in self.generate(f"{rid}-{i}", sub, namespace, on_route, metadata, traces[i]):
+                async for m in self.generate(f"{rid}-{i}", sub, namespace, on_route, metadata, traces[i], lifecycle):
                     _shift(m, sub.index_base)
                     await q.put((i, m))
             except BaseException as e:  # noqa: BLE001 - forwarded to the consumer

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import logging
 
-from pdserve.services.gateway import redact
 from pdserve.services.gateway.errors import RequestFailed, grpc_status
 from pdserve.services.gateway.handler import RequestHandler
 from pdserve.services.gateway.params import validate
 from pdserve.services.gateway.parse import RequestParser
 from pdserve.services.gateway.schema import GenerateCall
-from pdserve.services.pb import gateway_pb2_grpc, params_from_pb
+from pdserve.services.convert import params_from_pb
+from pdserve.services.pb import gateway_pb2_grpc
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -33,8 +33,7 @@ class GatewayGrpc(gateway_pb2_grpc.GatewayServicer):
     async def Generate(self, request, context):
         handler = self.handler
         rec = handler.new_record()
-        if request.request_id:
-            redact.request_id.set(request.request_id)
+        # the log lines' id is the caller's x-request-id (grpc_context.py); request.request_id is the engine's
 
         async def parse() -> GenerateCall:
             params = params_from_pb(request.params)
@@ -49,7 +48,6 @@ class GatewayGrpc(gateway_pb2_grpc.GatewayServicer):
         failure, st = None, None
         try:
             st = await handler.open(rec, dict(context.invocation_metadata() or ()), parse)
-            redact.request_id.set(st.rid)
             try:
                 async for d in handler.consume(st):
                     d.msg.request_id = st.rid

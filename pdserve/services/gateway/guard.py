@@ -2,7 +2,11 @@
 catch-all for errors.
 
 * Every request gets an id (`x-request-id` response header, `redact.request_id` while it is served): the handle
-  that ties the client's error message to the details in the gateway's log.
+  that ties the client's error message to the details in the gateway's log. A client's own `x-request-id` is
+  kept when it is acceptable (logs.valid_request_id) and replaced otherwise, never refused; the id then travels
+  to the router and workers as gRPC metadata and is on every log line of the request (docs/observability.md).
+  With tracing on, the request is a SERVER span, child of the client's `traceparent` (tracing.py), and one access
+  line is logged per request.
 * Request heads over `max_header_bytes` get 431 and the connection is closed. h11's own limit
   (`h11_max_incomplete_event_size`, set to the same number in server.py) only sees a head that is still
   incomplete; one that arrives whole in a single read passes it at any size (100 KB was accepted).
@@ -19,12 +23,16 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
+from pdserve.services import logs, tracing
 from pdserve.services.gateway import redact
 
 log = logging.getLogger("pdserve.gateway")
+access = logging.getLogger("pdserve.access")
 
 MAX_HEADER_BYTES = 16 << 10
+POLLED_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapers: their access line is DEBUG
 KEEP_ALIVE_5XX = frozenset({503, 504})  # deliberate answers (load shed, deadline): the connection is sound
 
 
@@ -33,6 +41,16 @@ def _error(status: int, message: str, type_: str, code: str) -> tuple[dict, byte
     start = {"type": "http.response.start", "status": status,
              "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
     return start, body
+
+
+def fastapi_options() -> dict:
+    """FastAPI's own tracing off, where it has one (newer releases open their own SERVER span once a tracer
+    provider is set): the guard's span is the request's, the one that carries its id and the stage spans, and two
+    sibling spans per request would split each trace."""
+    import inspect
+
+    from fastapi import FastAPI
+    return {"telemetry": {"tracing": False}} if "telemetry" in inspect.signature(FastAPI.__init__).parameters else {}
 
 
 class HttpGuard:
@@ -44,14 +62,33 @@ class HttpGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        rid = redact.new_request_id()
+        given = traceparent = tracestate = None
+        for k, v in scope["headers"]:
+            if k == b"x-request-id":
+                given = v
+            elif k == b"traceparent":
+                traceparent = v
+            elif k == b"tracestate":
+                tracestate = v
+        rid = logs.accept_request_id(given)
         token = redact.request_id.set(rid)
+        span = None
+        if tracing.enabled():
+            carrier = {k: v.decode("latin-1") for k, v in (("traceparent", traceparent), ("tracestate", tracestate))
+                       if v is not None}
+            span = tracing.start_server_span(f"{scope.get('method', 'GET')} {scope.get('path', '')}", carrier,
+                                             {"http.request.method": scope.get("method", ""),
+                                              "url.path": scope.get("path", ""), "pdserve.request_id": rid})
         started = False
+        status = 0
+        t0 = time.perf_counter()
+        error: BaseException | None = None
 
         async def guarded_send(message) -> None:
-            nonlocal started
+            nonlocal started, status
             if message["type"] == "http.response.start":
                 started = True
+                status = message["status"]
                 headers = list(message.get("headers", ()))
                 headers.append((b"x-request-id", rid.encode()))
                 if message["status"] >= 500 and message["status"] not in KEEP_ALIVE_5XX \
@@ -72,12 +109,22 @@ class HttpGuard:
                 await guarded_send({"type": "http.response.body", "body": body})
                 return
             await self.app(scope, receive, guarded_send)
-        except Exception:
+        except Exception as e:
+            error = e
             log.exception("request %s: unhandled error", rid)
             if started:
                 raise
             start, body = _error(500, redact.with_id("internal error"), "server_error", "internal_error")
             await guarded_send(start)  # adds Connection: close
             await guarded_send({"type": "http.response.body", "body": body})
+        except BaseException as e:  # cancelled (the server stopping): still ends the span and the access line
+            error = e
+            raise
         finally:
+            access.log(logging.DEBUG if scope.get("path") in POLLED_PATHS else logging.INFO,
+                       "%s %s %s in %.1f ms", scope.get("method"), scope.get("path"), status or "-",
+                       (time.perf_counter() - t0) * 1e3)
+            if span is not None:
+                span[0].set_attribute("http.response.status_code", status)
+                tracing.end_server_span(span, error, f"HTTP {status}" if status >= 500 else None)
             redact.request_id.reset(token)

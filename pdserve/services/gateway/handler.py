@@ -15,12 +15,13 @@ from dataclasses import replace
 from typing import AsyncIterator, Awaitable, Callable
 
 from pdserve.services.metrics import gateway as M
-from pdserve.services.admission import lifecycle_metadata
 from pdserve.services.gateway.core import Dispatcher, new_id, split
 from pdserve.services.gateway.errors import ErrorReply, RequestFailed, reply_for
+from pdserve.services.convert import lifecycle_to_pb
 from pdserve.services.gateway.lifecycle import Lifecycle, RequestRecord
 from pdserve.services.gateway.schema import FINISH_REASONS, Degraded, Delta, GenerateCall, RequestState
-from pdserve.services.gateway.stages import StageTrace, pick, stage_times
+from pdserve.services.gateway.stages import StageTrace, emit_spans, pick, stage_times
+from pdserve.services import tracing  # noqa: I001 - own line: fewer merge conflicts
 from pdserve.services.gateway.timing import Timing
 
 
@@ -58,6 +59,8 @@ class RequestHandler:
             params = replace(params, n=n, best_of=k if k > n else None)
         subs = split(call.prompts, params)
         traces = [StageTrace() for _ in subs]
+        if tracing.enabled():  # the stages as spans once the response is out (docs/observability.md)
+            tracing.at_request_end(lambda: emit_spans(rec.arrival, rec.admitted_at, traces))
         timing = Timing(rec=rec)
         routes: list[str] = []
 
@@ -65,9 +68,11 @@ class RequestHandler:
             timing.mode = r.mode
             routes.append(r.debug)
 
-        md = lifecycle_metadata(deadline, rec.tenant.priority, ticket.predicted_output if ticket is not None else None)
-        upstream = self.disp.generate_many(rid, subs, rec.tenant.namespace, on_route=on_route, metadata=md,
-                                           traces=traces)
+        # the limits every worker obeys travel as a field of its request (metadata carries only tracing headers)
+        lifecycle = lifecycle_to_pb(deadline, rec.tenant.priority,
+                                    ticket.predicted_output if ticket is not None else None)
+        upstream = self.disp.generate_many(rid, subs, rec.tenant.namespace, on_route=on_route, traces=traces,
+                                           lifecycle=lifecycle)
         try:
             first = await upstream.__anext__()
         except StopAsyncIteration:

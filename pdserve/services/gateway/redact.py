@@ -9,19 +9,14 @@ kept, with paths, addresses and timestamps cut out.
 """
 from __future__ import annotations
 
-import contextvars
 import logging
 import re
-import uuid
+
+# The id of the request being served (guard.HttpGuard sets it for an HTTP request's task; the gRPC interceptor
+# for a front-door call): the one on every log line (logs.py).
+from pdserve.services.logs import request_id
 
 log = logging.getLogger("pdserve.gateway")
-
-# The id of the HTTP request being served (guard.HttpGuard sets it for the request's task).
-request_id: contextvars.ContextVar[str] = contextvars.ContextVar("pdserve_http_request_id", default="-")
-
-
-def new_request_id() -> str:
-    return f"req-{uuid.uuid4().hex[:16]}"
 
 
 _STAMP = re.compile(r"\[\d{1,2}:\d{2}:\d{2}(?:\.\d+)?\]\s*")  # glog-style "[16:48:31] "

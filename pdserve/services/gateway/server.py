@@ -40,6 +40,7 @@ def uvicorn_config(app, host: str, port: int, gcfg: GatewayConfig) -> uvicorn.Co
     """uvicorn with the gateway's limits on slow clients and big heads (docs/reliability.md, "Hostile input")."""
     return uvicorn.Config(
         app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5,
+        log_config=None,  # uvicorn's records go through the process's handler (logs.py: text or JSON)
         http=guarded_h11(gcfg.header_timeout_s),  # header read timeout (protocol.py); pins h11
         timeout_keep_alive=5,  # idle keep-alive connections
         # h11 refuses an incomplete head over this size; a complete one is guard.HttpGuard's to refuse (431)

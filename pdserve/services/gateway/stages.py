@@ -102,3 +102,10 @@ def pick(traces: list[StageTrace]) -> int:
         if t.last_emit is not None and t.last_emit > best_t:
             best, best_t = i, t.last_emit
     return best
+
+
+def emit_spans(arrival: float, admitted: float | None, traces: list[StageTrace]) -> None:
+    """The gateway's stage spans (tracing on): each sub-request's partition as child spans of the request's."""
+    from pdserve.services import tracing
+    for i, t in enumerate(traces):
+        tracing.gateway_stage_spans(stage_times(arrival, admitted, t, i, len(traces)))

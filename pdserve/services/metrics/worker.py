@@ -20,6 +20,9 @@ KV_TRANSFER_FAILURES = Counter("pdserve_kv_transfer_failures_total", "Failed or 
                                registry=WORKER)
 LEASES_EXPIRED = Counter("pdserve_kv_leases_expired_total", "Pinned KV freed by lease expiry (nobody pulled)",
                          registry=WORKER)
+KV_HANDSHAKES = Counter("pdserve_kv_handshakes_total", "KV handshakes between a decode and a prefill worker "
+                        "(side: initiated on the decode worker, served on the prefill worker)", ["side"],
+                        registry=WORKER)
 KV_EVENTS_PUBLISHED = Counter("pdserve_kv_events_published_total", "KV events a worker published", ["kind"],
                               registry=WORKER)
 TERMINAL = Counter("pdserve_engine_requests_terminal_total", "Engine requests on this worker reaching a terminal "
@@ -41,6 +44,16 @@ PREFIX_HIT_RATIO = Gauge("pdserve_prefix_hit_ratio", "DEPRECATED (cannot be aggr
 NUM_RUNNING = Gauge("pdserve_num_running", "Requests running in the engine", registry=WORKER)
 NUM_WAITING = Gauge("pdserve_num_waiting", "Requests waiting in the engine", registry=WORKER)
 STATE_GAUGE = Gauge("pdserve_requests_in_state", "Live engine sequences per state", ["state"], registry=WORKER)
+
+
+def observe_engine_times(out) -> None:
+    """Queue and prefill time of a request from its engine output's timestamps (a worker's first output)."""
+    m = (out.metrics or {}) if out is not None else {}
+    a, s, f = m.get("arrival_time"), m.get("first_scheduled_time"), m.get("first_token_time")
+    if a and s:
+        QUEUE_TIME.observe(max(0.0, s - a))
+    if s and f:
+        PREFILL_TIME.observe(max(0.0, f - s))
 
 
 class EngineStatsExporter:

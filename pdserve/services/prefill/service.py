@@ -15,14 +15,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import grpc
 
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.kv_transfer.layout import KVLayout, KVLayoutMismatch, check_compatible
 from pdserve.kv_transfer.lease import Lease, LeaseTable, reap_forever
 from pdserve.services.metrics import worker as M
-from pdserve.services.admission import lifecycle_from_context
-from pdserve.services.convert import DeltaEncoder, fill_times, full_response
+from pdserve.services.convert import (DeltaEncoder, fill_times, full_response, layout_from_pb, limits_from_pb,
+                                      params_from_pb)
 from pdserve.services.grpc_util import param_metadata
-from pdserve.services.pb import params_from_pb, worker_pb2
+from pdserve.services.kv_endpoint import KvEndpoint
+from pdserve.services.pb import worker_pb2
+
+if TYPE_CHECKING:
+    from pdserve.kv_transfer.agent import KVAgent
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -31,8 +40,15 @@ MAX_EARLY_RELEASES = 10_000
 
 
 class PrefillSide:
-    def __init__(self, worker, lease_ttl_s: float):
-        self.w = worker
+    def __init__(self, host: AsyncEngine, endpoint: KvEndpoint, agent: KVAgent | None,
+                 pinned_kv: Callable[[str], tuple[list[int], int]], tokenizer, lease_ttl_s: float):
+        self.host = host
+        self.endpoint = endpoint
+        self.agent = agent
+        # (block ids, tokens) the engine pinned for a request: read from the event loop, not through the engine
+        # thread (the entry is filed before the final output is delivered; only a release changes it)
+        self.pinned_kv = pinned_kv
+        self.tokenizer = tokenizer
         self.leases = LeaseTable(ttl_s=lease_ttl_s)
         self._reaper: asyncio.Task | None = None
         self._running: set[str] = set()  # request ids whose Prefill call is in progress
@@ -44,24 +60,33 @@ class PrefillSide:
         loop = asyncio.get_running_loop()
 
         def on_notif(msg: bytes) -> None:  # NIXL pump thread: the decode side finished its READ
-            asyncio.run_coroutine_threadsafe(self.release(lease_id=msg.decode(errors="replace")), loop)
+            loop.call_soon_threadsafe(self._release_soon, msg.decode(errors="replace"))
 
-        if self.w.agent is not None:
+        if self.agent is not None:
             # fast polling only while leases are out: an idle pump would slow this worker's prefill forwards
-            self.w.agent.start_pump(on_notif, active=lambda: len(self.leases) > 0)
+            self.agent.start_pump(on_notif, active=lambda: len(self.leases) > 0)
         self._reaper = asyncio.create_task(reap_forever(self.leases, self._free, interval_s=0.25,
                                                         on_reaped=lambda l: M.LEASES_EXPIRED.inc()))
 
+    def _release_soon(self, lease_id: str) -> None:
+        """A release in a task this side owns (stop() awaits it)."""
+        t = asyncio.get_running_loop().create_task(self.release(lease_id=lease_id))
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
     async def stop(self) -> None:
+        if self.agent is not None:
+            self.agent.stop_pump()  # no more notifications scheduling releases
         if self._reaper:
             self._reaper.cancel()
+            await asyncio.gather(self._reaper, return_exceptions=True)
         await asyncio.gather(*list(self._tasks), return_exceptions=True)
         for lease in self.leases.pop_expired(now=float("inf")):
             await self._free(lease)
 
     async def _free(self, lease: Lease) -> None:
         rid = lease.request_id
-        await self.w.host.run(lambda e: e.release_pinned(rid))
+        await self.host.run(lambda e: e.release_pinned(rid))
 
     async def release(self, lease_id: str = "", request_id: str = "") -> bool:
         lease = self.leases.pop(lease_id=lease_id, request_id=request_id)
@@ -82,7 +107,7 @@ class PrefillSide:
         self._released_early[request_id] = now + self.leases.ttl_s
         if request_id in self._running:
             # stop computing for nobody now; the Prefill call sees the abort and frees what it holds
-            self.w.host.submit(lambda e: e.abort(request_id, "CANCELLED"))
+            self.host.submit(lambda e: e.abort(request_id, "CANCELLED"))
             return True
         return False
 
@@ -115,25 +140,20 @@ class PrefillSide:
                 # cancelled (the gateway gave up), released early, failed, or the first token ended it: abort it
                 # if it still runs, free its KV if it is pinned for nobody. Queued behind whatever the engine
                 # still has to do for it; a synchronous call, so a cancellation cannot cut it short.
-                self.w.host.submit(lambda e: e.discard(rid))
+                self.host.submit(lambda e: e.discard(rid))
 
     def _release_if_undelivered(self, context, lease_id: str) -> None:
         """The caller cancelled after the lease was made but before the reply reached it: nobody knows the lease
         id, nobody will pull or release it; release it now rather than at lease expiry."""
         loop = asyncio.get_running_loop()
 
-        def release() -> None:
-            t = asyncio.ensure_future(self.release(lease_id=lease_id))
-            self._tasks.add(t)
-            t.add_done_callback(self._tasks.discard)
-
         def on_done(ctx) -> None:
             if ctx.cancelled():
-                loop.call_soon_threadsafe(release)
+                loop.call_soon_threadsafe(self._release_soon, lease_id)
 
         context.add_done_callback(on_done)
         if context.cancelled():  # cancelled before the callback was added: it may never be called
-            release()  # idempotent with the callback's
+            self._release_soon(lease_id)  # idempotent with the callback's
 
     async def _prefill(self, request: worker_pb2.PrefillRequest, context, rid: str) -> worker_pb2.PrefillResponse:
         # All branches (n, or best_of): the request forks at its first sample, so each branch samples its own first
@@ -141,25 +161,27 @@ class PrefillSide:
         # branches over one copy of them.
         params = params_from_pb(request.params)
         final = None
-        lc = lifecycle_from_context(context)
-        async for out in self.w.host.generate(rid, list(request.prompt_token_ids), params,
-                                              namespace=request.namespace, prefill_only=True, **lc):
+        lim = limits_from_pb(request.lifecycle)
+        async for out in self.host.generate(rid, list(request.prompt_token_ids), params,
+                                              namespace=request.namespace, prefill_only=True, deadline=lim.deadline,
+                                              priority=lim.priority,
+                                              predicted_output_tokens=lim.predicted_output_tokens):
             final = out
         if self._was_released(rid):  # ReleaseKV came while it ran: pin nothing (the finally frees it)
             await context.abort(grpc.StatusCode.CANCELLED, "the KV of this request was released during its prefill")
-        self.w.observe_engine_times(final)
+        M.observe_engine_times(final)
         resp = worker_pb2.PrefillResponse(request_id=rid, num_cached_tokens=final.num_cached_tokens or 0)
         fill_times(resp.times, final.metrics)  # the gateway combines these with the decode worker's (stage_times)
         if final.state != "FINISHED" or not any(c.finish_reason == "prefill" for c in final.outputs):
             # The first tokens already ended every branch (or it failed): nothing to hand over (Prefill's finally
             # frees what is pinned).
             resp.finished = True
-            resp.final.CopyFrom(full_response(final, self.w.tokenizer))
+            resp.final.CopyFrom(full_response(final, self.tokenizer))
             if final.state != "FINISHED":
                 M.TERMINAL.labels(final.state).inc()
             return resp
         # Every branch goes on to the decode side (the engine shows them all to a hand-off, best_of included).
-        enc = DeltaEncoder(self.w.tokenizer)
+        enc = DeltaEncoder(self.tokenizer)
         for comp in final.outputs:
             ft = resp.first_tokens.add(token_id=comp.token_ids[0], cumulative_logprob=comp.cumulative_logprob)
             if params.logprobs is not None and comp.logprobs:
@@ -180,19 +202,37 @@ class PrefillSide:
             resp.ClearField("first")
         # Read in this thread, not through an engine-thread round trip (~0.2 ms of TTFT): the engine filed the
         # entry before it delivered this final output, and only a release of the lease made below changes it.
-        blocks, ntok = self.w.engine.pinned_kv(rid)
+        blocks, ntok = self.pinned_kv(rid)
         lease = self.leases.add(rid, blocks, ntok)
-        if self.w.agent is not None:
-            self.w.agent.wake_pump()
+        if self.agent is not None:
+            self.agent.wake_pump()
         kv = resp.kv
-        kv.worker_id = self.w.worker_id
-        kv.worker_address = self.w.address
-        kv.region.CopyFrom(self.w.region_pb)
+        kv.worker_id = self.endpoint.worker_id
+        kv.worker_address = self.endpoint.address
+        kv.incarnation = self.endpoint.incarnation
         kv.block_ids.extend(blocks)
         kv.num_tokens = ntok
         kv.lease_id = lease.lease_id
         kv.lease_expiry_unix = lease.expiry
         return resp
+
+    async def KvHandshake(self, request: worker_pb2.KvHandshakeRequest, context) -> worker_pb2.KvHandshakeResponse:
+        """A decode worker's first hand-off from this process: agree on the protocol, hand out the region."""
+        me = self.endpoint
+        if request.protocol_version != me.protocol_version:
+            M.REJECTIONS.labels("kv_protocol_mismatch").inc()
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"KV protocol version mismatch: local={me.protocol_version} "
+                                f"remote={request.protocol_version}")
+        try:  # the decode side checks the region's layout in any case; this names the problem on both sides
+            if request.HasField("layout"):
+                check_compatible(me.layout, KVLayout.from_dict(layout_from_pb(request.layout)))
+        except KVLayoutMismatch as e:
+            M.REJECTIONS.labels("kv_layout_mismatch").inc()
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        M.KV_HANDSHAKES.labels("served").inc()
+        return worker_pb2.KvHandshakeResponse(protocol_version=me.protocol_version, incarnation=me.incarnation,
+                                              region=me.region)
 
     async def ReleaseKV(self, request, context):
         ok = await self.release(lease_id=request.lease_id, request_id=request.request_id)

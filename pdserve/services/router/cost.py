@@ -82,38 +82,36 @@ class WorkerCost:
     @classmethod
     def of(cls, rec: WorkerRecord, pri: Priors, extra: Inflight | None = None,
            now: float | None = None) -> "WorkerCost":
-        ld = rec.load or {}
+        ld = rec.load
         ex = extra or Inflight()
-        lay = rec.layout or {}
+        lay = rec.layout
 
-        def m(name: str, prior: float) -> float:
-            v = float(ld.get(name, 0) or 0)
+        def m(v: float, prior: float) -> float:
             return v if v > 0 else prior
 
-        total = int(ld.get("kv_blocks_total", 0) or rec.capacity_blocks or 1)
-        running = int(ld.get("num_running", 0) or 0) + int(ld.get("num_waiting", 0) or 0)
-        per_seq = m("decode_step_per_seq_s", pri.decode_step_per_seq_s)
+        total = ld.kv_blocks_total or rec.capacity_blocks or 1
+        running = ld.num_running + ld.num_waiting
+        per_seq = m(ld.decode_step_per_seq_s, pri.decode_step_per_seq_s)
         # the measured step is at the reported batch; unmeasured: the prior grown by the batch. Sequences this
         # router added since the report grow it further.
-        step = float(ld.get("decode_step_s", 0) or 0) or (pri.decode_step_s + per_seq * running)
+        step = ld.decode_step_s or (pri.decode_step_s + per_seq * running)
         step += per_seq * ex.seqs
-        rate = m("prefill_tokens_per_s", pri.prefill_tokens_per_s)
+        rate = m(ld.prefill_tokens_per_s, pri.prefill_tokens_per_s)
         # The report is up to a heartbeat old: the worker kept computing since, at its measured rate. Without
         # this, a worker that just reported a burst looks busy long after it drained it.
-        pending = int(ld.get("pending_prefill_tokens", 0) or 0) + ex.prefill_tokens
-        seen = float(ld.get("report_time", 0) or rec.updated or 0)
+        pending = ld.pending_prefill_tokens + ex.prefill_tokens
+        seen = ld.report_time or rec.updated or 0.0
         if now is not None and seen > 0:
             pending = max(0, pending - int(rate * min(10.0, max(0.0, now - seen))))
         return cls(rec=rec, rate=rate,
-                   overhead=float(ld.get("prefill_overhead_s", 0) or 0) if ld.get("prefill_tokens_per_s")
-                   else pri.prefill_overhead_s,
+                   overhead=ld.prefill_overhead_s if ld.prefill_tokens_per_s > 0 else pri.prefill_overhead_s,
                    step=step, step_per_seq=per_seq,
-                   bw=m("kv_bytes_per_s", pri.kv_bytes_per_s), handoff=m("handoff_overhead_s", pri.handoff_overhead_s),
+                   bw=m(ld.kv_bytes_per_s, pri.kv_bytes_per_s), handoff=m(ld.handoff_overhead_s, pri.handoff_overhead_s),
                    pending_tokens=pending,
                    running=running + ex.seqs,
-                   kv_total=max(total, 1), kv_used=int(ld.get("kv_blocks_in_use", 0) or 0) + ex.blocks,
-                   block_size=int(lay.get("block_size", 16) or 16),
-                   block_bytes=int(pri.block_bytes or lay.get("block_bytes", 0) or 0))
+                   kv_total=max(total, 1), kv_used=ld.kv_blocks_in_use + ex.blocks,
+                   block_size=lay.block_size or 16,
+                   block_bytes=pri.block_bytes or lay.block_bytes)
 
     @property
     def queue_s(self) -> float:

@@ -93,7 +93,7 @@ class Policy:
 
     # ---- load bookkeeping -------------------------------------------------------------------------------------
     def _inflight(self, rec: WorkerRecord) -> Inflight:
-        seen = float((rec.load or {}).get("report_time", 0) or rec.updated or 0)
+        seen = rec.load.report_time or rec.updated or 0.0
         now = self.clock()
         keep = [x for x in self._placed.get(rec.worker_id, []) if x[0] > seen and now - x[0] < self.inflight_ttl_s]
         self._placed[rec.worker_id] = keep
@@ -110,9 +110,7 @@ class Policy:
             return out
         groups: dict[tuple[str, int], list[str]] = {}
         for w in workers:
-            lay = w.layout or {}
-            groups.setdefault((str(lay.get("fingerprint", "")), int(lay.get("block_size", 16) or 16)),
-                              []).append(w.worker_id)
+            groups.setdefault((w.layout.fingerprint, w.layout.block_size or 16), []).append(w.worker_id)
         for (fp, bs), ids in groups.items():
             hashes = chain_hashes(req.prompt_token_ids, bs, fp, req.namespace)
             for wid, nb in self.index.match(hashes, req.namespace, ids).items():

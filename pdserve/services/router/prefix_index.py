@@ -19,7 +19,6 @@ prompt token never counts (the engine recomputes it to get the first token's log
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Iterable
@@ -27,31 +26,11 @@ from collections.abc import Iterable
 import redis.asyncio as aioredis
 
 from pdserve.engine.block_manager import block_hash
-from pdserve.services.metrics import worker as M
+from pdserve.services.kv_events import blocks_key, parse_member, stream_key
 
 log = logging.getLogger("pdserve.router.index")
 
-STREAM_MAXLEN = 200_000
 Key = tuple[str, int]  # (namespace, chained block hash)
-
-
-def blocks_key(model: str, worker_id: str) -> str:
-    return f"pdserve:{model}:kvblocks:{worker_id}"
-
-
-def stream_key(model: str) -> str:
-    return f"pdserve:{model}:kv_events"
-
-
-def _member(h: int, ns: str) -> str:
-    return f"{h:x}:{ns}"
-
-
-def _parse(m: str | bytes) -> Key:
-    if isinstance(m, bytes):
-        m = m.decode()
-    h, _, ns = m.partition(":")
-    return ns, int(h, 16)
 
 
 def chain_hashes(tokens: list[int], block_size: int, fingerprint: str, namespace: str) -> list[int]:
@@ -122,67 +101,6 @@ class PrefixIndex:
         return out
 
 
-class KvEventPublisher:
-    """Worker side: push the engine's drained KV events to Redis (set + stream, one transaction)."""
-
-    def __init__(self, r: aioredis.Redis, model: str, worker_id: str, ttl_s: float = 60.0):
-        self.r = r
-        self.model = model
-        self.worker_id = worker_id
-        self.ttl_ms = int(ttl_s * 1000)
-        self.published = 0
-
-    async def reset(self) -> None:
-        """A (re)started worker's cache is empty: whatever Redis remembers about it is stale."""
-        async with self.r.pipeline(transaction=True) as p:
-            p.delete(blocks_key(self.model, self.worker_id))
-            p.xadd(stream_key(self.model), {"w": self.worker_id, "r": "1"}, maxlen=STREAM_MAXLEN,
-                   approximate=True)
-            await p.execute()
-
-    async def publish(self, events: list) -> None:
-        """events: engine KVEvent(kind, block_hash, namespace), in the order the engine produced them."""
-        key = blocks_key(self.model, self.worker_id)
-        async with self.r.pipeline(transaction=True) as p:
-            lines = []
-            for ev in events:
-                m = _member(ev.block_hash, ev.namespace)
-                if ev.kind == "stored":
-                    p.sadd(key, m)
-                    lines.append("+" + m)
-                else:
-                    p.srem(key, m)
-                    lines.append("-" + m)
-            if lines:
-                p.xadd(stream_key(self.model), {"w": self.worker_id, "e": "\n".join(lines)},
-                       maxlen=STREAM_MAXLEN, approximate=True)
-            p.pexpire(key, self.ttl_ms)  # also the keep-alive of an idle worker's set
-            await p.execute()
-        self.published += len(events)
-        stored = sum(1 for ev in events if ev.kind == "stored")
-        if stored:
-            M.KV_EVENTS_PUBLISHED.labels("stored").inc(stored)
-        if len(events) - stored:
-            M.KV_EVENTS_PUBLISHED.labels("evicted").inc(len(events) - stored)
-
-
-async def publish_forever(engine_host, pub: KvEventPublisher, interval_s: float = 0.1) -> None:
-    """Drain the engine's KV events between steps and publish them (worker background task)."""
-    await pub.reset()
-    last_keepalive = 0.0
-    while True:
-        try:
-            events = await engine_host.run(lambda e: e.drain_kv_events())
-            if events or time.monotonic() - last_keepalive > 1.0:
-                await pub.publish(events)
-                last_keepalive = time.monotonic()
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # Redis blip: the events are lost, the next reset/rebuild recovers
-            log.warning("publishing KV events failed: %s", e)
-        await asyncio.sleep(interval_s)
-
-
 class IndexSync:
     """Router side: keeps a PrefixIndex equal to Redis - snapshot per worker, then the event stream."""
 
@@ -214,7 +132,7 @@ class IndexSync:
 
     async def load(self, worker: str) -> None:
         members = await self.r.smembers(blocks_key(self.model, worker))
-        self.index.load_worker(worker, (_parse(m) for m in members))
+        self.index.load_worker(worker, (parse_member(m) for m in members))
 
     async def poll(self, block_ms: int | None = None, count: int = 2000) -> int:
         """Apply the stream entries after last_id. Returns the number of block events applied."""
@@ -235,7 +153,7 @@ class IndexSync:
                 if w not in known:
                     continue  # not live (yet): its snapshot is loaded when it appears, events after replay
                 for line in fields[b"e"].decode().split("\n"):
-                    k = _parse(line[1:])
+                    k = parse_member(line[1:])
                     if line[0] == "+":
                         self.index.add(w, k)
                     else:

@@ -9,28 +9,16 @@ import grpc
 
 from pdserve.services.metrics import router as M
 from pdserve.services.grpc_util import ROUTER_SERVICE, listen, make_server, set_serving
+from pdserve.services.convert import record_to_pb
 from pdserve.services.internal_security import NONE, InternalSecurity
-from pdserve.services.pb import common_pb2, router_pb2, router_pb2_grpc
+from pdserve.services.pb import router_pb2, router_pb2_grpc
 from pdserve.services.redis_conn import NO_AUTH, RedisAuth
 from pdserve.services.registry import Registry, WorkerRecord
 from pdserve.services.router.policy import NoWorkers, Policy, RouteInput
-from pdserve.services.router.prefix_index import IndexSync, KvEventPublisher
+from pdserve.services.router.prefix_index import IndexSync
 from pdserve.services.router.view import LiveView
 
 log = logging.getLogger("pdserve.router")
-
-
-def record_to_pb(r: WorkerRecord) -> common_pb2.WorkerInfo:
-    from pdserve.services.pb import layout_to_pb
-    return common_pb2.WorkerInfo(worker_id=r.worker_id, role=r.role, address=r.address, agent_name=r.agent_name,
-                                 capacity_blocks=r.capacity_blocks, layout=layout_to_pb(r.layout))
-
-
-def record_from_pb(w: common_pb2.WorkerInfo, load: common_pb2.LoadReport | None = None) -> WorkerRecord:
-    from pdserve.services.pb import layout_from_pb
-    ld = {f.name: getattr(load, f.name) for f in load.DESCRIPTOR.fields} if load is not None else {}
-    return WorkerRecord(w.worker_id, w.role, w.address, w.agent_name, w.capacity_blocks,
-                        layout_from_pb(w.layout) if w.HasField("layout") else {}, ld)
 
 
 class RouterService(router_pb2_grpc.RouterServicer):
@@ -82,32 +70,12 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 getattr(resp, name).CopyFrom(record_to_pb(rec))
         return resp
 
-    async def Register(self, request, context):
-        await self.registry.heartbeat(record_from_pb(request))
-        return router_pb2.RegisterResponse(heartbeat_ttl_s=int(self.registry.ttl_s))
-
-    async def Heartbeat(self, request, context):
-        await self.registry.heartbeat(record_from_pb(request.worker, request.load))
-        return router_pb2.HeartbeatResponse()
-
-    async def KvEvents(self, request_iterator, context):
-        # A worker without Redis access reports through here; the same keys/stream as KvEventPublisher.
-        from pdserve.engine.block_manager import KVEvent
-        n = 0
-        async for ev in request_iterator:
-            pub = KvEventPublisher(self.registry.r, self.registry.model, ev.worker_id)
-            await pub.publish([KVEvent(ev.kind, int(h, 16), ev.namespace) for h in ev.block_hashes])
-            n += 1
-        return router_pb2.KvEventsAck(received=n)
-
     async def ListWorkers(self, request, context):
         # The same view Route places on: /health (which asks this) says ready only once routing sees the workers.
         ws = await self._workers()
         return router_pb2.ListWorkersResponse(
             workers=[record_to_pb(w) for w in ws],
-            loads=[common_pb2.LoadReport(worker_id=w.worker_id, **{k: v for k, v in w.load.items()
-                                                                  if k in common_pb2.LoadReport.DESCRIPTOR.fields_by_name
-                                                                  and k != "worker_id"}) for w in ws])
+            loads=[w.load for w in ws])
 
 
 async def serve(host: str, port: int, redis_url: str, model: str, metrics_port: int | None = None,

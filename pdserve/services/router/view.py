@@ -5,7 +5,7 @@ Routing and admission must judge the same workers by the same numbers, so both r
     view = LiveView(Registry(redis_url, model))      # any process with Redis access (gateway, router)
     await view.refresh()                             # or: asyncio.create_task(view.run_forever())
     for wid, w in view.costs().items():              # WorkerCost: measured rates with priors filled in
-        w.kv_free_blocks, w.kv_usage, w.queue_s, w.rate, w.step, w.rec.role, w.rec.load[...]
+        w.kv_free_blocks, w.kv_usage, w.queue_s, w.rate, w.step, w.rec.role, w.rec.load.<field>
 
 Without Redis access, the router's ListWorkers RPC returns the same records and load reports.
 In the router the view also keeps the prefix index in step with the live workers (dead ones are dropped) and

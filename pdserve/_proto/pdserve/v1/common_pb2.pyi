@@ -83,6 +83,16 @@ class SamplingParams(_message.Message):
     guided: GuidedSpec
     def __init__(self, n: _Optional[int] = ..., best_of: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., has_allowed_token_ids: _Optional[bool] = ..., bad_words: _Optional[_Iterable[str]] = ..., no_repeat_ngram_size: _Optional[int] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., logprobs_mode: _Optional[str] = ..., skip_special_tokens: _Optional[bool] = ..., guided: _Optional[_Union[GuidedSpec, _Mapping]] = ...) -> None: ...
 
+class Lifecycle(_message.Message):
+    __slots__ = ("deadline_unix", "priority", "predicted_output_tokens")
+    DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    deadline_unix: float
+    priority: int
+    predicted_output_tokens: int
+    def __init__(self, deadline_unix: _Optional[float] = ..., priority: _Optional[int] = ..., predicted_output_tokens: _Optional[int] = ...) -> None: ...
+
 class KvLayout(_message.Message):
     __slots__ = ("fingerprint", "block_size", "dtype", "num_layers", "num_kv_heads", "head_dim", "block_bytes")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -120,22 +130,22 @@ class KvRegion(_message.Message):
     def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., base_addr: _Optional[int] = ..., num_blocks: _Optional[int] = ..., device_id: _Optional[int] = ..., mem_type: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ...) -> None: ...
 
 class KvHandle(_message.Message):
-    __slots__ = ("worker_id", "worker_address", "region", "block_ids", "num_tokens", "lease_id", "lease_expiry_unix")
+    __slots__ = ("worker_id", "worker_address", "block_ids", "num_tokens", "lease_id", "lease_expiry_unix", "incarnation")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    REGION_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRY_UNIX_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     worker_address: str
-    region: KvRegion
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
     lease_id: str
     lease_expiry_unix: float
-    def __init__(self, worker_id: _Optional[str] = ..., worker_address: _Optional[str] = ..., region: _Optional[_Union[KvRegion, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_id: _Optional[str] = ..., lease_expiry_unix: _Optional[float] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, worker_id: _Optional[str] = ..., worker_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_id: _Optional[str] = ..., lease_expiry_unix: _Optional[float] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "token", "logprob")
@@ -240,7 +250,7 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., agent_name: _Optional[str] = ..., capacity_blocks: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("worker_id", "num_running", "num_waiting", "kv_blocks_in_use", "kv_blocks_total", "pinned_blocks", "prefix_hit_ratio", "prefill_tokens_per_s", "prefill_overhead_s", "decode_step_s", "decode_step_per_seq_s", "pending_prefill_tokens", "kv_bytes_per_s", "handoff_overhead_s", "report_time")
+    __slots__ = ("worker_id", "num_running", "num_waiting", "kv_blocks_in_use", "kv_blocks_total", "pinned_blocks", "prefix_hit_ratio", "prefill_tokens_per_s", "prefill_overhead_s", "decode_step_s", "decode_step_per_seq_s", "pending_prefill_tokens", "kv_bytes_per_s", "handoff_overhead_s", "report_time", "max_num_seqs")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -256,6 +266,7 @@ class LoadReport(_message.Message):
     KV_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_OVERHEAD_S_FIELD_NUMBER: _ClassVar[int]
     REPORT_TIME_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     num_running: int
     num_waiting: int
@@ -271,4 +282,5 @@ class LoadReport(_message.Message):
     kv_bytes_per_s: float
     handoff_overhead_s: float
     report_time: float
-    def __init__(self, worker_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_in_use: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., prefix_hit_ratio: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefill_overhead_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., decode_step_per_seq_s: _Optional[float] = ..., pending_prefill_tokens: _Optional[int] = ..., kv_bytes_per_s: _Optional[float] = ..., handoff_overhead_s: _Optional[float] = ..., report_time: _Optional[float] = ...) -> None: ...
+    max_num_seqs: int
+    def __init__(self, worker_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_in_use: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., prefix_hit_ratio: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefill_overhead_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., decode_step_per_seq_s: _Optional[float] = ..., pending_prefill_tokens: _Optional[int] = ..., kv_bytes_per_s: _Optional[float] = ..., handoff_overhead_s: _Optional[float] = ..., report_time: _Optional[float] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...

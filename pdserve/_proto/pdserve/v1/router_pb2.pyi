@@ -49,42 +49,6 @@ class RouteResponse(_message.Message):
     debug: str
     def __init__(self, mode: _Optional[str] = ..., prefill: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., decode: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., both: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., predicted_ttft_s: _Optional[float] = ..., predicted_e2e_s: _Optional[float] = ..., debug: _Optional[str] = ...) -> None: ...
 
-class RegisterResponse(_message.Message):
-    __slots__ = ("heartbeat_ttl_s",)
-    HEARTBEAT_TTL_S_FIELD_NUMBER: _ClassVar[int]
-    heartbeat_ttl_s: int
-    def __init__(self, heartbeat_ttl_s: _Optional[int] = ...) -> None: ...
-
-class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker", "load")
-    WORKER_FIELD_NUMBER: _ClassVar[int]
-    LOAD_FIELD_NUMBER: _ClassVar[int]
-    worker: _common_pb2.WorkerInfo
-    load: _common_pb2.LoadReport
-    def __init__(self, worker: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[_common_pb2.LoadReport, _Mapping]] = ...) -> None: ...
-
-class HeartbeatResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
-class KvEvent(_message.Message):
-    __slots__ = ("worker_id", "kind", "namespace", "block_hashes")
-    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
-    KIND_FIELD_NUMBER: _ClassVar[int]
-    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
-    worker_id: str
-    kind: str
-    namespace: str
-    block_hashes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, worker_id: _Optional[str] = ..., kind: _Optional[str] = ..., namespace: _Optional[str] = ..., block_hashes: _Optional[_Iterable[str]] = ...) -> None: ...
-
-class KvEventsAck(_message.Message):
-    __slots__ = ("received",)
-    RECEIVED_FIELD_NUMBER: _ClassVar[int]
-    received: int
-    def __init__(self, received: _Optional[int] = ...) -> None: ...
-
 class ListWorkersRequest(_message.Message):
     __slots__ = ("model",)
     MODEL_FIELD_NUMBER: _ClassVar[int]

@@ -3,7 +3,6 @@
 import grpc
 import warnings
 
-from pdserve._proto.pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 from pdserve._proto.pdserve.v1 import router_pb2 as pdserve_dot_v1_dot_router__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -40,21 +39,6 @@ class RouterStub:
                 request_serializer=pdserve_dot_v1_dot_router__pb2.RouteRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_router__pb2.RouteResponse.FromString,
                 _registered_method=True)
-        self.Register = channel.unary_unary(
-                '/pdserve.v1.Router/Register',
-                request_serializer=pdserve_dot_v1_dot_common__pb2.WorkerInfo.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_router__pb2.RegisterResponse.FromString,
-                _registered_method=True)
-        self.Heartbeat = channel.unary_unary(
-                '/pdserve.v1.Router/Heartbeat',
-                request_serializer=pdserve_dot_v1_dot_router__pb2.HeartbeatRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_router__pb2.HeartbeatResponse.FromString,
-                _registered_method=True)
-        self.KvEvents = channel.stream_unary(
-                '/pdserve.v1.Router/KvEvents',
-                request_serializer=pdserve_dot_v1_dot_router__pb2.KvEvent.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_router__pb2.KvEventsAck.FromString,
-                _registered_method=True)
         self.ListWorkers = channel.unary_unary(
                 '/pdserve.v1.Router/ListWorkers',
                 request_serializer=pdserve_dot_v1_dot_router__pb2.ListWorkersRequest.SerializeToString,
@@ -71,28 +55,9 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Register(self, request, context):
-        """Workers normally write the Redis registry directly; these let a worker without Redis access report
-        through the router (the router writes the same keys).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Heartbeat(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def KvEvents(self, request_iterator, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def ListWorkers(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Workers write the Redis registry and the KV event keys themselves (services/registry.py, kv_events.py).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -104,21 +69,6 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Route,
                     request_deserializer=pdserve_dot_v1_dot_router__pb2.RouteRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_router__pb2.RouteResponse.SerializeToString,
-            ),
-            'Register': grpc.unary_unary_rpc_method_handler(
-                    servicer.Register,
-                    request_deserializer=pdserve_dot_v1_dot_common__pb2.WorkerInfo.FromString,
-                    response_serializer=pdserve_dot_v1_dot_router__pb2.RegisterResponse.SerializeToString,
-            ),
-            'Heartbeat': grpc.unary_unary_rpc_method_handler(
-                    servicer.Heartbeat,
-                    request_deserializer=pdserve_dot_v1_dot_router__pb2.HeartbeatRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_router__pb2.HeartbeatResponse.SerializeToString,
-            ),
-            'KvEvents': grpc.stream_unary_rpc_method_handler(
-                    servicer.KvEvents,
-                    request_deserializer=pdserve_dot_v1_dot_router__pb2.KvEvent.FromString,
-                    response_serializer=pdserve_dot_v1_dot_router__pb2.KvEventsAck.SerializeToString,
             ),
             'ListWorkers': grpc.unary_unary_rpc_method_handler(
                     servicer.ListWorkers,
@@ -153,87 +103,6 @@ class Router:
             '/pdserve.v1.Router/Route',
             pdserve_dot_v1_dot_router__pb2.RouteRequest.SerializeToString,
             pdserve_dot_v1_dot_router__pb2.RouteResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Register(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdserve.v1.Router/Register',
-            pdserve_dot_v1_dot_common__pb2.WorkerInfo.SerializeToString,
-            pdserve_dot_v1_dot_router__pb2.RegisterResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Heartbeat(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdserve.v1.Router/Heartbeat',
-            pdserve_dot_v1_dot_router__pb2.HeartbeatRequest.SerializeToString,
-            pdserve_dot_v1_dot_router__pb2.HeartbeatResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def KvEvents(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_unary(
-            request_iterator,
-            target,
-            '/pdserve.v1.Router/KvEvents',
-            pdserve_dot_v1_dot_router__pb2.KvEvent.SerializeToString,
-            pdserve_dot_v1_dot_router__pb2.KvEventsAck.FromString,
             options,
             channel_credentials,
             insecure,

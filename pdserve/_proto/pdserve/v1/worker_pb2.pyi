@@ -8,32 +8,36 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "namespace", "model", "prompt")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "namespace", "model", "prompt", "lifecycle")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
+    LIFECYCLE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
     namespace: str
     model: str
     prompt: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., namespace: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ...) -> None: ...
+    lifecycle: _common_pb2.Lifecycle
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., namespace: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., lifecycle: _Optional[_Union[_common_pb2.Lifecycle, _Mapping]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "namespace")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "namespace", "lifecycle")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    LIFECYCLE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
     namespace: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., namespace: _Optional[str] = ...) -> None: ...
+    lifecycle: _common_pb2.Lifecycle
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., namespace: _Optional[str] = ..., lifecycle: _Optional[_Union[_common_pb2.Lifecycle, _Mapping]] = ...) -> None: ...
 
 class FirstToken(_message.Message):
     __slots__ = ("token_id", "cumulative_logprob", "logprob")
@@ -66,20 +70,22 @@ class PrefillResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., first_tokens: _Optional[_Iterable[_Union[FirstToken, _Mapping]]] = ..., finished: _Optional[bool] = ..., final: _Optional[_Union[_common_pb2.GenerateResponse, _Mapping]] = ..., kv: _Optional[_Union[_common_pb2.KvHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., times: _Optional[_Union[_common_pb2.StageTimes, _Mapping]] = ..., first: _Optional[_Union[_common_pb2.GenerateResponse, _Mapping]] = ...) -> None: ...
 
 class GenerateFromPrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "namespace", "kv", "first_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "namespace", "kv", "first_tokens", "lifecycle")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LIFECYCLE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
     namespace: str
     kv: _common_pb2.KvHandle
     first_tokens: _containers.RepeatedCompositeFieldContainer[FirstToken]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., namespace: _Optional[str] = ..., kv: _Optional[_Union[_common_pb2.KvHandle, _Mapping]] = ..., first_tokens: _Optional[_Iterable[_Union[FirstToken, _Mapping]]] = ...) -> None: ...
+    lifecycle: _common_pb2.Lifecycle
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., namespace: _Optional[str] = ..., kv: _Optional[_Union[_common_pb2.KvHandle, _Mapping]] = ..., first_tokens: _Optional[_Iterable[_Union[FirstToken, _Mapping]]] = ..., lifecycle: _Optional[_Union[_common_pb2.Lifecycle, _Mapping]] = ...) -> None: ...
 
 class ReleaseKVRequest(_message.Message):
     __slots__ = ("request_id", "lease_id")
@@ -95,30 +101,39 @@ class ReleaseKVResponse(_message.Message):
     released: bool
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
-class AbortRequest(_message.Message):
-    __slots__ = ("request_id", "state")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    STATE_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    state: str
-    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[str] = ...) -> None: ...
+class KvHandshakeRequest(_message.Message):
+    __slots__ = ("protocol_version", "layout")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    layout: _common_pb2.KvLayout
+    def __init__(self, protocol_version: _Optional[int] = ..., layout: _Optional[_Union[_common_pb2.KvLayout, _Mapping]] = ...) -> None: ...
 
-class AbortResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
-class GetAgentMetadataRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+class KvHandshakeResponse(_message.Message):
+    __slots__ = ("protocol_version", "incarnation", "region")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    incarnation: str
+    region: _common_pb2.KvRegion
+    def __init__(self, protocol_version: _Optional[int] = ..., incarnation: _Optional[str] = ..., region: _Optional[_Union[_common_pb2.KvRegion, _Mapping]] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("load", "stats_json")
+    __slots__ = ("load", "states")
+    class StatesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     LOAD_FIELD_NUMBER: _ClassVar[int]
-    STATS_JSON_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
     load: _common_pb2.LoadReport
-    stats_json: str
-    def __init__(self, load: _Optional[_Union[_common_pb2.LoadReport, _Mapping]] = ..., stats_json: _Optional[str] = ...) -> None: ...
+    states: _containers.ScalarMap[str, int]
+    def __init__(self, load: _Optional[_Union[_common_pb2.LoadReport, _Mapping]] = ..., states: _Optional[_Mapping[str, int]] = ...) -> None: ...

@@ -55,15 +55,10 @@ class WorkerStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.ReleaseKVRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.ReleaseKVResponse.FromString,
                 _registered_method=True)
-        self.Abort = channel.unary_unary(
-                '/pdserve.v1.Worker/Abort',
-                request_serializer=pdserve_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_worker__pb2.AbortResponse.FromString,
-                _registered_method=True)
-        self.GetAgentMetadata = channel.unary_unary(
-                '/pdserve.v1.Worker/GetAgentMetadata',
-                request_serializer=pdserve_dot_v1_dot_worker__pb2.GetAgentMetadataRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_common__pb2.KvRegion.FromString,
+        self.KvHandshake = channel.unary_unary(
+                '/pdserve.v1.Worker/KvHandshake',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.KvHandshakeRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.KvHandshakeResponse.FromString,
                 _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/pdserve.v1.Worker/GetStats',
@@ -104,14 +99,9 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Abort(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def GetAgentMetadata(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+    def KvHandshake(self, request, context):
+        """Called by a decode worker on a prefill worker (see KvHandshakeRequest).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -145,15 +135,10 @@ def add_WorkerServicer_to_server(servicer, server):
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.ReleaseKVRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.ReleaseKVResponse.SerializeToString,
             ),
-            'Abort': grpc.unary_unary_rpc_method_handler(
-                    servicer.Abort,
-                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.AbortRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_worker__pb2.AbortResponse.SerializeToString,
-            ),
-            'GetAgentMetadata': grpc.unary_unary_rpc_method_handler(
-                    servicer.GetAgentMetadata,
-                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.GetAgentMetadataRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_common__pb2.KvRegion.SerializeToString,
+            'KvHandshake': grpc.unary_unary_rpc_method_handler(
+                    servicer.KvHandshake,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.KvHandshakeRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.KvHandshakeResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -280,7 +265,7 @@ class Worker:
             _registered_method=True)
 
     @staticmethod
-    def Abort(request,
+    def KvHandshake(request,
             target,
             options=(),
             channel_credentials=None,
@@ -293,36 +278,9 @@ class Worker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pdserve.v1.Worker/Abort',
-            pdserve_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
-            pdserve_dot_v1_dot_worker__pb2.AbortResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def GetAgentMetadata(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdserve.v1.Worker/GetAgentMetadata',
-            pdserve_dot_v1_dot_worker__pb2.GetAgentMetadataRequest.SerializeToString,
-            pdserve_dot_v1_dot_common__pb2.KvRegion.FromString,
+            '/pdserve.v1.Worker/KvHandshake',
+            pdserve_dot_v1_dot_worker__pb2.KvHandshakeRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.KvHandshakeResponse.FromString,
             options,
             channel_credentials,
             insecure,

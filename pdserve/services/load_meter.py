@@ -9,6 +9,8 @@ from __future__ import annotations
 import threading
 import time
 
+from pdserve.services.pb import common_pb2
+
 
 class Ewma:
     """Exponentially weighted mean; `alpha` is the weight of a new sample."""
@@ -130,20 +132,21 @@ class LoadMeter:
         """Keep another on_step hook working (e.g. someone else's metrics)."""
         self._chain = hook
 
-    def report(self) -> dict:
+    def report(self) -> common_pb2.LoadReport:
+        """The measured fields of a load report (the worker fills in the rest)."""
         with self._lock:
             ov, slope = self.prefill.fit()
             d0, d1 = self.decode.fit()
-            return {
-                "prefill_tokens_per_s": (1.0 / slope) if slope > 0 else 0.0,
-                "prefill_overhead_s": ov,
-                "decode_step_s": self.decode_now.value,
-                "decode_step_per_seq_s": d1 if d0 > 0 or d1 > 0 else 0.0,
-                "pending_prefill_tokens": int(self.pending_prefill_tokens),
-                "kv_bytes_per_s": self.kv_bw.value,
-                "handoff_overhead_s": self.handoff.value,
-                "report_time": time.time(),
-            }
+            return common_pb2.LoadReport(
+                prefill_tokens_per_s=(1.0 / slope) if slope > 0 else 0.0,
+                prefill_overhead_s=ov,
+                decode_step_s=self.decode_now.value,
+                decode_step_per_seq_s=d1 if d0 > 0 or d1 > 0 else 0.0,
+                pending_prefill_tokens=int(self.pending_prefill_tokens),
+                kv_bytes_per_s=self.kv_bw.value,
+                handoff_overhead_s=self.handoff.value,
+                report_time=time.time(),
+            )
 
 
 def _pending_prefill(engine) -> int:

@@ -1,0 +1,115 @@
+"""pdserve/services/logs.py: request-id validation, the JSON and text formats, the id following a request's tasks,
+and the --log-format flag / PDSERVE_LOG_FORMAT."""
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import logging
+
+import pytest
+
+from pdserve.cli import build_parser
+from pdserve.services import logs
+
+
+@pytest.mark.parametrize("rid", ["abc-123", "0b8f6a2e-6c1f-4f57-9d1c-2a3b4c5d6e7f", "01HZX3Y4Z5ABCDEFGHJKMNPQRS",
+                                 "trace:span.7", "dGVzdA==", "a", "A" * 128, "user@tenant/req+1"])
+def test_acceptable_ids_are_kept(rid):
+    assert logs.valid_request_id(rid) == rid
+    assert logs.accept_request_id(rid) == rid
+    assert logs.accept_request_id(rid.encode()) == rid
+
+
+@pytest.mark.parametrize("rid", ["", "A" * 129, "has space", "tab\there", "new\nline", "semi;colon", 'quo"te',
+                                 "-dash-first", "ünïcode", b"\xff\xfe", "<script>", "a,b", None])
+def test_unacceptable_ids_are_replaced(rid):
+    assert logs.valid_request_id(rid) is None
+    new = logs.accept_request_id(rid)
+    assert new.startswith("req-") and len(new) == 20 and logs.valid_request_id(new) == new
+    assert logs.accept_request_id(rid) != new  # a fresh one each time
+
+
+@pytest.fixture
+def capture():
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level)
+    buf = io.StringIO()
+    yield buf
+    root.handlers[:] = saved[0]
+    root.setLevel(saved[1])
+
+
+def test_json_lines_carry_the_request_id_into_child_tasks(capture):
+    logs.setup("worker", "json", worker_role="decode", stream=capture)
+    log = logging.getLogger("pdserve.test")
+
+    async def serve(rid: str) -> None:
+        logs.request_id.set(rid)
+        log.info("start %s", rid)
+        await asyncio.gather(asyncio.create_task(child()), asyncio.sleep(0))
+
+    async def child() -> None:
+        await asyncio.sleep(0.01)
+        log.warning("child")
+
+    async def main():
+        await asyncio.gather(serve("r-1"), serve("r-2"))
+        log.info("outside")
+
+    asyncio.run(main())
+    lines = [json.loads(x) for x in capture.getvalue().splitlines()]
+    by_msg = {(x["message"], x.get("request_id")) for x in lines}
+    assert by_msg == {("start r-1", "r-1"), ("start r-2", "r-2"), ("child", "r-1"), ("child", "r-2"),
+                      ("outside", None)}
+    for x in lines:
+        assert x["process"] == "worker" and x["worker_role"] == "decode" and x["logger"] == "pdserve.test"
+        assert x["level"] in ("INFO", "WARNING") and isinstance(x["pid"], int) and x["ts"].endswith("Z")
+        assert "trace_id" not in x  # tracing is off in this process
+
+
+def test_json_exception_and_text_format(capture):
+    logs.setup("gateway", "json", stream=capture)
+    token = logs.request_id.set("e-1")
+    try:
+        try:
+            raise RuntimeError("boom")
+        except RuntimeError:
+            logging.getLogger("x").exception("failed: %s", "why")
+    finally:
+        logs.request_id.reset(token)
+    x = json.loads(capture.getvalue())
+    assert x["message"] == "failed: why" and x["request_id"] == "e-1" and "RuntimeError: boom" in x["exception"]
+    assert x["level"] == "ERROR" and x["process"] == "gateway" and "worker_role" not in x
+
+    text = io.StringIO()
+    logs.setup("router", "text", stream=text)
+    token = logs.request_id.set("t-9")
+    logging.getLogger("pdserve.rpc").info("in")
+    logs.request_id.reset(token)
+    logging.getLogger("pdserve.rpc").info("out")
+    first, second = text.getvalue().splitlines()
+    assert " router[" in first and " INFO pdserve.rpc [t-9]: in" in first
+    assert second.endswith(" INFO pdserve.rpc: out")
+
+
+def test_level_from_env_and_unknown_format(capture, monkeypatch):
+    monkeypatch.setenv("PDSERVE_LOG_LEVEL", "warning")
+    logs.setup("router", "json", stream=capture)
+    logging.getLogger("q").info("hidden")
+    logging.getLogger("q").warning("shown")
+    assert [json.loads(x)["message"] for x in capture.getvalue().splitlines()] == ["shown"]
+    with pytest.raises(ValueError, match="xml"):
+        logs.setup("router", "xml", stream=capture)
+
+
+@pytest.mark.parametrize("command", ["up", "gateway", "router", "worker"])
+def test_log_format_flag_and_env(command, monkeypatch, capsys):
+    assert build_parser().parse_args([command]).log_format == "text"
+    assert build_parser().parse_args([command, "--log-format", "json"]).log_format == "json"
+    monkeypatch.setenv("PDSERVE_LOG_FORMAT", "json")
+    assert build_parser().parse_args([command]).log_format == "json"
+    monkeypatch.setenv("PDSERVE_LOG_FORMAT", "yaml")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command])
+    assert "PDSERVE_LOG_FORMAT='yaml'" in capsys.readouterr().err
