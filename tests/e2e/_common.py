@@ -254,10 +254,23 @@ def _blocks_in_use(w) -> int:
     return st.load.kv_blocks_in_use
 
 
-def _prompt_lookups(up) -> float:
-    """Prompt tokens every worker's engine looked up to allocate a sequence's prompt (a forked branch looks
+def _live_workers(up) -> list[dict]:
+    """The deployment's workers that answer (an earlier test of the module may have killed one)."""
+    import grpc
+    live = []
+    for w in up.workers():
+        try:
+            _blocks_in_use(w)
+        except grpc.RpcError:
+            continue
+        live.append(w)
+    return live
+
+
+def _prompt_lookups(workers) -> float:
+    """Prompt tokens the workers' engines looked up to allocate a sequence's prompt (a forked branch looks
     nothing up: it shares its parent's blocks)."""
-    return sum(metric(w["metrics_port"], "pdserve_prefix_cache_queries_total") for w in up.workers())
+    return sum(metric(w["metrics_port"], "pdserve_prefix_cache_queries_total") for w in workers)
 
 
 def check_n_branches(up, tiny_llama):
@@ -277,9 +290,10 @@ def check_n_branches(up, tiny_llama):
         return httpx.post(up.base_url + "/v1/completions", timeout=60, json={
             "model": "ck", "prompt": N_PROMPT, "return_token_ids": True, **N_SAMPLED, **body})
 
-    for w in up.workers():  # nothing else running: the lookup counters move for this request only
+    workers = _live_workers(up)
+    for w in workers:  # nothing else running: the lookup counters move for this request only
         assert wait_until(lambda: _blocks_in_use(w) == 0, 15)
-    before = _prompt_lookups(up)
+    before = _prompt_lookups(workers)
     r = post(n=3, max_tokens=8)
     assert r.status_code == 200, r.text
     body = r.json()
@@ -289,8 +303,18 @@ def check_n_branches(up, tiny_llama):
     # one prompt allocation per engine it passed through (fanned out, it was three per engine): one worker, or a
     # prefill and a decode worker (the router may also serve a request whole on one worker in disagg mode). The
     # exporter refreshes from engine snapshots.
-    assert wait_until(lambda: _prompt_lookups(up) - before in (len(prompt_ids), 2 * len(prompt_ids)), 10), \
-        (_prompt_lookups(up) - before, len(prompt_ids))
+    assert wait_until(lambda: _prompt_lookups(workers) - before in (len(prompt_ids), 2 * len(prompt_ids)), 10), \
+        (_prompt_lookups(workers) - before, len(prompt_ids))
+    # streamed, each branch's deltas (disagg: its first token from the Prefill reply, the rest from the decode
+    # stream, never twice) add up to the same text
+    texts = ["", "", ""]
+    with httpx.stream("POST", up.base_url + "/v1/completions", timeout=60, json={
+            "model": "ck", "prompt": N_PROMPT, "n": 3, "max_tokens": 8, "stream": True, **N_SAMPLED}) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    texts[c["index"]] += c["text"]
+    assert texts == [c["text"] for c in body["choices"]]
 
     # best_of=3, n=1: the offline n=3 branch of highest cumulative logprob (the engine's own choice is not the
     # reference: the test ranks the offline branches itself)
@@ -315,7 +339,7 @@ def check_n_branches(up, tiny_llama):
     block_size, max_tokens = 16, 100
     prompt_blocks = -(-len(prompt_ids) // block_size)
     own = -(-(block_size + max_tokens) // block_size)  # a branch's blocks beyond the shared ones, at most
-    decoders = up.workers("decode") or up.workers("both")
+    decoders = [w for w in workers if w["role"] in ("decode", "both")]
     held, done = [], threading.Event()
 
     def poll() -> None:
