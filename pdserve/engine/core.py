@@ -50,12 +50,15 @@ class EngineCore:
             seq.set_state(S.DECODING)
         return reason
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """A new branch shares the parent's blocks (copy-on-write) and joins the batch where the parent is."""
+    def fork(self, parent: Sequence, child: Sequence, join: bool = True) -> None:
+        """A new branch shares the parent's blocks (copy-on-write) and, with `join`, enters the batch where the
+        parent is (at its first sample). The decode side of a handoff forks before committing the first tokens
+        and lets `commit_prefilled` decide who joins."""
         for st in (S.QUEUED, S.RUNNABLE, S.PREFILLING):
             child.set_state(st)
         self.block_manager.fork(parent, child)
-        self.scheduler.running.append(child)
+        if join:
+            self.scheduler.running.append(child)
 
     # ---- termination ------------------------------------------------------------------------------------------
     def finish(self, seq: Sequence, state: S, prefill_only: bool = False) -> None:
@@ -99,12 +102,20 @@ class EngineCore:
         seq.set_state(S.PREFILLING)  # prefilling remotely: the blocks are being filled by a transfer
         return len(hits)
 
-    def commit_prefilled(self, seq: Sequence, first_token_id: int) -> str | None:
-        """The transferred blocks hold the prompt's KV: commit the first token (sampled on the prefill side) and
-        join the decode batch unless that token already ends the sequence. Returns the finish reason or None."""
-        seq.num_computed_tokens = seq.num_prompt_tokens
-        self.block_manager.mark_computed(seq)
-        reason = self.commit(seq, first_token_id)
-        if reason is None:
-            self.scheduler.running.append(seq)
-        return reason
+    def commit_prefilled(self, seqs: list[Sequence], first_token_ids: list[int]) -> list[str | None]:
+        """The transferred blocks (allocated for `seqs[0]`) hold the prompt's KV: the other branches `seqs[1:]`
+        (new sequences of the same request) fork from it, sharing those blocks copy-on-write; each branch commits
+        its own first token (sampled on the prefill side) and joins the decode batch unless that token already
+        ends it. Returns each branch's finish reason or None."""
+        parent = seqs[0]
+        parent.num_computed_tokens = parent.num_prompt_tokens
+        self.block_manager.mark_computed(parent)
+        for child in seqs[1:]:
+            self.fork(parent, child, join=False)
+        reasons = []
+        for seq, tok in zip(seqs, first_token_ids, strict=True):
+            reason = self.commit(seq, tok)
+            if reason is None:
+                self.scheduler.running.append(seq)
+            reasons.append(reason)
+        return reasons

@@ -27,11 +27,12 @@ from pdserve.engine.kv_sizing import block_bytes_for, num_blocks as kv_pool_bloc
 from pdserve.engine.loader import load_state_dict
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.outputs import CompletionOutput, RequestOutput
+from pdserve.engine.outputs import CompletionOutput, FirstToken, RequestOutput
 from pdserve.engine.request_state import RequestState as S
 from pdserve.engine.grammar import make_grammar_state
 from pdserve.engine.sampler import Sampler, SamplingState, bad_words_to_ids
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_state import select_best
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.stop import OutputProcessor
@@ -40,7 +41,11 @@ from pdserve.engine.tokenizer import Tokenizer
 log = logging.getLogger("pdserve.engine")
 usage_log = logging.getLogger("pdserve.usage")
 
-__all__ = ["Engine", "EngineConfig", "RequestOutput", "CompletionOutput"]
+__all__ = ["Engine", "EngineConfig", "RequestOutput", "CompletionOutput", "FirstToken"]
+
+# Usage records kept in memory (the latest ones, for tests and tools; the usage log has them all): a long-running
+# worker must not grow a list forever.
+USAGE_RECORDS_KEPT = 1024
 
 
 @dataclass
@@ -58,6 +63,7 @@ class Request:
     deadline: float | None = None  # unix time; past it the request ends TIMED_OUT from any live state
     # decode side: unix time by which a remote prefill's KV must have arrived (commit_prefilled), else FAILED
     transfer_deadline: float | None = None
+    first_tokens: list[FirstToken] = field(default_factory=list)  # decode side: sampled by the prefill worker
     paused_since: float | None = None  # backpressured since (unix time)
 
     @property
@@ -91,7 +97,7 @@ class Engine:
         self.eos_token_ids = sorted(set(model_config.eos_token_ids) | set(tokenizer.eos_token_ids))
         self.requests: dict[str, Request] = {}
         self.remote_pending: dict[str, Request] = {}
-        self.usage_records: list[dict] = []
+        self.usage_records: deque[dict] = deque(maxlen=USAGE_RECORDS_KEPT)
         self.terminal_counts: dict[str, int] = {}
         self._pending_outputs: list[RequestOutput] = []
         self._seq_ids = itertools.count()
@@ -210,7 +216,7 @@ class Engine:
             seqs.append(seq)
             req = self.requests[seq.request_id]
             if seq.branch == 0 and seq.num_output_tokens == 0 and len(req.seqs) < req.params.num_branches:
-                for child in self._fork(req, seq):
+                for child in self._fork(req, seq, join=True):
                     rows.append(row)
                     seqs.append(child)
         if logits.device.type != "cpu":  # the sampler's per-request generators are CPU generators
@@ -240,25 +246,31 @@ class Engine:
                 torch.cat(seq.prompt_logit_rows), req.prompt_token_ids, req.params.prompt_logprobs)
             seq.prompt_logit_rows = []
 
-    def _fork(self, req: Request, parent: Sequence) -> list[Sequence]:
+    def _fork(self, req: Request, parent: Sequence, join: bool) -> list[Sequence]:
+        """The request's other branches, sharing `parent`'s blocks (before its first token: the prompt's)."""
         children = []
         for b in range(len(req.seqs), req.params.num_branches):
             child = Sequence(next(self._seq_ids), req.request_id, parent.token_ids, req.namespace, b,
                              parent.arrival_time)
             child.sampling = parent.sampling.fork(b)  # own RNG stream, forked grammar matcher
             child.output = OutputProcessor(req.params, self.tokenizer, self.eos_token_ids)
-            self.core.fork(parent, child)
+            if join:
+                self.core.fork(parent, child)
             req.seqs.append(child)
             children.append(child)
         return children
 
     def _output(self, req: Request) -> RequestOutput:
         live = self._chosen(req)
+        # best_of > n: nothing was shown while it ran, so the chosen branches' "new" output is all of it
+        whole = self._hides_branches(req)
         outs = []
         for i, seq in enumerate(live):
+            text = seq.output.text if hasattr(seq.output, "text") else seq.text
             outs.append(CompletionOutput(
-                index=i, text=seq.output.text if hasattr(seq.output, "text") else seq.text,
-                token_ids=seq.output_token_ids, new_text=seq.new_text, new_token_ids=seq.new_token_ids,
+                index=i, text=text, token_ids=seq.output_token_ids,
+                new_text=text if whole else seq.new_text,
+                new_token_ids=list(seq.output_token_ids) if whole else seq.new_token_ids,
                 finish_reason=seq.finish_reason, cumulative_logprob=seq.sampling.cumulative_logprob,
                 logprobs=list(seq.logprobs) if seq.sampling.params.logprobs is not None else None))
         for seq in req.seqs:
@@ -266,16 +278,25 @@ class Engine:
         cached = req.seqs[0].num_cached_tokens
         return RequestOutput(req.request_id, req.prompt_token_ids, outs, req.finished,
                              req.seqs[0].state.value if not req.finished else self._terminal_state(req).value,
-                             cached, dict(req.metrics), req.prompt_logprobs)
+                             cached, dict(req.metrics), req.prompt_logprobs,
+                             num_generated_tokens=sum(s.num_output_tokens for s in req.seqs))
+
+    @staticmethod
+    def _hides_branches(req: Request) -> bool:
+        """best_of > n: the caller sees only the winners, at the end. Not on a prefill worker handing the branches
+        over (every branch's first token goes to the decode side, which makes the choice)."""
+        p = req.params
+        if p.best_of is None or p.best_of == p.n:
+            return False
+        return not (req.prefill_only and any(s.finish_reason == "prefill" for s in req.seqs))
 
     def _chosen(self, req: Request) -> list[Sequence]:
         """With best_of > n, only the n branches of highest cumulative logprob are returned (once finished)."""
-        p = req.params
-        if p.best_of is None or p.best_of == p.n:
+        if not self._hides_branches(req):
             return req.seqs
         if not req.finished:
             return []
-        return sorted(req.seqs, key=lambda s: -s.sampling.cumulative_logprob)[: p.n]
+        return [req.seqs[i] for i in select_best([s.sampling for s in req.seqs], req.params.n)]
 
     @staticmethod
     def _terminal_state(req: Request) -> S:
@@ -393,40 +414,52 @@ class Engine:
         self.abort(request_id, "CANCELLED")
         self.release_pinned(request_id)
 
-    def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
+    def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int], first_tokens: list[FirstToken],
                               params: SamplingParams, *, namespace: str = "",
                               arrival_time: float | None = None, deadline: float | None = None,
                               priority: int = 0,
                               transfer_deadline: float | None = None) -> tuple[list[int], int] | None:
-        """Decode side: allocate blocks for a prompt prefilled elsewhere. Returns (block ids, number of leading
-        blocks already valid from the local prefix cache) or None when the blocks cannot be had now.
+        """Decode side: allocate blocks for a prompt prefilled elsewhere, once for all branches. `first_tokens`:
+        each branch's first token (branch i = entry i; n, or best_of of them), sampled by the prefill worker.
+        Returns (block ids, number of leading blocks already valid from the local prefix cache) or None when the
+        blocks cannot be had now.
         `transfer_deadline` (unix time): not committed by then, the request ends FAILED (`expire_transfers`)."""
         if request_id in self.requests or request_id in self.remote_pending:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.validate_request(prompt_token_ids, params)
+        if len(first_tokens) != params.num_branches:
+            raise ValueError(f"invalid first tokens: {len(first_tokens)} for {params.num_branches} branches")
+        if any(not (0 <= f.token_id < self.model_config.vocab_size) for f in first_tokens):
+            raise ValueError("invalid first tokens: token id outside the vocabulary")
         req = self._new_request(request_id, prompt_token_ids, params, namespace, arrival_time)
         self._lifecycle(req, deadline, priority, None)
         seq = req.seqs[0]
         hits = self.core.allocate_prefilled(seq)
         if hits is None:
             return None
-        Sampler.skip_draw(seq.sampling)  # the first token was drawn on the prefill worker
-        req.metrics["first_token_id"] = first_token_id
+        req.first_tokens = list(first_tokens)
         req.transfer_deadline = transfer_deadline
         self.remote_pending[request_id] = req
         return list(seq.block_table), hits
 
     def commit_prefilled(self, request_id: str) -> bool:
-        """The transferred blocks hold the prompt's KV: append the first token and join the decode batch.
+        """The transferred blocks hold the prompt's KV: the branches fork from it (sharing its blocks), each
+        appends its own first token and joins the decode batch.
         False when the request is no longer pending (its transfer deadline passed, or it was aborted)."""
         req = self.remote_pending.pop(request_id, None)
         if req is None:
             return False
-        tok = req.metrics.pop("first_token_id")
-        req.seqs[0].sampling.append(tok)
+        self._fork(req, req.seqs[0], join=False)
+        for seq, first in zip(req.seqs, req.first_tokens, strict=True):
+            Sampler.skip_draw(seq.sampling)  # the first token was drawn on the prefill worker
+            seq.sampling.append(first.token_id)
+            seq.sampling.cumulative_logprob = first.cumulative_logprob
+            if seq.sampling.params.logprobs is not None and first.logprobs is not None:
+                seq.logprobs.append(first.logprobs)
         req.metrics["first_token_time"] = time.time()
         self.requests[request_id] = req
-        if self.core.commit_prefilled(req.seqs[0], tok) is not None:
+        reasons = self.core.commit_prefilled(req.seqs, [f.token_id for f in req.first_tokens])
+        if all(r is not None for r in reasons):
             self._reclaim(req, S.FINISHED)
         self._pending_outputs.append(self._output(req))
         return True

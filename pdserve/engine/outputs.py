@@ -17,6 +17,16 @@ class CompletionOutput:
 
 
 @dataclass
+class FirstToken:
+    """One branch's first token, sampled where the prompt was prefilled (the prefill worker): the decode side
+    continues the branch from it. `cumulative_logprob` is its raw log-prob (best_of ranks branches by the sum);
+    `logprobs` its SampleResult-like entry when the request asked for logprobs."""
+    token_id: int
+    cumulative_logprob: float = 0.0
+    logprobs: object | None = None
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
@@ -27,3 +37,4 @@ class RequestOutput:
     metrics: dict = field(default_factory=dict)
     prompt_logprobs: list | None = None
     error: str | None = None
+    num_generated_tokens: int = 0  # sampled so far, every branch (best_of: the ones not returned too)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.outputs import FirstToken, RequestOutput
+from pdserve.engine.sampler import SampleResult
 from pdserve.engine.sampling_params import GuidedSpec, SamplingParams
 from pdserve.kv_transfer.layout import KVLayout, KVRegion
 from pdserve.services.pb import common_pb2
@@ -58,8 +59,20 @@ class DeltaEncoder:
             msg.usage.prompt_tokens = len(out.prompt_token_ids)
             msg.usage.completion_tokens = sum(len(c.token_ids) for c in out.outputs)
             msg.usage.cached_tokens = out.num_cached_tokens or 0
+            msg.usage.generated_tokens = out.num_generated_tokens
         fill_times(msg.times, out.metrics)
         return msg
+
+
+def first_tokens_from_pb(firsts) -> list[FirstToken]:
+    """The prefill worker's `FirstToken`s (worker.proto) -> the engine's, one per branch."""
+    out = []
+    for f in firsts:
+        lp = None
+        if f.HasField("logprob"):
+            lp = SampleResult(f.logprob.token_id, f.logprob.logprob, [(t.token_id, t.logprob) for t in f.logprob.top])
+        out.append(FirstToken(f.token_id, f.cumulative_logprob, lp))
+    return out
 
 
 def fill_times(times: common_pb2.StageTimes, metrics: dict | None) -> None:

@@ -193,7 +193,7 @@ class SimReplica:
         Returns True when the request finished right away (output length 1)."""
         _, seq = self.remote_pending.pop(req.rid)
         self.reqs[req.rid] = (req, seq, False)
-        if self.core.commit_prefilled(seq, first_token) is not None:
+        if self.core.commit_prefilled([seq], [first_token])[0] is not None:
             self._finished(req)
             return True
         return False

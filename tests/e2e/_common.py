@@ -238,3 +238,121 @@ def check_worker_refusal_names_the_field(up):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert (err["param"], err["code"]) == ("response_format", "invalid_parameter"), err
+
+
+N_PROMPT = "seven wizards quietly hex every jolly sphinx of black quartz " * 6  # ~23 KV blocks
+N_SAMPLED = dict(temperature=1.0, seed=4242, ignore_eos=True)
+
+
+def _blocks_in_use(w) -> int:
+    """Exactly what the worker's engine holds now (the GetStats RPC runs on its engine thread)."""
+    import grpc
+
+    from pdserve.services.pb import worker_pb2, worker_pb2_grpc
+    with grpc.insecure_channel(f"127.0.0.1:{w['port']}") as ch:
+        st = worker_pb2_grpc.WorkerStub(ch).GetStats(worker_pb2.GetStatsRequest(), timeout=10)
+    return st.load.kv_blocks_in_use
+
+
+def _live_workers(up) -> list[dict]:
+    """The deployment's workers that answer (an earlier test of the module may have killed one)."""
+    import grpc
+    live = []
+    for w in up.workers():
+        try:
+            _blocks_in_use(w)
+        except grpc.RpcError:
+            continue
+        live.append(w)
+    return live
+
+
+def _prompt_lookups(workers) -> float:
+    """Prompt tokens the workers' engines looked up to allocate a sequence's prompt (a forked branch looks
+    nothing up: it shares its parent's blocks)."""
+    return sum(metric(w["metrics_port"], "pdserve_prefix_cache_queries_total") for w in workers)
+
+
+def check_n_branches(up, tiny_llama):
+    """Served n=3 (seeded) is one engine request with three copy-on-write branches: the prompt is allocated once
+    per engine it passes through (one prefill; disaggregated: one decode-side allocation, one transfer), the
+    branches share its KV while they run, and each branch's tokens equal the offline engine's n=3 branches with
+    the same seed. best_of=3, n=1 returns the branch of highest cumulative logprob; streaming it is a 400."""
+    from pdserve.engine.engine import Engine, EngineConfig
+    from pdserve.engine.sampling_params import SamplingParams
+    from tests.e2e.conftest import NUM_BLOCKS
+    eng = Engine.from_pretrained(str(tiny_llama), EngineConfig(num_gpu_blocks=NUM_BLOCKS))
+    prompt_ids = eng.tokenizer.encode(N_PROMPT)
+    ref = eng.generate([prompt_ids], SamplingParams(n=3, max_tokens=8, **N_SAMPLED))[0].outputs
+    assert len({tuple(c.token_ids) for c in ref}) > 1  # the branches really differ
+
+    def post(**body):
+        return httpx.post(up.base_url + "/v1/completions", timeout=60, json={
+            "model": "ck", "prompt": N_PROMPT, "return_token_ids": True, **N_SAMPLED, **body})
+
+    workers = _live_workers(up)
+    for w in workers:  # nothing else running: the lookup counters move for this request only
+        assert wait_until(lambda: _blocks_in_use(w) == 0, 15)
+    before = _prompt_lookups(workers)
+    r = post(n=3, max_tokens=8)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert [c["token_ids"] for c in body["choices"]] == [c.token_ids for c in ref]
+    assert body["usage"]["prompt_tokens"] == len(prompt_ids) and body["usage"]["completion_tokens"] == 24
+    # one prompt allocation per engine it passed through (fanned out, it was three per engine): one worker, or a
+    # prefill and a decode worker (the router may also serve a request whole on one worker in disagg mode). The
+    # exporter refreshes from engine snapshots.
+    assert wait_until(lambda: _prompt_lookups(workers) - before in (len(prompt_ids), 2 * len(prompt_ids)), 10), \
+        (_prompt_lookups(workers) - before, len(prompt_ids))
+    # streamed, each branch's deltas (disagg: its first token from the Prefill reply, the rest from the decode
+    # stream, never twice) add up to the same text
+    texts = ["", "", ""]
+    with httpx.stream("POST", up.base_url + "/v1/completions", timeout=60, json={
+            "model": "ck", "prompt": N_PROMPT, "n": 3, "max_tokens": 8, "stream": True, **N_SAMPLED}) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    texts[c["index"]] += c["text"]
+    assert texts == [c["text"] for c in body["choices"]]
+
+    # best_of=3, n=1: the offline n=3 branch of highest cumulative logprob (the engine's own choice is not the
+    # reference: the test ranks the offline branches itself)
+    best = max(ref, key=lambda c: c.cumulative_logprob)
+    gen0 = metric(up.port, "pdserve_generation_tokens_total")
+    committed0 = metric(up.port, "pdserve_usage_tokens_total", '{kind="committed"}')
+    r = post(n=1, best_of=3, max_tokens=8)
+    assert r.status_code == 200, r.text
+    assert [c["token_ids"] for c in r.json()["choices"]] == [best.token_ids]
+    assert r.json()["usage"]["completion_tokens"] == 8  # the returned choice, not the three sampled
+    # the record: 24 tokens generated (three branches), 8 committed (billed with the prompt)
+    assert wait_until(lambda: metric(up.port, "pdserve_generation_tokens_total") - gen0 == 24, 5), \
+        metric(up.port, "pdserve_generation_tokens_total") - gen0
+    assert metric(up.port, "pdserve_usage_tokens_total", '{kind="committed"}') - committed0 == 8
+    r = post(n=1, best_of=3, max_tokens=8, stream=True)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "best_of", r.text
+
+    # while an n=3 request runs, the workers decoding it hold the prompt's blocks once, not three times: polled
+    # (exactly, through each engine thread) for the request's whole life, the most they held at once is the
+    # prompt's blocks plus each branch's own (its copied tail and its output), far below three prompts' worth
+    import threading
+    block_size, max_tokens = 16, 100
+    prompt_blocks = -(-len(prompt_ids) // block_size)
+    own = -(-(block_size + max_tokens) // block_size)  # a branch's blocks beyond the shared ones, at most
+    decoders = [w for w in workers if w["role"] in ("decode", "both")]
+    held, done = [], threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            held.append(sum(_blocks_in_use(w) for w in decoders))
+
+    t = threading.Thread(target=poll)
+    t.start()
+    try:
+        r = post(n=3, max_tokens=max_tokens)
+    finally:
+        done.set()
+        t.join()
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3 * max_tokens, r.text
+    assert max(held) >= prompt_blocks, (max(held), prompt_blocks)  # the polls saw the request running
+    assert max(held) <= prompt_blocks + 3 * own < 3 * prompt_blocks, (max(held), prompt_blocks, own)

@@ -50,3 +50,7 @@ def test_echo_prompt_logprobs(up, tiny_llama):
 
 def test_worker_refusal_names_the_field(up):
     _common.check_worker_refusal_names_the_field(up)
+
+
+def test_n_branches_share_one_prefill(up, tiny_llama):
+    _common.check_n_branches(up, tiny_llama)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 
 from pdserve.engine.async_engine import AsyncEngine
-from pdserve.engine.engine import Engine, EngineConfig
+from pdserve.engine.engine import Engine, EngineConfig, FirstToken
 from pdserve.engine.sampling_params import SamplingParams
 
 P = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -52,7 +52,7 @@ def test_pending_transfer_that_never_completes_is_freed(tiny_llama):
         await aeng.start()
         prompt = list(range(5, 30))
         blocks, cached = await aeng.run(lambda e: e.add_prefilled_request(
-            "r", prompt, 7, P, transfer_deadline=time.time() + 0.3))
+            "r", prompt, [FirstToken(7)], P, transfer_deadline=time.time() + 0.3))
         assert cached == 0 and len(blocks) == 7
         held = await aeng.run(lambda e: e.stats())
         assert held["kv_blocks_in_use"] == 7 and held["states"] == {"PREFILLING": 1}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 
 from pdserve.engine import core as core_mod
-from pdserve.engine.engine import Engine, EngineConfig
+from pdserve.engine.engine import Engine, EngineConfig, FirstToken
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.sim.costmodel import LinearCostModel
 from pdserve.sim.executor import SimReplica, SimRequest
@@ -135,7 +135,7 @@ def test_prefill_only_pins_and_decode_side_handoff_the_same():
     _log_commits(drep.core, slog, tick)
     for t, rid, prompt, m in trace[:4]:
         m = max(m, 3)
-        got = dec.add_prefilled_request(rid, prompt, tokens[rid][0],
+        got = dec.add_prefilled_request(rid, prompt, [FirstToken(tokens[rid][0])],
                                         SamplingParams(max_tokens=m, ignore_eos=True, temperature=0))
         req = SimRequest(rid, float(t), prompt, m)
         cached = drep.add_prefilled(req)

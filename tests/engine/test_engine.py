@@ -145,3 +145,90 @@ def test_native_decode_attention_same_tokens_as_torch_path(tiny_llama):
     torch_path, eng2 = run(tiny_llama, native_kernels=False)
     assert eng2.runner.native_ops is None
     assert native == torch_path
+
+
+def _handoff(ckpt, prompt, params):
+    """A disaggregated request between two engines in this process: prefill-only with all branches on one, the
+    prompt's blocks copied once (what the NIXL READ does), the branches forked on the other from the branches'
+    first tokens. Returns (decode side's final output, prefill's pinned block count, decode's blocks in use
+    right after the commit)."""
+    from pdserve.engine.outputs import FirstToken
+    cfg = dict(block_size=4, num_gpu_blocks=64, enable_prefix_caching=False)
+    pre = Engine.from_pretrained(ckpt, EngineConfig(**cfg))
+    pre.add_request("r", prompt, params, prefill_only=True)
+    while pre.has_unfinished():
+        done = [o for o in pre.step() if o.finished]
+    firsts = [FirstToken(c.token_ids[0], c.cumulative_logprob, c.logprobs[0] if c.logprobs else None)
+              for c in done[0].outputs]
+    assert len(firsts) == params.num_branches and all(c.finish_reason == "prefill" for c in done[0].outputs)
+    src, ntok = pre.pinned_kv("r")
+    assert ntok == len(prompt) and pre.block_manager.blocks_in_use == len(src)  # pinned once, not per branch
+    dec = Engine.from_pretrained(ckpt, EngineConfig(**cfg))
+    dst, cached = dec.add_prefilled_request("r", prompt, firsts, params)
+    assert cached == 0 and len(dst) == len(src)
+    dec.kv_cache.data[dst] = pre.kv_cache.data[src]
+    pre.release_pinned("r")
+    assert pre.block_manager.blocks_in_use == 0
+    assert dec.commit_prefilled("r")
+    shared = dec.block_manager.blocks_in_use
+    final = None
+    while dec.has_unfinished():
+        final = next((o for o in dec.step() if o.finished), final)
+    assert dec.block_manager.blocks_in_use == 0
+    return final, len(src), shared
+
+
+def test_prefilled_branches_match_colocated(tiny_llama):
+    """n=3 handed off: one prompt prefill, the prompt's blocks transferred once and shared by three branches,
+    each continuing from its own first token: the same tokens, logprobs and cumulative logprobs as the same
+    seeded n=3 request on one engine."""
+    prompt = list(range(30, 48))  # 18 tokens: 5 blocks, the last partial
+    params = SamplingParams(n=3, seed=11, temperature=1.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    ref = Engine.from_pretrained(tiny_llama, EngineConfig(block_size=4, num_gpu_blocks=64,
+                                                          enable_prefix_caching=False)).generate([prompt], params)[0]
+    got, pinned, shared = _handoff(tiny_llama, prompt, params)
+    assert pinned == 5 and shared == 5  # three branches on five prompt blocks (each copies the tail later)
+    assert [c.token_ids for c in got.outputs] == [c.token_ids for c in ref.outputs]
+    assert len({tuple(c.token_ids) for c in got.outputs}) > 1
+    for g, r in zip(got.outputs, ref.outputs):
+        assert g.cumulative_logprob == pytest.approx(r.cumulative_logprob, abs=1e-5)
+        assert [x.token_id for x in g.logprobs] == [x.token_id for x in r.logprobs] == r.token_ids
+        assert [x.logprob for x in g.logprobs] == pytest.approx([x.logprob for x in r.logprobs], abs=1e-5)
+
+
+def test_best_of_returns_highest_cumulative_logprob(tiny_llama):
+    """best_of=3, n=1 returns the branch of highest cumulative logprob among the three branches the same seeded
+    n=3 request produces, colocated and handed off; with the branch's whole output in its one message."""
+    prompt = list(range(60, 75))
+    sampled = dict(seed=5, temperature=1.0, max_tokens=6, ignore_eos=True)
+    eng = Engine.from_pretrained(tiny_llama, EngineConfig(block_size=4, num_gpu_blocks=64))
+    three = eng.generate([prompt], SamplingParams(n=3, **sampled))[0].outputs
+    best = max(three, key=lambda c: c.cumulative_logprob)
+    assert len({c.cumulative_logprob for c in three}) == 3
+    eng.add_request("b", prompt, SamplingParams(n=1, best_of=3, **sampled))
+    shown = []
+    while eng.has_unfinished():
+        shown += [c for o in eng.step() for c in o.outputs]
+    assert len(shown) == 1 and shown[0].index == 0  # nothing of the losers, nothing before the end
+    assert shown[0].new_token_ids == shown[0].token_ids == best.token_ids
+    assert eng.usage_records[-1]["committed_tokens"] == 6 and eng.usage_records[-1]["generated_tokens"] == 18
+    got, _, _ = _handoff(tiny_llama, prompt, SamplingParams(n=1, best_of=3, **sampled))
+    assert [c.token_ids for c in got.outputs] == [best.token_ids]
+    assert got.outputs[0].new_token_ids == best.token_ids
+
+
+def test_prefilled_first_tokens_must_match_branches(tiny_llama):
+    from pdserve.engine.outputs import FirstToken
+    eng = Engine.from_pretrained(tiny_llama, EngineConfig(block_size=4, num_gpu_blocks=64))
+    with pytest.raises(ValueError, match="first tokens"):
+        eng.add_prefilled_request("x", [5, 6, 7], [FirstToken(1)], SamplingParams(n=2))
+    with pytest.raises(ValueError, match="first tokens"):
+        eng.add_prefilled_request("x", [5, 6, 7], [FirstToken(10**6)], SamplingParams())
+    assert eng.block_manager.blocks_in_use == 0 and not eng.remote_pending
+
+
+def test_usage_records_are_bounded(tiny_llama):
+    from pdserve.engine import engine as engine_mod
+    eng = Engine.from_pretrained(tiny_llama, EngineConfig(block_size=4, num_gpu_blocks=64))
+    eng.generate([[5, 6, 7]] * (engine_mod.USAGE_RECORDS_KEPT + 3), SamplingParams(max_tokens=1))
+    assert len(eng.usage_records) == engine_mod.USAGE_RECORDS_KEPT

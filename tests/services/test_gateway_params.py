@@ -40,11 +40,26 @@ def test_errors_name_the_field(body, param):
         assert b["param"] == param
 
 
-def test_split_fans_out_n_with_distinct_seeds():
+def test_split_one_engine_request_per_prompt_with_all_branches():
+    """n > 1 (and best_of) travel whole to one worker: the engine forks the branches over one prompt prefill;
+    prompt i's branch j is choice i * n + j."""
     subs = split([[1, 2], [3]], sp({"n": 2, "seed": 10}))
-    assert [s.index_base for s in subs] == [0, 1, 2, 3]
-    assert [s.params.seed for s in subs] == [10, 11, 10, 11] and all(s.params.n == 1 for s in subs)
-    assert split([[1]], sp({"seed": 7}))[0].params.seed == 7  # n == 1 keeps the seed as given
+    assert [s.index_base for s in subs] == [0, 2] and [s.prompt_token_ids for s in subs] == [[1, 2], [3]]
+    assert all((s.params.n, s.params.seed, s.n_choices) == (2, 10, 2) for s in subs)
+    b = split([[1]], sp({"n": 2, "best_of": 3}))
+    assert len(b) == 1 and (b[0].params.n, b[0].params.best_of, b[0].n_choices) == (2, 3, 2)
+
+
+def test_best_of():
+    """best_of >= n; best_of > n (OpenAI's rule) cannot be streamed; best_of == n is plain n; chat has none."""
+    assert sp({"n": 1, "best_of": 3}).best_of == 3 and sp({"n": 1, "best_of": 3}).num_branches == 3
+    assert sp({"n": 2, "best_of": 2}).best_of is None
+    assert sp({"best_of": 3}, chat=True).best_of is None
+    assert sp({"n": 2, "best_of": 2, "stream": True}).n == 2
+    for body in ({"n": 3, "best_of": 2}, {"best_of": 3, "stream": True}, {"best_of": 0}, {"best_of": 129}):
+        with pytest.raises(APIError) as e:
+            sp(body)
+        assert e.value.status == 400 and e.value.param == "best_of", body
 
 
 def test_echo():

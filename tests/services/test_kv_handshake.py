@@ -42,7 +42,7 @@ async def _handoff(ps, ds, rid: str, prompt: list[int]):
     pre = await ps.Prefill(worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, params=PARAMS))
     assert not pre.finished and pre.kv.incarnation
     msgs = [m async for m in ds.GenerateFromPrefill(worker_pb2.GenerateFromPrefillRequest(
-        request_id=rid, prompt_token_ids=prompt, params=PARAMS, first_token_id=pre.first_token_id, kv=pre.kv))]
+        request_id=rid, prompt_token_ids=prompt, params=PARAMS, first_tokens=pre.first_tokens, kv=pre.kv))]
     assert msgs[-1].state == "FINISHED", msgs[-1]
     return pre, [t for m in msgs for o in m.outputs for t in o.token_ids]
 
@@ -105,7 +105,7 @@ def test_protocol_version_mismatch_is_failed_precondition(tiny_llama):
             pre = await ps.Prefill(worker_pb2.PrefillRequest(request_id="v", prompt_token_ids=prompt, params=PARAMS))
             with pytest.raises(grpc.aio.AioRpcError) as ei:
                 async for _ in ds.GenerateFromPrefill(worker_pb2.GenerateFromPrefillRequest(
-                        request_id="v", prompt_token_ids=prompt, params=PARAMS, first_token_id=pre.first_token_id,
+                        request_id="v", prompt_token_ids=prompt, params=PARAMS, first_tokens=pre.first_tokens,
                         kv=pre.kv)):
                     pass
             assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "version" in ei.value.details()

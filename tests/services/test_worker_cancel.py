@@ -89,7 +89,7 @@ async def _one(i: int, rng: random.Random, ps, ds, stats: dict) -> None:
     pre = await pre_call
     assert not pre.finished
     call = ds.GenerateFromPrefill(worker_pb2.GenerateFromPrefillRequest(
-        request_id=rid, prompt_token_ids=prompt, params=sp, first_token_id=pre.first_token_id, kv=pre.kv))
+        request_id=rid, prompt_token_ids=prompt, params=sp, first_tokens=pre.first_tokens, kv=pre.kv))
     if kind == "first_token":  # the reproduction: the socket closes right after the first data event
         async for _ in call:
             break
@@ -128,7 +128,7 @@ def test_cancel_storm_leaks_nothing(pd):
         sp = params_to_pb(SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         pre = await ps.Prefill(worker_pb2.PrefillRequest(request_id="after", prompt_token_ids=prompt, params=sp))
         msgs = [m async for m in ds.GenerateFromPrefill(worker_pb2.GenerateFromPrefillRequest(
-            request_id="after", prompt_token_ids=prompt, params=sp, first_token_id=pre.first_token_id, kv=pre.kv))]
+            request_id="after", prompt_token_ids=prompt, params=sp, first_tokens=pre.first_tokens, kv=pre.kv))]
         assert msgs[-1].state == "FINISHED" and sum(len(o.token_ids) for m in msgs for o in m.outputs) == 8
         _, held = await _settled([ps, ds], SETTLE_S)
         assert held == [(0, 0, {}), (0, 0, {})], held

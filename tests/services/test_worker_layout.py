@@ -40,7 +40,7 @@ def test_layout_mismatch_refused_with_clear_error(mismatched):
         pre = await ps.Prefill(worker_pb2.PrefillRequest(request_id="m1", prompt_token_ids=prompt, params=sp))
         with pytest.raises(grpc.aio.AioRpcError) as e:
             async for _ in ds.GenerateFromPrefill(worker_pb2.GenerateFromPrefillRequest(
-                    request_id="m1", prompt_token_ids=prompt, params=sp, first_token_id=pre.first_token_id,
+                    request_id="m1", prompt_token_ids=prompt, params=sp, first_tokens=pre.first_tokens,
                     kv=pre.kv)):
                 pass
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -118,7 +118,7 @@ def test_transfer_from_dead_prefill_worker_fails_cleanly(tiny_llama):
         pp.kill()
         pp.wait()
         msgs = [m async for m in ds.GenerateFromPrefill(worker_pb2.GenerateFromPrefillRequest(
-            request_id="x1", prompt_token_ids=prompt, params=sp, first_token_id=pre.first_token_id, kv=pre.kv))]
+            request_id="x1", prompt_token_ids=prompt, params=sp, first_tokens=pre.first_tokens, kv=pre.kv))]
         assert msgs[-1].finished and msgs[-1].state == "FAILED" and "transfer" in msgs[-1].error
         assert (await ds.GetStats(worker_pb2.GetStatsRequest())).load.kv_blocks_in_use == 0
         await wait_serving(dport, 5)
@@ -126,7 +126,7 @@ def test_transfer_from_dead_prefill_worker_fails_cleanly(tiny_llama):
         pre = await worker_pb2_grpc.WorkerStub(channel(f"127.0.0.1:{bport}")).Prefill(
             worker_pb2.PrefillRequest(request_id="x2", prompt_token_ids=prompt, params=sp))
         msgs = [m async for m in ds.GenerateFromPrefill(worker_pb2.GenerateFromPrefillRequest(
-            request_id="x2", prompt_token_ids=prompt, params=sp, first_token_id=pre.first_token_id, kv=pre.kv))]
+            request_id="x2", prompt_token_ids=prompt, params=sp, first_tokens=pre.first_tokens, kv=pre.kv))]
         assert msgs[-1].state == "FINISHED" and sum(len(o.token_ids) for m in msgs for o in m.outputs) == 8
 
     try:

@@ -81,14 +81,14 @@ def test_disaggregated_workers_obey_a_proto_deadline(workers):
                                                          lifecycle=lc))
         assert not pre.finished
         msgs = [m async for m in ds.GenerateFromPrefill(worker_pb2.GenerateFromPrefillRequest(
-            request_id="dd", prompt_token_ids=PROMPT, params=PARAMS, first_token_id=pre.first_token_id,
+            request_id="dd", prompt_token_ids=PROMPT, params=PARAMS, first_tokens=pre.first_tokens,
             kv=pre.kv, lifecycle=lc))]
         assert msgs[-1].state == "TIMED_OUT", msgs[-1]
         assert 0 < _ntok(msgs) < MAX_TOKENS
         # without a Lifecycle the same hand-off runs to the end
         pre = await ps.Prefill(worker_pb2.PrefillRequest(request_id="df", prompt_token_ids=PROMPT, params=PARAMS))
         msgs = [m async for m in ds.GenerateFromPrefill(worker_pb2.GenerateFromPrefillRequest(
-            request_id="df", prompt_token_ids=PROMPT, params=PARAMS, first_token_id=pre.first_token_id,
+            request_id="df", prompt_token_ids=PROMPT, params=PARAMS, first_tokens=pre.first_tokens,
             kv=pre.kv))]
         assert msgs[-1].state == "FINISHED" and _ntok(msgs) == MAX_TOKENS
 

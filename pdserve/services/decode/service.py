@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import grpc
 
@@ -26,7 +26,7 @@ from pdserve.engine.async_engine import AsyncEngine
 from pdserve.kv_transfer.agent import KVAgent, KVTransferError, TransferFailure
 from pdserve.kv_transfer.layout import KVLayoutMismatch
 from pdserve.services.metrics import worker as M
-from pdserve.services.convert import DeltaEncoder, limits_from_pb, params_from_pb
+from pdserve.services.convert import DeltaEncoder, first_tokens_from_pb, limits_from_pb, params_from_pb
 from pdserve.services.decode.peers import KvPeers
 from pdserve.services.grpc_util import channel, param_metadata
 from pdserve.services.kv_endpoint import KvEndpoint
@@ -138,8 +138,9 @@ class DecodeSide:
         host = self.host
         rid = request.request_id
         kv = request.kv
-        # exactly one sequence continues here (the gateway fans n > 1 out into separate requests)
-        params = replace(params_from_pb(request.params), n=1, best_of=None)
+        # every branch continues here, forked over one copy of the prompt's KV, each from its own first token
+        params = params_from_pb(request.params)
+        firsts = first_tokens_from_pb(request.first_tokens)
         try:  # where the peer's blocks live: a handshake with the first hand-off from each peer incarnation
             region = await self.peers.region(kv.worker_address, kv.incarnation)
         except KVLayoutMismatch as e:
@@ -164,7 +165,7 @@ class DecodeSide:
         budget = self.transfer_timeout_s + TRANSFER_GRACE_S
 
         def add(e):
-            return e.add_prefilled_request(rid, prompt, request.first_token_id, params, namespace=request.namespace,
+            return e.add_prefilled_request(rid, prompt, firsts, params, namespace=request.namespace,
                                            transfer_deadline=time.time() + budget, deadline=lim.deadline,
                                            priority=lim.priority)
 
@@ -242,11 +243,6 @@ class DecodeSide:
                 msg = enc.encode(out)
                 if first:
                     msg.times.kv_transfer_start, msg.times.kv_transfer_end = t0, t1
-                    if request.HasField("first_logprob") and msg.outputs:
-                        # the first token was sampled on the prefill worker, with its logprobs
-                        rest = list(msg.outputs[0].logprobs)
-                        del msg.outputs[0].logprobs[:]
-                        msg.outputs[0].logprobs.extend([request.first_logprob, *rest])
                     first = False
                 if out.finished:
                     p.ended = True

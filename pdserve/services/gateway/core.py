@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 import grpc
@@ -47,9 +47,14 @@ class UpstreamError(Exception):
 
 @dataclass
 class SubRequest:
+    """One engine request: one prompt with all its n (best_of) branches, on one worker."""
     prompt_token_ids: list[int]
     params: SamplingParams
-    index_base: int  # where this sub-request's choices go in the response
+    index_base: int  # where this sub-request's choices go in the response (its branch i is choice base + i)
+
+    @property
+    def n_choices(self) -> int:
+        return self.params.n
 
 
 class Dispatcher:
@@ -93,7 +98,8 @@ class Dispatcher:
     async def generate(self, rid: str, sub: SubRequest, namespace: str = "", on_route=None, metadata: tuple = (),
                        trace: StageTrace | None = None, lifecycle: common_pb2.Lifecycle | None = None
                        ) -> AsyncIterator[common_pb2.GenerateResponse]:
-        """One engine request (n may be > 1 only in colocated mode). Retries placement while nothing was emitted
+        """One engine request, all its branches on one worker (or one prefill + one decode worker). Retries
+        placement while nothing was emitted
         and the failure was a worker being unreachable. `trace` collects the route time and the workers'
         stage timestamps (usage.stage_times). `lifecycle` (deadline, priority, predicted output) goes to every
         worker in its request message; `metadata` carries only tracing headers."""
@@ -192,9 +198,7 @@ class Dispatcher:
         for attempt in range(self.max_attempts):
             call = self.stub(decode.address).GenerateFromPrefill(worker_pb2.GenerateFromPrefillRequest(
                 request_id=rid, prompt_token_ids=sub.prompt_token_ids, params=pp, namespace=namespace,
-                first_token_id=pre.first_token_id, kv=kv,
-                first_logprob=pre.first_logprob if pre.HasField("first_logprob") else None, lifecycle=lifecycle),
-                metadata=metadata)
+                first_tokens=pre.first_tokens, kv=kv, lifecycle=lifecycle), metadata=metadata)
             emitted = False
             try:
                 async for m in call:
@@ -242,7 +246,7 @@ class Dispatcher:
                             metadata: tuple = (), traces: list[StageTrace] | None = None,
                             lifecycle: common_pb2.Lifecycle | None = None
                             ) -> AsyncIterator[tuple[int, common_pb2.GenerateResponse]]:
-        """Several sub-requests (prompts x n) merged into one stream; yields (sub index, message) with each
+        """Several sub-requests (one per prompt) merged into one stream; yields (sub index, message) with each
         message's choice indexes already shifted to the response's numbering. `traces[i]` is sub-request i's."""
         traces = traces if traces is not None else [StageTrace() for _ in subs]
         if len(subs) == 1:
@@ -282,26 +286,29 @@ class Dispatcher:
 
 
 class _SkipFirst:
-    """Leaves out of a decode worker's stream the first token the gateway already emitted from the
-    PrefillResponse: its token id, its text (the decode engine detokenizes it to the same characters, hold-back
-    included) and its logprob, wherever the stream's deltas put them."""
+    """Leaves out of a decode worker's stream the first tokens the gateway already emitted from the
+    PrefillResponse, branch by branch: each one's token id, its text (the decode engine detokenizes it to the same
+    characters, hold-back included) and its logprob, wherever the stream's deltas put them."""
 
     def __init__(self, first: common_pb2.GenerateResponse):
-        d = first.outputs[0]
-        self.tokens, self.chars, self.logprobs = len(d.token_ids), len(d.text), len(d.logprobs)
+        # choice index -> [tokens, chars, logprobs] still owed
+        self.owed = {d.index: [len(d.token_ids), len(d.text), len(d.logprobs)] for d in first.outputs}
 
     def __call__(self, m: common_pb2.GenerateResponse) -> bool:
         """Strip what is still owed from `m`; return whether anything is left to send."""
         for d in m.outputs:
-            k = min(self.tokens, len(d.token_ids))
+            owed = self.owed.get(d.index)
+            if owed is None:
+                continue
+            k = min(owed[0], len(d.token_ids))
             del d.token_ids[:k]
-            self.tokens -= k
-            k = min(self.chars, len(d.text))
+            owed[0] -= k
+            k = min(owed[1], len(d.text))
             d.text = d.text[k:]
-            self.chars -= k
-            k = min(self.logprobs, len(d.logprobs))
+            owed[1] -= k
+            k = min(owed[2], len(d.logprobs))
             del d.logprobs[:k]
-            self.logprobs -= k
+            owed[2] -= k
         return m.finished or bool(m.error) or any(d.token_ids or d.text or d.finish_reason for d in m.outputs)
 
 
@@ -312,17 +319,10 @@ def _shift(m: common_pb2.GenerateResponse, base: int) -> None:
 
 
 def split(prompts: list[list[int]], params: SamplingParams) -> list[SubRequest]:
-    """prompts x n -> single-branch sub-requests. A decode worker continues exactly one sequence, so n > 1 is
-    fanned out the same way in both modes (identical results either way); the prefix cache shares the prompt's
-    KV between the branches. Seeded requests get seed + j so branches differ yet stay reproducible."""
-    subs = []
-    n = params.n
-    for pi, ids in enumerate(prompts):
-        for j in range(n):
-            p = replace(params, n=1, best_of=None,
-                        seed=params.seed if params.seed is None or n == 1 else params.seed + j)
-            subs.append(SubRequest(ids, p, pi * n + j))
-    return subs
+    """One engine request per prompt, carrying the whole n / best_of: its branches are copy-on-write forks of one
+    sequence on one worker (one prompt prefill, the prompt's KV shared; in disaggregated mode one transfer and
+    the fork on the decode worker), exactly as admission booked it. Prompt i's branch j is choice i * n + j."""
+    return [SubRequest(ids, params, pi * params.n) for pi, ids in enumerate(prompts)]
 
 
 def new_id(prefix: str) -> str:

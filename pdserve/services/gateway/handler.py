@@ -43,15 +43,20 @@ class RequestHandler:
         params = call.params
         deadline = self.life.deadline_for(call.timeout_s, rec)
         rid = call.request_id or new_id(call.id_prefix)
-        # stage two: reserve KV for prompt + predicted output (may queue, degrade n, or reject)
-        ticket = await self.life.admit(rec, rid, call.prompts, params.max_tokens, params.n, self.max_len,
-                                       allow_degrade=call.allow_degrade)
+        # stage two: reserve KV for prompt + predicted output of every branch (best_of of them, when asked: the
+        # worker runs them all); may queue, degrade the branch count, or reject
+        ticket = await self.life.admit(rec, rid, call.prompts, params.max_tokens, params.num_branches,
+                                       self.max_len, allow_degrade=call.allow_degrade)
         degraded = None
         headers: dict[str, str] = {}
         if ticket is not None and ticket.degraded:
-            degraded = Degraded(ticket.n_requested, ticket.n_granted)
-            headers["x-pdserve-degraded"] = f"n={params.n}->{ticket.n_granted}"
-            params = replace(params, n=ticket.n_granted, best_of=None)
+            # fewer branches: best_of shrinks first, then n
+            k = ticket.n_granted
+            n = min(params.n, k)
+            degraded = Degraded(params.n, n)
+            what = "best_of" if params.best_of is not None else "n"
+            headers["x-pdserve-degraded"] = f"{what}={params.num_branches}->{k}"
+            params = replace(params, n=n, best_of=k if k > n else None)
         subs = split(call.prompts, params)
         traces = [StageTrace() for _ in subs]
         if tracing.enabled():  # the stages as spans once the response is out (docs/observability.md)
@@ -77,7 +82,7 @@ class RequestHandler:
             raise
         if call.debug_route and rec.tenant.can("debug_route"):
             headers["x-pdserve-route"] = " | ".join(routes)
-        n = len(subs)
+        n = sum(s.n_choices for s in subs)
         return RequestState(rid, int(time.time()), call, rec, subs, traces, timing, upstream, first, degraded,
                             routes, headers, tokens_per_choice=[0] * n, finish_reasons=[None] * n,
                             prompt_logprobs=[[] for _ in range(n)])
@@ -87,6 +92,7 @@ class RequestHandler:
         request FINISHED after the last one; a failure reported by a worker raises `RequestFailed`, a broken
         upstream its own error: the caller passes either to `fail`."""
         rec, streamed = st.rec, st.call.streamed
+        seen = [0] * len(st.subs)  # tokens each sub-request's messages carried
         async with contextlib.aclosing(st.upstream):
             async for i, m in _messages(st.first, st.upstream):
                 ntok = 0
@@ -96,9 +102,15 @@ class RequestHandler:
                     st.tokens_per_choice[o.index] += k
                     if o.finish_reason:
                         st.finish_reasons[o.index] = FINISH_REASONS.get(o.finish_reason, "stop")
-                if m.prompt_logprobs:  # one sub-request = one choice (core.split)
-                    st.prompt_logprobs[st.subs[i].index_base].extend(m.prompt_logprobs)
+                if m.prompt_logprobs:  # one sub-request = one prompt, shared by its choices (core.split)
+                    sub = st.subs[i]
+                    for c in range(sub.index_base, sub.index_base + sub.n_choices):
+                        st.prompt_logprobs[c].extend(m.prompt_logprobs)
+                seen[i] += ntok
                 st.generated_tokens += ntok
+                if m.finished and m.usage.generated_tokens > seen[i]:
+                    # best_of > n: the worker sampled branches it did not return (its final usage says how many)
+                    st.generated_tokens += m.usage.generated_tokens - seen[i]
                 rec.generated = st.generated_tokens
                 if st.call.prompt_only:
                     ntok = 0  # sampled, but not part of the answer

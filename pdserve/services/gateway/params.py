@@ -154,8 +154,14 @@ def _guided(rf) -> GuidedSpec | None:
 def to_sampling_params(body: dict, *, chat: bool, vocab_size: int) -> SamplingParams:
     p = SamplingParams()
     p.n = _num(body, "n", int, 1, 1, MAX_N)
-    if not chat and body.get("best_of") is not None and _num(body, "best_of", int, None, 1, MAX_N) != p.n:
-        raise bad("best_of", "only best_of == n is supported")
+    best_of = None if chat else _num(body, "best_of", int, None, 1, MAX_N)
+    if best_of is not None and best_of < p.n:
+        raise bad("best_of", f"must be >= n ({p.n})")
+    if best_of is not None and best_of > p.n:
+        # OpenAI's rule: the n best of best_of are known only at the end, so they cannot be streamed
+        if flag(body, "stream"):
+            raise bad("best_of", "best_of > n cannot be streamed")
+        p.best_of = best_of
     p.temperature = _num(body, "temperature", float, 1.0)
     p.top_p = _num(body, "top_p", float, 1.0)
     p.top_k = _num(body, "top_k", int, 0, -1)

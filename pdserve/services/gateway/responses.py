@@ -115,7 +115,7 @@ async def collect(handler: RequestHandler, st: RequestState, form: OpenAIForm) -
              "logprobs": choice_logprobs(chat, lps[i], len(echoed), form.tokenizer) if want_lp else None}
         if form.echo_prompts is not None:
             if want_lp:
-                c["logprobs"] = echo_logprobs(st.subs[i].prompt_token_ids, st.prompt_logprobs[i], c["logprobs"],
+                c["logprobs"] = echo_logprobs(st.call.prompts[i // per_prompt], st.prompt_logprobs[i], c["logprobs"],
                                               form.tokenizer)
             t = echoed + t
         if chat and form.tools is not None:

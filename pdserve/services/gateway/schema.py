@@ -79,7 +79,7 @@ class RequestState:
 
     @property
     def n_choices(self) -> int:
-        return len(self.subs)
+        return sum(s.n_choices for s in self.subs)
 
     @property
     def prompt_tokens(self) -> int:

@@ -16,7 +16,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import grpc
@@ -157,8 +156,10 @@ class PrefillSide:
             self._release_soon(lease_id)  # idempotent with the callback's
 
     async def _prefill(self, request: worker_pb2.PrefillRequest, context, rid: str) -> worker_pb2.PrefillResponse:
-        # One branch: n > 1 is fanned out by the gateway (the decode side continues exactly one sequence).
-        params = replace(params_from_pb(request.params), n=1, best_of=None)
+        # All branches (n, or best_of): the request forks at its first sample, so each branch samples its own first
+        # token here while the prompt's blocks are computed and pinned once; the decode side forks the same
+        # branches over one copy of them.
+        params = params_from_pb(request.params)
         final = None
         lim = limits_from_pb(request.lifecycle)
         async for out in self.host.generate(rid, list(request.prompt_token_ids), params,
@@ -169,29 +170,36 @@ class PrefillSide:
         if self._was_released(rid):  # ReleaseKV came while it ran: pin nothing (the finally frees it)
             await context.abort(grpc.StatusCode.CANCELLED, "the KV of this request was released during its prefill")
         M.observe_engine_times(final)
-        comp = final.outputs[0] if final.outputs else None
         resp = worker_pb2.PrefillResponse(request_id=rid, num_cached_tokens=final.num_cached_tokens or 0)
         fill_times(resp.times, final.metrics)  # the gateway combines these with the decode worker's (stage_times)
-        if comp is not None and comp.token_ids:
-            resp.first_token_id = comp.token_ids[0]
-        if comp is None or comp.finish_reason != "prefill" or final.state != "FINISHED":
-            # The first token already ended the request (or it failed): nothing to hand over (Prefill's finally
+        if final.state != "FINISHED" or not any(c.finish_reason == "prefill" for c in final.outputs):
+            # The first tokens already ended every branch (or it failed): nothing to hand over (Prefill's finally
             # frees what is pinned).
             resp.finished = True
             resp.final.CopyFrom(full_response(final, self.tokenizer))
             if final.state != "FINISHED":
                 M.TERMINAL.labels(final.state).inc()
             return resp
-        # The first token as the stream's first message: the gateway emits it before the KV moves (its text is
-        # the engine's, after stop-string hold-back, exactly what the decode side will repeat for it).
+        # Every branch goes on to the decode side (the engine shows them all to a hand-off, best_of included).
+        enc = DeltaEncoder(self.tokenizer)
+        for comp in final.outputs:
+            ft = resp.first_tokens.add(token_id=comp.token_ids[0], cumulative_logprob=comp.cumulative_logprob)
+            if params.logprobs is not None and comp.logprobs:
+                ft.logprob.CopyFrom(enc.token_logprob(comp.logprobs[0]))
         first = resp.first
         first.request_id = rid
-        delta = first.outputs.add(index=0, text=comp.text or "", token_ids=[resp.first_token_id])
-        if params.logprobs is not None and comp.logprobs:
-            resp.first_logprob.CopyFrom(DeltaEncoder(self.tokenizer).token_logprob(comp.logprobs[0]))
-            delta.logprobs.append(resp.first_logprob)
+        if params.best_of is None or params.best_of == params.n:
+            # The first tokens as the stream's first message: the gateway emits them before the KV moves (their
+            # text is the engine's, after stop-string hold-back, exactly what the decode side will repeat).
+            # best_of > n shows nothing before the end.
+            for comp, ft in zip(final.outputs, resp.first_tokens):
+                delta = first.outputs.add(index=comp.index, text=comp.text or "", token_ids=[ft.token_id])
+                if ft.HasField("logprob"):
+                    delta.logprobs.append(ft.logprob)
         if final.prompt_logprobs:  # computed here, over the prompt: the decode side never sees them
-            DeltaEncoder(self.tokenizer).prompt_logprobs(first, final)
+            enc.prompt_logprobs(first, final)
+        if not first.outputs and not first.prompt_logprobs:
+            resp.ClearField("first")
         # Read in this thread, not through an engine-thread round trip (~0.2 ms of TTFT): the engine filed the
         # entry before it delivered this final output, and only a release of the lease made below changes it.
         blocks, ntok = self.pinned_kv(rid)

@@ -39,47 +39,53 @@ class PrefillRequest(_message.Message):
     lifecycle: _common_pb2.Lifecycle
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., namespace: _Optional[str] = ..., lifecycle: _Optional[_Union[_common_pb2.Lifecycle, _Mapping]] = ...) -> None: ...
 
+class FirstToken(_message.Message):
+    __slots__ = ("token_id", "cumulative_logprob", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    CUMULATIVE_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    cumulative_logprob: float
+    logprob: _common_pb2.TokenLogprob
+    def __init__(self, token_id: _Optional[int] = ..., cumulative_logprob: _Optional[float] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
+
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "finished", "final", "kv", "num_cached_tokens", "times", "first_logprob", "first")
+    __slots__ = ("request_id", "first_tokens", "finished", "final", "kv", "num_cached_tokens", "times", "first")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIMES_FIELD_NUMBER: _ClassVar[int]
-    FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     FIRST_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    first_token_id: int
+    first_tokens: _containers.RepeatedCompositeFieldContainer[FirstToken]
     finished: bool
     final: _common_pb2.GenerateResponse
     kv: _common_pb2.KvHandle
     num_cached_tokens: int
     times: _common_pb2.StageTimes
-    first_logprob: _common_pb2.TokenLogprob
     first: _common_pb2.GenerateResponse
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., finished: _Optional[bool] = ..., final: _Optional[_Union[_common_pb2.GenerateResponse, _Mapping]] = ..., kv: _Optional[_Union[_common_pb2.KvHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., times: _Optional[_Union[_common_pb2.StageTimes, _Mapping]] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., first: _Optional[_Union[_common_pb2.GenerateResponse, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., first_tokens: _Optional[_Iterable[_Union[FirstToken, _Mapping]]] = ..., finished: _Optional[bool] = ..., final: _Optional[_Union[_common_pb2.GenerateResponse, _Mapping]] = ..., kv: _Optional[_Union[_common_pb2.KvHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., times: _Optional[_Union[_common_pb2.StageTimes, _Mapping]] = ..., first: _Optional[_Union[_common_pb2.GenerateResponse, _Mapping]] = ...) -> None: ...
 
 class GenerateFromPrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "namespace", "first_token_id", "kv", "first_logprob", "lifecycle")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "namespace", "kv", "first_tokens", "lifecycle")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
-    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
-    FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LIFECYCLE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
     namespace: str
-    first_token_id: int
     kv: _common_pb2.KvHandle
-    first_logprob: _common_pb2.TokenLogprob
+    first_tokens: _containers.RepeatedCompositeFieldContainer[FirstToken]
     lifecycle: _common_pb2.Lifecycle
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., namespace: _Optional[str] = ..., first_token_id: _Optional[int] = ..., kv: _Optional[_Union[_common_pb2.KvHandle, _Mapping]] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., lifecycle: _Optional[_Union[_common_pb2.Lifecycle, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., namespace: _Optional[str] = ..., kv: _Optional[_Union[_common_pb2.KvHandle, _Mapping]] = ..., first_tokens: _Optional[_Iterable[_Union[FirstToken, _Mapping]]] = ..., lifecycle: _Optional[_Union[_common_pb2.Lifecycle, _Mapping]] = ...) -> None: ...
 
 class ReleaseKVRequest(_message.Message):
     __slots__ = ("request_id", "lease_id")
