@@ -5,6 +5,14 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class SampleResult:
+    """One sampled token (the sampler's result; torch-free so the services can carry it without the engine)."""
+    token_id: int
+    logprob: float | None  # chosen token's logprob in params.logprobs_mode; None if not requested
+    top_logprobs: list[tuple[int, float]] | None  # N alternatives sorted by (-logprob, id)
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str  # cumulative

@@ -32,16 +32,10 @@ from torch import Tensor
 
 from pdserve.engine import logits_processors as lp
 from pdserve.engine.sampling_state import SamplingState, bad_words_to_ids, select_best  # noqa: F401 (re-export)
+from pdserve.engine.outputs import SampleResult  # noqa: F401 (re-export: the sampler returns these)
 
 DEFAULT_FILTER_ORDER = ("top_k", "top_p", "min_p", "typical_p")
 _NEG_INF = float("-inf")
-
-
-@dataclass
-class SampleResult:
-    token_id: int
-    logprob: float | None  # chosen token's logprob in params.logprobs_mode; None if not requested
-    top_logprobs: list[tuple[int, float]] | None  # N alternatives sorted by (-logprob, id)
 
 
 def _active(p, V: int) -> dict[str, bool]:

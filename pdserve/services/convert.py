@@ -7,8 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from pdserve.engine.outputs import FirstToken, RequestOutput
-from pdserve.engine.sampler import SampleResult
+from pdserve.engine.outputs import FirstToken, RequestOutput, SampleResult
 from pdserve.engine.sampling_params import GuidedSpec, SamplingParams
 from pdserve.kv_transfer.layout import KVLayout, KVRegion
 from pdserve.services.pb import common_pb2
