@@ -130,3 +130,19 @@ def test_engine_info_gauge(bf16_checkpoint):
     line = next(ln for ln in text.splitlines() if ln.startswith("pdserve_engine_info{"))
     assert f'isa="{engine.info.isa}"' in line and f'dtype="{engine.info.dtype}"' in line
     assert 'kernels="torch"' in line and line.endswith(" 1.0")
+
+
+def test_generate_verbose_prints_the_choice_once(capsys):
+    from pdserve.builtin import builtin_model_dir
+    from pdserve.cli import main
+    for extra, want in (([], "dtype=auto"), (["--dtype", "float32"], "--dtype")):
+        with pytest.raises(SystemExit) as e:
+            main(["generate", "--model", str(builtin_model_dir()), "--prompt", "hi", "--max-tokens", "2", "-v",
+                  *extra])
+        err = capsys.readouterr().err
+        assert e.value.code == 0, err
+        [line] = [ln for ln in err.splitlines() if ln.startswith("engine: ")]
+        assert f"isa={cpu_isa.detected_level()}" in line and want in line
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", str(builtin_model_dir()), "--prompt", "hi", "--max-tokens", "2"])
+    assert "engine: " not in capsys.readouterr().err  # only with -v
