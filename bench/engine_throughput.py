@@ -1,11 +1,14 @@
 """Engine throughput vs `transformers.generate`, same model, same threads, one run; decode step vs bandwidth bound.
 
-    python bench/engine_throughput.py [--requests 64] [--hf-batch 8,16] [--quick]
+    python bench/engine_throughput.py [--requests 64] [--hf-batch 8,16] [--hf-dtypes float32,bfloat16] [--quick]
 
-Prints output tokens/s of the engine and of HF generate at each batch size (the best is the baseline), their
-ratio, and the decode step time at batch 1 and 32 against the bound (weights + KV bytes read per step /
-measured memory-copy bandwidth). The model is a random-weight Llama of ~124M parameters in bfloat16 written
-locally (random weights: every request runs to its max_tokens, which is what we want to time).
+Prints the CPU (model name, the ISA flags that matter, the level cpu_isa.py detects) and the dtype `dtype=auto`
+chose, then: output tokens/s of the engine (`auto`) and of HF generate at each batch size and dtype (the best is
+the baseline), their ratio; batch-1 decode tokens/s of both (HF: the better dtype); the prefill time of one
+256-token prompt on both; and the decode step time at batch 1 and 32 against the bound (weights + KV bytes read
+per step / measured memory-copy bandwidth). The model is a random-weight Llama of ~124M parameters saved in
+bfloat16, as real checkpoints are (random weights: every request runs to its max_tokens, which is what we time).
+Figures hold for the CPU printed, not in general.
 """
 from __future__ import annotations
 
@@ -56,8 +59,8 @@ def run_engine(model_dir: Path, reqs) -> tuple[float, int]:
     return time.perf_counter() - t, toks
 
 
-def run_hf(model_dir: Path, reqs, batch: int) -> tuple[float, int]:
-    model = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+def run_hf(model_dir: Path, reqs, batch: int, dtype: torch.dtype) -> tuple[float, int]:
+    model = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     # Sort by prompt length so each padded batch wastes little: the most favourable static batching.
     order = sorted(reqs, key=lambda r: len(r[0]))
     t = time.perf_counter()
@@ -101,10 +104,56 @@ def decode_step(model_dir: Path, batch: int, ctx: int = 256) -> tuple[float, int
     return sorted(times)[len(times) // 2], weight_bytes + kv_bytes
 
 
+def hf_single(model_dir: Path, dtype: torch.dtype, ctx: int = 256, new: int = 32) -> tuple[float, float]:
+    """HF batch 1: (prefill seconds of a ctx-token prompt, decode tokens/s after it), each the best of 3."""
+    model = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    ids = torch.tensor([[100 + j % 3000 for j in range(ctx)]])
+
+    def gen(n: int) -> float:
+        t = time.perf_counter()
+        with torch.no_grad():
+            model.generate(input_ids=ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        return time.perf_counter() - t
+    gen(2)  # warm-up
+    pre = min(gen(1) for _ in range(3))
+    full = min(gen(new + 1) for _ in range(3))
+    return pre, new / max(full - pre, 1e-9)
+
+
+def engine_prefill(model_dir: Path, ctx: int = 256) -> float:
+    """Seconds of the one step that prefills a ctx-token prompt (prefix cache off), the best of 3."""
+    eng = Engine.from_pretrained(model_dir, EngineConfig(kv_cache_bytes=1 << 30, enable_prefix_caching=False,
+                                                         max_num_batched_tokens=2048))
+    best = float("inf")
+    for r in range(4):  # the first is a warm-up
+        eng.add_request(f"p{r}", [100 + j % 3000 for j in range(ctx)],
+                        SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        t = time.perf_counter()
+        while eng.has_unfinished():
+            eng.step()
+        if r:
+            best = min(best, time.perf_counter() - t)
+    return best
+
+
+def describe_cpu(model_dir: Path) -> None:
+    from pdserve.engine import cpu_isa
+    from pdserve.engine.config import ModelConfig
+    from pdserve.engine.engine import auto_dtype
+    flags = cpu_isa.cpu_flags()
+    shown = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8")
+             if f in flags]
+    ckpt = ModelConfig.from_dir(model_dir).checkpoint_dtype
+    print(f"cpu: {cpu_isa.cpu_model()}; flags: {' '.join(shown) or '-'}; level: {cpu_isa.detected_level()}")
+    print(f"dtype=auto on this CPU: {str(auto_dtype(ckpt, 'cpu')).removeprefix('torch.')} "
+          f"(checkpoint {str(ckpt).removeprefix('torch.')})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--hf-batch", default="8,16")
+    ap.add_argument("--hf-dtypes", default="float32,bfloat16", help="transformers dtypes; the best is the baseline")
     ap.add_argument("--quick", action="store_true", help="small model, for a smoke run")
     ap.add_argument("--threads", type=int, default=None, help="torch threads for both sides (default: all)")
     args = ap.parse_args()
@@ -116,16 +165,28 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         model_dir = build_model(Path(d), args.quick)
         n_params = sum(p.numel() for p in tf.AutoModelForCausalLM.from_pretrained(model_dir).parameters())
-        print(f"model: random Llama, {n_params / 1e6:.0f}M parameters, bfloat16")
+        print(f"model: random Llama, {n_params / 1e6:.0f}M parameters, saved in bfloat16")
+        describe_cpu(model_dir)
+        from pdserve.engine.config import DTYPES
+        hf_dtypes = [DTYPES[x] for x in args.hf_dtypes.split(",")]
         reqs = workload(args.requests)
         e_t, e_tok = run_engine(model_dir, reqs)
-        print(f"pdserve engine : {e_tok} output tokens in {e_t:.1f}s = {e_tok / e_t:.1f} tok/s")
+        print(f"pdserve engine (auto): {e_tok} output tokens in {e_t:.1f}s = {e_tok / e_t:.1f} tok/s")
         best = 0.0
-        for b in [int(x) for x in args.hf_batch.split(",")]:
-            h_t, h_tok = run_hf(model_dir, reqs, b)
-            print(f"transformers generate (batch {b}, length-sorted): {h_tok / h_t:.1f} tok/s")
-            best = max(best, h_tok / h_t)
-        print(f"ratio engine / best transformers: {e_tok / e_t / best:.2f}x")
+        for dt in hf_dtypes:
+            for b in [int(x) for x in args.hf_batch.split(",")]:
+                h_t, h_tok = run_hf(model_dir, reqs, b, dt)
+                print(f"transformers generate ({str(dt).removeprefix('torch.')}, batch {b}, length-sorted): "
+                      f"{h_tok / h_t:.1f} tok/s")
+                best = max(best, h_tok / h_t)
+        print(f"mixed workload: ratio engine / best transformers: {e_tok / e_t / best:.2f}x")
+        hf1 = {dt: hf_single(model_dir, dt) for dt in hf_dtypes}
+        e_pre = engine_prefill(model_dir)
+        hf_pre = min(p for p, _ in hf1.values())
+        print(f"prefill of one 256-token prompt: pdserve {256 / e_pre:.0f} tok/s, best transformers "
+              f"{256 / hf_pre:.0f} tok/s ({hf_pre / e_pre:.2f}x); transformers per dtype: "
+              + ", ".join(f"{str(dt).removeprefix('torch.')} {256 / p:.0f}" for dt, (p, _) in hf1.items()))
+        hf_dec = max(d for _, d in hf1.values())
         bw = copy_bandwidth()
         print(f"memory copy bandwidth: {bw / 1e9:.1f} GB/s copied (256 MB torch copy)")
         for b in (1, 32):
@@ -133,6 +194,10 @@ def main() -> None:
             bound = nbytes / bw
             print(f"decode step batch {b}: {step * 1e3:.1f} ms; bound {bound * 1e3:.1f} ms "
                   f"({nbytes / 1e6:.0f} MB read); ratio {step / bound:.2f}x")
+            if b == 1:
+                print(f"batch-1 decode: pdserve {1 / step:.1f} tok/s, best transformers {hf_dec:.1f} tok/s "
+                      f"({1 / step / hf_dec:.2f}x); transformers per dtype: "
+                      + ", ".join(f"{str(dt).removeprefix('torch.')} {d:.1f}" for dt, (_, d) in hf1.items()))
 
 
 if __name__ == "__main__":

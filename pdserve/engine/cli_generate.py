@@ -36,6 +36,8 @@ def run_generate(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     load_s = time.time() - t0
+    if getattr(args, "verbose", False):  # what `dtype=auto` chose on this CPU, and which kernels run
+        print(engine.info.line(), file=sys.stderr)
     prompt = args.prompt
     if args.chat:
         try:

@@ -136,7 +136,7 @@ class EngineConfig:
     max_buffered_outputs: int = 64
     backpressure_preempt_s: float = 5.0
     preemption_mode: str = "recompute"  # recompute | swap
-    dtype: str = "auto"  # auto (checkpoint dtype) | float32 | bfloat16 | float16
+    dtype: str = "auto"  # auto (the fastest for this device and checkpoint: cpu_isa.py) | float32 | bfloat16 | float16
     device: str = "cpu"
     max_model_len: int | None = None
     seed: int = 0

@@ -21,6 +21,7 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.checkpoint import resolve_model_dir
 from pdserve.engine.config import DTYPES, EngineConfig, ModelConfig
 from pdserve.engine.core import EngineCore
+from pdserve.engine.cpu_isa import EngineInfo, choose_dtype, detected_level
 from pdserve.engine.errors import RequestRejected
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.kv_sizing import block_bytes_for, num_blocks as kv_pool_blocks
@@ -71,6 +72,11 @@ class Request:
         return self.reclaimed or (all(s.finished for s in self.seqs) and len(self.seqs) >= self.params.num_branches)
 
 
+def auto_dtype(checkpoint_dtype: torch.dtype, device: str) -> torch.dtype:
+    """`dtype=auto`: what is fastest on this device for this checkpoint (cpu_isa.choose_dtype)."""
+    return choose_dtype(detected_level() if device.startswith("cpu") else "", checkpoint_dtype, device)
+
+
 class Engine:
     def __init__(self, model_config: ModelConfig, config: EngineConfig, model: LlamaModel, tokenizer: Tokenizer,
                  fingerprint: str):
@@ -94,6 +100,12 @@ class Engine:
                                   cuda_graph_max_batch=config.max_num_seqs if config.cuda_graphs else 0)
         self.sampler = Sampler(model_config.vocab_size)
         self.sampler.native_ops = self.runner.native_ops
+        self.info = EngineInfo(
+            isa=detected_level() if self.runner.device.type == "cpu" else self.runner.device.type,
+            dtype=str(dtype).removeprefix("torch."), kernels=self.runner.kernels_name(),
+            checkpoint_dtype=str(model_config.checkpoint_dtype).removeprefix("torch."),
+            chosen_by="auto" if config.dtype == "auto" else "--dtype")
+        log.info("%s", self.info.line())
         self.eos_token_ids = sorted(set(model_config.eos_token_ids) | set(tokenizer.eos_token_ids))
         self.requests: dict[str, Request] = {}
         self.remote_pending: dict[str, Request] = {}
@@ -113,7 +125,7 @@ class Engine:
         mcfg = ModelConfig.from_dir(model_dir)
         tokenizer = Tokenizer(model_dir, mcfg.eos_token_ids)
         tensors, digest = load_state_dict(model_dir)
-        dtype = mcfg.checkpoint_dtype if config.dtype == "auto" else DTYPES[config.dtype]
+        dtype = auto_dtype(mcfg.checkpoint_dtype, config.device) if config.dtype == "auto" else DTYPES[config.dtype]
         torch.manual_seed(config.seed)
         with torch.device(config.device):
             net = LlamaModel(mcfg).to(dtype)

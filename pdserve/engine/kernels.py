@@ -46,6 +46,15 @@ SOURCES = ("bindings.cpp", "paged_attention.cpp", "silu_and_mul.cpp", "norm_rope
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
           "-fno-math-errno")
 LDFLAGS = ("-fopenmp",)
+# PDSERVE_CPU_ISA (cpu_isa.py) lowers -march=native's target, so an AVX-512 machine can build and test the AVX2
+# (or plain C++) paths; each -mno- also drops every extension that depends on it (GCC's ISA dependency graph).
+ISA_CAP_FLAGS = {
+    "scalar": ("-mno-avx2", "-mno-fma", "-mno-f16c", "-mno-amx-tile"),
+    "avx2": ("-mno-avx512f", "-mno-amx-tile"),
+    "avx512": ("-mno-avx512bf16", "-mno-amx-tile"),
+    "avx512_bf16": ("-mno-amx-tile",),
+    "amx": (),
+}
 DEFAULT_BUILD_TIMEOUT_S = 300.0  # a cold build: ~100 s on 2 busy cores (docs/engine.md); Kubernetes allows 900 s
 READY = "READY"
 BUILDER_LOCK = ".pdserve-build.lock"
@@ -63,6 +72,12 @@ def _cpu_targets() -> str:
     return "\n".join(dict.fromkeys(wanted))  # first core's lines (the rest repeat them)
 
 
+def cflags() -> tuple[str, ...]:
+    """CFLAGS plus the ISA cap's flags when PDSERVE_CPU_ISA is set (part of the cache key: its own build)."""
+    from pdserve.engine.cpu_isa import ISA_ENV, detected_level
+    return CFLAGS + (ISA_CAP_FLAGS[detected_level()] if os.environ.get(ISA_ENV, "").strip() else ())
+
+
 def compiler() -> str:
     return os.environ.get("CXX", "c++")  # what torch's builder runs
 
@@ -73,7 +88,7 @@ def cache_key() -> str:
     for f in sorted(CSRC.iterdir()):
         if f.suffix in (".cpp", ".h"):
             h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
-    for part in (torch.__version__, os.path.dirname(torch.__file__), sys.version, compiler(), " ".join(CFLAGS),
+    for part in (torch.__version__, os.path.dirname(torch.__file__), sys.version, compiler(), " ".join(cflags()),
                  " ".join(LDFLAGS), _cpu_targets()):
         h.update(part.encode() + b"\0")
     return h.hexdigest()[:16]
@@ -143,7 +158,7 @@ def build(d: Path) -> None:
                 if f.suffix in (".cpp", ".h"):
                     shutil.copy2(f, src / f.name)
             load(name=name, sources=[str(src / f) for f in SOURCES], build_directory=str(d),
-                 extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), verbose=False)
+                 extra_cflags=list(cflags()), extra_ldflags=list(LDFLAGS), verbose=False)
         tmp = d / (READY + ".tmp")
         tmp.write_text(json.dumps({"built_by": os.getpid(), "at": time.time()}))
         os.replace(tmp, d / READY)

@@ -71,6 +71,12 @@ class ModelRunner:
                                        width=-(-model.cfg.max_model_len // kv.block_size),
                                        sliding_window=self.sliding_window)
 
+    def kernels_name(self) -> str:
+        """Which kernels this runner uses: native (the compiled CPU module), triton, or torch (the fallback)."""
+        if self.attention_ops is not None and self.attention_ops is not self.native_ops:
+            return "triton"
+        return "native" if self.native_ops is not None else "torch"
+
     def prepare(self, batch: list[ScheduledSeq], prompt_logits: set[int] = frozenset()):
         """Build flat inputs. Returns (input_ids, positions, metadata, logits_rows, row_owner) where row_owner[i]
         is (index into batch, absolute position) of logits row i. Sequences in `prompt_logits` (by index) get

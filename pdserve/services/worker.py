@@ -230,6 +230,7 @@ async def serve(args) -> None:
     host = args.advertise_host or "127.0.0.1"
     worker_id = args.worker_id or f"{args.role}-{socket.gethostname()}-{args.port}"
     engine = Engine.from_pretrained(args.model, engine_config_from_env(args))
+    M.set_engine_info(engine.info)
     w = Worker(engine, args.role, worker_id, f"{host}:{args.port}", lease_ttl_s=args.lease_ttl,
                transfer_timeout_s=args.transfer_timeout)
     await w.host.start()
@@ -251,8 +252,8 @@ async def serve(args) -> None:
             w.host, KvEventPublisher(registry.r, args.served_model_name, worker_id,
                                      ttl_s=max(30.0, 10 * args.heartbeat_ttl))))
     await set_serving(hs, [WORKER_SERVICE], True)
-    log.info("worker %s (%s) listening on %s:%d, %d KV blocks of %d bytes", worker_id, args.role, args.host,
-             args.port, engine.kv_cache.num_blocks, engine.kv_cache.block_bytes)
+    log.info("worker %s (%s) listening on %s:%d, %d KV blocks of %d bytes; %s", worker_id, args.role, args.host,
+             args.port, engine.kv_cache.num_blocks, engine.kv_cache.block_bytes, engine.info.line())
     stop = install_stop_signals()
     await stop.wait()
     # drain: leave the registry first so nothing new is routed here, then let in-flight requests finish

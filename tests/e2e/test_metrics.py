@@ -38,7 +38,7 @@ WORKER = {
     "pdserve_kv_blocks_in_use",
     "pdserve_kv_blocks_total", "pdserve_kv_blocks_pinned", "pdserve_kv_usage_fraction",
     "pdserve_prefix_cache_queries", "pdserve_prefix_cache_hits", "pdserve_prefix_hit_ratio", "pdserve_num_running",
-    "pdserve_num_waiting", "pdserve_requests_in_state", "pdserve_request_state_entries"}
+    "pdserve_num_waiting", "pdserve_requests_in_state", "pdserve_request_state_entries", "pdserve_engine_info"}
 
 # vLLM's name -> (pdserve's family, owner, labels selecting the native samples): the table in docs/metrics.md
 ALIASES = {

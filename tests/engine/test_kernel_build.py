@@ -56,6 +56,23 @@ def test_cache_key_follows_sources_torch_compiler_flags_not_the_checkout(tmp_pat
     assert kernels.cache_dir("abc") == tmp_path / "pdserve_cpu_kernels_abc"
 
 
+def test_isa_cap_builds_under_its_own_key(monkeypatch):
+    """PDSERVE_CPU_ISA lowers the compile target (kernels.ISA_CAP_FLAGS) and so gets a cache key of its own."""
+    from pdserve.engine import cpu_isa
+    monkeypatch.delenv(cpu_isa.ISA_ENV, raising=False)
+    cpu_isa.detected_level.cache_clear()
+    base, flags = kernels.cache_key(), kernels.cflags()
+    try:
+        monkeypatch.setenv(cpu_isa.ISA_ENV, "scalar")
+        cpu_isa.detected_level.cache_clear()
+        assert kernels.cflags() == flags + kernels.ISA_CAP_FLAGS["scalar"]
+        assert kernels.cache_key() != base
+    finally:
+        monkeypatch.delenv(cpu_isa.ISA_ENV)
+        cpu_isa.detected_level.cache_clear()
+    assert kernels.cache_key() == base
+
+
 @pytest.fixture(scope="module")
 def built_dir() -> Path:
     """The kernels this session built (tests/conftest.py builds them once) - copied from, never changed."""

@@ -211,3 +211,10 @@ def test_prefill_attention_rejects_bad_spans(ops):
         with pytest.raises(RuntimeError, match="out of range"):
             ops.paged_prefill_attention(out, q, kv, 0, *args, 1.0, 0)
     assert not ops.prefill_attention_supported(kv.float(), 2)  # bf16 only: SDPA serves other dtypes
+
+
+def test_build_targets_the_detected_isa(ops):
+    """The module is compiled for the CPU's level, lowered by PDSERVE_CPU_ISA (run this file with
+    PDSERVE_CPU_ISA=avx2 on an AVX-512 machine to test the AVX2 paths against the same references)."""
+    from pdserve.engine.cpu_isa import detected_level
+    assert ops.compiled_isa() == detected_level()

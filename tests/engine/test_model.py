@@ -109,8 +109,9 @@ def test_prompt_logprobs_match_transformers(tiny_llama):
 
 def test_float16_checkpoint_runs_and_agrees(tmp_path):
     fp16 = make_checkpoint(tmp_path / "fp16", dtype=torch.float16)
-    e16 = Engine.from_pretrained(fp16, EngineConfig(num_gpu_blocks=32, block_size=4))
-    assert e16.kv_cache.data.dtype == torch.float16  # "auto" keeps the checkpoint dtype
-    e32 = Engine.from_pretrained(fp16, EngineConfig(num_gpu_blocks=32, block_size=4, dtype="float32"))
+    e16 = Engine.from_pretrained(fp16, EngineConfig(num_gpu_blocks=32, block_size=4, dtype="float16"))
+    assert e16.kv_cache.data.dtype == torch.float16
+    e32 = Engine.from_pretrained(fp16, EngineConfig(num_gpu_blocks=32, block_size=4))
+    assert e32.kv_cache.data.dtype == torch.float32  # "auto" on a CPU computes fp16 checkpoints in fp32
     a, b = engine_logits(e32, PROMPTS[2]), engine_logits(e16, PROMPTS[2])
     assert (a - b).abs().max().item() < 0.05

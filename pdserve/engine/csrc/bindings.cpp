@@ -1,6 +1,8 @@
 // Python bindings of the native CPU kernels (one extension module: pdserve/engine/kernels.py builds it).
 #include <torch/extension.h>
 
+#include "simd.h"
+
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv, int64_t layer,
                             const at::Tensor& rows, const at::Tensor& block_tables, const at::Tensor& context_lens,
                             double scale, int64_t sliding_window);
@@ -20,5 +22,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "rotary embedding in place (rotate-half convention)");
   m.def("prefill_attention_supported", &prefill_attention_supported, "whether paged_prefill_attention runs here");
   m.def("paged_prefill_attention", &paged_prefill_attention, "causal (chunked-)prefill attention over the pool");
+  m.def("compiled_isa", [] { return std::string(pdserve::compiled_isa()); },
+        "the ISA level this build targets (cpu_isa.LEVELS)");
   m.def("argmax_logsumexp", &argmax_logsumexp, "per-row argmax (lowest index on ties) and log-sum-exp");
 }

@@ -42,6 +42,30 @@ void row_stats(const float* row, int64_t n, int64_t* arg, float* lse) {
   } else {
     i = 1;
   }
+#elif defined(PDSERVE_AVX2)
+  if (n >= 8) {
+    __m256 vmax = _mm256_loadu_ps(row);
+    __m256i vidx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256i cur = vidx;
+    const __m256i step = _mm256_set1_epi32(8);
+    for (i = 8; i + 8 <= n; i += 8) {
+      cur = _mm256_add_epi32(cur, step);
+      const __m256 v = _mm256_loadu_ps(row + i);
+      const __m256 gt = _mm256_cmp_ps(v, vmax, _CMP_GT_OQ);  // strictly greater: earlier index wins ties
+      vmax = _mm256_blendv_ps(vmax, v, gt);
+      vidx = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(vidx), _mm256_castsi256_ps(cur), gt));
+    }
+    alignas(32) float m[8];
+    alignas(32) int32_t ix[8];
+    _mm256_store_ps(m, vmax);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(ix), vidx);
+    mx = m[0];
+    best = ix[0];
+    for (int l = 1; l < 8; ++l)
+      if (m[l] > mx || (m[l] == mx && ix[l] < best)) { mx = m[l]; best = ix[l]; }
+  } else {
+    i = 1;
+  }
 #else
   i = 1;
 #endif
@@ -62,6 +86,11 @@ void row_stats(const float* row, int64_t n, int64_t* arg, float* lse) {
   __m512 acc = _mm512_setzero_ps();
   for (; i + 16 <= n; i += 16) acc = _mm512_add_ps(acc, pdserve::exp_ps(_mm512_sub_ps(_mm512_loadu_ps(row + i), vm)));
   sum = _mm512_reduce_add_ps(acc);
+#elif defined(PDSERVE_AVX2)
+  const __m256 vm = _mm256_set1_ps(mx);
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) acc = _mm256_add_ps(acc, pdserve::exp_ps8(_mm256_sub_ps(_mm256_loadu_ps(row + i), vm)));
+  sum = pdserve::reduce_add8(acc);
 #endif
   for (; i < n; ++i) sum += std::exp(row[i] - mx);
   *lse = mx + std::log(sum);

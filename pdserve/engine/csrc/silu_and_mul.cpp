@@ -30,6 +30,28 @@ void silu_and_mul_rows(T* out, const T* in, int64_t row_begin, int64_t row_end, 
         const __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, pdserve::exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
         pdserve::store_bf16(o + i, _mm512_mul_ps(pdserve::round_bf16(s), pdserve::load_bf16(up + i)));
       }
+    } else if constexpr (std::is_same_v<T, float>) {
+      const __m512 one = _mm512_set1_ps(1.0f);
+      for (; i + 16 <= width; i += 16) {
+        const __m512 g = _mm512_loadu_ps(gate + i);
+        const __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, pdserve::exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        _mm512_storeu_ps(o + i, _mm512_mul_ps(s, _mm512_loadu_ps(up + i)));
+      }
+    }
+#elif defined(PDSERVE_AVX2)
+    const __m256 one = _mm256_set1_ps(1.0f);
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      for (; i + 8 <= width; i += 8) {  // the same two roundings as torch's bf16 kernels (above)
+        const __m256 g = pdserve::load_bf16_8(gate + i);
+        const __m256 s = _mm256_div_ps(g, _mm256_add_ps(one, pdserve::exp_ps8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+        pdserve::store_bf16_8(o + i, _mm256_mul_ps(pdserve::round_bf16_8(s), pdserve::load_bf16_8(up + i)));
+      }
+    } else if constexpr (std::is_same_v<T, float>) {
+      for (; i + 8 <= width; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + i);
+        const __m256 s = _mm256_div_ps(g, _mm256_add_ps(one, pdserve::exp_ps8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(up + i)));
+      }
     }
 #endif
     for (; i < width; ++i) {

@@ -1,5 +1,6 @@
-// Helpers shared by the native kernels: AVX-512 bf16 loads/stores and exp, and an fp32 softmax (vectorised
-// where AVX-512 exists, plain C++ otherwise).
+// Helpers shared by the native kernels: bf16 loads/stores and exp for AVX-512 (16 lanes) and for AVX2 + FMA
+// (8 lanes, suffix 8), and an fp32 softmax vectorised with whichever the build targets (plain C++ otherwise).
+// The build target is -march=native, lowered by PDSERVE_CPU_ISA (kernels.py), so both paths are testable here.
 #pragma once
 
 #include <algorithm>
@@ -55,7 +56,80 @@ inline __m512 exp_ps(__m512 x) {
 }  // namespace pdserve
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define PDSERVE_AVX2 1
+#include <immintrin.h>
+
+#include <c10/util/BFloat16.h>
+
 namespace pdserve {
+
+inline __m256 load_bf16_8(const c10::BFloat16* p) {  // 8 bf16 widened to fp32 by a shift
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+inline __m256i round_bf16_bits_8(__m256 v) {  // round-to-nearest-even, as torch converts (finite inputs)
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  return _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+}
+
+inline __m256 round_bf16_8(__m256 v) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(round_bf16_bits_8(v), 16));
+}
+
+inline void store_bf16_8(c10::BFloat16* p, __m256 v) {
+  const __m256i b = round_bf16_bits_8(v);  // 8 x u32 holding u16 values: pack to 8 x u16 in lane order
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+
+// e^x, 8 lanes: the AVX-512 exp_ps's Cephes reduction and polynomial; 2^n built in the exponent bits (n is in
+// [-126, 127] after the clamp, so no scalef is needed).
+inline __m256 exp_ps8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500E-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline float reduce_add8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+}  // namespace pdserve
+#endif
+
+namespace pdserve {
+
+// The ISA this build targets (after PDSERVE_CPU_ISA's cap), as cpu_isa.LEVELS names it.
+inline const char* compiled_isa() {
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+  return "amx";
+#elif defined(__AVX512BF16__)
+  return "avx512_bf16";
+#elif defined(__AVX512F__)
+  return "avx512";
+#elif defined(PDSERVE_AVX2)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
 
 // Softmax of n >= 1 fp32 scores in place (max-subtracted).
 inline void softmax_inplace(float* sc, int64_t n) {
@@ -72,6 +146,15 @@ inline void softmax_inplace(float* sc, int64_t n) {
     vsum = _mm512_add_ps(vsum, e);
   }
   sum = _mm512_reduce_add_ps(vsum);
+#elif defined(PDSERVE_AVX2)
+  const __m256 vmx = _mm256_set1_ps(mx);
+  __m256 vsum = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp_ps8(_mm256_sub_ps(_mm256_loadu_ps(sc + i), vmx));
+    _mm256_storeu_ps(sc + i, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  sum = reduce_add8(vsum);
 #endif
   for (; i < n; ++i) {
     sc[i] = std::exp(sc[i] - mx);
