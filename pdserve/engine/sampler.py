@@ -24,7 +24,6 @@ then finishes the request with "stop" without emitting that token's text.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 import xgrammar as xgr
