@@ -10,6 +10,7 @@ the same tokens. A worker speaking another protocol version is refused with FAIL
 import asyncio
 import re
 import signal
+import time
 import urllib.request
 
 import grpc
@@ -36,6 +37,27 @@ def _handshakes(metrics_port: int, side: str) -> float:
 def _stop(p) -> None:
     p.send_signal(signal.SIGTERM)
     assert p.wait(30) == 0
+
+
+async def _restart_on(model, port: int, *args: str):
+    """Start a prefill worker again on `port` and wait until it serves. Another process may hold that port for a
+    moment: the decode worker keeps reconnecting to the dead address, and a loopback connect to a free port in the
+    ephemeral range can end up bound to that very port (TCP self-connect) until gRPC drops it. So a worker that
+    exits on a failed bind is started again, not a test failure."""
+    for _ in range(10):
+        p, _ = start_worker(model, "prefill", *args, port=port)
+        end = time.monotonic() + 120
+        while p.poll() is None and time.monotonic() < end:
+            try:
+                await wait_serving(port, timeout=1)
+                return p
+            except TimeoutError:
+                pass
+        if p.poll() is None:
+            p.kill()
+            raise AssertionError(f"prefill worker on {port} not serving")
+        await asyncio.sleep(0.5)
+    raise AssertionError(f"no prefill worker could bind 127.0.0.1:{port} again")
 
 
 async def _handoff(ps, ds, rid: str, prompt: list[int]):
@@ -70,10 +92,11 @@ def test_handshake_once_per_peer_incarnation(tiny_llama):
 
         toks_a, inc1 = asyncio.run(main())
         _stop(prefill)
-        prefill, _ = start_worker(tiny_llama, "prefill", "--metrics-port", str(pmet), port=pport)
+        prefill = None
 
         async def after_restart():
-            await wait_serving(pport)
+            nonlocal prefill
+            prefill = await _restart_on(tiny_llama, pport, "--metrics-port", str(pmet))
             ps = worker_pb2_grpc.WorkerStub(channel(f"127.0.0.1:{pport}"))
             ds = worker_pb2_grpc.WorkerStub(channel(f"127.0.0.1:{dport}"))
             pre, toks = await _handoff(ps, ds, "c", list(range(200, 250)))
@@ -86,7 +109,7 @@ def test_handshake_once_per_peer_incarnation(tiny_llama):
         asyncio.run(after_restart())
     finally:
         for p in (prefill, decode):
-            if p.poll() is None:
+            if p is not None and p.poll() is None:
                 _stop(p)
 
 
