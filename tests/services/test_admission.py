@@ -10,9 +10,9 @@ import uuid
 import pytest
 import redis.asyncio as aioredis
 
-from pdserve.services.admission import (Admission, AdmissionError, Capacity, OutputPredictor, ReservationLedger,
-                                        ServiceRates, blocks_for)
+from pdserve.services.admission import Admission, AdmissionError, Capacity, OutputPredictor, ServiceRates, blocks_for
 from pdserve.services.gateway.ingress import IngressGate
+from pdserve.services.reservations import ReservationLedger
 from pdserve.services.gateway.params import APIError
 from pdserve.services.gateway.tenants import TenantDirectory
 
@@ -245,7 +245,8 @@ def test_admission_outcomes():
 
 # ---- n: the largest feasible n computed in one script call; never-fitting requests answered 400 at once -------
 def test_largest_copies_computed_not_searched():
-    from pdserve.services.admission import Plan, largest_copies, plan_for
+    from pdserve.services.admission import plan_for
+    from pdserve.services.reservations import Plan, largest_copies
     p = plan_for(33, 20, 128, 16)  # 3 prompt blocks + 2 per copy
     assert p == Plan(3, 2, 128, 1)
     assert largest_copies(3 + 2 * 7 + 1, p) == 7  # 18 free: 7 copies (17 blocks), not 8

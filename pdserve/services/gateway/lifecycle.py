@@ -216,7 +216,8 @@ class Lifecycle:
 
 def build_lifecycle(cfg) -> Lifecycle:
     """From GatewayConfig: Redis (optional), keys file, ingress gate, admission over the worker registry."""
-    from pdserve.services.admission import Admission, RegistryCapacity, ReservationLedger
+    from pdserve.services.admission import Admission, RegistryCapacity
+    from pdserve.services.reservations import ReservationLedger
     from pdserve.services.gateway.tenants import TenantDirectory
     redis = None
     admission = None
