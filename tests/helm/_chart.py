@@ -157,3 +157,19 @@ def parse_pdserve(container: dict, monkeypatch) -> "object":
     for k, v in container_env(container).items():
         monkeypatch.setenv(k, v)
     return build_parser().parse_args([str(a) for a in container["args"]])
+
+
+def pdserve_containers(objs):
+    """(object, container) for every container of a Deployment/StatefulSet that runs `pdserve`."""
+    for o in objs:
+        if o["kind"] in ("Deployment", "StatefulSet"):
+            for c in pod_template(o)["containers"]:
+                if c.get("command") == ["pdserve"]:
+                    yield o, c
+
+
+def pod_specs(objs):
+    """(object, pod spec) for every Deployment/StatefulSet."""
+    for o in objs:
+        if o["kind"] in ("Deployment", "StatefulSet"):
+            yield o, pod_template(o)
