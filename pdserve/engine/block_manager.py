@@ -20,9 +20,10 @@ class NoFreeBlocks(RuntimeError):
 
 @dataclass
 class KVEvent:
-    kind: str  # "stored" | "evicted"
+    kind: str  # "stored" | "evicted" (from every tier)
     block_hash: int
     namespace: str
+    tier: str = "device"  # stored: the tier that holds the block now (device | host | disk: kv_offload.py)
 
 
 def block_hash(parent: int | None, tokens: tuple[int, ...] | list[int], fingerprint: str, namespace: str) -> int:
@@ -55,6 +56,7 @@ class BlockManager:
         self.cpu_free: deque[int] = deque(range(num_cpu_blocks))
         self.num_cpu_blocks = num_cpu_blocks
         self.events: deque[KVEvent] = deque(maxlen=100_000)
+        self.offload = None  # kv_offload.KVOffload: keeps evicted cached blocks in host memory / on disk
         self.hit_tokens = 0
         self.queried_tokens = 0
 
@@ -109,7 +111,9 @@ class BlockManager:
         h = self.hash_of[b]
         if h is not None:
             del self.cached[h]
-            self.events.append(KVEvent("evicted", h, self.namespace_of[b]))
+            ns = self.namespace_of[b]
+            tier = self.offload.save(b, h, self.tokens_of[b], ns) if self.offload is not None else None
+            self.events.append(KVEvent("stored", h, ns, tier) if tier else KVEvent("evicted", h, ns))
         self.hash_of[b] = None
         self.tokens_of[b] = None
 

@@ -124,6 +124,12 @@ class EngineConfig:
     kv_cache_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     num_cpu_blocks: int = 0  # host swap space in blocks; 0 disables swapping
+    # Host KV tier (kv_offload.py): bytes of host memory keeping prefix-cache blocks evicted from the device pool,
+    # recalled on a prefix hit instead of recomputed; 0 disables it. With `kv_offload_dir`, the host tier's LRU
+    # victims spill to files there, up to `kv_offload_disk_bytes` (default 4x kv_offload_bytes).
+    kv_offload_bytes: int = 0
+    kv_offload_dir: str | None = None
+    kv_offload_disk_bytes: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
@@ -166,6 +172,10 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if self.kv_offload_bytes < 0 or (self.kv_offload_disk_bytes is not None and self.kv_offload_disk_bytes < 0):
+            raise ValueError("kv_offload_bytes and kv_offload_disk_bytes must not be negative")
+        if self.kv_offload_dir and not self.kv_offload_bytes:
+            raise ValueError("kv_offload_dir needs kv_offload_bytes > 0 (the disk tier spills from the host tier)")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.attention not in ("auto", "native", "triton", "torch"):

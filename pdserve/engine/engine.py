@@ -24,6 +24,7 @@ from pdserve.engine.core import EngineCore
 from pdserve.engine.cpu_isa import EngineInfo, choose_dtype, detected_level
 from pdserve.engine.errors import RequestRejected
 from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.kv_offload import KVOffload
 from pdserve.engine.kv_sizing import block_bytes_for, num_blocks as kv_pool_blocks
 from pdserve.engine.loader import load_state_dict
 from pdserve.engine.model import LlamaModel
@@ -95,6 +96,11 @@ class Engine:
         self.block_manager = BlockManager(num_blocks, config.block_size, fingerprint, config.enable_prefix_caching,
                                           config.num_cpu_blocks, kv=self.kv_cache)
         self.scheduler = Scheduler(config, self.block_manager)
+        self.kv_offload = None
+        if config.kv_offload_bytes:  # the host (and disk) KV tier: hooks in the block manager and scheduler
+            self.kv_offload = KVOffload(self.block_manager, self.kv_cache, config.kv_offload_bytes,
+                                        config.kv_offload_dir, config.kv_offload_disk_bytes)
+            self.block_manager.offload = self.scheduler.recall = self.kv_offload
         self.core = EngineCore(self.scheduler, self.block_manager, self.max_model_len)  # shared with the simulator
         self.runner = ModelRunner(model, self.kv_cache, native=config.native_kernels, attention=config.attention,
                                   cuda_graph_max_batch=config.max_num_seqs if config.cuda_graphs else 0)
@@ -538,4 +544,5 @@ class Engine:
             "prefix_hit_tokens": bm.hit_tokens,
             "preemptions": dict(self.scheduler.num_preemptions),
             "terminal": dict(self.terminal_counts),
+            **(self.kv_offload.stats() if self.kv_offload is not None else {}),
         }

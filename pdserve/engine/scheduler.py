@@ -53,11 +53,14 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
         self.num_preemptions = {"recompute": 0, "swap": 0}
+        self.recall = None  # kv_offload.KVOffload: waiting sequences whose prefix is recalled from host / disk
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def remove(self, seq: Sequence) -> None:
+        if self.recall is not None:
+            self.recall.cancel(seq)
         for q in (self.waiting, self.running, self.swapped):
             if seq in q:
                 q.remove(seq)
@@ -108,6 +111,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.cfg.max_num_batched_tokens
+        if self.recall is not None:
+            self.recall.poll()  # finished recalls are device prefix-cache blocks from here on
         order = self._running_order()
         if self.cfg.policy == "prefill-priority":
             # New prompts go before running decodes: they take budget first, decodes get what is left.
@@ -182,6 +187,8 @@ class Scheduler:
                 break
             if seq.paused:
                 continue  # backpressured while preempted: it waits for its consumer, others go ahead
+            if self.recall is not None and self.recall.hold(seq):
+                continue  # its prefix is being copied back from host / disk: others go ahead meanwhile
             hits = [] if seq.wants_prompt_logprobs else self.bm.lookup(seq)
             remaining = seq.num_tokens - len(hits) * self.bm.block_size
             n = min(remaining, budget) if self.cfg.enable_chunked_prefill else remaining
@@ -189,6 +196,8 @@ class Scheduler:
                 break  # in policy order: a later request does not jump the head of the queue
             self.waiting.remove(seq)
             self.bm.allocate(seq, n, hits)
+            if self.recall is not None:
+                self.recall.admitted(seq)
             if seq.state == S.PREEMPTED:
                 seq.set_state(S.RESUMED)
             seq.set_state(S.RUNNABLE)

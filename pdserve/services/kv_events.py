@@ -1,7 +1,10 @@
 """Worker side of the prefix index (router/prefix_index.py reads it): the engine's KV events, published to Redis.
 
 The Redis keys are the contract between the two: `pdserve:{model}:kvblocks:{worker_id}` (set of
-`"{hash:x}:{namespace}"`) and the `pdserve:{model}:kv_events` stream (prefix_index.py's docstring explains why).
+`"{hash:x}:{namespace}"`, or `"{hash:x}@{tier}:{namespace}"` for a block in the worker's host or disk KV tier,
+engine/kv_offload.py) and the `pdserve:{model}:kv_events` stream (prefix_index.py's docstring explains why).
+A block is in one tier at a time: a `stored` event names the tier that holds it now (the set member of any other
+tier is removed in the same transaction); `evicted` means it left every tier.
 """
 from __future__ import annotations
 
@@ -26,16 +29,26 @@ def stream_key(model: str) -> str:
     return f"pdserve:{model}:kv_events"
 
 
-def _member(h: int, ns: str) -> str:
-    return f"{h:x}:{ns}"
+TIERS = ("device", "host", "disk")
+
+
+def _member(h: int, ns: str, tier: str = "device") -> str:
+    return f"{h:x}:{ns}" if tier == "device" else f"{h:x}@{tier}:{ns}"
+
+
+def parse_member_tier(m: str | bytes) -> tuple[str, int, str]:
+    """(namespace, chained block hash, tier) of a set member."""
+    if isinstance(m, bytes):
+        m = m.decode()
+    h, _, ns = m.partition(":")
+    h, _, tier = h.partition("@")
+    return ns, int(h, 16), tier or "device"
 
 
 def parse_member(m: str | bytes) -> tuple[str, int]:
     """(namespace, chained block hash) of a set member."""
-    if isinstance(m, bytes):
-        m = m.decode()
-    h, _, ns = m.partition(":")
-    return ns, int(h, 16)
+    ns, h, _ = parse_member_tier(m)
+    return ns, h
 
 
 class KvEventPublisher:
@@ -57,18 +70,21 @@ class KvEventPublisher:
             await p.execute()
 
     async def publish(self, events: list) -> None:
-        """events: engine KVEvent(kind, block_hash, namespace), in the order the engine produced them."""
+        """events: engine KVEvent(kind, block_hash, namespace, tier), in the order the engine produced them."""
         key = blocks_key(self.model, self.worker_id)
         async with self.r.pipeline(transaction=True) as p:
             lines = []
             for ev in events:
-                m = _member(ev.block_hash, ev.namespace)
+                tier = getattr(ev, "tier", "device")
+                others = [_member(ev.block_hash, ev.namespace, t) for t in TIERS if t != tier or ev.kind != "stored"]
+                if others:
+                    p.srem(key, *others)
                 if ev.kind == "stored":
+                    m = _member(ev.block_hash, ev.namespace, tier)
                     p.sadd(key, m)
                     lines.append("+" + m)
                 else:
-                    p.srem(key, m)
-                    lines.append("-" + m)
+                    lines.append("-" + _member(ev.block_hash, ev.namespace))
             if lines:
                 p.xadd(stream_key(self.model), {"w": self.worker_id, "e": "\n".join(lines)},
                        maxlen=STREAM_MAXLEN, approximate=True)

@@ -1,11 +1,17 @@
 """Cost model: predicted TTFT and completion time of a request on a candidate placement (docs/routing.md).
 
     local (prefill on the worker that decodes, a `both` or `decode` worker w):
-        ttft  = queue(w) + overhead(w) + uncached(w) / rate(w)
+        ttft  = queue(w) + overhead(w) + uncached(w) / rate(w) + recall(w)
         cost  = ttft + out * step(w) * kv_pressure(w) + interference(w)
     disaggregated (prefill worker p, decode worker d):
-        ttft  = queue(p) + overhead(p) + uncached(p) / rate(p) + bytes(p->d) / bandwidth(d) + handoff(d)
+        ttft  = queue(p) + overhead(p) + uncached(p) / rate(p) + recall(p) + bytes(p->d) / bandwidth(d) + handoff(d)
         cost  = ttft + out * step(d) * kv_pressure(d)
+
+- recall(w): the part of w's prefix hit held in its host / disk KV tier (engine/kv_offload.py) is copied back,
+  not recomputed: recall = min(host_blocks * block_bytes / host_bw + disk_blocks * block_bytes / disk_bw,
+  offloaded_tokens / rate(w)). So a host-tier hit is priced between a device hit (0) and a miss (the compute),
+  never above a miss. uncached(w) counts neither device nor offloaded hits; the compute-based terms
+  (interference, work) see only uncached tokens (a recall is a copy, not compute the batch waits for).
 
 - queue(w): prompt tokens already admitted but not computed (from the load report, plus what this router
   placed there since that report) / rate(w).
@@ -38,6 +44,8 @@ class Priors:
     decode_step_per_seq_s: float = 0.0005
     kv_bytes_per_s: float = 1e9
     handoff_overhead_s: float = 0.005
+    host_recall_bytes_per_s: float = 5e9   # host tier -> device pool (a memcpy / pinned H2D copy)
+    disk_recall_bytes_per_s: float = 5e8   # disk tier -> device pool (a file read + copy)
     block_bytes: int = 0  # 0: from the worker's layout
 
 
@@ -161,9 +169,18 @@ class CostModel:
     def out_tokens(self, max_tokens: int) -> int:
         return min(max_tokens, self.p.max_out_tokens) if max_tokens > 0 else self.p.default_out_tokens
 
-    def local(self, w: WorkerCost, n_prompt: int, cached: int, out: int) -> Estimate:
+    def recall_s(self, w: WorkerCost, host_blocks: int, disk_blocks: int) -> float:
+        """Copying a prefix hit back from w's host / disk KV tier: between a device hit (0) and a miss."""
+        if host_blocks + disk_blocks <= 0:
+            return 0.0
+        pri = self.p.priors
+        copy = w.block_bytes * (host_blocks / pri.host_recall_bytes_per_s + disk_blocks / pri.disk_recall_bytes_per_s)
+        return min(copy, (host_blocks + disk_blocks) * w.block_size / w.rate)
+
+    def local(self, w: WorkerCost, n_prompt: int, cached: int, out: int, recall_s: float = 0.0) -> Estimate:
+        """`cached`: prompt tokens of w's prefix hit in any tier; `recall_s`: the offloaded part's recall."""
         uncached = n_prompt - cached
-        pre = w.prefill_s(uncached)
+        pre = w.prefill_s(uncached) + recall_s
         ttft = w.queue_s + pre
         need = -(-(n_prompt + out) // w.block_size)
         e2e = ttft + w.decode_s(out, need, self.p.kv_knee)
@@ -174,11 +191,12 @@ class CostModel:
         return Estimate("local", w, w, cached, ttft, e2e, interf)
 
     def disagg(self, p: WorkerCost, d: WorkerCost, n_prompt: int, cached_p: int, cached_d: int,
-               out: int) -> Estimate:
+               out: int, recall_p_s: float = 0.0) -> Estimate:
+        """`cached_d`: the decode worker's device-tier hit only (its side of a handoff does not recall)."""
         # the decode worker pulls only the blocks its own prefix cache lacks (decode/service.py)
         blocks = max(0, -(-n_prompt // p.block_size) - cached_d // p.block_size)
         xfer = blocks * (p.block_bytes or d.block_bytes) / d.bw
-        ttft = p.queue_s + p.prefill_s(n_prompt - cached_p) + xfer + d.handoff
+        ttft = p.queue_s + p.prefill_s(n_prompt - cached_p) + recall_p_s + xfer + d.handoff
         need = -(-(n_prompt + out) // d.block_size)
         e2e = ttft + d.decode_s(out, need, self.p.kv_knee)
         work = self.p.work_weight * (n_prompt - cached_p) / p.rate

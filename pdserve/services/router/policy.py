@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pdserve.services.metrics import router as M
 from pdserve.services.registry import WorkerRecord
 from pdserve.services.router.cost import CostModel, CostParams, Estimate, Inflight, WorkerCost
-from pdserve.services.router.prefix_index import PrefixIndex, chain_hashes
+from pdserve.services.router.prefix_index import PrefixIndex, TierHit, chain_hashes
 
 log = logging.getLogger("pdserve.router")
 
@@ -104,8 +104,13 @@ class Policy:
 
     # ---- prefix lookup ----------------------------------------------------------------------------------------
     def cached_tokens(self, req: RouteInput, workers: list[WorkerRecord]) -> dict[str, int]:
-        """Per worker, predicted prefix-cache hit in tokens (0 without the index or the token ids)."""
-        out = {w.worker_id: 0 for w in workers}
+        """Per worker, predicted prefix-cache hit in tokens, any tier (0 without the index or the token ids)."""
+        bs = {w.worker_id: w.layout.block_size or 16 for w in workers}
+        return {wid: hit.blocks * bs[wid] for wid, hit in self.prefix_hits(req, workers).items()}
+
+    def prefix_hits(self, req: RouteInput, workers: list[WorkerRecord]) -> dict[str, TierHit]:
+        """Per worker, its predicted prefix-cache hit in blocks by tier (device / host / disk)."""
+        out = {w.worker_id: TierHit() for w in workers}
         if self.index is None or not req.prompt_token_ids:
             return out
         groups: dict[tuple[str, int], list[str]] = {}
@@ -113,8 +118,7 @@ class Policy:
             groups.setdefault((w.layout.fingerprint, w.layout.block_size or 16), []).append(w.worker_id)
         for (fp, bs), ids in groups.items():
             hashes = chain_hashes(req.prompt_token_ids, bs, fp, req.namespace)
-            for wid, nb in self.index.match(hashes, req.namespace, ids).items():
-                out[wid] = nb * bs
+            out.update(self.index.match_tiers(hashes, req.namespace, ids))
         return out
 
     # ---- the decision -----------------------------------------------------------------------------------------
@@ -155,9 +159,13 @@ class Policy:
 
         n = req.n_prompt
         out = self.cost.out_tokens(req.max_tokens)
-        cached = self.cached_tokens(req, live)
-        ests_local = [self.cost.local(w, n, cached[w.rec.worker_id], out) for w in local]
-        ests_pair = [self.cost.disagg(p, d, n, cached[p.rec.worker_id], cached[d.rec.worker_id], out)
+        hits = self.prefix_hits(req, live)
+        cached = {wid: h.blocks * wc[wid].block_size for wid, h in hits.items()}
+        device = {wid: h.device * wc[wid].block_size for wid, h in hits.items()}
+        recall = {wid: self.cost.recall_s(wc[wid], h.host, h.disk) for wid, h in hits.items()}
+        ests_local = [self.cost.local(w, n, cached[w.rec.worker_id], out, recall[w.rec.worker_id]) for w in local]
+        ests_pair = [self.cost.disagg(p, d, n, cached[p.rec.worker_id], device[d.rec.worker_id], out,
+                                      recall[p.rec.worker_id])
                      for p, d in pairs]
         best_local = min((e.cost for e in ests_local), default=float("inf"))
         best_pair = min((e.cost for e in ests_pair), default=float("inf"))

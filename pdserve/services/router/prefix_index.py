@@ -8,6 +8,9 @@ Redis is the source of truth so any number of routers agree and a restarted rout
   The worker refreshes a TTL on it; a dead worker's set disappears by itself.
 - `pdserve:{model}:kv_events` stream, fields `w` (worker id) and `e` (newline-separated `+hash:ns` / `-hash:ns`,
   in the engine's order) or `r` (reset: the worker (re)started with an empty cache). Capped with MAXLEN.
+  `+hash@host:ns` / `+hash@disk:ns`: the block moved to the worker's host / disk KV tier (engine/kv_offload.py);
+  `-hash:ns`: it left every tier. The index keeps each (worker, block)'s tier: a hit in an offload tier costs a
+  recall (router/cost.py), cheaper than recomputing but not free.
 
 Why not `prefix:{ns}:{hash} -> set(worker ids)` (the DESIGN.md sketch): a router needs the whole index in memory
 anyway (lookups must not pay a Redis round trip per block), and per-worker sets make the two operations that
@@ -22,15 +25,28 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
 from pdserve.engine.block_manager import block_hash
-from pdserve.services.kv_events import blocks_key, parse_member, stream_key
+from pdserve.services.kv_events import blocks_key, parse_member_tier, stream_key
 
 log = logging.getLogger("pdserve.router.index")
 
 Key = tuple[str, int]  # (namespace, chained block hash)
+
+
+@dataclass
+class TierHit:
+    """A worker's leading prefix hit, in blocks, split by the tier holding each block."""
+    device: int = 0
+    host: int = 0
+    disk: int = 0
+
+    @property
+    def blocks(self) -> int:
+        return self.device + self.host + self.disk
 
 
 def chain_hashes(tokens: list[int], block_size: int, fingerprint: str, namespace: str) -> list[int]:
@@ -49,15 +65,26 @@ class PrefixIndex:
     def __init__(self):
         self.holders: dict[Key, set[str]] = {}
         self.by_worker: dict[str, set[Key]] = {}
+        self.offloaded: dict[tuple[str, Key], str] = {}  # (worker, key) -> "host" | "disk"; absent: device
 
     def __len__(self) -> int:
         return len(self.holders)
 
-    def add(self, worker: str, key: Key) -> None:
+    def add(self, worker: str, key: Key, tier: str = "device") -> None:
         self.holders.setdefault(key, set()).add(worker)
         self.by_worker.setdefault(worker, set()).add(key)
+        if tier == "device":
+            self.offloaded.pop((worker, key), None)
+        else:
+            self.offloaded[(worker, key)] = tier
+
+    def tier(self, worker: str, key: Key) -> str | None:
+        if worker not in self.holders.get(key, ()):
+            return None
+        return self.offloaded.get((worker, key), "device")
 
     def remove(self, worker: str, key: Key) -> None:
+        self.offloaded.pop((worker, key), None)
         s = self.holders.get(key)
         if s is not None:
             s.discard(worker)
@@ -70,6 +97,7 @@ class PrefixIndex:
     def drop_worker(self, worker: str) -> int:
         keys = self.by_worker.pop(worker, set())
         for k in keys:
+            self.offloaded.pop((worker, k), None)
             s = self.holders.get(k)
             if s is not None:
                 s.discard(worker)
@@ -77,11 +105,12 @@ class PrefixIndex:
                     del self.holders[k]
         return len(keys)
 
-    def load_worker(self, worker: str, keys: Iterable[Key]) -> None:
+    def load_worker(self, worker: str, keys: Iterable[Key | tuple[str, int, str]]) -> None:
+        """keys: (namespace, hash) on the device, or (namespace, hash, tier)."""
         self.drop_worker(worker)
         self.by_worker[worker] = set()
         for k in keys:
-            self.add(worker, k)
+            self.add(worker, (k[0], k[1]), k[2] if len(k) > 2 else "device")
 
     def workers(self) -> set[str]:
         return set(self.by_worker)
@@ -98,6 +127,17 @@ class PrefixIndex:
             for w in still:
                 out[w] = i + 1
             live = still
+        return out
+
+    def match_tiers(self, hashes: list[int], namespace: str, workers: Iterable[str]) -> dict[str, TierHit]:
+        """As `match`, with each worker's leading blocks counted by the tier that holds them."""
+        out = {}
+        for w, nb in self.match(hashes, namespace, workers).items():
+            hit = TierHit()
+            for h in hashes[:nb]:
+                t = self.offloaded.get((w, (namespace, h)), "device")
+                setattr(hit, t, getattr(hit, t) + 1)
+            out[w] = hit
         return out
 
 
@@ -132,7 +172,7 @@ class IndexSync:
 
     async def load(self, worker: str) -> None:
         members = await self.r.smembers(blocks_key(self.model, worker))
-        self.index.load_worker(worker, (parse_member(m) for m in members))
+        self.index.load_worker(worker, (parse_member_tier(m) for m in members))
 
     async def poll(self, block_ms: int | None = None, count: int = 2000) -> int:
         """Apply the stream entries after last_id. Returns the number of block events applied."""
@@ -153,11 +193,11 @@ class IndexSync:
                 if w not in known:
                     continue  # not live (yet): its snapshot is loaded when it appears, events after replay
                 for line in fields[b"e"].decode().split("\n"):
-                    k = parse_member(line[1:])
+                    ns, h, tier = parse_member_tier(line[1:])
                     if line[0] == "+":
-                        self.index.add(w, k)
+                        self.index.add(w, (ns, h), tier)
                     else:
-                        self.index.remove(w, k)
+                        self.index.remove(w, (ns, h))
                     n += 1
         self.events_applied += n
         await self._check_gap()
