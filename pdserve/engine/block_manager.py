@@ -176,6 +176,8 @@ class BlockManager:
                 self.hash_of[b] = h
                 self.tokens_of[b] = toks
                 self.namespace_of[b] = seq.namespace
+                if self.offload is not None:  # computed again: the device copy is the one tier holding it
+                    self.offload.discard(h)
                 self.events.append(KVEvent("stored", h, seq.namespace))
 
     def free(self, seq: Sequence) -> None:

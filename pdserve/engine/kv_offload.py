@@ -165,6 +165,16 @@ class KVOffload:
         self.bytes["host_to_disk"] += self.block_bytes
         self.bm.events.append(KVEvent("stored", e.block_hash, e.namespace, DISK))
 
+    def discard(self, h: int) -> None:
+        """Block `h` was computed again on the device: its offloaded copy goes (a block is in one tier)."""
+        e = self.host_lru.pop(h, None)
+        if e is not None:
+            self.host_free.append(e.slot)
+            return
+        e = self.disk_lru.pop(h, None)
+        if e is not None:
+            self.io.submit(_unlink, e.path)
+
     def _drop(self, e: Offloaded) -> None:
         self.num_dropped += 1
         self.bm.events.append(KVEvent("evicted", e.block_hash, e.namespace))
