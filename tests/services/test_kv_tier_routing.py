@@ -1,0 +1,99 @@
+"""The host KV tier seen from the router: a real engine's KV events carry the tier through real Redis into the
+prefix index (stream and snapshot alike), and the cost model prices a host-tier hit between a device hit and a
+miss (docs/routing.md)."""
+import asyncio
+import random
+import uuid
+
+import redis.asyncio as aioredis
+
+from pdserve.engine.engine import Engine, EngineConfig
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.services.kv_events import KvEventPublisher, blocks_key
+from pdserve.services.router.cost import WorkerCost
+from pdserve.services.router.policy import Policy, RouteInput
+from pdserve.services.router.prefix_index import IndexSync, PrefixIndex, chain_hashes
+from tests.services.test_routing import BS, FP, _rec
+
+REDIS = "redis://127.0.0.1:6379/0"
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+A = [(7 * i) % 300 + 2 for i in range(40)]
+FILLERS = [[(k * i + 3 * k) % 300 + 4 for i in range(40)] for k in (11, 13, 17)]
+
+
+def test_kv_events_carry_the_tier_into_the_router_index(tiny_llama):
+    eng = Engine.from_pretrained(tiny_llama, EngineConfig(block_size=4, num_gpu_blocks=24, dtype="float32",
+                                                          kv_offload_bytes=32 * 1024 * 1024))
+    hashes = chain_hashes(A, 4, eng.fingerprint, "")
+
+    async def main():
+        model = f"test-{uuid.uuid4().hex[:8]}"
+        r = aioredis.from_url(REDIS)
+        try:
+            pub = KvEventPublisher(r, model, "w1")
+            await pub.reset()
+            live = IndexSync(r, model)
+            await live.sync_workers(["w1"])
+
+            async def publish() -> None:
+                await pub.publish(eng.drain_kv_events())
+                await live.poll()
+
+            eng.generate([A], GREEDY)
+            await publish()
+            assert [live.index.tier("w1", ("", h)) for h in hashes] == ["device"] * len(hashes)
+            for p in FILLERS:
+                eng.generate([p], GREEDY)
+            await publish()
+            want = [eng.kv_offload.tier_of(h) for h in hashes]
+            assert "host" in want and None not in want
+            assert [live.index.tier("w1", ("", h)) for h in hashes] == want
+            hit = live.index.match_tiers(hashes, "", ["w1"])["w1"]
+            assert (hit.device, hit.host, hit.disk) == (want.count("device"), want.count("host"), 0)
+            # a router started now reads the same from the snapshot set (one member per block, tier-tagged)
+            fresh = IndexSync(r, model)
+            await fresh.sync_workers(["w1"])
+            assert [fresh.index.tier("w1", ("", h)) for h in hashes] == want
+            members = {m.decode() for m in await r.smembers(blocks_key(model, "w1"))}
+            assert f"{hashes[want.index('host')]:x}@host:" in members
+            assert len(members) == len({m.replace("@host", "") for m in members})  # one tier per block
+            # recalled: back on the device, in both routers' views
+            eng.generate([A], GREEDY)
+            await publish()
+            await fresh.poll()
+            assert [live.index.tier("w1", ("", h)) for h in hashes] == ["device"] * len(hashes)
+            assert fresh.index.holders == live.index.holders and fresh.index.offloaded == live.index.offloaded
+        finally:
+            await r.aclose()
+
+    asyncio.run(main())
+
+
+def test_host_tier_hit_is_priced_between_device_hit_and_miss():
+    prompt = list(range(1, 2001))
+    hashes = chain_hashes(prompt, BS, FP, "")
+    idx = PrefixIndex()
+    for h in hashes:
+        idx.add("dev", ("", h))
+        idx.add("host", ("", h), "host")
+        idx.add("disk", ("", h), "disk")
+    pol = Policy("auto", index=idx, rng=random.Random(0), inflight_ttl_s=0)
+    recs = [_rec(w) for w in ("dev", "host", "disk", "miss")]
+    req = RouteInput("r", prompt, max_tokens=16)
+    hits = pol.prefix_hits(req, recs)
+    assert (hits["host"].host, hits["host"].device, hits["miss"].blocks) == (len(hashes), 0, 0)
+    assert pol.cached_tokens(req, recs)["host"] == len(hashes) * BS
+    ttft = {}
+    for rec in recs:
+        w = WorkerCost.of(rec, pol.cost.p.priors)
+        h = hits[rec.worker_id]
+        ttft[rec.worker_id] = pol.cost.local(w, len(prompt), h.blocks * BS, 16,
+                                             pol.cost.recall_s(w, h.host, h.disk)).ttft_s
+    pri = pol.cost.p.priors
+    # the documented formula, from the report's figures: 124 blocks x 2 MiB at the host prior's bandwidth
+    assert abs((ttft["host"] - ttft["dev"]) - len(hashes) * 2 * 1024 * 1024 / pri.host_recall_bytes_per_s) < 1e-9
+    assert ttft["dev"] < ttft["host"] < ttft["miss"]
+    assert ttft["host"] < ttft["disk"] <= ttft["miss"]  # a disk recall is never priced above recomputing
+    # the router's choice follows: the device hit, else the host hit, else (equal) the disk hit or the miss
+    assert pol.place(recs, req=req).both.worker_id == "dev"
+    assert pol.place(recs, req=RouteInput("r", prompt, max_tokens=16, exclude={"dev"})).both.worker_id == "host"
