@@ -69,6 +69,17 @@ PANELS = [
      [(f"{rate('pdserve_prefix_cache_hits_total', 'role', POOL)} / "
        f"clamp_min({rate('pdserve_prefix_cache_queries_total', 'role', POOL)}, 1)", "{{role}}"),
       (f"avg(pdserve_prefix_hit_ratio{{{POOL}}})", "lifetime ratio (deprecated)")]),
+    # host / disk KV tier (docs/engine.md, Host KV tier)
+    ("Prefix hits by tier (tokens/s)", "short",
+     [(rate("pdserve_kv_tier_hit_tokens_total", "role, tier", POOL), "{{role}} {{tier}}")]),
+    ("KV tier occupancy (host / disk)", "percentunit",
+     [(f"sum by (role, tier) (pdserve_kv_tier_blocks{{{POOL}}}) / clamp_min(sum by (role, tier) "
+       f"(pdserve_kv_tier_capacity_blocks{{{POOL}}}), 1)", "{{role}} {{tier}}")]),
+    ("KV tier bytes moved", "Bps",
+     [(rate("pdserve_kv_offload_bytes_total", "direction", POOL), "{{direction}}")]),
+    ("KV recall latency (host / disk -> device)", "s",
+     [(q("0.5", "pdserve_kv_recall_seconds", sel=POOL), "p50"),
+      (q("0.99", "pdserve_kv_recall_seconds", sel=POOL), "p99")]),
     ("Engine requests by terminal state (workers)", "reqps",
      [(rate("pdserve_engine_requests_terminal_total", "role, state", POOL), "{{role}} {{state}}")]),
     ("KV transfer time (one batched NIXL READ)", "s",

@@ -41,6 +41,18 @@ PREFIX_HITS = Counter("pdserve_prefix_cache_hits_total", "Prompt tokens found in
 PREFIX_HIT_RATIO = Gauge("pdserve_prefix_hit_ratio", "DEPRECATED (cannot be aggregated across workers): lifetime "
                          "prefix-cache hit ratio; use pdserve_prefix_cache_hits_total / "
                          "pdserve_prefix_cache_queries_total", registry=WORKER)
+# host / disk KV tier (engine/kv_offload.py; docs/engine.md, Host KV tier)
+KV_TIER_HITS = Counter("pdserve_kv_tier_hit_tokens_total", "Prompt tokens found in the prefix cache, by the tier "
+                       "that held them (device: the pool; host / disk: recalled from the offload tier)", ["tier"],
+                       registry=WORKER)
+KV_OFFLOAD_BYTES = Counter("pdserve_kv_offload_bytes_total", "KV bytes moved between the tiers", ["direction"],
+                           registry=WORKER)
+KV_RECALL_SECONDS = Histogram("pdserve_kv_recall_seconds", "One recall of a prefix from the host / disk tier "
+                              "(start of the background copy -> its blocks usable)", buckets=FAST, registry=WORKER)
+KV_TIER_BLOCKS = Gauge("pdserve_kv_tier_blocks", "KV blocks held in the host / disk tier", ["tier"],
+                       registry=WORKER)
+KV_TIER_CAPACITY = Gauge("pdserve_kv_tier_capacity_blocks", "KV blocks the host / disk tier can hold", ["tier"],
+                         registry=WORKER)
 NUM_RUNNING = Gauge("pdserve_num_running", "Requests running in the engine", registry=WORKER)
 NUM_WAITING = Gauge("pdserve_num_waiting", "Requests waiting in the engine", registry=WORKER)
 STATE_GAUGE = Gauge("pdserve_requests_in_state", "Live engine sequences per state", ["state"], registry=WORKER)
@@ -74,6 +86,9 @@ class EngineStatsExporter:
         self.states = states
         self.queried = 0
         self.hits = 0
+        self.tier_hits: dict[str, int] = {}
+        self.moved: dict[str, int] = {}
+        self.recalls = 0
 
     def update(self, s: dict) -> None:
         used, total = s.get("kv_blocks_in_use", 0), s.get("kv_blocks_total", 0)
@@ -94,6 +109,28 @@ class EngineStatsExporter:
         if h > self.hits:
             PREFIX_HITS.inc(h - self.hits)
             self.hits = h
+        if "kv_host_blocks_total" in s:
+            self._tier(s)
+
+    def _tier(self, s: dict) -> None:
+        for tier in ("host", "disk"):
+            KV_TIER_BLOCKS.labels(tier).set(s.get(f"kv_{tier}_blocks_in_use", 0))
+            KV_TIER_CAPACITY.labels(tier).set(s.get(f"kv_{tier}_blocks_total", 0))
+        offl = s.get("kv_offload_hit_tokens", {})
+        hits = {**offl, "device": max(0, s.get("prefix_hit_tokens", 0) - sum(offl.values()))}
+        for tier, n in hits.items():
+            if n > self.tier_hits.get(tier, 0):
+                KV_TIER_HITS.labels(tier).inc(n - self.tier_hits.get(tier, 0))
+                self.tier_hits[tier] = n
+        for direction, n in s.get("kv_offload_bytes", {}).items():
+            if n > self.moved.get(direction, 0):
+                KV_OFFLOAD_BYTES.labels(direction).inc(n - self.moved.get(direction, 0))
+                self.moved[direction] = n
+        n, recent = s.get("kv_recalls", 0), s.get("kv_recall_seconds", [])
+        if n > self.recalls:  # the latest latencies come last; older ones than the list keeps are not seen
+            for x in recent[max(0, len(recent) - (n - self.recalls)):]:
+                KV_RECALL_SECONDS.observe(x)
+            self.recalls = n
 
 
 class _StateEntries:
