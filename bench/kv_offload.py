@@ -99,18 +99,18 @@ def main() -> int:
     eng = Engine.from_pretrained(model, EngineConfig(**cfg))  # probe the block size
     block_bytes = eng.kv_cache.block_bytes
     host_bytes = 4 * blocks * block_bytes
-    disk = {}
+    disk = dict(kv_offload_bytes=host_bytes)
     if args.kv_offload_dir:
         disk = dict(kv_offload_bytes=block_bytes, kv_offload_dir=args.kv_offload_dir,
                     kv_offload_disk_bytes=host_bytes)
     del eng
-    eng = Engine.from_pretrained(model, EngineConfig(**cfg, kv_offload_bytes=host_bytes, **disk))
+    eng = Engine.from_pretrained(model, EngineConfig(**cfg, **disk))
     print(f"engine: {eng.info.line()}; KV block {block_bytes} B; pool {blocks} blocks; "
-          f"{'disk tier at ' + args.kv_offload_dir if disk else f'host tier {host_bytes >> 20} MiB'}")
+          f"{'disk tier at ' + args.kv_offload_dir if args.kv_offload_dir else f'host tier {host_bytes >> 20} MiB'}")
     rng = random.Random(0)
     vocab = eng.model_config.vocab_size
     ttft(eng, [rng.randrange(3, vocab) for _ in range(64)])  # warm-up: kernels, allocator
-    tier = "disk" if disk else "host"
+    tier = "disk" if args.kv_offload_dir else "host"
     res: dict[str, list[float]] = {tier: [], "recompute": []}
     for rep in range(args.reps):
         for kind in ((tier, "recompute") if rep % 2 == 0 else ("recompute", tier)):
