@@ -15,8 +15,10 @@ for the rest and hands the copy to a background thread (CUDA: its own stream). T
 (the spec's 14 states have no RECALLING; recalling is a reason to wait, like a paused one) and is skipped, so
 other sequences' prefill and decode go on; `poll()` at the start of each tick registers the finished copies in
 the prefix cache, and the sequence's normal lookup then hits them: none of those tokens is recomputed. The
-recall's references are dropped once the sequence holds its own (`admitted`) or it ended (`cancel`), so a block
-being written by the background copy is never handed to anyone else.
+recall's references are dropped once the sequence holds its own (`admitted`), at the end of the tick its copy
+completed in (`end_of_tick`: pins never outlive that tick, so they cannot keep the queue's head from fitting), or
+when it ended (`cancel`, deferred to the copy's completion), so a block being written by the background copy is
+never handed to anyone else.
 
 Hashes are the block manager's chained, fingerprint- and namespace-salted keys, kept with each entry together with
 the block's token ids (a hit is verified against them, as on the device).
@@ -118,7 +120,7 @@ class KVOffload:
         self.hit_tokens = {HOST: 0, DISK: 0}
         self.bytes = {d: 0 for d in DIRECTIONS}
         self.num_recalls = 0
-        self.recall_seconds: deque[float] = deque(maxlen=1024)  # latest recall latencies (metrics read them)
+        self.recall_seconds: deque[float] = deque(maxlen=256)  # latest recall latencies (metrics read them)
         self.num_dropped = 0  # blocks that fell off the last tier
 
     # ---- the save side: a block evicted from the device pool ------------------------------------------------
@@ -296,6 +298,16 @@ class KVOffload:
             if d in taken:
                 self.hit_tokens[e.tier] += self.bm.block_size
         self._release(r)
+
+    def end_of_tick(self) -> None:
+        """Scheduler, end of a tick: a finished recall whose sequence was not admitted in the tick it completed
+        (blocked behind the queue's head, or out of budget) gives up its pins. Its blocks stay in the device
+        prefix cache as ordinary evictable blocks: held any longer, a waiting sequence's pins could keep the
+        queue's head from ever fitting in the pool."""
+        for sid, r in list(self.recalls.items()):
+            if r.done and not r.cancelled:
+                self.recalls.pop(sid)
+                self._release(r)
 
     def cancel(self, seq: Sequence) -> None:
         """`seq` left the scheduler (finished, cancelled, timed out): drop its recall's references, now if the

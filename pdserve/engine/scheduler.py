@@ -126,6 +126,8 @@ class Scheduler:
             budget = self._schedule_running(order, out, budget)
             budget = self._schedule_swapped(out, budget)
             self._schedule_waiting(out, budget)
+        if self.recall is not None:
+            self.recall.end_of_tick()
         return out
 
     def _schedule_running(self, order: list[Sequence], out: SchedulerOutput, budget: int) -> int:

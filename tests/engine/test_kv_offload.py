@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -186,3 +187,31 @@ def test_tier_needs_a_block_and_dir_needs_the_tier(tiny_llama):
         engine(tiny_llama, kv_offload_bytes=16)
     with pytest.raises(ValueError, match="needs kv_offload_bytes"):
         engine(tiny_llama, kv_offload_dir="/tmp/x")
+
+
+def test_finished_recall_never_blocks_the_queue_head(tiny_llama, hf_ref):
+    """A recalled sequence queued behind a more urgent one that needs most of the pool: the recall's pins must not
+    outlive the tick its copy completed in, or the head could never fit (a deadlock). Both finish, correctly."""
+    # no starvation rule to rescue x after 10 s: only the pins' release lets the head in
+    eng = engine(tiny_llama, kv_offload_bytes=64 * 1024 * 1024, policy="priority", starvation_age_s=3600)
+    eng.generate([A], GREEDY)
+    for p in FILLERS:
+        eng.generate([p], GREEDY)
+    gate = threading.Event()
+    eng.kv_offload.io.submit(gate.wait, 30)
+    eng.add_request("x", A, GREEDY, priority=1)
+    eng.step()
+    assert eng.stats()["kv_recalls_in_flight"] == 1
+    head = [(5 * i) % 290 + 7 for i in range(80)]  # 20 blocks of the 24: fits only if x's pins are gone
+    eng.add_request("h", head, GREEDY, priority=0)
+    gate.set()
+    final = {}
+    deadline = time.monotonic() + 20  # idle steps are instant while the copy runs: bound by time, not steps
+    while time.monotonic() < deadline:
+        for o in eng.step():
+            if o.finished:
+                final[o.request_id] = o.outputs[0].token_ids
+        if not eng.has_unfinished():
+            break
+    assert final == {"h": hf_ref(head), "x": hf_ref(A)}
+    check_accounting(eng)
