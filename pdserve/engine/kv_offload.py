@@ -190,7 +190,7 @@ class KVOffload:
         if r is not None:
             return not r.done
         bm = self.bm
-        if seq.block_table or seq.wants_prompt_logprobs or not bm.enable_prefix_caching:
+        if seq.block_table or seq.wants_prompt_logprobs or not (self.host_lru or self.disk_lru):
             return False
         device: list[int] = []
         entries: list[Offloaded] = []

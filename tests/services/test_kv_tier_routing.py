@@ -97,3 +97,35 @@ def test_host_tier_hit_is_priced_between_device_hit_and_miss():
     # the router's choice follows: the device hit, else the host hit, else (equal) the disk hit or the miss
     assert pol.place(recs, req=req).both.worker_id == "dev"
     assert pol.place(recs, req=RouteInput("r", prompt, max_tokens=16, exclude={"dev"})).both.worker_id == "host"
+
+
+def test_worker_metrics_count_tier_hits_bytes_and_recalls(tiny_llama):
+    """The engine's tier stats reach the worker's families (counters grow by what grew, per label)."""
+    from pdserve.services.metrics import worker as M
+
+    def val(metric, **labels):
+        return M.WORKER.get_sample_value(metric, labels) or 0.0
+
+    eng = Engine.from_pretrained(tiny_llama, EngineConfig(block_size=4, num_gpu_blocks=24, dtype="float32",
+                                                          kv_offload_bytes=32 * 1024 * 1024))
+    exp = M.EngineStatsExporter([])
+    before = {t: val("pdserve_kv_tier_hit_tokens_total", tier=t) for t in ("device", "host")}
+    moved0 = val("pdserve_kv_offload_bytes_total", direction="host_to_device")
+    n0 = val("pdserve_kv_recall_seconds_count")
+    eng.generate([A], GREEDY)
+    for p in FILLERS:
+        eng.generate([p], GREEDY)
+    on_host = [eng.kv_offload.tier_of(h) for h in chain_hashes(A, 4, eng.fingerprint, "")].count("host")
+    exp.update(eng.stats())
+    eng.generate([A], GREEDY)
+    exp.update(eng.stats())
+    exp.update(eng.stats())  # an unchanged snapshot adds nothing
+    st = eng.stats()
+    assert val("pdserve_kv_tier_hit_tokens_total", tier="host") - before["host"] == on_host * 4
+    assert val("pdserve_kv_tier_hit_tokens_total", tier="device") - before["device"] == \
+        st["prefix_hit_tokens"] - on_host * 4
+    assert val("pdserve_kv_offload_bytes_total", direction="host_to_device") - moved0 == \
+        on_host * eng.kv_cache.block_bytes
+    assert val("pdserve_kv_recall_seconds_count") - n0 == 1
+    assert val("pdserve_kv_tier_capacity_blocks", tier="host") == eng.kv_offload.num_host_blocks
+    assert val("pdserve_kv_tier_blocks", tier="host") == st["kv_host_blocks_in_use"]
