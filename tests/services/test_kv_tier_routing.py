@@ -129,3 +129,93 @@ def test_worker_metrics_count_tier_hits_bytes_and_recalls(tiny_llama):
     assert val("pdserve_kv_recall_seconds_count") - n0 == 1
     assert val("pdserve_kv_tier_capacity_blocks", tier="host") == eng.kv_offload.num_host_blocks
     assert val("pdserve_kv_tier_blocks", tier="host") == st["kv_host_blocks_in_use"]
+
+
+def test_real_worker_host_tier_events_and_metrics(tiny_llama):
+    """A worker process with the tier from its env (PDSERVE_KV_OFFLOAD_BYTES): an evicted prompt shows in the
+    router's index as held on the host, a repeat recalls it (device again), and /metrics counts the host hit."""
+    import os
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+    from pathlib import Path
+
+    from pdserve.services.convert import params_to_pb
+    from pdserve.services.grpc_util import channel
+    from pdserve.services.pb import worker_pb2, worker_pb2_grpc
+    from pdserve.services.registry import Registry
+    from pdserve.services.up import free_port
+
+    root = Path(__file__).resolve().parents[2]
+    model = f"test-{uuid.uuid4().hex[:8]}"
+    port, mport = free_port(), free_port()
+    env = dict(os.environ, PYTHONPATH=str(root), PDSERVE_LOG_LEVEL="WARNING",
+               PDSERVE_KV_OFFLOAD_BYTES=str(16 * 1024 * 1024))
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve", "worker", "--model", str(tiny_llama),
+                             "--served-model-name", model, "--role", "both", "--port", str(port),
+                             "--worker-id", "w-tier", "--redis-url", REDIS, "--heartbeat-ttl", "1",
+                             "--metrics-port", str(mport), "--num-gpu-blocks", "12", "--device", "cpu",
+                             "--threads", "1"], env=env)
+
+    async def main():
+        reg = Registry(REDIS, model, ttl_s=1.0)
+        sync = IndexSync(reg.r, model)
+        try:
+            end = time.monotonic() + 60
+            live = []
+            while not live and time.monotonic() < end:
+                assert proc.poll() is None, "worker exited"
+                live = await reg.live_workers()
+                await asyncio.sleep(0.2)
+            assert live, "worker did not register"
+            fp, bs = live[0].layout.fingerprint, live[0].layout.block_size
+            await sync.sync_workers(["w-tier"])
+            stub = worker_pb2_grpc.WorkerStub(channel(f"127.0.0.1:{port}"))
+            params = params_to_pb(SamplingParams(temperature=0.0, max_tokens=2))
+
+            async def gen(prompt):
+                async for _ in stub.Generate(worker_pb2.GenerateRequest(
+                        request_id=uuid.uuid4().hex, prompt_token_ids=prompt, params=params), timeout=30):
+                    pass
+
+            async def tiers(prompt, want):
+                end = time.monotonic() + 10
+                while True:
+                    await sync.poll(block_ms=100)
+                    hit = sync.index.match_tiers(chain_hashes(prompt, bs, fp, ""), "", ["w-tier"])["w-tier"]
+                    if (hit.device, hit.host) == want or time.monotonic() > end:
+                        return hit.device, hit.host
+
+            first = [5 + i % 50 for i in range(64)]  # 4 blocks of 16; 3 can hit
+            await gen(first)
+            assert await tiers(first, (3, 0)) == (3, 0)
+            for k in range(4):  # fill the 12-block pool: the first prompt's blocks go to the host tier
+                await gen([100 + k * 7 + i % 40 for i in range(64)])
+            assert await tiers(first, (0, 3)) == (0, 3)
+            await gen(first)  # recalled, not recomputed
+            assert await tiers(first, (3, 0)) == (3, 0)
+            end = time.monotonic() + 10
+            while True:  # the exporter runs on the worker's stats cadence
+                text = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=5).read().decode()
+                line = [x for x in text.splitlines() if x.startswith("pdserve_kv_tier_hit_tokens_total")
+                        and 'tier="host"' in x]
+                if (line and float(line[0].split()[-1]) == 48.0) or time.monotonic() > end:
+                    break
+                await asyncio.sleep(0.3)
+            assert line and float(line[0].split()[-1]) == 48.0, line
+            assert "pdserve_kv_recall_seconds_count" in text
+        finally:
+            async for k in reg.r.scan_iter(f"pdserve:{model}:*"):
+                await reg.r.delete(k)
+            await reg.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
