@@ -54,8 +54,9 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=positive_int,
                    help="torch intra-op threads (default: all cores; `up` splits the cores between workers)")
     p.add_argument("--kv-offload-bytes", type=nonneg_int,
-                   help="host memory (bytes) keeping prefix-cache blocks evicted from the KV pool, recalled on a "
-                        "prefix hit instead of recomputed (pinned on CUDA; docs/engine.md, Host KV tier); 0: off")
+                   help="host memory (bytes, per worker) keeping prefix-cache blocks evicted from the KV pool, "
+                        "recalled on a prefix hit instead of recomputed (pinned on CUDA; docs/engine.md, Host KV "
+                        "tier); 0: off")
     p.add_argument("--kv-offload-dir", help="spill the host KV tier's LRU victims to files under this directory")
     p.add_argument("--kv-offload-disk-bytes", type=nonneg_int,
                    help="disk KV tier capacity (default: 4 x --kv-offload-bytes)")

@@ -174,7 +174,8 @@ class CostModel:
         if host_blocks + disk_blocks <= 0:
             return 0.0
         pri = self.p.priors
-        copy = w.block_bytes * (host_blocks / pri.host_recall_bytes_per_s + disk_blocks / pri.disk_recall_bytes_per_s)
+        copy = w.block_bytes * (host_blocks / pri.host_recall_bytes_per_s
+                                + disk_blocks / pri.disk_recall_bytes_per_s)
         return min(copy, (host_blocks + disk_blocks) * w.block_size / w.rate)
 
     def local(self, w: WorkerCost, n_prompt: int, cached: int, out: int, recall_s: float = 0.0) -> Estimate:
