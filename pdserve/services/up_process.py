@@ -59,7 +59,8 @@ class UpProcess:
                                                for w in self.workers()]
 
     def wait_restart(self, name: str, old_pid: int, timeout: float = 60.0) -> dict:
-        """The info of child `name` once up announced it restarted under a pid other than `old_pid`."""
+        """The info of child `name` once up announced it restarted under a pid other than `old_pid` (the entries of
+        `info["processes"]` are updated in place: read `old_pid` before the child can restart)."""
         import time
         end = time.monotonic() + timeout
         while time.monotonic() < end:
@@ -67,7 +68,8 @@ class UpProcess:
             if p["pid"] != old_pid:
                 return p
             time.sleep(0.05)
-        raise TimeoutError(f"{name} not restarted within {timeout} s:\n" + "".join(self.lines[-30:]))
+        raise TimeoutError(f"{name} not restarted within {timeout} s:\n" + "".join(
+            l for l in self.lines if "pdserve up" in l or "PDSERVE_" in l or name in l))
 
     def stop(self, timeout: float = 40.0) -> int:
         """SIGTERM (`pdserve up` drains and stops its children), SIGKILL of the group if it hangs (the children,

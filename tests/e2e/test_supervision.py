@@ -18,7 +18,8 @@ import httpx
 import pytest
 
 from pdserve.services.procutil import EXIT_GRACE_S
-from tests.e2e.conftest import Up, served_as_ck, wait_until
+from pdserve.services.up_process import UpProcess
+from tests.e2e.conftest import NUM_BLOCKS, _env, served_as_ck, wait_until
 
 DRAIN_S = 2.0
 
@@ -26,8 +27,10 @@ DRAIN_S = 2.0
 @pytest.fixture(scope="module")
 def up(tiny_llama, tmp_path_factory):
     model, _ = served_as_ck(tiny_llama, tmp_path_factory, "tenants: {}\n")
-    d = Up(model, "--mode", "disagg", "--prefill", "1", "--decode", "1", "--drain-timeout", str(DRAIN_S),
-           "--threads", "1")
+    env = _env()
+    env["PDSERVE_FAULT_STEP_DELAY_S"] = "0.02"  # every engine step >= 20 ms: a 480-token stream outlasts a drain
+    d = UpProcess(["--model", str(model), "--num-gpu-blocks", str(NUM_BLOCKS), "--mode", "disagg", "--prefill", "1",
+                   "--decode", "1", "--drain-timeout", str(DRAIN_S), "--threads", "1"], env, 90)
     yield d
     d.stop()
 
@@ -50,15 +53,16 @@ def _serves(up) -> bool:
         return False
 
 
-def _long_stream(up, got_tokens: threading.Event) -> threading.Thread:
+def _long_stream(up, got_tokens: threading.Event, seen: list) -> threading.Thread:
     def run() -> None:
         try:
             with httpx.stream("POST", up.base_url + "/v1/completions", timeout=60, json={
-                    "model": "ck", "prompt": "pack my box", "max_tokens": 100000, "ignore_eos": True,
+                    "model": "ck", "prompt": "pack my box", "max_tokens": 480, "ignore_eos": True,
                     "temperature": 0, "stream": True}) as r:
                 n = 0
                 for line in r.iter_lines():
                     n += line.startswith("data: {")
+                    seen[:] = [n]
                     if n >= 3:
                         got_tokens.set()
         except httpx.HTTPError:
@@ -71,7 +75,7 @@ def _long_stream(up, got_tokens: threading.Event) -> threading.Thread:
 
 
 def test_killed_worker_is_restarted_and_serves(up):
-    w = up.workers("decode")[0]
+    w = dict(up.workers("decode")[0])  # a copy: up.info is updated in place at the restart
     os.kill(w["pid"], signal.SIGKILL)
     new = up.wait_restart(w["name"], w["pid"], 60)
     assert new["restarts"] == 1 and new["last_exit"] == -signal.SIGKILL and new["port"] == w["port"]
@@ -82,10 +86,10 @@ def test_killed_worker_is_restarted_and_serves(up):
 @pytest.mark.parametrize("name", ["decode", "gateway", "router"])
 def test_sigterm_exits_within_drain_timeout(up, name):
     assert wait_until(lambda: _serves(up), 60, 0.5)
-    proc = up.workers("decode")[0] if name == "decode" else up.process(name)
-    got = threading.Event()
-    stream = _long_stream(up, got)
-    assert got.wait(30)
+    proc = dict(up.workers("decode")[0] if name == "decode" else up.process(name))  # a copy (see above)
+    got, seen = threading.Event(), [0]
+    stream = _long_stream(up, got, seen)
+    assert got.wait(30) and seen[0] >= 3, seen  # a stream runs through the process
     t0 = time.monotonic()
     os.kill(proc["pid"], signal.SIGTERM)
     assert wait_until(lambda: _gone(proc["pid"]), DRAIN_S + EXIT_GRACE_S + 10, 0.02)
