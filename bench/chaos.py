@@ -3,7 +3,8 @@ second gateway process next to up's), one case after another on the same deploym
 killed; each case starts once everything is ready again). Harness and definitions: pdserve/bench/chaos.py.
 
     python bench/chaos.py [--model builtin] [--cases all|kill-decode,...] [--rate 8] [--duration 8]
-                          [--fault-at 3] [--storm 1000] [--heartbeat-ttl 2] [--json out.json]
+                          [--fault-at 3] [--storm 1000] [--heartbeat-ttl 2] [--step-delay 0.02]
+                          [--json out.json]
 
 Prints one markdown row per case (the table in docs/reliability.md) and the CPU.
 """
@@ -46,11 +47,16 @@ def main() -> None:
     ap.add_argument("--storm", type=int, default=1000, help="abort storm: streams")
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--heartbeat-ttl", type=float, default=2.0)
+    ap.add_argument("--step-delay", type=float, default=0.02,
+                    help="s added to every engine step (PDSERVE_FAULT_STEP_DELAY_S): the small model's streams then "
+                         "last as long as a real model's (~20 ms a decode step), so faults find streams in flight")
     ap.add_argument("--json", help="also write the rows here")
     a = ap.parse_args()
     cases = CASES if a.cases == "all" else tuple(a.cases.split(","))
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    if a.step_delay:
+        env["PDSERVE_FAULT_STEP_DELAY_S"] = str(a.step_delay)
     served = "builtin" if a.model == "builtin" else os.path.basename(os.path.normpath(a.model))
     t0 = time.time()
     dep = ChaosDeployment(a.model, served, env, heartbeat_ttl=a.heartbeat_ttl)
@@ -67,7 +73,7 @@ def main() -> None:
     finally:
         dep.stop()
     print(f"model {a.model}, heartbeat TTL {a.heartbeat_ttl} s, {a.rate} req/s for {a.duration} s per case, fault at "
-          f"{a.fault_at} s, {a.max_tokens} tokens per request; {time.time() - t0:.0f} s in all; CPU: {cpu_model()}")
+          f"{a.fault_at} s, {a.max_tokens} tokens per request, step delay {a.step_delay} s; {time.time() - t0:.0f} s in all; CPU: {cpu_model()}")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
 

@@ -21,6 +21,9 @@ def dep(tiny_llama, tmp_path_factory):
     model, _ = served_as_ck(tiny_llama, tmp_path_factory, "tenants: {}\n")
     env = _env()
     env["PDSERVE_LOG_LEVEL"] = "INFO"  # the billing lines are INFO
+    # every engine step >= 10 ms: a 48-token stream of the tiny model lasts ~0.5 s, so a fault finds streams in
+    # flight (undelayed they last milliseconds and a kill hits none)
+    env["PDSERVE_FAULT_STEP_DELAY_S"] = "0.01"
     d = ChaosDeployment(str(model), "ck", env, heartbeat_ttl=TTL,
                         extra=("--num-gpu-blocks", "256", "--threads", "1"),
                         log_dir=tmp_path_factory.mktemp("chaos"))
@@ -28,13 +31,13 @@ def dep(tiny_llama, tmp_path_factory):
     d.stop()
 
 
-@pytest.mark.parametrize("case", ["abort-storm", "kill-decode", "partition-decode", "kill-router"])
+@pytest.mark.parametrize("case", ["abort-storm", "kill-decode", "partition-decode"])
 def test_fault_leaves_nothing_behind(dep, case):
-    r = run_case(dep, case, rate=6.0, duration=4.0, fault_at=1.5, storm=60, settle_timeout=10.0)
+    r = run_case(dep, case, rate=6.0, duration=3.0, fault_at=1.0, storm=60, settle_timeout=15.0, max_tokens=48)
     print(r.row())
     assert r.sent > 0
     assert (r.blocks_left, r.pinned_left, r.reservations_left) == (0, 0, 0), r
-    assert r.records_one == r.sent, r  # none missing, none twice
+    assert r.records_one == r.sent - r.refused, r  # none missing, none twice (refused: no gateway got it)
     assert r.finished + r.failed + r.cancelled == r.sent
     assert r.max_error_wait_s <= 2 * TTL, r
     if case == "abort-storm":
