@@ -34,7 +34,8 @@ def row(r) -> str:
             f"{s(r.blocks_left)} / {s(r.pinned_left)} / {s(r.reservations_left)} | "
             f"{r.records_one} / {r.records_missing} / {r.records_dup} | {r.max_error_wait_s:.2f} s | "
             f"{r.max_stall_s:.2f} s | {r.recovery_s:.2f} s | "
-            f"{', '.join(f'{k} {v}' for k, v in sorted(r.errors.items())) or '-'} |")
+            f"{', '.join(f'{k} {v}' for k, v in sorted(r.errors.items())) or '-'}"
+            + (f" ({r.early_failures} before the fault)" if r.early_failures else "") + " |")
 
 
 def main() -> None:
@@ -70,6 +71,8 @@ def main() -> None:
                          max_tokens=a.max_tokens)
             rows.append(r.row())
             print(row(r), flush=True)
+            if r.reasons:
+                print(f"<!-- {r.case}: gateway FAILED reasons {r.reasons} -->", flush=True)
     finally:
         dep.stop()
     print(f"model {a.model}, heartbeat TTL {a.heartbeat_ttl} s, {a.rate} req/s for {a.duration} s per case, fault at "

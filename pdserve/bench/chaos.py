@@ -365,6 +365,8 @@ class CaseResult:
     recovery_s: float = 0.0
     settle_s: float | None = None    # after the load ended, until blocks/pinned/reservations read 0
     errors: dict = field(default_factory=dict)  # error kind -> count
+    reasons: dict = field(default_factory=dict)  # the gateways' `ended FAILED: <why>` lines, first 60 chars -> count
+    early_failures: int = 0          # of the failed: ended before the fault (left over from an earlier case)
 
     def row(self) -> dict:
         return asdict(self)
@@ -409,7 +411,9 @@ def run_case(dep: ChaosDeployment, case: str, *, rate: float = 8.0, duration: fl
         res.errors = dict(Counter(_kind(o.error) for o in failed))
         res.refused = sum((o.error or "").startswith("ConnectError") for o in failed)
         if failed:
-            res.max_error_wait_s = round(max(o.end - max(o.sent, t_fault or o.sent) for o in failed), 3)
+            late = [o for o in failed if t_fault is None or o.end >= t_fault]
+            res.early_failures = len(failed) - len(late)
+            res.max_error_wait_s = round(max((o.end - max(o.sent, t_fault or o.sent) for o in late), default=0.0), 3)
             res.recovery_s = round(max(0.0, max(o.sent for o in failed) - t_fault), 3) if t_fault else 0.0
         res.max_stall_s = round(max((o.max_gap for o in outs if o.ok), default=0.0), 3)
     # everything released: poll until zero (or the timeout)
@@ -428,6 +432,8 @@ def run_case(dep: ChaosDeployment, case: str, *, rate: float = 8.0, duration: fl
         if all(seen[r] >= 1 for r in want) or time.monotonic() > end:
             break
         time.sleep(0.2)
+    res.reasons = dict(Counter(re.sub(r"\d+", "N", m.group(1))[:60] for line in dep.up.lines
+                               if f"chaos-{tag}-" in line and (m := re.search(r"ended FAILED: (.*)", line))))
     res.records_one = sum(seen[r] == 1 for r in want)  # of the `sent - refused` requests a gateway received
     res.records_missing = sum(seen[r] == 0 for r in want)
     res.records_dup = sum(seen[r] > 1 for r in want)
