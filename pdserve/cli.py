@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--lease-ttl", type=positive_float, default=30.0)
     up.add_argument("--heartbeat-ttl", type=positive_float, default=3.0)
     up.add_argument("--ready-timeout", type=positive_float, default=180.0)
-    up.add_argument("--no-restart", action="store_true",
+    up.add_argument("--no-restart", action="store_true", default=None,  # None: help prints no "default: False"
                     help="do not restart a child that exits (default: restart with backoff, docs/reliability.md)")
     up.add_argument("--drain-timeout", type=nonneg_float, default=None,
                     help="passed to every child (default: each its own)")
