@@ -312,11 +312,20 @@ async def _sigstop(pid: int, seconds: float) -> None:
 
 def fault(case: str, dep: ChaosDeployment):
     """The coroutine that injects `case` (awaited at the fault time; returns when the fault is over)."""
-    decode = dep.workers("decode")[0]
     prefill = dep.workers("prefill")[0]
     ttl = dep.ttl
 
+    def busiest_decode() -> dict:
+        """The decode worker holding the most KV blocks right now: the fault finds streams in flight."""
+        def held(w: dict) -> float:
+            try:
+                return _sum(_metrics(w["metrics_port"]), "pdserve_kv_blocks_in_use")
+            except Exception:
+                return -1.0
+        return max(dep.workers("decode"), key=held)
+
     async def run() -> None:
+        decode = busiest_decode()
         if case == "kill-decode":
             _kill(decode["pid"], signal.SIGKILL)
         elif case == "kill-prefill":
