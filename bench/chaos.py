@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=8.0, help="seconds of load per case")
     ap.add_argument("--fault-at", type=float, default=3.0, help="seconds into the load")
     ap.add_argument("--storm", type=int, default=1000, help="abort storm: streams")
-    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--heartbeat-ttl", type=float, default=2.0)
     ap.add_argument("--step-delay", type=float, default=0.02,
                     help="s added to every engine step (PDSERVE_FAULT_STEP_DELAY_S): the small model's streams then "
