@@ -123,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--lease-ttl", type=positive_float, default=30.0)
     up.add_argument("--heartbeat-ttl", type=positive_float, default=3.0)
     up.add_argument("--ready-timeout", type=positive_float, default=180.0)
+    up.add_argument("--no-restart", action="store_true", default=None,  # None: help prints no "default: False"
+                    help="do not restart a child that exits (default: restart with backoff, docs/reliability.md)")
+    up.add_argument("--drain-timeout", type=nonneg_float, default=None,
+                    help="passed to every child (default: each its own)")
     _add_lifecycle(up, redis_url=False)
     _add_security(up)
 
@@ -144,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also serve /metrics here without a key (for an in-cluster scraper; 0: off)")
     gw.add_argument("--metrics-host", default=None, help="address for --metrics-port "
                     "(default --host)")
+    gw.add_argument("--drain-timeout", type=nonneg_float, default=5.0,
+                    help="SIGTERM: seconds open requests may finish; the process is gone 3 s later at most")
 
     rt = sub.add_parser("router", env=True, help="placement service over the Redis registry")
     _add_common(rt)
@@ -152,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--metrics-port", type=port, default=0)
     rt.add_argument("--heartbeat-ttl", type=positive_float, default=3.0)
     rt.add_argument("--mode", choices=MODES, default="auto", help="placement policy (docs/routing.md)")
+    rt.add_argument("--drain-timeout", type=nonneg_float, default=5.0,
+                    help="SIGTERM: the process is gone this + 3 s later at most")
     _add_security(rt)
 
     wk = sub.add_parser("worker", env=True, help="engine worker: --role prefill|decode|both")
@@ -252,7 +260,7 @@ def _run(args: argparse.Namespace) -> int:
         from pdserve.services.router.server import serve
         asyncio.run(serve(args.host, args.port, args.redis_url, args.served_model_name, args.metrics_port,
                           args.heartbeat_ttl, args.mode, args.metrics_compat,
-                          security=security, redis_auth=_redis_auth(args)))
+                          security=security, redis_auth=_redis_auth(args), drain_s=args.drain_timeout))
     elif args.command == "worker":
         from pdserve.services.worker import serve
         asyncio.run(serve(args))

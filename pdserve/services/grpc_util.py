@@ -15,6 +15,22 @@ from pdserve.services.grpc_context import ContextChannel, ContextServerIntercept
 # Streams carry small token deltas but Prefill responses carry NIXL agent metadata (a few KB to MB).
 OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 
+# A peer that stops answering (SIGSTOPped, wedged host, blackholed port) while a call is open: the connection
+# stays up and the call would wait for the caller's deadline. An HTTP/2 PING every KEEPALIVE_MS while calls are
+# open, unanswered for KEEPALIVE_TIMEOUT_MS, closes the connection and fails its calls UNAVAILABLE, so a client
+# whose stream sits on a silent worker gets its error (or its request moved) ~3 s after the worker went silent,
+# within 2 heartbeat TTLs (docs/reliability.md, "Fault matrix"). PINGs are answered by gRPC's transport, not by
+# the worker's Python code, so a long engine step does not trip it. Servers accept the PINGs (the default policy
+# answers pings more often than every 5 min with GOAWAY after 2 strikes).
+KEEPALIVE_MS = 1000
+KEEPALIVE_TIMEOUT_MS = 2000
+CLIENT_KEEPALIVE = [("grpc.keepalive_time_ms", KEEPALIVE_MS), ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+                    ("grpc.keepalive_permit_without_calls", 0), ("grpc.http2.max_pings_without_data", 0),
+                    ("grpc.http2.min_time_between_pings_ms", KEEPALIVE_MS),
+                    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS)]  # any ping: BDP probes too (60 s)
+SERVER_KEEPALIVE = [("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
+                    ("grpc.http2.max_ping_strikes", 0)]
+
 
 _security: InternalSecurity = NONE
 
@@ -33,7 +49,7 @@ def make_server(service_names: list[str], internal: bool = True) -> tuple[grpc.a
     """`internal=False` for the gateway's public front door, which authenticates tenants by API key instead."""
     sec = _security if internal else NONE
     # the gateway's own service is the front door: its callers' ids are checked and echoed (grpc_context.py)
-    server = grpc.aio.server(options=OPTIONS, interceptors=[ContextServerInterceptor(GATEWAY_SERVICE),
+    server = grpc.aio.server(options=[*OPTIONS, *SERVER_KEEPALIVE], interceptors=[ContextServerInterceptor(GATEWAY_SERVICE),
                                                             *sec.server_interceptors()])
     hs = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
@@ -66,7 +82,7 @@ RELAY_OPTIONS = [*OPTIONS, ("grpc.http2.bdp_probe", 0)]
 def channel(address: str, relay: bool = False) -> grpc.aio.Channel:
     """A channel to an internal service (router, worker), with the process's token and TLS; its calls carry the
     calling task's request id and trace context (grpc_context.py)."""
-    options = [*(RELAY_OPTIONS if relay else OPTIONS), *_security.channel_options()]
+    options = [*(RELAY_OPTIONS if relay else OPTIONS), *CLIENT_KEEPALIVE, *_security.channel_options()]
     interceptors = _security.client_interceptors() or None
     creds = _security.channel_credentials()
     if creds is not None:

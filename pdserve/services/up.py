@@ -3,7 +3,10 @@
 Order: Redis (private `redis-server` found on PATH unless --redis-url), router, workers, gateway; then wait for
 the gateway's /health (all roles registered) and print the base URL plus one machine-readable line
 `PDSERVE_UP {json}` (pids, ports, metrics ports: what tests and scripts need). Ctrl-C / SIGTERM stops all in
-reverse order (SIGTERM, which drains, then SIGKILL after a grace period). If any child dies, everything stops.
+reverse order (SIGTERM, which drains, then SIGKILL after a grace period). A child that dies before the deployment
+is ready fails `up`; once ready, a child that exits is restarted with backoff (supervisor.py: counted, logged,
+announced as `PDSERVE_CHILD {json}`), unless --no-restart, with which a dead gateway, router or Redis, or the last
+worker, stops everything. Children never outlive `up` (parent-death signal, supervisor.py).
 """
 from __future__ import annotations
 
@@ -17,6 +20,8 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from pdserve.services.supervisor import Supervisor, describe_exit
 
 ROOT = str(Path(__file__).resolve().parent.parent.parent)
 
@@ -37,39 +42,11 @@ def _wait_tcp(port: int, timeout: float) -> bool:
     return False
 
 
-class Deployment:
-    def __init__(self):
-        self.procs: list[tuple[str, subprocess.Popen, dict]] = []
-        env = dict(os.environ)
-        env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        self.env = env
-
-    def spawn(self, name: str, cmd: list[str], info: dict, stdin=None) -> subprocess.Popen:
-        # own process group: a Ctrl-C on the terminal reaches `up` only, which then stops children in order
-        p = subprocess.Popen(cmd, env=self.env, start_new_session=True, stdin=stdin)
-        self.procs.append((name, p, {"name": name, "pid": p.pid, **info}))
-        return p
-
-    def pdserve(self, name: str, args: list[str], info: dict) -> subprocess.Popen:
-        return self.spawn(name, [sys.executable, "-m", "pdserve", *args], info)
-
-    def dead(self) -> str | None:
-        for name, p, _ in self.procs:
-            if p.poll() is not None:
-                return f"{name} exited with {p.returncode}"
-        return None
-
-    def stop(self, grace: float = 15.0) -> None:
-        for name, p, _ in reversed(self.procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-            end = time.monotonic() + grace
-            while p.poll() is None and time.monotonic() < end:
-                time.sleep(0.05)
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
 
 
 LIFECYCLE_FLAGS = ("api_keys_file", "max_body_bytes", "default_timeout", "max_timeout", "admission_queue",
@@ -103,7 +80,8 @@ def up(args) -> int:
     if problem is not None:
         print(f"pdserve up: {problem}", file=sys.stderr, flush=True)
         return 2
-    d = Deployment()
+    d = Supervisor(_env(), restart=False)  # restarting starts once the deployment is ready
+    pdserve = [sys.executable, "-m", "pdserve"]
     stopping = {"flag": False}
 
     def on_signal(signum, frame):
@@ -121,12 +99,11 @@ def up(args) -> int:
             if args.redis_password_file:
                 # the private server takes the same password, through its stdin (`-`), not its command line
                 redis_cmd.insert(1, "-")
-            p = d.spawn("redis", redis_cmd, {"port": rport}, stdin=subprocess.PIPE if args.redis_password_file
-                        else None)
+            stdin_data = None
             if args.redis_password_file:
                 pw = Path(args.redis_password_file).read_text().strip().replace("\\", "\\\\").replace('"', '\\"')
-                p.stdin.write(f'requirepass "{pw}"\n'.encode())
-                p.stdin.close()
+                stdin_data = f'requirepass "{pw}"\n'.encode()
+            d.start("redis", redis_cmd, {"port": rport}, stdin_data=stdin_data)
             if not _wait_tcp(rport, 10):
                 print("pdserve up: redis-server did not start", file=sys.stderr)
                 return 1
@@ -135,6 +112,8 @@ def up(args) -> int:
                   "--log-format", args.log_format, *_flags(args, SECURITY_FLAGS)]
         if args.metrics_compat:
             common += ["--metrics-compat", args.metrics_compat]
+        if args.drain_timeout is not None:
+            common += ["--drain-timeout", str(args.drain_timeout)]
         eng = []
         for flag in ("num_gpu_blocks", "max_num_seqs", "device", "dtype", "threads", "policy", "kv_cache_bytes",
                      "gpu_memory_utilization", "block_size", "max_num_batched_tokens", "max_model_len",
@@ -143,7 +122,7 @@ def up(args) -> int:
             if v:
                 eng += ["--" + flag.replace("_", "-"), str(v)]
         rt_port, rt_metrics = free_port(), free_port()
-        d.pdserve("router", ["router", *common, "--port", str(rt_port), "--redis-url", redis_url,
+        d.start("router", [*pdserve, "router", *common, "--port", str(rt_port), "--redis-url", redis_url,
                              "--metrics-port", str(rt_metrics), "--heartbeat-ttl", str(args.heartbeat_ttl),
                              "--mode", args.mode],
                   {"port": rt_port, "metrics_port": rt_metrics})
@@ -165,13 +144,13 @@ def up(args) -> int:
         for i, role in enumerate(roles):
             port, mport = free_port(), free_port()
             wid = f"{role}-{i}-{port}"
-            d.pdserve(wid, ["worker", *common, *eng, "--role", role, "--port", str(port), "--worker-id", wid,
+            d.start(wid, [*pdserve, "worker", *common, *eng, "--role", role, "--port", str(port), "--worker-id", wid,
                             "--redis-url", redis_url, "--metrics-port", str(mport),
                             "--heartbeat-ttl", str(args.heartbeat_ttl), "--lease-ttl", str(args.lease_ttl)],
                       {"role": role, "port": port, "metrics_port": mport, "worker_id": wid})
         gport = args.grpc_port or free_port()
         # the gateway is the one process clients reach: it listens on --host (the rest stay on loopback)
-        d.pdserve("gateway", ["gateway", *common, "--host", args.host, "--port", str(args.port),
+        d.start("gateway", [*pdserve, "gateway", *common, "--host", args.host, "--port", str(args.port),
                               "--grpc-port", str(gport), "--router", f"127.0.0.1:{rt_port}", "--redis-url", redis_url,
                               *_lifecycle_flags(args)], {"port": args.port, "grpc_port": gport})
         reach = "127.0.0.1" if args.host in ("0.0.0.0", "", "::") else args.host
@@ -179,9 +158,10 @@ def up(args) -> int:
         end = time.monotonic() + args.ready_timeout
         ready = False
         while time.monotonic() < end and not stopping["flag"]:
-            why = d.dead()
-            if why:
-                print(f"pdserve up: {why}", file=sys.stderr)
+            d.poll()
+            dead = d.dead()
+            if dead:
+                print(f"pdserve up: {dead.name} exited with {describe_exit(dead.proc.returncode)}", file=sys.stderr)
                 return 1
             try:
                 with urllib.request.urlopen(base + "/health", timeout=2) as r:
@@ -199,17 +179,19 @@ def up(args) -> int:
             return 1
         print(f"pdserve up: {args.mode} deployment of {args.served_model_name} ready at {base}/v1", flush=True)
         print("PDSERVE_UP " + json.dumps({"base_url": base, "mode": args.mode, "redis_url": redis_url,
-                                          "processes": [info for _, _, info in d.procs]}), flush=True)
+                                          "processes": d.infos()}), flush=True)
+        d.restart = not args.no_restart
         while not stopping["flag"]:
-            why = d.dead()
-            if why and not any(info.get("role") for n, p, info in d.procs if p.poll() is None):
-                print(f"pdserve up: {why}; no workers left, stopping", file=sys.stderr)
+            d.poll()
+            dead = d.dead()  # only with --no-restart
+            if dead and not any(c.info.get("role") and c.running for c in d.children.values()):
+                print(f"pdserve up: {dead.name} died; no workers left, stopping", file=sys.stderr)
                 return 1
-            if why and any(n in ("gateway", "router", "redis") for n, p, _ in d.procs if p.poll() is not None):
-                print(f"pdserve up: {why}; stopping", file=sys.stderr)
+            if dead and any(n in ("gateway", "router", "redis") and not c.running for n, c in d.children.items()):
+                print(f"pdserve up: {dead.name} died; stopping", file=sys.stderr)
                 return 1
             time.sleep(0.2)
         return 0
     finally:
-        d.stop()
+        d.stop_all(args.drain_timeout + 5 if args.drain_timeout is not None else 15.0)
         print("pdserve up: stopped", flush=True)

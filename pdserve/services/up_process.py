@@ -34,6 +34,12 @@ class UpProcess:
                 if line.startswith("PDSERVE_UP "):
                     self.info = json.loads(line[len("PDSERVE_UP "):])
                     ready.set()
+                elif line.startswith("PDSERVE_CHILD ") and self.info is not None:
+                    # a child restarted by up's supervisor: its new pid and restart count, in place
+                    child = json.loads(line[len("PDSERVE_CHILD "):])
+                    for p in self.info["processes"]:
+                        if p["name"] == child["name"]:
+                            p.update(child)
             ready.set()  # the process ended without becoming ready
 
         threading.Thread(target=read, daemon=True).start()
@@ -52,8 +58,22 @@ class UpProcess:
         return [self.base_url + "/metrics"] + [f"http://127.0.0.1:{w['metrics_port']}/metrics"
                                                for w in self.workers()]
 
+    def wait_restart(self, name: str, old_pid: int, timeout: float = 60.0) -> dict:
+        """The info of child `name` once up announced it restarted under a pid other than `old_pid` (the entries of
+        `info["processes"]` are updated in place: read `old_pid` before the child can restart)."""
+        import time
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            p = self.process(name)
+            if p["pid"] != old_pid:
+                return p
+            time.sleep(0.05)
+        raise TimeoutError(f"{name} not restarted within {timeout} s:\n" + "".join(
+            l for l in self.lines if "pdserve up" in l or "PDSERVE_" in l or name in l))
+
     def stop(self, timeout: float = 40.0) -> int:
-        """SIGTERM (`pdserve up` drains and stops its children), SIGKILL of the group if it hangs."""
+        """SIGTERM (`pdserve up` drains and stops its children), SIGKILL of the group if it hangs (the children,
+        in their own sessions, follow through their parent-death signal)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:

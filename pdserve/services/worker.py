@@ -254,7 +254,7 @@ async def serve(args) -> None:
     await set_serving(hs, [WORKER_SERVICE], True)
     log.info("worker %s (%s) listening on %s:%d, %d KV blocks of %d bytes; %s", worker_id, args.role, args.host,
              args.port, engine.kv_cache.num_blocks, engine.kv_cache.block_bytes, engine.info.line())
-    stop = install_stop_signals()
+    stop = install_stop_signals(args.drain_timeout, f"worker {worker_id}")
     await stop.wait()
     # drain: leave the registry first so nothing new is routed here, then let in-flight requests finish
     log.info("draining (%d in flight)", w.inflight)

@@ -22,7 +22,8 @@ def up(tiny_llama):
     model = tiny_llama.parent / "ck"
     if not model.exists():
         shutil.copytree(tiny_llama, model)
-    d = Up(model, "--mode", "disagg", "--prefill", "1", "--decode", "2", "--lease-ttl", "4")
+    d = Up(model, "--mode", "disagg", "--prefill", "1", "--decode", "2", "--lease-ttl", "4",
+           "--no-restart")  # test_kill_decode_worker_mid_stream: the killed worker stays dead
     yield d
     d.stop()
 

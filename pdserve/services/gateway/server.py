@@ -47,6 +47,22 @@ def uvicorn_config(app, host: str, port: int, gcfg: GatewayConfig) -> uvicorn.Co
         h11_max_incomplete_event_size=gcfg.max_header_bytes)
 
 
+class _Server(uvicorn.Server):
+    """uvicorn, gone at the latest `drain_s` + grace after the first SIGTERM/SIGINT (procutil.exit_deadline):
+    uvicorn owns the gateway's signal handlers, so the deadline is armed here."""
+
+    def __init__(self, config: uvicorn.Config, drain_s: float):
+        super().__init__(config)
+        self.drain_s = drain_s
+        self.deadline = None
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.deadline is None:
+            from pdserve.services.procutil import EXIT_GRACE_S, exit_deadline
+            self.deadline = exit_deadline(self.drain_s + EXIT_GRACE_S, "gateway")
+        super().handle_exit(sig, frame)
+
+
 async def serve(args) -> None:
     app = create_app(GatewayConfig(
         args.model, args.served_model_name, args.router, redis_url=args.redis_url, api_keys_file=args.api_keys_file,
@@ -69,7 +85,8 @@ async def serve(args) -> None:
         await grpc_server.start()
         await set_serving(hs, [GATEWAY_SERVICE], True)
     cfg = uvicorn_config(app, args.host, args.port, app.state.config)
-    server = uvicorn.Server(cfg)
+    cfg.timeout_graceful_shutdown = min(cfg.timeout_graceful_shutdown, args.drain_timeout)
+    server = _Server(cfg, args.drain_timeout)
     log.info("gateway on http://%s:%d (grpc %s), router %s", args.host, args.port, args.grpc_port, args.router)
     await server.serve(sockets=[listen_socket(args.host, args.port)])  # returns after SIGTERM/SIGINT, having drained open connections
     # terminal paths still running (billing records, reservation releases, ReleaseKV) complete before exit

@@ -80,8 +80,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
 async def serve(host: str, port: int, redis_url: str, model: str, metrics_port: int | None = None,
                 ttl_s: float = 3.0, mode: str = "auto", metrics_compat: str | None = None,
-                security: InternalSecurity = NONE, redis_auth: RedisAuth = NO_AUTH) -> None:
-    """`security` must be what grpc_util.configure was given (the CLI does both): it keys the registry HMAC."""
+                security: InternalSecurity = NONE, redis_auth: RedisAuth = NO_AUTH, drain_s: float = 5.0) -> None:
+    """`security` must be what grpc_util.configure was given (the CLI does both): it keys the registry HMAC.
+    SIGTERM: NOT_SERVING, in-flight Route calls get min(2, drain_s) s, and the process is gone by drain_s + grace
+    (procutil.exit_deadline) even if Redis, which its teardown talks to, is not there."""
     from pdserve.services.metrics import exposition
     from pdserve.services.procutil import install_stop_signals
     if metrics_port:
@@ -97,9 +99,9 @@ async def serve(host: str, port: int, redis_url: str, model: str, metrics_port: 
     await set_serving(hs, [ROUTER_SERVICE], True)
     log.info("router listening on %s:%d (model %s, mode %s, index rebuilt with %d blocks, internal auth %s)", host,
              port, model, mode, len(svc.sync.index), security.describe())
-    stop = install_stop_signals()
+    stop = install_stop_signals(drain_s, "router")
     await stop.wait()
     await set_serving(hs, [ROUTER_SERVICE], False)
-    await server.stop(grace=2)
+    await server.stop(grace=min(2.0, drain_s))
     await svc.stop()
     await registry.close()
