@@ -156,8 +156,9 @@ class DecodeSide:
             self._release_once(p, kv, rid)
             M.TERMINAL.labels("FAILED").inc()
             log.warning("request %s: %s", rid, e)
+            # retryable: the prefill side failed, not the request; the gateway places it again (re-prefilled)
             yield common_pb2.GenerateResponse(request_id=rid, finished=True, state="FAILED",
-                                              error=f"KV transfer failed: {e}")
+                                              error=f"KV transfer failed: {e}", retryable=True)
             return
         prompt = list(request.prompt_token_ids)
         t_start = time.time()
@@ -222,7 +223,7 @@ class DecodeSide:
             M.TERMINAL.labels("FAILED").inc()
             p.ended = True
             log.warning("request %s: %s", rid, err)
-            yield common_pb2.GenerateResponse(request_id=rid, finished=True, state="FAILED", error=err)
+            yield common_pb2.GenerateResponse(request_id=rid, finished=True, state="FAILED", error=err, retryable=True)
             return
         # 3. commit: the request joins the decode batch; its first output carries the first token
         stream = host.attach(rid)  # before the commit, so the first output (the first token) is not missed
