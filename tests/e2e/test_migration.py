@@ -1,7 +1,8 @@
-"""Mid-stream migration against a real `pdserve up --mode disagg` (Redis, router, one prefill and three decode
-workers, gateway; tiny model, each engine step slowed to 30 ms so that a stream is long enough to break): the
-serving decode worker is SIGKILLed (or SIGSTOPped: it stops answering and leaves the registry) after some tokens
-went out, and the client's stream goes on on another worker (docs/reliability.md, "Mid-stream migration").
+"""Mid-stream migration against a real `pdserve up --mode disagg` (Redis, router, two prefill and three decode
+workers, gateway; tiny model, each engine step slowed to 30 ms so that a stream is long enough to break, each KV
+pull delayed 1 s): the serving decode worker is SIGKILLed (or SIGSTOPped: it stops answering and leaves the
+registry) after some tokens went out, or the prefill worker holding the prompt's KV is SIGKILLed before the pull,
+and the client's stream goes on on another worker (docs/reliability.md, "Mid-stream migration").
 
 References are independent of the serving path: the offline engine's uninterrupted run of the same request
 (greedy, and seeded sampling). Also checked: the migration limit (`--migration-limit 1`) ends a request that breaks
@@ -24,14 +25,15 @@ from tests.e2e.conftest import NUM_BLOCKS, ROOT, metric, served_as_ck, wait_unti
 
 PROMPT = "the quick brown fox"
 STEP_DELAY_S = 0.03
+PULL_DELAY_S = 1.0  # the decode side waits this long before pulling a prompt's KV: a window to kill its source
 
 
 @pytest.fixture(scope="module")
 def up(tiny_llama, tmp_path_factory):
     model, _ = served_as_ck(tiny_llama, tmp_path_factory, "tenants: {}\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PDSERVE_LOG_LEVEL": "INFO",  # INFO: the billing records
-           "PDSERVE_FAULT_STEP_DELAY_S": str(STEP_DELAY_S)}
-    d = UpProcess(["--model", str(model), "--num-gpu-blocks", str(NUM_BLOCKS), "--mode", "disagg", "--prefill", "1",
+           "PDSERVE_FAULT_STEP_DELAY_S": str(STEP_DELAY_S), "PDSERVE_FAULT_PULL_DELAY_S": str(PULL_DELAY_S)}
+    d = UpProcess(["--model", str(model), "--num-gpu-blocks", str(NUM_BLOCKS), "--mode", "disagg", "--prefill", "2",
                    "--decode", "3", "--migration-limit", "1", "--heartbeat-ttl", "2"], env, 120)
     yield d
     d.stop()
@@ -59,7 +61,7 @@ class Stream:
         self.text, self.events, self.usage, self.error, self.done, self.id = "", 0, None, None, False, None
 
     def read(self, events: int | None = None) -> None:
-        """Read `events` more text events (None: to the end)."""
+        """Read `events` more choice events (None: to the end)."""
         want = None if events is None else self.events + events
         for line in self.lines:
             if not line.startswith("data: "):
@@ -74,10 +76,9 @@ class Stream:
             self.id = ev.get("id", self.id)
             if ev.get("usage"):
                 self.usage = ev["usage"]
-            for c in ev.get("choices", []):
-                if c.get("text"):
-                    self.text += c["text"]
-                    self.events += 1
+            for c in ev.get("choices", []):  # one per message with tokens (its text may be held back: "")
+                self.text += c.get("text") or ""
+                self.events += 1
             if want is not None and self.events >= want:
                 return
         self.cm.__exit__(None, None, None)
@@ -137,6 +138,22 @@ def test_migration_limit_ends_with_an_error_not_a_hang(up):
     assert metric(up.port, "pdserve_migrations_total", '{reason="worker_lost"}') == 1
 
 
+def test_prefill_death_before_the_pull_is_reprefilled(up, tiny_llama):
+    """The first token went out from the Prefill reply; the prefill worker holding the prompt's KV dies before the
+    decode worker pulls it. The pull fails (retryable), and the request is prefilled again elsewhere with that
+    token: the stream goes on, the same text as uninterrupted."""
+    want = _reference(tiny_llama, max_tokens=24, temperature=0)
+    s = Stream(up, max_tokens=24, temperature=0)
+    s.read(1)  # the first token, from the Prefill reply: the decode side now waits PULL_DELAY_S before its pull
+    os.kill(_pid(up, s.route["prefill"]), signal.SIGKILL)
+    s.read()
+    assert s.error is None and s.done, s.error
+    assert s.text == want, (s.text, want)
+    rec = _record(up, s.id)
+    assert rec["state"] == "FINISHED" and rec["migrations"] == 1 and rec["recomputed_tokens"] > 0, rec
+    assert metric(up.port, "pdserve_migrations_total", '{reason="kv_transfer"}') == 1
+
+
 @pytest.mark.parametrize("kind", ["seeded", "greedy"])
 def test_sigkill_mid_stream_migrates_to_the_same_output(up, tiny_llama, kind):
     params = dict(temperature=0) if kind == "greedy" else dict(temperature=1.0, top_p=0.9, seed=1234)
@@ -164,7 +181,7 @@ def test_nothing_left_behind(up):
     """After the kills and stops: every live worker holds no KV blocks and no pins, Redis no reservations."""
     r = redis.Redis.from_url(up.info["redis_url"])
     live = [p for p in up.workers() if _alive(p["pid"])]
-    assert len(live) == 2  # the prefill worker and one decode worker survive
+    assert len(live) == 2  # one prefill worker and one decode worker survive
 
     def clean() -> bool:
         return (all(metric(p["metrics_port"], "pdserve_kv_blocks_in_use") == 0

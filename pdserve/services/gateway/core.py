@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -21,7 +22,8 @@ from typing import AsyncIterator
 import grpc
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.services.gateway.migration import KV_TRANSFER, UNAVAILABLE, Broken, Sent, broken_by, watched
+from pdserve.services.gateway.migration import (KV_TRANSFER, STALL_CHECK_S, UNAVAILABLE, Broken, Sent, broken_by,
+                                                watched)
 from pdserve.services.gateway.stages import StageTrace
 from pdserve.services.metrics import gateway as M
 from pdserve.services.grpc_util import channel, param_of
@@ -64,6 +66,8 @@ class Dispatcher:
         self.model = model
         self.max_attempts = max_attempts
         self.migration_limit = migration_limit  # moves per sub-request after a worker died (migration.py)
+        self._listed_ids: set[str] | None = None  # the router's last worker list (None: unknown)
+        self._listed_at = float("-inf")
         self._router = router_pb2_grpc.RouterStub(channel(router_address))
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -133,12 +137,16 @@ class Dispatcher:
                             trace.migrations, self.migration_limit, len(resume or ()))
 
     async def _listed(self, worker_id: str) -> bool:
-        """Whether the router still lists the worker (a router that does not answer: assume so)."""
-        try:
-            workers = (await self.list_workers()).workers
-        except grpc.aio.AioRpcError:
-            return True
-        return any(w.worker_id == worker_id for w in workers)
+        """Whether the router still lists the worker (a router that does not answer: assume so). One ListWorkers
+        per half stall check serves every silent stream: a queue of thousands does not ask a thousand times."""
+        now = time.monotonic()
+        if now - self._listed_at > STALL_CHECK_S / 2:
+            self._listed_at = now  # before the await: concurrent callers use the last answer meanwhile
+            try:
+                self._listed_ids = {w.worker_id for w in (await self.list_workers()).workers}
+            except grpc.aio.AioRpcError:
+                self._listed_ids = None
+        return self._listed_ids is None or worker_id in self._listed_ids
 
     async def _place(self, rid: str, sub: SubRequest, namespace: str, on_route, metadata: tuple, trace: StageTrace,
                      lifecycle, exclude: list[str], resume: list[int] | None
