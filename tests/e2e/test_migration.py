@@ -111,8 +111,10 @@ def test_migration_limit_ends_with_an_error_not_a_hang(up):
     first = s.route["decode"]
     os.kill(_pid(up, first), signal.SIGSTOP)
     try:
-        before = s.events
-        s.read(3)  # goes on on another worker (local prefill of prompt + the tokens sent)
+        before, t0 = s.events, time.monotonic()
+        s.read(1)  # goes on on another worker (local prefill of prompt + the tokens sent)
+        print(f"SIGSTOP of the decode worker -> next event {time.monotonic() - t0:.2f} s")
+        s.read(2)
         assert s.events >= before + 3 and s.error is None
     finally:
         os.kill(_pid(up, first), signal.SIGCONT)
@@ -131,6 +133,7 @@ def test_migration_limit_ends_with_an_error_not_a_hang(up):
         os.kill(_pid(up, second), signal.SIGCONT)
     assert s.error is not None and not s.done, (s.error, s.done)
     assert s.error["code"] == "failed", s.error  # the client sees a failure, its detail stays in the record
+    print(f"SIGSTOP of the second worker -> error event {waited:.2f} s")
     assert waited < 2 * 2 + 3, waited  # two heartbeat TTLs (2 s) + the stall check, with slack for a loaded box
     rec = _record(up, s.id)
     assert rec["state"] == "FAILED" and rec["migrations"] == 1 and rec["recomputed_tokens"] > 0, rec
@@ -146,6 +149,10 @@ def test_prefill_death_before_the_pull_is_reprefilled(up, tiny_llama):
     s = Stream(up, max_tokens=24, temperature=0)
     s.read(1)  # the first token, from the Prefill reply: the decode side now waits PULL_DELAY_S before its pull
     os.kill(_pid(up, s.route["prefill"]), signal.SIGKILL)
+    t0 = time.monotonic()
+    s.read(1)
+    print(f"SIGKILL of the prefill worker before the pull -> next event {time.monotonic() - t0:.2f} s "
+          f"(the pull waits {PULL_DELAY_S} s)")
     s.read()
     assert s.error is None and s.done, s.error
     assert s.text == want, (s.text, want)
@@ -165,6 +172,9 @@ def test_sigkill_mid_stream_migrates_to_the_same_output(up, tiny_llama, kind):
     s.read(8)
     victim = s.route["decode"]
     os.kill(_pid(up, victim), signal.SIGKILL)
+    t0 = time.monotonic()
+    s.read(1)
+    print(f"SIGKILL of the decode worker ({kind}) -> next event {time.monotonic() - t0:.2f} s")
     s.read()
     assert s.error is None and s.done, s.error
     assert s.text == want, (s.text, want)
