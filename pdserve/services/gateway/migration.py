@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -70,21 +71,30 @@ class Sent:
 
 
 async def watched(call, worker_id: str, listed) -> AsyncIterator[common_pb2.GenerateResponse]:
-    """The stream's messages; while it is silent, every STALL_CHECK_S `listed(worker_id)` is asked, and a worker
-    no longer registered raises `Broken(WORKER_LOST)` (the caller cancels the call)."""
-    while True:
-        read = asyncio.ensure_future(call.read())
-        try:
-            while True:
-                done, _ = await asyncio.wait({read}, timeout=STALL_CHECK_S)
-                if done:
-                    break
-                if not await listed(worker_id):
-                    raise Broken(worker_id, WORKER_LOST, f"worker {worker_id} stopped answering and left the registry")
-        finally:
-            if not read.done():
-                read.cancel()
-        m = read.result()
-        if m is grpc.aio.EOF:
-            return
-        yield m
+    """The stream's messages. A watchdog task (one per stream, not per message: the relay's per-token cost stays
+    that of a plain read) asks `listed(worker_id)` whenever the stream has been silent for STALL_CHECK_S; a worker
+    no longer registered has its call cancelled here and raises `Broken(WORKER_LOST)`."""
+    last = time.monotonic()
+    lost: list[Broken] = []
+
+    async def watch() -> None:
+        while True:
+            await asyncio.sleep(STALL_CHECK_S)
+            if time.monotonic() - last >= STALL_CHECK_S and not await listed(worker_id):
+                lost.append(Broken(worker_id, WORKER_LOST, f"worker {worker_id} stopped answering and left the "
+                                                           f"registry"))
+                call.cancel()
+                return
+
+    dog = asyncio.get_running_loop().create_task(watch())
+    try:
+        async for m in call:
+            last = time.monotonic()
+            yield m
+    except (asyncio.CancelledError, grpc.aio.AioRpcError):
+        # our own cancel of the call (not the task's: a client that left is still a cancellation)
+        if lost and not asyncio.current_task().cancelling():
+            raise lost[0] from None
+        raise
+    finally:
+        dog.cancel()
