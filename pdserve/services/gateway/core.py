@@ -175,19 +175,22 @@ class Dispatcher:
                         lifecycle=lifecycle)
                     if resume is not None:
                         req.resume.output_token_ids.extend(resume)
-                        trace.recomputed_tokens += len(prompt)  # less the new worker's prefix hit, at the end
                     call = self.stub(route.both.address).Generate(req, metadata=metadata)
+                    done = False
                     try:
                         async for m in watched(call, failed_worker, self._listed):
                             emitted = True
                             trace.on_stream(m.times)
                             if resume is not None and m.finished:
-                                c = m.usage.cached_tokens
-                                trace.recomputed_tokens -= c
+                                # recomputed: what the new worker prefilled again, less its prefix-cache hit
+                                done, c = True, m.usage.cached_tokens
+                                trace.recomputed_tokens += len(prompt) - c
                                 m.usage.cached_tokens = min(c, len(sub.prompt_token_ids))  # of the prompt
                             yield m
                     finally:
                         call.cancel()
+                        if resume is not None and emitted and not done:
+                            trace.recomputed_tokens += len(prompt)  # it answered, then broke: no hit known
                     return
                 if resume is not None:
                     raise NoWorkersError("no worker can take the migrated request")
