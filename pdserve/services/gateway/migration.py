@@ -14,7 +14,6 @@ after its first token, its branches' histories differ), and how many times it mo
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -22,8 +21,6 @@ from typing import AsyncIterator
 import grpc
 
 from pdserve.services.pb import common_pb2
-
-log = logging.getLogger("pdserve.gateway")
 
 # A stream silent this long makes the gateway ask the router whether its worker is still registered (a stopped or
 # partitioned worker keeps its TCP connection open, so no error would ever come). A worker leaves the registry one
