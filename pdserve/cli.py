@@ -83,6 +83,9 @@ def _add_lifecycle(p: argparse.ArgumentParser, redis_url: bool = True) -> None:
     p.add_argument("--default-max-tokens", type=positive_int, default=None,
                    help="output cap of a request without max_tokens (min with the context left); unset: the context "
                         "(docs/api.md)")
+    p.add_argument("--migration-limit", type=nonneg_int, default=2,
+                   help="times a request may move to another worker after its worker died mid-stream (0: never; "
+                        "docs/reliability.md, Mid-stream migration)")
     p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                    help="the model's tool call format (docs/api.md, Tool calling); unset: the one the chat template "
                         "writes, else hermes")

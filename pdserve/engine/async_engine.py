@@ -211,13 +211,15 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                        namespace: str = "", prefill_only: bool = False,
                        arrival_time: float | None = None, deadline: float | None = None, priority: int = 0,
-                       predicted_output_tokens: int | None = None) -> AsyncIterator[RequestOutput]:
+                       predicted_output_tokens: int | None = None,
+                       resume_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
         stream = self.attach(request_id)
         try:
             await self.run(lambda e: e.add_request(request_id, prompt_token_ids, params, namespace=namespace,
                                                    prefill_only=prefill_only, arrival_time=arrival_time,
                                                    deadline=deadline, priority=priority,
-                                                   predicted_output_tokens=predicted_output_tokens))
+                                                   predicted_output_tokens=predicted_output_tokens,
+                                                   resume_token_ids=resume_token_ids))
         except asyncio.CancelledError:
             # the add is queued and will run: undo it behind it (commands run in order), or the request would
             # compute (and a prefill-only one stay pinned) for nobody

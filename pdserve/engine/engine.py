@@ -31,6 +31,7 @@ from pdserve.engine.model import LlamaModel
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import CompletionOutput, FirstToken, RequestOutput
 from pdserve.engine.request_state import RequestState as S
+from pdserve.engine.resume import replay
 from pdserve.engine.grammar import make_grammar_state
 from pdserve.engine.sampler import Sampler, SamplingState, bad_words_to_ids
 from pdserve.engine.sampling_params import SamplingParams
@@ -161,14 +162,23 @@ class Engine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     namespace: str = "", prefill_only: bool = False, arrival_time: float | None = None,
                     deadline: float | None = None, priority: int = 0,
-                    predicted_output_tokens: int | None = None) -> None:
+                    predicted_output_tokens: int | None = None, resume_token_ids: list[int] | None = None) -> None:
         """`deadline` (unix time): TIMED_OUT when passed; `priority` (lower = more urgent) and
-        `predicted_output_tokens` feed the `priority` / `shortest-predicted-first` policies."""
+        `predicted_output_tokens` feed the `priority` / `shortest-predicted-first` policies. `resume_token_ids`:
+        a migrated request continues after these output tokens (engine/resume.py; one branch, not prefill-only)."""
         if request_id in self.requests or request_id in self.remote_pending:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.validate_request(prompt_token_ids, params)
+        if resume_token_ids and (params.num_branches != 1 or prefill_only):
+            raise ValueError("invalid resume: only a single-branch request resumes, on a worker that decodes")
         req = self._new_request(request_id, prompt_token_ids, params, namespace, arrival_time)
         req.prefill_only = prefill_only
+        if resume_token_ids:
+            replay(req.seqs[0], list(resume_token_ids), self.model_config.vocab_size, self.max_model_len)
+            req.seqs[0].wants_prompt_logprobs = False  # the client has them from the first worker
+            self.validate_request(req.seqs[0].token_ids, params)  # prompt + output must fit as a prefill does
+            if predicted_output_tokens is not None:
+                predicted_output_tokens = max(0, predicted_output_tokens - len(resume_token_ids))
         self._lifecycle(req, deadline, priority, predicted_output_tokens)
         self.requests[request_id] = req
         self.scheduler.add(req.seqs[0])

@@ -127,7 +127,8 @@ class Worker(worker_pb2_grpc.WorkerServicer):
             lim = limits_from_pb(request.lifecycle)
             gen = self.host.generate(request.request_id, prompt, params, namespace=request.namespace,
                                      deadline=lim.deadline, priority=lim.priority,
-                                     predicted_output_tokens=lim.predicted_output_tokens)
+                                     predicted_output_tokens=lim.predicted_output_tokens,
+                                     resume_token_ids=list(request.resume.output_token_ids) or None)
             try:
                 async with contextlib.aclosing(gen):
                     first = True

@@ -1,6 +1,5 @@
 """`pdserve up --mode disagg`: 1 prefill + 2 decode workers; KV moves over NIXL between processes."""
 import asyncio
-import json
 import os
 import signal
 import time
@@ -86,8 +85,9 @@ def test_orphaned_prefill_blocks_freed_by_lease(up):
 
 
 def test_kill_decode_worker_mid_stream(up):
-    """kill -9 of the decode worker serving a stream: the stream ends with an error event, the gateway stays up,
-    new requests go to the surviving decode worker."""
+    """kill -9 of the decode worker serving a stream: the stream migrates to the surviving decode worker and ends
+    with [DONE] (docs/reliability.md, Mid-stream migration; the output's equality with an uninterrupted run is
+    tests/e2e/test_migration.py's), the gateway stays up, new requests go to the surviving decode worker."""
     decs = up.workers("decode")
 
     # The debug header names the decode worker. The first token comes from the Prefill reply (before the decode
@@ -110,9 +110,8 @@ def test_kill_decode_worker_mid_stream(up):
                 victim = next(w for w in decs if w["worker_id"] == route["decode"])
                 os.kill(victim["pid"], signal.SIGKILL)
     assert victim is not None
-    assert events[-1] != "[DONE]"
-    err = json.loads(events[-1])
-    assert "error" in err and err["error"]["code"] == "failed", err
+    assert events[-1] == "[DONE]" and not any('"error"' in e for e in events), events[-3:]
+    assert metric(up.port, "pdserve_migrations_total", '{reason="unavailable"}') >= 1
     # the gateway is up and routes around the dead worker (before and after its registry entry lapses)
     survivor = next(w for w in decs if w is not victim)
     for _ in range(4):

@@ -153,6 +153,8 @@ def test_every_command_is_one_pdserve_accepts(scenario, monkeypatch):
                 assert a.api_keys_file, "the API-key Secret is mounted but the gateway is not told to read it"
             else:
                 assert a.api_keys_file is None
+            # PDSERVE_MIGRATION_LIMIT, read by the gateway's own parser (docs/reliability.md)
+            assert a.migration_limit == vals.get("gateway", {}).get("migrationLimit", 2)
         if a.command == "router":
             assert a.mode == vals.get("mode", "disagg")  # the router's placement policy is the chart's mode
         if True:  # every component has the Redis URL, the gateway too: limits/quotas/reservations are shared

@@ -204,3 +204,22 @@ def test_router_restart_rebuilds_index_without_cold_cliff():
         assert after >= 0.9 * before
     finally:
         c.close()
+
+
+def test_prefer_local_never_pairs():
+    """`prefer="local"` (a migrated request's resume, gateway/migration.py): one worker runs it whole - a decode or
+    `both` worker, never a (prefill, decode) pair, even in disagg mode and for a long prompt that disaggregating
+    would serve faster; the excluded (dead) worker is never chosen; no local worker left is NoWorkers."""
+    ws = [_rec("p0", "prefill"), _rec("d0", "decode", running=2, bw=20e9, handoff_overhead_s=0.03),
+          _rec("d1", "decode", running=2, bw=20e9, handoff_overhead_s=0.03)]
+    long = list(range(1, 4001))
+    assert Policy("auto", rng=random.Random(0)).place(ws, req=RouteInput("l", long, max_tokens=32)).mode == "disagg"
+    for mode in ("auto", "disagg"):
+        pol = Policy(mode, rng=random.Random(0), inflight_ttl_s=0)
+        for _ in range(20):
+            p = pol.place(ws, req=RouteInput("l", long, max_tokens=32, exclude={"d0"}, prefer="local"))
+            assert p.mode == "colocated" and p.both.worker_id == "d1" and p.reason == "local_forced", p.header()
+        with pytest.raises(NoWorkers):
+            pol.place(ws, req=RouteInput("l", long, exclude={"d0", "d1"}, prefer="local"))
+    both = Policy("colocated").place([_rec("b0"), _rec("d0", "decode")], req=RouteInput("x", [1, 2], prefer="local"))
+    assert both.mode == "colocated"

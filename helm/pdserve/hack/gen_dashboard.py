@@ -43,6 +43,8 @@ PANELS = [
     ("In-flight HTTP requests / client disconnects", "short",
      [(f"sum by (endpoint) (pdserve_http_requests_in_flight{{{SEL}}})", "in flight {{endpoint}}"),
       (rate("pdserve_client_disconnects_total"), "disconnects/s")]),
+    ("Mid-stream migrations by reason", "reqps",
+     [(rate("pdserve_migrations_total", "reason"), "{{reason}}")]),
     ("Token throughput (gateway)", "short",
      [(rate("pdserve_prompt_tokens_total"), "prompt tokens/s"),
       (rate("pdserve_generation_tokens_total"), "generated tokens/s")]),

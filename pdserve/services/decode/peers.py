@@ -4,8 +4,9 @@ A PrefillResponse names its prefill worker by address and incarnation (a fresh i
 re-shipping the NIXL region (agent metadata, KB to MB). The first hand-off from a peer, and the first after the
 peer restarted (a new incarnation at that address), calls KvHandshake there: both sides check the protocol
 version, the decode side gets the region and drops the NIXL connection to the previous incarnation (a restarted
-peer keeps its agent name, so the old descriptors would otherwise be reused). Concurrent hand-offs from a new
-peer share one handshake.
+peer keeps its agent name, so the old descriptors would otherwise be reused) - at this address, or at another one
+when the peer came back under a new address with the same agent name. Concurrent hand-offs from a new peer share
+one handshake.
 """
 from __future__ import annotations
 
@@ -72,9 +73,12 @@ class KvPeers:
                                   f"pinned by {incarnation})", TransferFailure.PEER_GONE)
         region = region_from_pb(resp.region)
         check_compatible(self._layout, region.layout)
-        old = self._known.get(address)
-        if old is not None:
-            self._forget_remote(old[1].agent_name)
+        # Drop every earlier incarnation of this peer: the one at this address, and one that had the same agent name
+        # at another address (a worker restarted under a new address keeps its worker id, hence its agent name:
+        # NIXL would otherwise keep the dead process's metadata and descriptors under that name).
+        stale = {a for a, (_, r) in self._known.items() if a == address or r.agent_name == region.agent_name}
+        for a in stale:
+            self._forget_remote(self._known.pop(a)[1].agent_name)
         self._known[address] = (incarnation, region)
         self.handshakes += 1
         M.KV_HANDSHAKES.labels("initiated").inc()

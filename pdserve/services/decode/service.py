@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -35,6 +36,10 @@ from pdserve.services.pb import common_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("pdserve.decode")
 
+
+# Fault injection only (tests/e2e/test_migration.py): a pause before each pull, a window in which a test kills the
+# prefill worker holding the KV.
+FAULT_PULL_DELAY_S = float(os.environ.get("PDSERVE_FAULT_PULL_DELAY_S") or 0)
 
 # The engine's backstop for a pickup left neither committed nor failed: this long past the READ's own timeout
 # (the allocation and commit are engine commands, queued behind at most a step or two).
@@ -141,6 +146,8 @@ class DecodeSide:
         # every branch continues here, forked over one copy of the prompt's KV, each from its own first token
         params = params_from_pb(request.params)
         firsts = first_tokens_from_pb(request.first_tokens)
+        if FAULT_PULL_DELAY_S:
+            await asyncio.sleep(FAULT_PULL_DELAY_S)
         try:  # where the peer's blocks live: a handshake with the first hand-off from each peer incarnation
             region = await self.peers.region(kv.worker_address, kv.incarnation)
         except KVLayoutMismatch as e:
@@ -156,8 +163,9 @@ class DecodeSide:
             self._release_once(p, kv, rid)
             M.TERMINAL.labels("FAILED").inc()
             log.warning("request %s: %s", rid, e)
+            # retryable: the prefill side failed, not the request; the gateway places it again (re-prefilled)
             yield common_pb2.GenerateResponse(request_id=rid, finished=True, state="FAILED",
-                                              error=f"KV transfer failed: {e}")
+                                              error=f"KV transfer failed: {e}", retryable=True)
             return
         prompt = list(request.prompt_token_ids)
         t_start = time.time()
@@ -222,7 +230,7 @@ class DecodeSide:
             M.TERMINAL.labels("FAILED").inc()
             p.ended = True
             log.warning("request %s: %s", rid, err)
-            yield common_pb2.GenerateResponse(request_id=rid, finished=True, state="FAILED", error=err)
+            yield common_pb2.GenerateResponse(request_id=rid, finished=True, state="FAILED", error=err, retryable=True)
             return
         # 3. commit: the request joins the decode batch; its first output carries the first token
         stream = host.attach(rid)  # before the commit, so the first output (the first token) is not missed

@@ -66,6 +66,7 @@ class GatewayConfig:
     registry_key: bytes | None = None
     tool_call_parser: str | None = None  # the model's tool call format; None: detected from its chat template
     default_max_tokens: int | None = None  # a body without max_tokens: at most this many (None: the context left)
+    migration_limit: int = 2  # moves per request after its worker died mid-stream (gateway/migration.py)
 
 
 def debug_options(headers) -> set[str]:
@@ -163,7 +164,8 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
     limits = serving_limits(model_dir)  # config.json without torch: the gateway never imports the engine
     vocab = limits.vocab_size
     max_len = limits.max_model_len
-    disp = dispatcher or Dispatcher(cfg.router_address, cfg.served_model_name)
+    disp = dispatcher or Dispatcher(cfg.router_address, cfg.served_model_name,
+                                    migration_limit=cfg.migration_limit)
     app = FastAPI(title="pdserve gateway", **fastapi_options())
     app.openapi = lambda: openapi.document("pdserve gateway", _version())  # openapi.py: the real request schemas
     app.add_middleware(HttpGuard, max_header_bytes=cfg.max_header_bytes)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -21,7 +22,10 @@ from typing import AsyncIterator
 import grpc
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.services.gateway.migration import (KV_TRANSFER, STALL_CHECK_S, UNAVAILABLE, Broken, Sent, broken_by,
+                                                watched)
 from pdserve.services.gateway.stages import StageTrace
+from pdserve.services.metrics import gateway as M
 from pdserve.services.grpc_util import channel, param_of
 from pdserve.services.convert import params_to_pb
 from pdserve.services.pb import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -58,9 +62,12 @@ class SubRequest:
 
 
 class Dispatcher:
-    def __init__(self, router_address: str, model: str, max_attempts: int = 3):
+    def __init__(self, router_address: str, model: str, max_attempts: int = 3, migration_limit: int = 2):
         self.model = model
         self.max_attempts = max_attempts
+        self.migration_limit = migration_limit  # moves per sub-request after a worker died (migration.py)
+        self._listed_ids: set[str] | None = None  # the router's last worker list (None: unknown)
+        self._listed_at = float("-inf")
         self._router = router_pb2_grpc.RouterStub(channel(router_address))
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -99,17 +106,63 @@ class Dispatcher:
                        trace: StageTrace | None = None, lifecycle: common_pb2.Lifecycle | None = None
                        ) -> AsyncIterator[common_pb2.GenerateResponse]:
         """One engine request, all its branches on one worker (or one prefill + one decode worker). Retries
-        placement while nothing was emitted
-        and the failure was a worker being unreachable. `trace` collects the route time and the workers'
-        stage timestamps (usage.stage_times). `lifecycle` (deadline, priority, predicted output) goes to every
+        placement while nothing was emitted and the failure was a worker being unreachable; after tokens went
+        out, a worker that dies (or whose prefill peer died) is replaced by migration (migration.py), up to
+        `migration_limit` times. `trace` collects the route time, the workers' stage timestamps
+        (usage.stage_times) and the migrations. `lifecycle` (deadline, priority, predicted output) goes to every
         worker in its request message; `metadata` carries only tracing headers."""
         trace = trace if trace is not None else StageTrace()
+        sent = Sent()
         exclude: list[str] = []
+        resume: list[int] | None = None  # None: a fresh placement
+        while True:
+            try:
+                async for m in self._place(rid, sub, namespace, on_route, metadata, trace, lifecycle, exclude,
+                                           resume):
+                    sent.add(m)
+                    yield m
+                return
+            except Broken as b:
+                exclude.append(b.worker_id)
+                if trace.migrations >= self.migration_limit or not sent.resumable(sub.params.num_branches):
+                    why = "migration limit reached" if sent.resumable(sub.params.num_branches) \
+                        else "several branches cannot migrate"
+                    yield common_pb2.GenerateResponse(request_id=rid, finished=True, state="FAILED",
+                                                      error=f"{b.detail} ({why})")
+                    return
+                trace.migrations += 1
+                M.MIGRATIONS.labels(b.reason).inc()
+                resume = list(sent.token_ids.get(0, [])) if sent.any else None
+                log.warning("request %s: %s; migrating (%d of at most %d) with %d tokens sent", rid, b.detail,
+                            trace.migrations, self.migration_limit, len(resume or ()))
+
+    async def _listed(self, worker_id: str) -> bool:
+        """Whether the router still lists the worker (a router that does not answer: assume so). One ListWorkers
+        per half stall check serves every silent stream: a queue of thousands does not ask a thousand times."""
+        now = time.monotonic()
+        if now - self._listed_at > STALL_CHECK_S / 2:
+            self._listed_at = now  # before the await: concurrent callers use the last answer meanwhile
+            try:
+                self._listed_ids = {w.worker_id for w in (await self.list_workers()).workers}
+            except grpc.aio.AioRpcError:
+                self._listed_ids = None
+        return self._listed_ids is None or worker_id in self._listed_ids
+
+    async def _place(self, rid: str, sub: SubRequest, namespace: str, on_route, metadata: tuple, trace: StageTrace,
+                     lifecycle, exclude: list[str], resume: list[int] | None
+                     ) -> AsyncIterator[common_pb2.GenerateResponse]:
+        """One placement of the sub-request (several while nothing was emitted and workers were unreachable).
+        `resume`: the tokens a migrated request's client has; it then runs on one worker that prefills prompt + them
+        (a `both` worker, or a decode worker prefilling locally). Raises Broken where a worker failed it after
+        tokens went out."""
         pp = params_to_pb(sub.params)
+        prompt = sub.prompt_token_ids + (resume or [])
+        max_tokens = max(0, (sub.params.max_tokens or 0) - len(resume or ())) if sub.params.max_tokens else 0
         for attempt in range(self.max_attempts):
-            route = await self.route(rid, len(sub.prompt_token_ids), namespace, exclude, sub.prompt_token_ids,
-                                     sub.params.max_tokens or 0)
-            trace.on_route(route.mode)
+            route = await self.route(rid, len(prompt), namespace, exclude, prompt, max_tokens,
+                                     prefer="local" if resume is not None else "")
+            if resume is None:
+                trace.on_route(route.mode)
             if on_route is not None:
                 on_route(route)  # e.g. the latency histograms' mode label, the x-pdserve-route debug header
             emitted = False
@@ -117,17 +170,30 @@ class Dispatcher:
             try:
                 if route.mode == "colocated":
                     failed_worker = route.both.worker_id
-                    call = self.stub(route.both.address).Generate(worker_pb2.GenerateRequest(
+                    req = worker_pb2.GenerateRequest(
                         request_id=rid, prompt_token_ids=sub.prompt_token_ids, params=pp, namespace=namespace,
-                        lifecycle=lifecycle), metadata=metadata)
+                        lifecycle=lifecycle)
+                    if resume is not None:
+                        req.resume.output_token_ids.extend(resume)
+                    call = self.stub(route.both.address).Generate(req, metadata=metadata)
+                    done = False
                     try:
-                        async for m in call:
+                        async for m in watched(call, failed_worker, self._listed):
                             emitted = True
                             trace.on_stream(m.times)
+                            if resume is not None and m.finished:
+                                # recomputed: what the new worker prefilled again, less its prefix-cache hit
+                                done, c = True, m.usage.cached_tokens
+                                trace.recomputed_tokens += len(prompt) - c
+                                m.usage.cached_tokens = min(c, len(sub.prompt_token_ids))  # of the prompt
                             yield m
                     finally:
                         call.cancel()
+                        if resume is not None and emitted and not done:
+                            trace.recomputed_tokens += len(prompt)  # it answered, then broke: no hit known
                     return
+                if resume is not None:
+                    raise NoWorkersError("no worker can take the migrated request")
                 # disaggregated
                 failed_worker = route.prefill.worker_id
                 pcall = self.stub(route.prefill.address).Prefill(worker_pb2.PrefillRequest(
@@ -162,6 +228,10 @@ class Dispatcher:
                             trace.on_stream(m.times)
                             if m.finished and (m.state or "FINISHED") == "FINISHED":
                                 handed_over = True
+                            if m.finished and m.state == "FAILED" and m.retryable:
+                                # the decode worker could not pull the KV: the prefill worker (or its
+                                # incarnation that pinned it) is gone; place the request again without it
+                                raise Broken(route.prefill.worker_id, KV_TRANSFER, m.error or "KV transfer failed")
                             if skip is not None and not skip(m):
                                 continue
                             emitted = True
@@ -169,7 +239,7 @@ class Dispatcher:
                     except (UpstreamError, NoWorkersError) as e:
                         if not emitted:
                             raise
-                        # after the first token went out a failure can only end the stream, as FAILED
+                        # after the first token went out a refusal can only end the stream, as FAILED
                         yield common_pb2.GenerateResponse(request_id=rid, finished=True, state="FAILED",
                                                           error=f"decode failed: {e}")
                     return
@@ -178,11 +248,14 @@ class Dispatcher:
                         self._release_soon(pinned_on, rid)
             except grpc.aio.AioRpcError as e:
                 retryable = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+                if emitted and broken_by(e):  # the worker died mid-stream: migrate
+                    raise Broken(failed_worker, UNAVAILABLE, f"worker {failed_worker} failed: {e.code().name}: "
+                                                             f"{e.details()}") from None
                 if emitted or not retryable or attempt == self.max_attempts - 1:
                     if e.code() == grpc.StatusCode.INVALID_ARGUMENT or not emitted and not retryable:
                         raise UpstreamError(e.code(), e.details() or "", param_of(e)) from None
-                    # the stream broke after tokens went out: the request ends FAILED (no silent retry: the
-                    # client already has a partial output, spec §1.7)
+                    # the stream broke after tokens went out, not by the worker's death: the request ends FAILED
+                    # (the client already has a partial output, spec §1.7)
                     yield common_pb2.GenerateResponse(request_id=rid, finished=True, state="FAILED",
                                                       error=f"worker {failed_worker} failed: {e.code().name}: "
                                                             f"{e.details()}")
@@ -201,16 +274,22 @@ class Dispatcher:
                 first_tokens=pre.first_tokens, kv=kv, lifecycle=lifecycle), metadata=metadata)
             emitted = False
             try:
-                async for m in call:
+                async for m in watched(call, decode.worker_id, self._listed):
                     emitted = True
                     yield m
                 return
-            except grpc.aio.AioRpcError as e:
+            except (grpc.aio.AioRpcError, Broken) as e:
+                if isinstance(e, Broken):  # silent and unregistered: it holds the pull or the stream
+                    self._release_soon(kv.worker_address, rid, kv.lease_id)
+                    raise
                 unreachable = e.code() == grpc.StatusCode.UNAVAILABLE and not emitted
                 if not unreachable or attempt == self.max_attempts - 1:
                     self._release_soon(kv.worker_address, rid, kv.lease_id)
                     if not emitted and e.code() != grpc.StatusCode.UNAVAILABLE:
                         raise UpstreamError(e.code(), e.details() or "", param_of(e)) from None
+                    if broken_by(e):  # mid-stream, or no decode worker reachable: another worker takes it over
+                        raise Broken(decode.worker_id, UNAVAILABLE, f"decode worker {decode.worker_id} failed: "
+                                                                    f"{e.code().name}: {e.details()}") from None
                     yield common_pb2.GenerateResponse(
                         request_id=rid, finished=True, state="FAILED",
                         error=f"decode worker {decode.worker_id} failed: {e.code().name}: {e.details()}")

@@ -59,6 +59,7 @@ class RequestHandler:
             params = replace(params, n=n, best_of=k if k > n else None)
         subs = split(call.prompts, params)
         traces = [StageTrace() for _ in subs]
+        rec.traces = traces  # the usage record reads their migrations
         if tracing.enabled():  # the stages as spans once the response is out (docs/observability.md)
             tracing.at_request_end(lambda: emit_spans(rec.arrival, rec.admitted_at, traces))
         timing = Timing(rec=rec)

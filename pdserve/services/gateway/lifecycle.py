@@ -57,6 +57,8 @@ class RequestRecord:
     state: str | None = None
     error: str | None = None
     outputs_per_choice: list[int] = field(default_factory=list)
+    # the sub-requests' traces (stages.StageTrace): their mid-stream migrations and recomputed tokens
+    traces: list = field(default_factory=list)
 
     def to_json(self) -> dict:
         t = self.ticket
@@ -69,6 +71,10 @@ class RequestRecord:
             "predicted_output_tokens": t.predicted_output if t else None,
             "reserved_blocks": t.blocks if t else 0, "admission": t.states if t else [],
             "error": self.error,
+            # mid-stream migration (docs/reliability.md): tokens prefilled again on the workers that took the
+            # request over (prompt + tokens already sent, less prefix-cache hits), apart from the billed counts
+            "migrations": sum(x.migrations for x in self.traces),
+            "recomputed_tokens": sum(x.recomputed_tokens for x in self.traces),
             "times": {"arrival": self.arrival, "admitted": self.admitted_at, "first_emit": self.first_emit,
                       "last_emit": self.last_emit, "finished": time.time(), "deadline": self.deadline,
                       "queued_s": t.queued_s if t else 0.0},
@@ -206,7 +212,8 @@ class Lifecycle:
         t = rec.tenant.name
         M.USAGE_RECORDS.labels(t, state).inc()
         for kind, v in (("prompt", rec.prompt_tokens if state != "REJECTED" else 0), ("generated", rec.generated),
-                        ("emitted", rec.emitted), ("committed", rec.committed)):
+                        ("emitted", rec.emitted), ("committed", rec.committed),
+                        ("recomputed", sum(x.recomputed_tokens for x in rec.traces))):
             if v:
                 M.USAGE_TOKENS.labels(t, kind).inc(v)
         self.records_written += 1

@@ -31,6 +31,10 @@ class StageTrace:
     disagg: bool = False
     first_emit: float | None = None
     last_emit: float | None = None
+    # mid-stream migrations (gateway/migration.py): how often the sub-request moved, and the tokens the new
+    # workers prefilled again (prompt + tokens already sent, less their prefix-cache hits): the usage record's
+    migrations: int = 0
+    recomputed_tokens: int = 0
 
     def on_route(self, mode: str) -> None:
         # a reroute (worker unreachable before any token) overwrites: the stages describe the attempt that served

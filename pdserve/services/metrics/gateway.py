@@ -32,6 +32,10 @@ REQUEST_PROMPT_TOKENS = Histogram("pdserve_request_prompt_tokens", "Prompt lengt
                                   "(tokens, all prompts of the request)", buckets=TOKENS, registry=GATEWAY)
 REQUEST_OUTPUT_TOKENS = Histogram("pdserve_request_output_tokens", "Generated length per client request that ran "
                                   "(tokens, all choices)", buckets=TOKENS, registry=GATEWAY)
+MIGRATIONS = Counter("pdserve_migrations_total", "Sub-requests moved to another worker after theirs failed them "
+                     "(docs/reliability.md, Mid-stream migration), by reason: unavailable (stream broke), "
+                     "worker_lost (silent and out of the registry), kv_transfer (the prompt's KV could not be pulled)",
+                     ["reason"], registry=GATEWAY)
 CLIENT_DISCONNECTS = Counter("pdserve_client_disconnects_total", "Client requests ended because the client went "
                              "away before the answer was complete", registry=GATEWAY)
 

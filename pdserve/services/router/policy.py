@@ -47,7 +47,7 @@ class RouteInput:
     namespace: str = ""
     max_tokens: int = 0
     exclude: set[str] = field(default_factory=set)
-    prefer: str = ""  # "" | "colocated" | "disagg"
+    prefer: str = ""  # "" | "colocated" | "disagg" | "local" (a both or decode worker, never a pair)
 
     @property
     def n_prompt(self) -> int:
@@ -133,7 +133,7 @@ class Policy:
         pre = [wc[w.worker_id] for w in live if w.role == "prefill"]
         dec = [wc[w.worker_id] for w in live if w.role == "decode"]
         both = [wc[w.worker_id] for w in live if w.role == "both"]
-        mode = req.prefer if req.prefer in ("colocated", "disagg") else self.mode
+        mode = req.prefer if req.prefer in ("colocated", "disagg", "local") else self.mode
         if not (pre or dec or both):
             raise NoWorkers(f"no live workers (prefill=0, decode=0, both=0; excluded {len(excl)})")
 
@@ -142,6 +142,8 @@ class Policy:
             local, pairs = both, []
             if not both:  # no colocated pool: serve disaggregated rather than fail
                 pairs = [(p, d) for p in pre for d in dec]
+        elif mode == "local":  # one worker prefills and decodes (a migrated request resumes so: gateway/migration.py)
+            local, pairs = both + dec, []
         elif mode == "disagg":
             pairs = [(p, d) for p in pre for d in dec]
             local = both if not pairs else []
@@ -174,7 +176,7 @@ class Policy:
             kind, reason, pool, alt = "local", f"degraded_{degraded}", ests_local, best_pair
         elif not ests_pair:
             kind, pool, alt = "local", ests_local, 0.0
-            reason = "colocated_only" if not dec else ("local_forced" if mode == "colocated" else "local_only")
+            reason = "colocated_only" if not dec else ("local_forced" if mode in ("colocated", "local") else "local_only")
         elif not ests_local:
             kind, pool, alt = "disagg", ests_pair, 0.0
             reason = "disagg_forced" if mode == "disagg" else "disagg_only"

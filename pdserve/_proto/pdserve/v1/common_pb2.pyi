@@ -212,7 +212,7 @@ class StageTimes(_message.Message):
     def __init__(self, arrival: _Optional[float] = ..., first_scheduled: _Optional[float] = ..., first_token: _Optional[float] = ..., finished: _Optional[float] = ..., kv_transfer_start: _Optional[float] = ..., kv_transfer_end: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "outputs", "finished", "state", "usage", "error", "times", "prompt_logprobs")
+    __slots__ = ("request_id", "outputs", "finished", "state", "usage", "error", "times", "prompt_logprobs", "retryable")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -221,6 +221,7 @@ class GenerateResponse(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TIMES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    RETRYABLE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     outputs: _containers.RepeatedCompositeFieldContainer[CompletionDelta]
     finished: bool
@@ -229,7 +230,8 @@ class GenerateResponse(_message.Message):
     error: str
     times: StageTimes
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, request_id: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[CompletionDelta, _Mapping]]] = ..., finished: _Optional[bool] = ..., state: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[str] = ..., times: _Optional[_Union[StageTimes, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    retryable: bool
+    def __init__(self, request_id: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[CompletionDelta, _Mapping]]] = ..., finished: _Optional[bool] = ..., state: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[str] = ..., times: _Optional[_Union[StageTimes, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., retryable: _Optional[bool] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "role", "address", "model", "agent_name", "capacity_blocks", "layout")
