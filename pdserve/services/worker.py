@@ -125,6 +125,7 @@ class Worker(worker_pb2_grpc.WorkerServicer):
             enc = DeltaEncoder(self.tokenizer)
             finished = False
             lim = limits_from_pb(request.lifecycle)
+            lim.apply_share(self.host, request.namespace)
             gen = self.host.generate(request.request_id, prompt, params, namespace=request.namespace,
                                      deadline=lim.deadline, priority=lim.priority,
                                      predicted_output_tokens=lim.predicted_output_tokens)

@@ -130,3 +130,32 @@ def test_engine_quiet_prefix_survives_noisy_tenant(tiny_llama, share):
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
     assert again.num_cached_tokens == (32 if share else 0)
     assert eng.block_manager.blocks_in_use == 0
+
+
+def test_share_travels_in_the_lifecycle(tiny_llama):
+    """The gateway puts the tenant's kv_share into the request's Lifecycle; the worker records it for the
+    request's namespace in the engine thread before the request is added (services/convert.py)."""
+    import asyncio
+
+    from pdserve._proto.pdserve.v1 import common_pb2
+    from pdserve.engine.async_engine import AsyncEngine
+    from pdserve.services.convert import lifecycle_to_pb, limits_from_pb
+
+    wire = lifecycle_to_pb(None, 1, None, 0.35).SerializeToString()
+    lim = limits_from_pb(common_pb2.Lifecycle.FromString(wire))
+    assert lim.kv_share == 0.35
+    assert limits_from_pb(lifecycle_to_pb(None, 1, None)).kv_share is None  # no share: nothing is recorded
+    eng = Engine.from_pretrained(tiny_llama, EngineConfig(block_size=4, num_gpu_blocks=24))
+
+    async def main():
+        aeng = AsyncEngine(eng)
+        await aeng.start()
+        try:
+            lim.apply_share(aeng, QUIET)
+            async for _ in aeng.generate("r", [5, 6, 7, 8, 9], GREEDY, namespace=QUIET):
+                pass
+            return await aeng.run(lambda e: dict(e.block_manager.shares.share))
+        finally:
+            await aeng.stop()
+
+    assert asyncio.run(main()) == {QUIET: 0.35}

@@ -84,14 +84,16 @@ class SamplingParams(_message.Message):
     def __init__(self, n: _Optional[int] = ..., best_of: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., has_allowed_token_ids: _Optional[bool] = ..., bad_words: _Optional[_Iterable[str]] = ..., no_repeat_ngram_size: _Optional[int] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., logprobs_mode: _Optional[str] = ..., skip_special_tokens: _Optional[bool] = ..., guided: _Optional[_Union[GuidedSpec, _Mapping]] = ...) -> None: ...
 
 class Lifecycle(_message.Message):
-    __slots__ = ("deadline_unix", "priority", "predicted_output_tokens")
+    __slots__ = ("deadline_unix", "priority", "predicted_output_tokens", "kv_share")
     DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_SHARE_FIELD_NUMBER: _ClassVar[int]
     deadline_unix: float
     priority: int
     predicted_output_tokens: int
-    def __init__(self, deadline_unix: _Optional[float] = ..., priority: _Optional[int] = ..., predicted_output_tokens: _Optional[int] = ...) -> None: ...
+    kv_share: float
+    def __init__(self, deadline_unix: _Optional[float] = ..., priority: _Optional[int] = ..., predicted_output_tokens: _Optional[int] = ..., kv_share: _Optional[float] = ...) -> None: ...
 
 class KvLayout(_message.Message):
     __slots__ = ("fingerprint", "block_size", "dtype", "num_layers", "num_kv_heads", "head_dim", "block_bytes")
