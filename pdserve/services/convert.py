@@ -93,12 +93,12 @@ def full_response(out: RequestOutput, tokenizer=None) -> common_pb2.GenerateResp
 # ---- worker records (registry, router) ------------------------------------------------------------------------
 def record_to_pb(r: WorkerRecord) -> common_pb2.WorkerInfo:
     return common_pb2.WorkerInfo(worker_id=r.worker_id, role=r.role, address=r.address, agent_name=r.agent_name,
-                                 capacity_blocks=r.capacity_blocks, layout=r.layout)
+                                 capacity_blocks=r.capacity_blocks, layout=r.layout, labels=r.labels)
 
 
 def record_from_pb(w: common_pb2.WorkerInfo, load: common_pb2.LoadReport | None = None) -> WorkerRecord:
     return WorkerRecord(w.worker_id, w.role, w.address, w.agent_name, w.capacity_blocks, _copy(w.layout),
-                        _copy(load) if load is not None else common_pb2.LoadReport())
+                        _copy(load) if load is not None else common_pb2.LoadReport(), labels=dict(w.labels))
 
 
 def _copy(m):

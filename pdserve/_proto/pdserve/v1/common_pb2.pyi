@@ -234,7 +234,14 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[CompletionDelta, _Mapping]]] = ..., finished: _Optional[bool] = ..., state: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[str] = ..., times: _Optional[_Union[StageTimes, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "model", "agent_name", "capacity_blocks", "layout")
+    __slots__ = ("worker_id", "role", "address", "model", "agent_name", "capacity_blocks", "layout", "labels")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +249,7 @@ class WorkerInfo(_message.Message):
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     address: str
@@ -249,7 +257,8 @@ class WorkerInfo(_message.Message):
     agent_name: str
     capacity_blocks: int
     layout: KvLayout
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., agent_name: _Optional[str] = ..., capacity_blocks: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ...) -> None: ...
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., agent_name: _Optional[str] = ..., capacity_blocks: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class LoadReport(_message.Message):
     __slots__ = ("worker_id", "num_running", "num_waiting", "kv_blocks_in_use", "kv_blocks_total", "pinned_blocks", "prefix_hit_ratio", "prefill_tokens_per_s", "prefill_overhead_s", "decode_step_s", "decode_step_per_seq_s", "pending_prefill_tokens", "kv_bytes_per_s", "handoff_overhead_s", "report_time", "max_num_seqs")
