@@ -126,12 +126,14 @@ class BlockManager:
         return b
 
     def _victim(self, namespace: str, fair: bool) -> int:
-        """The least recently used cached block `namespace` may evict (kv_fairness.py); plain LRU without shares."""
-        if fair and self.shares.active:
+        """The least recently used cached block `namespace` may evict (kv_fairness.py); plain LRU without shares.
+        Not `fair` (num_free_for's liveness valve): protected blocks too, but only once no other is left."""
+        if self.shares.active:
             for b in self.evictable:
                 if self.shares.may_evict(self.namespace_of[b], namespace):
                     return b
-            raise NoFreeBlocks()
+            if fair:
+                raise NoFreeBlocks()
         return next(iter(self.evictable))
 
     def _unregister(self, b: int) -> None:

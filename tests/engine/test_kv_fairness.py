@@ -95,6 +95,7 @@ def test_protected_blocks_refuse_other_namespaces_until_valve():
     big = seq(range(300, 356), NOISY)  # 14 blocks
     assert bm.can_allocate(big, 56)
     bm.allocate(big, 56)
+    assert bm.shares.held[QUIET] == 2  # the 12 free blocks first, then only the 2 protected ones it lacked
     bm.free(big)
     # and the counters stay exact through all of it
     assert sum(bm.shares.held.values()) == bm.num_blocks - len(bm.free_ids)
