@@ -32,7 +32,7 @@ from pdserve.services.metrics import router as M
 from pdserve.services.registry import WorkerRecord
 from pdserve.services.router.cost import CostModel, CostParams, Estimate, Inflight, WorkerCost
 from pdserve.services.router.prefix_index import PrefixIndex, chain_hashes
-from pdserve.services.router.spread import RouteWeights, Spread, Terms
+from pdserve.services.router.spread import RouteWeights, Spread, Terms, zone_of
 
 log = logging.getLogger("pdserve.router")
 
@@ -168,14 +168,15 @@ class Policy:
         ests_pair = [self.cost.disagg(p, d, n, cached[p.rec.worker_id], cached[d.rec.worker_id], out)
                      for p, d in pairs]
         keys = self.spread.keys(req.namespace, req.prompt_token_ids)
-        over = self.spread.over(req.namespace)
+        fd, fair = self.spread.per_worker(keys, req.namespace, live)
         terms: dict[int, Terms] = {}
-        for e in ests_local + ests_pair:
-            terms[id(e)] = self.spread.terms(e, keys, req.namespace, n, out, over)
-        # relative to the smallest: a constant (every worker unlabelled) changes neither choice nor tie band
-        floor = min((t.total for t in terms.values()), default=0.0)
-        for e in ests_local + ests_pair:
-            e.extra_s = terms[id(e)].total - floor
+        if fd or fair or self.spread.weights.price:
+            for e in ests_local + ests_pair:
+                terms[id(e)] = self.spread.terms(e, n, out, fd, fair)
+            # relative to the smallest: a constant changes neither the choice nor the near-equal band
+            floor = min((t.total for t in terms.values()), default=0.0)
+            for e in ests_local + ests_pair:
+                e.extra_s = terms[id(e)].total - floor
         best_local = min((e.cost for e in ests_local), default=float("inf"))
         best_pair = min((e.cost for e in ests_pair), default=float("inf"))
 
@@ -205,7 +206,7 @@ class Policy:
             pl = Placement("disagg", prefill=chosen.prefill.rec, decode=chosen.decode.rec)
         pl.reason, pl.cached_tokens, pl.ttft_s, pl.e2e_s = reason, chosen.cached_tokens, chosen.ttft_s, chosen.e2e_s
         pl.alternative_s, pl.n_candidates = alt, len(ests_local) + len(ests_pair)
-        pl.terms = terms[id(chosen)]
+        pl.terms = terms.get(id(chosen)) or Terms(zone=zone_of(chosen.decode.rec))
         self.spread.record(keys, req.namespace, chosen.decode.rec)
         self._count(pl, n, degraded)
         return pl

@@ -101,12 +101,6 @@ class Spread:
             shares.append(sum(1 for x in q if x[idx] == value) / len(q) if q else 0.0)
         return sum(shares) / len(shares) if shares else 0.0
 
-    def fd(self, keys: list[tuple], rec) -> float:
-        w = self.weights
-        if w.zone == 0 and w.node == 0:
-            return 0.0
-        return w.zone * self._share(keys, 1, zone_of(rec)) + w.node * self._share(keys, 2, node_of(rec))
-
     def over(self, tenant: str) -> float:
         q = self._live(self._recent)
         if not q:
@@ -114,21 +108,43 @@ class Spread:
         tenants = {x[1] for x in q}
         return max(0.0, sum(1 for x in q if x[1] == tenant) / len(q) - 1.0 / len(tenants))
 
-    def others(self, tenant: str, worker_id: str) -> int:
-        return sum(1 for x in self._live(self._recent) if x[1] != tenant and x[2] == worker_id)
-
-    def terms(self, est, keys: list[tuple], tenant: str, n_prompt: int, out: int, over: float) -> Terms:
-        """The three terms of one candidate (an Estimate from cost.py)."""
+    def per_worker(self, keys: list[tuple], tenant: str, recs) -> tuple[dict[str, float], dict[str, float]]:
+        """fd and fair of each worker, computed once per decision (a pair reuses its two workers' values;
+        16 x 16 pools have 256 pairs but 32 workers), each share once per distinct zone / node."""
         w = self.weights
+        fd: dict[str, float] = {}
+        # one zone and one node for all (e.g. no labels): the term is equal everywhere and changes nothing
+        if (w.zone or w.node) and (len({zone_of(r) for r in recs}) > 1 or len({node_of(r) for r in recs}) > 1):
+            zs: dict[str, float] = {}
+            ns: dict[str, float] = {}
+            for r in recs:
+                z, n = zone_of(r), node_of(r)
+                if z not in zs:
+                    zs[z] = self._share(keys, 1, z)
+                if n not in ns:
+                    ns[n] = self._share(keys, 2, n)
+                fd[r.worker_id] = w.zone * zs[z] + w.node * ns[n]
+        fair: dict[str, float] = {}
+        over = self.over(tenant) if w.fairness else 0.0
+        if over:
+            counts: dict[str, int] = {}
+            for x in self._live(self._recent):
+                if x[1] != tenant:
+                    counts[x[2]] = counts.get(x[2], 0) + 1
+            fair = {r.worker_id: w.fairness * over * counts.get(r.worker_id, 0) for r in recs}
+        return fd, fair
+
+    def terms(self, est, n_prompt: int, out: int, fd: dict[str, float], fair: dict[str, float]) -> Terms:
+        """The three terms of one candidate (an Estimate from cost.py), from `per_worker`'s values."""
         p, d = est.prefill, est.decode
-        fd = self.fd(keys, d.rec) if p is d else (self.fd(keys, p.rec) + self.fd(keys, d.rec)) / 2
+        pid, did = p.rec.worker_id, d.rec.worker_id
+        f = fd.get(did, 0.0) if p is d else (fd.get(pid, 0.0) + fd.get(did, 0.0)) / 2
         price = 0.0
-        if w.price:
+        if self.weights.price:
             u = max(0, n_prompt - est.cached_tokens)
-            price = w.price * (price_of(p.rec) * u / p.rate
-                               + price_of(d.rec) * out * (d.step + d.step_per_seq) / (d.running + 1))
-        fair = w.fairness * over * self.others(tenant, d.rec.worker_id) if w.fairness and over else 0.0
-        return Terms(fd, price, fair, zone_of(d.rec))
+            price = self.weights.price * (price_of(p.rec) * u / p.rate
+                                          + price_of(d.rec) * out * (d.step + d.step_per_seq) / (d.running + 1))
+        return Terms(f, price, fair.get(did, 0.0), zone_of(d.rec))
 
     def record(self, keys: list[tuple], tenant: str, rec) -> None:
         now = self.clock()
