@@ -18,6 +18,7 @@ reservation, or asked for one within their `kv_idle_s`):
     R + B + sum over u in A, u != t of max(0, floor(g_u C) - R_u)  <=  C      (others' unused guarantees held back)
     R_t + B  <=  floor(m_t C)                                                  (its cap)
 
+Sequence slots are held back the same way (`fair_slots`: floor(g_u S) of the S slots per active tenant u).
 An active tenant therefore always finds its unused guarantee free; an idle tenant's guarantee is surplus anyone
 may borrow, given back as the borrowers' reservations end (the borrower cannot re-reserve it once the owner is
 active again). Without shares (g = 0, m = 1, as for every tenant not configured) the rule is the old one.
@@ -42,7 +43,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("pdserve.admission")
 
 # KEYS: zset, hash, rid -> tenant, tenant -> guarantee, tenant -> active until. ARGV: rid, prompt_blocks,
-# blocks_per_copy, n, min_copies, cap_blocks, seq_limit, lease_ms, tenant, guaranteed, max_share, idle_ms.
+# blocks_per_copy, n, min_copies, cap_blocks, seq_limit, lease_ms, tenant, guaranteed, max_share, idle_ms,
+# cap_seqs (the sequence slots; the guarantees hold back slots the same way, `fair_slots`).
 # Reserves prompt + k x per-copy blocks for the largest k <= n that fits (k >= min_copies) within the tenant rule
 # above, in one call: the same arithmetic as `largest_copies` and `fair_free`. Returns {k (0: nothing reserved),
 # used_blocks, used_seqs} (after the call).
@@ -62,12 +64,13 @@ redis.call('HSET', KEYS[4], me, ARGV[10])
 local tenant_of = {}
 local tv = redis.call('HGETALL', KEYS[3])
 for i = 1, #tv, 2 do tenant_of[tv[i]] = tv[i + 1] end
-local used, by = 0, {}
+local used, by, nby = 0, {}, {}
 local bv = redis.call('HGETALL', KEYS[2])
 for i = 1, #bv, 2 do
   local b, u = tonumber(bv[i + 1]), tenant_of[bv[i]] or ''
   used = used + b
   by[u] = (by[u] or 0) + b
+  nby[u] = (nby[u] or 0) + 1
 end
 local seqs = redis.call('ZCARD', KEYS[1])
 local mine = redis.call('HGET', KEYS[2], ARGV[1])
@@ -78,20 +81,24 @@ if mine then  -- reserving again replaces its own entry (as LocalLedger.reserve_
   redis.call('HDEL', KEYS[3], ARGV[1])
   used = used - tonumber(mine)
   by[u] = by[u] - tonumber(mine)
+  nby[u] = nby[u] - 1
   seqs = seqs - 1
 end
 local active = {}
 for _, u in ipairs(redis.call('ZRANGE', KEYS[5], 0, -1)) do active[u] = true end
-for u, b in pairs(by) do if b > 0 then active[u] = true end end
-local owed = 0
+for u, c in pairs(nby) do if c > 0 then active[u] = true end end
+local owed, owed_seqs, cap_seqs = 0, 0, tonumber(ARGV[13])
 for u, _ in pairs(active) do
   if u ~= me then
-    local short = math.floor(tonumber(redis.call('HGET', KEYS[4], u) or '0') * cap) - (by[u] or 0)
+    local g = tonumber(redis.call('HGET', KEYS[4], u) or '0')
+    local short = math.floor(g * cap) - (by[u] or 0)
     if short > 0 then owed = owed + short end
+    short = math.floor(g * cap_seqs) - (nby[u] or 0)
+    if short > 0 then owed_seqs = owed_seqs + short end
   end
 end
 local pb, per, n, mink = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-if seqs + 1 > tonumber(ARGV[7]) then
+if seqs + 1 > tonumber(ARGV[7]) or seqs + 1 + owed_seqs > cap_seqs then
   return {0, used, seqs}
 end
 local room = math.min(cap - used - owed, math.floor(tonumber(ARGV[11]) * cap) - (by[me] or 0)) - pb
@@ -169,6 +176,17 @@ def fair_free(cap_blocks: int, used_by: dict[str, int], guarantees: dict[str, fl
     return min(cap_blocks - used - owed, math.floor(me.max_share * cap_blocks) - used_by.get(me.tenant, 0))
 
 
+def fair_slots(cap_seqs: int, n_by: dict[str, int], guarantees: dict[str, float], active: set[str],
+               me: KVShare) -> int:
+    """The sequence slots `me` may still take: the same guarantee rule over requests instead of blocks (a
+    noisy tenant of many small requests cannot fill the slots an active tenant's share holds back)."""
+    owed = 0
+    for u in active | {u for u, c in n_by.items() if c > 0}:
+        if u != me.tenant:
+            owed += max(0, math.floor(guarantees.get(u, 0.0) * cap_seqs) - n_by.get(u, 0))
+    return cap_seqs - sum(n_by.values()) - owed
+
+
 @dataclass(frozen=True)
 class Plan:
     """What a request reserves: the prompt's blocks once + `blocks_per_copy` for each of k copies, for the
@@ -221,10 +239,15 @@ class LocalLedger:
         self.tenant_of.pop(rid, None)
         used, seqs = sum(b for b, _ in self.entries.values()), len(self.entries)
         by: dict[str, int] = {}
+        n_by: dict[str, int] = {}
         for r, (b, _) in self.entries.items():
-            by[self.tenant_of.get(r, "")] = by.get(self.tenant_of.get(r, ""), 0) + b
-        free = fair_free(cap.blocks, by, self.guarantees, set(self.active_until), share)
-        k = largest_copies(free, plan) if seqs + 1 <= seq_limit else 0
+            u = self.tenant_of.get(r, "")
+            by[u] = by.get(u, 0) + b
+            n_by[u] = n_by.get(u, 0) + 1
+        active = set(self.active_until)
+        free = fair_free(cap.blocks, by, self.guarantees, active, share)
+        slots = fair_slots(cap.seqs, n_by, self.guarantees, active, share)
+        k = largest_copies(free, plan) if seqs + 1 <= seq_limit and slots >= 1 else 0
         if k == 0:
             return 0, used, seqs
         self.entries[rid] = (plan.blocks(k), self.clock() + lease_s)
@@ -279,7 +302,7 @@ class ReservationLedger:
                     keys=[self.zkey, self.hkey, self.tkey, self.gkey, self.akey],
                     args=[rid, plan.prompt_blocks, plan.blocks_per_copy, plan.n, plan.min_copies, cap.blocks,
                           seq_limit, int(self.lease_s * 1000), share.tenant, repr(float(share.guaranteed)),
-                          repr(float(share.max_share)), int(share.idle_s * 1000)])
+                          repr(float(share.max_share)), int(share.idle_s * 1000), cap.seqs])
                 return int(k), int(used), int(seqs)
             except Exception as e:  # noqa: BLE001
                 self._degraded("reserve", e)

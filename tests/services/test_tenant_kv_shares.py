@@ -114,6 +114,28 @@ def test_idle_guarantee_is_borrowed_then_given_back(kind):
 
 
 @pytest.mark.parametrize("kind", ["redis", "local"])
+def test_guarantee_holds_back_sequence_slots_too(kind):
+    """10 slots, quiet g = 0.2 -> 2 slots held back: a noisy tenant of 1-block requests gets 8, quiet its 2."""
+    cap = Capacity(blocks=100, seqs=10, block_size=16, max_worker_blocks=100)
+    quiet, noisy = KVShare("quiet", 0.2, 1.0, 30.0), KVShare("noisy", 0.0, 1.0, 30.0)
+
+    async def main():
+        led = await _ledger(kind, f"t-{uuid.uuid4().hex[:8]}")
+        try:
+            assert not await led.reserve("q-big", 101, cap, quiet)  # refused, but quiet is active now
+            admitted = 0
+            for i in range(12):
+                admitted += await led.reserve(f"n{i}", 1, cap, noisy)
+            assert admitted == 8
+            assert await led.reserve("q1", 1, cap, quiet) and await led.reserve("q2", 1, cap, quiet)
+            assert not await led.reserve("q3", 1, cap, quiet)  # all 10 slots taken
+        finally:
+            await _close(led)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("kind", ["redis", "local"])
 def test_cap_and_degrade_within_share(kind):
     capped = KVShare("capped", 0.0, 0.35, 30.0)
 
