@@ -29,8 +29,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from pdserve.services.kv_shares import NO_SHARE, KVShare
 from pdserve.services.metrics import gateway as M
-from pdserve.services.reservations import NO_SHARE, KVShare, Plan, ReservationLedger
+from pdserve.services.reservations import Plan, ReservationLedger
 
 log = logging.getLogger("pdserve.admission")
 

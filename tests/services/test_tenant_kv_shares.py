@@ -14,7 +14,8 @@ import redis.asyncio as aioredis
 
 from pdserve.services.admission import Admission, Capacity
 from pdserve.services.gateway.tenants import TenantDirectory
-from pdserve.services.reservations import KVShare, ReservationLedger
+from pdserve.services.kv_shares import KVShare
+from pdserve.services.reservations import ReservationLedger
 
 REDIS = "redis://127.0.0.1:6379/0"
 CAP = Capacity(blocks=100, seqs=64, block_size=16, max_worker_blocks=100)

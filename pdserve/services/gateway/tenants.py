@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve.services.reservations import KVShare
+from pdserve.services.kv_shares import KVShare
 
 log = logging.getLogger("pdserve.gateway")
 
