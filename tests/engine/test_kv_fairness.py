@@ -160,3 +160,13 @@ def test_share_travels_in_the_lifecycle(tiny_llama):
             await aeng.stop()
 
     assert asyncio.run(main()) == {QUIET: 0.35}
+
+
+def test_share_set_to_zero_lifts_the_protection():
+    bm = BlockManager(16, 4)
+    bm.set_share(QUIET, 0.25)
+    run_once(bm, quiet_prompt(0), QUIET)
+    bm.set_share(QUIET, 0.0)  # the keys file lowered it: the gateway sends 0 with the next request
+    assert not bm.shares.active and bm.num_free_for(NOISY) == 16
+    churn(bm, 20)
+    assert len(bm.lookup(seq(quiet_prompt(0), QUIET))) == 0
