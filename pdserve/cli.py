@@ -10,8 +10,8 @@ import asyncio
 import os
 import sys
 
-from pdserve.cli_args import (Parser, context_len, fraction, nonneg_float, nonneg_int, port, positive_float, positive_int,
-                              print_error)
+from pdserve.cli_args import (Parser, context_len, fraction, labels_arg, nonneg_float, nonneg_int, port, positive_float,
+                              positive_int, print_error, weights_arg)
 
 
 # The same names the engine validates (pdserve/engine/config.py, which imports torch; the CLI must not).
@@ -163,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--mode", choices=MODES, default="auto", help="placement policy (docs/routing.md)")
     rt.add_argument("--drain-timeout", type=nonneg_float, default=5.0,
                     help="SIGTERM: the process is gone this + 3 s later at most")
+    rt.add_argument("--weights", type=weights_arg, default=None, metavar="K=V,...",
+                    help="spread/price/fairness weights, e.g. zone=0.05,node=0.02,price=0,fairness=0 "
+                         "(docs/routing.md, 'Failure domains, price and fairness')")
     _add_security(rt)
 
     wk = sub.add_parser("worker", env=True, help="engine worker: --role prefill|decode|both")
@@ -179,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds pinned prefill KV waits for a decode worker to pull it")
     wk.add_argument("--transfer-timeout", type=positive_float, default=10.0)
     wk.add_argument("--drain-timeout", type=nonneg_float, default=30.0)
+    wk.add_argument("--labels", type=labels_arg, default={}, metavar="K=V,...",
+                    help="failure domains and price for the router, e.g. zone=a,node=n1,price=2 (docs/routing.md)")
     _add_security(wk)
 
     # ---- lead's subcommands -----------------------------------------------------------------------------------
@@ -263,7 +268,8 @@ def _run(args: argparse.Namespace) -> int:
         from pdserve.services.router.server import serve
         asyncio.run(serve(args.host, args.port, args.redis_url, args.served_model_name, args.metrics_port,
                           args.heartbeat_ttl, args.mode, args.metrics_compat,
-                          security=security, redis_auth=_redis_auth(args), drain_s=args.drain_timeout))
+                          security=security, redis_auth=_redis_auth(args), drain_s=args.drain_timeout,
+                          weights=args.weights))
     elif args.command == "worker":
         from pdserve.services.worker import serve
         asyncio.run(serve(args))

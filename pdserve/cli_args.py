@@ -56,6 +56,41 @@ fraction = _number(float, 0, 1, lo_open=True)  # (0, 1]
 context_len = _number(int, 2)  # a prompt token and an output token
 
 
+def labels_arg(text: str) -> dict[str, str]:
+    """`zone=a,node=n1,price=2` -> a dict (a worker's labels); empty text: none."""
+    out: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        k, eq, v = part.partition("=")
+        if not eq or not k.strip() or not v.strip():
+            raise argparse.ArgumentTypeError(f"{part!r} is not KEY=VALUE (e.g. zone=a,node=n1)")
+        out[k.strip()] = v.strip()
+    if "price" in out:
+        try:
+            if float(out["price"]) < 0:
+                raise ValueError
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"price={out['price']!r} is not a number >= 0") from None
+    return out
+
+
+WEIGHT_KEYS = ("zone", "node", "price", "fairness")
+
+
+def weights_arg(text: str) -> dict[str, float]:
+    """The router's `--weights zone=0.05,node=0.02,price=0,fairness=0` (numbers >= 0; keys from WEIGHT_KEYS)."""
+    out: dict[str, float] = {}
+    for k, v in labels_arg(text).items():
+        if k not in WEIGHT_KEYS:
+            raise argparse.ArgumentTypeError(f"unknown weight {k!r} (known: {', '.join(WEIGHT_KEYS)})")
+        try:
+            out[k] = float(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{k}={v!r} is not a number") from None
+        if out[k] < 0:
+            raise argparse.ArgumentTypeError(f"{k}={v!r} must be >= 0")
+    return out
+
+
 class HelpFormatter(argparse.HelpFormatter):
     """Appends `(default: X; env PDSERVE_Y)` to each flag's help."""
 

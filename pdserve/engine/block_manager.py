@@ -4,6 +4,8 @@ A full block's key is a chained hash: hash(parent key, its token ids, model fing
 The namespace enters the first block and so every descendant: tenants never share blocks unless they use the
 same namespace (spec §4.3, Q22). A hit is verified against the stored token ids, so a hash collision can only
 cost a miss, never wrong KV. A block is registered in the cache only after its KV has been computed.
+Eviction is LRU, limited per namespace by guaranteed shares (kv_fairness.py): another tenant's churn never evicts
+a namespace's blocks below its share.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import hashlib
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
+from pdserve.engine.kv_fairness import KVShares
 from pdserve.engine.sequence import Sequence
 
 
@@ -49,7 +52,8 @@ class BlockManager:
         self.ref = [0] * num_blocks
         self.hash_of: list[int | None] = [None] * num_blocks
         self.tokens_of: list[tuple[int, ...] | None] = [None] * num_blocks
-        self.namespace_of: list[str] = [""] * num_blocks
+        self.namespace_of: list[str] = [""] * num_blocks  # the namespace holding the block (in use or cached)
+        self.shares = KVShares(num_blocks)
         self.free_ids: deque[int] = deque(range(num_blocks))
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; least recently used first
         self.cached: dict[int, int] = {}  # hash -> block id
@@ -72,6 +76,17 @@ class BlockManager:
     @property
     def hit_ratio(self) -> float:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+    def num_free_for(self, namespace: str, need: int = 0) -> int:
+        """Free blocks an allocation of `need` blocks for `namespace` may take: not other namespaces' cached blocks
+        protected by their shares. Liveness valve: an allocation that could never fit while every other namespace
+        keeps its guarantee (`need` > num_blocks - their guarantees) is not held to them."""
+        if not self.shares.active or need > self.num_blocks - self.shares.guaranteed_others(namespace):
+            return self.num_free
+        return self.num_free - self.shares.locked_against(namespace)
+
+    def set_share(self, namespace: str, fraction: float) -> None:
+        self.shares.set(namespace, fraction)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -96,16 +111,32 @@ class BlockManager:
         return hits
 
     # ---- allocation -------------------------------------------------------------------------------------------
-    def _take(self) -> int:
+    def _take(self, namespace: str = "", fair: bool = True) -> int:
         if self.free_ids:
             b = self.free_ids.popleft()
         elif self.evictable:
-            b, _ = self.evictable.popitem(last=False)
+            b = self._victim(namespace, fair)
+            del self.evictable[b]
+            self.shares.cached[self.namespace_of[b]] -= 1
             self._unregister(b)
+            self.shares.held[self.namespace_of[b]] -= 1
         else:
             raise NoFreeBlocks()
         self.ref[b] = 1
+        self.namespace_of[b] = namespace
+        self.shares.held[namespace] += 1
         return b
+
+    def _victim(self, namespace: str, fair: bool) -> int:
+        """The least recently used cached block `namespace` may evict (kv_fairness.py); plain LRU without shares.
+        Not `fair` (num_free_for's liveness valve): protected blocks too, but only once no other is left."""
+        if self.shares.active:
+            for b in self.evictable:
+                if self.shares.may_evict(self.namespace_of[b], namespace):
+                    return b
+            if fair:
+                raise NoFreeBlocks()
+        return next(iter(self.evictable))
 
     def _unregister(self, b: int) -> None:
         h = self.hash_of[b]
@@ -118,7 +149,8 @@ class BlockManager:
         self.tokens_of[b] = None
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] | None = None) -> bool:
-        return self._cost(seq, num_new_tokens, hits or []) <= self.num_free
+        cost = self._cost(seq, num_new_tokens, hits or [])
+        return cost <= self.num_free_for(seq.namespace, len(seq.block_table) + cost)
 
     def _cost(self, seq: Sequence, num_new_tokens: int, hits: list[int]) -> int:
         computed = len(hits) * self.block_size if not seq.block_table else seq.num_computed_tokens
@@ -136,12 +168,15 @@ class BlockManager:
         """Give seq room for `num_new_tokens` more tokens. On a sequence's first allocation `hits` (from lookup)
         become its first blocks and its computed-token count. Raises NoFreeBlocks without side effects."""
         hits = hits or []
-        if self._cost(seq, num_new_tokens, hits) > self.num_free:
+        cost = self._cost(seq, num_new_tokens, hits)
+        if cost > self.num_free_for(seq.namespace, len(seq.block_table) + cost):
             raise NoFreeBlocks()
+        fair = cost <= self.num_free_for(seq.namespace)  # False only under num_free_for's liveness valve
         if not seq.block_table and hits:
             for b in hits:
                 if self.ref[b] == 0:
                     del self.evictable[b]
+                    self.shares.cached[self.namespace_of[b]] -= 1
                 self.ref[b] += 1
             seq.block_table = list(hits)
             seq.num_computed_tokens = len(hits) * self.block_size
@@ -153,13 +188,13 @@ class BlockManager:
             self.hit_tokens += len(hits) * self.block_size
         if self._needs_cow(seq):
             old = seq.block_table[-1]
-            new = self._take()
+            new = self._take(seq.namespace, fair)
             self.ref[old] -= 1
             seq.block_table[-1] = new
             if self.kv is not None:
                 self.kv.copy_blocks([(old, new)])
         while len(seq.block_table) < self.blocks_needed(seq.num_computed_tokens + num_new_tokens):
-            seq.block_table.append(self._take())
+            seq.block_table.append(self._take(seq.namespace, fair))
 
     def mark_computed(self, seq: Sequence) -> None:
         """Register blocks that became full with computed KV, extending seq's hash chain."""
@@ -192,8 +227,10 @@ class BlockManager:
         if self.ref[b] == 0:
             if self.hash_of[b] is not None:
                 self.evictable[b] = None
+                self.shares.cached[self.namespace_of[b]] += 1
             else:
                 self.free_ids.append(b)
+                self.shares.held[self.namespace_of[b]] -= 1
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """child shares all of parent's blocks; its first write into the shared tail copies it."""
@@ -217,10 +254,11 @@ class BlockManager:
         self.free(seq)
 
     def can_swap_in(self, seq: Sequence) -> bool:
-        return len(seq.host_table) <= self.num_free
+        return len(seq.host_table) <= self.num_free_for(seq.namespace, len(seq.host_table))
 
     def swap_in(self, seq: Sequence) -> None:
-        pairs = [(h, self._take()) for h in seq.host_table]
+        fair = len(seq.host_table) <= self.num_free_for(seq.namespace)
+        pairs = [(h, self._take(seq.namespace, fair)) for h in seq.host_table]
         if self.kv is not None:
             self.kv.swap_in(pairs)
         seq.block_table = [d for _, d in pairs]

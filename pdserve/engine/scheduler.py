@@ -170,7 +170,7 @@ class Scheduler:
             if n > budget:
                 break
             blocks = max(len(seq.host_table), self.bm.blocks_needed(seq.num_computed_tokens + n))
-            if blocks > self.bm.num_free:
+            if blocks > self.bm.num_free_for(seq.namespace, blocks):
                 break
             self.swapped.remove(seq)
             self.bm.swap_in(seq)

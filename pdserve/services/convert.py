@@ -93,12 +93,12 @@ def full_response(out: RequestOutput, tokenizer=None) -> common_pb2.GenerateResp
 # ---- worker records (registry, router) ------------------------------------------------------------------------
 def record_to_pb(r: WorkerRecord) -> common_pb2.WorkerInfo:
     return common_pb2.WorkerInfo(worker_id=r.worker_id, role=r.role, address=r.address, agent_name=r.agent_name,
-                                 capacity_blocks=r.capacity_blocks, layout=r.layout)
+                                 capacity_blocks=r.capacity_blocks, layout=r.layout, labels=r.labels)
 
 
 def record_from_pb(w: common_pb2.WorkerInfo, load: common_pb2.LoadReport | None = None) -> WorkerRecord:
     return WorkerRecord(w.worker_id, w.role, w.address, w.agent_name, w.capacity_blocks, _copy(w.layout),
-                        _copy(load) if load is not None else common_pb2.LoadReport())
+                        _copy(load) if load is not None else common_pb2.LoadReport(), labels=dict(w.labels))
 
 
 def _copy(m):
@@ -121,8 +121,11 @@ def record_from_hash(h: dict) -> WorkerRecord:
 
 
 # ---- request lifecycle (gateway -> workers) -------------------------------------------------------------------
-def lifecycle_to_pb(deadline: float | None, priority: int | None, predicted: int | None) -> common_pb2.Lifecycle:
+def lifecycle_to_pb(deadline: float | None, priority: int | None, predicted: int | None,
+                    kv_share: float | None = None) -> common_pb2.Lifecycle:
     m = common_pb2.Lifecycle()
+    if kv_share is not None:
+        m.kv_share = float(kv_share)
     if deadline is not None:
         m.deadline_unix = deadline
     if priority is not None:
@@ -139,12 +142,21 @@ class Limits:
     deadline: float | None = None
     priority: int = 0
     predicted_output_tokens: int | None = None
+    kv_share: float | None = None  # the tenant's guaranteed KV fraction, for the namespace of the request
+
+    def apply_share(self, host, namespace: str) -> None:
+        """Record the tenant's share for fair eviction (engine/kv_fairness.py) before the request is added:
+        engine commands run in order, so it is in force when the request first allocates."""
+        if self.kv_share is not None:
+            share = self.kv_share
+            host.submit(lambda e: e.block_manager.set_share(namespace, share))
 
 
 def limits_from_pb(m: common_pb2.Lifecycle) -> Limits:
     return Limits(m.deadline_unix if m.HasField("deadline_unix") else None,
                   m.priority if m.HasField("priority") else 0,
-                  m.predicted_output_tokens if m.HasField("predicted_output_tokens") else None)
+                  m.predicted_output_tokens if m.HasField("predicted_output_tokens") else None,
+                  m.kv_share if m.HasField("kv_share") else None)
 
 
 # ---- KV regions (the KV handshake) ----------------------------------------------------------------------------

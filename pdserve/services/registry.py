@@ -50,6 +50,7 @@ class WorkerRecord:
     layout: common_pb2.KvLayout = field(default_factory=common_pb2.KvLayout)
     load: common_pb2.LoadReport = field(default_factory=common_pb2.LoadReport)
     updated: float = 0.0
+    labels: dict[str, str] = field(default_factory=dict)  # `--labels`: zone, node, price (router/spread.py)
 
 
 def record_sig(key: bytes, model: str, fields: dict[str, bytes]) -> str:

@@ -8,6 +8,21 @@ fit the sequence slots, all atomically, so every gateway replica sees one ledger
 its live requests every `lease_s / 3`; a crashed gateway stops renewing and its reservations expire by
 themselves.
 
+Tenant shares (spec §1.2 "租户配额", §5.5, Q22; docs/admission.md, "Tenant KV shares"): a tenant may have a
+guaranteed share g (fraction of the capacity) and a cap m (default 1). `pdserve:{model}:reservation_tenant`
+(request id -> tenant), `pdserve:{model}:kv_guarantee` (tenant -> g, as last sent by its requests) and
+`pdserve:{model}:kv_active` (sorted set: tenant -> active until, ms) let the same script admit tenant t's B blocks
+only if, with C the capacity, R the blocks reserved, R_u tenant u's, and A the active tenants (holding a
+reservation, or asked for one within their `kv_idle_s`):
+
+    R + B + sum over u in A, u != t of max(0, floor(g_u C) - R_u)  <=  C      (others' unused guarantees held back)
+    R_t + B  <=  floor(m_t C)                                                  (its cap)
+
+Sequence slots are held back the same way (`fair_slots`: floor(g_u S) of the S slots per active tenant u).
+An active tenant therefore always finds its unused guarantee free; an idle tenant's guarantee is surplus anyone
+may borrow, given back as the borrowers' reservations end (the borrower cannot re-reserve it once the owner is
+active again). Without shares (g = 0, m = 1, as for every tenant not configured) the rule is the old one.
+
 Redis down: a process-local ledger with the same rules takes over (each replica then admits up to the whole
 capacity: degraded, counted in `pdserve_admission_degraded_total`); live reservations are written back to
 Redis by the renew loop when it returns, so the ledger recovers after a Redis restart.
@@ -19,6 +34,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pdserve.services.kv_shares import NO_SHARE, KVShare, fair_free, fair_slots
 from pdserve.services.metrics import gateway as M
 
 if TYPE_CHECKING:
@@ -26,9 +42,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pdserve.admission")
 
-# KEYS: zset, hash. ARGV: rid, prompt_blocks, blocks_per_copy, n, min_copies, cap_blocks, seq_limit, lease_ms.
-# Reserves prompt + k x per-copy blocks for the largest k <= n that fits (k >= min_copies), in one call: the same
-# arithmetic as `largest_copies`. Returns {k (0: nothing reserved), used_blocks, used_seqs} (after the call).
+# KEYS: zset, hash, rid -> tenant, tenant -> guarantee, tenant -> active until. ARGV: rid, prompt_blocks,
+# blocks_per_copy, n, min_copies, cap_blocks, seq_limit, lease_ms, tenant, guaranteed, max_share, idle_ms,
+# cap_seqs (the sequence slots; the guarantees hold back slots the same way, `fair_slots`).
+# Reserves prompt + k x per-copy blocks for the largest k <= n that fits (k >= min_copies) within the tenant rule
+# above, in one call: the same arithmetic as `largest_copies` and `fair_free`. Returns {k (0: nothing reserved),
+# used_blocks, used_seqs} (after the call).
 RESERVE_LUA = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -36,22 +55,53 @@ local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
 for _, rid in ipairs(expired) do
   redis.call('ZREM', KEYS[1], rid)
   redis.call('HDEL', KEYS[2], rid)
+  redis.call('HDEL', KEYS[3], rid)
 end
-local used = 0
-for _, v in ipairs(redis.call('HVALS', KEYS[2])) do used = used + tonumber(v) end
+redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now)
+local me, cap = ARGV[9], tonumber(ARGV[6])
+redis.call('ZADD', KEYS[5], now + tonumber(ARGV[12]), me)  -- asking makes a tenant active
+redis.call('HSET', KEYS[4], me, ARGV[10])
+local tenant_of = {}
+local tv = redis.call('HGETALL', KEYS[3])
+for i = 1, #tv, 2 do tenant_of[tv[i]] = tv[i + 1] end
+local used, by, nby = 0, {}, {}
+local bv = redis.call('HGETALL', KEYS[2])
+for i = 1, #bv, 2 do
+  local b, u = tonumber(bv[i + 1]), tenant_of[bv[i]] or ''
+  used = used + b
+  by[u] = (by[u] or 0) + b
+  nby[u] = (nby[u] or 0) + 1
+end
 local seqs = redis.call('ZCARD', KEYS[1])
 local mine = redis.call('HGET', KEYS[2], ARGV[1])
 if mine then  -- reserving again replaces its own entry (as LocalLedger.reserve_plan does)
+  local u = tenant_of[ARGV[1]] or ''
   redis.call('ZREM', KEYS[1], ARGV[1])
   redis.call('HDEL', KEYS[2], ARGV[1])
+  redis.call('HDEL', KEYS[3], ARGV[1])
   used = used - tonumber(mine)
+  by[u] = by[u] - tonumber(mine)
+  nby[u] = nby[u] - 1
   seqs = seqs - 1
 end
+local active = {}
+for _, u in ipairs(redis.call('ZRANGE', KEYS[5], 0, -1)) do active[u] = true end
+for u, c in pairs(nby) do if c > 0 then active[u] = true end end
+local owed, owed_seqs, cap_seqs = 0, 0, tonumber(ARGV[13])
+for u, _ in pairs(active) do
+  if u ~= me then
+    local g = tonumber(redis.call('HGET', KEYS[4], u) or '0')
+    local short = math.floor(g * cap) - (by[u] or 0)
+    if short > 0 then owed = owed + short end
+    short = math.floor(g * cap_seqs) - (nby[u] or 0)
+    if short > 0 then owed_seqs = owed_seqs + short end
+  end
+end
 local pb, per, n, mink = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-if seqs + 1 > tonumber(ARGV[7]) then
+if seqs + 1 > tonumber(ARGV[7]) or seqs + 1 + owed_seqs > cap_seqs then
   return {0, used, seqs}
 end
-local room = tonumber(ARGV[6]) - used - pb
+local room = math.min(cap - used - owed, math.floor(tonumber(ARGV[11]) * cap) - (by[me] or 0)) - pb
 if room < 0 then
   return {0, used, seqs}
 end
@@ -63,22 +113,26 @@ end
 local blocks = pb + k * per
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[8]), ARGV[1])
 redis.call('HSET', KEYS[2], ARGV[1], blocks)
+redis.call('HSET', KEYS[3], ARGV[1], me)
 return {k, used + blocks, seqs + 1}
 """
 
-# KEYS: zset, hash. ARGV: lease_ms, then rid, blocks pairs. Re-adds missing ones (after a Redis restart).
+# KEYS: zset, hash, rid -> tenant. ARGV: lease_ms, then rid, blocks, tenant triples. Re-adds missing ones (after a
+# Redis restart).
 RENEW_LUA = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-for i = 2, #ARGV, 2 do
+for i = 2, #ARGV, 3 do
   redis.call('ZADD', KEYS[1], now + tonumber(ARGV[1]), ARGV[i])
   redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1])
+  redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 2])
 end
 return 1
 """
 
 RELEASE_LUA = """
 redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[3], ARGV[1])
 return redis.call('HDEL', KEYS[2], ARGV[1])
 """
 
@@ -89,6 +143,7 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 for _, rid in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)) do
   redis.call('ZREM', KEYS[1], rid)
   redis.call('HDEL', KEYS[2], rid)
+  redis.call('HDEL', KEYS[3], rid)
 end
 local used = 0
 for _, v in ipairs(redis.call('HVALS', KEYS[2])) do used = used + tonumber(v) end
@@ -125,34 +180,55 @@ class LocalLedger:
 
     def __init__(self, clock=time.monotonic):
         self.entries: dict[str, tuple[int, float]] = {}  # rid -> (blocks, expiry on `clock`)
+        self.tenant_of: dict[str, str] = {}
+        self.guarantees: dict[str, float] = {}
+        self.active_until: dict[str, float] = {}
         self.clock = clock
 
     def _prune(self) -> None:
         now = self.clock()
         for rid in [r for r, (_, exp) in self.entries.items() if exp <= now]:
             del self.entries[rid]
+            self.tenant_of.pop(rid, None)
+        for u in [u for u, t in self.active_until.items() if t <= now]:
+            del self.active_until[u]
 
     def reserve_plan(self, rid: str, plan: Plan, cap: Capacity, seq_limit: int,
-                     lease_s: float) -> tuple[int, int, int]:
+                     lease_s: float, share: KVShare = NO_SHARE) -> tuple[int, int, int]:
         """RESERVE_LUA's rule: (copies reserved, 0 = none; blocks reserved; requests reserved), after the call."""
         self._prune()
+        self.active_until[share.tenant] = self.clock() + share.idle_s
+        self.guarantees[share.tenant] = share.guaranteed
         self.entries.pop(rid, None)
+        self.tenant_of.pop(rid, None)
         used, seqs = sum(b for b, _ in self.entries.values()), len(self.entries)
-        k = largest_copies(cap.blocks - used, plan) if seqs + 1 <= seq_limit else 0
+        by: dict[str, int] = {}
+        n_by: dict[str, int] = {}
+        for r, (b, _) in self.entries.items():
+            u = self.tenant_of.get(r, "")
+            by[u] = by.get(u, 0) + b
+            n_by[u] = n_by.get(u, 0) + 1
+        active = set(self.active_until)
+        free = fair_free(cap.blocks, by, self.guarantees, active, share)
+        slots = fair_slots(cap.seqs, n_by, self.guarantees, active, share)
+        k = largest_copies(free, plan) if seqs + 1 <= seq_limit and slots >= 1 else 0
         if k == 0:
             return 0, used, seqs
         self.entries[rid] = (plan.blocks(k), self.clock() + lease_s)
+        self.tenant_of[rid] = share.tenant
         return k, used + plan.blocks(k), seqs + 1
 
-    def reserve(self, rid: str, blocks: int, cap: Capacity, lease_s: float) -> bool:
-        return self.reserve_plan(rid, Plan(blocks, 0, 1, 1), cap, cap.seqs, lease_s)[0] > 0
+    def reserve(self, rid: str, blocks: int, cap: Capacity, lease_s: float, share: KVShare = NO_SHARE) -> bool:
+        return self.reserve_plan(rid, Plan(blocks, 0, 1, 1), cap, cap.seqs, lease_s, share)[0] > 0
 
-    def renew(self, held: dict[str, int], lease_s: float) -> None:
+    def renew(self, held: dict[str, int], lease_s: float, tenants: dict[str, str] | None = None) -> None:
         for rid, b in held.items():
             self.entries[rid] = (b, self.clock() + lease_s)
+            self.tenant_of[rid] = (tenants or {}).get(rid, "")
 
     def release(self, rid: str) -> None:
         self.entries.pop(rid, None)
+        self.tenant_of.pop(rid, None)
 
     def usage(self) -> tuple[int, int]:
         self._prune()
@@ -167,6 +243,9 @@ class ReservationLedger:
         self.lease_s = lease_s
         self.zkey = f"pdserve:{model}:reservations"
         self.hkey = f"pdserve:{model}:reservation_blocks"
+        self.tkey = f"pdserve:{model}:reservation_tenant"
+        self.gkey = f"pdserve:{model}:kv_guarantee"
+        self.akey = f"pdserve:{model}:kv_active"
         self.local = LocalLedger()
         if redis is not None:
             self._reserve = redis.register_script(RESERVE_LUA)
@@ -178,41 +257,43 @@ class ReservationLedger:
         M.ADMISSION_DEGRADED.inc()
         log.warning("admission: Redis unavailable during %s (%s); using the local ledger", what, e)
 
-    async def reserve_plan(self, rid: str, plan: Plan, cap: Capacity, seq_limit: int) -> tuple[int, int, int]:
+    async def reserve_plan(self, rid: str, plan: Plan, cap: Capacity, seq_limit: int,
+                           share: KVShare = NO_SHARE) -> tuple[int, int, int]:
         """One script call: (copies reserved, 0 = none; blocks reserved; requests reserved) across replicas."""
         if self.redis is not None:
             try:
                 k, used, seqs = await self._reserve(
-                    keys=[self.zkey, self.hkey],
+                    keys=[self.zkey, self.hkey, self.tkey, self.gkey, self.akey],
                     args=[rid, plan.prompt_blocks, plan.blocks_per_copy, plan.n, plan.min_copies, cap.blocks,
-                          seq_limit, int(self.lease_s * 1000)])
+                          seq_limit, int(self.lease_s * 1000), share.tenant, repr(float(share.guaranteed)),
+                          repr(float(share.max_share)), int(share.idle_s * 1000), cap.seqs])
                 return int(k), int(used), int(seqs)
             except Exception as e:  # noqa: BLE001
                 self._degraded("reserve", e)
-        return self.local.reserve_plan(rid, plan, cap, seq_limit, self.lease_s)
+        return self.local.reserve_plan(rid, plan, cap, seq_limit, self.lease_s, share)
 
-    async def reserve(self, rid: str, blocks: int, cap: Capacity) -> bool:
-        return (await self.reserve_plan(rid, Plan(blocks, 0, 1, 1), cap, cap.seqs))[0] > 0
+    async def reserve(self, rid: str, blocks: int, cap: Capacity, share: KVShare = NO_SHARE) -> bool:
+        return (await self.reserve_plan(rid, Plan(blocks, 0, 1, 1), cap, cap.seqs, share))[0] > 0
 
-    async def renew(self, held: dict[str, int]) -> None:
+    async def renew(self, held: dict[str, int], tenants: dict[str, str] | None = None) -> None:
         if not held:
             return
         if self.redis is not None:
             try:
                 args: list = [int(self.lease_s * 1000)]
                 for rid, b in held.items():
-                    args += [rid, b]
-                await self._renew(keys=[self.zkey, self.hkey], args=args)
+                    args += [rid, b, (tenants or {}).get(rid, "")]
+                await self._renew(keys=[self.zkey, self.hkey, self.tkey], args=args)
                 return
             except Exception as e:  # noqa: BLE001
                 self._degraded("renew", e)
-        self.local.renew(held, self.lease_s)
+        self.local.renew(held, self.lease_s, tenants)
 
     async def release(self, rid: str) -> None:
         self.local.release(rid)
         if self.redis is not None:
             try:
-                await self._release(keys=[self.zkey, self.hkey], args=[rid])
+                await self._release(keys=[self.zkey, self.hkey, self.tkey], args=[rid])
             except Exception as e:  # noqa: BLE001 - the lease expires by itself
                 self._degraded("release", e)
 
@@ -220,7 +301,7 @@ class ReservationLedger:
         """(blocks reserved, requests reserved) across every replica."""
         if self.redis is not None:
             try:
-                b, n = await self._usage(keys=[self.zkey, self.hkey])
+                b, n = await self._usage(keys=[self.zkey, self.hkey, self.tkey])
                 return int(b), int(n)
             except Exception as e:  # noqa: BLE001
                 self._degraded("usage", e)

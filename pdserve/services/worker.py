@@ -75,11 +75,13 @@ class Worker(worker_pb2_grpc.WorkerServicer):
         self.decode = DecodeSide(self.host, self.endpoint, self.agent, self.tokenizer, self.meter, transfer_timeout_s)
         self.inflight = 0
         self.last_stats: dict = {}
+        self.labels: dict[str, str] = {}  # `--labels`, published in the registry for the router's spread terms
 
     # ---- helpers ----------------------------------------------------------------------------------------------
     def record(self) -> WorkerRecord:
         return WorkerRecord(self.worker_id, self.role, self.address, self.agent.name if self.agent else "",
-                            self.engine.kv_cache.num_blocks, layout_to_pb(self.layout.to_dict()), self.load())
+                            self.engine.kv_cache.num_blocks, layout_to_pb(self.layout.to_dict()), self.load(),
+                            labels=dict(self.labels))
 
     def load(self) -> common_pb2.LoadReport:
         s = self.last_stats
@@ -125,6 +127,7 @@ class Worker(worker_pb2_grpc.WorkerServicer):
             enc = DeltaEncoder(self.tokenizer)
             finished = False
             lim = limits_from_pb(request.lifecycle)
+            lim.apply_share(self.host, request.namespace)
             gen = self.host.generate(request.request_id, prompt, params, namespace=request.namespace,
                                      deadline=lim.deadline, priority=lim.priority,
                                      predicted_output_tokens=lim.predicted_output_tokens,
@@ -234,6 +237,7 @@ async def serve(args) -> None:
     M.set_engine_info(engine.info)
     w = Worker(engine, args.role, worker_id, f"{host}:{args.port}", lease_ttl_s=args.lease_ttl,
                transfer_timeout_s=args.transfer_timeout)
+    w.labels = dict(getattr(args, "labels", None) or {})
     await w.host.start()
     await w.prefill.start()
     server, hs = make_server([WORKER_SERVICE])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -138,7 +139,8 @@ def container_env(container: dict) -> dict[str, str]:
         else:
             src = e["valueFrom"]
             if "fieldRef" in src:
-                env[e["name"]] = {"status.podIP": "10.1.2.3", "metadata.name": "pod-0"}[src["fieldRef"]["fieldPath"]]
+                env[e["name"]] = {"status.podIP": "10.1.2.3", "metadata.name": "pod-0", "spec.nodeName": "node-1",
+                                  "metadata.labels['topology.kubernetes.io/zone']": "zone-a"}[src["fieldRef"]["fieldPath"]]
             elif "secretKeyRef" in src:
                 env[e["name"]] = f"secret:{src['secretKeyRef']['name']}/{src['secretKeyRef']['key']}"
             else:
@@ -156,7 +158,10 @@ def parse_pdserve(container: dict, monkeypatch) -> "object":
         monkeypatch.delenv(k)
     for k, v in container_env(container).items():
         monkeypatch.setenv(k, v)
-    return build_parser().parse_args([str(a) for a in container["args"]])
+    env = container_env(container)
+    # Kubernetes expands $(VAR) in args from the container's env
+    args = [re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), str(a)) for a in container["args"]]
+    return build_parser().parse_args(args)
 
 
 def pdserve_containers(objs):

@@ -145,13 +145,16 @@ def plan(objs: list[dict], tmp: Path, model_dir: Path, model_mount: str = "/mode
             else:
                 src = e["valueFrom"]
                 if "fieldRef" in src:
-                    v = {"status.podIP": "127.0.0.1", "metadata.name": pod.name}[src["fieldRef"]["fieldPath"]]
+                    v = {"status.podIP": "127.0.0.1", "metadata.name": pod.name, "spec.nodeName": "node-local",
+                         "metadata.labels['topology.kubernetes.io/zone']": "zone-local"}[src["fieldRef"]["fieldPath"]]
                 elif "secretKeyRef" in src:
                     ref = src["secretKeyRef"]
                     v = _files(by[("Secret", ref["name"])])[ref["key"]]
                 else:
                     raise AssertionError(f"{pod.name}: env source {src}")
             pod.env[e["name"]] = rewrite(pod, v)
+        # Kubernetes expands $(VAR) in args from the container's env
+        pod.argv = [re.sub(r"\$\((\w+)\)", lambda m: pod.env.get(m.group(1), m.group(0)), a) for a in pod.argv]
         for name in HOST_CACHE_ENV:
             if name in pod.env:
                 assert any(pod.env[name].startswith(str(d) + "/") for d in pod.mounts.values()), \

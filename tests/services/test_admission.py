@@ -507,9 +507,9 @@ def test_release_during_a_renew_does_not_resurrect_the_reservation():
         await adm.admit("a", "t", 10, 20, 1, 4096, time.time() + 30)
         real_renew = ledger.renew
 
-        async def renew_racing_a_release(held):
+        async def renew_racing_a_release(held, *tenants):
             await adm.release("a")  # the request ends between the snapshot and the script
-            await real_renew(held)
+            await real_renew(held, *tenants)
 
         ledger.renew = renew_racing_a_release
         try:

@@ -170,6 +170,7 @@ class DecodeSide:
         prompt = list(request.prompt_token_ids)
         t_start = time.time()
         lim = limits_from_pb(request.lifecycle)
+        lim.apply_share(self.host, request.namespace)
         budget = self.transfer_timeout_s + TRANSFER_GRACE_S
 
         def add(e):

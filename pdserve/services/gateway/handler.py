@@ -71,7 +71,8 @@ class RequestHandler:
 
         # the limits every worker obeys travel as a field of its request (metadata carries only tracing headers)
         lifecycle = lifecycle_to_pb(deadline, call.priority_for(rec.tenant.priority),
-                                    ticket.predicted_output if ticket is not None else None)
+                                    ticket.predicted_output if ticket is not None else None,
+                                    rec.tenant.kv_share)  # 0 too: a share lowered in the keys file is lifted
         upstream = self.disp.generate_many(rid, subs, rec.tenant.namespace, on_route=on_route, traces=traces,
                                            lifecycle=lifecycle)
         try:

@@ -142,7 +142,8 @@ class Lifecycle:
         longest = max(len(p) for p in prompts)
         ticket = await self.admission.admit(rid, rec.tenant.name, longest, max_tokens, n * len(prompts),
                                             context_len, rec.deadline or (time.time() + self.default_timeout_s),
-                                            allow_degrade=allow_degrade and len(prompts) == 1)
+                                            allow_degrade=allow_degrade and len(prompts) == 1,
+                                            share=rec.tenant.kv)
         rec.ticket = ticket
         rec.admitted_at = time.time()
         if ticket.queued_s:

@@ -10,6 +10,10 @@ tenants:
     quota_window_s: 3600
     priority: 1            # scheduling class, lower = more urgent (engine policy `priority`)
     shared_namespace: docs # opt-in: share prefix-cache blocks with every tenant naming the same namespace
+    kv_share: 0.25         # guaranteed fraction of the KV capacity (admission) and of each worker's blocks
+                           # (prefix-cache eviction); the sum over tenants must be <= 1 (default 0)
+    kv_max_share: 1.0      # the most it may hold, borrowing others' idle guarantees and the surplus included
+    kv_idle_s: 30          # its guarantee is held back this long after its last request (then borrowable)
     permissions: []        # operator rights, none by default: `metrics` (read GET /metrics),
                            # `debug_route` (the `x-pdserve-debug: route` header is honoured),
                            # `debug_stage_times` (`usage.stage_times` when the request asks for it)
@@ -31,6 +35,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.services.kv_shares import KVShare
+
 log = logging.getLogger("pdserve.gateway")
 
 
@@ -44,6 +50,9 @@ class Tenant:
     priority: int = 1
     shared_namespace: str | None = None
     max_timeout_s: float | None = None  # cap on the request's own `timeout`
+    kv_share: float = 0.0       # guaranteed KV fraction (docs/admission.md, "Tenant KV shares")
+    kv_max_share: float = 1.0   # cap, borrowing included
+    kv_idle_s: float = 30.0     # guarantee held back this long after its last request
     # operator rights (PERMISSIONS); a plain API key has none, so /metrics and routing internals stay hidden from it
     permissions: frozenset[str] = frozenset()
     key_digests: list[str] = field(default_factory=list)
@@ -55,6 +64,10 @@ class Tenant:
     def namespace(self) -> str:
         """Prefix-cache namespace: the tenant's own unless it opted into a shared one (spec §4.3, Q22)."""
         return self.shared_namespace if self.shared_namespace is not None else f"tenant:{self.name}"
+
+    @property
+    def kv(self) -> KVShare:
+        return KVShare(self.name, self.kv_share, self.kv_max_share, self.kv_idle_s)
 
     @property
     def bucket_size(self) -> float:
@@ -89,9 +102,26 @@ def parse(data: dict) -> list[Tenant]:
         unknown = set(cfg) - allowed
         if unknown:
             raise ValueError(f"api keys file: tenant {name!r}: unknown settings {sorted(unknown)}")
-        out.append(Tenant(name=str(name), key_digests=[digest(str(k)) for k in keys], permissions=frozenset(perms),
-                          **cfg))
+        t = Tenant(name=str(name), key_digests=[digest(str(k)) for k in keys], permissions=frozenset(perms), **cfg)
+        _check_kv(t)
+        out.append(t)
+    total = sum(t.kv_share for t in out)
+    if total > 1.0 + 1e-9:
+        raise ValueError(f"api keys file: the tenants' kv_share add up to {total:g} > 1 (guarantees must fit the "
+                         f"capacity): " + ", ".join(f"{t.name}={t.kv_share:g}" for t in out if t.kv_share))
     return out
+
+
+def _check_kv(t: Tenant) -> None:
+    for f in ("kv_share", "kv_max_share", "kv_idle_s"):
+        v = getattr(t, f)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"api keys file: tenant {t.name!r}: {f} must be a number, got {v!r}")
+    if not 0.0 <= t.kv_share <= t.kv_max_share <= 1.0:
+        raise ValueError(f"api keys file: tenant {t.name!r}: need 0 <= kv_share ({t.kv_share:g}) <= kv_max_share "
+                         f"({t.kv_max_share:g}) <= 1")
+    if t.kv_idle_s < 0:
+        raise ValueError(f"api keys file: tenant {t.name!r}: kv_idle_s must be >= 0, got {t.kv_idle_s:g}")
 
 
 PLAIN_KEYS_TENANT = "default"  # the tenant of a file that is only keys, one per line

@@ -162,6 +162,7 @@ class PrefillSide:
         params = params_from_pb(request.params)
         final = None
         lim = limits_from_pb(request.lifecycle)
+        lim.apply_share(self.host, request.namespace)
         async for out in self.host.generate(rid, list(request.prompt_token_ids), params,
                                               namespace=request.namespace, prefill_only=True, deadline=lim.deadline,
                                               priority=lim.priority,

@@ -156,10 +156,11 @@ class Estimate:
     e2e_s: float
     interference_s: float
     transfer_s: float = 0.0
+    extra_s: float = 0.0  # failure-domain, price and fairness terms (spread.py), 0 until the policy adds them
 
     @property
     def cost(self) -> float:
-        return self.e2e_s + self.interference_s
+        return self.e2e_s + self.interference_s + self.extra_s
 
 
 class CostModel:

@@ -15,6 +15,9 @@ A prefill pool that is down (decode workers alive, no prefill worker) or whose w
 degrades to local prefill on a decode worker - counted in pdserve_route_degraded_total and logged, never
 silent.
 
+Next to the predicted completion time each candidate pays the failure-domain, price and fairness terms of
+spread.py (weights `--weights`; all in seconds), and `x-pdserve-route` shows them.
+
 Reports lag a burst (heartbeats about once a second): the router adds what it placed on a worker since that
 worker's last report (`Inflight`) to the reported load.
 """
@@ -29,6 +32,7 @@ from pdserve.services.metrics import router as M
 from pdserve.services.registry import WorkerRecord
 from pdserve.services.router.cost import CostModel, CostParams, Estimate, Inflight, WorkerCost
 from pdserve.services.router.prefix_index import PrefixIndex, TierHit, chain_hashes
+from pdserve.services.router.spread import RouteWeights, Spread, Terms, zone_of
 
 log = logging.getLogger("pdserve.router")
 
@@ -66,6 +70,7 @@ class Placement:
     e2e_s: float = 0.0
     alternative_s: float = 0.0  # best cost of the kind not chosen (0: none)
     n_candidates: int = 0
+    terms: Terms = field(default_factory=Terms)  # the chosen candidate's spread.py terms
 
     def header(self) -> str:
         """The `x-pdserve-route` debug header."""
@@ -73,12 +78,14 @@ class Placement:
             else f"worker={self.both.worker_id}"
         return (f"mode={self.mode};reason={self.reason};{ws};cached_tokens={self.cached_tokens};"
                 f"ttft_s={self.ttft_s:.4f};e2e_s={self.e2e_s:.4f};alt_s={self.alternative_s:.4f};"
-                f"candidates={self.n_candidates}")
+                f"candidates={self.n_candidates};zone={self.terms.zone};fd_s={self.terms.fd_s:.4f};"
+                f"price_s={self.terms.price_s:.4f};fair_s={self.terms.fair_s:.4f}")
 
 
 class Policy:
     def __init__(self, mode: str = "auto", index: PrefixIndex | None = None, params: CostParams | None = None,
-                 rng: random.Random | None = None, clock=time.time, inflight_ttl_s: float = 3.0):
+                 rng: random.Random | None = None, clock=time.time, inflight_ttl_s: float = 3.0,
+                 weights: RouteWeights | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
         self.mode = mode
@@ -87,6 +94,7 @@ class Policy:
         self.rng = rng or random.Random()
         self.clock = clock
         self.inflight_ttl_s = inflight_ttl_s
+        self.spread = Spread(weights or RouteWeights(), clock)
         # worker id -> [(time placed, prefill tokens, seqs, blocks)] not yet covered by a load report
         self._placed: dict[str, list[tuple[float, int, int, int]]] = {}
         self._last_degraded_log = 0.0
@@ -169,6 +177,16 @@ class Policy:
         ests_pair = [self.cost.disagg(p, d, n, cached[p.rec.worker_id], device[d.rec.worker_id], out,
                                       recall[p.rec.worker_id])
                      for p, d in pairs]
+        keys = self.spread.keys(req.namespace, req.prompt_token_ids)
+        fd, fair = self.spread.per_worker(keys, req.namespace, live)
+        terms: dict[int, Terms] = {}
+        if fd or fair or self.spread.weights.price:
+            for e in ests_local + ests_pair:
+                terms[id(e)] = self.spread.terms(e, n, out, fd, fair)
+            # relative to the smallest: a constant changes neither the choice nor the near-equal band
+            floor = min((t.total for t in terms.values()), default=0.0)
+            for e in ests_local + ests_pair:
+                e.extra_s = terms[id(e)].total - floor
         best_local = min((e.cost for e in ests_local), default=float("inf"))
         best_pair = min((e.cost for e in ests_pair), default=float("inf"))
 
@@ -198,6 +216,8 @@ class Policy:
             pl = Placement("disagg", prefill=chosen.prefill.rec, decode=chosen.decode.rec)
         pl.reason, pl.cached_tokens, pl.ttft_s, pl.e2e_s = reason, chosen.cached_tokens, chosen.ttft_s, chosen.e2e_s
         pl.alternative_s, pl.n_candidates = alt, len(ests_local) + len(ests_pair)
+        pl.terms = terms.get(id(chosen)) or Terms(zone=zone_of(chosen.decode.rec))
+        self.spread.record(keys, req.namespace, chosen.decode.rec)
         self._count(pl, n, degraded)
         return pl
 

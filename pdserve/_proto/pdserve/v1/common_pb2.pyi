@@ -84,14 +84,16 @@ class SamplingParams(_message.Message):
     def __init__(self, n: _Optional[int] = ..., best_of: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., has_allowed_token_ids: _Optional[bool] = ..., bad_words: _Optional[_Iterable[str]] = ..., no_repeat_ngram_size: _Optional[int] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., logprobs_mode: _Optional[str] = ..., skip_special_tokens: _Optional[bool] = ..., guided: _Optional[_Union[GuidedSpec, _Mapping]] = ...) -> None: ...
 
 class Lifecycle(_message.Message):
-    __slots__ = ("deadline_unix", "priority", "predicted_output_tokens")
+    __slots__ = ("deadline_unix", "priority", "predicted_output_tokens", "kv_share")
     DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_SHARE_FIELD_NUMBER: _ClassVar[int]
     deadline_unix: float
     priority: int
     predicted_output_tokens: int
-    def __init__(self, deadline_unix: _Optional[float] = ..., priority: _Optional[int] = ..., predicted_output_tokens: _Optional[int] = ...) -> None: ...
+    kv_share: float
+    def __init__(self, deadline_unix: _Optional[float] = ..., priority: _Optional[int] = ..., predicted_output_tokens: _Optional[int] = ..., kv_share: _Optional[float] = ...) -> None: ...
 
 class KvLayout(_message.Message):
     __slots__ = ("fingerprint", "block_size", "dtype", "num_layers", "num_kv_heads", "head_dim", "block_bytes")
@@ -234,7 +236,14 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[CompletionDelta, _Mapping]]] = ..., finished: _Optional[bool] = ..., state: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[str] = ..., times: _Optional[_Union[StageTimes, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., retryable: _Optional[bool] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "model", "agent_name", "capacity_blocks", "layout")
+    __slots__ = ("worker_id", "role", "address", "model", "agent_name", "capacity_blocks", "layout", "labels")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +251,7 @@ class WorkerInfo(_message.Message):
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     address: str
@@ -249,7 +259,8 @@ class WorkerInfo(_message.Message):
     agent_name: str
     capacity_blocks: int
     layout: KvLayout
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., agent_name: _Optional[str] = ..., capacity_blocks: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ...) -> None: ...
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., agent_name: _Optional[str] = ..., capacity_blocks: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class LoadReport(_message.Message):
     __slots__ = ("worker_id", "num_running", "num_waiting", "kv_blocks_in_use", "kv_blocks_total", "pinned_blocks", "prefix_hit_ratio", "prefill_tokens_per_s", "prefill_overhead_s", "decode_step_s", "decode_step_per_seq_s", "pending_prefill_tokens", "kv_bytes_per_s", "handoff_overhead_s", "report_time", "max_num_seqs")
