@@ -33,7 +33,7 @@ def up(tiny_llama, tmp_path_factory):
     model, _ = served_as_ck(tiny_llama, tmp_path_factory, "tenants: {}\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PDSERVE_LOG_LEVEL": "INFO",  # INFO: the billing records
            "PDSERVE_FAULT_STEP_DELAY_S": str(STEP_DELAY_S), "PDSERVE_FAULT_PULL_DELAY_S": str(PULL_DELAY_S)}
-    d = UpProcess(["--model", str(model), "--num-gpu-blocks", str(NUM_BLOCKS), "--mode", "disagg", "--prefill", "2",
+    d = UpProcess(["--no-restart", "--model", str(model), "--num-gpu-blocks", str(NUM_BLOCKS), "--mode", "disagg", "--prefill", "2",
                    "--decode", "3", "--migration-limit", "1", "--heartbeat-ttl", "2"], env, 120)
     yield d
     d.stop()

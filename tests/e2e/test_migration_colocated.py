@@ -18,7 +18,7 @@ def up(tiny_llama, tmp_path_factory):
     model, _ = served_as_ck(tiny_llama, tmp_path_factory, "tenants: {}\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PDSERVE_LOG_LEVEL": "INFO",
            "PDSERVE_FAULT_STEP_DELAY_S": str(STEP_DELAY_S)}
-    d = UpProcess(["--model", str(model), "--num-gpu-blocks", str(NUM_BLOCKS), "--mode", "colocated",
+    d = UpProcess(["--no-restart", "--model", str(model), "--num-gpu-blocks", str(NUM_BLOCKS), "--mode", "colocated",
                    "--workers", "2"], env, 120)
     yield d
     d.stop()
