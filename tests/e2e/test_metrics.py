@@ -37,6 +37,8 @@ WORKER = {
     "pdserve_kv_events_published", "pdserve_kv_handshakes", "pdserve_engine_requests_terminal",
     "pdserve_kv_blocks_in_use",
     "pdserve_kv_blocks_total", "pdserve_kv_blocks_pinned", "pdserve_kv_usage_fraction",
+    "pdserve_kv_offload_bytes", "pdserve_kv_recall_seconds", "pdserve_kv_tier_blocks", "pdserve_kv_tier_capacity_blocks",
+    "pdserve_kv_tier_hit_tokens",
     "pdserve_prefix_cache_queries", "pdserve_prefix_cache_hits", "pdserve_prefix_hit_ratio", "pdserve_num_running",
     "pdserve_num_waiting", "pdserve_requests_in_state", "pdserve_request_state_entries", "pdserve_engine_info"}
 
