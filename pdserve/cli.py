@@ -53,6 +53,8 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", choices=POLICIES, help="scheduling policy (default: fcfs)")
     p.add_argument("--threads", type=positive_int,
                    help="torch intra-op threads (default: all cores; `up` splits the cores between workers)")
+    p.add_argument("--tensor-parallel-size", type=positive_int,
+                   help="ranks of tensor parallelism per worker, one process each (default: 1; docs/engine.md)")
 
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # pdserve/services/gateway/tools/registry.py
@@ -110,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--prefill", type=nonneg_int, default=1, help="prefill workers (auto/disagg)")
     up.add_argument("--decode", type=nonneg_int, default=1, help="decode workers (auto/disagg)")
     up.add_argument("--workers", type=nonneg_int, default=1, help="'both' workers (colocated)")
+    up.add_argument("--prefill-tp", type=positive_int, help="tensor parallel size of prefill workers "
+                    "(default: --tensor-parallel-size)")
+    up.add_argument("--decode-tp", type=positive_int, help="tensor parallel size of decode workers "
+                    "(default: --tensor-parallel-size)")
     up.add_argument("--port", type=port, default=8000, help="gateway HTTP port")
     up.add_argument("--grpc-port", type=port, default=0, help="gateway gRPC port (0: a free one)")
     up.add_argument("--redis-url", help="an existing Redis (default: start a private redis-server)")

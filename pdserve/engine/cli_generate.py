@@ -6,6 +6,8 @@ import json
 import sys
 import time
 
+from pdserve.cli_args import positive_int
+
 
 def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("generate", help="generate text offline with the engine (no services)")
@@ -19,6 +21,8 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
+    p.add_argument("--tensor-parallel-size", type=positive_int, default=1,
+                   help="ranks of tensor parallelism (one process each)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     p.set_defaults(func=run_generate)
     return p
@@ -31,7 +35,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
     t0 = time.time()
     try:
-        engine = Engine.from_pretrained(args.model, EngineConfig(dtype=args.dtype, device=args.device))
+        engine = Engine.from_pretrained(args.model, EngineConfig(dtype=args.dtype, device=args.device,
+                                                                 tensor_parallel_size=args.tensor_parallel_size))
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -52,6 +57,8 @@ def run_generate(args: argparse.Namespace) -> int:
     except (ValueError, RequestRejected) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        engine.close()
     c = out.outputs[0]
     m = out.metrics
     ttft = m["first_token_time"] - m["arrival_time"]
