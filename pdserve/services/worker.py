@@ -92,6 +92,7 @@ class Worker(worker_pb2_grpc.WorkerServicer):
         ld.pinned_blocks = self.prefill.leases.pinned_blocks()
         ld.prefix_hit_ratio = float(s.get("prefix_hit_ratio", 0.0) or 0.0)
         ld.max_num_seqs = self.engine.config.max_num_seqs
+        ld.tensor_parallel_size = self.engine.config.tensor_parallel_size
         return ld
 
     def refresh_stats(self) -> dict:

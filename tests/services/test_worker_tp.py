@@ -58,6 +58,8 @@ def test_tp_worker_serves_and_dies_with_a_rank(tiny_llama):
                                                                 params=params_to_pb(params))):
             for o in m.outputs:
                 tokens.extend(o.token_ids)
+        load = (await stub.GetStats(worker_pb2.GetStatsRequest(), timeout=10)).load
+        assert load.tensor_parallel_size == 2 and load.kv_blocks_total == 64  # the replica's blocks, all ranks
         ranks = rank_children(p.pid)
         assert len(ranks) == 1, ranks
         t_kill = time.monotonic()
