@@ -23,8 +23,11 @@ class TPComm:
         self.store = store or dist.TCPStore(store_host, store_port, size, rank == 0, timeout=COLLECTIVE_TIMEOUT)
         if device.type == "cuda":
             self.pg = dist.ProcessGroupNCCL(self.store, rank, size)
-        else:
-            self.pg = dist.ProcessGroupGloo(self.store, rank, size, COLLECTIVE_TIMEOUT)
+        else:  # all ranks of a worker share its host: loopback, whatever the pod's hostname resolves to
+            opts = dist.ProcessGroupGloo._Options()
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+            opts._timeout = COLLECTIVE_TIMEOUT
+            self.pg = dist.ProcessGroupGloo(self.store, rank, size, opts)
         self.bytes_reduced = 0  # payload bytes handed to all-reduce by this rank
         self.bytes_gathered = 0  # payload bytes this rank sent to the logits gather
         self.bytes_plan = 0  # plan bytes broadcast from rank 0
