@@ -131,3 +131,23 @@ def test_d08_refuses_shapes_that_cannot_be_split(heads, kv, size, named):
 def test_engine_refuses_before_starting_ranks(tiny_llama):
     with pytest.raises(CheckpointError, match="num_attention_heads=4 is not divisible by tensor_parallel_size=3"):
         Engine.from_pretrained(tiny_llama, config(3))
+
+
+def test_generate_cli_with_two_ranks_matches_one(tiny_llama):
+    """`pdserve generate --tensor-parallel-size 2`: the same greedy tokens as one process."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+
+    p = subprocess.run([sys.executable, "-m", "pdserve", "generate", "--model", str(tiny_llama), "--prompt",
+                        "the quick brown fox", "--max-tokens", "6", "--dtype", "float32", "--json",
+                        "--tensor-parallel-size", "2"], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    ref = Engine.from_pretrained(tiny_llama, config(1)).generate(
+        ["the quick brown fox"], SamplingParams(temperature=0, max_tokens=6))[0].outputs[0].token_ids
+    assert json.loads(p.stdout)["token_ids"] == ref
