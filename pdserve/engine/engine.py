@@ -90,15 +90,16 @@ class Engine:
         self.max_model_len = min(config.max_model_len or model_config.max_model_len, model_config.max_model_len)
         dtype = next(model.parameters()).dtype
         # With tensor parallelism (model.comm) each rank's pool holds its KV heads for the same block ids: the
-        # sizes below are one rank's, and the other ranks take rank 0's block count.
+        # sizes below are one rank's; every rank sizes its own pool the same way (on CUDA the profiling forward
+        # runs on all ranks at once: it has collectives) and all take the smallest count.
         per_block = block_bytes_for(model_config.num_layers, config.block_size, model.shard.num_kv_heads,
                                     model_config.head_dim, dtype)
         num_blocks = kv_pool_blocks(config, model, torch.device(config.device), per_block)
+        if model.comm is not None:
+            num_blocks = model.comm.min_int(num_blocks)
         self.kv_cache = (KVCache if model.comm is None else RecordingKVCache)(
             model_config, num_blocks, config.block_size, dtype, config.device, config.num_cpu_blocks, fingerprint,
             num_kv_heads=model.shard.num_kv_heads)
-        if model.comm is not None:
-            model.comm.broadcast_object(num_blocks)
         self.tp_group = None  # engine/tp/group.py: the other ranks' processes (set by from_pretrained)
         self.block_manager = BlockManager(num_blocks, config.block_size, fingerprint, config.enable_prefix_caching,
                                           config.num_cpu_blocks, kv=self.kv_cache)

@@ -53,6 +53,15 @@ class TPComm:
         self.pg.gather([], [t], opts).wait()
         return None
 
+    def min_int(self, n: int) -> int:
+        """The smallest of every rank's `n` (the KV pool size all ranks can hold)."""
+        dev = self.device if self.device.type == "cuda" else torch.device("cpu")
+        t = torch.tensor([n], dtype=torch.long, device=dev)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        self.pg.allreduce([t], opts).wait()
+        return int(t.item())
+
     def broadcast_object(self, obj=None):
         """Rank 0's `obj` on every rank (pickled: a length, then the bytes; two broadcasts)."""
         opts = dist.BroadcastOptions()

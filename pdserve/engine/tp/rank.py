@@ -1,6 +1,7 @@
 """`python -m pdserve.engine.tp.rank ARGS`: a TP rank other than 0 (started by group.py).
 
-It loads its shard of the weights, sizes its KV pool as rank 0 says (same block ids on every rank), then runs
+It loads its shard of the weights, sizes its KV pool with the other ranks (the smallest count everywhere: the
+same block ids on every rank), then runs
 every step plan rank 0 broadcasts, until an empty plan (stop) or rank 0 vanishes (PR_SET_PDEATHSIG, or a failed
 collective)."""
 from __future__ import annotations
@@ -34,6 +35,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank{a.rank} %(levelname)s %(message)s")
     from pdserve.engine.config import DTYPES, EngineConfig, ModelConfig
     from pdserve.engine.kv_cache import KVCache
+    from pdserve.engine.kv_sizing import block_bytes_for, num_blocks as kv_pool_blocks
     from pdserve.engine.loader import load_state_dict
     from pdserve.engine.model import LlamaModel
     from pdserve.engine.model_runner import ModelRunner
@@ -57,7 +59,10 @@ def main(argv: list[str]) -> int:
     del tensors
     net.eval()
     net.pack_weights()
-    num_blocks = comm.broadcast_object()  # rank 0 sized the pool; every rank holds the same block ids
+    # sized like rank 0's (Engine.__init__; the CUDA profiling forward has collectives, so every rank runs it at
+    # the same point), then the smallest count on every rank: the same block ids everywhere
+    per_block = block_bytes_for(mcfg.num_layers, config.block_size, net.shard.num_kv_heads, mcfg.head_dim, dtype)
+    num_blocks = comm.min_int(kv_pool_blocks(config, net, device, per_block))
     kv = KVCache(mcfg, num_blocks, config.block_size, dtype, str(device), config.num_cpu_blocks, "",
                  num_kv_heads=net.shard.num_kv_heads)
     runner = ModelRunner(net, kv, native=config.native_kernels, attention=config.attention)
