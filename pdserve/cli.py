@@ -60,6 +60,8 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-offload-dir", help="spill the host KV tier's LRU victims to files under this directory")
     p.add_argument("--kv-offload-disk-bytes", type=nonneg_int,
                    help="disk KV tier capacity (default: 4 x --kv-offload-bytes)")
+    p.add_argument("--tensor-parallel-size", type=positive_int,
+                   help="ranks of tensor parallelism per worker, one process each (default: 1; docs/engine.md)")
 
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # pdserve/services/gateway/tools/registry.py
@@ -120,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--prefill", type=nonneg_int, default=1, help="prefill workers (auto/disagg)")
     up.add_argument("--decode", type=nonneg_int, default=1, help="decode workers (auto/disagg)")
     up.add_argument("--workers", type=nonneg_int, default=1, help="'both' workers (colocated)")
+    up.add_argument("--prefill-tp", type=positive_int, help="tensor parallel size of prefill workers "
+                    "(default: --tensor-parallel-size)")
+    up.add_argument("--decode-tp", type=positive_int, help="tensor parallel size of decode workers "
+                    "(default: --tensor-parallel-size)")
     up.add_argument("--port", type=port, default=8000, help="gateway HTTP port")
     up.add_argument("--grpc-port", type=port, default=0, help="gateway gRPC port (0: a free one)")
     up.add_argument("--redis-url", help="an existing Redis (default: start a private redis-server)")

@@ -6,6 +6,8 @@ import json
 import sys
 import time
 
+from pdserve.cli_args import positive_int
+
 
 def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("generate", help="generate text offline with the engine (no services)")
@@ -23,6 +25,8 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
                    help="host KV tier bytes: evicted prefix blocks are recalled instead of recomputed (0: off)")
     p.add_argument("--kv-offload-dir", default=None, help="disk KV tier directory (spills from the host tier)")
     p.add_argument("--kv-offload-disk-bytes", type=int, default=None)
+    p.add_argument("--tensor-parallel-size", type=positive_int, default=1,
+                   help="ranks of tensor parallelism (one process each)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     p.set_defaults(func=run_generate)
     return p
@@ -37,7 +41,8 @@ def run_generate(args: argparse.Namespace) -> int:
     try:
         engine = Engine.from_pretrained(args.model, EngineConfig(
             dtype=args.dtype, device=args.device, kv_offload_bytes=args.kv_offload_bytes,
-            kv_offload_dir=args.kv_offload_dir, kv_offload_disk_bytes=args.kv_offload_disk_bytes))
+            kv_offload_dir=args.kv_offload_dir, kv_offload_disk_bytes=args.kv_offload_disk_bytes,
+            tensor_parallel_size=args.tensor_parallel_size))
     except (CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -58,6 +63,8 @@ def run_generate(args: argparse.Namespace) -> int:
     except (ValueError, RequestRejected) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        engine.close()
     c = out.outputs[0]
     m = out.metrics
     ttft = m["first_token_time"] - m["arrival_time"]

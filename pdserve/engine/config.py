@@ -158,6 +158,8 @@ class EngineConfig:
     # Fault injection for tests and drills: every step that runs a forward first sleeps this long (a slow or
     # stalled device), e.g. to show that heartbeats do not wait for the engine thread. 0 in production.
     fault_step_delay_s: float = 0.0
+    # Ranks of tensor parallelism inside this engine (engine/tp/): one process each, rank 0 schedules.
+    tensor_parallel_size: int = 1
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
@@ -180,5 +182,7 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.attention not in ("auto", "native", "triton", "torch"):
             raise ValueError(f"unknown attention backend {self.attention!r} (auto, native, triton, torch)")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}")

@@ -40,6 +40,8 @@ from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.stop import OutputProcessor
 from pdserve.engine.tokenizer import Tokenizer
+from pdserve.engine.tp.kv_ops import RecordingKVCache
+from pdserve.engine.tp.shard import shard_for
 
 log = logging.getLogger("pdserve.engine")
 usage_log = logging.getLogger("pdserve.usage")
@@ -89,11 +91,18 @@ class Engine:
         self.fingerprint = fingerprint
         self.max_model_len = min(config.max_model_len or model_config.max_model_len, model_config.max_model_len)
         dtype = next(model.parameters()).dtype
-        per_block = block_bytes_for(model_config.num_layers, config.block_size, model_config.num_kv_heads,
+        # With tensor parallelism (model.comm) each rank's pool holds its KV heads for the same block ids: the
+        # sizes below are one rank's; every rank sizes its own pool the same way (on CUDA the profiling forward
+        # runs on all ranks at once: it has collectives) and all take the smallest count.
+        per_block = block_bytes_for(model_config.num_layers, config.block_size, model.shard.num_kv_heads,
                                     model_config.head_dim, dtype)
         num_blocks = kv_pool_blocks(config, model, torch.device(config.device), per_block)
-        self.kv_cache = KVCache(model_config, num_blocks, config.block_size, dtype, config.device,
-                                config.num_cpu_blocks, fingerprint)
+        if model.comm is not None:
+            num_blocks = model.comm.min_int(num_blocks)
+        self.kv_cache = (KVCache if model.comm is None else RecordingKVCache)(
+            model_config, num_blocks, config.block_size, dtype, config.device, config.num_cpu_blocks, fingerprint,
+            num_kv_heads=model.shard.num_kv_heads)
+        self.tp_group = None  # engine/tp/group.py: the other ranks' processes (set by from_pretrained)
         self.block_manager = BlockManager(num_blocks, config.block_size, fingerprint, config.enable_prefix_caching,
                                           config.num_cpu_blocks, kv=self.kv_cache)
         self.scheduler = Scheduler(config, self.block_manager)
@@ -134,12 +143,26 @@ class Engine:
         tensors, digest = load_state_dict(model_dir)
         dtype = auto_dtype(mcfg.checkpoint_dtype, config.device) if config.dtype == "auto" else DTYPES[config.dtype]
         torch.manual_seed(config.seed)
+        config.validate()
+        shard = shard_for(mcfg, 0, config.tensor_parallel_size)  # spec D08: refused before any rank starts
+        group = None
+        if config.tensor_parallel_size > 1:
+            from pdserve.engine.tp.group import RankGroup
+            group = RankGroup.start(model_dir, config, dtype)
         with torch.device(config.device):
-            net = LlamaModel(mcfg).to(dtype)
+            net = LlamaModel(mcfg, shard, group.comm if group else None).to(dtype)
         net.load_hf_weights(tensors)
+        del tensors
         net.eval()
         net.pack_weights()
-        return cls(mcfg, config, net, tokenizer, mcfg.fingerprint(digest, dtype))
+        engine = cls(mcfg, config, net, tokenizer, mcfg.fingerprint(digest, dtype))
+        engine.tp_group = group
+        return engine
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (idempotent; a one-process engine holds nothing)."""
+        if self.tp_group is not None:
+            self.tp_group.stop()
 
     # ---- admission --------------------------------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

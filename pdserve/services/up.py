@@ -130,8 +130,10 @@ def up(args) -> int:
         # answers Generate, so in auto it prefills short prompts itself)
         roles = (["prefill"] * args.prefill + ["decode"] * args.decode) if args.mode in ("auto", "disagg") \
             else ["both"] * args.workers
-        if not args.threads:  # split the host's cores between workers rather than oversubscribe them
-            eng += ["--threads", str(max(1, (os.cpu_count() or 1) // len(roles)))]
+        tp = {"prefill": args.prefill_tp, "decode": args.decode_tp}
+        tp = {r: tp.get(r) or args.tensor_parallel_size or 1 for r in set(roles)}
+        if not args.threads:  # split the host's cores between the ranks rather than oversubscribe them
+            eng += ["--threads", str(max(1, (os.cpu_count() or 1) // max(1, sum(tp[r] for r in roles))))]
         if (args.device or "cpu") == "cpu":
             # Build the engine's native kernels once, here, rather than in every worker at the same time (they
             # would serialize on the build lock inside their start-up); a no-op once cached. Bounded by
@@ -144,7 +146,8 @@ def up(args) -> int:
         for i, role in enumerate(roles):
             port, mport = free_port(), free_port()
             wid = f"{role}-{i}-{port}"
-            d.start(wid, [*pdserve, "worker", *common, *eng, "--role", role, "--port", str(port), "--worker-id", wid,
+            d.start(wid, [*pdserve, "worker", *common, *eng, "--role", role,
+                            "--tensor-parallel-size", str(tp[role]), "--port", str(port), "--worker-id", wid,
                             "--redis-url", redis_url, "--metrics-port", str(mport),
                             "--heartbeat-ttl", str(args.heartbeat_ttl), "--lease-ttl", str(args.lease_ttl)],
                       {"role": role, "port": port, "metrics_port": mport, "worker_id": wid})

@@ -94,6 +94,7 @@ class Worker(worker_pb2_grpc.WorkerServicer):
         ld.pinned_blocks = self.prefill.leases.pinned_blocks()
         ld.prefix_hit_ratio = float(s.get("prefix_hit_ratio", 0.0) or 0.0)
         ld.max_num_seqs = self.engine.config.max_num_seqs
+        ld.tensor_parallel_size = self.engine.config.tensor_parallel_size
         return ld
 
     def refresh_stats(self) -> dict:
@@ -217,6 +218,8 @@ def engine_config_from_env(args) -> EngineConfig:
         kw["policy"] = args.policy
     if getattr(args, "threads", None):
         kw["num_threads"] = args.threads
+    if getattr(args, "tensor_parallel_size", None):
+        kw["tensor_parallel_size"] = args.tensor_parallel_size
     for name in ENGINE_SIZE_FLAGS:  # KV pool and batch sizes (kv_sizing.py)
         if getattr(args, name, None) is not None:
             kw[name] = getattr(args, name)
@@ -233,7 +236,13 @@ async def serve(args) -> None:
                                                args.metrics_compat), args.metrics_port, args.host)
     host = args.advertise_host or "127.0.0.1"
     worker_id = args.worker_id or f"{args.role}-{socket.gethostname()}-{args.port}"
-    engine = Engine.from_pretrained(args.model, engine_config_from_env(args))
+    config = engine_config_from_env(args)
+    if config.tensor_parallel_size > 1 and args.role in ("prefill", "decode"):
+        # KV transfer reads one pool per worker; a TP worker's heads live in every rank's pool (docs/engine.md)
+        raise SystemExit(f"pdserve worker: error: --tensor-parallel-size {config.tensor_parallel_size} with "
+                         f"--role {args.role}: KV transfer between tensor-parallel workers is not implemented yet; "
+                         f"use --role both (colocated) or --tensor-parallel-size 1")
+    engine = Engine.from_pretrained(args.model, config)
     M.set_engine_info(engine.info)
     w = Worker(engine, args.role, worker_id, f"{host}:{args.port}", lease_ttl_s=args.lease_ttl,
                transfer_timeout_s=args.transfer_timeout)
@@ -279,6 +288,7 @@ async def serve(args) -> None:
     await w.decode.close()
     await w.prefill.stop()
     await w.host.stop()
+    engine.close()
     if w.agent is not None:
         w.agent.close()
     if registry is not None:
