@@ -104,6 +104,7 @@ def up(args) -> int:
         print(f"pdserve up: {problem}", file=sys.stderr, flush=True)
         return 2
     d = Deployment()
+    planner = None
     stopping = {"flag": False}
 
     def on_signal(signum, frame):
@@ -161,13 +162,18 @@ def up(args) -> int:
                                     "native_ops; sys.exit(native_ops() is None)"], env=d.env, check=False)
             if built.returncode != 0:
                 d.env["PDSERVE_NATIVE_KERNELS"] = "0"
-        for i, role in enumerate(roles):
-            port, mport = free_port(), free_port()
+        started = iter(range(1 << 30))
+
+        def start_worker(role: str) -> subprocess.Popen:
+            i, port, mport = next(started), free_port(), free_port()
             wid = f"{role}-{i}-{port}"
-            d.pdserve(wid, ["worker", *common, *eng, "--role", role, "--port", str(port), "--worker-id", wid,
-                            "--redis-url", redis_url, "--metrics-port", str(mport),
-                            "--heartbeat-ttl", str(args.heartbeat_ttl), "--lease-ttl", str(args.lease_ttl)],
-                      {"role": role, "port": port, "metrics_port": mport, "worker_id": wid})
+            return d.pdserve(wid, ["worker", *common, *eng, "--role", role, "--port", str(port), "--worker-id", wid,
+                                   "--redis-url", redis_url, "--metrics-port", str(mport),
+                                   "--heartbeat-ttl", str(args.heartbeat_ttl), "--lease-ttl", str(args.lease_ttl)],
+                             {"role": role, "port": port, "metrics_port": mport, "worker_id": wid})
+
+        for role in roles:
+            start_worker(role)
         gport = args.grpc_port or free_port()
         # the gateway is the one process clients reach: it listens on --host (the rest stay on loopback)
         d.pdserve("gateway", ["gateway", *common, "--host", args.host, "--port", str(args.port),
@@ -197,8 +203,15 @@ def up(args) -> int:
                 print("pdserve up: not healthy before --ready-timeout", file=sys.stderr)
             return 1
         print(f"pdserve up: {args.mode} deployment of {args.served_model_name} ready at {base}/v1", flush=True)
-        print("PDSERVE_UP " + json.dumps({"base_url": base, "mode": args.mode, "redis_url": redis_url,
-                                          "processes": [info for _, _, info in d.procs]}), flush=True)
+        ready_info = {"base_url": base, "mode": args.mode, "redis_url": redis_url, "model": args.served_model_name,
+                "internal_token_file": args.internal_token_file, "processes": [info for _, _, info in d.procs]}
+        if args.planner:  # the planner adds and drains workers through start_worker (docs/planner.md)
+            from pdserve.planner.connectors.local import start_in_up
+            planner = start_in_up(args, d, start_worker, base, redis_url)
+            ready_info["planner"] = planner.info
+        from pdserve.planner.status import remember_local
+        remember_local(ready_info)  # for `pdserve status`
+        print("PDSERVE_UP " + json.dumps(ready_info), flush=True)
         while not stopping["flag"]:
             why = d.dead()
             if why and not any(info.get("role") for n, p, info in d.procs if p.poll() is None):
@@ -210,5 +223,9 @@ def up(args) -> int:
             time.sleep(0.2)
         return 0
     finally:
+        if planner is not None:
+            planner.stop()  # before the children stop: nothing is started or drained after this
+        from pdserve.planner.status import forget_local
+        forget_local()
         d.stop()
         print("pdserve up: stopped", flush=True)
