@@ -82,8 +82,10 @@ def _worker(rec_id: str, role: str, address: str, ld, updated: float | None) -> 
 def assemble(model: str, source: str, workers: list[dict], last, changes: list) -> dict:
     pools = {}
     for w in workers:
-        p = pools.setdefault(w["role"], {"replicas": 0, "healthy": 0})
-        p["replicas"] += 1
+        p = pools.setdefault(w["role"], {"replicas": 0, "healthy": 0, "draining": 0})
+        draining = w.get("state") == "draining"
+        p["replicas"] += not draining
+        p["draining"] += draining
         p["healthy"] += bool(w["healthy"])
     return {"model": model, "source": source,
             "pools": {k: pools[k] for k in POOL_ORDER if k in pools},
@@ -157,18 +159,47 @@ def gather(a) -> dict | None:
         token_file = token_file or local.get("internal_token_file")
     key = InternalSecurity.from_files(token_file).registry_key()
     auth = RedisAuth.from_files(a.redis_password_file, a.redis_ca_file)
-    return asyncio.run(from_redis(url, model, key, auth))
+    st = asyncio.run(from_redis(url, model, key, auth))
+    if a.redis_url is None:
+        st = with_processes(st, local)
+    return st
+
+
+def with_processes(st: dict, local: dict) -> dict:
+    """Local `up`: each worker also gets its pid, metrics port and state (serving; starting: not registered yet;
+    draining: sent SIGTERM by the planner, no longer in the registry, not exited yet)."""
+    draining = set(local.get("draining", ()))
+    by_id = {w["id"]: w for w in st["workers"]}
+    workers = list(st["workers"])
+    for p in local.get("processes", ()):
+        if not p.get("role"):
+            continue
+        state = "draining" if p["pid"] in draining else "serving" if p["worker_id"] in by_id else "starting"
+        w = by_id.get(p["worker_id"])
+        if w is None:
+            w = {"id": p["worker_id"], "role": p["role"], "healthy": False, "address": f"127.0.0.1:{p['port']}",
+                 "age_s": None, "load": _worker("", "", "", _empty_load(), None)["load"]}
+            workers.append(w)
+        w.update(pid=p["pid"], metrics_port=p.get("metrics_port"), state=state)
+    return assemble(st["model"], st["source"], workers, (st["planner"] or {}).get("last"),
+                    (st["planner"] or {}).get("changes", []))
+
+
+def _empty_load():
+    from pdserve.services.pb import common_pb2
+    return common_pb2.LoadReport()
 
 
 def format_text(st: dict) -> str:
     lines = [f"model {st['model']} ({st['source']})",
-             "pools: " + (", ".join(f"{k} {v['healthy']}/{v['replicas']} healthy" for k, v in st["pools"].items())
-                          or "no workers")]
+             "pools: " + (", ".join(f"{k} {v['healthy']}/{v['replicas']} healthy"
+                                    + (f" ({v['draining']} draining)" if v.get("draining") else "")
+                                    for k, v in st["pools"].items()) or "no workers")]
     lines.append(f"{'worker':28} {'role':8} {'healthy':8} {'running':>7} {'waiting':>7} {'KV use':>7}")
     for w in st["workers"]:
         ld = w["load"]
         lines.append(f"{w['id'][:28]:28} {w['role']:8} {str(w['healthy']).lower():8} {ld['num_running']:7d} "
-                     f"{ld['num_waiting']:7d} {ld['kv_usage']:7.1%}")
+                     f"{ld['num_waiting']:7d} {ld['kv_usage']:7.1%}" + (f"  {w['state']}" if "state" in w else ""))
     pl = st.get("planner")
     if pl and pl.get("last"):
         d = pl["last"]

@@ -207,8 +207,7 @@ def up(args) -> int:
                 "internal_token_file": args.internal_token_file, "processes": [info for _, _, info in d.procs]}
         if args.planner:  # the planner adds and drains workers through start_worker (docs/planner.md)
             from pdserve.planner.connectors.local import start_in_up
-            planner = start_in_up(args, d, start_worker, base, redis_url)
-            ready_info["planner"] = planner.info
+            planner = start_in_up(args, d, start_worker, ready_info)
         from pdserve.planner.status import remember_local
         remember_local(ready_info)  # for `pdserve status`
         print("PDSERVE_UP " + json.dumps(ready_info), flush=True)

@@ -27,10 +27,14 @@ log = logging.getLogger("pdserve.planner")
 class LocalConnector:
     name = "local"
 
-    def __init__(self, deployment, start_worker: Callable[[str], subprocess.Popen], drain_timeout_s: float = 30.0):
+    def __init__(self, deployment, start_worker: Callable[[str], subprocess.Popen], drain_timeout_s: float = 30.0,
+                 state: dict | None = None):
+        """`state`: `up`'s PDSERVE_UP record; rewritten (status.remember_local) at every change with the live
+        processes and the draining ones, for `pdserve status`."""
         self.d = deployment
         self.start_worker = start_worker
         self.drain_timeout_s = drain_timeout_s
+        self.state = state
         self.draining: set[int] = set()  # pids sent SIGTERM by us, until reaped
         self.reapers: list[threading.Thread] = []
         self.lock = threading.Lock()
@@ -59,6 +63,14 @@ class LocalConnector:
                 t = threading.Thread(target=self._reap, args=(p,), name=f"reap-{name}", daemon=True)
                 t.start()
                 self.reapers.append(t)
+            self.publish()
+
+    def publish(self) -> None:
+        if self.state is None:
+            return
+        from pdserve.planner.status import remember_local
+        procs = [info for _, p, info in list(self.d.procs) if p.poll() is None]
+        remember_local({**self.state, "processes": procs, "draining": sorted(self.draining)})
 
     def _reap(self, p: subprocess.Popen) -> None:
         try:
@@ -68,7 +80,9 @@ class LocalConnector:
             p.kill()
             p.wait()
         self.d.procs = [x for x in self.d.procs if x[1] is not p]
-        self.draining.discard(p.pid)
+        with self.lock:
+            self.draining.discard(p.pid)
+            self.publish()
         log.info("planner: worker pid %d drained and exited with %s", p.pid, p.returncode)
 
     def join(self, timeout_s: float) -> None:
@@ -96,15 +110,20 @@ class LocalPlanner:
         self.connector.join(1.0)
 
 
-def start_in_up(args, deployment, start_worker: Callable[[str], subprocess.Popen], gateway_url: str,
-                redis_url: str) -> LocalPlanner:
+def start_in_up(args, deployment, start_worker: Callable[[str], subprocess.Popen], state: dict) -> LocalPlanner:
+    """`state`: `up`'s PDSERVE_UP record (base_url, redis_url, processes); gains `planner` (its metrics port)."""
     from pdserve.planner.loop import Planner, PlannerConfig
+    from pdserve.services import logs
     from pdserve.services.metrics import exposition
     from pdserve.services.metrics.planner import PLANNER
     from pdserve.services.up import free_port
-    conn = LocalConnector(deployment, start_worker)
-    cfg = PlannerConfig.from_args(args, redis_url=redis_url)
-    planner = Planner(cfg, conn, lambda: [gateway_url + "/metrics", *conn.metrics_urls()])
+    logs.setup("planner", args.log_format)  # the decisions' log lines (`up` itself prints plain lines)
+    conn = LocalConnector(deployment, start_worker, state=state)
+    cfg = PlannerConfig.from_args(args, redis_url=state["redis_url"])
+    gateway = state["base_url"]
+    planner = Planner(cfg, conn, lambda: [gateway + "/metrics", *conn.metrics_urls()])
     port = free_port()
     exposition.serve(exposition.exposition(PLANNER, {"model": args.served_model_name}), port, "127.0.0.1")
-    return LocalPlanner(planner, conn, port)
+    lp = LocalPlanner(planner, conn, port)
+    state["planner"] = lp.info
+    return lp
