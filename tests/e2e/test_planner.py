@@ -128,6 +128,13 @@ def test_planner_grows_decode_under_load_and_drains_after(tmp_path, monkeypatch)
         assert cli["planner"]["changes"].index(downs[0][0]) < cli["planner"]["changes"].index(ups[0])
         assert all(p["current"] - p["desired"] == 1 for _, p in downs)  # one step per interval
 
+        # the gateway's /status (`pdserve status --url`) says the same, the planner's record included
+        gw = gather(argparse.Namespace(url=up.base_url, redis_url=None, model=None, api_key=None,
+                                       internal_token_file=None, redis_password_file=None, redis_ca_file=None))
+        assert sorted((w["id"], w["role"], w["healthy"]) for w in gw["workers"]) == sorted(
+            (w["id"], w["role"], True) for w in cli["workers"])
+        assert gw["planner"]["changes"][0]["time"] >= downs[0][0]["time"]
+
         # 4. no request failed: every bench record ok, and the gateway counted no other terminal state
         res = json.loads((tmp_path / "bench" / "results.json").read_text())
         recs = res["points"][0]["records"]
