@@ -26,7 +26,7 @@ def add_planner_flags(p) -> None:
 
 
 def add_up_flags(up) -> None:
-    up.add_argument("--planner", action="store_true",
+    up.add_argument("--planner", action="store_true", default=None,  # None: no "(default: False)" in --help
                     help="run the SLA planner in this process: it adds and drains workers (docs/planner.md)")
     add_planner_flags(up)
 

@@ -75,13 +75,14 @@ def test_planner_grows_decode_under_load_and_drains_after(tmp_path, monkeypatch)
              "--no-progress", "--seed", "1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
         # 1. the planner adds a decode worker; it registers (healthy, serving) while the load runs
-        added, grown = None, None
+        added = None
         end = time.monotonic() + 80
         while time.monotonic() < end and bench.poll() is None:
             st = _status(env)
             serving = [w for w in _decode(st) if w["healthy"]]
             if len(serving) == 2:
-                added, grown = next(w for w in serving if w["id"] != original), st
+                added = next(w for w in serving if w["id"] != original)
+                assert added["state"] == "serving" and added["pid"] and added["metrics_port"]
                 break
             time.sleep(1.0)
         assert added is not None, "no second decode worker registered during the load:\n" + "".join(up.lines[-40:])
