@@ -96,3 +96,18 @@ def test_signed_decision_round_trip_and_tamper():
     tampered["decision"] = tampered["decision"].replace('"desired": 2', '"desired": 9')
     assert decision.verify("m", json.dumps(tampered), key) is None
     assert decision.verify("other-model", rec, key) is None
+
+
+def test_gateway_status_needs_the_metrics_permission(tmp_path):
+    from tests.services.test_gateway_hostile import KEYS, Gateway
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(KEYS)
+    g = Gateway(api_keys_file=str(keys))  # no router behind it
+    try:
+        assert g.get("/status").status_code == 401
+        r = g.get("/status", {"Authorization": "Bearer sk-plain"})
+        assert r.status_code == 403 and "workers" not in r.text
+        r = g.get("/status", {"Authorization": "Bearer sk-ops"})
+        assert r.status_code == 503 and "router" in r.json()["reason"]  # permitted; the router is not there
+    finally:
+        g.close()
