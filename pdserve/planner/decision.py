@@ -41,6 +41,7 @@ class Decision:
     prompt_mean: float
     output_mean: float
     prefix_hit: float
+    queued: float                        # requests waiting (gateway admission + engine queues) at the scrape
     slo_ttft: float
     slo_tpot: float
     observed_ttft_p90: float | None
@@ -72,8 +73,8 @@ class Decision:
         return (f"planner{' (dry run)' if self.dry_run else ''}: {pools}; load {self.observed_rate:.2f} req/s "
                 f"observed, {self.forecast_rate:.2f} forecast (trend {self.trend:+.2f}/interval, window max "
                 f"{self.hold_rate:.2f}), prompt {self.prompt_mean:.0f} tok, output {self.output_mean:.0f} tok, "
-                f"prefix hit {self.prefix_hit:.0%}; TTFT SLO {ms(self.slo_ttft)}: p90 observed "
-                f"{ms(self.observed_ttft_p90)}{margin(self.slo_ttft, self.observed_ttft_p90)}, simulated "
+                f"prefix hit {self.prefix_hit:.0%}, {self.queued:.0f} queued; TTFT SLO {ms(self.slo_ttft)}: p90 "
+                f"observed {ms(self.observed_ttft_p90)}{margin(self.slo_ttft, self.observed_ttft_p90)}, simulated "
                 f"{ms(self.simulated_ttft_p90)}; TPOT SLO {ms(self.slo_tpot)}: p90 observed "
                 f"{ms(self.observed_tpot_p90)}{margin(self.slo_tpot, self.observed_tpot_p90)}, simulated "
                 f"{ms(self.simulated_tpot_p90)}" + ("" if self.feasible else f"; INFEASIBLE: {self.note}"))

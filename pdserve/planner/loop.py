@@ -135,8 +135,8 @@ class Planner:
         return Decision(time=time.time(), dry_run=self.cfg.dry_run, connector=self.connector.name,
                         observed_rate=obs.rate, forecast_rate=fc.rate, hold_rate=fc.hold_rate, trend=fc.trend,
                         prompt_mean=fc.prompt_mean, output_mean=fc.output_mean, prefix_hit=fc.prefix_hit,
-                        slo_ttft=self.cfg.slo_ttft, slo_tpot=self.cfg.slo_tpot, observed_ttft_p90=obs.ttft_p90,
-                        observed_tpot_p90=obs.tpot_p90, simulated_ttft_p90=grow.ttft_p90,
+                        queued=obs.queued, slo_ttft=self.cfg.slo_ttft, slo_tpot=self.cfg.slo_tpot,
+                        observed_ttft_p90=obs.ttft_p90, observed_tpot_p90=obs.tpot_p90, simulated_ttft_p90=grow.ttft_p90,
                         simulated_tpot_p90=grow.tpot_p90, feasible=grow.feasible, note=grow.note, pools=verdicts)
 
     async def run(self, stop: threading.Event) -> None:

@@ -88,7 +88,8 @@ def test_planner_grows_decode_under_load_and_drains_after(tmp_path, monkeypatch)
         assert added is not None, "no second decode worker registered during the load:\n" + "".join(up.lines[-40:])
         cli = _status_cli(env)  # the CLI shows the change
         assert cli["pools"]["decode"]["replicas"] == 2 and cli["pools"]["decode"]["healthy"] == 2
-        ups = [c for c in cli["planner"]["changes"] for p in c["pools"] if p["pool"] == "decode" and p["action"] == "up"]
+        ups = [c for c in cli["planner"]["changes"] for p in c["pools"]
+               if p["pool"] == "decode" and p["action"] == "up"]
         assert ups and all(c["connector"] == "local" and not c["dry_run"] for c in ups)
 
         # 2. the router sends it work: its engine finishes requests while the load lasts

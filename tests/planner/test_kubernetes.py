@@ -130,7 +130,8 @@ def test_connector_reads_and_patches_scale_through_the_client(planner_args, tmp_
         called.add(("apps", f"{kind}/{sub}", name, verb))
     assert called == granted
     binding = chart.by_kind(objs, "RoleBinding")[f"{chart.FULL}-planner"]
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"]}
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": role["metadata"]["name"]}
     sa = chart.pod_template(chart.by_kind(objs, "Deployment")[f"{chart.FULL}-planner"])["serviceAccountName"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa, "namespace": chart.NAMESPACE}]
     # no other Role / ClusterRole in the chart, and no other pod gets the planner's account

@@ -23,7 +23,7 @@ URL = "redis://127.0.0.1:6379/0"
 
 def _decision(rate: float) -> Decision:
     return Decision(time=1.0, dry_run=False, connector="kubernetes", observed_rate=rate, forecast_rate=rate,
-                    hold_rate=rate, trend=0.0, prompt_mean=100, output_mean=10, prefix_hit=0.0, slo_ttft=0.5,
+                    hold_rate=rate, trend=0.0, prompt_mean=100, output_mean=10, prefix_hit=0.0, queued=0, slo_ttft=0.5,
                     slo_tpot=0.05, observed_ttft_p90=0.1, observed_tpot_p90=None, simulated_ttft_p90=0.09,
                     simulated_tpot_p90=0.01, feasible=True, note="",
                     pools=[PoolVerdict("prefill", 1, 1, "forecast needs 1"),

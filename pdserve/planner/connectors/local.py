@@ -79,8 +79,8 @@ class LocalConnector:
             log.warning("planner: pid %d did not drain in time; killing it", p.pid)
             p.kill()
             p.wait()
-        self.d.procs = [x for x in self.d.procs if x[1] is not p]
-        with self.lock:
+        with self.lock:  # not while scale() appends a new worker to the list being replaced
+            self.d.procs = [x for x in self.d.procs if x[1] is not p]
             self.draining.discard(p.pid)
             self.publish()
         log.info("planner: worker pid %d drained and exited with %s", p.pid, p.returncode)
