@@ -204,13 +204,17 @@ def up(args) -> int:
             return 1
         print(f"pdserve up: {args.mode} deployment of {args.served_model_name} ready at {base}/v1", flush=True)
         ready_info = {"base_url": base, "mode": args.mode, "redis_url": redis_url, "model": args.served_model_name,
-                "internal_token_file": args.internal_token_file, "processes": [info for _, _, info in d.procs]}
+                      "internal_token_file": args.internal_token_file, "processes": [info for _, _, info in d.procs]}
         if args.planner:  # the planner adds and drains workers through start_worker (docs/planner.md)
             from pdserve.planner.connectors.local import start_in_up
             planner = start_in_up(args, d, start_worker, ready_info)
         from pdserve.planner.status import remember_local
         remember_local(ready_info)  # for `pdserve status`
-        print("PDSERVE_UP " + json.dumps(ready_info), flush=True)
+        # one write: another thread's log line (stderr, often the same pipe) cannot land inside it
+        sys.stdout.write("PDSERVE_UP " + json.dumps(ready_info) + "\n")
+        sys.stdout.flush()
+        if planner is not None:
+            planner.start()
         while not stopping["flag"]:
             why = d.dead()
             if why and not any(info.get("role") for n, p, info in d.procs if p.poll() is None):

@@ -101,12 +101,16 @@ class LocalPlanner:
         self._stop = threading.Event()
         self.thread = threading.Thread(target=lambda: asyncio.run(planner.run(self._stop)), name="planner",
                                        daemon=True)
+
+    def start(self) -> None:
+        """Once `up` has printed its PDSERVE_UP line."""
         self.thread.start()
 
     def stop(self) -> None:
         """Before `up` stops its children: no worker may be started or drained after this returns."""
         self._stop.set()
-        self.thread.join(self.planner.cfg.interval_s + 30)
+        if self.thread.is_alive():
+            self.thread.join(self.planner.cfg.interval_s + 30)
         self.connector.join(1.0)
 
 
