@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import sys
 import time
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from pdserve.planner import decision
 
+log = logging.getLogger("pdserve.status")
 POOL_ORDER = ("prefill", "decode", "both")
 
 
@@ -131,7 +133,12 @@ async def gateway_status(disp, redis, model: str, key: bytes | None) -> dict:
     from pdserve.services.pb import common_pb2
     workers = [_worker(w.worker_id, w.role, w.address, loads.get(w.worker_id, common_pb2.LoadReport()), None)
                for w in ws.workers]
-    last, changes = (await _planner_records(redis, model, key)) if redis is not None else (None, [])
+    last, changes = None, []
+    if redis is not None:
+        try:
+            last, changes = await _planner_records(redis, model, key)
+        except Exception as e:  # noqa: BLE001 - Redis down: the workers (the router's view) are still worth showing
+            log.warning("status: planner record unreadable: %r", e)
     return assemble(model, "gateway", workers, last, changes)
 
 
