@@ -5,7 +5,9 @@ In order:
    window's largest rate needs when that is less (predictor.py: the hysteresis); otherwise stay;
 2. feedback: when the pool's own SLO component is violated as measured (TTFT p90 for prefill, TPOT p90 for decode)
    and the model still says "enough", grow by one anyway: the measurement beats the model (the simulator is a lower
-   bound for a deployment: docs/sim.md);
+   bound for a deployment: docs/sim.md) - unless a replica of the pool is still starting (counted, not registered):
+   the latency measured then is the pool before the change took effect (spec §1.5: a cold start is not the steady
+   state), and growing again on it would run the pool to its maximum while one worker loads;
 3. min/max of the pool, and never below one replica while the deployment serves traffic;
 4. at most one step per interval, unless the pool's SLO is violated (then straight to the model's count);
 5. scale-down cooldown: no shrink within `cooldown_s` of the pool's last change (either way).
@@ -36,9 +38,14 @@ class Guard:
         self.last_change: dict[str, float] = {}
 
     def decide(self, pool: str, current: int, grow_to: int, shrink_to: int, violated: str | None, traffic: bool,
-               now: float) -> PoolVerdict:
+               now: float, starting: int = 0) -> PoolVerdict:
         """`grow_to`: count for the forecast rate; `shrink_to`: count for the window's largest rate; `violated`:
-        a description of the measured SLO violation of this pool, or None."""
+        a description of the measured SLO violation of this pool, or None; `starting`: replicas counted but not
+        serving yet."""
+        if violated and starting > 0:
+            violated, waiting = None, f"{violated}, but {starting} replica(s) still starting"
+        else:
+            waiting = None
         if grow_to > current:
             want, why = grow_to, f"forecast needs {grow_to}"
         elif shrink_to < current:
@@ -49,6 +56,8 @@ class Guard:
             want, why = current + 1, f"{violated} while the model says {max(grow_to, shrink_to)} suffice"
         elif violated:
             why += f"; {violated}"
+        if waiting:
+            why += f"; {waiting}"
         lo = self.limits.min_prefill if pool == "prefill" else self.limits.min_decode
         hi = self.limits.max_prefill if pool == "prefill" else self.limits.max_decode
         floor = max(lo, 1) if traffic else lo

@@ -96,8 +96,9 @@ class Planner:
             stage = "connector"
             current = await asyncio.to_thread(self.connector.replicas)
             stage = "size"
+            serving = {pool: sum(1 for w in workers if w.role == pool) for pool in ("prefill", "decode")}
             d = await asyncio.to_thread(self.decide, obs, live_costs(workers, self.base_cost), current,
-                                        time.monotonic())
+                                        time.monotonic(), serving)
             if not self.cfg.dry_run:
                 stage = "connector"
                 for v in d.pools:
@@ -116,8 +117,10 @@ class Planner:
             log.warning("planner: interval skipped, %s failed: %r", stage, e)
             return None
 
-    def decide(self, obs: scrape.Observation, costs, current: dict[str, int], now: float) -> Decision:
-        """One interval's decision from its observation (no I/O): forecast, size by simulation, guard."""
+    def decide(self, obs: scrape.Observation, costs, current: dict[str, int], now: float,
+               serving: dict[str, int] | None = None) -> Decision:
+        """One interval's decision from its observation (no I/O): forecast, size by simulation, guard.
+        `serving`: registered workers per pool (None: all counted replicas serve)."""
         self.predictor.add(obs)
         fc = self.predictor.forecast()
         grow = self.sizer.size(fc.rate, fc.prompt_mean, fc.output_mean, fc.prefix_hit, costs)
@@ -130,8 +133,9 @@ class Planner:
                        if obs.tpot_p90 is not None and obs.tpot_p90 > self.cfg.slo_tpot else None)}
         for pool in ("prefill", "decode"):
             M.MODEL.labels(pool).set(getattr(grow, pool))
+        starting = {pool: max(0, current[pool] - (serving or current)[pool]) for pool in ("prefill", "decode")}
         verdicts = [self.guard.decide(pool, current[pool], getattr(grow, pool), getattr(hold, pool),
-                                      violated[pool], traffic, now) for pool in ("prefill", "decode")]
+                                      violated[pool], traffic, now, starting[pool]) for pool in ("prefill", "decode")]
         return Decision(time=time.time(), dry_run=self.cfg.dry_run, connector=self.connector.name,
                         observed_rate=obs.rate, forecast_rate=fc.rate, hold_rate=fc.hold_rate, trend=fc.trend,
                         prompt_mean=fc.prompt_mean, output_mean=fc.output_mean, prefix_hit=fc.prefix_hit,

@@ -151,3 +151,18 @@ def test_predictor_window_of_three_follows_a_step_without_overshoot():
     for r in (1, 1, 16):
         p.add(_obs(r))
     assert p.forecast().rate == pytest.approx(16)  # differences 0, 15: the low median is 0
+
+
+def test_guard_no_feedback_step_while_a_replica_is_starting():
+    g = Guard(Limits(1, 4, 1, 4), cooldown_s=0)
+    # measured TPOT violated, model says 2 suffice, the pool has 2 counted of which 1 is still starting
+    v = g.decide("decode", 2, grow_to=2, shrink_to=2, violated="TPOT p90 9 ms > SLO 5 ms", traffic=True, now=0,
+                 starting=1)
+    assert v.action == "hold" and "still starting" in v.reason
+    # the model's own count still applies (one step)
+    v = g.decide("decode", 2, grow_to=3, shrink_to=3, violated="TPOT p90 9 ms > SLO 5 ms", traffic=True, now=0,
+                 starting=1)
+    assert v.desired == 3
+    # once it serves, the violation counts again
+    v = g.decide("decode", 2, grow_to=2, shrink_to=2, violated="TPOT p90 9 ms > SLO 5 ms", traffic=True, now=0)
+    assert v.desired == 3
