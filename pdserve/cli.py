@@ -138,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="passed to every child (default: each its own)")
     _add_lifecycle(up, redis_url=False)
     _add_security(up)
+    from pdserve.planner.cli import add_up_flags
+    add_up_flags(up)  # --planner and its flags (docs/planner.md)
 
     gw = sub.add_parser("gateway", env=True, help="OpenAI HTTP API + gRPC front door")
     _add_common(gw)
@@ -199,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(sub)
     add_bench_parser(sub)
     add_sim_parser(sub)
+    from pdserve.planner.cli import add_planner_parser, add_status_parser
+    add_planner_parser(sub)
+    add_status_parser(sub)
     return ap
 
 

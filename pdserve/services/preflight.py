@@ -162,6 +162,11 @@ def check_up(args) -> Problem | None:
     if args.mode == "disagg" and (args.prefill == 0 or args.decode == 0):
         return Problem(f"--mode disagg needs both pools (--prefill {args.prefill}, --decode {args.decode})",
                        "give each pool at least one worker, or use --mode auto / colocated")
+    if getattr(args, "planner", False):
+        from pdserve.planner.cli import check_up_planner
+        why = check_up_planner(args)
+        if why:
+            return Problem(why, "see docs/planner.md")
     if args.grpc_port and args.grpc_port == args.port:
         return Problem(f"--port and --grpc-port are both {args.port}", "give the gateway two different ports")
     return (check_model(args.model) or check_tp_degrees(args) or check_port("--port", args.host, args.port)

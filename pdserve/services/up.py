@@ -21,7 +21,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from pdserve.services.supervisor import Supervisor, describe_exit
+from pdserve.services.supervisor import Child, Supervisor, describe_exit
 
 ROOT = str(Path(__file__).resolve().parent.parent.parent)
 
@@ -82,6 +82,7 @@ def up(args) -> int:
         return 2
     d = Supervisor(_env(), restart=False)  # restarting starts once the deployment is ready
     pdserve = [sys.executable, "-m", "pdserve"]
+    planner = None
     stopping = {"flag": False}
 
     def on_signal(signum, frame):
@@ -143,14 +144,19 @@ def up(args) -> int:
                                     "native_ops; sys.exit(native_ops() is None)"], env=d.env, check=False)
             if built.returncode != 0:
                 d.env["PDSERVE_NATIVE_KERNELS"] = "0"
-        for i, role in enumerate(roles):
-            port, mport = free_port(), free_port()
+        started = iter(range(1 << 30))
+
+        def start_worker(role: str) -> Child:
+            i, port, mport = next(started), free_port(), free_port()
             wid = f"{role}-{i}-{port}"
-            d.start(wid, [*pdserve, "worker", *common, *eng, "--role", role,
-                            "--tensor-parallel-size", str(tp[role]), "--port", str(port), "--worker-id", wid,
-                            "--redis-url", redis_url, "--metrics-port", str(mport),
-                            "--heartbeat-ttl", str(args.heartbeat_ttl), "--lease-ttl", str(args.lease_ttl)],
-                      {"role": role, "port": port, "metrics_port": mport, "worker_id": wid})
+            return d.start(wid, [*pdserve, "worker", *common, *eng, "--role", role,
+                                 "--tensor-parallel-size", str(tp[role]), "--port", str(port), "--worker-id", wid,
+                                 "--redis-url", redis_url, "--metrics-port", str(mport),
+                                 "--heartbeat-ttl", str(args.heartbeat_ttl), "--lease-ttl", str(args.lease_ttl)],
+                           {"role": role, "port": port, "metrics_port": mport, "worker_id": wid})
+
+        for role in roles:
+            start_worker(role)
         gport = args.grpc_port or free_port()
         # the gateway is the one process clients reach: it listens on --host (the rest stay on loopback)
         d.start("gateway", [*pdserve, "gateway", *common, "--host", args.host, "--port", str(args.port),
@@ -181,10 +187,22 @@ def up(args) -> int:
                 print("pdserve up: not healthy before --ready-timeout", file=sys.stderr)
             return 1
         print(f"pdserve up: {args.mode} deployment of {args.served_model_name} ready at {base}/v1", flush=True)
-        print("PDSERVE_UP " + json.dumps({"base_url": base, "mode": args.mode, "redis_url": redis_url,
-                                          "processes": d.infos()}), flush=True)
+        ready_info = {"base_url": base, "mode": args.mode, "redis_url": redis_url, "model": args.served_model_name,
+                      "internal_token_file": args.internal_token_file, "processes": d.infos()}
+        if args.planner:  # the planner adds and drains workers through start_worker (docs/planner.md)
+            from pdserve.planner.connectors.local import start_in_up
+            planner = start_in_up(args, d, start_worker, ready_info)
+        from pdserve.planner.status import remember_local
+        remember_local(ready_info)  # for `pdserve status`
+        # one write: another thread's log line (stderr, often the same pipe) cannot land inside it
+        sys.stdout.write("PDSERVE_UP " + json.dumps(ready_info) + "\n")
+        sys.stdout.flush()
         d.restart = not args.no_restart
+        if planner is not None:
+            planner.start()
         while not stopping["flag"]:
+            if planner is not None:
+                planner.apply()  # its scaling requests: children are forked from this thread only (supervisor.py)
             d.poll()
             dead = d.dead()  # only with --no-restart
             if dead and not any(c.info.get("role") and c.running for c in d.children.values()):
@@ -196,5 +214,9 @@ def up(args) -> int:
             time.sleep(0.2)
         return 0
     finally:
+        if planner is not None:
+            planner.stop()  # before the children stop: nothing is started or drained after this
+        from pdserve.planner.status import forget_local
+        forget_local()
         d.stop_all(args.drain_timeout + 5 if args.drain_timeout is not None else 15.0)
         print("pdserve up: stopped", flush=True)
