@@ -152,6 +152,11 @@ class EngineConfig:
     # Fault injection for tests and drills: every step that runs a forward first sleeps this long (a slow or
     # stalled device), e.g. to show that heartbeats do not wait for the engine thread. 0 in production.
     fault_step_delay_s: float = 0.0
+    # Speculative decoding (spec_decode/): None | ngram (prompt lookup) | draft (`draft_model`, same tokenizer);
+    # up to `num_speculative_tokens` candidates verified per decode step.
+    speculative: str | None = None
+    num_speculative_tokens: int = 4
+    draft_model: str | None = None
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
@@ -170,5 +175,11 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.attention not in ("auto", "native", "triton", "torch"):
             raise ValueError(f"unknown attention backend {self.attention!r} (auto, native, triton, torch)")
+        if self.speculative not in (None, "ngram", "draft"):
+            raise ValueError(f"unknown speculative method {self.speculative!r} (ngram, draft)")
+        if self.speculative and self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
+        if self.speculative == "draft" and not self.draft_model:
+            raise ValueError("speculative='draft' needs a draft model (--draft-model DIR)")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}")
