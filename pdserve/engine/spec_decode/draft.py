@@ -12,6 +12,9 @@ so the request's own stream is consumed by the target's verification draws only.
 """
 from __future__ import annotations
 
+import hashlib
+import os
+
 import torch
 
 from pdserve.engine.block_manager import BlockManager, NoFreeBlocks
@@ -27,12 +30,18 @@ from pdserve.engine.spec_decode.verify import filtered_probs
 from pdserve.engine.tokenizer import Tokenizer
 
 
+def draft_seed(seed: int) -> int:
+    return int.from_bytes(hashlib.blake2b(b"draft:%d" % seed, digest_size=8).digest(), "little")
+
+
 class _Shadow:
     def __init__(self, seq: Sequence, seed: int | None):
         self.seq = Sequence(seq.seq_id, seq.request_id, [], seq.namespace, seq.branch)
         self.base = 0  # len(target tokens) at the last proposal: those tokens are committed, never change
         self.generator = torch.Generator()
-        self.generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2 ** 62, ()).item()))
+        # Never the request's own stream: a draw of d_j and the uniform of its acceptance test must be independent
+        # (equal streams bias the accepted tokens). Hashed, as the CPU generator keeps only the seed's low 32 bits.
+        self.generator.manual_seed(draft_seed(seed) if seed is not None else int.from_bytes(os.urandom(8), "little"))
 
 
 class DraftProposer:
