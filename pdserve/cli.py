@@ -10,6 +10,7 @@ import asyncio
 import os
 import sys
 
+from pdserve.engine.spec_decode.flags import add_spec_flags
 from pdserve.cli_args import (Parser, context_len, fraction, nonneg_float, nonneg_int, port, positive_float, positive_int,
                               print_error)
 
@@ -53,6 +54,7 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", choices=POLICIES, help="scheduling policy (default: fcfs)")
     p.add_argument("--threads", type=positive_int,
                    help="torch intra-op threads (default: all cores; `up` splits the cores between workers)")
+    add_spec_flags(p)
 
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # pdserve/services/gateway/tools/registry.py

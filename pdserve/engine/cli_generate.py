@@ -6,6 +6,8 @@ import json
 import sys
 import time
 
+from pdserve.engine.spec_decode.flags import add_spec_flags, spec_config
+
 
 def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("generate", help="generate text offline with the engine (no services)")
@@ -20,6 +22,7 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    add_spec_flags(p)
     p.set_defaults(func=run_generate)
     return p
 
@@ -31,7 +34,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
     t0 = time.time()
     try:
-        engine = Engine.from_pretrained(args.model, EngineConfig(dtype=args.dtype, device=args.device))
+        engine = Engine.from_pretrained(args.model, EngineConfig(dtype=args.dtype, device=args.device,
+                                                                      **spec_config(args)))
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

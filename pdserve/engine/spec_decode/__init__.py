@@ -2,16 +2,15 @@
 (verify.py) and the engine-side propose / verify / roll back (decoder.py)."""
 from __future__ import annotations
 
-from pdserve.engine.spec_decode.decoder import METHODS, SpecDecoder, SpecStats
-
-__all__ = ["METHODS", "SpecDecoder", "SpecStats", "make_spec_decoder"]
+__all__ = ["make_spec_decoder"]
 
 
-def make_spec_decoder(engine) -> SpecDecoder | None:
+def make_spec_decoder(engine):
     """The engine's SpecDecoder for its config (`speculative`: None | ngram | draft), or None."""
     cfg = engine.config
     if not cfg.speculative:
         return None
+    from pdserve.engine.spec_decode.decoder import SpecDecoder  # torch: not imported by the CLI's flag parsing
     if cfg.speculative == "ngram":
         from pdserve.engine.spec_decode.ngram import NgramProposer
         proposer = NgramProposer()

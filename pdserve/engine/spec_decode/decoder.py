@@ -30,7 +30,7 @@ from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.spec_decode.verify import verify
 
-METHODS = ("ngram", "draft")
+from pdserve.engine.spec_decode.flags import METHODS  # noqa: F401 (re-export)
 
 
 @dataclass
