@@ -306,7 +306,10 @@ class Engine:
         return RequestOutput(req.request_id, req.prompt_token_ids, outs, req.finished,
                              req.seqs[0].state.value if not req.finished else self._terminal_state(req).value,
                              cached, dict(req.metrics), req.prompt_logprobs,
-                             num_generated_tokens=sum(s.num_output_tokens for s in req.seqs))
+                             num_generated_tokens=sum(s.num_output_tokens for s in req.seqs),
+                             num_verified_tokens=sum(s.num_verified_tokens for s in req.seqs),
+                             num_accepted_tokens=sum(s.num_accepted_tokens for s in req.seqs),
+                             num_kv_growth_tokens=sum(s.num_kv_growth_tokens for s in req.seqs))
 
     @staticmethod
     def _hides_branches(req: Request) -> bool:

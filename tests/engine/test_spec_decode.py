@@ -126,6 +126,35 @@ def test_usage_records_count_verified_accepted_kv_growth(tiny_llama):
     assert s["accepted_tokens"] == st.accepted > 0
     assert s["verified_tokens"] == st.proposed + st.steps + (n - 1 - st.emitted)  # k+1 per verify step, 1 per plain
     assert s["verified_tokens"] - s["kv_growth_tokens"] == st.rolled_back
+    # the same counts on the wire (the decode worker's last GenerateResponse)
+    from pdserve.services.convert import DeltaEncoder
+    out = spec.generate(PROMPTS[:1], GREEDY)[0]
+    u = DeltaEncoder().encode(out).usage
+    r = spec.usage_records[-1]
+    assert (u.verified_tokens, u.accepted_tokens, u.kv_growth_tokens) == \
+        (r["verified_tokens"], r["accepted_tokens"], r["kv_growth_tokens"])
+
+
+def test_flags_reach_the_engine_config(tmp_path):
+    """`--speculative/--num-speculative-tokens/--draft-model` on `pdserve worker` (and env PDSERVE_*) and on
+    `pdserve generate` become EngineConfig fields."""
+    import os
+    from pdserve.cli import build_parser
+    from pdserve.services.worker import engine_config_from_env
+    args = build_parser().parse_args(["worker", "--speculative", "draft", "--num-speculative-tokens", "6",
+                                      "--draft-model", str(tmp_path)])
+    cfg = engine_config_from_env(args)
+    assert (cfg.speculative, cfg.num_speculative_tokens, cfg.draft_model) == ("draft", 6, str(tmp_path))
+    os.environ["PDSERVE_SPECULATIVE"] = "ngram"
+    try:
+        cfg = engine_config_from_env(build_parser().parse_args(["worker"]))
+    finally:
+        del os.environ["PDSERVE_SPECULATIVE"]
+    assert cfg.speculative == "ngram" and cfg.draft_model is None
+    gen = build_parser().parse_args(["generate", "--prompt", "x", "--speculative", "ngram"])
+    assert gen.speculative == "ngram"
+    with pytest.raises(ValueError, match="draft model"):
+        EngineConfig(speculative="draft").validate()
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft-close"])

@@ -66,6 +66,9 @@ class SpecDecoder:
         self.max_model_len = max_model_len
         self.stats = SpecStats()
         self._probs: dict[int, list | None] = {}  # seq_id -> the draft's q_j of its candidates (None: point mass)
+        # seq_id -> candidates to propose next: halved after a step that accepted none, doubled after one that
+        # accepted all (1..k), so text where lookups keep missing pays for 1 + 1 positions, not 1 + k
+        self._cap: dict[int, int] = {}
 
     def _budget(self, seq: Sequence) -> int:
         """Candidates worth proposing: none where speculation does not apply, else at most k, and never more than
@@ -75,7 +78,7 @@ class SpecDecoder:
         st = seq.sampling
         if st.grammar is not None or st.params.guided is not None:
             return 0
-        k = min(self.k, self.max_model_len - seq.num_tokens - 1)
+        k = min(self._cap.get(seq.seq_id, self.k), self.max_model_len - seq.num_tokens - 1)
         if st.params.max_tokens is not None:
             k = min(k, st.params.max_tokens - seq.num_output_tokens - 1)
         return max(0, k)
@@ -90,7 +93,10 @@ class SpecDecoder:
                 seqs.append(seq)
                 ks.append(k)
         self._probs.clear()
-        self.proposer.forget({s.seq_id for s in running})
+        live = {s.seq_id for s in running}
+        self.proposer.forget(live)
+        for sid in [s for s in self._cap if s not in live]:
+            del self._cap[sid]
         if not seqs:
             return
         for seq, (drafts, probs) in zip(seqs, self.proposer.propose(seqs, ks)):
@@ -122,6 +128,8 @@ class SpecDecoder:
         st.accepted += accepted
         st.emitted += committed
         st.rolled_back += k - accepted
+        cap = self._cap.get(seq.seq_id, self.k)
+        self._cap[seq.seq_id] = max(1, cap // 2) if accepted == 0 else min(self.k, cap * 2) if accepted == k else cap
         seq.num_accepted_tokens += accepted
         seq.num_kv_growth_tokens += accepted  # x was counted when the forward was computed
         if not seq.finished:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pdserve.engine.sequence import Sequence
 
 NGRAM_MAX = 4
-NGRAM_MIN = 1
+NGRAM_MIN = 2  # a single-token match predicts too little: it mostly buys a rejected verification
 
 
 class _Index:

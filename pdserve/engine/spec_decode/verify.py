@@ -82,12 +82,32 @@ def _draw(p: Tensor, state: SamplingState) -> int:
     return int(torch.searchsorted(cdf, (u * cdf[-1]).unsqueeze(0), right=True).clamp_(max=p.shape[0] - 1))
 
 
+def _plain_greedy(state: SamplingState) -> bool:
+    """T = 0 with nothing that edits logits or asks for logprobs: each row's token is its argmax (lowest id on
+    ties, as torch.argmax and the sampler's greedy branch), whatever the tokens before it."""
+    return state.params.temperature == 0.0 and not state.needs_logit_edit and state.params.logprobs is None
+
+
 def verify(sampler: Sampler, state: SamplingState, logits: Tensor, drafts: list[int],
            draft_probs: list[Tensor] | None, commit) -> tuple[int, int, list[SampleResult]]:
     """Walk the k + 1 rows of `logits` (row j: after d_j). `commit(token) -> finish reason | None` appends one
     token to the sequence. Returns (candidates accepted, tokens committed, their sample results)."""
     results: list[SampleResult] = []
     accepted = 0
+    if draft_probs is None and _plain_greedy(state):  # the common case in one pass: argmax of every row
+        raw = logits.float()
+        best = raw.argmax(-1).tolist()
+        lse = torch.logsumexp(raw, -1)
+        for j, tid in enumerate(best):
+            state.cumulative_logprob += float(raw[j, tid] - lse[j])
+            state.append(tid)
+            res = SampleResult(tid, None, None)
+            results.append(res)
+            ok = j < len(drafts) and tid == drafts[j]
+            accepted += ok
+            if commit(tid) is not None or not ok:
+                break
+        return accepted, len(results), results
     for j in range(len(drafts) + 1):
         row = logits[j:j + 1]
         bonus = j == len(drafts)
