@@ -39,7 +39,7 @@ def draft_close(tiny_llama, tmp_path_factory):
     g = torch.Generator().manual_seed(5)
     for f in tiny_llama.glob("*.safetensors"):
         t = load_file(f)
-        save_file({k: v + 0.02 * torch.randn(v.shape, generator=g) if v.dim() == 2 else v for k, v in t.items()},
+        save_file({k: v + 0.005 * torch.randn(v.shape, generator=g) if v.dim() == 2 else v for k, v in t.items()},
                   d / f.name)
     return d
 

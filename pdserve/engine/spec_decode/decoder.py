@@ -56,6 +56,30 @@ class SpecStats:
         return self.emitted / self.steps if self.steps else 0.0
 
 
+MAX_BACKOFF = 8  # plain decode steps a sequence sits out at most after a fruitless verification with one candidate
+
+
+@dataclass
+class _Pace:
+    """Candidates to propose for one sequence: halved after a step that accepted none, doubled after one that
+    accepted all (1..k); at one candidate, a miss sits out 1, 2, 4 .. MAX_BACKOFF steps of plain decode. Text where
+    lookups keep missing thus pays for a verification pass now and then, not for k + 1 positions every step."""
+    cap: int
+    skip: int = 0
+    backoff: int = 0
+
+    def update(self, accepted: int, proposed: int, k: int) -> None:
+        if accepted == 0 and self.cap > 1:
+            self.cap //= 2
+        elif accepted == 0:
+            self.backoff = min(MAX_BACKOFF, max(1, 2 * self.backoff))
+            self.skip = self.backoff
+        else:
+            self.backoff = 0
+            if accepted == proposed:
+                self.cap = min(k, 2 * self.cap)
+
+
 class SpecDecoder:
     def __init__(self, proposer, num_tokens: int, sampler: Sampler, core, max_model_len: int):
         self.proposer = proposer
@@ -66,9 +90,7 @@ class SpecDecoder:
         self.max_model_len = max_model_len
         self.stats = SpecStats()
         self._probs: dict[int, list | None] = {}  # seq_id -> the draft's q_j of its candidates (None: point mass)
-        # seq_id -> candidates to propose next: halved after a step that accepted none, doubled after one that
-        # accepted all (1..k), so text where lookups keep missing pays for 1 + 1 positions, not 1 + k
-        self._cap: dict[int, int] = {}
+        self._pace: dict[int, _Pace] = {}  # seq_id -> its adaptive candidate count
 
     def _budget(self, seq: Sequence) -> int:
         """Candidates worth proposing: none where speculation does not apply, else at most k, and never more than
@@ -78,7 +100,11 @@ class SpecDecoder:
         st = seq.sampling
         if st.grammar is not None or st.params.guided is not None:
             return 0
-        k = min(self._cap.get(seq.seq_id, self.k), self.max_model_len - seq.num_tokens - 1)
+        pace = self._pace.setdefault(seq.seq_id, _Pace(self.k))
+        if pace.skip > 0:
+            pace.skip -= 1
+            return 0
+        k = min(pace.cap, self.max_model_len - seq.num_tokens - 1)
         if st.params.max_tokens is not None:
             k = min(k, st.params.max_tokens - seq.num_output_tokens - 1)
         return max(0, k)
@@ -95,8 +121,8 @@ class SpecDecoder:
         self._probs.clear()
         live = {s.seq_id for s in running}
         self.proposer.forget(live)
-        for sid in [s for s in self._cap if s not in live]:
-            del self._cap[sid]
+        for sid in [s for s in self._pace if s not in live]:
+            del self._pace[sid]
         if not seqs:
             return
         for seq, (drafts, probs) in zip(seqs, self.proposer.propose(seqs, ks)):
@@ -119,25 +145,34 @@ class SpecDecoder:
         del seq.token_ids[len(seq.token_ids) - k:]  # back to the committed tokens
         seq.draft_token_ids = []
         probs = self._probs.pop(seq.seq_id, None)
+        committed_before = [0]
+
+        def commit(tok: int):
+            # Every token committed before this one is an accepted candidate whose KV the forward wrote: it counts
+            # (and its full block is registered) before the commit, which may end the sequence and free its blocks,
+            # exactly as plain decoding has the KV of every committed token but the last one.
+            if committed_before[0]:
+                seq.num_computed_tokens += 1
+                self.bm.mark_computed(seq)
+            committed_before[0] += 1
+            return self.core.commit(seq, tok, prefill_only)
+
         accepted, committed, results = verify(
-            self.sampler, seq.sampling, logits, drafts, probs[:k] if probs is not None else None,
-            lambda tok: self.core.commit(seq, tok, prefill_only))
+            self.sampler, seq.sampling, logits, drafts, probs[:k] if probs is not None else None, commit)
         st = self.stats
         st.steps += 1
         st.proposed += k
         st.accepted += accepted
         st.emitted += committed
         st.rolled_back += k - accepted
-        cap = self._cap.get(seq.seq_id, self.k)
-        self._cap[seq.seq_id] = max(1, cap // 2) if accepted == 0 else min(self.k, cap * 2) if accepted == k else cap
+        self._pace.setdefault(seq.seq_id, _Pace(self.k)).update(accepted, k, self.k)
         seq.num_accepted_tokens += accepted
         seq.num_kv_growth_tokens += accepted  # x was counted when the forward was computed
         if not seq.finished:
-            # KV of x and the accepted candidates stays; the rejected candidates' positions are rolled back.
-            seq.num_computed_tokens += accepted
+            # KV of x and the accepted candidates stays (counted in `commit`); the rejected candidates' positions
+            # are rolled back: the blocks past the committed KV are released.
             keep = self.bm.blocks_needed(seq.num_computed_tokens)
             for b in reversed(seq.block_table[keep:]):
                 self.bm.release_block(b)
             del seq.block_table[keep:]
-            self.bm.mark_computed(seq)
         return results
