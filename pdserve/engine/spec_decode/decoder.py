@@ -56,7 +56,7 @@ class SpecStats:
         return self.emitted / self.steps if self.steps else 0.0
 
 
-MAX_BACKOFF = 8  # plain decode steps a sequence sits out at most after a fruitless verification with one candidate
+MAX_BACKOFF = 16  # plain decode steps a sequence sits out at most after a fruitless verification with one candidate
 
 
 @dataclass
