@@ -185,6 +185,10 @@ def test_pipeline_applies_per_verified_position(tiny_llama, draft_small, draft_c
             assert (y.outputs[0].token_ids, y.outputs[0].text, y.outputs[0].finish_reason) == \
                 (x.outputs[0].token_ids, x.outputs[0].text, x.outputs[0].finish_reason)
             stopped += x.outputs[0].finish_reason == "stop" and len(x.outputs[0].token_ids) < 20
+            # a stop inside a speculative step: the KV kept is that of the committed tokens, as in plain decoding
+            rp, rs = plain.usage_records[-1], spec.usage_records[-1]
+            assert rs["kv_growth_tokens"] == rp["kv_growth_tokens"] == rp["generated_tokens"] - 1
+            assert rs["verified_tokens"] >= rs["kv_growth_tokens"]
     assert stopped >= 2  # stops really fell inside multi-token steps' range
     assert spec.block_manager.blocks_in_use == 0
 

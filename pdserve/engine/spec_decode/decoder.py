@@ -6,8 +6,8 @@ them, never preempting anyone, when blocks or budget run short). `begin` appends
 sequence so the target forwards [x, d_1 .. d_k] in one pass over the paged KV with logits at every position;
 `finish` removes them again, verifies (verify.py), commits the accepted tokens plus one bonus / residual token,
 and rolls the rejected candidates' KV back: the computed-token count covers x and the accepted candidates only,
-blocks past it are released (exact refcounts), and only then are full blocks registered in the prefix cache, so
-no hash is ever taken over an unverified token.
+blocks past it are released (exact refcounts), and a full block is registered in the prefix cache only once the
+candidates in it are accepted, so no hash is ever taken over an unverified token.
 
 Accounting (Q16), per sequence and summed into the usage record: `num_verified_tokens` = positions the target
 forwarded in decode steps (1 per plain step, k + 1 per speculative step); `num_accepted_tokens` = candidates
@@ -39,7 +39,7 @@ class SpecStats:
     proposed: int = 0  # candidates verified
     accepted: int = 0  # candidates accepted
     emitted: int = 0  # tokens committed by verification passes (accepted + bonus / residual, up to a stop)
-    rolled_back: int = 0  # KV positions written for rejected candidates, then rolled back
+    rolled_back: int = 0  # KV positions written but not kept: rejected candidates (and any past a stop)
 
     def snapshot(self) -> dict:
         return {"steps": self.steps, "proposed_tokens": self.proposed, "accepted_tokens": self.accepted,
@@ -164,10 +164,10 @@ class SpecDecoder:
         st.proposed += k
         st.accepted += accepted
         st.emitted += committed
-        st.rolled_back += k - accepted
+        st.rolled_back += k + 1 - committed  # written, not kept: rejected (or past a stop, freed with the sequence)
         self._pace.setdefault(seq.seq_id, _Pace(self.k)).update(accepted, k, self.k)
         seq.num_accepted_tokens += accepted
-        seq.num_kv_growth_tokens += accepted  # x was counted when the forward was computed
+        seq.num_kv_growth_tokens += committed - 1  # x was counted when the forward was computed
         if not seq.finished:
             # KV of x and the accepted candidates stays (counted in `commit`); the rejected candidates' positions
             # are rolled back: the blocks past the committed KV are released.
