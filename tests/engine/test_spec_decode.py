@@ -277,3 +277,46 @@ def test_disaggregated_decode_side(tiny_llama, draft_small, draft_close, method)
         assert final.outputs[0].token_ids == want[i]
     assert dec.spec.stats.accepted > 0
     assert dec.block_manager.blocks_in_use == 0 and pre.block_manager.blocks_in_use == 0
+
+
+def test_candidates_yield_to_budget_and_kv_pressure(tiny_llama):
+    """Candidates ride along only within the tick's token budget (chunked prefill or not): same tokens."""
+    tight = dict(block_size=4, max_num_batched_tokens=3)  # 1 decode token + at most 2 candidates
+    want = [o.outputs[0].token_ids for o in engine(tiny_llama, **tight).generate(PROMPTS, GREEDY)]
+    eng = engine(tiny_llama, speculative="ngram", num_speculative_tokens=6, **tight)
+    sizes = []
+    orig = eng.scheduler.schedule
+
+    def schedule():
+        out = orig()
+        sizes.append(out.num_batched_tokens)
+        assert all(it.num_draft <= 2 for it in out.scheduled)
+        return out
+    eng.scheduler.schedule = schedule
+    assert run_checked(eng, PROMPTS, GREEDY) == want
+    assert max(sizes) <= 3 and eng.spec.stats.accepted > 0
+
+
+def test_candidates_dropped_not_preempting_when_blocks_run_out():
+    """A full pool: the candidates that would need a new block are dropped; nobody is preempted for them."""
+    from pdserve.engine.block_manager import BlockManager
+    from pdserve.engine.request_state import RequestState as S
+    from pdserve.engine.scheduler import Scheduler
+    from pdserve.engine.sequence import Sequence
+    bm = BlockManager(4, 4, enable_prefix_caching=False)
+    sch = Scheduler(EngineConfig(block_size=4), bm)
+    a, b = Sequence(0, "a", [1] * 7), Sequence(1, "b", [2] * 7)
+    for s in (a, b):
+        s.set_state(S.QUEUED)
+        sch.add(s)
+    assert [it.num_tokens for it in sch.schedule().scheduled] == [7, 7] and bm.num_free == 0
+    for s in (a, b):  # prefilled, first token sampled: decoding at position 7, inside the second block
+        s.num_computed_tokens = 7
+        s.token_ids.append(5)
+        s.set_state(S.DECODING)
+    a.draft_token_ids = [5, 5, 5]  # positions 8..10 would need a third block
+    b.draft_token_ids = []
+    out = sch.schedule()
+    assert [(it.seq.request_id, it.num_tokens, it.num_draft) for it in out.scheduled] == [("a", 1, 0), ("b", 1, 0)]
+    assert not out.preempted and sch.num_preemptions == {"recompute": 0, "swap": 0}
+    assert a.draft_token_ids == [] and bm.num_free == 0
