@@ -320,3 +320,10 @@ def test_candidates_dropped_not_preempting_when_blocks_run_out():
     assert [(it.seq.request_id, it.num_tokens, it.num_draft) for it in out.scheduled] == [("a", 1, 0), ("b", 1, 0)]
     assert not out.preempted and sch.num_preemptions == {"recompute": 0, "swap": 0}
     assert a.draft_token_ids == [] and bm.num_free == 0
+
+
+def test_draft_with_another_vocabulary_is_refused(tiny_llama, tmp_path):
+    from pdserve.engine.errors import CheckpointError
+    other = make_checkpoint(tmp_path / "other", vocab_size=256, hidden=32, layers=1)
+    with pytest.raises(CheckpointError, match="vocabulary differs"):
+        engine(tiny_llama, speculative="draft", draft_model=str(other))

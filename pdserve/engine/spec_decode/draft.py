@@ -20,6 +20,7 @@ import torch
 from pdserve.engine.block_manager import BlockManager, NoFreeBlocks
 from pdserve.engine.checkpoint import resolve_model_dir
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.errors import CheckpointError
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.loader import load_state_dict
 from pdserve.engine.model import LlamaModel
@@ -51,8 +52,8 @@ class DraftProposer:
         cfg = ModelConfig.from_dir(path)
         if cfg.vocab_size != target_cfg.vocab_size or \
                 Tokenizer(path, cfg.eos_token_ids).hf.get_vocab() != target_tokenizer.hf.get_vocab():
-            raise ValueError(f"draft model {model_dir}: its tokenizer / vocabulary differs from the target's "
-                             "(speculative decoding needs the same token ids)")
+            raise CheckpointError(f"draft model {model_dir}: its tokenizer / vocabulary differs from the target's "
+                                  "(speculative decoding needs the same token ids)")
         tensors, digest = load_state_dict(path)
         with torch.device(config.device):
             net = LlamaModel(cfg).to(dtype)
