@@ -12,6 +12,7 @@ import sys
 
 from pdserve.cli_args import (Parser, context_len, fraction, labels_arg, nonneg_float, nonneg_int, port, positive_float,
                               positive_int, print_error, weights_arg)
+from pdserve.engine.spec_decode.flags import add_spec_flags
 
 
 # The same names the engine validates (pdserve/engine/config.py, which imports torch; the CLI must not).
@@ -62,6 +63,7 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
                    help="disk KV tier capacity (default: 4 x --kv-offload-bytes)")
     p.add_argument("--tensor-parallel-size", type=positive_int,
                    help="ranks of tensor parallelism per worker, one process each (default: 1; docs/engine.md)")
+    add_spec_flags(p)
 
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # pdserve/services/gateway/tools/registry.py

@@ -7,6 +7,7 @@ import sys
 import time
 
 from pdserve.cli_args import positive_int
+from pdserve.engine.spec_decode.flags import add_spec_flags, spec_config
 
 
 def add_generate_parser(subparsers) -> argparse.ArgumentParser:
@@ -28,6 +29,7 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel-size", type=positive_int, default=1,
                    help="ranks of tensor parallelism (one process each)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    add_spec_flags(p)
     p.set_defaults(func=run_generate)
     return p
 
@@ -42,7 +44,7 @@ def run_generate(args: argparse.Namespace) -> int:
         engine = Engine.from_pretrained(args.model, EngineConfig(
             dtype=args.dtype, device=args.device, kv_offload_bytes=args.kv_offload_bytes,
             kv_offload_dir=args.kv_offload_dir, kv_offload_disk_bytes=args.kv_offload_disk_bytes,
-            tensor_parallel_size=args.tensor_parallel_size))
+            tensor_parallel_size=args.tensor_parallel_size, **spec_config(args)))
     except (CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -160,6 +160,11 @@ class EngineConfig:
     fault_step_delay_s: float = 0.0
     # Ranks of tensor parallelism inside this engine (engine/tp/): one process each, rank 0 schedules.
     tensor_parallel_size: int = 1
+    # Speculative decoding (spec_decode/): None | ngram (prompt lookup) | draft (`draft_model`, same tokenizer);
+    # up to `num_speculative_tokens` candidates verified per decode step.
+    speculative: str | None = None
+    num_speculative_tokens: int = 4
+    draft_model: str | None = None
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
@@ -184,5 +189,11 @@ class EngineConfig:
             raise ValueError(f"unknown attention backend {self.attention!r} (auto, native, triton, torch)")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.speculative not in (None, "ngram", "draft"):
+            raise ValueError(f"unknown speculative method {self.speculative!r} (ngram, draft)")
+        if self.speculative and self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
+        if self.speculative == "draft" and not self.draft_model:
+            raise ValueError("speculative='draft' needs a draft model (--draft-model DIR)")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}")

@@ -38,6 +38,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sampling_state import select_best
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence
+from pdserve.engine.spec_decode import make_spec_decoder
 from pdserve.engine.stop import OutputProcessor
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.tp.kv_ops import RecordingKVCache
@@ -131,6 +132,7 @@ class Engine:
         self._seq_ids = itertools.count()
         self.num_steps = 0
         self.batch_sizes: deque[tuple[int, int]] = deque(maxlen=4096)  # (sequences, tokens) of recent ticks
+        self.spec = make_spec_decoder(self)  # speculative decoding, or None
 
     @classmethod
     def from_pretrained(cls, model: str | Path, config: EngineConfig | None = None) -> "Engine":
@@ -242,6 +244,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         self._expire(time.time())
         outputs = self.drain_outputs()
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return outputs
@@ -254,12 +258,17 @@ class Engine:
             self.requests[item.seq.request_id].metrics.setdefault("first_scheduled_time", now)
         want_prompt = {i for i, it in enumerate(sched.scheduled)
                        if it.seq.wants_prompt_logprobs and it.seq.num_output_tokens == 0}
-        logits, owner = self.runner.execute(sched.scheduled, want_prompt)
+        verifying = self.spec.begin(sched) if self.spec is not None else set()
+        logits, owner = self.runner.execute(sched.scheduled, want_prompt | verifying)
         self.core.computed(sched)
         # Rows to sample: a request's first sample forks its extra branches, which share the prompt's blocks.
         rows, seqs = [], []
+        spec_rows: dict[int, list[int]] = {}  # verifying item -> its k + 1 logits rows
         for row, (i, pos) in enumerate(owner):
             seq = sched.scheduled[i].seq
+            if i in verifying:
+                spec_rows.setdefault(i, []).append(row)
+                continue
             if i in want_prompt and pos < seq.num_prompt_tokens - 1:
                 self._collect_prompt_logits(seq, logits[row:row + 1])
                 continue
@@ -282,6 +291,12 @@ class Engine:
             if seq.sampling.params.logprobs is not None:
                 seq.logprobs.append(res)
             self.core.commit(seq, res.token_id, req.prefill_only)
+        for i, spec_row in spec_rows.items():  # speculative: verify, commit the accepted tokens, roll back
+            seq = sched.scheduled[i].seq
+            req = touched[seq.request_id] = self.requests[seq.request_id]
+            results = self.spec.finish(sched.scheduled[i], logits[spec_row], req.prefill_only)
+            if seq.sampling.params.logprobs is not None:
+                seq.logprobs.extend(results)
         for req in touched.values():
             if req.finished:
                 self._reclaim(req, S.FINISHED)
@@ -330,7 +345,10 @@ class Engine:
         return RequestOutput(req.request_id, req.prompt_token_ids, outs, req.finished,
                              req.seqs[0].state.value if not req.finished else self._terminal_state(req).value,
                              cached, dict(req.metrics), req.prompt_logprobs,
-                             num_generated_tokens=sum(s.num_output_tokens for s in req.seqs))
+                             num_generated_tokens=sum(s.num_output_tokens for s in req.seqs),
+                             num_verified_tokens=sum(s.num_verified_tokens for s in req.seqs),
+                             num_accepted_tokens=sum(s.num_accepted_tokens for s in req.seqs),
+                             num_kv_growth_tokens=sum(s.num_kv_growth_tokens for s in req.seqs))
 
     @staticmethod
     def _hides_branches(req: Request) -> bool:
@@ -432,6 +450,10 @@ class Engine:
             "state": final.value,
             "finish_reasons": [s.finish_reason for s in chosen],
             "num_preemptions": sum(s.num_preemptions for s in req.seqs),
+            # Q16: decode positions forwarded, speculative candidates accepted, KV kept (spec_decode/decoder.py)
+            "verified_tokens": sum(s.num_verified_tokens for s in req.seqs),
+            "accepted_tokens": sum(s.num_accepted_tokens for s in req.seqs),
+            "kv_growth_tokens": sum(s.num_kv_growth_tokens for s in req.seqs),
             "deadline": req.deadline,
             **{k: v for k, v in req.metrics.items()},
         }
@@ -578,4 +600,5 @@ class Engine:
             "preemptions": dict(self.scheduler.num_preemptions),
             "terminal": dict(self.terminal_counts),
             **(self.kv_offload.stats() if self.kv_offload is not None else {}),
+            **({"spec": self.spec.stats.snapshot()} if self.spec is not None else {}),
         }

@@ -28,6 +28,7 @@ from pdserve.engine.sequence import Sequence
 class ScheduledSeq:
     seq: Sequence
     num_tokens: int  # tokens computed this tick, starting at seq.num_computed_tokens
+    num_draft: int = 0  # of which speculative candidates to verify (spec_decode/)
 
     @property
     def samples(self) -> bool:
@@ -136,23 +137,28 @@ class Scheduler:
             if seq not in self.running or budget <= 0 or seq.paused:
                 continue
             need = seq.num_tokens - seq.num_computed_tokens
+            del seq.draft_token_ids[max(0, budget - need):]  # speculative candidates only within the budget
             n = min(need, budget) if self.cfg.enable_chunked_prefill else need
             if n > budget:
                 continue
             while True:
                 try:
-                    self.bm.allocate(seq, n)
+                    self.bm.allocate(seq, n + len(seq.draft_token_ids))
                     break
                 except NoFreeBlocks:
+                    if seq.draft_token_ids:  # KV short: verify no candidates rather than preempt anyone
+                        seq.draft_token_ids = []
+                        continue
                     victims = [s for s in self.running if s is not seq and id(s) not in scheduled_ids]
                     victim = self._victim(victims) if victims else seq
                     self._preempt(victim, out)
                     if victim is seq:
                         break
             if seq in self.running:
-                out.scheduled.append(ScheduledSeq(seq, n))
+                k = len(seq.draft_token_ids)
+                out.scheduled.append(ScheduledSeq(seq, n + k, k))
                 scheduled_ids.add(id(seq))
-                budget -= n
+                budget -= n + k
         return budget
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:

@@ -59,6 +59,9 @@ class DeltaEncoder:
             msg.usage.completion_tokens = sum(len(c.token_ids) for c in out.outputs)
             msg.usage.cached_tokens = out.num_cached_tokens or 0
             msg.usage.generated_tokens = out.num_generated_tokens
+            msg.usage.verified_tokens = out.num_verified_tokens
+            msg.usage.accepted_tokens = out.num_accepted_tokens
+            msg.usage.kv_growth_tokens = out.num_kv_growth_tokens
         fill_times(msg.times, out.metrics)
         return msg
 

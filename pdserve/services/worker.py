@@ -22,6 +22,7 @@ import grpc
 
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import Engine, EngineConfig
+from pdserve.engine.spec_decode.flags import spec_config
 from pdserve.kv_transfer.layout import KV_PROTOCOL_VERSION, KVLayout
 from pdserve.services.metrics import worker as M
 from pdserve.engine.request_state import RequestState
@@ -225,6 +226,7 @@ def engine_config_from_env(args) -> EngineConfig:
             kw[name] = getattr(args, name)
     if os.environ.get("PDSERVE_FAULT_STEP_DELAY_S"):  # fault injection only (EngineConfig.fault_step_delay_s)
         kw["fault_step_delay_s"] = float(os.environ["PDSERVE_FAULT_STEP_DELAY_S"])
+    kw.update(spec_config(args))
     return EngineConfig(**kw)
 
 

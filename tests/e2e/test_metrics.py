@@ -39,6 +39,8 @@ WORKER = {
     "pdserve_kv_blocks_total", "pdserve_kv_blocks_pinned", "pdserve_kv_usage_fraction",
     "pdserve_kv_offload_bytes", "pdserve_kv_recall_seconds", "pdserve_kv_tier_blocks", "pdserve_kv_tier_capacity_blocks",
     "pdserve_kv_tier_hit_tokens",
+    "pdserve_spec_verify_steps", "pdserve_spec_proposed_tokens", "pdserve_spec_accepted_tokens",
+    "pdserve_spec_emitted_tokens", "pdserve_spec_acceptance_rate", "pdserve_spec_mean_accepted_length",
     "pdserve_prefix_cache_queries", "pdserve_prefix_cache_hits", "pdserve_prefix_hit_ratio", "pdserve_num_running",
     "pdserve_num_waiting", "pdserve_requests_in_state", "pdserve_request_state_entries", "pdserve_engine_info"}
 

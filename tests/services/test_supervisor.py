@@ -150,7 +150,7 @@ def test_drain_is_nonblocking_kills_at_the_deadline_and_forgets_the_child():
     sup, logs, _ = _sup(restart=True)
     stubborn = sup.start("stubborn", [PY, "-c", "import signal, time; "
                                                 "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"])
-    polite = sup.start("polite", [PY, "-c", "import time; time.sleep(60)"])
+    sup.start("polite", [PY, "-c", "import time; time.sleep(60)"])
     time.sleep(0.5)  # both installed their handlers
     t0 = time.monotonic()
     sup.drain("stubborn", grace=1.0)

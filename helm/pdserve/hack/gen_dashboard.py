@@ -141,6 +141,14 @@ PANELS = [
     ("Billed tokens by tenant and kind", "short",
      [(f"sum by (tenant, kind) (rate(pdserve_usage_tokens_total{{{SEL}}}[$__rate_interval]))",
        "{{tenant}} {{kind}}")]),
+    ("Speculative decoding: acceptance rate", "percentunit",
+     [(f"{rate('pdserve_spec_accepted_tokens_total', 'role', POOL)} / "
+       f"clamp_min({rate('pdserve_spec_proposed_tokens_total', 'role', POOL)}, 1e-9)", "{{role}}"),
+      (f"avg by (role) (pdserve_spec_acceptance_rate{{{POOL}}})", "{{role}} lifetime")]),
+    ("Speculative decoding: mean accepted length (tokens per verification)", "short",
+     [(f"{rate('pdserve_spec_emitted_tokens_total', 'role', POOL)} / "
+       f"clamp_min({rate('pdserve_spec_verify_steps_total', 'role', POOL)}, 1e-9)", "{{role}}"),
+      (f"avg by (role) (pdserve_spec_mean_accepted_length{{{POOL}}})", "{{role}} lifetime")]),
 ]
 
 

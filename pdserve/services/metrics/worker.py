@@ -56,6 +56,18 @@ KV_TIER_CAPACITY = Gauge("pdserve_kv_tier_capacity_blocks", "KV blocks the host 
 NUM_RUNNING = Gauge("pdserve_num_running", "Requests running in the engine", registry=WORKER)
 NUM_WAITING = Gauge("pdserve_num_waiting", "Requests waiting in the engine", registry=WORKER)
 STATE_GAUGE = Gauge("pdserve_requests_in_state", "Live engine sequences per state", ["state"], registry=WORKER)
+# Speculative decoding (engine/spec_decode/): counters from the engine's cumulative counts, and lifetime ratios.
+SPEC_STEPS = Counter("pdserve_spec_verify_steps_total", "Speculative verification passes (one per sequence and step)",
+                     registry=WORKER)
+SPEC_PROPOSED = Counter("pdserve_spec_proposed_tokens_total", "Speculative candidates verified by the target",
+                        registry=WORKER)
+SPEC_ACCEPTED = Counter("pdserve_spec_accepted_tokens_total", "Speculative candidates accepted", registry=WORKER)
+SPEC_EMITTED = Counter("pdserve_spec_emitted_tokens_total", "Tokens committed by verification passes (accepted "
+                       "candidates + the bonus / residual token)", registry=WORKER)
+SPEC_ACCEPTANCE = Gauge("pdserve_spec_acceptance_rate", "Lifetime accepted / proposed candidates (0..1)",
+                        registry=WORKER)
+SPEC_MEAN_LEN = Gauge("pdserve_spec_mean_accepted_length", "Lifetime tokens committed per verification pass",
+                      registry=WORKER)
 ENGINE_INFO = Gauge("pdserve_engine_info", "1, labelled with what this worker's engine runs on: the CPU ISA level "
                     "used (or the accelerator), the compute dtype, and the kernels (native | triton | torch)",
                     ["isa", "dtype", "kernels"], registry=WORKER)
@@ -89,6 +101,7 @@ class EngineStatsExporter:
         self.tier_hits: dict[str, int] = {}
         self.moved: dict[str, int] = {}
         self.recalls = 0
+        self.spec = {"steps": 0, "proposed_tokens": 0, "accepted_tokens": 0, "emitted_tokens": 0}
 
     def update(self, s: dict) -> None:
         used, total = s.get("kv_blocks_in_use", 0), s.get("kv_blocks_total", 0)
@@ -109,6 +122,15 @@ class EngineStatsExporter:
         if h > self.hits:
             PREFIX_HITS.inc(h - self.hits)
             self.hits = h
+        spec = s.get("spec")
+        if spec:
+            for key, counter in (("steps", SPEC_STEPS), ("proposed_tokens", SPEC_PROPOSED),
+                                 ("accepted_tokens", SPEC_ACCEPTED), ("emitted_tokens", SPEC_EMITTED)):
+                if spec[key] > self.spec[key]:
+                    counter.inc(spec[key] - self.spec[key])
+                    self.spec[key] = spec[key]
+            SPEC_ACCEPTANCE.set(spec["acceptance_rate"])
+            SPEC_MEAN_LEN.set(spec["mean_accepted_length"])
         if "kv_host_blocks_total" in s:
             self._tier(s)
 

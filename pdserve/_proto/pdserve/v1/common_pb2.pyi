@@ -186,16 +186,22 @@ class CompletionDelta(_message.Message):
     def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "generated_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "generated_tokens", "verified_tokens", "accepted_tokens", "kv_growth_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_GROWTH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
     generated_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
+    verified_tokens: int
+    accepted_tokens: int
+    kv_growth_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., verified_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., kv_growth_tokens: _Optional[int] = ...) -> None: ...
 
 class StageTimes(_message.Message):
     __slots__ = ("arrival", "first_scheduled", "first_token", "finished", "kv_transfer_start", "kv_transfer_end")
