@@ -11,6 +11,10 @@ admits by (priority class, arrival); `shortest-predicted-first` by predicted rem
 output tokens left + prompt chunks left). Both put any request queued longer than `starvation_age_s` first, in
 arrival order: the age bound is what keeps long / low-class requests from starving.
 Backpressured sequences (`seq.paused`) are skipped everywhere and are the first preemption victims.
+
+`batching="static"` (spec §5.2, the D04 baseline): queued requests are admitted only on a tick where no batch is
+in flight (nothing running, swapped or preempted-waiting); a member preempted mid-batch comes back, but a slot a
+finished member leaves stays empty until the whole batch is done.
 """
 from __future__ import annotations
 
@@ -176,12 +180,17 @@ class Scheduler:
             budget -= n
         return budget
 
+    def batch_in_flight(self) -> bool:
+        """Static batching: some member of the current batch has not finished (preempted ones included)."""
+        return bool(self.running or self.swapped) or any(s.state == S.PREEMPTED for s in self.waiting)
+
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        members_only = self.cfg.batching == "static" and self.batch_in_flight()
         for seq in self._waiting_order():
             if budget <= 0 or len(self.running) >= self.cfg.max_num_seqs:
                 break
-            if seq.paused:
-                continue  # backpressured while preempted: it waits for its consumer, others go ahead
+            if seq.paused or (members_only and seq.state != S.PREEMPTED):
+                continue  # backpressured while preempted / not in the static batch in flight: others go ahead
             hits = [] if seq.wants_prompt_logprobs else self.bm.lookup(seq)
             remaining = seq.num_tokens - len(hits) * self.bm.block_size
             n = min(remaining, budget) if self.cfg.enable_chunked_prefill else remaining

@@ -136,8 +136,8 @@ def up(args) -> int:
         if args.metrics_compat:
             common += ["--metrics-compat", args.metrics_compat]
         eng = []
-        for flag in ("num_gpu_blocks", "max_num_seqs", "device", "dtype", "threads", "policy", "kv_cache_bytes",
-                     "gpu_memory_utilization", "block_size", "max_num_batched_tokens", "max_model_len"):
+        for flag in ("num_gpu_blocks", "max_num_seqs", "device", "dtype", "threads", "policy", "batching",
+                     "kv_cache_bytes", "gpu_memory_utilization", "block_size", "max_num_batched_tokens", "max_model_len"):
             v = getattr(args, flag)
             if v:
                 eng += ["--" + flag.replace("_", "-"), str(v)]

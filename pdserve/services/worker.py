@@ -211,6 +211,8 @@ def engine_config_from_env(args) -> EngineConfig:
         kw["dtype"] = args.dtype
     if getattr(args, "policy", None):
         kw["policy"] = args.policy
+    if getattr(args, "batching", None):
+        kw["batching"] = args.batching
     if getattr(args, "threads", None):
         kw["num_threads"] = args.threads
     for name in ENGINE_SIZE_FLAGS:  # KV pool and batch sizes (kv_sizing.py)
