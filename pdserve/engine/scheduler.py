@@ -134,7 +134,7 @@ class Scheduler:
                 continue
             need = seq.num_tokens - seq.num_computed_tokens
             n = min(need, budget) if self.cfg.enable_chunked_prefill else need
-            if n > budget:
+            if n > budget or need == 0:  # need 0: a beam waiting for its siblings' logits (engine/beam.py)
                 continue
             while True:
                 try:
@@ -176,7 +176,8 @@ class Scheduler:
             seq.set_state(S.PREFILLING if seq.is_prefill else S.DECODING)
             self.running.append(seq)
             self.bm.allocate(seq, n)
-            out.scheduled.append(ScheduledSeq(seq, n))
+            if n:  # 0: a beam swapped out while waiting for its siblings' logits
+                out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         return budget
 
