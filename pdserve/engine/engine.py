@@ -199,10 +199,24 @@ class Engine:
             state.pending[seq.seq_id] = row
         if not state.ready():
             return  # a beam left out of this tick (preempted): the others wait for it, computed
+        # A beam dropped while out of the batch (preempted, swapped; its logits were in) ends CANCELLED: the guard
+        # table has no FINISHED from there. The request's own terminal state comes from the search (_terminal_state).
         beams.advance(state, lambda parent: self._beam_fork(req, parent),
-                      lambda seq: self.core.finish(seq, S.FINISHED))
+                      lambda seq: self.core.finish(seq, S.FINISHED if seq.state in (S.PREFILLING, S.DECODING)
+                                                   else S.CANCELLED))
         if state.running:
             req.seqs = list(state.running)
+
+    def _unstall_beams(self) -> None:
+        """Nothing could be scheduled: beams holding blocks while they wait for a preempted sibling may be what
+        keeps that sibling out. Preempt them too (their logits are kept), so the group can come back together."""
+        for req in list(self.requests.values()):
+            if req.beam is None:
+                continue
+            idle = [s for s in req.beam.running if s.seq_id in req.beam.pending and s in self.scheduler.running]
+            if idle and len(idle) < len(req.beam.running):
+                for seq in idle:
+                    self.scheduler.preempt(seq)
 
     def _lifecycle(self, req: Request, deadline: float | None, priority: int, predicted: int | None) -> None:
         req.deadline = deadline
@@ -242,6 +256,7 @@ class Engine:
         outputs = self.drain_outputs()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
+            self._unstall_beams()
             return outputs
         if self.config.fault_step_delay_s:  # fault injection: a slow device (docs/reliability.md)
             time.sleep(self.config.fault_step_delay_s)
@@ -375,6 +390,8 @@ class Engine:
 
     @staticmethod
     def _terminal_state(req: Request) -> S:
+        if req.beam is not None and req.beam.done:
+            return S.FINISHED
         states = [s.state for s in req.seqs]
         for st in (S.FAILED, S.CANCELLED, S.TIMED_OUT):
             if st in states:

@@ -156,7 +156,7 @@ class Scheduler:
         if out.preempted:  # blocks just freed by a swap-out must not be refilled by a swap-in in the same tick
             return budget
         for seq in list(self.swapped):
-            if budget <= 0 or len(self.running) >= self.cfg.max_num_seqs:
+            if budget <= 0 or self.slots_used() >= self.cfg.max_num_seqs:
                 break
             if seq.paused:
                 continue
@@ -181,6 +181,11 @@ class Scheduler:
             budget -= n
         return budget
 
+    def slots_used(self) -> int:
+        """Batch slots taken: running sequences with a token to compute. A beam that has its logits and waits for
+        a preempted sibling's (need 0) takes none, or a full batch of such beams would never let the sibling in."""
+        return sum(1 for s in self.running if s.num_tokens > s.num_computed_tokens)
+
     def batch_in_flight(self) -> bool:
         """Static batching: some member of the current batch has not finished (preempted ones included)."""
         return bool(self.running or self.swapped) or any(s.state == S.PREEMPTED for s in self.waiting)
@@ -188,7 +193,7 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         members_only = self.cfg.batching == "static" and self.batch_in_flight()
         for seq in self._waiting_order():
-            if budget <= 0 or len(self.running) >= self.cfg.max_num_seqs:
+            if budget <= 0 or self.slots_used() >= self.cfg.max_num_seqs:
                 break
             if seq.paused or (members_only and seq.state != S.PREEMPTED):
                 continue  # backpressured while preempted / not in the static batch in flight: others go ahead
