@@ -135,3 +135,25 @@ def test_beam_needs_a_colocated_worker(engine):
     with pytest.raises(InvalidParameter) as e:
         engine.add_request("p", [5, 6], SamplingParams(beam_width=2), prefill_only=True)
     assert e.value.param == "beam_width"
+
+
+def test_cli_generate_beam_width(tiny_llama, hf, capsys):
+    """`pdserve generate --beam-width B` prints the same best hypotheses transformers finds."""
+    import json
+
+    from pdserve.cli import main
+    from pdserve.engine.tokenizer import Tokenizer
+    prompt = Tokenizer(tiny_llama).encode("the quick brown fox")
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", str(tiny_llama), "--prompt", "the quick brown fox", "--max-tokens", "8",
+              "--beam-width", "3", "--n", "2", "--length-penalty", "0.5", "--early-stopping", "never",
+              "--dtype", "float32", "--json"])
+    assert e.value.code == 0
+    got = json.loads(capsys.readouterr().out)["choices"]
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), num_beams=3, num_return_sequences=2,
+                          do_sample=False, length_penalty=0.5, early_stopping="never", max_new_tokens=8,
+                          pad_token_id=1)
+    assert [c["token_ids"] for c in got] == [r[len(prompt):].tolist()[:len(c["token_ids"])] for r, c in zip(ref, got)]
+    assert all(len(c["token_ids"]) == 8 for c in got)
