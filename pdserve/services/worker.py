@@ -22,6 +22,7 @@ import grpc
 
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import Engine, EngineConfig
+from pdserve.engine.warmup import warm_up
 from pdserve.kv_transfer.layout import KV_PROTOCOL_VERSION, KVLayout
 from pdserve.services.metrics import worker as M
 from pdserve.engine.request_state import RequestState
@@ -231,8 +232,14 @@ async def serve(args) -> None:
                                                args.metrics_compat), args.metrics_port, args.host)
     host = args.advertise_host or "127.0.0.1"
     worker_id = args.worker_id or f"{args.role}-{socket.gethostname()}-{args.port}"
+    started = M.process_start_time() or time.time()
     engine = Engine.from_pretrained(args.model, engine_config_from_env(args))
     M.set_engine_info(engine.info)
+    M.READY_SECONDS.labels("load").set(time.time() - started)
+    # spec §1.5: the first forwards at each batch shape happen here, before anything can route to this worker
+    warm = warm_up(engine)
+    M.READY_SECONDS.labels("warmup").set(warm.seconds)
+    log.info("warm-up: %d forwards at batch sizes %s in %.2fs", warm.forwards, warm.batch_sizes, warm.seconds)
     w = Worker(engine, args.role, worker_id, f"{host}:{args.port}", lease_ttl_s=args.lease_ttl,
                transfer_timeout_s=args.transfer_timeout)
     await w.host.start()
@@ -254,6 +261,7 @@ async def serve(args) -> None:
             w.host, KvEventPublisher(registry.r, args.served_model_name, worker_id,
                                      ttl_s=max(30.0, 10 * args.heartbeat_ttl))))
     await set_serving(hs, [WORKER_SERVICE], True)
+    M.READY_SECONDS.labels("ready").set(time.time() - started)
     log.info("worker %s (%s) listening on %s:%d, %d KV blocks of %d bytes; %s", worker_id, args.role, args.host,
              args.port, engine.kv_cache.num_blocks, engine.kv_cache.block_bytes, engine.info.line())
     stop = install_stop_signals()

@@ -128,6 +128,9 @@ PANELS = [
     ("Billed tokens by tenant and kind", "short",
      [(f"sum by (tenant, kind) (rate(pdserve_usage_tokens_total{{{SEL}}}[$__rate_interval]))",
        "{{tenant}} {{kind}}")]),
+    # cold start (spec §1.5, docs/engine.md): load, warm-up and process start -> SERVING of each pod, set once
+    ("Worker cold start per pod (load, warm-up, ready)", "s",
+     [(f"max by (pod, phase) (pdserve_worker_ready_seconds{{{POOL}}})", "{{pod}} {{phase}}")]),
 ]
 
 
