@@ -174,4 +174,5 @@ class SamplingParams:
 
     @property
     def num_branches(self) -> int:
-        return self.best_of or self.n
+        """Sequences the request runs at once (what admission reserves KV for): beams, else best_of or n."""
+        return self.beam_width or self.best_of or self.n

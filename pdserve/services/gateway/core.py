@@ -107,8 +107,9 @@ class Dispatcher:
         exclude: list[str] = []
         pp = params_to_pb(sub.params)
         for attempt in range(self.max_attempts):
+            # beam search runs whole on one `both` worker (engine/beam.py); none: the prefill worker says 400
             route = await self.route(rid, len(sub.prompt_token_ids), namespace, exclude, sub.prompt_token_ids,
-                                     sub.params.max_tokens or 0)
+                                     sub.params.max_tokens or 0, prefer="colocated" if sub.params.beam else "")
             trace.on_route(route.mode)
             if on_route is not None:
                 on_route(route)  # e.g. the latency histograms' mode label, the x-pdserve-route debug header
