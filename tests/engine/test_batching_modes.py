@@ -100,3 +100,14 @@ def test_static_preempted_member_rejoins(tiny_llama):
     assert all(b <= {"A", "B"} for b in batches[:first_late])
     assert first_late + 1 > max(done["A"], done["B"])  # late starts only after both members finished
     assert eng.block_manager.blocks_in_use == 0
+
+
+def test_worker_flag_and_env_reach_the_engine(monkeypatch):
+    from pdserve.cli import build_parser
+    from pdserve.services.worker import engine_config_from_env
+    assert engine_config_from_env(build_parser().parse_args(["worker"])).batching == "continuous"
+    assert engine_config_from_env(build_parser().parse_args(["worker", "--batching", "static"])).batching == "static"
+    monkeypatch.setenv("PDSERVE_BATCHING", "static")
+    assert engine_config_from_env(build_parser().parse_args(["worker"])).batching == "static"
+    with pytest.raises(ValueError):
+        EngineConfig(batching="sometimes").validate()
