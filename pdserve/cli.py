@@ -18,6 +18,7 @@ from pdserve.engine.spec_decode.flags import add_spec_flags
 # The same names the engine validates (pdserve/engine/config.py, which imports torch; the CLI must not).
 POLICIES = ("fcfs", "decode-priority", "prefill-priority", "priority", "shortest-predicted-first")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+BATCHING = ("continuous", "static")
 MODES = ("auto", "disagg", "colocated")
 LOG_FORMATS = ("text", "json")  # pdserve/services/logs.py FORMATS (not imported: it pulls in the services package)
 
@@ -52,6 +53,9 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="cpu | cuda | cuda:N (default: cpu)")
     p.add_argument("--dtype", choices=DTYPES, help="weights and KV dtype (default: the checkpoint's)")
     p.add_argument("--policy", choices=POLICIES, help="scheduling policy (default: fcfs)")
+    p.add_argument("--batching", choices=BATCHING,
+                   help="continuous (iteration-level refill) or static (a batch runs until all its members finish; "
+                        "the baseline, docs/engine.md) (default: continuous)")
     p.add_argument("--threads", type=positive_int,
                    help="torch intra-op threads (default: all cores; `up` splits the cores between workers)")
     p.add_argument("--kv-offload-bytes", type=nonneg_int,

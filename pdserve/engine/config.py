@@ -112,6 +112,7 @@ def _generation_config(model_dir: Path) -> dict:
 
 
 POLICIES = ("fcfs", "decode-priority", "prefill-priority", "priority", "shortest-predicted-first")
+BATCHING = ("continuous", "static")
 
 
 @dataclass
@@ -142,6 +143,9 @@ class EngineConfig:
     max_buffered_outputs: int = 64
     backpressure_preempt_s: float = 5.0
     preemption_mode: str = "recompute"  # recompute | swap
+    # continuous: iteration-level refill (spec §5.3); static: a batch formed on an idle tick runs until all its
+    # members finish, no request joins it mid-way (§5.2) -- the baseline D04 compares against
+    batching: str = "continuous"
     dtype: str = "auto"  # auto (the fastest for this device and checkpoint: cpu_isa.py) | float32 | bfloat16 | float16
     device: str = "cpu"
     max_model_len: int | None = None
@@ -169,6 +173,8 @@ class EngineConfig:
     def validate(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {self.policy!r}")
+        if self.batching not in BATCHING:
+            raise ValueError(f"unknown batching mode {self.batching!r} (continuous, static)")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"unknown preemption mode {self.preemption_mode!r}")
         if self.preemption_mode == "swap" and self.num_cpu_blocks <= 0:

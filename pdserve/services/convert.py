@@ -190,6 +190,8 @@ def params_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
                 for k in ("json_schema", "regex", "grammar"):
                     if getattr(v, k) is not None:
                         setattr(g, k, getattr(v, k))
+        elif f.name == "early_stopping":
+            m.early_stopping = v if isinstance(v, str) else ("true" if v else "false")
         elif f.name == "logit_bias":
             for k, b in v.items():
                 m.logit_bias[int(k)] = float(b)
@@ -217,6 +219,9 @@ def params_from_pb(m: common_pb2.SamplingParams) -> SamplingParams:
                     regex=g.regex if g.HasField("regex") else None,
                     grammar=g.grammar if g.HasField("grammar") else None,
                 )
+        elif n == "early_stopping":
+            if m.HasField(n):  # an unknown word stays a string: validate() names it
+                kw[n] = {"true": True, "false": False}.get(m.early_stopping, m.early_stopping)
         elif n == "logit_bias":
             kw[n] = {int(k): float(v) for k, v in m.logit_bias.items()}
         elif n == "allowed_token_ids":

@@ -16,7 +16,7 @@ tokens of a speculative step are accepted + 1: the bonus / residual token is an 
 billed token.
 
 Not speculated (plain decode for that sequence, documented in docs/engine.md): guided decoding (the grammar
-matcher would have to be rolled back token by token), recompute chunks after preemption, the last token of
+matcher would have to be rolled back token by token), beam search (it scores every beam's full distribution), recompute chunks after preemption, the last token of
 max_tokens / the context.
 """
 from __future__ import annotations
@@ -98,8 +98,8 @@ class SpecDecoder:
         if seq.state != S.DECODING or seq.paused or seq.num_tokens - seq.num_computed_tokens != 1:
             return 0
         st = seq.sampling
-        if st.grammar is not None or st.params.guided is not None:
-            return 0
+        if st.grammar is not None or st.params.guided is not None or st.params.beam:
+            return 0  # a grammar cannot roll back token by token; beam search chooses its own tokens
         pace = self._pace.setdefault(seq.seq_id, _Pace(self.k))
         if pace.skip > 0:
             pace.skip -= 1

@@ -72,6 +72,24 @@ ENGINE_INFO = Gauge("pdserve_engine_info", "1, labelled with what this worker's 
                     "used (or the accelerator), the compute dtype, and the kernels (native | triton | torch)",
                     ["isa", "dtype", "kernels"], registry=WORKER)
 
+READY_SECONDS = Gauge("pdserve_worker_ready_seconds", "Cold start (spec §1.5), set once: phase=load: process start "
+                      "-> model loaded; warmup: the warm-up forwards' own time; ready: process start -> registered "
+                      "and SERVING (kept out of steady-state latency: nothing is routed here before it)", ["phase"],
+                      registry=WORKER)
+
+
+def process_start_time() -> float | None:
+    """Unix time this process started (/proc; None where there is none): cold start counts imports too."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            btime = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        import os
+        return btime + start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
 
 def set_engine_info(info) -> None:
     """One sample for this process's engine (engine.cpu_isa.EngineInfo), set once at start."""

@@ -19,7 +19,7 @@ class GuidedSpec(_message.Message):
     def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("n", "best_of", "temperature", "top_p", "top_k", "min_p", "typical_p", "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias", "allowed_token_ids", "has_allowed_token_ids", "bad_words", "no_repeat_ngram_size", "logprobs", "prompt_logprobs", "logprobs_mode", "skip_special_tokens", "guided")
+    __slots__ = ("n", "best_of", "temperature", "top_p", "top_k", "min_p", "typical_p", "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias", "allowed_token_ids", "has_allowed_token_ids", "bad_words", "no_repeat_ngram_size", "logprobs", "prompt_logprobs", "logprobs_mode", "skip_special_tokens", "guided", "beam_width", "length_penalty", "early_stopping")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,9 @@ class SamplingParams(_message.Message):
     LOGPROBS_MODE_FIELD_NUMBER: _ClassVar[int]
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GUIDED_FIELD_NUMBER: _ClassVar[int]
+    BEAM_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    EARLY_STOPPING_FIELD_NUMBER: _ClassVar[int]
     n: int
     best_of: int
     temperature: float
@@ -81,7 +84,10 @@ class SamplingParams(_message.Message):
     logprobs_mode: str
     skip_special_tokens: bool
     guided: GuidedSpec
-    def __init__(self, n: _Optional[int] = ..., best_of: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., has_allowed_token_ids: _Optional[bool] = ..., bad_words: _Optional[_Iterable[str]] = ..., no_repeat_ngram_size: _Optional[int] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., logprobs_mode: _Optional[str] = ..., skip_special_tokens: _Optional[bool] = ..., guided: _Optional[_Union[GuidedSpec, _Mapping]] = ...) -> None: ...
+    beam_width: int
+    length_penalty: float
+    early_stopping: str
+    def __init__(self, n: _Optional[int] = ..., best_of: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., has_allowed_token_ids: _Optional[bool] = ..., bad_words: _Optional[_Iterable[str]] = ..., no_repeat_ngram_size: _Optional[int] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., logprobs_mode: _Optional[str] = ..., skip_special_tokens: _Optional[bool] = ..., guided: _Optional[_Union[GuidedSpec, _Mapping]] = ..., beam_width: _Optional[int] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[str] = ...) -> None: ...
 
 class Lifecycle(_message.Message):
     __slots__ = ("deadline_unix", "priority", "predicted_output_tokens", "kv_share")
