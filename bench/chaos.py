@@ -71,6 +71,8 @@ def main() -> None:
                          max_tokens=a.max_tokens)
             rows.append(r.row())
             print(row(r), flush=True)
+            if r.samples:
+                print(f"<!-- {r.case}: first error of each kind {r.samples} -->", flush=True)
             if r.reasons:
                 print(f"<!-- {r.case}: gateway FAILED reasons {r.reasons} -->", flush=True)
     finally:

@@ -376,6 +376,7 @@ class CaseResult:
     errors: dict = field(default_factory=dict)  # error kind -> count
     reasons: dict = field(default_factory=dict)  # the gateways' `ended FAILED: <why>` lines, first 60 chars -> count
     early_failures: int = 0          # of the failed: ended before the fault (left over from an earlier case)
+    samples: dict = field(default_factory=dict)  # error kind -> its first message (what a 503 said, ...)
 
     def row(self) -> dict:
         return asdict(self)
@@ -418,6 +419,8 @@ def run_case(dep: ChaosDeployment, case: str, *, rate: float = 8.0, duration: fl
         failed = [o for o in outs if not o.ok]
         res.failed = len(failed)
         res.errors = dict(Counter(_kind(o.error) for o in failed))
+        for o in failed:
+            res.samples.setdefault(_kind(o.error), (o.error or "")[:240])
         res.refused = sum((o.error or "").startswith("ConnectError") for o in failed)
         if failed:
             late = [o for o in failed if t_fault is None or o.end >= t_fault]
