@@ -45,13 +45,16 @@ class EwmaLine:
         self.mxy += a * (x * y - self.mxy)
         self.n += 1
 
-    def fit(self) -> tuple[float, float]:
-        """(intercept, slope). With too little spread in x, a line through the origin (slope only)."""
+    def fit(self, through_origin: bool = True) -> tuple[float, float]:
+        """(intercept, slope). With too little spread in x (or no positive slope), a line through the origin (slope
+        only); `through_origin=False`: a flat line instead (intercept only), for a y that need not grow with x."""
         var = self.mxx - self.mx * self.mx
         if self.n >= 3 and var > 1e-9 * max(1.0, self.mxx):
             b = (self.mxy - self.mx * self.my) / var
             if b > 0:
                 return max(0.0, self.my - b * self.mx), b
+        if not through_origin:
+            return self.my, 0.0
         return 0.0, (self.my / self.mx if self.mx > 0 else 0.0)
 
 
@@ -158,7 +161,11 @@ class LoadMeter:
         """The measured fields of a load report (the worker fills in the rest)."""
         with self._lock:
             ov, slope = self.prefill.fit()
-            d0, d1 = self.decode.fit()
+            # A decode step is mostly fixed cost (weights read once per step): a line through the origin would
+            # charge all of it to the sequences, e.g. 4 ms per sequence for a 20 ms step at batch 5 where the true
+            # slope is a fraction of a ms, and admission would think a few more requests double the step. A fresh
+            # line (a restarted worker) finds no positive slope in noise about a third of the time: flat, then.
+            d0, d1 = self.decode.fit(through_origin=False)
             warm = self.decode_now.n >= self.DECODE_REPORT_AFTER
             return common_pb2.LoadReport(
                 prefill_tokens_per_s=(1.0 / slope) if slope > 0 else 0.0,

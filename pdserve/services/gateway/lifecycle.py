@@ -226,8 +226,12 @@ class Lifecycle:
             # generated; a timed-out request's time is a lower bound, and it counts as such)
             per_choice = rec.emitted // max(1, rec.ticket.n_granted) if rec.ticket else 0  # streamed
             out = (max(rec.outputs_per_choice, default=0) or per_choice) if state == "FINISHED" else None
+            # a request that moved to another worker mid-stream waited for the failure and prefilled again: its
+            # time says nothing about the model's error, and after a worker's death dozens of them would teach
+            # admission that everything is 2-4x slower (spurious deadline_unreachable for tens of seconds)
+            migrated = any(x.migrations for x in rec.traces)
             self.admission.observe_finish(rec.ticket, time.time() - rec.admitted_at, out or None,
-                                          finished=state == "FINISHED")
+                                          finished=state == "FINISHED", calibrate=not migrated)
 
     async def _bill(self, rec: RequestRecord) -> None:
         state = rec.state
