@@ -252,7 +252,6 @@ class Lifecycle:
         billing_log.info(json.dumps(rec.to_json()))
         await self.gate.charge(rec.tenant, billed)
 
-
     def write_finalised(self, record: dict, u: OpenUsage) -> None:
         """A record finalised here for a dead replica's request: counted and logged like one of ours, under the
         request's own x-request-id."""

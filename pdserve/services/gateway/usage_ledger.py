@@ -23,8 +23,8 @@ The finalised record knows what admission knew (tenant, prompt tokens, times); t
 streamed are not known, and are counted 0 (`emitted_tokens`, `committed_tokens`; billed = the prompt tokens).
 Its quota is not charged (the tenant object lives in the dead process; the record is for the operator).
 
-Redis unreachable: the open is skipped (the request is then billed only if its own gateway lives to close it) and
-a failed close still writes the record; the refresher re-adds this replica's open entries when it finds its
+Redis unreachable: the open is skipped, and skipped at once for DOWN_S after a failure (the request is then billed
+only if its own gateway lives to close it), and a failed close still writes the record; the refresher re-adds this replica's open entries when it finds its
 registration gone (a restarted Redis), so they are covered again.
 """
 from __future__ import annotations
@@ -41,6 +41,7 @@ log = logging.getLogger("pdserve.gateway.usage")
 LIVE_TTL_S = 3.0   # a replica silent this long is dead for its records
 REFRESH_S = 1.0    # its liveness refresh, and how often it looks for dead replicas' open records
 TOMBSTONE_S = 3600
+DOWN_S = 1.0       # after a failed open, opens are skipped this long (a Redis that is gone costs each request a timeout)
 
 # KEYS: open hash, tombstone. ARGV: u. 1: the caller owns the close (write the record); 0: finalised elsewhere.
 CLOSE_LUA = """
@@ -114,6 +115,7 @@ class UsageLedger:
         self._open: dict[str, OpenUsage] = {}  # this replica's, by usage id (re-added after a Redis restart)
         self._task: asyncio.Task | None = None
         self.finalised = 0  # records this replica finalised for dead ones
+        self._down_until = 0.0  # monotonic: opens skipped until then (Redis just failed)
         self._close = redis.register_script(CLOSE_LUA)
         self._claim = redis.register_script(CLAIM_LUA)
         self._reopen = redis.register_script(REOPEN_LUA)
@@ -138,16 +140,19 @@ class UsageLedger:
     # ---- a request's record -----------------------------------------------------------------------------------------
     async def open(self, u: OpenUsage) -> bool:
         """Durably open `u`'s record. False: Redis did not take it (its own close still writes)."""
-        self._open[u.usage_id] = u
+        if time.monotonic() < self._down_until:
+            return False
         try:
             async with self.redis.pipeline(transaction=True) as p:
                 p.set(self._key("live", self.replica), "1", px=int(LIVE_TTL_S * 1000))
                 p.sadd(self._replicas, self.replica)
                 p.hset(self._key("open", self.replica), u.usage_id, u.to_json())
                 await p.execute()
+            self._open[u.usage_id] = u  # only what Redis took: the refresher re-opens these, `close` forgets them
             return True
         except Exception as e:  # noqa: BLE001 - Redis down: served anyway, billed by its own close
-            log.warning("usage record %s not opened durably: %s", u.request_id, e)
+            self._down_until = time.monotonic() + DOWN_S
+            log.warning("usage records not opened durably for %.0f s: %s", DOWN_S, e)
             return False
 
     async def close(self, usage_id: str) -> bool:
