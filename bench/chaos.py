@@ -24,7 +24,7 @@ from pdserve.bench.chaos import CASES, ChaosDeployment, cpu_model, run_case  # n
 
 HEAD = ("| case | sent | finished | failed | cancelled | migrated | blocks / pinned / reservations left | "
         "records: exactly one / missing / duplicated | longest wait for an error | longest stall | recovery | "
-        "errors |")
+        "moved streams: finished / greedy = uninterrupted (control) | errors |")
 
 
 def row(r) -> str:
@@ -34,6 +34,7 @@ def row(r) -> str:
             f"{s(r.blocks_left)} / {s(r.pinned_left)} / {s(r.reservations_left)} | "
             f"{r.records_one} / {r.records_missing} / {r.records_dup} | {r.max_error_wait_s:.2f} s | "
             f"{r.max_stall_s:.2f} s | {r.recovery_s:.2f} s | "
+            f"{r.migrated_finished} of {r.migrated_streams} / {r.greedy_equal} ({r.control_equal}) | "
             f"{', '.join(f'{k} {v}' for k, v in sorted(r.errors.items())) or '-'}"
             + (f" ({r.early_failures} before the fault)" if r.early_failures else "") + " |")
 
@@ -71,6 +72,10 @@ def main() -> None:
                          max_tokens=a.max_tokens)
             rows.append(r.row())
             print(row(r), flush=True)
+            if r.diverged:
+                print(f"<!-- {r.case}: greedy re-runs that differ: {r.diverged} -->", flush=True)
+            if r.samples:
+                print(f"<!-- {r.case}: first error of each kind {r.samples} -->", flush=True)
             if r.reasons:
                 print(f"<!-- {r.case}: gateway FAILED reasons {r.reasons} -->", flush=True)
     finally:

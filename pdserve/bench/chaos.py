@@ -52,11 +52,13 @@ class Outcome:
     ok: bool = False
     error: str | None = None
     max_gap: float = 0.0         # longest silence between two data events (from the send for the first)
+    prompt: list[int] = field(default_factory=list)
+    text: str = ""               # what the client was streamed
 
 
 async def _one(client: httpx.AsyncClient, base: str, model: str, rid: str, prompt: list[int], max_tokens: int,
                timeout_s: float) -> Outcome:
-    o = Outcome(rid, time.perf_counter())
+    o = Outcome(rid, time.perf_counter(), prompt=prompt)
     last = o.sent
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
             "stream": True, "timeout": timeout_s, "stream_options": {"include_usage": True}}
@@ -82,6 +84,8 @@ async def _one(client: httpx.AsyncClient, base: str, model: str, rid: str, promp
                     return o
                 if chunk.get("usage"):  # the last chunk before [DONE]: the tokens the client was sent
                     o.tokens = chunk["usage"]["completion_tokens"]
+                for c in chunk.get("choices") or ():
+                    o.text += c.get("text") or ""
             o.error = "stream ended without [DONE]"
     except (httpx.HTTPError, OSError) as e:
         o.error = f"{type(e).__name__}: {e}"[:160]
@@ -255,17 +259,25 @@ class ChaosDeployment:
 
     def billing(self, prefix: str) -> Counter:
         """Usage records per request id (ids starting with `prefix`), from both gateways' billing lines."""
+        return Counter({rid: len(recs) for rid, recs in self.records(prefix).items()})
+
+    def records(self, prefix: str) -> dict[str, list[dict]]:
+        """The usage records themselves, per request id (ids starting with `prefix`)."""
         lines = list(self.up.lines)
         with open(self.log, errors="replace") as f:
             lines += f.readlines()
-        seen = Counter()
+        out: dict[str, list[dict]] = {}
         for line in lines:
             # text log format: `... INFO pdserve.billing [<x-request-id>]: {record}` (the record's own
             # request_id is the completion id)
             m = _BILLING.search(line)
             if m and m.group(1).startswith(prefix):
-                seen[m.group(1)] += 1
-        return seen
+                try:
+                    rec = json.loads(line[m.end() - 1:])
+                except ValueError:
+                    rec = {}
+                out.setdefault(m.group(1), []).append(rec)
+        return out
 
     def stop(self) -> None:
         if self.gw2 is not None and self.gw2.poll() is None:
@@ -376,6 +388,12 @@ class CaseResult:
     errors: dict = field(default_factory=dict)  # error kind -> count
     reasons: dict = field(default_factory=dict)  # the gateways' `ended FAILED: <why>` lines, first 60 chars -> count
     early_failures: int = 0          # of the failed: ended before the fault (left over from an earlier case)
+    samples: dict = field(default_factory=dict)  # error kind -> its first message (what a 503 said, ...)
+    migrated_streams: int = 0        # requests whose record counts a migration (a stream moved mid-flight)
+    migrated_finished: int = 0       # of them: finished, every token
+    greedy_equal: int = 0            # of those: the same text as the same request sent again, alone, afterwards
+    control_equal: str = ""          # the same check on a few requests that did not move: "k/n"
+    diverged: list = field(default_factory=list)  # per mismatch: "moved|stayed: first differing char / length"
 
     def row(self) -> dict:
         return asdict(self)
@@ -418,6 +436,8 @@ def run_case(dep: ChaosDeployment, case: str, *, rate: float = 8.0, duration: fl
         failed = [o for o in outs if not o.ok]
         res.failed = len(failed)
         res.errors = dict(Counter(_kind(o.error) for o in failed))
+        for o in failed:
+            res.samples.setdefault(_kind(o.error), (o.error or "")[:240])
         res.refused = sum((o.error or "").startswith("ConnectError") for o in failed)
         if failed:
             late = [o for o in failed if t_fault is None or o.end >= t_fault]
@@ -446,11 +466,48 @@ def run_case(dep: ChaosDeployment, case: str, *, rate: float = 8.0, duration: fl
     res.records_one = sum(seen[r] == 1 for r in want)  # of the `sent - refused` requests a gateway received
     res.records_missing = sum(seen[r] == 0 for r in want)
     res.records_dup = sum(seen[r] > 1 for r in want)
+    recs = dep.records(f"chaos-{tag}-")
+    moved = [o for o in outs if any(r.get("migrations") for r in recs.get(o.rid, ()))]
+    res.migrated_streams = len(moved)
+    res.migrated_finished = sum(o.ok for o in moved)
+    # control: as many that did not move (at most 16): batched greedy decoding is not bit-reproducible across
+    # batch compositions (spec §1.6), so a re-run can differ for a stream that never moved too
+    stayed = [o for o in outs if o.ok and o not in moved][:max(0, min(16, len(moved) * 2))]
+    same = _greedy_again(dep, [o for o in moved if o.ok] + stayed, max_tokens)
+    res.greedy_equal = sum(x is True for x in same[:res.migrated_finished])
+    res.control_equal = f"{sum(x is True for x in same[res.migrated_finished:])}/{len(stayed)}"
+    res.diverged = [f"{'moved' if i < res.migrated_finished else 'stayed'} {x}" for i, x in enumerate(same)
+                    if x is not True]
     res.migrated = int(dep.migrations() - mig0) if case != "kill-gateway" else int(max(0.0, dep.migrations() - mig0))
     if case == "kill-gateway" and dep.gw2.poll() is not None:
         dep.start_gateway2()
     dep.wait_ready(120)
     return res
+
+
+def _greedy_again(dep: ChaosDeployment, outs: list[Outcome], max_tokens: int) -> list[bool | str]:
+    """Each request sent again, alone (greedy, same prompt and length): True when its text is the one it was
+    streamed, else where they part ("at char i of n"). The reference for a migrated stream is an uninterrupted
+    run of the same request on the same deployment."""
+    same = []
+    for o in outs:
+        ok: bool | str = "no gateway answered"
+        for base in dep.bases:  # after kill-gateway, up's may still be restarting
+            try:
+                r = httpx.post(base + "/v1/completions", timeout=60, json={
+                    "model": dep.served, "prompt": o.prompt, "max_tokens": max_tokens, "ignore_eos": True,
+                    "temperature": 0})
+            except httpx.HTTPError:
+                continue
+            if r.status_code != 200:
+                ok = f"re-run HTTP {r.status_code}"
+                break
+            want = r.json()["choices"][0]["text"]
+            i = next((k for k, (a, b) in enumerate(zip(want, o.text)) if a != b), min(len(want), len(o.text)))
+            ok = True if want == o.text else f"at char {i} of {len(want)}"
+            break
+        same.append(ok)
+    return same
 
 
 def cpu_model() -> str:

@@ -438,16 +438,17 @@ class Admission:
         return None, (f"{seqs} requests in flight, at most {seq_limit} {whose}", wait)
 
     def observe_finish(self, ticket: Ticket | None, service_s: float, output_tokens: int | None,
-                       finished: bool = False) -> None:
+                       finished: bool = False, calibrate: bool = True) -> None:
         """A request this replica admitted has ended (FINISHED, or TIMED_OUT by a worker): calibrate the model
         against it, evaluated at the mean number in flight over its life (not the number when it came in:
-        later admissions share its steps too)."""
+        later admissions share its steps too). `calibrate=False`: its time was not the model's to predict (it
+        migrated after a worker died); it still counts as finished at that load."""
         if ticket is None:
             return
         mean = self.in_flight.mean_since(ticket.life_mark)
         if finished:
             self.proven = max(self.proven, mean if mean is not None else ticket.in_flight)
-        if not ticket.rates.measured:
+        if not ticket.rates.measured or not calibrate:
             return
         est = ticket.estimated_s(output_tokens, mean)
         self.calibration.observe(est, service_s)

@@ -45,13 +45,16 @@ class EwmaLine:
         self.mxy += a * (x * y - self.mxy)
         self.n += 1
 
-    def fit(self) -> tuple[float, float]:
-        """(intercept, slope). With too little spread in x, a line through the origin (slope only)."""
+    def fit(self, through_origin: bool = True) -> tuple[float, float]:
+        """(intercept, slope). With too little spread in x (or no positive slope), a line through the origin (slope
+        only); `through_origin=False`: a flat line instead (intercept only), for a y that need not grow with x."""
         var = self.mxx - self.mx * self.mx
         if self.n >= 3 and var > 1e-9 * max(1.0, self.mxx):
             b = (self.mxy - self.mx * self.my) / var
             if b > 0:
                 return max(0.0, self.my - b * self.mx), b
+        if not through_origin:
+            return self.my, 0.0
         return 0.0, (self.my / self.mx if self.mx > 0 else 0.0)
 
 
@@ -63,6 +66,18 @@ class LoadMeter:
     """
 
     PENDING_REFRESH_S = 0.1  # heartbeats are ~1 s apart
+    # A fresh (or restarted) worker's first decode steps run cold (page faults on the weights, first kernel calls,
+    # threads spinning up, on a host busy with the restart) and last up to several times a warm step. Seeding the
+    # averages with them made a restarted worker report a step several times too long, and deadline-aware
+    # admission refuse requests `deadline_unreachable` for seconds (docs/reliability.md, "Fault matrix"). So the
+    # first DECODE_WARMUP pure-decode steps are not measured, and nothing is reported until DECODE_REPORT_AFTER
+    # have been (0 = unmeasured: the router's priors and the other workers' figures stand meanwhile).
+    DECODE_WARMUP = 4
+    DECODE_REPORT_AFTER = 4
+    # Once measured, a step longer than this many times the average is counted as this many times: a process
+    # stopped mid-step (SIGSTOP, a host stall) says nothing about its speed, while a real slowdown still moves
+    # the average up by 1 + alpha x (OUTLIER_X - 1) per step.
+    OUTLIER_X = 3.0
     MIN_PREFILL_TOKENS = 1  # a request whose whole prompt hit the cache says nothing about the prefill rate
 
     def __init__(self):
@@ -76,6 +91,7 @@ class LoadMeter:
         self._pending_at = 0.0
         self._seen: set[str] = set()
         self._last_step: float | None = None
+        self._decode_steps = 0  # pure-decode steps seen, warm-up included
         self._busy = False
         self._chain = None
 
@@ -104,8 +120,17 @@ class LoadMeter:
         nseq, ntok = engine.batch_sizes[-1]
         dt = now - self._last_step
         if nseq and ntok == nseq and 0 < dt < 5.0:  # pure decode step: one token per sequence
-            self.decode.add(nseq, dt)
-            self.decode_now.add(dt)
+            self.observe_decode_step(nseq, dt)
+
+    def observe_decode_step(self, nseq: int, dt: float) -> None:
+        """One pure-decode step of `nseq` sequences that took `dt` s (warm-up skipped, stalls clipped)."""
+        self._decode_steps += 1
+        if self._decode_steps <= self.DECODE_WARMUP:
+            return
+        if self.decode_now.n:
+            dt = min(dt, self.OUTLIER_X * self.decode_now.value)
+        self.decode.add(nseq, dt)
+        self.decode_now.add(dt)
 
     def _prefill_sample(self, out) -> None:
         rid = out.request_id
@@ -136,12 +161,17 @@ class LoadMeter:
         """The measured fields of a load report (the worker fills in the rest)."""
         with self._lock:
             ov, slope = self.prefill.fit()
-            d0, d1 = self.decode.fit()
+            # A decode step is mostly fixed cost (weights read once per step): a line through the origin would
+            # charge all of it to the sequences, e.g. 4 ms per sequence for a 20 ms step at batch 5 where the true
+            # slope is a fraction of a ms, and admission would think a few more requests double the step. A fresh
+            # line (a restarted worker) finds no positive slope in noise about a third of the time: flat, then.
+            d0, d1 = self.decode.fit(through_origin=False)
+            warm = self.decode_now.n >= self.DECODE_REPORT_AFTER
             return common_pb2.LoadReport(
                 prefill_tokens_per_s=(1.0 / slope) if slope > 0 else 0.0,
                 prefill_overhead_s=ov,
-                decode_step_s=self.decode_now.value,
-                decode_step_per_seq_s=d1 if d0 > 0 or d1 > 0 else 0.0,
+                decode_step_s=self.decode_now.value if warm else 0.0,
+                decode_step_per_seq_s=d1 if warm and (d0 > 0 or d1 > 0) else 0.0,
                 pending_prefill_tokens=int(self.pending_prefill_tokens),
                 kv_bytes_per_s=self.kv_bw.value,
                 handoff_overhead_s=self.handoff.value,

@@ -3,7 +3,8 @@ docs/reliability.md). One real `pdserve up --mode disagg` (Redis, router, 1 pref
 tiny Llama) plus a second gateway; per case, open-loop load over both gateways and a fault at a fixed time:
 
 - 0 KV blocks in use, 0 pinned and 0 reservations afterwards;
-- exactly one usage record per request (by its x-request-id, from the gateways' billing lines);
+- exactly one usage record per request (by its x-request-id, from the gateways' billing lines), also for the
+  requests in flight on a SIGKILLed gateway replica;
 - no client waits more than 2 heartbeat TTLs for its error.
 """
 from __future__ import annotations
@@ -32,7 +33,9 @@ def dep(tiny_llama, tmp_path_factory):
 
 
 # the abort storm runs in CI as tests/e2e/test_abort_storm.py (120 streams); bench/chaos.py runs 1,000
-@pytest.mark.parametrize("case", ["kill-decode", "partition-decode"])
+# kill-gateway: the SIGKILLed replica's in-flight requests get their usage records from the other replica or its
+# restarted self (gateway/usage_ledger.py)
+@pytest.mark.parametrize("case", ["kill-decode", "partition-decode", "kill-gateway"])
 def test_fault_leaves_nothing_behind(dep, case):
     r = run_case(dep, case, rate=6.0, duration=3.0, fault_at=1.0, storm=60, settle_timeout=15.0, max_tokens=48)
     print(r.row())

@@ -417,6 +417,26 @@ def test_calibration_tightens_the_gate():
     run(main())
 
 
+def test_migrated_requests_do_not_calibrate():
+    """Requests that moved to another worker after one died took 3x the estimate (the failure, a second prefill):
+    not the model's error. With them left out, the same request as in the test above is still admitted; a
+    request that finished counts as finished at its load all the same."""
+    model = f"t-{uuid.uuid4().hex[:8]}"
+
+    async def main():
+        r = aioredis.from_url(REDIS)
+        adm = Admission(ReservationLedger(r, model, lease_s=5), _dcap, deadline_margin=1.0)
+        await _fill(adm, 9)
+        t = await adm.admit("x", "t", 16, 100, 1, 4096, time.time() + 3.0)
+        for _ in range(30):
+            adm.observe_finish(t, 3 * t.estimated_s(), None, finished=True, calibrate=False)
+        assert adm.calibration.factor == 1.0 and adm.proven >= 1
+        await adm.admit("y", "t", 16, 100, 1, 4096, time.time() + 3.0)  # not deadline_unreachable
+        await _cleanup(r, model)
+
+    run(main())
+
+
 def test_queued_request_leaves_once_its_deadline_is_unreachable():
     """Queued for KV blocks: as its time runs out the deadline limit falls below the requests in flight, and it
     leaves the queue with 503 then — not at its deadline with 504."""

@@ -25,6 +25,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.services.gateway.migration import (KV_TRANSFER, STALL_CHECK_S, UNAVAILABLE, Broken, Sent, broken_by,
                                                 watched)
 from pdserve.services.gateway.stages import StageTrace
+from pdserve.services.gateway.suspects import Suspects
 from pdserve.services.metrics import gateway as M
 from pdserve.services.grpc_util import channel, param_of
 from pdserve.services.convert import params_to_pb
@@ -71,6 +72,7 @@ class Dispatcher:
         self._router = router_pb2_grpc.RouterStub(channel(router_address))
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._tasks: set[asyncio.Task] = set()
+        self.suspects = Suspects()  # workers a call just found dead: skipped until the registry drops them
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -93,14 +95,20 @@ class Dispatcher:
 
     async def route(self, rid: str, n_prompt: int, namespace: str, exclude: list[str],
                     prompt: list[int] | None = None, max_tokens: int = 0, prefer: str = "") -> router_pb2.RouteResponse:
-        try:
-            # the token ids let the router look the prompt's prefix up in its index (docs/routing.md)
-            return await self._router.Route(router_pb2.RouteRequest(
-                request_id=rid, num_prompt_tokens=n_prompt, namespace=namespace, model=self.model,
-                exclude_worker_ids=exclude, prompt_token_ids=prompt or [], max_tokens=max_tokens or 0,
-                prefer=prefer), timeout=5)
-        except grpc.aio.AioRpcError as e:
-            raise NoWorkersError(e.details() or str(e.code())) from None
+        wide = self.suspects.with_(exclude)
+        for excluded in ([wide, exclude] if len(wide) > len(exclude) else [exclude]):
+            try:
+                # the token ids let the router look the prompt's prefix up in its index (docs/routing.md)
+                return await self._router.Route(router_pb2.RouteRequest(
+                    request_id=rid, num_prompt_tokens=n_prompt, namespace=namespace, model=self.model,
+                    exclude_worker_ids=excluded, prompt_token_ids=prompt or [], max_tokens=max_tokens or 0,
+                    prefer=prefer), timeout=5)
+            except grpc.aio.AioRpcError as e:
+                err = e
+                if e.code() != grpc.StatusCode.UNAVAILABLE:  # a router that hangs is not asked twice
+                    break
+        # the suspects left nothing (suspects.py): asked again without them above; this is the router's own answer
+        raise NoWorkersError(err.details() or str(err.code())) from None
 
     async def generate(self, rid: str, sub: SubRequest, namespace: str = "", on_route=None, metadata: tuple = (),
                        trace: StageTrace | None = None, lifecycle: common_pb2.Lifecycle | None = None
@@ -124,6 +132,8 @@ class Dispatcher:
                 return
             except Broken as b:
                 exclude.append(b.worker_id)
+                if b.reason in (UNAVAILABLE, KV_TRANSFER):  # its process is gone (or its KV source's)
+                    self.suspects.add(b.worker_id)
                 if trace.migrations >= self.migration_limit or not sent.resumable(sub.params.num_branches):
                     why = "migration limit reached" if sent.resumable(sub.params.num_branches) \
                         else "several branches cannot migrate"
@@ -263,6 +273,8 @@ class Dispatcher:
                                                             f"{e.details()}")
                     return
                 log.warning("request %s: worker %s unavailable (%s), rerouting", rid, failed_worker, e.code().name)
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                    self.suspects.add(failed_worker)
                 exclude.append(failed_worker)
 
     async def _decode(self, rid, sub, pp, namespace, route, pre, metadata: tuple = (),
@@ -298,6 +310,7 @@ class Dispatcher:
                     return
                 # the KV is still pinned on the prefill side: another decode worker can pull it
                 log.warning("request %s: decode worker %s unreachable, trying another", rid, decode.worker_id)
+                self.suspects.add(decode.worker_id)
                 try:
                     # the prompt is already prefilled: only another decode worker helps now
                     r2 = await self.route(rid, len(sub.prompt_token_ids), namespace, exclude, prefer="disagg")

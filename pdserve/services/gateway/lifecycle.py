@@ -32,6 +32,8 @@ from pdserve.services.admission import Admission, Ticket
 from pdserve.services.gateway.ingress import IngressGate
 from pdserve.services.gateway.params import APIError
 from pdserve.services.gateway.tenants import DEFAULT_TENANT, Tenant
+from pdserve.services.gateway.usage_ledger import OpenUsage, UsageLedger
+from pdserve.services import logs
 
 billing_log = logging.getLogger("pdserve.billing")
 # The errors app.py (HTTP disconnect) and grpc_front.py (gRPC cancel) end a request with when its client left.
@@ -59,6 +61,9 @@ class RequestRecord:
     outputs_per_choice: list[int] = field(default_factory=list)
     # the sub-requests' traces (stages.StageTrace): their mid-stream migrations and recomputed tokens
     traces: list = field(default_factory=list)
+    # the durable open record (usage_ledger.py): its key, and whether it was opened (then closed at the end)
+    usage_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    usage_open: bool = False
 
     def to_json(self) -> dict:
         t = self.ticket
@@ -75,6 +80,7 @@ class RequestRecord:
             # request over (prompt + tokens already sent, less prefix-cache hits), apart from the billed counts
             "migrations": sum(x.migrations for x in self.traces),
             "recomputed_tokens": sum(x.recomputed_tokens for x in self.traces),
+            "finalised_by": None,  # a replica that wrote it for the dead gateway that served it (usage_ledger.py)
             "times": {"arrival": self.arrival, "admitted": self.admitted_at, "first_emit": self.first_emit,
                       "last_emit": self.last_emit, "finished": time.time(), "deadline": self.deadline,
                       "queued_s": t.queued_s if t else 0.0},
@@ -91,6 +97,12 @@ class Lifecycle:
         self.max_timeout_s = max_timeout_s
         self.records_written = 0
         self._tasks: set[asyncio.Task] = set()
+        self.usage: UsageLedger | None = None  # durable open records (Redis); None: written at the end only
+
+    def start(self) -> None:
+        """Background work that needs the running loop (idempotent): the usage ledger's refresh / finalise."""
+        if self.usage is not None:
+            self.usage.start()
 
     def spawn(self, coro) -> asyncio.Task:
         """Run `coro` in a task this Lifecycle owns: it outlives the cancellation of whoever started it, its
@@ -109,6 +121,8 @@ class Lifecycle:
         """Shutdown: let in-flight terminal paths (release, charge, record) complete."""
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=timeout_s)
+        if self.usage is not None:
+            await self.usage.stop()
 
     def new_record(self) -> RequestRecord:
         return RequestRecord(f"req-{uuid.uuid4().hex[:16]}", self.model)
@@ -134,6 +148,14 @@ class Lifecycle:
         """Stage two: reserve KV for prompt + predicted output. Returns the ticket (n may be lowered)."""
         rec.request_id = rid
         rec.prompt_tokens = sum(len(p) for p in prompts)
+        if self.usage is not None:
+            # opened before admission may queue it: a replica that dies meanwhile still leaves a record due.
+            # Marked open before the await: a client that leaves during it still has its close run.
+            self.usage.start()
+            rec.usage_open = True
+            rec.usage_open = await self.usage.open(OpenUsage(
+                rec.usage_id, rid, logs.request_id.get(), rec.tenant.name, self.model, rec.prompt_tokens,
+                rec.arrival, rec.deadline, self.usage.replica))
         if self.admission is None:
             rec.admitted_at = time.time()  # nothing to wait for: admitted once parsed and tokenized
             return None
@@ -204,11 +226,20 @@ class Lifecycle:
             # generated; a timed-out request's time is a lower bound, and it counts as such)
             per_choice = rec.emitted // max(1, rec.ticket.n_granted) if rec.ticket else 0  # streamed
             out = (max(rec.outputs_per_choice, default=0) or per_choice) if state == "FINISHED" else None
+            # a request that moved to another worker mid-stream waited for the failure and prefilled again: its
+            # time says nothing about the model's error, and after a worker's death dozens of them would teach
+            # admission that everything is 2-4x slower (spurious deadline_unreachable for tens of seconds)
+            migrated = any(x.migrations for x in rec.traces)
             self.admission.observe_finish(rec.ticket, time.time() - rec.admitted_at, out or None,
-                                          finished=state == "FINISHED")
+                                          finished=state == "FINISHED", calibrate=not migrated)
 
     async def _bill(self, rec: RequestRecord) -> None:
         state = rec.state
+        if rec.usage_open and not await self.usage.close(rec.usage_id):
+            # another replica finalised it, presuming this one dead (its liveness lapsed): one record only
+            billing_log.warning("request %s: its usage record was finalised by another replica", rec.request_id)
+            await self.gate.charge(rec.tenant, rec.prompt_tokens + rec.committed if state != "REJECTED" else 0)
+            return
         billed = rec.prompt_tokens + rec.committed if state != "REJECTED" else 0
         t = rec.tenant.name
         M.USAGE_RECORDS.labels(t, state).inc()
@@ -220,6 +251,18 @@ class Lifecycle:
         self.records_written += 1
         billing_log.info(json.dumps(rec.to_json()))
         await self.gate.charge(rec.tenant, billed)
+
+    def write_finalised(self, record: dict, u: OpenUsage) -> None:
+        """A record finalised here for a dead replica's request: counted and logged like one of ours, under the
+        request's own x-request-id."""
+        M.USAGE_RECORDS.labels(u.tenant, record["state"]).inc()
+        if u.prompt_tokens:
+            M.USAGE_TOKENS.labels(u.tenant, "prompt").inc(u.prompt_tokens)
+        token = logs.request_id.set(u.log_id)
+        try:
+            billing_log.info(json.dumps(record))
+        finally:
+            logs.request_id.reset(token)
 
 
 def build_lifecycle(cfg) -> Lifecycle:
@@ -240,4 +283,7 @@ def build_lifecycle(cfg) -> Lifecycle:
                               max_queue_wait_s=cfg.max_queue_wait_s)
     gate = IngressGate(TenantDirectory(cfg.api_keys_file), redis, cfg.served_model_name, cfg.max_body_bytes,
                        cfg.body_timeout_s)
-    return Lifecycle(gate, admission, cfg.served_model_name, cfg.default_timeout_s, cfg.max_timeout_s)
+    life = Lifecycle(gate, admission, cfg.served_model_name, cfg.default_timeout_s, cfg.max_timeout_s)
+    if redis is not None:
+        life.usage = UsageLedger(redis, cfg.served_model_name, life.write_finalised)
+    return life

@@ -1,0 +1,37 @@
+"""A worker's decode-step figures (services/load_meter.py) after a (re)start and through stalls, against the step
+times that generated them: a restarted worker must not report its cold first steps (deadline-aware admission
+refused requests `deadline_unreachable` for seconds on them), a stopped process's long step must not swing the
+average, and a real slowdown must still show within a few steps."""
+import pytest
+
+from pdserve.services.load_meter import LoadMeter
+
+WARM_S = 0.020 + 0.0005 * 4  # the true step at batch 4: 20 ms + 0.5 ms per sequence
+COLD_S = 0.200               # the first steps of a fresh process
+
+
+def _steps(m: LoadMeter, n: int, dt: float, batch: int = 4) -> None:
+    for _ in range(n):
+        m.observe_decode_step(batch, dt)
+
+
+def test_cold_first_steps_are_not_reported():
+    m = LoadMeter()
+    _steps(m, m.DECODE_WARMUP, COLD_S)
+    assert m.report().decode_step_s == 0.0  # nothing measured yet: unmeasured, not 200 ms
+    _steps(m, m.DECODE_REPORT_AFTER - 1, WARM_S)
+    assert m.report().decode_step_s == 0.0
+    _steps(m, 1, WARM_S)
+    assert m.report().decode_step_s == pytest.approx(WARM_S, rel=1e-9)  # the warm step, untouched by the cold ones
+
+
+def test_a_stall_is_clipped_and_a_slowdown_still_shows():
+    m = LoadMeter()
+    _steps(m, m.DECODE_WARMUP + 20, WARM_S)
+    _steps(m, 1, 0.300)  # SIGSTOPped mid-step for 0.3 s
+    # at most one step at OUTLIER_X x the average enters the EWMA (alpha 0.2): 1 + 0.2 x 2 = 1.4 x
+    assert m.report().decode_step_s <= WARM_S * 1.4 + 1e-12
+    _steps(m, 15, WARM_S)
+    assert m.report().decode_step_s == pytest.approx(WARM_S, rel=0.05)
+    _steps(m, 15, 0.100)  # the worker really got 4.5 x slower (a noisy neighbour, long contexts)
+    assert m.report().decode_step_s == pytest.approx(0.100, rel=0.05)
