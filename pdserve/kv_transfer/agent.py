@@ -101,7 +101,8 @@ class KVAgent:
                                       TransferFailure.PEER_GONE)
             try:
                 dl = self._agent.prep_xfer_dlist(
-                    r.agent_name, _descs(r.base_addr, r.num_blocks, self.block_bytes, r.device_id), r.mem_type)
+                    r.agent_name, _descs(r.base_addr, r.num_blocks, r.layout.block_bytes or self.block_bytes,
+                                         r.device_id), r.mem_type)
             except Exception as e:
                 raise KVTransferError(f"cannot prepare descriptors for {r.agent_name}: {e!r}",
                                       TransferFailure.NIXL_ERROR) from e
@@ -131,28 +132,71 @@ class KVAgent:
             except Exception as e:  # nixlBackendError etc.: peer gone, connection refused
                 raise KVTransferError(f"KV transfer from {remote.agent_name} could not start: {e!r}",
                                       TransferFailure.PEER_GONE) from e
+        self._wait([(remote.agent_name, h, state)], timeout_s)
+        return len(remote_block_ids) * self.block_bytes
+
+    def read_descs(self, reads: list[tuple[KVRegion, np.ndarray, np.ndarray]], notif: bytes = b"",
+                   timeout_s: float = 30.0) -> int:
+        """One batched READ per (remote region, local descriptors, remote descriptors) entry, all in flight at
+        once (tp_plan.descs builds them: head slices between pools of different TP degrees); return bytes moved.
+        Raises like read_blocks."""
+        started: list[tuple[str, object, str]] = []
+        try:
+            for remote, local_d, remote_d in reads:
+                if local_d.shape != remote_d.shape or (local_d[:, 1] != remote_d[:, 1]).any():
+                    raise ValueError("local and remote descriptors differ in count or length")
+                if not len(local_d):
+                    continue
+                with self._lock:
+                    self._remote_dlist(remote)  # adds the peer, checks its layout (KVLayoutMismatch as is)
+                    try:
+                        h = self._agent.initialize_xfer(
+                            "READ", self._agent.get_xfer_descs(local_d, self.mem_type),
+                            self._agent.get_xfer_descs(remote_d, remote.mem_type), remote.agent_name, notif)
+                        started.append((remote.agent_name, h, self._agent.transfer(h)))
+                    except Exception as e:
+                        raise KVTransferError(f"KV transfer from {remote.agent_name} could not start: {e!r}",
+                                              TransferFailure.PEER_GONE) from e
+        except BaseException:
+            self._wait(started, timeout_s, raise_errors=False)  # never leave a READ writing into our blocks
+            raise
+        self._wait(started, timeout_s)
+        return int(sum(int(local_d[:, 1].sum()) for _, local_d, _ in reads))
+
+    def _wait(self, handles: list[tuple[str, object, str]], timeout_s: float, raise_errors: bool = True) -> None:
+        """Poll the transfers until each is DONE or ERR, then release them; the first failure is raised."""
         deadline = time.monotonic() + timeout_s
         sleep = 0.0
+        states = {i: st for i, (_, _, st) in enumerate(handles)}
+        failure: KVTransferError | None = None
         try:
-            while state not in ("DONE", "ERR"):
+            while True:
+                pending = [i for i, st in states.items() if st not in ("DONE", "ERR")]
+                if not pending:
+                    break
                 if time.monotonic() > deadline:
-                    raise KVTransferError(f"KV transfer from {remote.agent_name} timed out after {timeout_s}s",
-                                          TransferFailure.TIMEOUT)
+                    failure = KVTransferError(f"KV transfer from {handles[pending[0]][0]} timed out after "
+                                              f"{timeout_s}s", TransferFailure.TIMEOUT)
+                    break
                 if sleep:
                     time.sleep(sleep)
                 sleep = min(sleep * 2 or 1e-5, 1e-3)  # spin briefly, then back off: small transfers finish fast
                 with self._lock:
-                    state = self._agent.check_xfer_state(h)
-            if state == "ERR":
-                raise KVTransferError(f"KV transfer from {remote.agent_name} failed (NIXL state ERR)",
-                                      TransferFailure.NIXL_ERROR)
+                    for i in pending:
+                        states[i] = self._agent.check_xfer_state(handles[i][1])
+            errs = [handles[i][0] for i, st in states.items() if st == "ERR"]
+            if failure is None and errs:
+                failure = KVTransferError(f"KV transfer from {errs[0]} failed (NIXL state ERR)",
+                                          TransferFailure.NIXL_ERROR)
         finally:
             with self._lock:
-                try:
-                    self._agent.release_xfer_handle(h)
-                except Exception:  # an in-flight handle cannot be released; NIXL reclaims it at agent teardown
-                    pass
-        return len(remote_block_ids) * self.block_bytes
+                for _, h, _ in handles:
+                    try:
+                        self._agent.release_xfer_handle(h)
+                    except Exception:  # an in-flight handle cannot be released; NIXL reclaims it at agent teardown
+                        pass
+        if failure is not None and raise_errors:
+            raise failure
 
     def forget_remote(self, agent_name: str) -> None:
         """Drop a peer (e.g. it died) so a restarted peer with the same name is re-added."""
