@@ -7,6 +7,7 @@ rank's KVRegion for its KV handshake), read a peer's KV into the rank's share of
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ REPLY_GRACE_S = 10.0
 class OpenAgent:
     name: str
     serve: bool  # a prefill pool: keep UCX progressing for peers' READs
+    fingerprint: str  # the model's, as rank 0 computed it (the ranks load only their slices)
 
 
 @dataclass
@@ -67,6 +69,7 @@ class RankKv:
         from pdserve.kv_transfer.tp_pull import read_for_rank
         if isinstance(msg, OpenAgent):
             if self.agent is None:
+                self.layout = dataclasses.replace(self.layout, fingerprint=msg.fingerprint)
                 self.agent = KVAgent(msg.name, self.kv, self.layout)
                 if msg.serve:
                     self.agent.start_pump(interval_s=PUMP_INTERVAL_S)
@@ -99,8 +102,9 @@ class RankAgents:
     def __init__(self, channels):
         self.channels = channels
 
-    def open(self, worker_id: str, serve: bool, timeout_s: float = 60.0) -> list[KVRegion]:
-        futs = [ch.call(OpenAgent(f"{worker_id}#tp{r}", serve)) for r, ch in enumerate(self.channels, start=1)]
+    def open(self, worker_id: str, serve: bool, fingerprint: str, timeout_s: float = 60.0) -> list[KVRegion]:
+        futs = [ch.call(OpenAgent(f"{worker_id}#tp{r}", serve, fingerprint))
+                for r, ch in enumerate(self.channels, start=1)]
         return [f.result(timeout_s) for f in futs]
 
     def read(self, regions: list[KVRegion], src: list[int], dst: list[int], timeout_s: float) -> list[Future]:

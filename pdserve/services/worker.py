@@ -69,7 +69,7 @@ class Worker(worker_pb2_grpc.WorkerServicer):
             if engine.tp_group is not None:
                 from pdserve.kv_transfer.tp_ranks import RankAgents
                 self.rank_agents = RankAgents(engine.tp_group.side)
-                regions += self.rank_agents.open(worker_id, serve=role == "prefill")
+                regions += self.rank_agents.open(worker_id, serve=role == "prefill", fingerprint=self.layout.fingerprint)
         self.endpoint = KvEndpoint(
             worker_id, address,
             # this process, as KvHandles name it: a decode worker re-does the KV handshake when it changes
