@@ -163,6 +163,15 @@ class KVAgent:
         self._wait(started, timeout_s)
         return int(sum(int(local_d[:, 1].sum()) for _, local_d, _ in reads))
 
+    def register(self, t: torch.Tensor):
+        """Register a scratch tensor (a staging buffer) as READ destination memory; `deregister` it after."""
+        with self._lock:
+            return self._agent.register_memory(t)
+
+    def deregister(self, reg) -> None:
+        with self._lock:
+            self._agent.deregister_memory(reg)
+
     def _wait(self, handles: list[tuple[str, object, str]], timeout_s: float, raise_errors: bool = True) -> None:
         """Poll the transfers until each is DONE or ERR, then release them; the first failure is raised."""
         deadline = time.monotonic() + timeout_s

@@ -1,7 +1,14 @@
 """A decode worker's pull of a prefill worker's KV, at any pair of TP degrees.
 
 `read_for_rank` is one local pool's part: plan its head slices (tp_plan.py) over the peer's pools, then one
-batched READ per peer pool (or the prepped whole-block READ when both sides hold the same heads). `KvPuller` is
+batched READ per peer pool (or the prepped whole-block READ when both sides hold the same heads).
+
+Staging. A slice that is a whole remote pool but part of the local one (prefill TP > decode TP: the production
+shape, wide prefill, narrow decode) is read one descriptor per block into a registered scratch tensor and then
+copied into the pool's head range on the device (`index_copy_`): the same bytes move, but per-row descriptors
+cost ~10x more per byte than whole blocks between two processes here (docs/kv_transfer.md, bench/kv_transfer_tp.py).
+A slice that is part of the remote pool (prefill TP < decode TP) keeps per-row descriptors: staging it would read
+heads this rank does not hold. `PDSERVE_KV_TP_STAGING=0` turns staging off (per-row descriptors throughout). `KvPuller` is
 the worker's: rank 0 sends every other rank its part over the side channel (tp_ranks.py), reads its own, and
 waits for all of them before it answers, success or not, so no READ is still writing into blocks the caller
 may free.
@@ -12,9 +19,11 @@ pulls are released by the decode side's ReleaseKV call, sent after every READ fi
 """
 from __future__ import annotations
 
+import os
 from concurrent.futures import Future
 
 import numpy as np
+import torch
 
 from pdserve.kv_transfer.agent import KVAgent
 from pdserve.kv_transfer.layout import KVRegion
@@ -36,15 +45,43 @@ def read_for_rank(agent: KVAgent, regions: list[KVRegion], src: list[int], dst: 
         raise ValueError("block id out of range")
     if len(slices) == 1 and whole(slices[0], local, regions[slices[0].remote].layout):
         return agent.read_blocks(regions[slices[0].remote], src, dst, notif, timeout_s)
+    staged = [s for s in slices if staging_enabled() and agent.kv.dim() == 6 and
+              s.count == regions[s.remote].layout.num_kv_heads]
+    stage = None
+    if staged:  # one scratch tensor: [slice][block] of the remote pools' whole blocks (a TP group's pools are
+        # all the same size, so every staged slice is `heads` wide)
+        heads, lay = staged[0].count, local
+        stage = torch.empty((len(staged), len(src), lay.num_layers, 2, lay.block_size, heads, lay.head_dim),
+                            dtype=agent.kv.dtype, device=agent.kv.device)
     per_peer: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}
     for s in slices:
         r = regions[s.remote]
-        w = whole(s, local, r.layout)
         lo, re_ = per_peer.setdefault(s.remote, ([], []))
+        if s in staged:
+            k = staged.index(s)
+            base = stage[k].data_ptr()
+            lo.append(descs(r.layout, base, list(range(len(src))), 0, s.count, agent.device_id, True))
+            re_.append(descs(r.layout, r.base_addr, src, 0, s.count, r.device_id, True))
+            continue
+        w = whole(s, local, r.layout)
         lo.append(descs(local, agent.kv.data_ptr(), dst, s.local_head, s.count, agent.device_id, w))
         re_.append(descs(r.layout, r.base_addr, src, s.remote_head, s.count, r.device_id, w))
     reads = [(regions[i], np.concatenate(lo), np.concatenate(re_)) for i, (lo, re_) in sorted(per_peer.items())]
-    return agent.read_descs(reads, notif if len(reads) == 1 else b"", timeout_s)
+    reg = agent.register(stage) if stage is not None else None
+    try:
+        moved = agent.read_descs(reads, notif if len(reads) == 1 else b"", timeout_s)
+    finally:
+        if reg is not None:
+            agent.deregister(reg)
+    if staged:
+        idx = torch.tensor(dst, dtype=torch.long, device=agent.kv.device)
+        for k, s in enumerate(staged):  # the remote pool's heads, into their range of ours
+            agent.kv.narrow(4, s.local_head, s.count).index_copy_(0, idx, stage[k])
+    return moved
+
+
+def staging_enabled() -> bool:
+    return os.environ.get("PDSERVE_KV_TP_STAGING", "1").lower() not in ("0", "false", "no", "off")
 
 
 class KvPuller:

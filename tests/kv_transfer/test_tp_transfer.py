@@ -44,18 +44,22 @@ def _serve(conn, total: int, tp: int):
     conn.poll(120)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def prefill():
+    """One peer process per (KV heads, prefill TP), shared by the cases that read from it."""
     ctx = mp.get_context("spawn")
     procs = []
+    regions = {}
 
     def start(total: int, tp: int):
-        parent, child = ctx.Pipe()
-        p = ctx.Process(target=_serve, args=(child, total, tp), daemon=True)
-        p.start()
-        procs.append((p, parent))
-        assert parent.poll(60), "prefill peer did not start"
-        return parent.recv()
+        if (total, tp) not in regions:
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_serve, args=(child, total, tp), daemon=True)
+            p.start()
+            procs.append((p, parent))
+            assert parent.poll(60), "prefill peer did not start"
+            regions[(total, tp)] = parent.recv()
+        return regions[(total, tp)]
 
     yield start
     for p, conn in procs:
@@ -85,16 +89,20 @@ def test_incompatible_peers_are_refused_naming_the_fields():
         plan_reads(layout(2, 1, 0), [layout(2, 2, 1), layout(2, 2, 0)])
 
 
-@pytest.mark.parametrize("total,p,d", [(2, 1, 2), (2, 2, 1), (2, 2, 2), (1, 2, 1), (1, 1, 2), (4, 2, 4),
-                                       (4, 4, 2)])
-def test_each_decode_rank_pulls_exactly_its_heads(prefill, total, p, d):
+@pytest.mark.parametrize("total,p,d,staging", [(2, 1, 2, "1"), (2, 2, 1, "1"), (2, 2, 1, "0"), (2, 2, 2, "1"),
+                                               (1, 2, 1, "1"), (1, 1, 2, "1"), (4, 2, 4, "1"), (4, 4, 2, "1"),
+                                               (4, 4, 2, "0")])
+def test_each_decode_rank_pulls_exactly_its_heads(prefill, monkeypatch, total, p, d, staging):
+    """P > D reads whole remote blocks into a staging tensor and copies them into the head range (staging "1"),
+    or per-row descriptors straight into the pool ("0"); P < D reads per-row descriptors of a remote sub-range."""
+    monkeypatch.setenv("PDSERVE_KV_TP_STAGING", staging)
     regions = prefill(total, p)
     full = full_kv(total)
     src, dst = [3, 17, 0, 23, 8], [5, 6, 20, 1, 12]
     for j in range(d):
         lay = layout(total, d, j)
         pool = torch.zeros((BLOCKS, LAYERS, 2, BS, lay.num_kv_heads, HEAD_DIM))
-        agent = KVAgent(f"dec-k{total}-{p}to{d}-r{j}", pool, lay)
+        agent = KVAgent(f"dec-k{total}-{p}to{d}-s{staging}-r{j}", pool, lay)
         try:
             moved = read_for_rank(agent, regions, src, dst, timeout_s=20)
             h = lay.heads
