@@ -2,6 +2,8 @@
 
     PYTHONPATH=. python bench/kv_transfer_tp.py [--layers 16] [--kv-heads 8] [--head-dim 128] [--blocks 32]
 
+`PDSERVE_KV_TP_STAGING=exact|always|off` picks the path for partial slices (tp_pull.py).
+
 A second process holds the prefill side's pools (one NIXL agent per rank, as a TP prefill worker's ranks do);
 this process plays each decode rank in turn (a decode worker's ranks read at the same time, from their own
 processes; here one after the other, so the figure per rank is uncontended). Per (prefill TP, decode TP) pair:
@@ -27,7 +29,7 @@ from pdserve.engine.tp.shard import kv_head_range  # noqa: E402
 from pdserve.kv_transfer.agent import KVAgent  # noqa: E402
 from pdserve.kv_transfer.layout import KVLayout  # noqa: E402
 from pdserve.kv_transfer.tp_plan import plan_reads, whole  # noqa: E402
-from pdserve.kv_transfer.tp_pull import read_for_rank  # noqa: E402
+from pdserve.kv_transfer.tp_pull import read_for_rank, staging_mode  # noqa: E402
 
 BS = 16
 DTYPE = torch.bfloat16
@@ -89,8 +91,9 @@ def main() -> None:
     src = list(range(0, 2 * a.blocks, 2))
     dst = list(range(a.pool_blocks - a.blocks, a.pool_blocks))
     ctx = mp.get_context("spawn")
-    print("| P TP -> D TP | decode rank | READs | descriptors | MiB | median ms | GB/s | equal |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"staging: {staging_mode()}")
+    print("| P TP -> D TP | decode rank | READs | path | descriptors | MiB read | median ms | GB/s | equal |")
+    print("|---|---|---|---|---|---|---|---|---|")
     owners = {}
     for pair in a.pairs.split(","):
         p, d = (int(x) for x in pair.split(":"))
@@ -105,8 +108,18 @@ def main() -> None:
             pool = torch.zeros((a.pool_blocks, a.layers, 2, BS, lay.num_kv_heads, a.head_dim), dtype=DTYPE)
             agent = KVAgent(f"bench-dec{p}{d}-r{j}", pool, lay)
             slices = plan_reads(lay, [r.layout for r in regions])
-            rows = a.layers * 2 * BS
-            ndesc = sum(len(src) * (1 if whole(s, lay, regions[s.remote].layout) else rows) for s in slices)
+            rows, mode = a.layers * 2 * BS, staging_mode()
+            paths, ndesc = set(), 0
+            for s in slices:
+                rl = regions[s.remote].layout
+                if whole(s, lay, rl):
+                    paths.add("block")
+                elif mode == "always" or (mode == "exact" and s.count == rl.num_kv_heads):
+                    paths.add("staged")
+                else:
+                    paths.add("rows")
+                ndesc += len(src) * (rows if "rows" in paths and not whole(s, lay, rl) and
+                                     not (mode == "always" or (mode == "exact" and s.count == rl.num_kv_heads)) else 1)
             times = []
             for i in range(a.reps + 1):
                 t = time.perf_counter()
@@ -116,7 +129,8 @@ def main() -> None:
             h = lay.heads
             ok = torch.equal(pool[dst], full[src][:, :, :, :, h.start:h.stop])
             med = statistics.median(times)
-            print(f"| {p} -> {d} | {j} | {len({s.remote for s in slices})} | {ndesc} | {n / 2**20:.1f} | "
+            print(f"| {p} -> {d} | {j} | {len({s.remote for s in slices})} | {'+'.join(sorted(paths))} | {ndesc} | "
+                  f"{n / 2**20:.1f} | "
                   f"{med * 1e3:.2f} | {n / med / 1e9:.2f} | {ok} |")
             agent.close()
     for proc, conn, _ in owners.values():

@@ -7,7 +7,9 @@ descriptor building.
 """
 from __future__ import annotations
 
+import contextlib
 import enum
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -22,6 +24,10 @@ except ImportError:  # pragma: no cover
 
 from pdserve.kv_transfer.hugepages import use_huge_pages
 from pdserve.kv_transfer.layout import KVLayout, KVRegion, check_compatible
+
+
+# The largest staging buffer an agent keeps between pulls (tp_pull.py); larger pulls allocate their own.
+STAGING_KEEP_BYTES = 256 << 20
 
 
 class TransferFailure(enum.Enum):
@@ -78,6 +84,8 @@ class KVAgent:
         self._local = self._agent.prep_xfer_dlist(
             "NIXL_INIT_AGENT", _descs(kv.data_ptr(), self.num_blocks, self.block_bytes, self.device_id), self.mem_type)
         self._remotes: dict[tuple[str, int], object] = {}  # (agent name, base addr) -> prepped remote dlist
+        self._stage: tuple[torch.Tensor, object] | None = None  # a kept staging buffer and its registration
+        self._stage_lock = threading.Lock()
 
     def region(self) -> KVRegion:
         with self._lock:
@@ -163,14 +171,40 @@ class KVAgent:
         self._wait(started, timeout_s)
         return int(sum(int(local_d[:, 1].sum()) for _, local_d, _ in reads))
 
-    def register(self, t: torch.Tensor):
-        """Register a scratch tensor (a staging buffer) as READ destination memory; `deregister` it after."""
+    @contextlib.contextmanager
+    def staging(self, shape: tuple[int, ...], dtype: torch.dtype):
+        """A registered scratch tensor on the pool's device to READ into (tp_pull.py). One buffer up to
+        STAGING_KEEP_BYTES is kept and reused, so a pull does not pay for fresh pages (faulting 32 MiB in costs
+        about as much as copying it); a pull that finds it in use, or needs more, gets a buffer of its own."""
+        n = math.prod(shape) * dtype.itemsize
+        if n <= STAGING_KEEP_BYTES and self._stage_lock.acquire(blocking=False):
+            try:
+                if self._stage is None or self._stage[0].numel() < n:
+                    self._drop_stage()
+                    t = torch.zeros(n, dtype=torch.uint8, device=self.kv.device)  # zeros: pages faulted in now
+                    with self._lock:
+                        self._stage = (t, self._agent.register_memory(t))
+                yield self._stage[0][:n].view(dtype).view(shape)
+            finally:
+                self._stage_lock.release()
+            return
+        t = torch.empty(n, dtype=torch.uint8, device=self.kv.device)
         with self._lock:
-            return self._agent.register_memory(t)
+            reg = self._agent.register_memory(t)
+        try:
+            yield t.view(dtype).view(shape)
+        finally:
+            with self._lock:
+                self._agent.deregister_memory(reg)
 
-    def deregister(self, reg) -> None:
-        with self._lock:
-            self._agent.deregister_memory(reg)
+    def _drop_stage(self) -> None:
+        if self._stage is not None:
+            with self._lock:
+                try:
+                    self._agent.deregister_memory(self._stage[1])
+                except Exception:
+                    pass
+            self._stage = None
 
     def _wait(self, handles: list[tuple[str, object, str]], timeout_s: float, raise_errors: bool = True) -> None:
         """Poll the transfers until each is DONE or ERR, then release them; the first failure is raised."""
@@ -268,6 +302,8 @@ class KVAgent:
     def close(self) -> None:
         """Tear down in order (pump, prepped lists, registration, agent) so no NIXL/UCX thread outlives it."""
         self.stop_pump()
+        with self._stage_lock:
+            self._drop_stage()
         with self._lock:
             for dl in list(self._remotes.values()) + [self._local]:
                 try:

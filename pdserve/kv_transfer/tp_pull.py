@@ -8,7 +8,10 @@ shape, wide prefill, narrow decode) is read one descriptor per block into a regi
 copied into the pool's head range on the device (`index_copy_`): the same bytes move, but per-row descriptors
 cost ~10x more per byte than whole blocks between two processes here (docs/kv_transfer.md, bench/kv_transfer_tp.py).
 A slice that is part of the remote pool (prefill TP < decode TP) keeps per-row descriptors: staging it would read
-heads this rank does not hold. `PDSERVE_KV_TP_STAGING=0` turns staging off (per-row descriptors throughout). `KvPuller` is
+heads this rank does not hold. `PDSERVE_KV_TP_STAGING` chooses: `exact` (the default: stage only what moves no
+extra bytes), `always` (stage every partial slice, reading the remote pool's other heads too: on one host,
+where a descriptor costs a syscall, that is still faster; over a network it multiplies the bytes on the wire by
+decode TP / prefill TP), `off` (per-row descriptors throughout). `KvPuller` is
 the worker's: rank 0 sends every other rank its part over the side channel (tp_ranks.py), reads its own, and
 waits for all of them before it answers, success or not, so no READ is still writing into blocks the caller
 may free.
@@ -45,43 +48,48 @@ def read_for_rank(agent: KVAgent, regions: list[KVRegion], src: list[int], dst: 
         raise ValueError("block id out of range")
     if len(slices) == 1 and whole(slices[0], local, regions[slices[0].remote].layout):
         return agent.read_blocks(regions[slices[0].remote], src, dst, notif, timeout_s)
-    staged = [s for s in slices if staging_enabled() and agent.kv.dim() == 6 and
-              s.count == regions[s.remote].layout.num_kv_heads]
-    stage = None
-    if staged:  # one scratch tensor: [slice][block] of the remote pools' whole blocks (a TP group's pools are
-        # all the same size, so every staged slice is `heads` wide)
-        heads, lay = staged[0].count, local
-        stage = torch.empty((len(staged), len(src), lay.num_layers, 2, lay.block_size, heads, lay.head_dim),
-                            dtype=agent.kv.dtype, device=agent.kv.device)
+    mode = staging_mode()
+    staged = [s for s in slices if agent.kv.dim() == 6 and not whole(s, local, regions[s.remote].layout) and
+              (mode == "always" or (mode == "exact" and s.count == regions[s.remote].layout.num_kv_heads))]
+    if not staged:
+        return _read(agent, regions, slices, [], None, src, dst, notif, timeout_s)
+    # one scratch tensor: [slice][block] of the remote pools' whole blocks (a TP group's pools are all one size)
+    heads, lay = regions[staged[0].remote].layout.num_kv_heads, local
+    with agent.staging((len(staged), len(src), lay.num_layers, 2, lay.block_size, heads, lay.head_dim),
+                       agent.kv.dtype) as stage:
+        return _read(agent, regions, slices, staged, stage, src, dst, notif, timeout_s)
+
+
+def _read(agent: KVAgent, regions: list[KVRegion], slices: list, staged: list, stage, src: list[int],
+          dst: list[int], notif: bytes, timeout_s: float) -> int:
+    local = agent.layout
     per_peer: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}
     for s in slices:
         r = regions[s.remote]
         lo, re_ = per_peer.setdefault(s.remote, ([], []))
         if s in staged:
-            k = staged.index(s)
-            base = stage[k].data_ptr()
-            lo.append(descs(r.layout, base, list(range(len(src))), 0, s.count, agent.device_id, True))
-            re_.append(descs(r.layout, r.base_addr, src, 0, s.count, r.device_id, True))
+            base = stage[staged.index(s)].data_ptr()
+            lo.append(descs(r.layout, base, list(range(len(src))), 0, r.layout.num_kv_heads, agent.device_id, True))
+            re_.append(descs(r.layout, r.base_addr, src, 0, r.layout.num_kv_heads, r.device_id, True))
             continue
         w = whole(s, local, r.layout)
         lo.append(descs(local, agent.kv.data_ptr(), dst, s.local_head, s.count, agent.device_id, w))
         re_.append(descs(r.layout, r.base_addr, src, s.remote_head, s.count, r.device_id, w))
     reads = [(regions[i], np.concatenate(lo), np.concatenate(re_)) for i, (lo, re_) in sorted(per_peer.items())]
-    reg = agent.register(stage) if stage is not None else None
-    try:
-        moved = agent.read_descs(reads, notif if len(reads) == 1 else b"", timeout_s)
-    finally:
-        if reg is not None:
-            agent.deregister(reg)
+    moved = agent.read_descs(reads, notif if len(reads) == 1 else b"", timeout_s)
     if staged:
         idx = torch.tensor(dst, dtype=torch.long, device=agent.kv.device)
         for k, s in enumerate(staged):  # the remote pool's heads, into their range of ours
-            agent.kv.narrow(4, s.local_head, s.count).index_copy_(0, idx, stage[k])
+            agent.kv.narrow(4, s.local_head, s.count).index_copy_(0, idx, stage[k].narrow(4, s.remote_head, s.count))
     return moved
 
 
-def staging_enabled() -> bool:
-    return os.environ.get("PDSERVE_KV_TP_STAGING", "1").lower() not in ("0", "false", "no", "off")
+def staging_mode() -> str:
+    """`exact` | `always` | `off` (PDSERVE_KV_TP_STAGING; 0/false/no mean off)."""
+    v = os.environ.get("PDSERVE_KV_TP_STAGING", "exact").lower()
+    if v in ("0", "false", "no", "off"):
+        return "off"
+    return "always" if v == "always" else "exact"
 
 
 class KvPuller:

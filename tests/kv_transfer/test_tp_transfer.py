@@ -89,12 +89,14 @@ def test_incompatible_peers_are_refused_naming_the_fields():
         plan_reads(layout(2, 1, 0), [layout(2, 2, 1), layout(2, 2, 0)])
 
 
-@pytest.mark.parametrize("total,p,d,staging", [(2, 1, 2, "1"), (2, 2, 1, "1"), (2, 2, 1, "0"), (2, 2, 2, "1"),
-                                               (1, 2, 1, "1"), (1, 1, 2, "1"), (4, 2, 4, "1"), (4, 4, 2, "1"),
-                                               (4, 4, 2, "0")])
+@pytest.mark.parametrize("total,p,d,staging", [(2, 1, 2, "exact"), (2, 1, 2, "always"), (2, 2, 1, "exact"),
+                                               (2, 2, 1, "off"), (2, 2, 2, "exact"), (1, 2, 1, "exact"),
+                                               (1, 1, 2, "exact"), (4, 2, 4, "exact"), (4, 4, 2, "exact"),
+                                               (4, 4, 2, "off")])
 def test_each_decode_rank_pulls_exactly_its_heads(prefill, monkeypatch, total, p, d, staging):
-    """P > D reads whole remote blocks into a staging tensor and copies them into the head range (staging "1"),
-    or per-row descriptors straight into the pool ("0"); P < D reads per-row descriptors of a remote sub-range."""
+    """P > D reads whole remote blocks into a staging tensor and copies them into the head range ("exact"), or
+    per-row descriptors straight into the pool ("off"); P < D reads per-row descriptors of a remote sub-range
+    ("exact") or whole remote blocks, keeping its heads ("always": reads P/D times its share)."""
     monkeypatch.setenv("PDSERVE_KV_TP_STAGING", staging)
     regions = prefill(total, p)
     full = full_kv(total)
@@ -106,7 +108,8 @@ def test_each_decode_rank_pulls_exactly_its_heads(prefill, monkeypatch, total, p
         try:
             moved = read_for_rank(agent, regions, src, dst, timeout_s=20)
             h = lay.heads
-            assert moved == len(src) * agent.block_bytes  # its heads only, each byte once
+            over = d // p if staging == "always" and d > p and total >= d else 1  # the remote pool's other heads
+            assert moved == len(src) * agent.block_bytes * over  # its heads only, each byte once (unless "always")
             assert torch.equal(pool[dst], full[src][:, :, :, :, h.start:h.stop])
             untouched = [i for i in range(BLOCKS) if i not in dst]
             assert pool[untouched].abs().sum() == 0
