@@ -81,6 +81,8 @@ def _read(agent: KVAgent, regions: list[KVRegion], slices: list, staged: list, s
         idx = torch.tensor(dst, dtype=torch.long, device=agent.kv.device)
         for k, s in enumerate(staged):  # the remote pool's heads, into their range of ours
             agent.kv.narrow(4, s.local_head, s.count).index_copy_(0, idx, stage[k].narrow(4, s.remote_head, s.count))
+        if agent.kv.device.type == "cuda":  # in place before the caller commits, and before the kept staging
+            torch.cuda.current_stream(agent.kv.device).synchronize()  # buffer is written by the next pull
     return moved
 
 
