@@ -106,7 +106,7 @@ class Engine:
             num_blocks = model.comm.min_int(num_blocks)
         self.kv_cache = (KVCache if model.comm is None else RecordingKVCache)(
             model_config, num_blocks, config.block_size, dtype, config.device, config.num_cpu_blocks, fingerprint,
-            num_kv_heads=model.shard.num_kv_heads)
+            num_kv_heads=model.shard.num_kv_heads, shard=model.shard)
         self.tp_group = None  # engine/tp/group.py: the other ranks' processes (set by from_pretrained)
         self.block_manager = BlockManager(num_blocks, config.block_size, fingerprint, config.enable_prefix_caching,
                                           config.num_cpu_blocks, kv=self.kv_cache)

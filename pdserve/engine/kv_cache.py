@@ -8,9 +8,11 @@ from pdserve.engine.config import ModelConfig
 
 class KVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: str,
-                 num_cpu_blocks: int, fingerprint: str, num_kv_heads: int | None = None):
-        """`num_kv_heads`: the heads this pool holds (a TP rank's share, tp/shard.py); default all of them."""
-        self.num_kv_heads = num_kv_heads or cfg.num_kv_heads
+                 num_cpu_blocks: int, fingerprint: str, num_kv_heads: int | None = None, shard=None):
+        """`num_kv_heads`: the heads this pool holds (a TP rank's share, tp/shard.py); default all of them.
+        `shard` (tp/shard.TPShard): which rank and heads, for the layout KV transfer peers read."""
+        self.num_kv_heads = num_kv_heads or (shard.num_kv_heads if shard is not None else cfg.num_kv_heads)
+        self.shard = shard
         shape = (cfg.num_layers, 2, block_size, self.num_kv_heads, cfg.head_dim)
         self.data = torch.zeros((num_blocks, *shape), dtype=dtype, device=device)
         pin = device != "cpu" and torch.cuda.is_available()
@@ -36,6 +38,10 @@ class KVCache:
             "num_kv_heads": self.num_kv_heads,
             "head_dim": self.cfg.head_dim,
             "block_bytes": self.block_bytes,
+            "tp_size": self.shard.size if self.shard is not None else 1,
+            "tp_rank": self.shard.rank if self.shard is not None else 0,
+            "kv_head_start": self.shard.kv_heads.start if self.shard is not None else 0,
+            "total_kv_heads": self.cfg.num_kv_heads,
         }
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

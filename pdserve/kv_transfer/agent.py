@@ -7,7 +7,9 @@ descriptor building.
 """
 from __future__ import annotations
 
+import contextlib
 import enum
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -22,6 +24,10 @@ except ImportError:  # pragma: no cover
 
 from pdserve.kv_transfer.hugepages import use_huge_pages
 from pdserve.kv_transfer.layout import KVLayout, KVRegion, check_compatible
+
+
+# The largest staging buffer an agent keeps between pulls (tp_pull.py); larger pulls allocate their own.
+STAGING_KEEP_BYTES = 256 << 20
 
 
 class TransferFailure(enum.Enum):
@@ -78,6 +84,8 @@ class KVAgent:
         self._local = self._agent.prep_xfer_dlist(
             "NIXL_INIT_AGENT", _descs(kv.data_ptr(), self.num_blocks, self.block_bytes, self.device_id), self.mem_type)
         self._remotes: dict[tuple[str, int], object] = {}  # (agent name, base addr) -> prepped remote dlist
+        self._stage: tuple[torch.Tensor, object] | None = None  # a kept staging buffer and its registration
+        self._stage_lock = threading.Lock()
 
     def region(self) -> KVRegion:
         with self._lock:
@@ -101,7 +109,8 @@ class KVAgent:
                                       TransferFailure.PEER_GONE)
             try:
                 dl = self._agent.prep_xfer_dlist(
-                    r.agent_name, _descs(r.base_addr, r.num_blocks, self.block_bytes, r.device_id), r.mem_type)
+                    r.agent_name, _descs(r.base_addr, r.num_blocks, r.layout.block_bytes or self.block_bytes,
+                                         r.device_id), r.mem_type)
             except Exception as e:
                 raise KVTransferError(f"cannot prepare descriptors for {r.agent_name}: {e!r}",
                                       TransferFailure.NIXL_ERROR) from e
@@ -131,28 +140,106 @@ class KVAgent:
             except Exception as e:  # nixlBackendError etc.: peer gone, connection refused
                 raise KVTransferError(f"KV transfer from {remote.agent_name} could not start: {e!r}",
                                       TransferFailure.PEER_GONE) from e
+        self._wait([(remote.agent_name, h, state)], timeout_s)
+        return len(remote_block_ids) * self.block_bytes
+
+    def read_descs(self, reads: list[tuple[KVRegion, np.ndarray, np.ndarray]], notif: bytes = b"",
+                   timeout_s: float = 30.0) -> int:
+        """One batched READ per (remote region, local descriptors, remote descriptors) entry, all in flight at
+        once (tp_plan.descs builds them: head slices between pools of different TP degrees); return bytes moved.
+        Raises like read_blocks."""
+        started: list[tuple[str, object, str]] = []
+        try:
+            for remote, local_d, remote_d in reads:
+                if local_d.shape != remote_d.shape or (local_d[:, 1] != remote_d[:, 1]).any():
+                    raise ValueError("local and remote descriptors differ in count or length")
+                if not len(local_d):
+                    continue
+                with self._lock:
+                    self._remote_dlist(remote)  # adds the peer, checks its layout (KVLayoutMismatch as is)
+                    try:
+                        h = self._agent.initialize_xfer(
+                            "READ", self._agent.get_xfer_descs(local_d, self.mem_type),
+                            self._agent.get_xfer_descs(remote_d, remote.mem_type), remote.agent_name, notif)
+                        started.append((remote.agent_name, h, self._agent.transfer(h)))
+                    except Exception as e:
+                        raise KVTransferError(f"KV transfer from {remote.agent_name} could not start: {e!r}",
+                                              TransferFailure.PEER_GONE) from e
+        except BaseException:
+            self._wait(started, timeout_s, raise_errors=False)  # never leave a READ writing into our blocks
+            raise
+        self._wait(started, timeout_s)
+        return int(sum(int(local_d[:, 1].sum()) for _, local_d, _ in reads))
+
+    @contextlib.contextmanager
+    def staging(self, shape: tuple[int, ...], dtype: torch.dtype):
+        """A registered scratch tensor on the pool's device to READ into (tp_pull.py). One buffer up to
+        STAGING_KEEP_BYTES is kept and reused, so a pull does not pay for fresh pages (faulting 32 MiB in costs
+        about as much as copying it); a pull that finds it in use, or needs more, gets a buffer of its own."""
+        n = math.prod(shape) * dtype.itemsize
+        if n <= STAGING_KEEP_BYTES and self._stage_lock.acquire(blocking=False):
+            try:
+                if self._stage is None or self._stage[0].numel() < n:
+                    self._drop_stage()
+                    t = torch.zeros(n, dtype=torch.uint8, device=self.kv.device)  # zeros: pages faulted in now
+                    with self._lock:
+                        self._stage = (t, self._agent.register_memory(t))
+                yield self._stage[0][:n].view(dtype).view(shape)
+            finally:
+                self._stage_lock.release()
+            return
+        t = torch.empty(n, dtype=torch.uint8, device=self.kv.device)
+        with self._lock:
+            reg = self._agent.register_memory(t)
+        try:
+            yield t.view(dtype).view(shape)
+        finally:
+            with self._lock:
+                self._agent.deregister_memory(reg)
+
+    def _drop_stage(self) -> None:
+        if self._stage is not None:
+            with self._lock:
+                try:
+                    self._agent.deregister_memory(self._stage[1])
+                except Exception:
+                    pass
+            self._stage = None
+
+    def _wait(self, handles: list[tuple[str, object, str]], timeout_s: float, raise_errors: bool = True) -> None:
+        """Poll the transfers until each is DONE or ERR, then release them; the first failure is raised."""
         deadline = time.monotonic() + timeout_s
         sleep = 0.0
+        states = {i: st for i, (_, _, st) in enumerate(handles)}
+        failure: KVTransferError | None = None
         try:
-            while state not in ("DONE", "ERR"):
+            while True:
+                pending = [i for i, st in states.items() if st not in ("DONE", "ERR")]
+                if not pending:
+                    break
                 if time.monotonic() > deadline:
-                    raise KVTransferError(f"KV transfer from {remote.agent_name} timed out after {timeout_s}s",
-                                          TransferFailure.TIMEOUT)
+                    failure = KVTransferError(f"KV transfer from {handles[pending[0]][0]} timed out after "
+                                              f"{timeout_s}s", TransferFailure.TIMEOUT)
+                    break
                 if sleep:
                     time.sleep(sleep)
                 sleep = min(sleep * 2 or 1e-5, 1e-3)  # spin briefly, then back off: small transfers finish fast
                 with self._lock:
-                    state = self._agent.check_xfer_state(h)
-            if state == "ERR":
-                raise KVTransferError(f"KV transfer from {remote.agent_name} failed (NIXL state ERR)",
-                                      TransferFailure.NIXL_ERROR)
+                    for i in pending:
+                        states[i] = self._agent.check_xfer_state(handles[i][1])
+            errs = [handles[i][0] for i, st in states.items() if st == "ERR"]
+            if failure is None and errs:
+                failure = KVTransferError(f"KV transfer from {errs[0]} failed (NIXL state ERR)",
+                                          TransferFailure.NIXL_ERROR)
         finally:
             with self._lock:
-                try:
-                    self._agent.release_xfer_handle(h)
-                except Exception:  # an in-flight handle cannot be released; NIXL reclaims it at agent teardown
-                    pass
-        return len(remote_block_ids) * self.block_bytes
+                for _, h, _ in handles:
+                    try:
+                        self._agent.release_xfer_handle(h)
+                    except Exception:  # an in-flight handle cannot be released; NIXL reclaims it at agent teardown
+                        pass
+        if failure is not None and raise_errors:
+            raise failure
 
     def forget_remote(self, agent_name: str) -> None:
         """Drop a peer (e.g. it died) so a restarted peer with the same name is re-added."""
@@ -215,6 +302,8 @@ class KVAgent:
     def close(self) -> None:
         """Tear down in order (pump, prepped lists, registration, agent) so no NIXL/UCX thread outlives it."""
         self.stop_pump()
+        with self._stage_lock:
+            self._drop_stage()
         with self._lock:
             for dl in list(self._remotes.values()) + [self._local]:
                 try:

@@ -1,4 +1,8 @@
-"""KV block layout descriptor: two engines can exchange KV blocks only when their layouts are identical.
+"""KV block layout descriptor: two engines can exchange KV blocks when their layouts agree on the model.
+
+Under tensor parallelism every rank has its own pool holding a slice of the KV heads (engine/tp/shard.py); the
+layout says which (tp_size, tp_rank, kv_head_start, num_kv_heads of total_kv_heads), so pools of workers at
+different TP degrees still exchange blocks, head slice by head slice (tp_pull.py).
 
 Also what a peer's KV region is (KVRegion) and the version of the handshake that exchanges it.
 """
@@ -8,10 +12,13 @@ from dataclasses import asdict, dataclass, fields
 
 # The KV handshake's protocol (KvHandshake in worker.proto: what a region is, how blocks are addressed and how a
 # READ is acknowledged). Bump it when any of that changes; workers of different versions refuse to pair.
-KV_PROTOCOL_VERSION = 1
+# 2: a peer may be tensor parallel (one region per rank in KvHandshakeResponse.tp_regions, head ranges in the
+# layout), and a READ's notification no longer releases a lease whose KV needed more than one READ.
+KV_PROTOCOL_VERSION = 2
 
-# Fields that must match for a block copied byte-for-byte to mean the same thing on the other side.
-COMPAT_FIELDS = ("fingerprint", "block_size", "dtype", "num_layers", "num_kv_heads", "head_dim")
+# Fields that must match for a head's KV copied byte-for-byte to mean the same thing on the other side (the
+# head count is the model's, total_kv_heads; each pool's own share may differ between TP degrees).
+COMPAT_FIELDS = ("fingerprint", "block_size", "dtype", "num_layers", "total_kv_heads", "head_dim")
 
 
 class KVLayoutMismatch(ValueError):
@@ -30,8 +37,29 @@ class KVLayout:
     dtype: str
     num_layers: int
     num_kv_heads: int
-    head_dim: int
+    head_dim: int  # num_kv_heads: the heads in THIS pool (a TP rank's share)
     block_bytes: int = 0
+    tp_size: int = 1
+    tp_rank: int = 0
+    kv_head_start: int = 0
+    total_kv_heads: int = 0  # the model's KV heads; 0 (a layout from before TP) = num_kv_heads
+
+    def __post_init__(self):  # proto3 zeros (a peer from before TP) mean "no tensor parallelism"
+        if not self.tp_size:
+            object.__setattr__(self, "tp_size", 1)
+        if not self.total_kv_heads:
+            object.__setattr__(self, "total_kv_heads", self.num_kv_heads)
+
+    @property
+    def heads(self) -> range:
+        """The model's KV heads this pool holds."""
+        return range(self.kv_head_start, self.kv_head_start + self.num_kv_heads)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token's KV (one of K/V, one layer) for all heads of this pool: the pool is
+        [block][layer][K/V][token][head][head_dim], so a head range is contiguous only within such a row."""
+        return self.block_bytes // (self.num_layers * 2 * self.block_size) if self.block_bytes else 0
 
     @classmethod
     def from_dict(cls, d: dict) -> "KVLayout":
@@ -49,8 +77,11 @@ def check_compatible(local: KVLayout | dict, remote: KVLayout | dict) -> None:
     lo = local if isinstance(local, KVLayout) else KVLayout.from_dict(local)
     re_ = remote if isinstance(remote, KVLayout) else KVLayout.from_dict(remote)
     mism = {k: (getattr(lo, k), getattr(re_, k)) for k in COMPAT_FIELDS if getattr(lo, k) != getattr(re_, k)}
+    if "total_kv_heads" in mism and lo.tp_size == re_.tp_size == 1:
+        mism["num_kv_heads"] = mism.pop("total_kv_heads")  # both unsharded: name the field they both send
     # block_bytes follows from the others; check it too so a layout bug cannot copy a short block.
-    if not mism and lo.block_bytes and re_.block_bytes and lo.block_bytes != re_.block_bytes:
+    if not mism and lo.block_bytes and re_.block_bytes and \
+            lo.block_bytes * re_.num_kv_heads != re_.block_bytes * lo.num_kv_heads:
         mism["block_bytes"] = (lo.block_bytes, re_.block_bytes)
     if mism:
         raise KVLayoutMismatch(mism)

@@ -1,7 +1,7 @@
 """This worker as a KV transfer peer: what its KvHandles and its side of the KV handshake say about it."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.services.pb import common_pb2
@@ -15,3 +15,5 @@ class KvEndpoint:
     protocol_version: int     # KV_PROTOCOL_VERSION (a fault injection may override it)
     layout: KVLayout
     region: common_pb2.KvRegion  # where its KV lives (empty for a worker without a NIXL agent)
+    # under tensor parallelism, every rank's region in rank order (region is rank 0's); empty otherwise
+    tp_regions: list[common_pb2.KvRegion] = field(default_factory=list)

@@ -62,9 +62,16 @@ class Worker(worker_pb2_grpc.WorkerServicer):
         self.exporter = M.EngineStatsExporter([st.value for st in RequestState if not st.terminal])
         self.layout = KVLayout.from_dict(engine.kv_cache.layout())
         self.agent = None
+        self.rank_agents = None  # the other TP ranks' agents (each rank reads/serves its own pool's heads)
+        regions = []
         if role in ("prefill", "decode"):
             from pdserve.kv_transfer.agent import KVAgent
             self.agent = KVAgent(worker_id, engine.kv_cache.data, self.layout)
+            regions = [self.agent.region()]
+            if engine.tp_group is not None:
+                from pdserve.kv_transfer.tp_ranks import RankAgents
+                self.rank_agents = RankAgents(engine.tp_group.side)
+                regions += self.rank_agents.open(worker_id, serve=role == "prefill", fingerprint=self.layout.fingerprint)
         self.endpoint = KvEndpoint(
             worker_id, address,
             # this process, as KvHandles name it: a decode worker re-does the KV handshake when it changes
@@ -72,9 +79,11 @@ class Worker(worker_pb2_grpc.WorkerServicer):
             # PDSERVE_FAULT_KV_PROTOCOL_VERSION: fault injection only (a worker of another release, in tests)
             protocol_version=int(os.environ.get("PDSERVE_FAULT_KV_PROTOCOL_VERSION") or KV_PROTOCOL_VERSION),
             layout=self.layout,
-            region=region_to_pb(self.agent.region()) if self.agent is not None else common_pb2.KvRegion())
+            region=region_to_pb(regions[0]) if regions else common_pb2.KvRegion(),
+            tp_regions=[region_to_pb(r) for r in regions] if len(regions) > 1 else [])
         self.prefill = PrefillSide(self.host, self.endpoint, self.agent, engine.pinned_kv, self.tokenizer, lease_ttl_s)
-        self.decode = DecodeSide(self.host, self.endpoint, self.agent, self.tokenizer, self.meter, transfer_timeout_s)
+        self.decode = DecodeSide(self.host, self.endpoint, self.agent, self.tokenizer, self.meter, transfer_timeout_s,
+                                 rank_agents=self.rank_agents)
         self.inflight = 0
         self.last_stats: dict = {}
         self.labels: dict[str, str] = {}  # `--labels`, published in the registry for the router's spread terms
@@ -242,11 +251,6 @@ async def serve(args) -> None:
     host = args.advertise_host or "127.0.0.1"
     worker_id = args.worker_id or f"{args.role}-{socket.gethostname()}-{args.port}"
     config = engine_config_from_env(args)
-    if config.tensor_parallel_size > 1 and args.role in ("prefill", "decode"):
-        # KV transfer reads one pool per worker; a TP worker's heads live in every rank's pool (docs/engine.md)
-        raise SystemExit(f"pdserve worker: error: --tensor-parallel-size {config.tensor_parallel_size} with "
-                         f"--role {args.role}: KV transfer between tensor-parallel workers is not implemented yet; "
-                         f"use --role both (colocated) or --tensor-parallel-size 1")
     started = M.process_start_time() or time.time()
     engine = Engine.from_pretrained(args.model, config)
     M.set_engine_info(engine.info)
@@ -300,6 +304,8 @@ async def serve(args) -> None:
     await w.decode.close()
     await w.prefill.stop()
     await w.host.stop()
+    if w.rank_agents is not None:
+        w.rank_agents.close()
     engine.close()
     if w.agent is not None:
         w.agent.close()

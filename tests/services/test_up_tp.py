@@ -3,12 +3,13 @@ from tests.services.test_cli import one_line, pdserve
 from pdserve.services.up import free_port
 
 
-def test_up_refuses_tp_pools_in_disagg_mode(tiny_llama):
+def test_up_checks_each_pools_degree_in_disagg_mode(tiny_llama):
+    """Pools may run different TP degrees (KV moves head slice by head slice); each must split the heads."""
     rc, out, err, _ = pdserve("up", "--model", str(tiny_llama), "--mode", "disagg", "--prefill-tp", "2",
-                              "--port", str(free_port()))
+                              "--decode-tp", "3", "--port", str(free_port()))
     line = one_line(err)
     assert rc == 2 and out == ""
-    assert "--prefill-tp 2 with --mode disagg" in line and "not implemented yet" in line and "--decode-tp" not in line
+    assert "--decode-tp 3" in line and "tensor_parallel_size=3" in line and "--prefill-tp" not in line
 
 
 def test_up_refuses_a_degree_the_heads_cannot_split(tiny_llama):

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from pdserve.engine.tp.comm import COLLECTIVE_TIMEOUT, TPComm
+from pdserve.engine.tp.side_channel import SideChannel
 
 log = logging.getLogger("pdserve.engine.tp")
 
@@ -37,6 +39,7 @@ class RankArgs:
     parent_pid: int
     dtype: str  # resolved by rank 0 (dtype=auto picks once, for all ranks)
     config: dict  # EngineConfig fields
+    side_fd: int = -1  # this rank's end of its side channel to rank 0 (side_channel.py)
 
 
 def rank_device(device: str, rank: int) -> torch.device:
@@ -48,22 +51,27 @@ def rank_device(device: str, rank: int) -> torch.device:
 
 
 class RankGroup:
-    def __init__(self, procs: list[subprocess.Popen]):
+    def __init__(self, procs: list[subprocess.Popen], side: list[SideChannel] | None = None):
         self.comm: TPComm | None = None  # set once every rank has joined
         self.procs = procs
+        self.side = side or []  # side[i]: requests to rank i + 1 beside the step plans (its KV agent)
         self.stopping = False
 
     @classmethod
     def start(cls, model_dir: str, config, dtype: torch.dtype) -> "RankGroup":
         size = config.tensor_parallel_size
         store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
-        procs = []
+        procs, side = [], []
         cfg = dataclasses.asdict(config)
         for r in range(1, size):
-            a = RankArgs(str(model_dir), r, size, store.port, os.getpid(), str(dtype).removeprefix("torch."), cfg)
+            mine, theirs = socket.socketpair()
+            a = RankArgs(str(model_dir), r, size, store.port, os.getpid(), str(dtype).removeprefix("torch."), cfg,
+                         theirs.fileno())
             procs.append(subprocess.Popen([sys.executable, "-m", "pdserve.engine.tp.rank",
-                                           json.dumps(dataclasses.asdict(a))]))
-        group = cls(procs)
+                                           json.dumps(dataclasses.asdict(a))], pass_fds=[theirs.fileno()]))
+            theirs.close()
+            side.append(SideChannel(mine, name=f"rank{r}"))
+        group = cls(procs, side)
         for r, p in enumerate(procs, start=1):
             threading.Thread(target=group._watch, args=(r, p), name=f"tp-rank{r}-watch", daemon=True).start()
         group.comm = TPComm("127.0.0.1", store.port, 0, size, rank_device(config.device, 0), store=store)
@@ -96,6 +104,8 @@ class RankGroup:
         except Exception as e:  # a rank already gone: nothing to tell it
             log.warning("tensor parallel stop: %s", e)
         deadline = time.monotonic() + timeout_s
+        for ch in self.side:
+            ch.close()
         for p in self.procs:
             try:
                 p.wait(max(0.1, deadline - time.monotonic()))

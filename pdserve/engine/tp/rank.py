@@ -64,8 +64,16 @@ def main(argv: list[str]) -> int:
     per_block = block_bytes_for(mcfg.num_layers, config.block_size, net.shard.num_kv_heads, mcfg.head_dim, dtype)
     num_blocks = comm.min_int(kv_pool_blocks(config, net, device, per_block))
     kv = KVCache(mcfg, num_blocks, config.block_size, dtype, str(device), config.num_cpu_blocks, "",
-                 num_kv_heads=net.shard.num_kv_heads)
+                 num_kv_heads=net.shard.num_kv_heads, shard=net.shard)
     runner = ModelRunner(net, kv, native=config.native_kernels, attention=config.attention)
+    if a.side_fd >= 0:  # rank 0's requests beside the steps: this pool's NIXL agent (kv_transfer/tp_ranks.py)
+        import socket
+
+        from pdserve.engine.tp.side_channel import SideChannel
+        from pdserve.kv_transfer.layout import KVLayout
+        from pdserve.kv_transfer.tp_ranks import RankKv
+        SideChannel(socket.socket(fileno=a.side_fd), RankKv(kv.data, KVLayout.from_dict(kv.layout())).handle,
+                    name=f"rank{a.rank}")
     log.info("rank %d/%d ready: heads %s, KV heads %s, %d blocks", a.rank, a.size, net.shard.heads,
              net.shard.kv_heads, num_blocks)
     while True:

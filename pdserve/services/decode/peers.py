@@ -18,6 +18,7 @@ import grpc
 
 from pdserve.kv_transfer.agent import KVTransferError, TransferFailure
 from pdserve.kv_transfer.layout import KVLayout, KVRegion, check_compatible
+from pdserve.kv_transfer.tp_plan import check_ranks
 from pdserve.services.metrics import worker as M
 from pdserve.services.convert import layout_to_pb, region_from_pb
 from pdserve.services.pb import worker_pb2, worker_pb2_grpc
@@ -33,13 +34,14 @@ class KvPeers:
         self._version = protocol_version
         self._forget_remote = forget_remote  # drops a NIXL peer (KVAgent.forget_remote)
         self._timeout_s = timeout_s
-        self._known: dict[str, tuple[str, KVRegion]] = {}  # address -> (incarnation, region)
+        # address -> (incarnation, its regions: one per TP rank, rank order)
+        self._known: dict[str, tuple[str, list[KVRegion]]] = {}
         self._pending: dict[tuple[str, str], asyncio.Task] = {}  # handshakes in flight (owned; close() cancels)
         self.handshakes = 0  # completed handshakes (tests count them)
 
-    async def region(self, address: str, incarnation: str) -> KVRegion:
-        """The region of the peer incarnation that pinned a KvHandle; raises KVTransferError (PEER_GONE,
-        INCOMPATIBLE) or KVLayoutMismatch."""
+    async def region(self, address: str, incarnation: str) -> list[KVRegion]:
+        """The regions (one per TP rank) of the peer incarnation that pinned a KvHandle; raises KVTransferError
+        (PEER_GONE, INCOMPATIBLE) or KVLayoutMismatch."""
         known = self._known.get(address)
         if known is not None and known[0] == incarnation:
             return known[1]
@@ -55,7 +57,7 @@ class KvPeers:
         if not t.cancelled():
             t.exception()  # retrieved: its callers may all have been cancelled
 
-    async def _handshake(self, address: str, incarnation: str) -> KVRegion:
+    async def _handshake(self, address: str, incarnation: str) -> list[KVRegion]:
         req = worker_pb2.KvHandshakeRequest(protocol_version=self._version, layout=layout_to_pb(self._layout.to_dict()))
         try:
             resp = await self._stub_for(address).KvHandshake(req, timeout=self._timeout_s)
@@ -71,19 +73,24 @@ class KvPeers:
         if resp.incarnation != incarnation:  # it restarted after pinning: those blocks died with it
             raise KVTransferError(f"prefill worker {address} restarted (incarnation {resp.incarnation}, the KV was "
                                   f"pinned by {incarnation})", TransferFailure.PEER_GONE)
-        region = region_from_pb(resp.region)
-        check_compatible(self._layout, region.layout)
+        regions = [region_from_pb(r) for r in resp.tp_regions] or [region_from_pb(resp.region)]
+        for r in regions:  # the model must match; the TP degrees may differ (tp_plan.py)
+            check_compatible(self._layout, r.layout)
+        check_ranks([r.layout for r in regions])
+        names = {r.agent_name for r in regions}
         # Drop every earlier incarnation of this peer: the one at this address, and one that had the same agent name
         # at another address (a worker restarted under a new address keeps its worker id, hence its agent name:
         # NIXL would otherwise keep the dead process's metadata and descriptors under that name).
-        stale = {a for a, (_, r) in self._known.items() if a == address or r.agent_name == region.agent_name}
+        stale = {a for a, (_, rs) in self._known.items() if a == address or names & {r.agent_name for r in rs}}
         for a in stale:
-            self._forget_remote(self._known.pop(a)[1].agent_name)
-        self._known[address] = (incarnation, region)
+            for r in self._known.pop(a)[1]:
+                self._forget_remote(r.agent_name)
+        self._known[address] = (incarnation, regions)
         self.handshakes += 1
         M.KV_HANDSHAKES.labels("initiated").inc()
-        log.info("KV handshake with %s (incarnation %s, agent %s)", address, incarnation, region.agent_name)
-        return region
+        log.info("KV handshake with %s (incarnation %s, agents %s)", address, incarnation,
+                 ", ".join(r.agent_name for r in regions))
+        return regions
 
     async def close(self) -> None:
         for t in list(self._pending.values()):

@@ -26,6 +26,7 @@ import grpc
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.kv_transfer.agent import KVAgent, KVTransferError, TransferFailure
 from pdserve.kv_transfer.layout import KVLayoutMismatch
+from pdserve.kv_transfer.tp_pull import KvPuller
 from pdserve.services.metrics import worker as M
 from pdserve.services.convert import DeltaEncoder, first_tokens_from_pb, limits_from_pb, params_from_pb
 from pdserve.services.decode.peers import KvPeers
@@ -59,9 +60,11 @@ class _Pickup:
 
 class DecodeSide:
     def __init__(self, host: AsyncEngine, endpoint: KvEndpoint, agent: KVAgent | None, tokenizer,
-                 meter: LoadMeter | None, transfer_timeout_s: float, alloc_wait_s: float = 10.0):
+                 meter: LoadMeter | None, transfer_timeout_s: float, alloc_wait_s: float = 10.0, rank_agents=None):
+        """`rank_agents` (kv_transfer/tp_ranks.RankAgents): this worker's other TP ranks, each pulling its heads."""
         self.host = host
         self.agent = agent
+        self.puller = KvPuller(agent, rank_agents) if agent is not None else None
         self.layout = endpoint.layout
         self.tokenizer = tokenizer
         self.meter = meter  # the router's link bandwidth and hand-off cost are measured here
@@ -72,7 +75,7 @@ class DecodeSide:
         # so none is collected mid-flight, and close() waits for them, then cancels what is left
         self._tasks: set[asyncio.Task] = set()
         self.peers = KvPeers(self._stub, endpoint.layout, endpoint.protocol_version,
-                             agent.forget_remote if agent is not None else (lambda name: None))
+                             self.puller.forget_remote if agent is not None else (lambda name: None))
 
     def _stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         ch = self._channels.get(address)
@@ -149,7 +152,7 @@ class DecodeSide:
         if FAULT_PULL_DELAY_S:
             await asyncio.sleep(FAULT_PULL_DELAY_S)
         try:  # where the peer's blocks live: a handshake with the first hand-off from each peer incarnation
-            region = await self.peers.region(kv.worker_address, kv.incarnation)
+            regions = await self.peers.region(kv.worker_address, kv.incarnation)
         except KVLayoutMismatch as e:
             M.REJECTIONS.labels("kv_layout_mismatch").inc()
             p.ended = True
@@ -196,7 +199,8 @@ class DecodeSide:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no KV capacity on the decode worker")
             await asyncio.sleep(0.02)
         dst_blocks, cached = alloc
-        # 2. pull the blocks the local prefix cache does not already hold: ONE batched READ
+        # 2. pull the blocks the local prefix cache does not already hold: ONE batched READ per pair of pools
+        # (each local TP rank reads its heads from the peer's ranks that hold them: kv_transfer/tp_pull.py)
         need = -(-kv.num_tokens // self.layout.block_size)
         src, dst = list(kv.block_ids[cached:need]), list(dst_blocks[cached:need])
         t0 = time.time()
@@ -211,7 +215,7 @@ class DecodeSide:
             failure = KVTransferError("KV lease expired before the transfer started", TransferFailure.LEASE_EXPIRED)
         elif src:
             p.xfer = self._spawn(asyncio.to_thread(
-                self.agent.read_blocks, region, src, dst, kv.lease_id.encode(), timeout))
+                self.puller.read, regions, src, dst, kv.lease_id.encode(), timeout))
             try:
                 nbytes = await asyncio.shield(p.xfer)  # a cancel here leaves the READ to _cleanup
                 M.KV_TRANSFER_BYTES.inc(nbytes)
@@ -220,7 +224,8 @@ class DecodeSide:
             except (KVLayoutMismatch, ValueError, RuntimeError) as e:  # NIXL's own exceptions are RuntimeErrors
                 failure = KVTransferError(str(e), TransferFailure.NIXL_ERROR)
             if failure is not None:
-                self.agent.forget_remote(region.agent_name)  # a dead peer must be re-added if it comes back
+                for r in regions:  # a dead peer must be re-added if it comes back
+                    self.puller.forget_remote(r.agent_name)
         t1 = time.time()
         M.KV_TRANSFER_SECONDS.observe(t1 - t0)
         if failure is not None:

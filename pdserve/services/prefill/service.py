@@ -233,7 +233,7 @@ class PrefillSide:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         M.KV_HANDSHAKES.labels("served").inc()
         return worker_pb2.KvHandshakeResponse(protocol_version=me.protocol_version, incarnation=me.incarnation,
-                                              region=me.region)
+                                              region=me.region, tp_regions=me.tp_regions)
 
     async def ReleaseKV(self, request, context):
         ok = await self.release(lease_id=request.lease_id, request_id=request.request_id)

@@ -119,7 +119,7 @@ class WorkerCost:
                    running=running + ex.seqs,
                    kv_total=max(total, 1), kv_used=ld.kv_blocks_in_use + ex.blocks,
                    block_size=lay.block_size or 16,
-                   block_bytes=pri.block_bytes or lay.block_bytes)
+                   block_bytes=pri.block_bytes or replica_block_bytes(lay))
 
     @property
     def queue_s(self) -> float:
@@ -203,3 +203,12 @@ class CostModel:
         e2e = ttft + d.decode_s(out, need, self.p.kv_knee)
         work = self.p.work_weight * (n_prompt - cached_p) / p.rate
         return Estimate("disagg", p, d, cached_p, ttft, e2e, work, xfer)
+
+
+def replica_block_bytes(lay) -> int:
+    """Bytes of one block id over the whole replica: a TP worker's layout is its rank 0's pool, holding
+    num_kv_heads of the model's total_kv_heads (docs/kv_transfer.md); the measured kv_bytes_per_s counts the
+    bytes of every rank's READs too."""
+    if lay.total_kv_heads and lay.num_kv_heads and lay.total_kv_heads != lay.num_kv_heads:
+        return lay.block_bytes * lay.total_kv_heads // lay.num_kv_heads
+    return lay.block_bytes

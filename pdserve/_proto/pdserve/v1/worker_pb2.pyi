@@ -118,14 +118,16 @@ class KvHandshakeRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., layout: _Optional[_Union[_common_pb2.KvLayout, _Mapping]] = ...) -> None: ...
 
 class KvHandshakeResponse(_message.Message):
-    __slots__ = ("protocol_version", "incarnation", "region")
+    __slots__ = ("protocol_version", "incarnation", "region", "tp_regions")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
+    TP_REGIONS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     incarnation: str
     region: _common_pb2.KvRegion
-    def __init__(self, protocol_version: _Optional[int] = ..., incarnation: _Optional[str] = ..., region: _Optional[_Union[_common_pb2.KvRegion, _Mapping]] = ...) -> None: ...
+    tp_regions: _containers.RepeatedCompositeFieldContainer[_common_pb2.KvRegion]
+    def __init__(self, protocol_version: _Optional[int] = ..., incarnation: _Optional[str] = ..., region: _Optional[_Union[_common_pb2.KvRegion, _Mapping]] = ..., tp_regions: _Optional[_Iterable[_Union[_common_pb2.KvRegion, _Mapping]]] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()
