@@ -42,3 +42,15 @@ async def wait_serving(port: int, timeout: float = 120) -> None:
             pass
         await asyncio.sleep(0.2)
     raise TimeoutError(f"worker on {port} not serving")
+
+
+async def wait_registered(reg, proc: subprocess.Popen, timeout: float = 60) -> list:
+    """The registry's live workers once `proc` (a worker with a registry) appears there; fails if it exits first."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        assert proc.poll() is None, "worker exited"
+        live = await reg.live_workers()
+        if live:
+            return live
+        await asyncio.sleep(0.2)
+    raise AssertionError("worker did not register")

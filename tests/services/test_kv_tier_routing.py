@@ -13,6 +13,7 @@ from pdserve.services.kv_events import KvEventPublisher, blocks_key
 from pdserve.services.router.cost import WorkerCost
 from pdserve.services.router.policy import Policy, RouteInput
 from pdserve.services.router.prefix_index import IndexSync, PrefixIndex, chain_hashes
+from tests.services._workers import wait_registered
 from tests.services.test_routing import BS, FP, _rec
 
 REDIS = "redis://127.0.0.1:6379/0"
@@ -162,13 +163,7 @@ def test_real_worker_host_tier_events_and_metrics(tiny_llama):
         reg = Registry(REDIS, model, ttl_s=1.0)
         sync = IndexSync(reg.r, model)
         try:
-            end = time.monotonic() + 60
-            live = []
-            while not live and time.monotonic() < end:
-                assert proc.poll() is None, "worker exited"
-                live = await reg.live_workers()
-                await asyncio.sleep(0.2)
-            assert live, "worker did not register"
+            live = await wait_registered(reg, proc)
             fp, bs = live[0].layout.fingerprint, live[0].layout.block_size
             await sync.sync_workers(["w-tier"])
             stub = worker_pb2_grpc.WorkerStub(channel(f"127.0.0.1:{port}"))

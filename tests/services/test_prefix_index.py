@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 from pdserve.engine.block_manager import KVEvent, block_hash
 from pdserve.services.kv_events import KvEventPublisher, blocks_key, stream_key
 from pdserve.services.router.prefix_index import IndexSync, PrefixIndex, chain_hashes
+from tests.services._workers import wait_registered
 
 REDIS = "redis://127.0.0.1:6379/0"
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,13 +122,7 @@ def test_real_worker_kv_events_reach_the_index_evictions_and_death(tiny_llama):
         reg = Registry(REDIS, model, ttl_s=1.0)
         sync = IndexSync(reg.r, model)
         try:
-            end = time.monotonic() + 60
-            live = []
-            while not live and time.monotonic() < end:
-                assert proc.poll() is None, "worker exited"
-                live = await reg.live_workers()
-                await asyncio.sleep(0.2)
-            assert live, "worker did not register"
+            live = await wait_registered(reg, proc)
             rec = live[0]
             fp, bs = rec.layout.fingerprint, rec.layout.block_size
             await sync.sync_workers([rec.worker_id])
