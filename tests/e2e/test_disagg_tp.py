@@ -1,7 +1,7 @@
-"""`pdserve up --mode disagg --prefill-tp 2 --decode-tp 1` (issue 17): the prefill worker runs two ranks, each
-holding one of the tiny Llama's two KV heads; the decode worker pulls one head from each rank's pool
-(kv_transfer/tp_pull.py). Greedy output equals the offline engine's, and a dropped stream leaves no blocks in use.
-Other degree pairs (1 -> 2, 2 -> 2, a replicated head) are covered worker to worker in
+"""`pdserve up --mode disagg` with `--prefill-tp 2 --decode-tp 1` and `--prefill-tp 1 --decode-tp 2` (issue 17): the
+TP=2 side runs two ranks, each holding one of the tiny Llama's two KV heads; a decode rank pulls the head slices it
+owns from the prefill rank(s) holding them (kv_transfer/tp_pull.py). Greedy output equals the offline engine's, and a
+dropped stream leaves no blocks in use. 2 -> 2 and a replicated head are covered worker to worker in
 tests/services/test_disagg_tp.py."""
 import pytest
 
@@ -19,14 +19,15 @@ def offline_fp32(tiny_llama):
     return [(o.outputs[0].token_ids, o.outputs[0].text) for o in outs]
 
 
-@pytest.fixture(scope="module")
-def up(tiny_llama):
+@pytest.fixture(scope="module", params=[(2, 1), (1, 2)], ids=["prefill-tp2-decode-tp1", "prefill-tp1-decode-tp2"])
+def up(tiny_llama, request):
+    ptp, dtp = request.param
     import shutil
     model = tiny_llama.parent / "ck"  # the served model name the shared checks ask for
     if not model.exists():
         shutil.copytree(tiny_llama, model)
-    d = Up(model, "--mode", "disagg", "--prefill", "1", "--decode", "1", "--prefill-tp", "2",
-           "--decode-tp", "1", "--dtype", "float32", timeout=180)
+    d = Up(model, "--mode", "disagg", "--prefill", "1", "--decode", "1", "--prefill-tp", str(ptp),
+           "--decode-tp", str(dtp), "--dtype", "float32", timeout=180)
     yield d
     d.stop()
 
