@@ -33,6 +33,7 @@ from pdserve.engine.outputs import CompletionOutput, FirstToken, RequestOutput
 from pdserve.engine.request_state import RequestState as S
 from pdserve.engine.resume import replay
 from pdserve.engine.grammar import make_grammar_state
+from pdserve.engine.host_copy import to_device
 from pdserve.engine.sampler import Sampler, SamplingState, bad_words_to_ids
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sampling_state import select_best
@@ -199,7 +200,8 @@ class Engine:
             if params.guided is not None else None
         seq.sampling = SamplingState(params, list(prompt_token_ids), self.model_config.vocab_size,
                                      self.eos_token_ids, grammar, 0,
-                                     bad_words_ids=bad_words_to_ids(params.bad_words, self.tokenizer))
+                                     bad_words_ids=bad_words_to_ids(params.bad_words, self.tokenizer),
+                                     device=self.runner.device)
         seq.output = OutputProcessor(params, self.tokenizer, self.eos_token_ids)
         seq.wants_prompt_logprobs = params.prompt_logprobs is not None
         seq.set_state(S.QUEUED)
@@ -247,9 +249,10 @@ class Engine:
                 for child in self._fork(req, seq, join=True):
                     rows.append(row)
                     seqs.append(child)
-        if logits.device.type != "cpu":  # the sampler's per-request generators are CPU generators
-            logits = logits.cpu()
-        results = self.sampler.sample(logits[rows], [s.sampling for s in seqs]) if seqs else []
+        # sampled where the logits are (the requests' generators live there too); the results cross in one copy
+        if seqs and rows != list(range(logits.shape[0])):
+            logits = logits.index_select(0, to_device(rows, logits.device, torch.long))
+        results = self.sampler.sample(logits, [s.sampling for s in seqs]) if seqs else []
         touched: dict[str, Request] = {}
         now = time.time()
         for seq, res in zip(seqs, results):
