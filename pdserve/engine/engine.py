@@ -25,7 +25,7 @@ from pdserve.engine.cpu_isa import EngineInfo, choose_dtype, detected_level
 from pdserve.engine.errors import RequestRejected
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.kv_offload import KVOffload
-from pdserve.engine.kv_sizing import block_bytes_for, num_blocks as kv_pool_blocks
+from pdserve.engine.kv_sizing import block_bytes_for, num_blocks as kv_pool_blocks, swap_blocks
 from pdserve.engine.loader import load_state_dict
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.model_runner import ModelRunner
@@ -93,10 +93,11 @@ class Engine:
         per_block = block_bytes_for(model_config.num_layers, config.block_size, model_config.num_kv_heads,
                                     model_config.head_dim, dtype)
         num_blocks = kv_pool_blocks(config, model, torch.device(config.device), per_block)
+        num_cpu_blocks = swap_blocks(config, per_block)  # preemption by swap: the host pool
         self.kv_cache = KVCache(model_config, num_blocks, config.block_size, dtype, config.device,
-                                config.num_cpu_blocks, fingerprint)
+                                num_cpu_blocks, fingerprint)
         self.block_manager = BlockManager(num_blocks, config.block_size, fingerprint, config.enable_prefix_caching,
-                                          config.num_cpu_blocks, kv=self.kv_cache)
+                                          num_cpu_blocks, kv=self.kv_cache)
         self.scheduler = Scheduler(config, self.block_manager)
         self.kv_offload = None
         if config.kv_offload_bytes:  # the host (and disk) KV tier: hooks in the block manager and scheduler

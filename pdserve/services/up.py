@@ -117,7 +117,7 @@ def up(args) -> int:
         eng = []
         for flag in ("num_gpu_blocks", "max_num_seqs", "device", "dtype", "threads", "policy", "kv_cache_bytes",
                      "gpu_memory_utilization", "block_size", "max_num_batched_tokens", "max_model_len",
-                     "kv_offload_bytes", "kv_offload_dir", "kv_offload_disk_bytes"):
+                     "kv_offload_bytes", "kv_offload_dir", "kv_offload_disk_bytes", "preemption_mode", "swap_space"):
             v = getattr(args, flag)
             if v:
                 eng += ["--" + flag.replace("_", "-"), str(v)]
