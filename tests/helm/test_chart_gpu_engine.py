@@ -78,3 +78,23 @@ def test_bad_engine_values_are_refused():
             render(bad)
     with pytest.raises(helm.HelmError, match="decode.preemptionMode swap needs decode.swapSpace"):
         render({"decode": {"preemptionMode": "swap"}})
+
+
+def test_rendered_decode_flags_build_an_engine_that_swaps(tiny_llama, monkeypatch):
+    """The chain values -> args -> flags -> EngineConfig -> Engine, on the tiny checkpoint and CPU: the decode pool's
+    rendered flags give a 14-block pool of 4-token blocks that must preempt six sequences, by swap into the host pool
+    the swap space buys, and the greedy tokens equal an unconstrained engine's."""
+    from pdserve.engine.engine import Engine, EngineConfig
+    from pdserve.engine.sampling_params import SamplingParams
+
+    vals = {"mode": "disagg", "workers": {"device": "cpu", "blockSize": 4, "maxModelLen": 128},
+            "decode": {"gpus": 0, "numGpuBlocks": 14, "maxNumSeqs": 6, "maxNumBatchedTokens": 64,
+                       "preemptionMode": "swap", "swapSpace": 0.001}}
+    cfg = worker_configs(vals, monkeypatch)["decode"][0]
+    prompts = [list(range(10, 10 + n)) for n in (3, 17, 32, 9, 40, 16)]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    eng = Engine.from_pretrained(tiny_llama, cfg)
+    got = [o.outputs[0].token_ids for o in eng.generate(prompts, greedy)]
+    assert eng.scheduler.num_preemptions["swap"] > 0 and eng.block_manager.num_cpu_blocks > 0
+    ref = Engine.from_pretrained(tiny_llama, EngineConfig(block_size=4, num_gpu_blocks=256))
+    assert got == [o.outputs[0].token_ids for o in ref.generate(prompts, greedy)]
