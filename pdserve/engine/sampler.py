@@ -368,6 +368,14 @@ class Sampler:
         done_set = set(done)
         return [rows[j] for j in range(len(rows)) if j not in done_set]
 
+    @staticmethod
+    def _top(row: Tensor, n: int) -> list[tuple[int, float]]:
+        """Top-n (id, log-prob) of one row, read to the host (speculative verification's records)."""
+        if n <= 0:
+            return []
+        vals, ids = lp.topk_exact(row.unsqueeze(0), n)
+        return list(zip(ids[0].tolist(), vals[0].tolist()))
+
     # ------------------------------------------------------------------------------------------
     def prompt_logprobs(self, logits: Tensor, prompt_token_ids: list[int], k: int) -> list[SampleResult | None]:
         """Raw log-probs of each prompt token given its prefix. `logits[j]` is the model output at
