@@ -20,6 +20,7 @@ POLICIES = ("fcfs", "decode-priority", "prefill-priority", "priority", "shortest
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 BATCHING = ("continuous", "static")
 MODES = ("auto", "disagg", "colocated")
+PREEMPTION_MODES = ("recompute", "swap")
 LOG_FORMATS = ("text", "json")  # pdserve/services/logs.py FORMATS (not imported: it pulls in the services package)
 
 
@@ -50,6 +51,11 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=positive_int, help="tokens per step (default: 2048)")
     p.add_argument("--max-model-len", type=context_len,
                    help="context limit in tokens, prompt + output (default: the checkpoint's)")
+    p.add_argument("--preemption-mode", choices=PREEMPTION_MODES,
+                   help="when KV blocks run out, a running sequence's KV is dropped and recomputed, or swapped to "
+                        "host memory (needs --swap-space) (default: recompute)")
+    p.add_argument("--swap-space", type=nonneg_float,
+                   help="GiB of host memory (pinned on CUDA) for swapped-out KV, per worker (default: 0)")
     p.add_argument("--device", help="cpu | cuda | cuda:N (default: cpu)")
     p.add_argument("--dtype", choices=DTYPES, help="weights and KV dtype (default: the checkpoint's)")
     p.add_argument("--policy", choices=POLICIES, help="scheduling policy (default: fcfs)")

@@ -111,6 +111,7 @@ def _generation_config(model_dir: Path) -> dict:
         raise CheckpointError(f"{path}: malformed JSON ({e})") from e
 
 
+PREEMPTION_MODES = ("recompute", "swap")  # spec §4.4: both free device blocks (descheduling alone would not)
 POLICIES = ("fcfs", "decode-priority", "prefill-priority", "priority", "shortest-predicted-first")
 BATCHING = ("continuous", "static")
 
@@ -125,6 +126,7 @@ class EngineConfig:
     kv_cache_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     num_cpu_blocks: int = 0  # host swap space in blocks; 0 disables swapping
+    swap_space: float = 0.0  # host swap space in GiB (--swap-space), sized into blocks when num_cpu_blocks is 0
     # Host KV tier (kv_offload.py): bytes of host memory keeping prefix-cache blocks evicted from the device pool,
     # recalled on a prefix hit instead of recomputed; 0 disables it. With `kv_offload_dir`, the host tier's LRU
     # victims spill to files there, up to `kv_offload_disk_bytes` (default 4x kv_offload_bytes).
@@ -175,10 +177,14 @@ class EngineConfig:
             raise ValueError(f"unknown scheduling policy {self.policy!r}")
         if self.batching not in BATCHING:
             raise ValueError(f"unknown batching mode {self.batching!r} (continuous, static)")
-        if self.preemption_mode not in ("recompute", "swap"):
+        if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"unknown preemption mode {self.preemption_mode!r}")
-        if self.preemption_mode == "swap" and self.num_cpu_blocks <= 0:
-            raise ValueError("preemption_mode='swap' needs num_cpu_blocks > 0")
+        if self.num_cpu_blocks < 0 or not self.swap_space >= 0:
+            raise ValueError(f"num_cpu_blocks and swap_space must be >= 0, got {self.num_cpu_blocks} and "
+                             f"{self.swap_space}")
+        if self.preemption_mode == "swap" and self.num_cpu_blocks <= 0 and self.swap_space <= 0:
+            raise ValueError("preemption_mode='swap' needs host swap space: set swap_space (--swap-space GiB) "
+                             "or num_cpu_blocks")
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be positive")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -26,7 +26,7 @@ from pdserve.engine.cpu_isa import EngineInfo, choose_dtype, detected_level
 from pdserve.engine.errors import RequestRejected
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.kv_offload import KVOffload
-from pdserve.engine.kv_sizing import block_bytes_for, num_blocks as kv_pool_blocks
+from pdserve.engine.kv_sizing import block_bytes_for, num_blocks as kv_pool_blocks, swap_blocks
 from pdserve.engine.loader import load_state_dict
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.model_runner import ModelRunner
@@ -34,6 +34,7 @@ from pdserve.engine.outputs import CompletionOutput, FirstToken, RequestOutput
 from pdserve.engine.request_state import RequestState as S
 from pdserve.engine.resume import replay
 from pdserve.engine.grammar import make_grammar_state
+from pdserve.engine.host_copy import to_device
 from pdserve.engine.sampler import Sampler, SamplingState, bad_words_to_ids
 from pdserve.engine.sampling_params import InvalidParameter, SamplingParams
 from pdserve.engine.sampling_state import select_best
@@ -104,12 +105,14 @@ class Engine:
         num_blocks = kv_pool_blocks(config, model, torch.device(config.device), per_block)
         if model.comm is not None:
             num_blocks = model.comm.min_int(num_blocks)
+        # preemption by swap: the host pool, sized like the device pool per rank (every rank holds the same blocks)
+        num_cpu_blocks = swap_blocks(config, per_block)
         self.kv_cache = (KVCache if model.comm is None else RecordingKVCache)(
-            model_config, num_blocks, config.block_size, dtype, config.device, config.num_cpu_blocks, fingerprint,
+            model_config, num_blocks, config.block_size, dtype, config.device, num_cpu_blocks, fingerprint,
             num_kv_heads=model.shard.num_kv_heads, shard=model.shard)
         self.tp_group = None  # engine/tp/group.py: the other ranks' processes (set by from_pretrained)
         self.block_manager = BlockManager(num_blocks, config.block_size, fingerprint, config.enable_prefix_caching,
-                                          config.num_cpu_blocks, kv=self.kv_cache)
+                                          num_cpu_blocks, kv=self.kv_cache)
         self.scheduler = Scheduler(config, self.block_manager)
         self.kv_offload = None
         if config.kv_offload_bytes:  # the host (and disk) KV tier: hooks in the block manager and scheduler
@@ -275,7 +278,8 @@ class Engine:
             if params.guided is not None else None
         seq.sampling = SamplingState(params, list(prompt_token_ids), self.model_config.vocab_size,
                                      self.eos_token_ids, grammar, 0,
-                                     bad_words_ids=bad_words_to_ids(params.bad_words, self.tokenizer))
+                                     bad_words_ids=bad_words_to_ids(params.bad_words, self.tokenizer),
+                                     device=self.runner.device)
         seq.output = OutputProcessor(params, self.tokenizer, self.eos_token_ids)
         seq.wants_prompt_logprobs = params.prompt_logprobs is not None
         seq.set_state(S.QUEUED)
@@ -335,9 +339,13 @@ class Engine:
                 for child in self._fork(req, seq, join=True):
                     rows.append(row)
                     seqs.append(child)
-        if logits.device.type != "cpu":  # the sampler's per-request generators are CPU generators
-            logits = logits.cpu()
-        results = self.sampler.sample(logits[rows], [s.sampling for s in seqs]) if seqs else []
+        # sampled where the logits are (the requests' generators live there too); the results cross in one copy
+        sampled = logits
+        if seqs and rows != list(range(logits.shape[0])):
+            sampled = logits.index_select(0, to_device(rows, logits.device, torch.long))
+        results = self.sampler.sample(sampled, [s.sampling for s in seqs]) if seqs else []
+        if (spec_rows or beam_rows) and logits.device.type != "cpu":
+            logits = logits.cpu()  # speculative verification and beam search choose their tokens on the host
         touched: dict[str, Request] = {}
         now = time.time()
         for seq, res in zip(seqs, results):

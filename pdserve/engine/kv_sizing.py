@@ -59,6 +59,19 @@ def block_bytes_for(num_layers: int, block_size: int, num_kv_heads: int, head_di
     return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
 
 
+def swap_blocks(config, block_bytes: int) -> int:
+    """Host swap pool blocks: `num_cpu_blocks`, else `swap_space` GiB in whole blocks (0: no swapping). Swap space
+    smaller than one block is an error rather than a silent recompute."""
+    if config.num_cpu_blocks:
+        return config.num_cpu_blocks
+    if config.swap_space <= 0:
+        return 0
+    blocks = int(config.swap_space * 2 ** 30) // block_bytes
+    if blocks < 1:
+        raise KVSizingError(f"--swap-space {config.swap_space} GiB holds no KV block of {block_bytes} bytes")
+    return blocks
+
+
 def num_blocks(config, model, device: torch.device, block_bytes: int) -> int:
     """The pool size for `config` (EngineConfig) with `model` loaded on `device` (see the module docstring)."""
     if config.num_gpu_blocks:

@@ -79,23 +79,30 @@ def typical_keep(w: Tensor, keep: Tensor, mass: Tensor) -> Tensor:
     return keep & (inside | (mass >= 1.0).unsqueeze(-1))
 
 
+def _order_key(x: Tensor) -> Tensor:
+    """int64 keys whose descending order is the (-x, id) order of float32 rows: the float's bits made
+    order-preserving as int32 (negative floats: all bits but the sign flipped), times 2^32, plus V-1-id. Keys are
+    distinct, so `torch.topk` on them is exact and deterministic on every device."""
+    V = x.shape[-1]
+    bits = (x + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into +0.0: the two compare equal as floats
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    rev_id = (V - 1) - torch.arange(V, device=x.device, dtype=torch.int64)
+    return ordered.to(torch.int64) * (1 << 32) + rev_id
+
+
 def topk_exact(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """Top-k of each row of x [B, V] with ties broken by lowest token id, sorted by (-x, id).
 
-    torch.topk does not promise which of several equal values it returns, so we take its k-th
-    value as a threshold, keep everything strictly above it and then the lowest-id tokens equal
-    to it until the row has exactly k. Returns (values [B, k], indices [B, k])."""
-    B, V = x.shape
-    k = min(k, V)
-    thr = torch.topk(x, k, dim=-1).values[:, -1:]
-    gt = x > thr
-    eq = x == thr
-    need = k - gt.sum(-1, keepdim=True)
-    sel = gt | (eq & (eq.long().cumsum(-1) <= need))
-    idx = sel.nonzero()[:, 1].view(B, k)  # row-major: ascending token id within each row
-    vals = x.gather(-1, idx)
-    order = torch.sort(vals, dim=-1, descending=True, stable=True).indices  # stable: lower id first
-    return vals.gather(-1, order), idx.gather(-1, order)
+    torch.topk does not promise which of several equal values it returns, so float32 rows are ranked by a
+    composite integer key (value, then lower id) instead; other dtypes take a stable full sort. Neither reads
+    anything back to the host (no data-dependent shapes), so this never synchronises with a device.
+    Returns (values [B, k], indices [B, k])."""
+    k = min(k, x.shape[-1])
+    if x.dtype != torch.float32:
+        vals, ids = sort_desc(x)
+        return vals[:, :k], ids[:, :k]
+    idx = torch.topk(_order_key(x), k, dim=-1, sorted=True).indices
+    return x.gather(-1, idx), idx
 
 
 def sort_desc(x: Tensor) -> tuple[Tensor, Tensor]:

@@ -71,6 +71,10 @@ class SamplingState:
 
     `bad_words_ids` (keyword, optional) are the token sequences banned by `params.bad_words`;
     the engine computes them once per request with `bad_words_to_ids(params.bad_words, tokenizer)`.
+    `device` (keyword): where the request's generator lives, the logits' device, so that its draws are made there
+    and never cross to the device per row. A seed gives the same stream on every worker of one device type (one
+    draw per sampled token, which migration replay and the prefill hand-off count on); CPU (MT19937) and CUDA
+    (Philox) generators give different streams for the same seed.
     """
 
     def __init__(
@@ -83,6 +87,7 @@ class SamplingState:
         branch_index: int = 0,
         *,
         bad_words_ids: list[list[int]] | None = None,
+        device: torch.device | str = "cpu",
     ):
         self.params = params
         self.prompt_token_ids = list(prompt_token_ids)
@@ -91,11 +96,7 @@ class SamplingState:
         self.grammar = grammar
         self.branch_index = branch_index
         self.bad_words_ids = [list(s) for s in (bad_words_ids or []) if s]
-        self.generator = torch.Generator()
-        if params.seed is not None:
-            self.generator.manual_seed(branch_seed(params.seed, branch_index))
-        else:  # unseeded: fresh OS entropy, never the process-global RNG stream (spec §1.6)
-            self.generator.manual_seed(int.from_bytes(os.urandom(8), "little"))
+        self.generator = _generator(params.seed, branch_index, torch.device(device))
         self.output_token_ids: list[int] = []
         self.cumulative_logprob: float = 0.0  # sum of raw model log-probs of the sampled tokens
         self.grammar_terminated = False
@@ -111,6 +112,7 @@ class SamplingState:
             for end in range(p.no_repeat_ngram_size, len(hist) + 1):
                 self._add_ngram(hist[end - p.no_repeat_ngram_size : end])
         self.allowed_mask: Tensor | None = None
+        self._allowed_mask_dev: Tensor | None = None  # a copy on the logits' device, made on first use there
         if p.allowed_token_ids is not None:
             self.allowed_mask = torch.zeros(vocab_size, dtype=torch.bool)
             self.allowed_mask[torch.tensor(p.allowed_token_ids, dtype=torch.long)] = True
@@ -126,6 +128,14 @@ class SamplingState:
             or self.allowed_mask is not None or self.bias_ids.numel() or self.bad_words_ids
             or self.grammar is not None or len(self.output_token_ids) < p.min_tokens
         )
+
+    def allowed_mask_on(self, device: torch.device) -> Tensor:
+        """`allowed_mask` on `device` (copied once per request, not once per step)."""
+        if self.allowed_mask.device == device:
+            return self.allowed_mask
+        if self._allowed_mask_dev is None or self._allowed_mask_dev.device != device:
+            self._allowed_mask_dev = self.allowed_mask.to(device)
+        return self._allowed_mask_dev
 
     def banned_tokens(self) -> list[int]:
         """Tokens illegal at this step because of the generated suffix / history (hard constraints)."""
@@ -173,17 +183,22 @@ class SamplingState:
         s = object.__new__(SamplingState)
         s.__dict__.update(self.__dict__)
         s.branch_index = branch_index
-        s.generator = torch.Generator()
-        if self.params.seed is not None:
-            s.generator.manual_seed(branch_seed(self.params.seed, branch_index))
-        else:
-            s.generator.manual_seed(int.from_bytes(os.urandom(8), "little"))
+        s.generator = _generator(self.params.seed, branch_index, self.generator.device)
         s.output_token_ids = list(self.output_token_ids)
         s.rep_counts = self.rep_counts.copy() if self.rep_counts is not None else None
         s.out_counts = self.out_counts.copy() if self.out_counts is not None else None
         s._ngrams = {k: set(v) for k, v in self._ngrams.items()} if self._ngrams is not None else None
         s.grammar = self.grammar.fork() if self.grammar is not None else None
         return s
+
+
+def _generator(seed: int | None, branch_index: int, device: torch.device) -> torch.Generator:
+    g = torch.Generator(device=device)
+    if seed is not None:
+        g.manual_seed(branch_seed(seed, branch_index))
+    else:  # unseeded: fresh OS entropy, never the process-global RNG stream (spec §1.6)
+        g.manual_seed(int.from_bytes(os.urandom(8), "little"))
+    return g
 
 
 def bad_words_to_ids(bad_words: list[str], tokenizer) -> list[list[int]]:

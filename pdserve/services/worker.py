@@ -212,7 +212,8 @@ async def _heartbeat_loop(w: Worker, registry: Registry | None, interval_s: floa
 
 
 ENGINE_SIZE_FLAGS = ("kv_cache_bytes", "gpu_memory_utilization", "block_size", "max_num_batched_tokens",
-                     "max_model_len", "kv_offload_bytes", "kv_offload_dir", "kv_offload_disk_bytes")
+                     "max_model_len", "kv_offload_bytes", "kv_offload_dir", "kv_offload_disk_bytes",
+                     "preemption_mode", "swap_space")
 
 
 def engine_config_from_env(args) -> EngineConfig:

@@ -55,6 +55,21 @@ def test_preemption_same_tokens(tiny_llama, reference, mode):
     assert eng.stats()["cpu_blocks_in_use"] == 0
 
 
+def test_swap_space_sizes_the_host_pool_and_swaps(tiny_llama, reference):
+    """--swap-space (GiB) instead of a block count: the host pool holds floor(GiB * 2^30 / block bytes) blocks, a
+    block being K and V of every layer for block_size tokens (the checkpoint's config, read independently)."""
+    import json
+    cfg = json.loads((tiny_llama / "config.json").read_text())
+    heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    toks, eng = run(tiny_llama, num_gpu_blocks=14, preemption_mode="swap", swap_space=0.001,
+                    enable_prefix_caching=False)
+    elt = eng.kv_cache.data.element_size()
+    assert eng.block_manager.num_cpu_blocks == int(0.001 * 2 ** 30) // (cfg["num_hidden_layers"] * 2 * 4 * heads
+                                                                        * head_dim * elt)
+    assert toks == reference and eng.scheduler.num_preemptions["swap"] > 0
+
+
 @pytest.mark.parametrize("policy", ["decode-priority", "prefill-priority"])
 def test_policies_same_tokens(tiny_llama, reference, policy):
     toks, _ = run(tiny_llama, policy=policy, max_num_batched_tokens=8, max_num_seqs=3)

@@ -7,7 +7,7 @@ import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_sizing import (CPU_DEFAULT_KV_BYTES, KVSizingError, MemoryProfile, block_bytes_for,
-                                      num_blocks, pool_blocks)
+                                      num_blocks, pool_blocks, swap_blocks)
 
 GIB = 1 << 30
 
@@ -50,8 +50,18 @@ def test_precedence_on_cpu():
     assert num_blocks(EngineConfig(), None, cpu, 1 << 20) == CPU_DEFAULT_KV_BYTES >> 20
 
 
+def test_swap_blocks_from_gib():
+    assert swap_blocks(EngineConfig(), 1024) == 0
+    assert swap_blocks(EngineConfig(swap_space=1.5), 1 << 20) == 1536
+    assert swap_blocks(EngineConfig(swap_space=1.0, num_cpu_blocks=3), 1 << 20) == 3  # the explicit count wins
+    with pytest.raises(KVSizingError, match="swap-space"):
+        swap_blocks(EngineConfig(swap_space=1e-9), 1 << 20)
+
+
 @pytest.mark.parametrize("kw", [dict(gpu_memory_utilization=0), dict(gpu_memory_utilization=1.01),
-                                dict(kv_cache_bytes=0), dict(max_model_len=1), dict(attention="flash")])
+                                dict(kv_cache_bytes=0), dict(max_model_len=1), dict(attention="flash"),
+                                dict(preemption_mode="swap"), dict(preemption_mode="evict", swap_space=1.0),
+                                dict(swap_space=-1.0), dict(swap_space=float("nan"))])
 def test_engine_config_rejects(kw):
     with pytest.raises(ValueError):
         EngineConfig(**kw).validate()
@@ -62,14 +72,19 @@ def test_worker_flags_and_env_reach_the_engine_config(monkeypatch):
     from pdserve.services.worker import engine_config_from_env
     monkeypatch.setenv("PDSERVE_GPU_MEMORY_UTILIZATION", "0.8")
     monkeypatch.setenv("PDSERVE_MAX_NUM_BATCHED_TOKENS", "4096")
+    monkeypatch.setenv("PDSERVE_SWAP_SPACE", "2.5")
     args = build_parser().parse_args(["worker", "--role", "both", "--kv-cache-bytes", "1048576", "--block-size",
                                       "32", "--max-model-len", "8192", "--max-num-seqs", "128",
-                                      "--dtype", "bfloat16"])
+                                      "--dtype", "bfloat16", "--preemption-mode", "swap"])
     cfg = engine_config_from_env(args)
     assert (cfg.gpu_memory_utilization, cfg.max_num_batched_tokens, cfg.kv_cache_bytes, cfg.block_size,
             cfg.max_model_len, cfg.max_num_seqs, cfg.dtype) == (0.8, 4096, 1 << 20, 32, 8192, 128, "bfloat16")
+    assert (cfg.preemption_mode, cfg.swap_space) == ("swap", 2.5)
+    cfg.validate()
+    monkeypatch.delenv("PDSERVE_SWAP_SPACE")
     unset = engine_config_from_env(build_parser().parse_args(["worker", "--role", "both"]))
     assert unset.kv_cache_bytes is None and unset.block_size == 16 and unset.max_model_len is None
+    assert (unset.preemption_mode, unset.swap_space) == ("recompute", 0.0)
 
 
 @pytest.mark.parametrize("argv,want", [
@@ -78,6 +93,8 @@ def test_worker_flags_and_env_reach_the_engine_config(monkeypatch):
     (["--kv-cache-bytes", "8GiB"], "'8GiB' is not an integer"),
     (["--max-model-len", "1"], "'1' must be >= 2"),
     (["--block-size", "0"], "'0' must be >= 1"),
+    (["--preemption-mode", "evict"], "invalid choice: 'evict'"),
+    (["--swap-space", "-1"], "'-1' must be >= 0"),
 ])
 def test_bad_flags_are_one_line_errors(capsys, argv, want):
     from pdserve.cli import build_parser

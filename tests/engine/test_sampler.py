@@ -1,17 +1,51 @@
 """Sampler tests against the spec's worked numbers (§3, §8 [D01]-[D02], §A 1-2) and against an
-independent pure-Python reference of the support definitions (never the sampler's own output)."""
+independent pure-Python reference of the support definitions (never the sampler's own output).
+
+Every test runs once per device (cpu always, cuda where there is one): the logits are moved to the device and the
+requests' generators live there, as in the engine; results are read back on the host."""
 from __future__ import annotations
 
 import math
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
-from pdserve.engine.sampler import Sampler, SamplingState, select_best
+from pdserve.engine import sampler as sampler_mod
+from pdserve.engine.sampler import select_best
 from pdserve.engine.sampling_params import GuidedSpec, SamplingParams
 
 torch.set_num_threads(1)
+
+DEV = torch.device("cpu")  # the device of the current parametrisation (set by the fixture below)
+
+
+@pytest.fixture(scope="module", autouse=True, params=[
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))])
+def _device(request):
+    global DEV
+    DEV = torch.device(request.param)
+    yield DEV
+    DEV = torch.device("cpu")
+
+
+def SamplingState(*args, **kw):  # noqa: N802 (stands in for the class: a state whose generator is on DEV)
+    return sampler_mod.SamplingState(*args, device=DEV, **kw)
+
+
+class Sampler(sampler_mod.Sampler):
+    """The real sampler, fed logits on DEV."""
+
+    def sample(self, logits, states):
+        return super().sample(logits.to(DEV), states)
+
+    def prompt_logprobs(self, logits, prompt_token_ids, k):
+        return super().prompt_logprobs(logits.to(DEV), prompt_token_ids, k)
+
+
+def edit(sampler, z, states):
+    """Steps 1-2 (constraints, bias, penalties) on DEV, read back."""
+    return sampler.process_logits(z.to(DEV), states).cpu()
 
 
 # ---------------------------------------------------------------- pure-Python reference (spec §3.1)
@@ -33,6 +67,8 @@ def ref_top_k(p, k):
 
 
 def ref_top_p(p, top_p):
+    if top_p >= 1.0:  # the only prefix whose exact mass reaches 1 is the whole support (no tolerance can apply)
+        return p
     order = sorted((i for i in range(len(p)) if p[i] > 0), key=lambda i: (-p[i], i))
     keep, cum = set(), 0.0
     for i in order:
@@ -49,6 +85,8 @@ def ref_min_p(p, alpha):
 
 
 def ref_typical(p, mass):
+    if mass >= 1.0:  # as top_p = 1: the whole support
+        return p
     H = -sum(x * math.log(x) for x in p if x > 0)
     order = sorted((i for i in range(len(p)) if p[i] > 0), key=lambda i: (abs(-math.log(p[i]) - H), -p[i], i))
     keep, cum = set(), 0.0
@@ -198,6 +236,11 @@ def test_temperature_zero_limit_splits_ties_equally(z):
 @settings(max_examples=40, deadline=None)
 @given(z=logit_lists, k=st.integers(1, 12), p=st.floats(0.05, 1.0), a=st.floats(0, 0.9), ty=st.floats(0.05, 1.0),
        T=st.floats(0.3, 3.0))
+# Seen once: p(token 1) = e^-22 = 2.8e-10 after T = 0.5, and no filter is on (k = V, p = 1, typical = 1, min_p 0
+# or below 2.8e-10). The spec's support is then the whole vocabulary (temperature alone never drops a token, and the
+# only prefix whose mass reaches p = 1 is all of it); the reference used to stop its top-p scan at mass 1 - 1e-9.
+@example(z=[7.0, -4.0], k=2, p=1.0, a=0.0, ty=1.0, T=0.5)
+@example(z=[7.0, -4.0], k=2, p=1.0, a=1e-10, ty=1.0, T=0.5)
 def test_matches_reference_pipeline(z, k, p, a, ty, T):
     k = min(k, len(z))
     t = torch.tensor([z])
@@ -216,6 +259,17 @@ def _near_boundary(z, T, k, p, a, ty):
         ):
             return True
     return False
+
+
+def test_tiny_tail_kept_when_no_filter_is_on():
+    """The hypothesis example above, spelled out: both tokens stay in the support (p = 1 and typical_p = 1 are off,
+    min_p = 1e-10 < 2.8e-10 keeps the tail) and min_p = 1e-9 drops it."""
+    z = torch.tensor([[7.0, -4.0]])
+    kw = dict(temperature=0.5, top_k=2, top_p=1.0, typical_p=1.0)
+    assert sup(z, min_p=0.0, **kw) == {0, 1} == sup(z, min_p=1e-10, **kw)
+    assert sup(z, min_p=1e-9, **kw) == {0}
+    assert support(ref_pipeline([7.0, -4.0], 0.5, top_k=2, top_p=1.0, min_p=1e-10, typical_p=1.0)) == {0, 1}
+    assert processed(z, min_p=0.0, **kw)[1] == pytest.approx(math.exp(-22) / (1 + math.exp(-22)), rel=1e-5)
 
 
 # ---------------------------------------------------------------- distribution of seeded draws
@@ -306,10 +360,10 @@ def test_select_best_by_cumulative_logprob():
 def test_repetition_penalty_sign_aware_counts_prompt():
     z = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
     s = SamplingState(SamplingParams(repetition_penalty=2.0), [0, 1], 4, [])
-    out = Sampler(4).process_logits(z, [s])
+    out = edit(Sampler(4), z, [s])
     assert out.tolist() == [[1.0, -4.0, 1.0, 0.5]]
     s.append(2)
-    assert Sampler(4).process_logits(z, [s]).tolist() == [[1.0, -4.0, 0.5, 0.5]]
+    assert edit(Sampler(4), z, [s]).tolist() == [[1.0, -4.0, 0.5, 0.5]]
 
 
 def test_frequency_presence_count_output_only():
@@ -317,7 +371,7 @@ def test_frequency_presence_count_output_only():
     s = SamplingState(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), [3, 3, 3], 4, [])
     for t in (1, 1, 2):
         s.append(t)
-    assert Sampler(4).process_logits(z, [s]).tolist() == [[0.0, -1.25, -0.75, 0.0]]
+    assert edit(Sampler(4), z, [s]).tolist() == [[0.0, -1.25, -0.75, 0.0]]
 
 
 def test_hard_constraints():
@@ -325,22 +379,22 @@ def test_hard_constraints():
     z = torch.zeros(1, V)
     smp = Sampler(V)
     s = SamplingState(SamplingParams(allowed_token_ids=[1, 4], logit_bias={4: 2.0}), [], V, [0])
-    out = smp.process_logits(z, [s])[0]
+    out = edit(smp, z, [s])[0]
     assert torch.isinf(out[[0, 2, 3, 5]]).all() and out[1] == 0 and out[4] == 2.0
     # bad words: the sequence [2, 3] bans 3 only right after 2 in the generated suffix; [5] always
     s = SamplingState(SamplingParams(), [2], V, [0], bad_words_ids=[[2, 3], [5]])
-    assert torch.isinf(smp.process_logits(z, [s])[0]).tolist() == [False] * 5 + [True]
+    assert torch.isinf(edit(smp, z, [s])[0]).tolist() == [False] * 5 + [True]
     s.append(2)
-    assert torch.isinf(smp.process_logits(z, [s])[0]).tolist() == [False, False, False, True, False, True]
+    assert torch.isinf(edit(smp, z, [s])[0]).tolist() == [False, False, False, True, False, True]
     # no_repeat_ngram over prompt + output: prompt has (1, 2); after generating 1, 2 is banned
     s = SamplingState(SamplingParams(no_repeat_ngram_size=2), [1, 2, 4], V, [0])
     s.append(1)
-    assert torch.isinf(smp.process_logits(z, [s])[0]).nonzero().flatten().tolist() == [2]
+    assert torch.isinf(edit(smp, z, [s])[0]).nonzero().flatten().tolist() == [2]
     # min_tokens suppresses EOS and stop_token_ids until reached
     s = SamplingState(SamplingParams(min_tokens=1, stop_token_ids=[3]), [], V, [0])
-    assert torch.isinf(smp.process_logits(z, [s])[0]).nonzero().flatten().tolist() == [0, 3]
+    assert torch.isinf(edit(smp, z, [s])[0]).nonzero().flatten().tolist() == [0, 3]
     s.append(1)
-    assert not torch.isinf(smp.process_logits(z, [s])[0]).any()
+    assert not torch.isinf(edit(smp, z, [s])[0]).any()
 
 
 def test_dead_end_when_nothing_legal():

@@ -19,6 +19,16 @@ if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
     pytest.skip("Triton needs TRITON_INTERPRET=1 (set by tests/conftest.py before triton is imported) or a GPU",
                 allow_module_level=True)
 
+if os.environ.get("TRITON_INTERPRET") == "1":
+    import numpy  # noqa: E402
+    import triton  # noqa: E402
+    from packaging.version import Version  # noqa: E402
+    # Triton < 3.8's interpreter turns a loaded scalar into a loop bound with int() of a 1-element array, which
+    # NumPy >= 2.4 refuses (3.8 squeezes it first). Only the interpreter is affected, not the compiled kernels.
+    if Version(triton.__version__) < Version("3.8") and Version(numpy.__version__) >= Version("2.4"):
+        pytest.skip(f"Triton {triton.__version__}'s interpreter cannot run with NumPy {numpy.__version__} "
+                    "(needs NumPy < 2.4 or Triton >= 3.8)", allow_module_level=True)
+
 DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 N_BLOCKS, LAYERS = 24, 2
 

@@ -60,13 +60,14 @@ SCENARIOS: dict[str, dict] = {
         "model": {"source": "hostPath", "hostPath": {"path": "/mnt/models/qwen2"}, "servedModelName": "qwen"},
     },
     "gpu": {
-        "workers": {"gpuResourceName": "nvidia.com/gpu", "dtype": "bfloat16",
+        "workers": {"gpuResourceName": "nvidia.com/gpu", "dtype": "bfloat16", "blockSize": 32, "maxModelLen": 8192,
                     "shm": {"sizeLimit": "32Gi"},
                     "rdma": {"enabled": True, "resources": {"rdma/ib": 1, "nvidia.com/hostdev": 2},
                              "podAnnotations": {"k8s.v1.cni.cncf.io/networks": "rdma-net"}},
                     "extraEnv": [{"name": "UCX_TLS", "value": "rc,cuda_copy,cuda_ipc"}]},
-        "prefill": {"gpus": 2, "numGpuBlocks": 4096, "maxNumSeqs": 64, **GPU_SCHED},
-        "decode": {"gpus": 1, "drainTimeout": 60, "priorityClassName": "inference", **GPU_SCHED},
+        "prefill": {"gpus": 2, "numGpuBlocks": 4096, "maxNumSeqs": 64, "maxNumBatchedTokens": 8192, **GPU_SCHED},
+        "decode": {"gpus": 1, "drainTimeout": 60, "priorityClassName": "inference", "gpuMemoryUtilization": 0.85,
+                   "preemptionMode": "swap", "swapSpace": 8, **GPU_SCHED},
         "model": {"source": "download", "download": {"url": "s3:models/llama", "envFrom": [
             {"secretRef": {"name": "model-store"}}]}, "subPath": "llama"},
         "gateway": {"apiKeys": {"enabled": True, "keys": ["sk-one", "sk-two"]}, "replicas": 2,

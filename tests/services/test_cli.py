@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.cli import DTYPES, MODES, POLICIES, build_parser
+from pdserve.cli import DTYPES, MODES, POLICIES, PREEMPTION_MODES, build_parser
 from pdserve.cli_args import env_name
 from pdserve.services.up import free_port
 
@@ -180,6 +180,8 @@ def test_help_lists_defaults_and_env_names(monkeypatch, capsys):
 
 def test_engine_names_match_the_engine():
     from pdserve.engine.config import DTYPES as ENGINE_DTYPES, POLICIES as ENGINE_POLICIES
+    from pdserve.engine.config import PREEMPTION_MODES as ENGINE_PREEMPTION_MODES
+    assert PREEMPTION_MODES == ENGINE_PREEMPTION_MODES
     assert POLICIES == ENGINE_POLICIES and set(DTYPES) == {"auto", *ENGINE_DTYPES} and "auto" in MODES
 
 

@@ -78,7 +78,7 @@ def _record(state: SamplingState, raw: Tensor, tid: int, p: Tensor) -> SampleRes
 def _draw(p: Tensor, state: SamplingState) -> int:
     """One token from p [V] float64 with the row's generator (a float64 uniform through the cumulative sum)."""
     cdf = p.cumsum(-1)
-    u = draw_uniform(state)
+    u = float(draw_uniform(state))  # the generator may live on the logits' device (SamplingState(device=))
     return int(torch.searchsorted(cdf, (u * cdf[-1]).unsqueeze(0), right=True).clamp_(max=p.shape[0] - 1))
 
 
@@ -121,7 +121,7 @@ def verify(sampler: Sampler, state: SamplingState, logits: Tensor, drafts: list[
                 res, ok = sampler.sample(row, [state])[0], False
             else:
                 d, q = drafts[j], draft_probs[j]
-                ok = bool(draw_uniform(state) * q[d] < p[d])  # P = min(1, p(d) / q(d)); q(d) > 0 as d ~ q
+                ok = bool(float(draw_uniform(state)) * q[d] < p[d])  # P = min(1, p(d) / q(d)); q(d) > 0 as d ~ q
                 if ok:
                     tid = d
                 else:

@@ -35,7 +35,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank{a.rank} %(levelname)s %(message)s")
     from pdserve.engine.config import DTYPES, EngineConfig, ModelConfig
     from pdserve.engine.kv_cache import KVCache
-    from pdserve.engine.kv_sizing import block_bytes_for, num_blocks as kv_pool_blocks
+    from pdserve.engine.kv_sizing import block_bytes_for, num_blocks as kv_pool_blocks, swap_blocks
     from pdserve.engine.loader import load_state_dict
     from pdserve.engine.model import LlamaModel
     from pdserve.engine.model_runner import ModelRunner
@@ -63,7 +63,7 @@ def main(argv: list[str]) -> int:
     # the same point), then the smallest count on every rank: the same block ids everywhere
     per_block = block_bytes_for(mcfg.num_layers, config.block_size, net.shard.num_kv_heads, mcfg.head_dim, dtype)
     num_blocks = comm.min_int(kv_pool_blocks(config, net, device, per_block))
-    kv = KVCache(mcfg, num_blocks, config.block_size, dtype, str(device), config.num_cpu_blocks, "",
+    kv = KVCache(mcfg, num_blocks, config.block_size, dtype, str(device), swap_blocks(config, per_block), "",
                  num_kv_heads=net.shard.num_kv_heads, shard=net.shard)
     runner = ModelRunner(net, kv, native=config.native_kernels, attention=config.attention)
     if a.side_fd >= 0:  # rank 0's requests beside the steps: this pool's NIXL agent (kv_transfer/tp_ranks.py)
