@@ -223,3 +223,28 @@ def test_prefer_local_never_pairs():
             pol.place(ws, req=RouteInput("l", long, exclude={"d0", "d1"}, prefer="local"))
     both = Policy("colocated").place([_rec("b0"), _rec("d0", "decode")], req=RouteInput("x", [1, 2], prefer="local"))
     assert both.mode == "colocated"
+
+
+def test_unmeasured_worker_is_priced_like_its_measured_peers():
+    """A decode worker just added (nothing measured yet: 0 in its report) is priced from its measured pool peers,
+    not from the conservative static prior, under which at light load it would never be chosen and never measure
+    itself; a peer of another role or another model layout lends it nothing."""
+    from pdserve.services.router.cost import Priors, WorkerCost, peer_priors
+    measured = _rec("d-old", role="decode", step=0.004, running=1)
+    fresh = _rec("d-new", role="decode", step=0.0, rate=0.0)
+    fresh.load.decode_step_per_seq_s = 0.0
+    pri = Priors()
+    assert pri.decode_step_s == 0.02  # the static prior: 5x the measured 4 ms step
+    p = peer_priors(pri, fresh, [measured, fresh])
+    assert p.decode_step_s == 0.004 and p.decode_step_per_seq_s == 0.0005 and p.prefill_tokens_per_s == 4000.0
+    assert WorkerCost.of(fresh, p).step == pytest.approx(0.004)  # idle: the peer's step, not 0.02
+    assert WorkerCost.of(fresh, pri).step == pytest.approx(0.02)
+    other_role = _rec("p", role="prefill", step=0.004)
+    other_model = _rec("d-other", role="decode", step=0.004)
+    other_model.layout.fingerprint = "another-model"
+    assert peer_priors(pri, fresh, [fresh, other_role, other_model]) == pri
+    # in the policy: both idle, the fresh worker is no longer priced out
+    pol = Policy("disagg", rng=random.Random(0), inflight_ttl_s=0)
+    ws = [_rec("pre", role="prefill"), measured, fresh]
+    picked = pol.place(ws, req=RouteInput("r", list(range(1, 40)), max_tokens=16)).decode.worker_id
+    assert picked == "d-new"  # d-old runs one sequence, d-new none: at the same step cost the idle one wins

@@ -30,7 +30,8 @@ imposes on others - so a long prompt on a busy decode worker is disaggregated, a
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from statistics import median
 
 from pdserve.services.registry import WorkerRecord
 
@@ -47,6 +48,31 @@ class Priors:
     host_recall_bytes_per_s: float = 5e9   # host tier -> device pool (a memcpy / pinned H2D copy)
     disk_recall_bytes_per_s: float = 5e8   # disk tier -> device pool (a file read + copy)
     block_bytes: int = 0  # 0: from the worker's layout
+
+
+def peer_priors(pri: Priors, rec: WorkerRecord, records: list[WorkerRecord]) -> Priors:
+    """The priors for `rec`, filled from its measured peers (same role, model layout and TP degree) where they have
+    measured a rate `rec` has not: a replica the planner or an operator just added is assumed to perform like its
+    pool, not like the conservative static prior. Under that prior a new decode worker at light load would look
+    several times slower than its measured peers, never be chosen, and so never measure itself. The decode step
+    prior is the fastest peer step (a peer's step is measured at its batch, so this is at most its base step)."""
+    peers = [r.load for r in records if r.worker_id != rec.worker_id and r.role == rec.role
+             and r.layout.fingerprint == rec.layout.fingerprint
+             and r.load.tensor_parallel_size == rec.load.tensor_parallel_size]
+    if not peers:
+        return pri
+    got: dict[str, float] = {}
+    steps = [p.decode_step_s for p in peers if p.decode_step_s > 0]
+    if steps:
+        got["decode_step_s"] = min(steps)
+    for name in ("decode_step_per_seq_s", "prefill_tokens_per_s", "kv_bytes_per_s", "handoff_overhead_s"):
+        vals = [getattr(p, name) for p in peers if getattr(p, name) > 0]
+        if vals:
+            got[name] = median(vals)
+    overheads = [p.prefill_overhead_s for p in peers if p.prefill_tokens_per_s > 0]
+    if overheads:
+        got["prefill_overhead_s"] = median(overheads)
+    return replace(pri, **got) if got else pri
 
 
 @dataclass

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from pdserve.services.metrics import router as M
 from pdserve.services.registry import WorkerRecord
-from pdserve.services.router.cost import CostModel, CostParams, Estimate, Inflight, WorkerCost
+from pdserve.services.router.cost import CostModel, CostParams, Estimate, Inflight, WorkerCost, peer_priors
 from pdserve.services.router.prefix_index import PrefixIndex, TierHit, chain_hashes
 from pdserve.services.router.spread import RouteWeights, Spread, Terms, zone_of
 
@@ -137,7 +137,7 @@ class Policy:
         live = [w for w in workers if w.worker_id not in excl]
         pri = self.cost.p.priors
         now = self.clock()
-        wc = {w.worker_id: WorkerCost.of(w, pri, self._inflight(w), now) for w in live}
+        wc = {w.worker_id: WorkerCost.of(w, peer_priors(pri, w, workers), self._inflight(w), now) for w in live}
         pre = [wc[w.worker_id] for w in live if w.role == "prefill"]
         dec = [wc[w.worker_id] for w in live if w.role == "decode"]
         both = [wc[w.worker_id] for w in live if w.role == "both"]

@@ -20,7 +20,7 @@ import time
 
 from pdserve.services.metrics import router as M
 from pdserve.services.registry import Registry, WorkerRecord
-from pdserve.services.router.cost import Priors, WorkerCost
+from pdserve.services.router.cost import Priors, WorkerCost, peer_priors
 from pdserve.services.router.prefix_index import IndexSync
 
 log = logging.getLogger("pdserve.router.view")
@@ -40,12 +40,12 @@ class LiveView:
         return list(self._records)
 
     def costs(self) -> dict[str, WorkerCost]:
-        return {r.worker_id: WorkerCost.of(r, self.priors) for r in self._records}
+        return {r.worker_id: WorkerCost.of(r, peer_priors(self.priors, r, self._records)) for r in self._records}
 
     def get(self, worker_id: str) -> WorkerCost | None:
         for r in self._records:
             if r.worker_id == worker_id:
-                return WorkerCost.of(r, self.priors)
+                return WorkerCost.of(r, peer_priors(self.priors, r, self._records))
         return None
 
     async def refresh(self) -> list[WorkerRecord]:
