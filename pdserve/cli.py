@@ -50,6 +50,9 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
                    help="context limit in tokens, prompt + output (default: the checkpoint's)")
     p.add_argument("--device", help="cpu | cuda | cuda:N (default: cpu)")
     p.add_argument("--dtype", choices=DTYPES, help="weights and KV dtype (default: the checkpoint's)")
+    p.add_argument("--quantization", choices=("none", "int8"),
+                   help="weight-only int8 projections and lm_head, per-channel scales; CPU only (default: none; "
+                        "docs/engine.md, Weight-only int8)")
     p.add_argument("--policy", choices=POLICIES, help="scheduling policy (default: fcfs)")
     p.add_argument("--threads", type=positive_int,
                    help="torch intra-op threads (default: all cores; `up` splits the cores between workers)")

@@ -19,6 +19,8 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
+    p.add_argument("--quantization", default="none", choices=["none", "int8"],
+                   help="weight-only int8 projections and lm_head (CPU; docs/engine.md, Weight-only int8)")
     p.add_argument("--kv-offload-bytes", type=int, default=0,
                    help="host KV tier bytes: evicted prefix blocks are recalled instead of recomputed (0: off)")
     p.add_argument("--kv-offload-dir", default=None, help="disk KV tier directory (spills from the host tier)")
@@ -36,7 +38,7 @@ def run_generate(args: argparse.Namespace) -> int:
     t0 = time.time()
     try:
         engine = Engine.from_pretrained(args.model, EngineConfig(
-            dtype=args.dtype, device=args.device, kv_offload_bytes=args.kv_offload_bytes,
+            dtype=args.dtype, device=args.device, quantization=args.quantization, kv_offload_bytes=args.kv_offload_bytes,
             kv_offload_dir=args.kv_offload_dir, kv_offload_disk_bytes=args.kv_offload_disk_bytes))
     except (CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -142,6 +142,8 @@ class EngineConfig:
     max_buffered_outputs: int = 64
     backpressure_preempt_s: float = 5.0
     preemption_mode: str = "recompute"  # recompute | swap
+    # Weight-only quantization of the projections and lm_head (engine/quant.py): none | int8.
+    quantization: str = "none"
     dtype: str = "auto"  # auto (the fastest for this device and checkpoint: cpu_isa.py) | float32 | bfloat16 | float16
     device: str = "cpu"
     max_model_len: int | None = None
@@ -180,5 +182,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.attention not in ("auto", "native", "triton", "torch"):
             raise ValueError(f"unknown attention backend {self.attention!r} (auto, native, triton, torch)")
+        if self.quantization not in ("none", "int8"):
+            raise ValueError(f"unknown quantization {self.quantization!r} (none, int8)")
+        if self.quantization != "none" and not self.device.startswith("cpu"):
+            raise ValueError(f"quantization={self.quantization!r} runs on CPU only (device {self.device!r})")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}")

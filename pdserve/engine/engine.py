@@ -22,6 +22,8 @@ from pdserve.engine.checkpoint import resolve_model_dir
 from pdserve.engine.config import DTYPES, EngineConfig, ModelConfig
 from pdserve.engine.core import EngineCore
 from pdserve.engine.cpu_isa import EngineInfo, choose_dtype, detected_level
+from pdserve.engine.kernels import native_ops
+from pdserve.engine.quant import choose_weight_storage
 from pdserve.engine.errors import RequestRejected
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.kv_offload import KVOffload
@@ -111,7 +113,8 @@ class Engine:
             isa=detected_level() if self.runner.device.type == "cpu" else self.runner.device.type,
             dtype=str(dtype).removeprefix("torch."), kernels=self.runner.kernels_name(),
             checkpoint_dtype=str(model_config.checkpoint_dtype).removeprefix("torch."),
-            chosen_by="auto" if config.dtype == "auto" else "--dtype")
+            chosen_by="auto" if config.dtype == "auto" else "--dtype",
+            weights=model.weight_storage if model.weight_storage != "same" else str(dtype).removeprefix("torch."))
         log.info("%s", self.info.line())
         self.eos_token_ids = sorted(set(model_config.eos_token_ids) | set(tokenizer.eos_token_ids))
         self.requests: dict[str, Request] = {}
@@ -126,6 +129,7 @@ class Engine:
     @classmethod
     def from_pretrained(cls, model: str | Path, config: EngineConfig | None = None) -> "Engine":
         config = config or EngineConfig()
+        config.validate()  # before the weights load: a bad flag fails fast
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         model_dir = resolve_model_dir(model)
@@ -138,8 +142,18 @@ class Engine:
             net = LlamaModel(mcfg).to(dtype)
         net.load_hf_weights(tensors)
         net.eval()
+        del tensors
+        ops = native_ops() if config.native_kernels and config.device.startswith("cpu") else None
+        storage = config.quantization if config.quantization != "none" else "same"
+        if storage == "same" and config.dtype == "auto":  # bf16 decode GEMVs computed in fp32 (quant.py)
+            storage = choose_weight_storage(detected_level(), mcfg.checkpoint_dtype, dtype, config.device,
+                                            ops is not None)
+        if storage != "same":
+            net.store_weights(storage, ops)
         net.pack_weights()
-        return cls(mcfg, config, net, tokenizer, mcfg.fingerprint(digest, dtype))
+        # int8 weights compute different KV: never shared with (or prefix-hit by) an unquantized deployment's.
+        quant = "" if config.quantization == "none" else ":" + config.quantization
+        return cls(mcfg, config, net, tokenizer, mcfg.fingerprint(digest + quant, dtype))
 
     # ---- admission --------------------------------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

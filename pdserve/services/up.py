@@ -115,8 +115,8 @@ def up(args) -> int:
         if args.drain_timeout is not None:
             common += ["--drain-timeout", str(args.drain_timeout)]
         eng = []
-        for flag in ("num_gpu_blocks", "max_num_seqs", "device", "dtype", "threads", "policy", "kv_cache_bytes",
-                     "gpu_memory_utilization", "block_size", "max_num_batched_tokens", "max_model_len",
+        for flag in ("num_gpu_blocks", "max_num_seqs", "device", "dtype", "quantization", "threads", "policy",
+                     "kv_cache_bytes", "gpu_memory_utilization", "block_size", "max_num_batched_tokens", "max_model_len",
                      "kv_offload_bytes", "kv_offload_dir", "kv_offload_disk_bytes"):
             v = getattr(args, flag)
             if v:

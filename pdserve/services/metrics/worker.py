@@ -57,14 +57,14 @@ NUM_RUNNING = Gauge("pdserve_num_running", "Requests running in the engine", reg
 NUM_WAITING = Gauge("pdserve_num_waiting", "Requests waiting in the engine", registry=WORKER)
 STATE_GAUGE = Gauge("pdserve_requests_in_state", "Live engine sequences per state", ["state"], registry=WORKER)
 ENGINE_INFO = Gauge("pdserve_engine_info", "1, labelled with what this worker's engine runs on: the CPU ISA level "
-                    "used (or the accelerator), the compute dtype, and the kernels (native | triton | torch)",
-                    ["isa", "dtype", "kernels"], registry=WORKER)
+                    "used (or the accelerator), the compute dtype, how the projection weights are held (int8 | bfloat16 | the compute dtype), and the kernels "
+                    "(native | triton | torch)", ["isa", "dtype", "weights", "kernels"], registry=WORKER)
 
 
 def set_engine_info(info) -> None:
     """One sample for this process's engine (engine.cpu_isa.EngineInfo), set once at start."""
     ENGINE_INFO.clear()
-    ENGINE_INFO.labels(info.isa, info.dtype, info.kernels).set(1)
+    ENGINE_INFO.labels(info.isa, info.dtype, info.weights or info.dtype, info.kernels).set(1)
 
 
 def observe_engine_times(out) -> None:
