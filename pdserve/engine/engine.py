@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from pdserve.engine.config import DTYPES, EngineConfig, ModelConfig
 from pdserve.engine.core import EngineCore
 from pdserve.engine.cpu_isa import EngineInfo, choose_dtype, detected_level
 from pdserve.engine.kernels import native_ops
-from pdserve.engine.quant import choose_weight_storage
+from pdserve.engine.quant import BF16_WEIGHTS_ENV, choose_weight_storage
 from pdserve.engine.errors import RequestRejected
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.kv_offload import KVOffload
@@ -145,7 +146,8 @@ class Engine:
         del tensors
         ops = native_ops() if config.native_kernels and config.device.startswith("cpu") else None
         storage = config.quantization if config.quantization != "none" else "same"
-        if storage == "same" and config.dtype == "auto":  # bf16 decode GEMVs computed in fp32 (quant.py)
+        if storage == "same" and config.dtype == "auto" and os.environ.get(BF16_WEIGHTS_ENV) == "1":
+            # opt-in: bf16-held projections computed in fp32 (quant.py); not measured faster here (docs/engine.md)
             storage = choose_weight_storage(detected_level(), mcfg.checkpoint_dtype, dtype, config.device,
                                             ops is not None)
         if storage != "same":

@@ -7,9 +7,11 @@ fewer bytes is the only way left to make it faster. Two forms, one module (`Weig
   (q/k/v, o, gate/up, down) and `lm_head` are quantized: `lm_head` is ~22% of the bench model's decode bytes and
   per-row int8 is what llama.cpp's q8_0 and torchao's int8 weight-only also do with it. The token embedding stays
   in the compute dtype: a step gathers one row of it per token, so its size costs no step time.
-- **bf16 storage, fp32 compute**: the `dtype=auto` choice for a bf16 checkpoint on a CPU without native bf16
-  (`choose_weight_storage`): bf16 GEMMs are emulated there, but a GEMV that widens bf16 to fp32 in registers reads
-  half of fp32's bytes.
+- **bf16 storage, fp32 compute** (opt-in: `PDSERVE_BF16_WEIGHTS=1` with `dtype=auto`): a bf16 checkpoint on a
+  CPU without native bf16 is computed in fp32 with its projections held in bf16 (`choose_weight_storage`): bf16
+  GEMMs are emulated there, but a GEMV that widens bf16 to fp32 in registers reads half of fp32's bytes. Not the
+  default: on the development machine under the AVX2 cap it was not faster than fp32 for batch-1 decode and
+  halved prefill speed (docs/engine.md, "Weights held narrower than the compute dtype").
 
 Rows ≤ GEMV_MAX_ROWS (decode batches) run the native `weight_gemv` kernel (csrc/weight_gemv.cpp): the weight is
 read once, widened in registers, fp32 accumulation. Larger batches (prefill chunks, compute-bound) widen the
@@ -29,6 +31,7 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("none", "int8")
+BF16_WEIGHTS_ENV = "PDSERVE_BF16_WEIGHTS"  # "1": dtype=auto holds a bf16 checkpoint's projections in bf16 (above)
 # Above this many rows the widened-weight GEMM wins (measured on the bench shapes, 1 thread: at 4 rows the native
 # GEMV is 2-4x faster than torch's fp32 GEMM, at 32 rows it is on par or slower).
 GEMV_MAX_ROWS = 8
@@ -106,8 +109,8 @@ class WeightOnlyLinear(nn.Module):
 
 def choose_weight_storage(level: str, checkpoint_dtype: torch.dtype, compute_dtype: torch.dtype,
                           device: str, native: bool) -> str:
-    """`dtype=auto`'s weight storage for the projections: "bfloat16" where a bf16 checkpoint is computed in fp32 on
-    a CPU (no native bf16) and the native GEMV exists to read it, else "same" (the compute dtype)."""
+    """The projections' storage under `dtype=auto` with PDSERVE_BF16_WEIGHTS=1: "bfloat16" where a bf16 checkpoint
+    is computed in fp32 on a CPU (no native bf16) and the native GEMV exists to read it, else "same"."""
     if (device.startswith("cpu") and native and checkpoint_dtype == torch.bfloat16
             and compute_dtype == torch.float32 and level != "scalar"):
         return "bfloat16"

@@ -19,7 +19,8 @@ from torch import nn
 from pdserve.engine import cpu_isa
 from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.engine.kernels import native_ops
-from pdserve.engine.quant import GEMV_MAX_ROWS, WeightOnlyLinear, choose_weight_storage, dequantize_int8, quantize_int8
+from pdserve.engine.quant import (BF16_WEIGHTS_ENV, GEMV_MAX_ROWS, WeightOnlyLinear, choose_weight_storage,
+                                  dequantize_int8, quantize_int8)
 from pdserve.engine.sampling_params import SamplingParams
 from tests.conftest import make_checkpoint
 
@@ -203,14 +204,18 @@ def test_int8_changes_the_kv_fingerprint(ckpt):
 
 
 def test_bf16_storage_under_auto_without_native_bf16(tmp_path, monkeypatch):
-    """A bf16 checkpoint on an AVX2 CPU: fp32 compute with the projections held in bf16; greedy tokens equal
-    transformers in fp32 (the same weights: bf16 widens to fp32 exactly)."""
+    """A bf16 checkpoint on an AVX2 CPU with PDSERVE_BF16_WEIGHTS=1: fp32 compute with the projections held in
+    bf16; greedy tokens equal transformers in fp32 (the same weights: bf16 widens to fp32 exactly). Without the
+    opt-in, fp32 throughout."""
     if OPS is None:
         pytest.skip("native kernels unavailable here")
     path = make_checkpoint(tmp_path / "bf16", "llama", dtype=torch.bfloat16)
     monkeypatch.setenv(cpu_isa.ISA_ENV, "avx2")
     cpu_isa.detected_level.cache_clear()
     try:
+        default = Engine.from_pretrained(path, EngineConfig(num_gpu_blocks=16, block_size=4))
+        assert default.runner.model.weight_storage == "same" and default.info.weights == "float32"
+        monkeypatch.setenv(BF16_WEIGHTS_ENV, "1")
         engine = Engine.from_pretrained(path, EngineConfig(num_gpu_blocks=64, block_size=4))
         assert engine.kv_cache.data.dtype == torch.float32
         assert engine.runner.model.weight_storage == "bfloat16" and engine.info.weights == "bfloat16"
