@@ -147,7 +147,7 @@ class Engine:
         ops = native_ops() if config.native_kernels and config.device.startswith("cpu") else None
         storage = config.quantization if config.quantization != "none" else "same"
         if storage == "same" and config.dtype == "auto" and os.environ.get(BF16_WEIGHTS_ENV) == "1":
-            # opt-in: bf16-held projections computed in fp32 (quant.py); not measured faster here (docs/engine.md)
+            # opt-in: bf16-held projections computed in fp32 (quant.py): faster decode, slower prefill (docs/engine.md)
             storage = choose_weight_storage(detected_level(), mcfg.checkpoint_dtype, dtype, config.device,
                                             ops is not None)
         if storage != "same":
