@@ -12,11 +12,13 @@ import sys
 
 from pdserve.cli_args import (Parser, context_len, fraction, labels_arg, nonneg_float, nonneg_int, port, positive_float,
                               positive_int, print_error, weights_arg)
+from pdserve.engine.spec_decode.flags import add_spec_flags
 
 
 # The same names the engine validates (pdserve/engine/config.py, which imports torch; the CLI must not).
 POLICIES = ("fcfs", "decode-priority", "prefill-priority", "priority", "shortest-predicted-first")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+BATCHING = ("continuous", "static")
 MODES = ("auto", "disagg", "colocated")
 LOG_FORMATS = ("text", "json")  # pdserve/services/logs.py FORMATS (not imported: it pulls in the services package)
 
@@ -54,6 +56,9 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
                    help="weight-only int8 projections and lm_head, per-channel scales; CPU only (default: none; "
                         "docs/engine.md, Weight-only int8)")
     p.add_argument("--policy", choices=POLICIES, help="scheduling policy (default: fcfs)")
+    p.add_argument("--batching", choices=BATCHING,
+                   help="continuous (iteration-level refill) or static (a batch runs until all its members finish; "
+                        "the baseline, docs/engine.md) (default: continuous)")
     p.add_argument("--threads", type=positive_int,
                    help="torch intra-op threads (default: all cores; `up` splits the cores between workers)")
     p.add_argument("--kv-offload-bytes", type=nonneg_int,
@@ -63,6 +68,9 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-offload-dir", help="spill the host KV tier's LRU victims to files under this directory")
     p.add_argument("--kv-offload-disk-bytes", type=nonneg_int,
                    help="disk KV tier capacity (default: 4 x --kv-offload-bytes)")
+    p.add_argument("--tensor-parallel-size", type=positive_int,
+                   help="ranks of tensor parallelism per worker, one process each (default: 1; docs/engine.md)")
+    add_spec_flags(p)
 
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # pdserve/services/gateway/tools/registry.py
@@ -123,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--prefill", type=nonneg_int, default=1, help="prefill workers (auto/disagg)")
     up.add_argument("--decode", type=nonneg_int, default=1, help="decode workers (auto/disagg)")
     up.add_argument("--workers", type=nonneg_int, default=1, help="'both' workers (colocated)")
+    up.add_argument("--prefill-tp", type=positive_int, help="tensor parallel size of prefill workers "
+                    "(default: --tensor-parallel-size)")
+    up.add_argument("--decode-tp", type=positive_int, help="tensor parallel size of decode workers "
+                    "(default: --tensor-parallel-size)")
     up.add_argument("--port", type=port, default=8000, help="gateway HTTP port")
     up.add_argument("--grpc-port", type=port, default=0, help="gateway gRPC port (0: a free one)")
     up.add_argument("--redis-url", help="an existing Redis (default: start a private redis-server)")
@@ -135,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="passed to every child (default: each its own)")
     _add_lifecycle(up, redis_url=False)
     _add_security(up)
+    from pdserve.planner.cli import add_up_flags
+    add_up_flags(up)  # --planner and its flags (docs/planner.md)
 
     gw = sub.add_parser("gateway", env=True, help="OpenAI HTTP API + gRPC front door")
     _add_common(gw)
@@ -196,6 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(sub)
     add_bench_parser(sub)
     add_sim_parser(sub)
+    from pdserve.planner.cli import add_planner_parser, add_status_parser
+    add_planner_parser(sub)
+    add_status_parser(sub)
     return ap
 
 

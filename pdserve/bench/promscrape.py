@@ -15,6 +15,28 @@ STAGE_METRICS = ("pdserve_ttft_seconds", "pdserve_e2e_seconds", "pdserve_itl_sec
                  "pdserve_prefill_time_seconds", "pdserve_kv_transfer_seconds")
 
 
+READY = "pdserve_worker_ready_seconds"
+
+
+def worker_ready(urls: list[str], timeout: float = 5.0) -> dict[str, float]:
+    """The servers' own cold start (spec §1.5): `pdserve_worker_ready_seconds` per phase (load, warmup, ready),
+    the slowest worker's; {} when no endpoint exports it."""
+    out: dict[str, float] = {}
+    for u in urls:
+        try:
+            with urllib.request.urlopen(u, timeout=timeout) as r:
+                text = r.read().decode()
+        except Exception:  # noqa: BLE001 - an endpoint that is gone just contributes nothing
+            continue
+        for line in text.splitlines():
+            m = _LINE.match(line)
+            if m and m.group(1) == READY:
+                phase = re.search(r'phase="([^"]*)"', m.group(2) or "")
+                if phase:
+                    out[phase.group(1)] = max(out.get(phase.group(1), 0.0), float(m.group(3)))
+    return out
+
+
 def scrape(urls: list[str], timeout: float = 5.0) -> dict[str, float]:
     """Sum every `<metric>_sum`/`_count` (and plain counters) over all endpoints, keyed 'name{labels}'."""
     out: dict[str, float] = {}

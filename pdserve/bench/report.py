@@ -223,9 +223,18 @@ def warmup_table(points: list[dict]) -> str:
         w = p.get("warmup") or {}
         rows.append(f"<tr><td>{html.escape(_point_label(p))}</td><td>{w.get('n_pre_run', 0)} + "
                     f"{w.get('n_scheduled_warmup', 0)}</td><td>{_ms(w.get('cold_start_ttft_s'))}</td>"
-                    f"<td>{_ms(w.get('cold_start_e2e_s'))}</td></tr>")
+                    f"<td>{_ms(w.get('cold_start_e2e_s'))}</td>"
+                    f"<td>{html.escape(_ready(w.get('worker_ready_s')))}</td></tr>")
     return ("<table><tr><th>load point</th><th>warm-up requests (pre-run + scheduled)</th>"
-            "<th>first-request TTFT ms</th><th>first-request E2E ms</th></tr>" + "".join(rows) + "</table>")
+            "<th>first-request TTFT ms</th><th>first-request E2E ms</th>"
+            "<th>worker cold start s (load / warm-up / ready)</th></tr>" + "".join(rows) + "</table>")
+
+
+def _ready(r: dict | None) -> str:
+    """pdserve_worker_ready_seconds per phase, the slowest worker's (spec §1.5)."""
+    if not r:
+        return "-"
+    return " / ".join(f"{r[k]:.2f}" if k in r else "-" for k in ("load", "warmup", "ready"))
 
 
 CSS = ("body{font-family:sans-serif;max-width:1400px;margin:2em auto;padding:0 1em}"

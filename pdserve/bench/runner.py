@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pdserve.bench import metrics as MX
 from pdserve.bench import stages as ST
 from pdserve.bench.client import LoadGen, Target
-from pdserve.bench.promscrape import breakdown, scrape, stage_means
+from pdserve.bench.promscrape import breakdown, scrape, stage_means, worker_ready
 from pdserve.bench.workload import RequestSpec
 
 
@@ -83,4 +83,7 @@ async def run_point(target: Target, specs: list[RequestSpec], cfg: PointConfig, 
     if before is not None:
         after = await asyncio.to_thread(scrape, cfg.metrics_urls)
         stages = stage_means(before, after)
-    return summarize_point(gen, cfg, slo, stages=stages, wall_s=wall)
+    out = summarize_point(gen, cfg, slo, stages=stages, wall_s=wall)
+    if cfg.metrics_urls:  # the server side of the cold start, next to the client's first-request figures
+        out["warmup"]["worker_ready_s"] = await asyncio.to_thread(worker_ready, cfg.metrics_urls) or None
+    return out

@@ -112,6 +112,7 @@ def _generation_config(model_dir: Path) -> dict:
 
 
 POLICIES = ("fcfs", "decode-priority", "prefill-priority", "priority", "shortest-predicted-first")
+BATCHING = ("continuous", "static")
 
 
 @dataclass
@@ -144,6 +145,9 @@ class EngineConfig:
     preemption_mode: str = "recompute"  # recompute | swap
     # Weight-only quantization of the projections and lm_head (engine/quant.py): none | int8.
     quantization: str = "none"
+    # continuous: iteration-level refill (spec §5.3); static: a batch formed on an idle tick runs until all its
+    # members finish, no request joins it mid-way (§5.2) -- the baseline D04 compares against
+    batching: str = "continuous"
     dtype: str = "auto"  # auto (the fastest for this device and checkpoint: cpu_isa.py) | float32 | bfloat16 | float16
     device: str = "cpu"
     max_model_len: int | None = None
@@ -160,10 +164,19 @@ class EngineConfig:
     # Fault injection for tests and drills: every step that runs a forward first sleeps this long (a slow or
     # stalled device), e.g. to show that heartbeats do not wait for the engine thread. 0 in production.
     fault_step_delay_s: float = 0.0
+    # Ranks of tensor parallelism inside this engine (engine/tp/): one process each, rank 0 schedules.
+    tensor_parallel_size: int = 1
+    # Speculative decoding (spec_decode/): None | ngram (prompt lookup) | draft (`draft_model`, same tokenizer);
+    # up to `num_speculative_tokens` candidates verified per decode step.
+    speculative: str | None = None
+    num_speculative_tokens: int = 4
+    draft_model: str | None = None
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {self.policy!r}")
+        if self.batching not in BATCHING:
+            raise ValueError(f"unknown batching mode {self.batching!r} (continuous, static)")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"unknown preemption mode {self.preemption_mode!r}")
         if self.preemption_mode == "swap" and self.num_cpu_blocks <= 0:
@@ -186,5 +199,15 @@ class EngineConfig:
             raise ValueError(f"unknown quantization {self.quantization!r} (none, int8)")
         if self.quantization != "none" and not self.device.startswith("cpu"):
             raise ValueError(f"quantization={self.quantization!r} runs on CPU only (device {self.device!r})")
+        if self.quantization != "none" and self.tensor_parallel_size > 1:  # the other ranks load unquantized
+            raise ValueError(f"quantization={self.quantization!r} is not supported with tensor_parallel_size > 1")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.speculative not in (None, "ngram", "draft"):
+            raise ValueError(f"unknown speculative method {self.speculative!r} (ngram, draft)")
+        if self.speculative and self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
+        if self.speculative == "draft" and not self.draft_model:
+            raise ValueError("speculative='draft' needs a draft model (--draft-model DIR)")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}")

@@ -28,8 +28,13 @@ class EngineCore:
     def computed(self, sched: SchedulerOutput) -> None:
         """The forward wrote the KV of every scheduled chunk: advance the sequences, register full blocks."""
         for item in sched.scheduled:
-            item.seq.num_computed_tokens += item.num_tokens
-            self.block_manager.mark_computed(item.seq)
+            seq = item.seq
+            if item.num_tokens == 1 + item.num_draft and seq.num_output_tokens > item.num_draft:  # a decode step
+                seq.num_verified_tokens += item.num_tokens
+                seq.num_kv_growth_tokens += 1
+            # Speculative candidates' KV is not committed here: verification decides (spec_decode/decoder.py).
+            seq.num_computed_tokens += item.num_tokens - item.num_draft
+            self.block_manager.mark_computed(seq)
 
     def commit(self, seq: Sequence, token_id: int, prefill_only: bool = False) -> str | None:
         """Append one sampled token; finish the sequence when its output, the context or prefill-only ends it.

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from pdserve.engine import beam as beams
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.checkpoint import resolve_model_dir
 from pdserve.engine.config import DTYPES, EngineConfig, ModelConfig
@@ -37,12 +38,15 @@ from pdserve.engine.request_state import RequestState as S
 from pdserve.engine.resume import replay
 from pdserve.engine.grammar import make_grammar_state
 from pdserve.engine.sampler import Sampler, SamplingState, bad_words_to_ids
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import InvalidParameter, SamplingParams
 from pdserve.engine.sampling_state import select_best
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence
+from pdserve.engine.spec_decode import make_spec_decoder
 from pdserve.engine.stop import OutputProcessor
 from pdserve.engine.tokenizer import Tokenizer
+from pdserve.engine.tp.kv_ops import RecordingKVCache
+from pdserve.engine.tp.shard import shard_for
 
 log = logging.getLogger("pdserve.engine")
 usage_log = logging.getLogger("pdserve.usage")
@@ -71,9 +75,12 @@ class Request:
     transfer_deadline: float | None = None
     first_tokens: list[FirstToken] = field(default_factory=list)  # decode side: sampled by the prefill worker
     paused_since: float | None = None  # backpressured since (unix time)
+    beam: beams.BeamState | None = None  # beam search (params.beam_width): the beams live in `seqs`
 
     @property
     def finished(self) -> bool:
+        if self.beam is not None:
+            return self.reclaimed or self.beam.done
         return self.reclaimed or (all(s.finished for s in self.seqs) and len(self.seqs) >= self.params.num_branches)
 
 
@@ -92,11 +99,18 @@ class Engine:
         self.fingerprint = fingerprint
         self.max_model_len = min(config.max_model_len or model_config.max_model_len, model_config.max_model_len)
         dtype = next(model.parameters()).dtype
-        per_block = block_bytes_for(model_config.num_layers, config.block_size, model_config.num_kv_heads,
+        # With tensor parallelism (model.comm) each rank's pool holds its KV heads for the same block ids: the
+        # sizes below are one rank's; every rank sizes its own pool the same way (on CUDA the profiling forward
+        # runs on all ranks at once: it has collectives) and all take the smallest count.
+        per_block = block_bytes_for(model_config.num_layers, config.block_size, model.shard.num_kv_heads,
                                     model_config.head_dim, dtype)
         num_blocks = kv_pool_blocks(config, model, torch.device(config.device), per_block)
-        self.kv_cache = KVCache(model_config, num_blocks, config.block_size, dtype, config.device,
-                                config.num_cpu_blocks, fingerprint)
+        if model.comm is not None:
+            num_blocks = model.comm.min_int(num_blocks)
+        self.kv_cache = (KVCache if model.comm is None else RecordingKVCache)(
+            model_config, num_blocks, config.block_size, dtype, config.device, config.num_cpu_blocks, fingerprint,
+            num_kv_heads=model.shard.num_kv_heads)
+        self.tp_group = None  # engine/tp/group.py: the other ranks' processes (set by from_pretrained)
         self.block_manager = BlockManager(num_blocks, config.block_size, fingerprint, config.enable_prefix_caching,
                                           config.num_cpu_blocks, kv=self.kv_cache)
         self.scheduler = Scheduler(config, self.block_manager)
@@ -126,11 +140,11 @@ class Engine:
         self._seq_ids = itertools.count()
         self.num_steps = 0
         self.batch_sizes: deque[tuple[int, int]] = deque(maxlen=4096)  # (sequences, tokens) of recent ticks
+        self.spec = make_spec_decoder(self)  # speculative decoding, or None
 
     @classmethod
     def from_pretrained(cls, model: str | Path, config: EngineConfig | None = None) -> "Engine":
         config = config or EngineConfig()
-        config.validate()  # before the weights load: a bad flag fails fast
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         model_dir = resolve_model_dir(model)
@@ -139,14 +153,21 @@ class Engine:
         tensors, digest = load_state_dict(model_dir)
         dtype = auto_dtype(mcfg.checkpoint_dtype, config.device) if config.dtype == "auto" else DTYPES[config.dtype]
         torch.manual_seed(config.seed)
+        config.validate()
+        shard = shard_for(mcfg, 0, config.tensor_parallel_size)  # spec D08: refused before any rank starts
+        group = None
+        if config.tensor_parallel_size > 1:
+            from pdserve.engine.tp.group import RankGroup
+            group = RankGroup.start(model_dir, config, dtype)
         with torch.device(config.device):
-            net = LlamaModel(mcfg).to(dtype)
+            net = LlamaModel(mcfg, shard, group.comm if group else None).to(dtype)
         net.load_hf_weights(tensors)
-        net.eval()
         del tensors
+        net.eval()
         ops = native_ops() if config.native_kernels and config.device.startswith("cpu") else None
         storage = config.quantization if config.quantization != "none" else "same"
-        if storage == "same" and config.dtype == "auto" and os.environ.get(BF16_WEIGHTS_ENV) == "1":
+        if (storage == "same" and config.dtype == "auto" and config.tensor_parallel_size == 1
+                and os.environ.get(BF16_WEIGHTS_ENV) == "1"):
             # opt-in: bf16-held projections computed in fp32 (quant.py): faster decode, slower prefill (docs/engine.md)
             storage = choose_weight_storage(detected_level(), mcfg.checkpoint_dtype, dtype, config.device,
                                             ops is not None)
@@ -155,7 +176,14 @@ class Engine:
         net.pack_weights()
         # int8 weights compute different KV: never shared with (or prefix-hit by) an unquantized deployment's.
         quant = "" if config.quantization == "none" else ":" + config.quantization
-        return cls(mcfg, config, net, tokenizer, mcfg.fingerprint(digest + quant, dtype))
+        engine = cls(mcfg, config, net, tokenizer, mcfg.fingerprint(digest + quant, dtype))
+        engine.tp_group = group
+        return engine
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (idempotent; a one-process engine holds nothing)."""
+        if self.tp_group is not None:
+            self.tp_group.stop()
 
     # ---- admission --------------------------------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -185,7 +213,7 @@ class Engine:
         if request_id in self.requests or request_id in self.remote_pending:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.validate_request(prompt_token_ids, params)
-        if resume_token_ids and (params.num_branches != 1 or prefill_only):
+        if resume_token_ids and (params.num_branches != 1 or prefill_only or params.beam):
             raise ValueError("invalid resume: only a single-branch request resumes, on a worker that decodes")
         req = self._new_request(request_id, prompt_token_ids, params, namespace, arrival_time)
         req.prefill_only = prefill_only
@@ -195,9 +223,56 @@ class Engine:
             self.validate_request(req.seqs[0].token_ids, params)  # prompt + output must fit as a prefill does
             if predicted_output_tokens is not None:
                 predicted_output_tokens = max(0, predicted_output_tokens - len(resume_token_ids))
+        if params.beam:
+            if prefill_only:
+                raise InvalidParameter("beam_width", "beam search runs where the whole request runs (a colocated "
+                                       "worker), not split into prefill and decode")
+            req.beam = self._beam_state(req)
         self._lifecycle(req, deadline, priority, predicted_output_tokens)
         self.requests[request_id] = req
         self.scheduler.add(req.seqs[0])
+
+    def _beam_state(self, req: Request) -> beams.BeamState:
+        p = req.params
+        left = self.max_model_len - len(req.prompt_token_ids)
+        eos = set() if p.ignore_eos else set(self.eos_token_ids)
+        state = beams.BeamState(p.beam_width, p.length_penalty, p.early_stopping,
+                                min(p.max_tokens or left, left), frozenset(eos | set(p.stop_token_ids)))
+        state.running, state.scores = [req.seqs[0]], [0.0]
+        return state
+
+    def _beam_fork(self, req: Request, parent: Sequence) -> Sequence:
+        child = Sequence(next(self._seq_ids), req.request_id, parent.token_ids, req.namespace, parent.branch,
+                         parent.arrival_time)
+        child.num_prompt_tokens = parent.num_prompt_tokens  # the parent's generated tokens are the child's too
+        child.sampling, child.output = parent.sampling, parent.output  # read-only here: beams never sample
+        self.core.fork(parent, child)
+        return child
+
+    def _beam_step(self, req: Request, items: list[tuple[Sequence, torch.Tensor]]) -> None:
+        state = req.beam
+        for seq, row in items:
+            state.pending[seq.seq_id] = row
+        if not state.ready():
+            return  # a beam left out of this tick (preempted): the others wait for it, computed
+        # A beam dropped while out of the batch (preempted, swapped; its logits were in) ends CANCELLED: the guard
+        # table has no FINISHED from there. The request's own terminal state comes from the search (_terminal_state).
+        beams.advance(state, lambda parent: self._beam_fork(req, parent),
+                      lambda seq: self.core.finish(seq, S.FINISHED if seq.state in (S.PREFILLING, S.DECODING)
+                                                   else S.CANCELLED))
+        if state.running:
+            req.seqs = list(state.running)
+
+    def _unstall_beams(self) -> None:
+        """Nothing could be scheduled: beams holding blocks while they wait for a preempted sibling may be what
+        keeps that sibling out. Preempt them too (their logits are kept), so the group can come back together."""
+        for req in list(self.requests.values()):
+            if req.beam is None:
+                continue
+            idle = [s for s in req.beam.running if s.seq_id in req.beam.pending and s in self.scheduler.running]
+            if idle and len(idle) < len(req.beam.running):
+                for seq in idle:
+                    self.scheduler.preempt(seq)
 
     def _lifecycle(self, req: Request, deadline: float | None, priority: int, predicted: int | None) -> None:
         req.deadline = deadline
@@ -235,8 +310,11 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         self._expire(time.time())
         outputs = self.drain_outputs()
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         if not sched.scheduled:
+            self._unstall_beams()
             return outputs
         if self.config.fault_step_delay_s:  # fault injection: a slow device (docs/reliability.md)
             time.sleep(self.config.fault_step_delay_s)
@@ -247,18 +325,27 @@ class Engine:
             self.requests[item.seq.request_id].metrics.setdefault("first_scheduled_time", now)
         want_prompt = {i for i, it in enumerate(sched.scheduled)
                        if it.seq.wants_prompt_logprobs and it.seq.num_output_tokens == 0}
-        logits, owner = self.runner.execute(sched.scheduled, want_prompt)
+        verifying = self.spec.begin(sched) if self.spec is not None else set()
+        logits, owner = self.runner.execute(sched.scheduled, want_prompt | verifying)
         self.core.computed(sched)
         # Rows to sample: a request's first sample forks its extra branches, which share the prompt's blocks.
         rows, seqs = [], []
+        spec_rows: dict[int, list[int]] = {}  # verifying item -> its k + 1 logits rows
+        beam_rows: dict[str, list[tuple[Sequence, int]]] = {}  # beam search chooses its own tokens
         for row, (i, pos) in enumerate(owner):
             seq = sched.scheduled[i].seq
+            if i in verifying:
+                spec_rows.setdefault(i, []).append(row)
+                continue
             if i in want_prompt and pos < seq.num_prompt_tokens - 1:
                 self._collect_prompt_logits(seq, logits[row:row + 1])
                 continue
+            req = self.requests[seq.request_id]
+            if req.beam is not None:
+                beam_rows.setdefault(req.request_id, []).append((seq, row))
+                continue
             rows.append(row)
             seqs.append(seq)
-            req = self.requests[seq.request_id]
             if seq.branch == 0 and seq.num_output_tokens == 0 and len(req.seqs) < req.params.num_branches:
                 for child in self._fork(req, seq, join=True):
                     rows.append(row)
@@ -275,6 +362,16 @@ class Engine:
             if seq.sampling.params.logprobs is not None:
                 seq.logprobs.append(res)
             self.core.commit(seq, res.token_id, req.prefill_only)
+        for i, spec_row in spec_rows.items():  # speculative: verify, commit the accepted tokens, roll back
+            seq = sched.scheduled[i].seq
+            req = touched[seq.request_id] = self.requests[seq.request_id]
+            results = self.spec.finish(sched.scheduled[i], logits[spec_row], req.prefill_only)
+            if seq.sampling.params.logprobs is not None:
+                seq.logprobs.extend(results)
+        for rid, items in beam_rows.items():
+            req = touched[rid] = self.requests[rid]
+            req.metrics.setdefault("first_token_time", now)
+            self._beam_step(req, [(seq, logits[row]) for seq, row in items])
         for req in touched.values():
             if req.finished:
                 self._reclaim(req, S.FINISHED)
@@ -305,6 +402,8 @@ class Engine:
         return children
 
     def _output(self, req: Request) -> RequestOutput:
+        if req.beam is not None:
+            return self._beam_output(req)
         live = self._chosen(req)
         # best_of > n: nothing was shown while it ran, so the chosen branches' "new" output is all of it
         whole = self._hides_branches(req)
@@ -323,7 +422,26 @@ class Engine:
         return RequestOutput(req.request_id, req.prompt_token_ids, outs, req.finished,
                              req.seqs[0].state.value if not req.finished else self._terminal_state(req).value,
                              cached, dict(req.metrics), req.prompt_logprobs,
-                             num_generated_tokens=sum(s.num_output_tokens for s in req.seqs))
+                             num_generated_tokens=sum(s.num_output_tokens for s in req.seqs),
+                             num_verified_tokens=sum(s.num_verified_tokens for s in req.seqs),
+                             num_accepted_tokens=sum(s.num_accepted_tokens for s in req.seqs),
+                             num_kv_growth_tokens=sum(s.num_kv_growth_tokens for s in req.seqs))
+
+    def _beam_output(self, req: Request) -> RequestOutput:
+        """Beam search shows nothing until it ends (any beam can still be overtaken), then the n best hypotheses;
+        `cumulative_logprob` is the hypothesis' sum of log-probabilities (its score: that / len ** length_penalty)."""
+        outs = []
+        if req.finished:
+            skip = req.params.skip_special_tokens
+            for i, h in enumerate(req.beam.finished[:req.params.n]):
+                text = self.tokenizer.decode(h.token_ids, skip_special_tokens=skip)
+                reason = h.finish_reason if not req.reclaimed or req.state == S.FINISHED else "abort"
+                outs.append(CompletionOutput(i, text, list(h.token_ids), text, list(h.token_ids), reason,
+                                             cumulative_logprob=h.sum_logprob))
+        state = self._terminal_state(req).value if req.reclaimed else req.seqs[0].state.value
+        return RequestOutput(req.request_id, req.prompt_token_ids, outs, req.finished, state,
+                             req.seqs[0].num_cached_tokens, dict(req.metrics),
+                             num_generated_tokens=req.beam.num_generated)
 
     @staticmethod
     def _hides_branches(req: Request) -> bool:
@@ -344,6 +462,8 @@ class Engine:
 
     @staticmethod
     def _terminal_state(req: Request) -> S:
+        if req.beam is not None and req.beam.done:
+            return S.FINISHED
         states = [s.state for s in req.seqs]
         for st in (S.FAILED, S.CANCELLED, S.TIMED_OUT):
             if st in states:
@@ -425,9 +545,17 @@ class Engine:
             "state": final.value,
             "finish_reasons": [s.finish_reason for s in chosen],
             "num_preemptions": sum(s.num_preemptions for s in req.seqs),
+            # Q16: decode positions forwarded, speculative candidates accepted, KV kept (spec_decode/decoder.py)
+            "verified_tokens": sum(s.num_verified_tokens for s in req.seqs),
+            "accepted_tokens": sum(s.num_accepted_tokens for s in req.seqs),
+            "kv_growth_tokens": sum(s.num_kv_growth_tokens for s in req.seqs),
             "deadline": req.deadline,
             **{k: v for k, v in req.metrics.items()},
         }
+        if req.beam is not None:  # generated: every beam's tokens; emitted = committed: the returned hypotheses
+            shown = sum(len(h.token_ids) for h in req.beam.finished[:req.params.n]) if final == S.FINISHED else 0
+            record.update(generated_tokens=req.beam.num_generated, emitted_tokens=shown, committed_tokens=shown,
+                          finish_reasons=[h.finish_reason for h in req.beam.finished[:req.params.n]])
         self.usage_records.append(record)
         usage_log.info(json.dumps(record))
 
@@ -471,6 +599,8 @@ class Engine:
         if request_id in self.requests or request_id in self.remote_pending:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.validate_request(prompt_token_ids, params)
+        if params.beam:
+            raise InvalidParameter("beam_width", "beam search runs on a colocated worker, not from a remote prefill")
         if len(first_tokens) != params.num_branches:
             raise ValueError(f"invalid first tokens: {len(first_tokens)} for {params.num_branches} branches")
         if any(not (0 <= f.token_id < self.model_config.vocab_size) for f in first_tokens):
@@ -571,4 +701,5 @@ class Engine:
             "preemptions": dict(self.scheduler.num_preemptions),
             "terminal": dict(self.terminal_counts),
             **(self.kv_offload.stats() if self.kv_offload is not None else {}),
+            **({"spec": self.spec.stats.snapshot()} if self.spec is not None else {}),
         }

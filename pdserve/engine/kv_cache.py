@@ -8,8 +8,10 @@ from pdserve.engine.config import ModelConfig
 
 class KVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: str,
-                 num_cpu_blocks: int, fingerprint: str):
-        shape = (cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
+                 num_cpu_blocks: int, fingerprint: str, num_kv_heads: int | None = None):
+        """`num_kv_heads`: the heads this pool holds (a TP rank's share, tp/shard.py); default all of them."""
+        self.num_kv_heads = num_kv_heads or cfg.num_kv_heads
+        shape = (cfg.num_layers, 2, block_size, self.num_kv_heads, cfg.head_dim)
         self.data = torch.zeros((num_blocks, *shape), dtype=dtype, device=device)
         pin = device != "cpu" and torch.cuda.is_available()
         self.host = torch.zeros((num_cpu_blocks, *shape), dtype=dtype, pin_memory=pin) if num_cpu_blocks else None
@@ -31,7 +33,7 @@ class KVCache:
             "block_size": self.block_size,
             "dtype": str(self.data.dtype).removeprefix("torch."),
             "num_layers": self.cfg.num_layers,
-            "num_kv_heads": self.cfg.num_kv_heads,
+            "num_kv_heads": self.num_kv_heads,
             "head_dim": self.cfg.head_dim,
             "block_bytes": self.block_bytes,
         }

@@ -11,6 +11,7 @@ from pdserve.engine.attention import AttentionMetadata, paged_attention
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.errors import CheckpointError
 from pdserve.engine.loader import take
+from pdserve.engine.tp.shard import TPShard, shard_for
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -98,44 +99,56 @@ def swiglu(gate_up: torch.Tensor, native_ops=None) -> torch.Tensor:
 
 
 class DecoderLayer(nn.Module):
+    """With tensor parallelism (`shard` of N > 1 ranks, `comm` its group): qkv and gate/up are column-parallel
+    (this rank's heads and intermediate slice), o and down row-parallel, each followed by one all-reduce."""
     native_ops = None  # the compiled CPU kernels, set by LlamaModel.use_native_ops
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: TPShard, comm=None):
         super().__init__()
         self.cfg = cfg
+        self.comm = comm
         h, hd = cfg.hidden_size, cfg.head_dim
-        self.q_size, self.kv_size = cfg.num_heads * hd, cfg.num_kv_heads * hd
+        self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads
+        self.q_size, self.kv_size = self.num_heads * hd, self.num_kv_heads * hd
+        inter = len(shard.inter)
         self.input_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.qkv = Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)  # q, k, v fused: one GEMM
         self.o = Linear(self.q_size, h, bias=cfg.o_bias)
         self.post_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.gate_up = Linear(h, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down = Linear(cfg.intermediate_size, h, bias=cfg.mlp_bias)
+        self.gate_up = Linear(h, 2 * inter, bias=cfg.mlp_bias)
+        self.down = Linear(inter, h, bias=cfg.mlp_bias)
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.comm is None else self.comm.all_reduce(x)
 
     def forward(self, x, cos, sin, kv, layer: int, meta: AttentionMetadata) -> torch.Tensor:
         cfg = self.cfg
         t = x.shape[0]
         q, k, v = self.qkv(self.input_norm(x)).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = q.view(t, cfg.num_heads, cfg.head_dim), k.view(t, cfg.num_kv_heads, cfg.head_dim)
+        q, k = q.view(t, self.num_heads, cfg.head_dim), k.view(t, self.num_kv_heads, cfg.head_dim)
         if self.native_ops is not None:  # rotated in place inside the fused qkv output: no temporaries
             self.native_ops.rope_(q, cos, sin)
             self.native_ops.rope_(k, cos, sin)
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(t, self.num_kv_heads, cfg.head_dim)
         attn = paged_attention(q, k, v, kv, layer, meta, scale=cfg.head_dim ** -0.5)
-        x = x + self.o(attn.reshape(t, self.q_size))
-        return x + self.down(swiglu(self.gate_up(self.post_norm(x)), self.native_ops))
+        x = x + self._reduce(self.o(attn.reshape(t, self.q_size)))
+        return x + self._reduce(self.down(swiglu(self.gate_up(self.post_norm(x)), self.native_ops)))
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: TPShard | None = None, comm=None):
+        """`shard`/`comm`: this rank's slice and the TP group (engine/tp/); None: the whole model, one process.
+        The embedding and LM head are vocab-parallel: each rank holds `shard.vocab` rows."""
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.shard = shard or shard_for(cfg)
+        self.comm = comm
+        self.embed = nn.Embedding(len(self.shard.vocab), cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.shard, comm) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, len(self.shard.vocab), bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.weight_bytes = 0  # weight bytes held (set on load and by quantize; packing does not change it)
         self.weight_storage = "same"  # projections held as: same (the compute dtype) | int8 | bfloat16 (quant.py)
@@ -164,52 +177,79 @@ class LlamaModel(nn.Module):
             m.pack()
         return True
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.comm is None:
+            return self.embed(input_ids)
+        # vocab-parallel: rows outside this rank's slice are zero here and come from their owner's all-reduce
+        local = input_ids - self.shard.vocab.start
+        inside = (local >= 0) & (local < len(self.shard.vocab))
+        x = self.embed(local.clamp(0, len(self.shard.vocab) - 1)).masked_fill_(~inside.unsqueeze(1), 0)
+        return self.comm.all_reduce(x)
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor,
-                meta: AttentionMetadata, logits_rows: torch.Tensor) -> torch.Tensor:
-        """Run the decoder over the flat batch; return float32 logits only for `logits_rows`."""
+                meta: AttentionMetadata, logits_rows: torch.Tensor) -> torch.Tensor | None:
+        """Run the decoder over the flat batch; return float32 logits only for `logits_rows` (with tensor
+        parallelism: gathered on rank 0, None on the other ranks)."""
         freqs = (positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)).unsqueeze(1)  # [T, 1, D/2]
-        x = self.embed(input_ids)
+        x = self._embed(input_ids)
         cos, sin = freqs.cos().to(x.dtype), freqs.sin().to(x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv, i, meta)
         x = self.norm(x[logits_rows])
-        return self.lm_head(x).float()
+        logits = self.lm_head(x).float()
+        if self.comm is None:
+            return logits
+        full = self.comm.gather0(logits)
+        return None if full is None else full[:, :self.cfg.vocab_size]
 
     def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named tensors in, fusing q/k/v and gate/up; every expected tensor must be present."""
-        cfg = self.cfg
+        """Copy HF-named tensors in, fusing q/k/v and gate/up; every expected tensor must be present. Each rank
+        takes its slice (`self.shard`); a row-parallel bias is added once, so only rank 0 holds it."""
+        cfg, sh = self.cfg, self.shard
         h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
         dt = self.embed.weight.dtype
+        heads = slice(sh.heads.start * hd, sh.heads.stop * hd)
+        kv_heads = slice(sh.kv_heads.start * hd, sh.kv_heads.stop * hd)
+        cols = slice(sh.inter.start, sh.inter.stop)
 
         def put(param: torch.Tensor, value: torch.Tensor) -> None:
             param.data.copy_(value.to(dt))
 
-        put(self.embed.weight, take(tensors, "model.embed_tokens.weight", (cfg.vocab_size, h)))
+        def put_vocab(param: torch.Tensor, full: torch.Tensor) -> None:  # the last rank's padding rows stay 0
+            rows = full[sh.vocab.start:min(sh.vocab.stop, cfg.vocab_size)]
+            param.data.zero_()
+            param.data[:rows.shape[0]].copy_(rows.to(dt))
+
+        def row_bias(param: torch.Tensor, value: torch.Tensor) -> None:
+            put(param, value if sh.rank == 0 else torch.zeros_like(value))
+
+        put_vocab(self.embed.weight, take(tensors, "model.embed_tokens.weight", (cfg.vocab_size, h)))
         put(self.norm.weight, take(tensors, "model.norm.weight", (h,)))
         if cfg.tie_word_embeddings and "lm_head.weight" not in tensors:
-            put(self.lm_head.weight, tensors["model.embed_tokens.weight"])
+            put_vocab(self.lm_head.weight, tensors["model.embed_tokens.weight"])
         else:
-            put(self.lm_head.weight, take(tensors, "lm_head.weight", (cfg.vocab_size, h)))
+            put_vocab(self.lm_head.weight, take(tensors, "lm_head.weight", (cfg.vocab_size, h)))
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             qw = take(tensors, p + "self_attn.q_proj.weight", (cfg.num_heads * hd, h))
             kw = take(tensors, p + "self_attn.k_proj.weight", (cfg.num_kv_heads * hd, h))
             vw = take(tensors, p + "self_attn.v_proj.weight", (cfg.num_kv_heads * hd, h))
-            put(layer.qkv.weight, torch.cat([qw, kw, vw]))
+            put(layer.qkv.weight, torch.cat([qw[heads], kw[kv_heads], vw[kv_heads]]))
             if cfg.qkv_bias:
-                put(layer.qkv.bias, torch.cat([take(tensors, p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
-            put(layer.o.weight, take(tensors, p + "self_attn.o_proj.weight", (h, cfg.num_heads * hd)))
+                qb, kb, vb = (take(tensors, p + f"self_attn.{n}_proj.bias") for n in "qkv")
+                put(layer.qkv.bias, torch.cat([qb[heads], kb[kv_heads], vb[kv_heads]]))
+            put(layer.o.weight, take(tensors, p + "self_attn.o_proj.weight", (h, cfg.num_heads * hd))[:, heads])
             if cfg.o_bias:
-                put(layer.o.bias, take(tensors, p + "self_attn.o_proj.bias"))
+                row_bias(layer.o.bias, take(tensors, p + "self_attn.o_proj.bias"))
             gw = take(tensors, p + "mlp.gate_proj.weight", (inter, h))
             uw = take(tensors, p + "mlp.up_proj.weight", (inter, h))
-            put(layer.gate_up.weight, torch.cat([gw, uw]))
-            put(layer.down.weight, take(tensors, p + "mlp.down_proj.weight", (h, inter)))
+            put(layer.gate_up.weight, torch.cat([gw[cols], uw[cols]]))
+            put(layer.down.weight, take(tensors, p + "mlp.down_proj.weight", (h, inter))[:, cols])
             if cfg.mlp_bias:
-                put(layer.gate_up.bias, torch.cat([take(tensors, p + "mlp.gate_proj.bias"),
-                                                   take(tensors, p + "mlp.up_proj.bias")]))
-                put(layer.down.bias, take(tensors, p + "mlp.down_proj.bias"))
+                put(layer.gate_up.bias, torch.cat([take(tensors, p + "mlp.gate_proj.bias")[cols],
+                                                   take(tensors, p + "mlp.up_proj.bias")[cols]]))
+                row_bias(layer.down.bias, take(tensors, p + "mlp.down_proj.bias"))
             put(layer.input_norm.weight, take(tensors, p + "input_layernorm.weight", (h,)))
             put(layer.post_norm.weight, take(tensors, p + "post_attention_layernorm.weight", (h,)))
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.parameters())

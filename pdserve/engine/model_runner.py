@@ -12,6 +12,7 @@ from pdserve.engine.kernels import native_ops
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.scheduler import ScheduledSeq
+from pdserve.engine.tp.plan import KvOp, StepPlan, plan_of
 
 log = logging.getLogger(__name__)
 ATTENTION_BACKENDS = ("auto", "native", "triton", "torch")
@@ -37,6 +38,8 @@ class ModelRunner:
     DECODE_GROUP = 16  # decode sequences per padded attention group
     def __init__(self, model: LlamaModel, kv: KVCache, native: bool = True, attention: str = "auto",
                  cuda_graph_max_batch: int = 0):
+        """With tensor parallelism (model.comm set) rank 0's runner broadcasts each step's plan (tp/plan.py)
+        and the other ranks run `execute_plan` on what they receive."""
         """attention: auto = the compiled CPU kernels on CPU, Triton on CUDA; native / triton / torch force one
         (triton runs on CPU only under TRITON_INTERPRET=1, which is how the tests drive it).
         cuda_graph_max_batch > 0: on CUDA with the Triton kernels, decode steps up to that many sequences replay
@@ -45,6 +48,7 @@ class ModelRunner:
             raise ValueError(f"unknown attention backend {attention!r} (choose from {', '.join(ATTENTION_BACKENDS)})")
         self.model = model
         self.kv = kv
+        self.comm = model.comm
         self.device = kv.data.device
         self.sliding_window = model.cfg.sliding_window
         # Norms, rope, SwiGLU and decode attention in place over the pool (kernels.py) on CPU.
@@ -64,9 +68,10 @@ class ModelRunner:
             self.native_prefill = True
         else:
             self.native_prefill = bool(self.attention_ops is not None and self.native_ops.prefill_attention_supported(
-                kv.data, model.cfg.num_heads))
+                kv.data, model.shard.num_heads))
         self.graphs: DecodeGraphs | None = None
-        if cuda_graph_max_batch > 0 and self.device.type == "cuda" and self.native_prefill:
+        # (not with tensor parallelism: the captured graphs would have to hold the collectives too)
+        if cuda_graph_max_batch > 0 and self.device.type == "cuda" and self.native_prefill and self.comm is None:
             self.graphs = DecodeGraphs(model, kv.data, self.attention_ops, capture_sizes(cuda_graph_max_batch),
                                        width=-(-model.cfg.max_model_len // kv.block_size),
                                        sliding_window=self.sliding_window)
@@ -81,33 +86,36 @@ class ModelRunner:
         """Build flat inputs. Returns (input_ids, positions, metadata, logits_rows, row_owner) where row_owner[i]
         is (index into batch, absolute position) of logits row i. Sequences in `prompt_logits` (by index) get
         logits at every position of their chunk (for prompt logprobs), the others only at the last one."""
+        return self.prepare_plan(plan_of(batch, prompt_logits, self.kv.block_size))
+
+    def prepare_plan(self, plan: StepPlan):
+        """`prepare` over a step plan (what every TP rank has)."""
         bs = self.kv.block_size
         ids, pos, blocks, offsets = [], [], [], []
         prefills: list[PrefillSpan] = []
         native_spans: list[tuple[int, int, int, list[int]]] = []
         decode_rows, decode_tables, decode_lens = [], [], []
         logits_rows, row_owner = [], []
-        for i, item in enumerate(batch):
-            seq, n = item.seq, item.num_tokens
+        for i, item in enumerate(plan.items):
+            n, first, table = len(item.tokens), item.first, item.block_table
             start = len(ids)
-            first = seq.num_computed_tokens
             positions = range(first, first + n)
-            ids.extend(seq.token_ids[first:first + n])
+            ids.extend(item.tokens)
             pos.extend(positions)
-            blocks.extend(seq.block_table[p // bs] for p in positions)
+            blocks.extend(table[p // bs] for p in positions)
             offsets.extend(p % bs for p in positions)
             ctx = first + n
-            if n == 1 and i not in prompt_logits:
+            if n == 1 and not item.prompt_logits:
                 decode_rows.append(start)
-                decode_tables.append(seq.block_table[: -(-ctx // bs)])
+                decode_tables.append(table)
                 decode_lens.append(ctx)
             elif self.native_prefill:
-                native_spans.append((start, n, ctx, seq.block_table[: -(-ctx // bs)]))
+                native_spans.append((start, n, ctx, table))
             else:
-                table = torch.tensor(seq.block_table[: -(-ctx // bs)], dtype=torch.long, device=self.device)
+                table = torch.tensor(table, dtype=torch.long, device=self.device)
                 prefills.append(PrefillSpan(start, n, ctx, table, causal_mask(n, ctx, self.sliding_window,
                                                                                self.device)))
-            if i in prompt_logits:
+            if item.prompt_logits:
                 logits_rows.extend(range(start, start + n))
                 row_owner.extend((i, p) for p in positions)
             elif item.samples:
@@ -163,7 +171,11 @@ class ModelRunner:
         return groups
 
     def execute(self, batch: list[ScheduledSeq], prompt_logits: set[int] = frozenset()):
-        ids, pos, meta, rows, owner = self.prepare(batch, prompt_logits)
+        plan = plan_of(batch, prompt_logits, self.kv.block_size)
+        if self.comm is not None:  # the other ranks replay rank 0's block copies/swaps, then run the same step
+            plan.kv_ops = self.kv.take_ops()
+            self.comm.broadcast_object(plan)
+        ids, pos, meta, rows, owner = self.prepare_plan(plan)
         if (self.graphs is not None and meta.native_decode is not None and not meta.native_prefill
                 and rows.numel() == ids.numel() and self.graphs.bucket(ids.numel()) is not None):
             nd = meta.native_decode  # every row a decode that samples: row i is sequence i
@@ -171,3 +183,14 @@ class ModelRunner:
                                                 nd.context_lens)), owner
         logits = self.model(ids, pos, self.kv.data, meta, rows)
         return logits, owner
+
+    def execute_plan(self, plan: StepPlan) -> None:
+        """A TP rank other than 0: replay the block operations, run the forward (logits go to rank 0)."""
+        for op in plan.kv_ops:
+            apply_kv_op(self.kv, op)
+        ids, pos, meta, rows, _ = self.prepare_plan(plan)
+        self.model(ids, pos, self.kv.data, meta, rows)
+
+
+def apply_kv_op(kv: KVCache, op: KvOp) -> None:
+    {"copy": kv.copy_blocks, "swap_out": kv.swap_out, "swap_in": kv.swap_in}[op.kind](op.pairs)

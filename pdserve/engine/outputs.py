@@ -46,3 +46,7 @@ class RequestOutput:
     prompt_logprobs: list | None = None
     error: str | None = None
     num_generated_tokens: int = 0  # sampled so far, every branch (best_of: the ones not returned too)
+    # Q16 decode accounting, every branch (spec_decode/decoder.py): verified positions, accepted candidates, KV kept
+    num_verified_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_kv_growth_tokens: int = 0

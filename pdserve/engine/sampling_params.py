@@ -59,6 +59,12 @@ class SamplingParams:
     logprobs_mode: Literal["raw", "processed"] = "raw"
     skip_special_tokens: bool = True
     guided: GuidedSpec | None = None
+    # Beam search (engine/beam.py, transformers' semantics): width B >= 2 turns it on; `n` <= B best hypotheses
+    # come back. length_penalty: score = sum of logprobs / length ** length_penalty. early_stopping: True, False
+    # or "never", as transformers defines them.
+    beam_width: int | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the offending field."""
@@ -127,11 +133,40 @@ class SamplingParams:
             wrapped = n_set == 2 and g.json_schema is not None and g.grammar is not None
             if n_set != 1 and not wrapped:
                 bad("guided", "exactly one of json_schema, json_object, regex, grammar must be set")
+        if self.beam_width is not None:
+            self._validate_beam(bad)
         for v in self.logit_bias.values():
             if not (-100.0 <= v <= 100.0):
                 bad("logit_bias", "values must be in [-100, 100]")
         if any(not s for s in self.stop):
             bad("stop", "empty stop string")
+
+    # Sampling knobs beam search does not combine with (it ranks whole sequences by log-probability; these would
+    # change what is ranked). Temperature is ignored, as transformers ignores it without do_sample.
+    _BEAM_EXCLUSIVE = (("best_of", None), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0), ("typical_p", 1.0),
+                       ("min_tokens", 0), ("stop", []), ("repetition_penalty", 1.0), ("frequency_penalty", 0.0),
+                       ("presence_penalty", 0.0), ("logit_bias", {}), ("allowed_token_ids", None), ("bad_words", []),
+                       ("no_repeat_ngram_size", 0), ("logprobs", None), ("prompt_logprobs", None), ("guided", None))
+
+    def _validate_beam(self, bad) -> None:
+        if isinstance(self.beam_width, bool) or not isinstance(self.beam_width, int) or self.beam_width < 1:
+            bad("beam_width", "must be a positive integer")
+        if self.beam_width > MAX_N:
+            bad("beam_width", f"must be <= {MAX_N}")
+        if self.n > self.beam_width:
+            bad("n", "must be <= beam_width (the n best of the beam_width hypotheses are returned)")
+        if not (-float("inf") < self.length_penalty < float("inf")):
+            bad("length_penalty", "must be a finite number")
+        if self.early_stopping not in (True, False, "never"):
+            bad("early_stopping", "must be true, false or \"never\"")
+        for name, off in self._BEAM_EXCLUSIVE:
+            value = getattr(self, name)
+            if value != off and not (name == "top_k" and value == -1):
+                bad(name, "is not supported with beam search (beam_width)")
+
+    @property
+    def beam(self) -> bool:
+        return self.beam_width is not None
 
     @property
     def greedy(self) -> bool:
@@ -139,4 +174,5 @@ class SamplingParams:
 
     @property
     def num_branches(self) -> int:
-        return self.best_of or self.n
+        """Sequences the request runs at once (what admission reserves KV for): beams, else best_of or n."""
+        return self.beam_width or self.best_of or self.n

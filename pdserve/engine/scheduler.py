@@ -11,6 +11,10 @@ admits by (priority class, arrival); `shortest-predicted-first` by predicted rem
 output tokens left + prompt chunks left). Both put any request queued longer than `starvation_age_s` first, in
 arrival order: the age bound is what keeps long / low-class requests from starving.
 Backpressured sequences (`seq.paused`) are skipped everywhere and are the first preemption victims.
+
+`batching="static"` (spec §5.2, the D04 baseline): queued requests are admitted only on a tick where no batch is
+in flight (nothing running, swapped or preempted-waiting); a member preempted mid-batch comes back, but a slot a
+finished member leaves stays empty until the whole batch is done.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from pdserve.engine.sequence import Sequence
 class ScheduledSeq:
     seq: Sequence
     num_tokens: int  # tokens computed this tick, starting at seq.num_computed_tokens
+    num_draft: int = 0  # of which speculative candidates to verify (spec_decode/)
 
     @property
     def samples(self) -> bool:
@@ -136,30 +141,35 @@ class Scheduler:
             if seq not in self.running or budget <= 0 or seq.paused:
                 continue
             need = seq.num_tokens - seq.num_computed_tokens
+            del seq.draft_token_ids[max(0, budget - need):]  # speculative candidates only within the budget
             n = min(need, budget) if self.cfg.enable_chunked_prefill else need
-            if n > budget:
+            if n > budget or need == 0:  # need 0: a beam waiting for its siblings' logits (engine/beam.py)
                 continue
             while True:
                 try:
-                    self.bm.allocate(seq, n)
+                    self.bm.allocate(seq, n + len(seq.draft_token_ids))
                     break
                 except NoFreeBlocks:
+                    if seq.draft_token_ids:  # KV short: verify no candidates rather than preempt anyone
+                        seq.draft_token_ids = []
+                        continue
                     victims = [s for s in self.running if s is not seq and id(s) not in scheduled_ids]
                     victim = self._victim(victims) if victims else seq
                     self._preempt(victim, out)
                     if victim is seq:
                         break
             if seq in self.running:
-                out.scheduled.append(ScheduledSeq(seq, n))
+                k = len(seq.draft_token_ids)
+                out.scheduled.append(ScheduledSeq(seq, n + k, k))
                 scheduled_ids.add(id(seq))
-                budget -= n
+                budget -= n + k
         return budget
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
         if out.preempted:  # blocks just freed by a swap-out must not be refilled by a swap-in in the same tick
             return budget
         for seq in list(self.swapped):
-            if budget <= 0 or len(self.running) >= self.cfg.max_num_seqs:
+            if budget <= 0 or self.slots_used() >= self.cfg.max_num_seqs:
                 break
             if seq.paused:
                 continue
@@ -179,16 +189,27 @@ class Scheduler:
             seq.set_state(S.PREFILLING if seq.is_prefill else S.DECODING)
             self.running.append(seq)
             self.bm.allocate(seq, n)
-            out.scheduled.append(ScheduledSeq(seq, n))
+            if n:  # 0: a beam swapped out while waiting for its siblings' logits
+                out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         return budget
 
+    def slots_used(self) -> int:
+        """Batch slots taken: running sequences with a token to compute. A beam that has its logits and waits for
+        a preempted sibling's (need 0) takes none, or a full batch of such beams would never let the sibling in."""
+        return sum(1 for s in self.running if s.num_tokens > s.num_computed_tokens)
+
+    def batch_in_flight(self) -> bool:
+        """Static batching: some member of the current batch has not finished (preempted ones included)."""
+        return bool(self.running or self.swapped) or any(s.state == S.PREEMPTED for s in self.waiting)
+
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        members_only = self.cfg.batching == "static" and self.batch_in_flight()
         for seq in self._waiting_order():
-            if budget <= 0 or len(self.running) >= self.cfg.max_num_seqs:
+            if budget <= 0 or self.slots_used() >= self.cfg.max_num_seqs:
                 break
-            if seq.paused:
-                continue  # backpressured while preempted: it waits for its consumer, others go ahead
+            if seq.paused or (members_only and seq.state != S.PREEMPTED):
+                continue  # backpressured while preempted / not in the static batch in flight: others go ahead
             if self.recall is not None and self.recall.hold(seq):
                 continue  # its prefix is being copied back from host / disk: others go ahead meanwhile
             hits = [] if seq.wants_prompt_logprobs else self.bm.lookup(seq)

@@ -39,6 +39,11 @@ class Sequence:
         self.num_preemptions = 0
         self.wants_prompt_logprobs = False  # prompt logprobs need every position computed: no prefix hits
         self.prompt_logit_rows: list = []
+        # Speculative decoding (spec_decode/): this tick's candidates, and the Q16 counts over decode steps.
+        self.draft_token_ids: list[int] = []
+        self.num_verified_tokens = 0  # positions the target forwarded in decode steps
+        self.num_accepted_tokens = 0  # speculative candidates accepted
+        self.num_kv_growth_tokens = 0  # decode positions whose KV stayed committed (not rolled back)
 
     def set_state(self, new: RequestState) -> None:
         check_transition(self.state, new)

@@ -59,6 +59,9 @@ class DeltaEncoder:
             msg.usage.completion_tokens = sum(len(c.token_ids) for c in out.outputs)
             msg.usage.cached_tokens = out.num_cached_tokens or 0
             msg.usage.generated_tokens = out.num_generated_tokens
+            msg.usage.verified_tokens = out.num_verified_tokens
+            msg.usage.accepted_tokens = out.num_accepted_tokens
+            msg.usage.kv_growth_tokens = out.num_kv_growth_tokens
         fill_times(msg.times, out.metrics)
         return msg
 
@@ -187,6 +190,8 @@ def params_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
                 for k in ("json_schema", "regex", "grammar"):
                     if getattr(v, k) is not None:
                         setattr(g, k, getattr(v, k))
+        elif f.name == "early_stopping":
+            m.early_stopping = v if isinstance(v, str) else ("true" if v else "false")
         elif f.name == "logit_bias":
             for k, b in v.items():
                 m.logit_bias[int(k)] = float(b)
@@ -214,6 +219,9 @@ def params_from_pb(m: common_pb2.SamplingParams) -> SamplingParams:
                     regex=g.regex if g.HasField("regex") else None,
                     grammar=g.grammar if g.HasField("grammar") else None,
                 )
+        elif n == "early_stopping":
+            if m.HasField(n):  # an unknown word stays a string: validate() names it
+                kw[n] = {"true": True, "false": False}.get(m.early_stopping, m.early_stopping)
         elif n == "logit_bias":
             kw[n] = {int(k): float(v) for k, v in m.logit_bias.items()}
         elif n == "allowed_token_ids":

@@ -162,7 +162,41 @@ def check_up(args) -> Problem | None:
     if args.mode == "disagg" and (args.prefill == 0 or args.decode == 0):
         return Problem(f"--mode disagg needs both pools (--prefill {args.prefill}, --decode {args.decode})",
                        "give each pool at least one worker, or use --mode auto / colocated")
+    if getattr(args, "planner", False):
+        from pdserve.planner.cli import check_up_planner
+        why = check_up_planner(args)
+        if why:
+            return Problem(why, "see docs/planner.md")
     if args.grpc_port and args.grpc_port == args.port:
         return Problem(f"--port and --grpc-port are both {args.port}", "give the gateway two different ports")
-    return (check_model(args.model) or check_port("--port", args.host, args.port)
+    return (check_model(args.model) or check_tp_degrees(args) or check_port("--port", args.host, args.port)
             or check_port("--grpc-port", args.host, args.grpc_port) or check_redis(args.redis_url))
+
+
+def check_tp_degrees(args) -> Problem | None:
+    """Tensor parallel sizes `up` would start workers with: the pools' KV transfer does not cross TP workers yet,
+    and the checkpoint's heads must split (spec D08, engine/tp/shard.py), said before any worker loads."""
+    base = getattr(args, "tensor_parallel_size", None) or 1
+    if args.mode in ("auto", "disagg"):
+        degrees = {"--prefill-tp": getattr(args, "prefill_tp", None) or base,
+                   "--decode-tp": getattr(args, "decode_tp", None) or base}
+        wide = {k: v for k, v in degrees.items() if v > 1}
+        if wide:
+            return Problem(f"{', '.join(f'{k} {v}' for k, v in wide.items())} with --mode {args.mode}: KV transfer "
+                           "between tensor-parallel prefill/decode workers is not implemented yet",
+                           "use --mode colocated --tensor-parallel-size N, or tensor parallel size 1 for the pools")
+        return None
+    if base == 1:
+        return None
+    from pdserve.engine.checkpoint import read_config, resolve_model_dir
+    from pdserve.engine.errors import CheckpointError
+    from pdserve.engine.tp.shard import check_tp
+    try:
+        _, cfg, _ = read_config(resolve_model_dir(args.model))
+        heads = int(cfg["num_attention_heads"])
+        check_tp(heads, int(cfg.get("num_key_value_heads") or heads), int(cfg["intermediate_size"]), base)
+    except CheckpointError as e:
+        return Problem(f"--tensor-parallel-size {base}: {e}", "choose a size the model's heads divide by (spec D08)")
+    except (KeyError, TypeError, ValueError):
+        return None  # a malformed config is the engine's to report, in its own words
+    return None

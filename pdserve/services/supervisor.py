@@ -6,7 +6,9 @@ API (one `Supervisor` per `up`; all calls from the one thread that also calls `p
 - `poll()` reaps the children that exited and restarts each (same command: same ports, same worker id) once its
   backoff is due; call it every ~0.2 s;
 - `stop(name, grace)` SIGTERMs one child (it drains), SIGKILLs it after `grace`, and no longer restarts it;
-  `remove(name, grace)` also forgets it (how a worker is removed); `stop_all(grace)` stops all, newest first.
+  `remove(name, grace)` also forgets it; `drain(name, grace)` is `remove` without waiting (SIGTERM now, SIGKILL
+  and forgetting by `poll`: how the planner removes a worker while `up` keeps supervising the rest);
+  `stop_all(grace)` stops all, newest first.
 
 Restart policy: with `restart` on, a child that exits for any reason (crash, SIGKILL, its own SIGTERM drain) is
 started again after a backoff of 0.5 s, doubling up to 30 s, reset once a child has run for 60 s
@@ -80,6 +82,7 @@ class Child:
     restart_at: float | None = None  # monotonic time of the pending restart, None: none pending
     backoff_s: float = BACKOFF_FIRST_S
     stopped: bool = False            # stopped on purpose: never restarted
+    drain_deadline: float | None = None  # monotonic: SIGKILL then if still draining (see Supervisor.drain)
     history: list[dict] = field(default_factory=list)  # one entry per exit: code, ran_s
 
     @property
@@ -143,6 +146,19 @@ class Supervisor:
         del self.children[name]
         return code
 
+    def drain(self, name: str, grace: float) -> None:
+        """SIGTERM `name` now (its own drain); `poll` SIGKILLs it `grace` s later if still running and forgets it
+        once it exited. Never restarted."""
+        c = self.children[name]
+        c.stopped = True
+        c.restart_at = None
+        c.drain_deadline = time.monotonic() + grace
+        if c.running:
+            c.proc.send_signal(signal.SIGTERM)
+
+    def draining(self) -> list[Child]:
+        return [c for c in self.children.values() if c.drain_deadline is not None]
+
     def stop_all(self, grace: float = 15.0) -> None:
         """Everyone, newest first (the gateway before the workers before the router before Redis)."""
         for name in reversed(list(self.children)):
@@ -155,6 +171,14 @@ class Supervisor:
         now = time.monotonic()
         exited = []
         for c in list(self.children.values()):
+            if c.drain_deadline is not None:
+                if not c.running:
+                    self._log(f"pdserve up: {c.name} drained and exited with {describe_exit(c.proc.returncode)}")
+                    del self.children[c.name]
+                elif now >= c.drain_deadline:
+                    self._log(f"pdserve up: {c.name} still draining at its deadline; SIGKILL")
+                    c.proc.kill()
+                continue
             if c.stopped or c.proc is None:
                 continue
             if c.restart_at is None and c.proc.poll() is not None:

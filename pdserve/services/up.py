@@ -21,7 +21,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from pdserve.services.supervisor import Supervisor, describe_exit
+from pdserve.services.supervisor import Child, Supervisor, describe_exit
 
 ROOT = str(Path(__file__).resolve().parent.parent.parent)
 
@@ -82,6 +82,7 @@ def up(args) -> int:
         return 2
     d = Supervisor(_env(), restart=False)  # restarting starts once the deployment is ready
     pdserve = [sys.executable, "-m", "pdserve"]
+    planner = None
     stopping = {"flag": False}
 
     def on_signal(signum, frame):
@@ -116,8 +117,10 @@ def up(args) -> int:
             common += ["--drain-timeout", str(args.drain_timeout)]
         eng = []
         for flag in ("num_gpu_blocks", "max_num_seqs", "device", "dtype", "quantization", "threads", "policy",
-                     "kv_cache_bytes", "gpu_memory_utilization", "block_size", "max_num_batched_tokens", "max_model_len",
-                     "kv_offload_bytes", "kv_offload_dir", "kv_offload_disk_bytes"):
+                     "batching", "kv_cache_bytes",
+                     "gpu_memory_utilization", "block_size", "max_num_batched_tokens", "max_model_len",
+                     "kv_offload_bytes", "kv_offload_dir", "kv_offload_disk_bytes",
+                     "speculative", "num_speculative_tokens", "draft_model"):
             v = getattr(args, flag)
             if v:
                 eng += ["--" + flag.replace("_", "-"), str(v)]
@@ -130,8 +133,10 @@ def up(args) -> int:
         # answers Generate, so in auto it prefills short prompts itself)
         roles = (["prefill"] * args.prefill + ["decode"] * args.decode) if args.mode in ("auto", "disagg") \
             else ["both"] * args.workers
-        if not args.threads:  # split the host's cores between workers rather than oversubscribe them
-            eng += ["--threads", str(max(1, (os.cpu_count() or 1) // len(roles)))]
+        tp = {"prefill": args.prefill_tp, "decode": args.decode_tp}
+        tp = {r: tp.get(r) or args.tensor_parallel_size or 1 for r in set(roles)}
+        if not args.threads:  # split the host's cores between the ranks rather than oversubscribe them
+            eng += ["--threads", str(max(1, (os.cpu_count() or 1) // max(1, sum(tp[r] for r in roles))))]
         if (args.device or "cpu") == "cpu":
             # Build the engine's native kernels once, here, rather than in every worker at the same time (they
             # would serialize on the build lock inside their start-up); a no-op once cached. Bounded by
@@ -141,13 +146,19 @@ def up(args) -> int:
                                     "native_ops; sys.exit(native_ops() is None)"], env=d.env, check=False)
             if built.returncode != 0:
                 d.env["PDSERVE_NATIVE_KERNELS"] = "0"
-        for i, role in enumerate(roles):
-            port, mport = free_port(), free_port()
+        started = iter(range(1 << 30))
+
+        def start_worker(role: str) -> Child:
+            i, port, mport = next(started), free_port(), free_port()
             wid = f"{role}-{i}-{port}"
-            d.start(wid, [*pdserve, "worker", *common, *eng, "--role", role, "--port", str(port), "--worker-id", wid,
-                            "--redis-url", redis_url, "--metrics-port", str(mport),
-                            "--heartbeat-ttl", str(args.heartbeat_ttl), "--lease-ttl", str(args.lease_ttl)],
-                      {"role": role, "port": port, "metrics_port": mport, "worker_id": wid})
+            return d.start(wid, [*pdserve, "worker", *common, *eng, "--role", role,
+                                 "--tensor-parallel-size", str(tp[role]), "--port", str(port), "--worker-id", wid,
+                                 "--redis-url", redis_url, "--metrics-port", str(mport),
+                                 "--heartbeat-ttl", str(args.heartbeat_ttl), "--lease-ttl", str(args.lease_ttl)],
+                           {"role": role, "port": port, "metrics_port": mport, "worker_id": wid})
+
+        for role in roles:
+            start_worker(role)
         gport = args.grpc_port or free_port()
         # the gateway is the one process clients reach: it listens on --host (the rest stay on loopback)
         d.start("gateway", [*pdserve, "gateway", *common, "--host", args.host, "--port", str(args.port),
@@ -178,10 +189,22 @@ def up(args) -> int:
                 print("pdserve up: not healthy before --ready-timeout", file=sys.stderr)
             return 1
         print(f"pdserve up: {args.mode} deployment of {args.served_model_name} ready at {base}/v1", flush=True)
-        print("PDSERVE_UP " + json.dumps({"base_url": base, "mode": args.mode, "redis_url": redis_url,
-                                          "processes": d.infos()}), flush=True)
+        ready_info = {"base_url": base, "mode": args.mode, "redis_url": redis_url, "model": args.served_model_name,
+                      "internal_token_file": args.internal_token_file, "processes": d.infos()}
+        if args.planner:  # the planner adds and drains workers through start_worker (docs/planner.md)
+            from pdserve.planner.connectors.local import start_in_up
+            planner = start_in_up(args, d, start_worker, ready_info)
+        from pdserve.planner.status import remember_local
+        remember_local(ready_info)  # for `pdserve status`
+        # one write: another thread's log line (stderr, often the same pipe) cannot land inside it
+        sys.stdout.write("PDSERVE_UP " + json.dumps(ready_info) + "\n")
+        sys.stdout.flush()
         d.restart = not args.no_restart
+        if planner is not None:
+            planner.start()
         while not stopping["flag"]:
+            if planner is not None:
+                planner.apply()  # its scaling requests: children are forked from this thread only (supervisor.py)
             d.poll()
             dead = d.dead()  # only with --no-restart
             if dead and not any(c.info.get("role") and c.running for c in d.children.values()):
@@ -193,5 +216,9 @@ def up(args) -> int:
             time.sleep(0.2)
         return 0
     finally:
+        if planner is not None:
+            planner.stop()  # before the children stop: nothing is started or drained after this
+        from pdserve.planner.status import forget_local
+        forget_local()
         d.stop_all(args.drain_timeout + 5 if args.drain_timeout is not None else 15.0)
         print("pdserve up: stopped", flush=True)

@@ -22,6 +22,8 @@ import grpc
 
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import Engine, EngineConfig
+from pdserve.engine.spec_decode.flags import spec_config
+from pdserve.engine.warmup import warm_up
 from pdserve.kv_transfer.layout import KV_PROTOCOL_VERSION, KVLayout
 from pdserve.services.metrics import worker as M
 from pdserve.engine.request_state import RequestState
@@ -94,6 +96,7 @@ class Worker(worker_pb2_grpc.WorkerServicer):
         ld.pinned_blocks = self.prefill.leases.pinned_blocks()
         ld.prefix_hit_ratio = float(s.get("prefix_hit_ratio", 0.0) or 0.0)
         ld.max_num_seqs = self.engine.config.max_num_seqs
+        ld.tensor_parallel_size = self.engine.config.tensor_parallel_size
         return ld
 
     def refresh_stats(self) -> dict:
@@ -217,13 +220,18 @@ def engine_config_from_env(args) -> EngineConfig:
         kw["quantization"] = args.quantization
     if getattr(args, "policy", None):
         kw["policy"] = args.policy
+    if getattr(args, "batching", None):
+        kw["batching"] = args.batching
     if getattr(args, "threads", None):
         kw["num_threads"] = args.threads
+    if getattr(args, "tensor_parallel_size", None):
+        kw["tensor_parallel_size"] = args.tensor_parallel_size
     for name in ENGINE_SIZE_FLAGS:  # KV pool and batch sizes (kv_sizing.py)
         if getattr(args, name, None) is not None:
             kw[name] = getattr(args, name)
     if os.environ.get("PDSERVE_FAULT_STEP_DELAY_S"):  # fault injection only (EngineConfig.fault_step_delay_s)
         kw["fault_step_delay_s"] = float(os.environ["PDSERVE_FAULT_STEP_DELAY_S"])
+    kw.update(spec_config(args))
     return EngineConfig(**kw)
 
 
@@ -235,8 +243,20 @@ async def serve(args) -> None:
                                                args.metrics_compat), args.metrics_port, args.host)
     host = args.advertise_host or "127.0.0.1"
     worker_id = args.worker_id or f"{args.role}-{socket.gethostname()}-{args.port}"
-    engine = Engine.from_pretrained(args.model, engine_config_from_env(args))
+    config = engine_config_from_env(args)
+    if config.tensor_parallel_size > 1 and args.role in ("prefill", "decode"):
+        # KV transfer reads one pool per worker; a TP worker's heads live in every rank's pool (docs/engine.md)
+        raise SystemExit(f"pdserve worker: error: --tensor-parallel-size {config.tensor_parallel_size} with "
+                         f"--role {args.role}: KV transfer between tensor-parallel workers is not implemented yet; "
+                         f"use --role both (colocated) or --tensor-parallel-size 1")
+    started = M.process_start_time() or time.time()
+    engine = Engine.from_pretrained(args.model, config)
     M.set_engine_info(engine.info)
+    M.READY_SECONDS.labels("load").set(time.time() - started)
+    # spec §1.5: the first forwards at each batch shape happen here, before anything can route to this worker
+    warm = warm_up(engine)
+    M.READY_SECONDS.labels("warmup").set(warm.seconds)
+    log.info("warm-up: %d forwards at batch sizes %s in %.2fs", warm.forwards, warm.batch_sizes, warm.seconds)
     w = Worker(engine, args.role, worker_id, f"{host}:{args.port}", lease_ttl_s=args.lease_ttl,
                transfer_timeout_s=args.transfer_timeout)
     w.labels = dict(getattr(args, "labels", None) or {})
@@ -259,6 +279,7 @@ async def serve(args) -> None:
             w.host, KvEventPublisher(registry.r, args.served_model_name, worker_id,
                                      ttl_s=max(30.0, 10 * args.heartbeat_ttl))))
     await set_serving(hs, [WORKER_SERVICE], True)
+    M.READY_SECONDS.labels("ready").set(time.time() - started)
     log.info("worker %s (%s) listening on %s:%d, %d KV blocks of %d bytes; %s", worker_id, args.role, args.host,
              args.port, engine.kv_cache.num_blocks, engine.kv_cache.block_bytes, engine.info.line())
     stop = install_stop_signals(args.drain_timeout, f"worker {worker_id}")
@@ -281,6 +302,7 @@ async def serve(args) -> None:
     await w.decode.close()
     await w.prefill.stop()
     await w.host.stop()
+    engine.close()
     if w.agent is not None:
         w.agent.close()
     if registry is not None:

@@ -15,7 +15,7 @@ def _engine_cfg(a):
     from pdserve.engine.config import EngineConfig
     return EngineConfig(block_size=a.block_size, max_num_seqs=a.max_num_seqs,
                         max_num_batched_tokens=a.max_num_batched_tokens,
-                        enable_prefix_caching=not a.no_prefix_caching)
+                        enable_prefix_caching=not a.no_prefix_caching, batching=a.batching)
 
 
 def _cost(a):
@@ -59,6 +59,8 @@ def _common(p, model_default="llama-3-8b"):
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--batching", choices=["continuous", "static"], default="continuous",
+                   help="replicas' batching mode (static: the §5.2 baseline, docs/engine.md)")
     p.add_argument("--slo-ttft", type=float, default=0.5, help="seconds")
     p.add_argument("--slo-tpot", type=float, default=0.05, help="seconds")
     p.add_argument("--trace", default=None, help="bench trace file (lengths; arrivals re-drawn at --rate)")

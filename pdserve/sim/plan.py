@@ -94,6 +94,17 @@ def _fail_side(s: dict, slo: SLO) -> str:
     return "prefill"
 
 
+def pool_rates(pi: PlanInput, cap: float = math.inf) -> tuple[float, float]:
+    """Q19 step 1 for disaggregated pools: the highest rate (req/s) ONE prefill replica meets the TTFT SLO at (decode
+    plentiful), and ONE decode replica the TPOT SLO (prefill plentiful). Also the planner's per-replica capacity
+    (pdserve/planner/policy.py), which passes `cap`: rates beyond it need not be told apart."""
+    p_rate, _ = replica_goodput(pi, ClusterSpec(prefill=1, decode=4), SLO(ttft=pi.slo.ttft), cap=cap)
+    # the decode replica is fed by a prefill pool 8x one replica's capacity; rates beyond that measure the
+    # prefill pool, so the sweep stops there
+    d_rate, _ = replica_goodput(pi, ClusterSpec(prefill=8, decode=1), SLO(tpot=pi.slo.tpot), cap=min(8 * p_rate, cap))
+    return p_rate, d_rate
+
+
 def plan(pi: PlanInput) -> dict:
     log = pi.log or (lambda *_: None)
     peak = pi.rate * pi.peak_factor
@@ -112,15 +123,12 @@ def plan(pi: PlanInput) -> dict:
             result["candidates"].append(_candidate(pi, "colocated", final, s, {"per_replica_goodput_rate": g_rate},
                                                    peak, n))
     if "disagg" in pi.modes:
-        p_rate, _ = replica_goodput(pi, ClusterSpec(prefill=1, decode=4), SLO(ttft=slo.ttft))
-        # the decode replica is fed by a prefill pool 8x one replica's capacity; rates beyond that measure the
-        # prefill pool, so the sweep stops there
-        d_rate, _ = replica_goodput(pi, ClusterSpec(prefill=8, decode=1), SLO(tpot=slo.tpot), cap=8 * p_rate)
+        p_rate, d_rate = pool_rates(pi)
         log(f"disagg: one prefill replica meets the TTFT SLO up to {p_rate:.3g} req/s, one decode replica the "
             f"TPOT SLO up to {d_rate:.3g} req/s")
         if p_rate > 0 and d_rate > 0:
             p, d = max(1, math.ceil(peak / p_rate)), max(1, math.ceil(peak / d_rate))
-            (p, d), s = _smallest_pd(pi, p, d, peak, n, log)
+            (p, d), s = smallest_pd(pi, p, d, peak, n, log)
             final = ClusterSpec(prefill=p + pi.redundancy, decode=d + pi.redundancy)
             result["candidates"].append(_candidate(pi, "disagg", final, s, {"prefill_replica_rate": p_rate,
                                                                              "decode_replica_rate": d_rate},
@@ -147,7 +155,9 @@ def _smallest(pi, make, c, peak, n, log, limit=256):
     return c, s
 
 
-def _smallest_pd(pi, p, d, peak, n, log, limit=256):
+def smallest_pd(pi, p, d, peak, n, log, limit=256):
+    """Q19 step 4: from the lower bound (p, d), grow the pool whose SLO fails at `peak`, then shrink each pool
+    while the target attainment holds; returns ((p, d), the summary at the result)."""
     s = _run(pi, ClusterSpec(prefill=p, decode=d), peak, n, pi.slo)
     steps = 0
     while not _meets(s, pi.attainment) and p + d < limit and steps < 40:

@@ -11,9 +11,14 @@ bytes  = weight_bytes                                 (every linear weight read 
        + kv_bytes_per_token * tokens                  (new KV written)
 kv_bytes_per_token = 2 * layers * kv_heads * head_dim * bytes_per_element
 
+With tp > 1 the engine's sharding rules apply (engine/tp/shard.py, spec D08): a degree the heads cannot be
+split by is refused, and with fewer KV heads than ranks each rank holds (and reads) one replicated KV head, so
+the replica's KV per token is 2 * layers * max(kv_heads, tp) * head_dim * bytes. Each rank reads its share of
+the weights and its own KV heads; the step is bounded per rank.
+
 Left out on purpose, each of which only makes real steps slower: activation traffic, kernel launch and
-scheduling overhead, imperfect overlap of compute and memory, TP collectives (tp > 1 divides FLOPs and bytes
-evenly and communicates for free), attention kernel inefficiency at long context. KV transfer between replicas
+scheduling overhead, imperfect overlap of compute and memory, TP collectives (communicated for free here),
+attention kernel inefficiency at long context. KV transfer between replicas
 is bytes / link bandwidth (plus nothing): also a bound.
 
 Model numbers are those of the published config.json files; GPU numbers are vendor peak dense BF16 and HBM
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.engine.tp.shard import check_tp
 from pdserve.sim.costmodel import StepShape
 
 
@@ -134,14 +140,29 @@ class RooflineCostModel:
 
     kind = "roofline"
 
+    def __post_init__(self):
+        m = self.model
+        check_tp(m.heads, m.kv_heads, m.intermediate, self.tp)  # the engine's rule: CheckpointError names the shapes
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        return max(1, self.model.kv_heads // self.tp)  # replicated when kv_heads < tp
+
+    @property
+    def kv_bytes_per_token_per_rank(self) -> int:
+        m = self.model
+        return 2 * m.layers * self.kv_heads_per_rank * m.head_dim * m.bytes_per_param
+
     def flops(self, s: StepShape) -> float:
         m = self.model
         return (2.0 * m.linear_params * s.tokens + 2.0 * m.hidden * m.vocab * s.samples
                 + 4.0 * m.layers * m.heads * m.head_dim * s.attn_pairs)
 
     def bytes(self, s: StepShape) -> float:
+        """Bytes the whole replica moves: every rank's weight share and its KV heads (replicas included)."""
         m = self.model
-        return float(m.weight_bytes_read_per_step + m.kv_bytes_per_token * s.sum_context)  # (ctx-T) read + T written
+        return float(m.weight_bytes_read_per_step
+                     + self.kv_bytes_per_token_per_rank * self.tp * s.sum_context)  # (ctx-T) read + T written
 
     def compute_s(self, s: StepShape) -> float:
         return self.flops(s) / (self.gpu.peak_flops * self.tp)
@@ -160,8 +181,9 @@ class RooflineCostModel:
         return num_tokens * self.model.kv_bytes_per_token / self.link_bytes_per_s
 
     def kv_blocks(self, block_size: int) -> int:
-        free = self.mem_util * self.gpu.memory_bytes * self.tp - self.model.weight_bytes
-        return max(0, int(free // (self.model.kv_bytes_per_token * block_size)))
+        """The replica's blocks: every rank holds the same block ids, each with its KV heads (the engine's pool)."""
+        free = self.mem_util * self.gpu.memory_bytes - self.model.weight_bytes / self.tp
+        return max(0, int(free // (self.kv_bytes_per_token_per_rank * block_size)))
 
     def ridge_point(self) -> float:
         """FLOP per byte where the two roofs meet (spec §2.3)."""

@@ -64,6 +64,14 @@ def test_short_sweep_against_pdserve_up(up, tmp_path):
         for row in p["records"]:
             if not row["warmup"]:
                 assert row["stages"]["durations"]["e2e"] <= row["e2e_s"] + 1e-3
+    # cold start (spec §1.5) reported apart: the first warm-up request against a fresh deployment, and the
+    # workers' own load / warm-up / ready seconds scraped from them
+    cold = res["points"][0]["warmup"]
+    assert cold["n_pre_run"] == 1 and cold["cold_start_ttft_s"] > 0
+    assert cold["cold_start_e2e_s"] >= cold["cold_start_ttft_s"]
+    assert sum(1 for row in res["points"][0]["records"] if row["warmup"]) == 1
+    ready = cold["worker_ready_s"]
+    assert ready["load"] > 0 and ready["warmup"] > 0 and ready["ready"] >= ready["load"] + ready["warmup"] - 0.05
     html = (out / "report.html").read_text()
     assert "data:image/png;base64," in html and "usage.stage_times" in html and "p99 ms" in html
 

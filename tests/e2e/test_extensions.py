@@ -3,6 +3,7 @@ the answer the way it says (a constraint is met, a stop token stops, prompt log-
 the worker cannot compile is a 400 naming the client's field."""
 from __future__ import annotations
 
+import json
 import re
 
 import httpx
@@ -80,3 +81,39 @@ def test_a_grammar_the_worker_cannot_compile_names_the_field(up):
         r = post(up, {**P, "max_tokens": 4, field: value})
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == field
+
+
+def test_beam_search_extension(up, tiny_llama):
+    """beam_width over HTTP -> gateway -> router (a `both` worker) -> engine: the n best beams transformers finds
+    (tests/engine/test_beam.py holds the engine to transformers across widths, penalties and stop modes)."""
+    import torch
+    import transformers as tf
+
+    from pdserve.engine.tokenizer import Tokenizer
+    r = post(up, {**P, "max_tokens": 8, "beam_width": 3, "n": 2, "length_penalty": 0.5, "early_stopping": "never",
+                  "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    got = [c["token_ids"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+    ids = torch.tensor([Tokenizer(tiny_llama).encode(P["prompt"])])
+    hf = tf.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), num_beams=3, num_return_sequences=2,
+                          do_sample=False, length_penalty=0.5, early_stopping="never", max_new_tokens=8,
+                          pad_token_id=1)[:, ids.shape[1]:].tolist()
+    assert got == ref and r.json()["usage"]["completion_tokens"] == 16
+    # streamed: nothing can be shown before the search ends; then the same two choices arrive whole
+    texts = {c["index"]: c["text"] for c in r.json()["choices"]}
+    body = {**P, "max_tokens": 8, "beam_width": 3, "n": 2, "length_penalty": 0.5, "early_stopping": "never",
+            "stream": True}
+    streamed: dict[int, str] = {}
+    with httpx.stream("POST", up.base_url + "/v1/completions", json=body, timeout=60) as sr:
+        assert sr.status_code == 200
+        for line in sr.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    streamed[c["index"]] = streamed.get(c["index"], "") + c["text"]
+    assert streamed == texts
+    for body, param in (({"beam_width": 2, "top_p": 0.5}, "top_p"), ({"beam_width": 2, "n": 3}, "n"),
+                        ({"beam_width": 2, "early_stopping": "sometimes"}, "early_stopping")):
+        r = post(up, {**P, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

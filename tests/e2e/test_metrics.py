@@ -39,8 +39,11 @@ WORKER = {
     "pdserve_kv_blocks_total", "pdserve_kv_blocks_pinned", "pdserve_kv_usage_fraction",
     "pdserve_kv_offload_bytes", "pdserve_kv_recall_seconds", "pdserve_kv_tier_blocks", "pdserve_kv_tier_capacity_blocks",
     "pdserve_kv_tier_hit_tokens",
+    "pdserve_spec_verify_steps", "pdserve_spec_proposed_tokens", "pdserve_spec_accepted_tokens",
+    "pdserve_spec_emitted_tokens", "pdserve_spec_acceptance_rate", "pdserve_spec_mean_accepted_length",
     "pdserve_prefix_cache_queries", "pdserve_prefix_cache_hits", "pdserve_prefix_hit_ratio", "pdserve_num_running",
-    "pdserve_num_waiting", "pdserve_requests_in_state", "pdserve_request_state_entries", "pdserve_engine_info"}
+    "pdserve_num_waiting", "pdserve_requests_in_state", "pdserve_request_state_entries", "pdserve_engine_info",
+    "pdserve_worker_ready_seconds"}
 
 # vLLM's name -> (pdserve's family, owner, labels selecting the native samples): the table in docs/metrics.md
 ALIASES = {
@@ -138,6 +141,11 @@ def test_each_process_exports_only_its_own_families_with_the_model_label(up):
                     assert s.labels.get("role") == proc, f"{proc}: {s}"
     # the router no longer reports an empty KV pool, and no engine terminal is counted at the gateway
     assert "pdserve_kv_blocks_total" not in _families(_text(_urls(up)["router"]))
+    # cold start (spec §1.5): each worker warmed up before it became ready, and says how long each phase took
+    for proc in ("prefill", "decode"):
+        fam = _families(_text(_urls(up)[proc]))["pdserve_worker_ready_seconds"]
+        phase = {s.labels["phase"]: s.value for s in fam.samples}
+        assert phase["load"] > 0 and phase["warmup"] > 0 and phase["ready"] >= phase["load"] + phase["warmup"]
 
 
 def test_metrics_ports_bind_the_service_host(up):

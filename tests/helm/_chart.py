@@ -95,6 +95,12 @@ SCENARIOS: dict[str, dict] = {
         "redis": {"auth": {"enabled": True}},
         "networkPolicy": {"enabled": True},
     },
+    "planner": {  # the SLA planner sizes the pools; their HPAs are then not rendered
+        "planner": {"enabled": True, "dryRun": True, "interval": 15},
+        "prefill": {"autoscaling": {"enabled": True}}, "decode": {"autoscaling": {"enabled": True}},
+        "security": {"internalToken": {"enabled": True}}, "networkPolicy": {"enabled": True,
+                                                                            "metricsFrom": [{"podSelector": {}}]},
+    },
     "plain_keys_secret": {
         "gateway": {"apiKeys": {"enabled": True, "existingSecret": "team-keys", "secretKey": "api-keys"}},
     },

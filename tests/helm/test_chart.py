@@ -139,7 +139,7 @@ def test_every_command_is_one_pdserve_accepts(scenario, monkeypatch):
     for o, c in pdserve_containers(objs):
         a = parse_pdserve(c, monkeypatch)
         parsed[o["metadata"]["name"]] = a
-        assert a.command in ("gateway", "router", "worker") and a.host == "0.0.0.0"
+        assert a.command in ("gateway", "router", "worker", "planner") and a.host == "0.0.0.0"
         if a.command == "worker":  # workers.quantization reaches the engine flag (None when unset)
             assert a.quantization == (vals.get("workers", {}).get("quantization") or None)
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
@@ -167,6 +167,10 @@ def test_every_command_is_one_pdserve_accepts(scenario, monkeypatch):
                 assert a.redis_url.startswith("secret:") and a.redis_url == env["PDSERVE_REDIS_URL"]
             if a.command in ("router", "worker"):
                 assert (a.port, a.metrics_port) == (ports["grpc"], ports["metrics"])
+            if a.command == "planner":  # it scrapes the gateway's metrics Service port
+                assert a.metrics_port == ports["metrics"]
+                host, port = a.metrics_url[0].removeprefix("http://").split("/")[0].split(":")
+                assert int(port) in {p["port"] for p in svcs[host]["spec"]["ports"]}
             if a.command == "worker":
                 assert a.advertise_host == "10.1.2.3" and a.worker_id == "pod-0"  # pod IP, pod name
                 pool = o["metadata"]["name"].removeprefix(FULL + "-")
@@ -183,7 +187,8 @@ def test_every_command_is_one_pdserve_accepts(scenario, monkeypatch):
     roles = sorted(a.role for a in parsed.values() if a.command == "worker")
     assert roles == (["both"] if vals.get("mode") == "colocated" else ["decode", "prefill"])  # auto: both pools
     assert len({a.redis_url for a in parsed.values()}) == 1
-    assert {a.command for a in parsed.values()} == {"gateway", "router", "worker"}
+    assert {a.command for a in parsed.values()} == {"gateway", "router", "worker"} | (
+        {"planner"} if vals.get("planner", {}).get("enabled") else set())
 
 
 def test_service_links_off_because_they_collide_with_pdserve_env(monkeypatch):

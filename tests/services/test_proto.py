@@ -21,6 +21,8 @@ def test_sampling_params_roundtrip():
         SamplingParams(max_tokens=None, temperature=0.0, seed=7, stop=["a", "b"], logit_bias={3: -2.5},
                        allowed_token_ids=[], guided=GuidedSpec(json_schema='{"type":"object"}'), logprobs=0),
         SamplingParams(n=3, top_k=5, top_p=0.5, min_p=0.1, presence_penalty=1.0, frequency_penalty=-1.0),
+        SamplingParams(beam_width=4, n=2, length_penalty=-0.5, early_stopping="never"),
+        SamplingParams(beam_width=2, early_stopping=True), SamplingParams(beam_width=3, length_penalty=2.0),
     ]
     for p in cases:
         assert convert.params_from_pb(convert.params_to_pb(p)) == p

@@ -142,3 +142,25 @@ def test_children_die_with_a_sigkilled_parent():
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def test_drain_is_nonblocking_kills_at_the_deadline_and_forgets_the_child():
+    """How the planner removes a worker: `drain` returns at once; a child that ignores SIGTERM is SIGKILLed by
+    `poll` at the deadline, never restarted, and then gone from the table; one that drains is forgotten too."""
+    sup, logs, _ = _sup(restart=True)
+    stubborn = sup.start("stubborn", [PY, "-c", "import signal, time; "
+                                                "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"])
+    sup.start("polite", [PY, "-c", "import time; time.sleep(60)"])
+    time.sleep(0.5)  # both installed their handlers
+    t0 = time.monotonic()
+    sup.drain("stubborn", grace=1.0)
+    sup.drain("polite", grace=30.0)
+    assert time.monotonic() - t0 < 0.5
+    assert {c.name for c in sup.draining()} == {"stubborn", "polite"}
+    assert _poll_until(sup, lambda: "polite" not in sup.children, 5.0)
+    assert "stubborn" in sup.children and stubborn.running  # ignoring SIGTERM, before its deadline
+    assert _poll_until(sup, lambda: "stubborn" not in sup.children, 5.0)
+    assert time.monotonic() - t0 >= 1.0
+    assert stubborn.proc.returncode == -signal.SIGKILL
+    assert not any("restarted" in line for line in logs)
+    assert sup.dead() is None

@@ -142,6 +142,17 @@ PANELS = [
     ("Billed tokens by tenant and kind", "short",
      [(f"sum by (tenant, kind) (rate(pdserve_usage_tokens_total{{{SEL}}}[$__rate_interval]))",
        "{{tenant}} {{kind}}")]),
+    ("Speculative decoding: acceptance rate", "percentunit",
+     [(f"{rate('pdserve_spec_accepted_tokens_total', 'role', POOL)} / "
+       f"clamp_min({rate('pdserve_spec_proposed_tokens_total', 'role', POOL)}, 1e-9)", "{{role}}"),
+      (f"avg by (role) (pdserve_spec_acceptance_rate{{{POOL}}})", "{{role}} lifetime")]),
+    ("Speculative decoding: mean accepted length (tokens per verification)", "short",
+     [(f"{rate('pdserve_spec_emitted_tokens_total', 'role', POOL)} / "
+       f"clamp_min({rate('pdserve_spec_verify_steps_total', 'role', POOL)}, 1e-9)", "{{role}}"),
+      (f"avg by (role) (pdserve_spec_mean_accepted_length{{{POOL}}})", "{{role}} lifetime")]),
+    # cold start (spec §1.5, docs/engine.md): load, warm-up and process start -> SERVING of each pod, set once
+    ("Worker cold start per pod (load, warm-up, ready)", "s",
+     [(f"max by (pod, phase) (pdserve_worker_ready_seconds{{{POOL}}})", "{{pod}} {{phase}}")]),
 ]
 
 

@@ -292,6 +292,21 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
         return JSONResponse({"status": "ok" if ready else "no_workers", "workers": roles},
                             status_code=200 if ready else 503)
 
+    @app.get("/status")
+    async def status(request: Request):
+        # `pdserve status --url` (docs/planner.md): worker addresses and load are operator information, so the
+        # same permission as /metrics
+        tenant = life.gate.tenants.authenticate(IngressGate.api_key(request.headers))
+        if tenant is None or not tenant.can("metrics"):
+            return _error_response(APIError(401 if tenant is None else 403, "this API key may not read the status",
+                                            "authentication_error" if tenant is None else "permission_error"))
+        from pdserve.planner.status import gateway_status
+        try:
+            body = await gateway_status(disp, life.gate.redis, cfg.served_model_name, cfg.registry_key)
+        except grpc.aio.AioRpcError as e:
+            return JSONResponse({"status": "unavailable", "reason": f"router: {e.code().name}"}, status_code=503)
+        return JSONResponse(body)
+
     @app.get("/metrics")
     async def metrics(request: Request):
         # every tenant's name and counts: only for a key with the `metrics` permission (docs/admission.md,

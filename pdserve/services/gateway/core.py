@@ -159,8 +159,10 @@ class Dispatcher:
         prompt = sub.prompt_token_ids + (resume or [])
         max_tokens = max(0, (sub.params.max_tokens or 0) - len(resume or ())) if sub.params.max_tokens else 0
         for attempt in range(self.max_attempts):
+            # beam search runs whole on one `both` worker (engine/beam.py; none: the prefill worker says 400); a
+            # migrated request on one worker that prefills prompt + the tokens sent (a `both` or a decode worker)
             route = await self.route(rid, len(prompt), namespace, exclude, prompt, max_tokens,
-                                     prefer="local" if resume is not None else "")
+                                     prefer="colocated" if sub.params.beam else "local" if resume is not None else "")
             if resume is None:
                 trace.on_route(route.mode)
             if on_route is not None:

@@ -81,6 +81,13 @@ FIELDS: list[Field] = [
     Field("min_tokens", {**_INT, "minimum": 0}, "EOS and stop tokens masked until then; <= max_tokens",
           extension=True),
     Field("ignore_eos", _BOOL, "keep sampling past EOS", extension=True),
+    Field("beam_width", {**_INT, "minimum": 1, "maximum": MAX_N},
+          "beam search with this many beams (transformers' semantics; the n best come back at the end; a `both` "
+          "worker; not with sampling filters, penalties, stop strings, logprobs or guided output)", extension=True),
+    Field("length_penalty", _NUM, "beam search: score = sum of logprobs / length ** length_penalty (default 1)",
+          extension=True),
+    Field("early_stopping", {"oneOf": [_BOOL, {"enum": ["never"]}]},
+          "beam search: true, false (default) or \"never\", as transformers defines them", extension=True),
     Field("stop_token_ids", {**_IDS, "maxItems": 64}, "token ids that end the choice", extension=True),
     Field("include_stop_str_in_output", _BOOL, "keep the matched stop string in the text", extension=True),
     Field("skip_special_tokens", _BOOL, "leave special tokens out of the text (default true)", extension=True),

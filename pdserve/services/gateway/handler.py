@@ -45,8 +45,9 @@ class RequestHandler:
         rid = call.request_id or new_id(call.id_prefix)
         # stage two: reserve KV for prompt + predicted output of every branch (best_of of them, when asked: the
         # worker runs them all); may queue, degrade the branch count, or reject
+        # (never a narrower beam: that would change the answer, not only its count)
         ticket = await self.life.admit(rec, rid, call.prompts, params.max_tokens, params.num_branches,
-                                       self.max_len, allow_degrade=call.allow_degrade)
+                                       self.max_len, allow_degrade=call.allow_degrade and not params.beam)
         degraded = None
         headers: dict[str, str] = {}
         if ticket is not None and ticket.degraded:

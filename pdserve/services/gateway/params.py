@@ -214,6 +214,13 @@ def to_sampling_params(body: dict, *, chat: bool, vocab_size: int) -> SamplingPa
         if echo and p.logprobs is not None:  # the echoed prompt's tokens get log-probs too
             p.prompt_logprobs = p.logprobs
     p.typical_p = _num(body, "typical_p", float, 1.0)
+    p.beam_width = _num(body, "beam_width", int, None, 1, MAX_N)
+    p.length_penalty = _num(body, "length_penalty", float, 1.0)
+    es = body.get("early_stopping")
+    if es is not None:
+        if es not in (True, False, "never") or isinstance(es, (int, float)) and not isinstance(es, bool):
+            raise bad("early_stopping", 'must be true, false or "never"')
+        p.early_stopping = es
     p.no_repeat_ngram_size = _num(body, "no_repeat_ngram_size", int, 0, 0)
     p.stop_token_ids = _list(body, "stop_token_ids", _is_id, "token ids", 64) or []
     p.include_stop_str_in_output = flag(body, "include_stop_str_in_output")

@@ -56,9 +56,39 @@ KV_TIER_CAPACITY = Gauge("pdserve_kv_tier_capacity_blocks", "KV blocks the host 
 NUM_RUNNING = Gauge("pdserve_num_running", "Requests running in the engine", registry=WORKER)
 NUM_WAITING = Gauge("pdserve_num_waiting", "Requests waiting in the engine", registry=WORKER)
 STATE_GAUGE = Gauge("pdserve_requests_in_state", "Live engine sequences per state", ["state"], registry=WORKER)
+# Speculative decoding (engine/spec_decode/): counters from the engine's cumulative counts, and lifetime ratios.
+SPEC_STEPS = Counter("pdserve_spec_verify_steps_total", "Speculative verification passes (one per sequence and step)",
+                     registry=WORKER)
+SPEC_PROPOSED = Counter("pdserve_spec_proposed_tokens_total", "Speculative candidates verified by the target",
+                        registry=WORKER)
+SPEC_ACCEPTED = Counter("pdserve_spec_accepted_tokens_total", "Speculative candidates accepted", registry=WORKER)
+SPEC_EMITTED = Counter("pdserve_spec_emitted_tokens_total", "Tokens committed by verification passes (accepted "
+                       "candidates + the bonus / residual token)", registry=WORKER)
+SPEC_ACCEPTANCE = Gauge("pdserve_spec_acceptance_rate", "Lifetime accepted / proposed candidates (0..1)",
+                        registry=WORKER)
+SPEC_MEAN_LEN = Gauge("pdserve_spec_mean_accepted_length", "Lifetime tokens committed per verification pass",
+                      registry=WORKER)
 ENGINE_INFO = Gauge("pdserve_engine_info", "1, labelled with what this worker's engine runs on: the CPU ISA level "
                     "used (or the accelerator), the compute dtype, how the projection weights are held (int8 | bfloat16 | the compute dtype), and the kernels "
                     "(native | triton | torch)", ["isa", "dtype", "weights", "kernels"], registry=WORKER)
+
+READY_SECONDS = Gauge("pdserve_worker_ready_seconds", "Cold start (spec §1.5), set once: phase=load: process start "
+                      "-> model loaded; warmup: the warm-up forwards' own time; ready: process start -> registered "
+                      "and SERVING (kept out of steady-state latency: nothing is routed here before it)", ["phase"],
+                      registry=WORKER)
+
+
+def process_start_time() -> float | None:
+    """Unix time this process started (/proc; None where there is none): cold start counts imports too."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            btime = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        import os
+        return btime + start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
 
 
 def set_engine_info(info) -> None:
@@ -89,6 +119,7 @@ class EngineStatsExporter:
         self.tier_hits: dict[str, int] = {}
         self.moved: dict[str, int] = {}
         self.recalls = 0
+        self.spec = {"steps": 0, "proposed_tokens": 0, "accepted_tokens": 0, "emitted_tokens": 0}
 
     def update(self, s: dict) -> None:
         used, total = s.get("kv_blocks_in_use", 0), s.get("kv_blocks_total", 0)
@@ -109,6 +140,15 @@ class EngineStatsExporter:
         if h > self.hits:
             PREFIX_HITS.inc(h - self.hits)
             self.hits = h
+        spec = s.get("spec")
+        if spec:
+            for key, counter in (("steps", SPEC_STEPS), ("proposed_tokens", SPEC_PROPOSED),
+                                 ("accepted_tokens", SPEC_ACCEPTED), ("emitted_tokens", SPEC_EMITTED)):
+                if spec[key] > self.spec[key]:
+                    counter.inc(spec[key] - self.spec[key])
+                    self.spec[key] = spec[key]
+            SPEC_ACCEPTANCE.set(spec["acceptance_rate"])
+            SPEC_MEAN_LEN.set(spec["mean_accepted_length"])
         if "kv_host_blocks_total" in s:
             self._tier(s)
 

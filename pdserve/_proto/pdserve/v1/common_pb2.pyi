@@ -19,7 +19,7 @@ class GuidedSpec(_message.Message):
     def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("n", "best_of", "temperature", "top_p", "top_k", "min_p", "typical_p", "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias", "allowed_token_ids", "has_allowed_token_ids", "bad_words", "no_repeat_ngram_size", "logprobs", "prompt_logprobs", "logprobs_mode", "skip_special_tokens", "guided")
+    __slots__ = ("n", "best_of", "temperature", "top_p", "top_k", "min_p", "typical_p", "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias", "allowed_token_ids", "has_allowed_token_ids", "bad_words", "no_repeat_ngram_size", "logprobs", "prompt_logprobs", "logprobs_mode", "skip_special_tokens", "guided", "beam_width", "length_penalty", "early_stopping")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,9 @@ class SamplingParams(_message.Message):
     LOGPROBS_MODE_FIELD_NUMBER: _ClassVar[int]
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GUIDED_FIELD_NUMBER: _ClassVar[int]
+    BEAM_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    EARLY_STOPPING_FIELD_NUMBER: _ClassVar[int]
     n: int
     best_of: int
     temperature: float
@@ -81,7 +84,10 @@ class SamplingParams(_message.Message):
     logprobs_mode: str
     skip_special_tokens: bool
     guided: GuidedSpec
-    def __init__(self, n: _Optional[int] = ..., best_of: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., has_allowed_token_ids: _Optional[bool] = ..., bad_words: _Optional[_Iterable[str]] = ..., no_repeat_ngram_size: _Optional[int] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., logprobs_mode: _Optional[str] = ..., skip_special_tokens: _Optional[bool] = ..., guided: _Optional[_Union[GuidedSpec, _Mapping]] = ...) -> None: ...
+    beam_width: int
+    length_penalty: float
+    early_stopping: str
+    def __init__(self, n: _Optional[int] = ..., best_of: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., has_allowed_token_ids: _Optional[bool] = ..., bad_words: _Optional[_Iterable[str]] = ..., no_repeat_ngram_size: _Optional[int] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., logprobs_mode: _Optional[str] = ..., skip_special_tokens: _Optional[bool] = ..., guided: _Optional[_Union[GuidedSpec, _Mapping]] = ..., beam_width: _Optional[int] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[str] = ...) -> None: ...
 
 class Lifecycle(_message.Message):
     __slots__ = ("deadline_unix", "priority", "predicted_output_tokens", "kv_share")
@@ -186,16 +192,22 @@ class CompletionDelta(_message.Message):
     def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "generated_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "generated_tokens", "verified_tokens", "accepted_tokens", "kv_growth_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_GROWTH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
     generated_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
+    verified_tokens: int
+    accepted_tokens: int
+    kv_growth_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., verified_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., kv_growth_tokens: _Optional[int] = ...) -> None: ...
 
 class StageTimes(_message.Message):
     __slots__ = ("arrival", "first_scheduled", "first_token", "finished", "kv_transfer_start", "kv_transfer_end")
@@ -263,7 +275,7 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., agent_name: _Optional[str] = ..., capacity_blocks: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("worker_id", "num_running", "num_waiting", "kv_blocks_in_use", "kv_blocks_total", "pinned_blocks", "prefix_hit_ratio", "prefill_tokens_per_s", "prefill_overhead_s", "decode_step_s", "decode_step_per_seq_s", "pending_prefill_tokens", "kv_bytes_per_s", "handoff_overhead_s", "report_time", "max_num_seqs")
+    __slots__ = ("worker_id", "num_running", "num_waiting", "kv_blocks_in_use", "kv_blocks_total", "pinned_blocks", "prefix_hit_ratio", "prefill_tokens_per_s", "prefill_overhead_s", "decode_step_s", "decode_step_per_seq_s", "pending_prefill_tokens", "kv_bytes_per_s", "handoff_overhead_s", "report_time", "max_num_seqs", "tensor_parallel_size")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -280,6 +292,7 @@ class LoadReport(_message.Message):
     HANDOFF_OVERHEAD_S_FIELD_NUMBER: _ClassVar[int]
     REPORT_TIME_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     num_running: int
     num_waiting: int
@@ -296,4 +309,5 @@ class LoadReport(_message.Message):
     handoff_overhead_s: float
     report_time: float
     max_num_seqs: int
-    def __init__(self, worker_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_in_use: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., prefix_hit_ratio: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefill_overhead_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., decode_step_per_seq_s: _Optional[float] = ..., pending_prefill_tokens: _Optional[int] = ..., kv_bytes_per_s: _Optional[float] = ..., handoff_overhead_s: _Optional[float] = ..., report_time: _Optional[float] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, worker_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_in_use: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., prefix_hit_ratio: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefill_overhead_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., decode_step_per_seq_s: _Optional[float] = ..., pending_prefill_tokens: _Optional[int] = ..., kv_bytes_per_s: _Optional[float] = ..., handoff_overhead_s: _Optional[float] = ..., report_time: _Optional[float] = ..., max_num_seqs: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,79 @@
+"""`python -m pdserve.engine.tp.rank ARGS`: a TP rank other than 0 (started by group.py).
+
+It loads its shard of the weights, sizes its KV pool with the other ranks (the smallest count everywhere: the
+same block ids on every rank), then runs
+every step plan rank 0 broadcasts, until an empty plan (stop) or rank 0 vanishes (PR_SET_PDEATHSIG, or a failed
+collective)."""
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+
+import torch
+
+log = logging.getLogger("pdserve.engine.tp.rank")
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when rank 0 (its parent) exits, however it exits."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    if os.getppid() != parent_pid:  # the parent was already gone before prctl took effect
+        os._exit(1)
+
+
+def main(argv: list[str]) -> int:
+    from pdserve.engine.tp.group import RankArgs
+    a = RankArgs(**json.loads(argv[0]))
+    die_with_parent(a.parent_pid)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank{a.rank} %(levelname)s %(message)s")
+    from pdserve.engine.config import DTYPES, EngineConfig, ModelConfig
+    from pdserve.engine.kv_cache import KVCache
+    from pdserve.engine.kv_sizing import block_bytes_for, num_blocks as kv_pool_blocks
+    from pdserve.engine.loader import load_state_dict
+    from pdserve.engine.model import LlamaModel
+    from pdserve.engine.model_runner import ModelRunner
+    from pdserve.engine.tp.comm import TPComm
+    from pdserve.engine.tp.group import rank_device
+    from pdserve.engine.tp.shard import shard_for
+
+    config = EngineConfig(**a.config)
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    device = rank_device(config.device, a.rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    comm = TPComm("127.0.0.1", a.store_port, a.rank, a.size, device)
+    mcfg = ModelConfig.from_dir(a.model_dir)
+    dtype = DTYPES[a.dtype]
+    tensors, _ = load_state_dict(a.model_dir)
+    with torch.device(device):
+        net = LlamaModel(mcfg, shard_for(mcfg, a.rank, a.size), comm).to(dtype)
+    net.load_hf_weights(tensors)
+    del tensors
+    net.eval()
+    net.pack_weights()
+    # sized like rank 0's (Engine.__init__; the CUDA profiling forward has collectives, so every rank runs it at
+    # the same point), then the smallest count on every rank: the same block ids everywhere
+    per_block = block_bytes_for(mcfg.num_layers, config.block_size, net.shard.num_kv_heads, mcfg.head_dim, dtype)
+    num_blocks = comm.min_int(kv_pool_blocks(config, net, device, per_block))
+    kv = KVCache(mcfg, num_blocks, config.block_size, dtype, str(device), config.num_cpu_blocks, "",
+                 num_kv_heads=net.shard.num_kv_heads)
+    runner = ModelRunner(net, kv, native=config.native_kernels, attention=config.attention)
+    log.info("rank %d/%d ready: heads %s, KV heads %s, %d blocks", a.rank, a.size, net.shard.heads,
+             net.shard.kv_heads, num_blocks)
+    while True:
+        plan = comm.broadcast_object()
+        if plan is None:
+            return 0
+        runner.execute_plan(plan)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

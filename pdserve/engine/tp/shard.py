@@ -1,0 +1,76 @@
+"""Which slice of every weight and of the KV heads a rank holds (spec D08: KV heads split across ranks, or
+replicated when there are fewer of them than ranks; anything else cannot be split and is refused at load).
+
+Rank r of N holds query heads [r*H/N, (r+1)*H/N). With K KV heads:
+- K >= N (K % N == 0): KV heads [r*K/N, (r+1)*K/N), each rank a disjoint slice;
+- K < N (N % K == 0): one KV head, r*K // N, held by N/K ranks (replicated): every query head of rank r maps to
+  it because a group of H/K query heads spans exactly N/K ranks.
+The MLP's intermediate dimension is split in N equal slices; the vocabulary in N slices of ceil(V/N) rows (the
+last padded with zero rows whose logits are dropped after the gather).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.engine.errors import CheckpointError
+
+
+@dataclass(frozen=True)
+class TPShard:
+    rank: int
+    size: int
+    heads: range  # query heads held
+    kv_heads: range  # KV heads held (a replicated head appears on several ranks)
+    inter: range  # rows of gate/up (and columns of down) held
+    vocab: range  # rows of the embedding / LM head held (may run past the vocabulary on the last rank)
+    vocab_size: int  # the real vocabulary (logits past it are padding)
+    total_kv_heads: int  # the model's KV heads
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.heads)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return len(self.kv_heads)
+
+    @property
+    def replicated_kv(self) -> bool:
+        """Each KV head is held by more than one rank (num_kv_heads < N)."""
+        return self.total_kv_heads < self.size
+
+
+def check_tp(num_heads: int, num_kv_heads: int, intermediate_size: int, size: int) -> None:
+    """Raise CheckpointError naming the shapes when `size` ranks cannot split this model (D08)."""
+    if size < 1:
+        raise CheckpointError(f"tensor parallel size must be >= 1, got {size}")
+    problems = []
+    if num_heads % size:
+        problems.append(f"num_attention_heads={num_heads} is not divisible by tensor_parallel_size={size}")
+    if num_kv_heads >= size and num_kv_heads % size:
+        problems.append(f"num_key_value_heads={num_kv_heads} is not divisible by tensor_parallel_size={size}")
+    if num_kv_heads < size and size % num_kv_heads:
+        problems.append(f"num_key_value_heads={num_kv_heads} < tensor_parallel_size={size} and does not divide it "
+                        f"(a KV head can only be replicated on an equal number of ranks)")
+    if intermediate_size % size:
+        problems.append(f"intermediate_size={intermediate_size} is not divisible by tensor_parallel_size={size}")
+    if problems:
+        raise CheckpointError("cannot shard the model for tensor parallelism: " + "; ".join(problems))
+
+
+def kv_head_range(num_kv_heads: int, rank: int, size: int) -> range:
+    if num_kv_heads >= size:
+        per = num_kv_heads // size
+        return range(rank * per, (rank + 1) * per)
+    head = rank * num_kv_heads // size
+    return range(head, head + 1)
+
+
+def shard_for(cfg, rank: int = 0, size: int = 1) -> TPShard:
+    """The shard of rank `rank` of `size` for ModelConfig `cfg` (CheckpointError when it cannot be split)."""
+    check_tp(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, size)
+    h, inter = cfg.num_heads // size, cfg.intermediate_size // size
+    v = -(-cfg.vocab_size // size)
+    return TPShard(rank, size, range(rank * h, (rank + 1) * h), kv_head_range(cfg.num_kv_heads, rank, size),
+                   range(rank * inter, (rank + 1) * inter), range(rank * v, (rank + 1) * v), cfg.vocab_size,
+                   cfg.num_kv_heads)

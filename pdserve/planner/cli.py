@@ -1,0 +1,147 @@
+"""`pdserve planner` (its own process: the chart's planner Deployment), the planner flags of `pdserve up --planner`,
+and `pdserve status` (docs/planner.md). Flags read PDSERVE_<FLAG> like every service's."""
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from pdserve.cli_args import nonneg_float, port, positive_float, positive_int
+
+
+def add_planner_flags(p) -> None:
+    """What `pdserve up --planner` and `pdserve planner` share."""
+    p.add_argument("--planner-interval", type=positive_float, default=30.0, help="seconds between decisions")
+    p.add_argument("--slo-ttft", type=positive_float, default=0.5, help="TTFT SLO (p90, seconds) the planner sizes for")
+    p.add_argument("--slo-tpot", type=positive_float, default=0.05, help="TPOT SLO (p90, seconds)")
+    p.add_argument("--min-prefill", type=positive_int, default=1, help="planner: fewest prefill workers")
+    p.add_argument("--max-prefill", type=positive_int, default=4, help="planner: most prefill workers")
+    p.add_argument("--min-decode", type=positive_int, default=1, help="planner: fewest decode workers")
+    p.add_argument("--max-decode", type=positive_int, default=4, help="planner: most decode workers")
+    p.add_argument("--scale-down-cooldown", type=nonneg_float, default=None,
+                   help="seconds after a pool's last change before it may shrink (default: 2 intervals)")
+    p.add_argument("--planner-window", type=positive_int, default=6,
+                   help="intervals the forecast looks back (a pool shrinks only when all of them needed fewer)")
+    p.add_argument("--headroom", type=positive_float, default=1.2, help="size for the forecast rate x this")
+    p.add_argument("--attainment", type=positive_float, default=0.9, help="target SLO attainment in simulation")
+
+
+def add_up_flags(up) -> None:
+    up.add_argument("--planner", action="store_true", default=None,  # None: no "(default: False)" in --help
+                    help="run the SLA planner in this process: it adds and drains workers (docs/planner.md)")
+    add_planner_flags(up)
+
+
+def check_limits(a) -> str | None:
+    for pool in ("prefill", "decode"):
+        lo, hi = getattr(a, f"min_{pool}"), getattr(a, f"max_{pool}")
+        if lo > hi:
+            return f"--min-{pool} {lo} is above --max-{pool} {hi}"
+    if a.planner_window < 2:
+        return "--planner-window needs at least 2 intervals"
+    return None
+
+
+def check_up_planner(a) -> str | None:
+    if a.mode == "colocated":
+        return "--planner sizes prefill and decode pools: use --mode auto or disagg"
+    return check_limits(a)
+
+
+def add_planner_parser(sub) -> None:
+    from pdserve.cli import _add_security
+    p = sub.add_parser("planner", env=True, help="SLA planner: size the prefill and decode pools from measured load")
+    p.add_argument("--model", default="builtin", help="the served model (names its registry keys)")
+    p.add_argument("--served-model-name", help="default: the model dir's basename")
+    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="the deployment's registry")
+    p.add_argument("--metrics-url", action="append", default=None,
+                   help="a /metrics page to read (the gateway's; repeat for workers): e.g. "
+                        "http://rel-pdserve-gateway:9090/metrics")
+    p.add_argument("--connector", choices=["kubernetes", "registry"], default="kubernetes",
+                   help="kubernetes: patch the Deployments' scale; registry: read-only (needs --dry-run)")
+    p.add_argument("--namespace", default=None, help="the Deployments' namespace (default: the pod's)")
+    p.add_argument("--prefill-deployment", default="pdserve-prefill")
+    p.add_argument("--decode-deployment", default="pdserve-decode")
+    p.add_argument("--kubeconfig", default=None, help="outside a pod (default: $KUBECONFIG, ~/.kube/config)")
+    p.add_argument("--costs", default=None, help="`pdserve sim profile` JSON: the cost model before live numbers")
+    p.add_argument("--dry-run", action="store_true", help="only log and export the decisions")
+    p.add_argument("--metrics-port", type=port, default=0, help="serve the planner's /metrics here (0: off)")
+    p.add_argument("--host", default="0.0.0.0", help="address of --metrics-port")
+    p.add_argument("--heartbeat-ttl", type=positive_float, default=3.0, help="the workers' (registry record TTL)")
+    p.add_argument("--log-format", choices=("text", "json"), default="text")
+    add_planner_flags(p)
+    _add_security(p)
+    p.set_defaults(func=cmd_planner)
+
+
+def _namespace(a) -> str:
+    if a.namespace:
+        return a.namespace
+    try:
+        with open("/var/run/secrets/kubernetes.io/serviceaccount/namespace") as f:
+            return f.read().strip()
+    except OSError:
+        return "default"
+
+
+def cmd_planner(a) -> int:
+    import threading
+
+    from pdserve.planner.loop import Planner, PlannerConfig
+    from pdserve.services import logs
+    from pdserve.services.metrics import exposition
+    from pdserve.services.metrics.planner import PLANNER
+    from pdserve.services.procutil import install_stop_signals
+    problem = check_limits(a)
+    if problem is None and a.connector == "registry" and not a.dry_run:
+        problem = "--connector registry only reads the pools: add --dry-run"
+    if problem is None and not a.metrics_url:
+        problem = "--metrics-url: give the gateway's /metrics (at least)"
+    if problem:
+        print(f"pdserve planner: {problem}", file=sys.stderr)
+        return 2
+    logs.setup("planner", a.log_format)
+    if a.connector == "kubernetes":
+        from pdserve.planner.connectors.kubernetes import KubernetesConnector
+        conn = KubernetesConnector(_namespace(a), {"prefill": a.prefill_deployment, "decode": a.decode_deployment},
+                                   kubeconfig=a.kubeconfig)
+    else:
+        from pdserve.planner.connectors.registry import RegistryConnector
+        conn = RegistryConnector()
+    if a.metrics_port:
+        exposition.serve(exposition.exposition(PLANNER, {"model": a.served_model_name}), a.metrics_port, a.host)
+    planner = Planner(PlannerConfig.from_args(a), conn, lambda: list(a.metrics_url))
+    stop = threading.Event()
+
+    async def main():
+        signalled = install_stop_signals()
+        task = asyncio.create_task(planner.run(stop))
+        await signalled.wait()
+        stop.set()
+        await task
+
+    asyncio.run(main())
+    return 0
+
+
+def add_status_parser(sub) -> None:
+    p = sub.add_parser("status", help="pools, workers (role, load, health) and the planner's last decision")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--url", help="a gateway (its /status; default: the local `pdserve up`)")
+    where.add_argument("--redis-url", help="read the deployment's registry directly")
+    p.add_argument("--model", default=None, help="served model name (with --redis-url; default: the only one)")
+    p.add_argument("--api-key", default=None, help="with --url, a key with the metrics permission (env "
+                                                     "PDSERVE_API_KEY)")
+    p.add_argument("--json", action="store_true", help="one JSON object")
+    p.add_argument("--internal-token-file", help="verify the registry's signed records (with --redis-url)")
+    p.add_argument("--redis-password-file")
+    p.add_argument("--redis-ca-file")
+    p.set_defaults(func=cmd_status)
+
+
+def cmd_status(a) -> int:
+    from pdserve.planner.status import format_text, gather
+    st = gather(a)
+    if st is None:
+        return 1
+    print(__import__("json").dumps(st, indent=2) if a.json else format_text(st))
+    return 0

@@ -1,0 +1,126 @@
+"""One interval's decision: what was seen, forecast and simulated, what each pool was told, and why.
+
+Each decision is exported (services/metrics/planner.py), logged as one line with its reason, and stored in Redis for
+`pdserve status`: `pdserve:{model}:planner:last` (the last decision) and `pdserve:{model}:planner:changes` (the
+last 50 that changed a pool), JSON, HMAC-signed with the registry key when an internal token is configured (the
+same key and canonical form as worker records: registry.record_sig), so a process without the token cannot make
+status show a decision the planner never took.
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from dataclasses import asdict, dataclass, field
+
+from pdserve.planner.guard import PoolVerdict
+from pdserve.services.metrics import planner as M
+from pdserve.services.registry import record_sig
+
+log = logging.getLogger("pdserve.planner")
+HISTORY = 50
+
+
+def last_key(model: str) -> str:
+    return f"pdserve:{model}:planner:last"
+
+
+def changes_key(model: str) -> str:
+    return f"pdserve:{model}:planner:changes"
+
+
+@dataclass
+class Decision:
+    time: float                          # unix
+    dry_run: bool
+    connector: str
+    observed_rate: float
+    forecast_rate: float
+    hold_rate: float
+    trend: float
+    prompt_mean: float
+    output_mean: float
+    prefix_hit: float
+    queued: float                        # requests waiting (gateway admission + engine queues) at the scrape
+    slo_ttft: float
+    slo_tpot: float
+    observed_ttft_p90: float | None
+    observed_tpot_p90: float | None
+    simulated_ttft_p90: float | None
+    simulated_tpot_p90: float | None
+    feasible: bool
+    note: str
+    pools: list[PoolVerdict] = field(default_factory=list)
+    applied: bool = False
+
+    @property
+    def changed(self) -> bool:
+        return any(p.action != "hold" for p in self.pools)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["pools"] = [{**asdict(p), "action": p.action} for p in self.pools]
+        return d
+
+    def line(self) -> str:
+        def ms(x):
+            return "-" if x is None else f"{x * 1000:.0f} ms"
+
+        def margin(slo, x):
+            return "" if x is None else f" (margin {(slo - x) * 1000:+.0f} ms)"
+
+        pools = ", ".join(f"{p.pool} {p.current}->{p.desired} [{p.action}: {p.reason}]" for p in self.pools)
+        return (f"planner{' (dry run)' if self.dry_run else ''}: {pools}; load {self.observed_rate:.2f} req/s "
+                f"observed, {self.forecast_rate:.2f} forecast (trend {self.trend:+.2f}/interval, window max "
+                f"{self.hold_rate:.2f}), prompt {self.prompt_mean:.0f} tok, output {self.output_mean:.0f} tok, "
+                f"prefix hit {self.prefix_hit:.0%}, {self.queued:.0f} queued; TTFT SLO {ms(self.slo_ttft)}: p90 "
+                f"observed {ms(self.observed_ttft_p90)}{margin(self.slo_ttft, self.observed_ttft_p90)}, simulated "
+                f"{ms(self.simulated_ttft_p90)}; TPOT SLO {ms(self.slo_tpot)}: p90 observed "
+                f"{ms(self.observed_tpot_p90)}{margin(self.slo_tpot, self.observed_tpot_p90)}, simulated "
+                f"{ms(self.simulated_tpot_p90)}" + ("" if self.feasible else f"; INFEASIBLE: {self.note}"))
+
+    def export(self) -> None:
+        for p in self.pools:
+            M.DECISIONS.labels(p.pool, p.action).inc()
+            M.DESIRED.labels(p.pool).set(p.desired)
+            M.CURRENT.labels(p.pool).set(p.current)
+        M.RATE.labels("observed").set(self.observed_rate)
+        M.RATE.labels("forecast").set(self.forecast_rate)
+        M.RATE.labels("window_max").set(self.hold_rate)
+        for slo, target, obs, sim in (("ttft", self.slo_ttft, self.observed_ttft_p90, self.simulated_ttft_p90),
+                                      ("tpot", self.slo_tpot, self.observed_tpot_p90, self.simulated_tpot_p90)):
+            for source, x in (("observed", obs), ("simulated", sim)):
+                if x is not None:
+                    M.SLO_MARGIN.labels(slo, source).set(target - x)
+        M.FEASIBLE.set(1 if self.feasible else 0)
+        M.DRY_RUN.set(1 if self.dry_run else 0)
+
+
+def _signed(model: str, body: str, key: bytes | None) -> str:
+    rec = {"decision": body}
+    if key is not None:
+        rec["sig"] = record_sig(key, model, {"decision": body.encode()})
+    return json.dumps(rec)
+
+
+def verify(model: str, raw: bytes | str | None, key: bytes | None) -> dict | None:
+    """The stored decision if its signature verifies (or no key is configured); None otherwise."""
+    if not raw:
+        return None
+    rec = json.loads(raw)
+    body = rec.get("decision", "")
+    if key is not None and not hmac.compare_digest(rec.get("sig", ""),
+                                                   record_sig(key, model, {"decision": body.encode()})):
+        return None
+    return json.loads(body)
+
+
+async def store(r, model: str, d: Decision, key: bytes | None) -> None:
+    """`r`: a redis.asyncio client."""
+    rec = _signed(model, json.dumps(d.to_json()), key)
+    async with r.pipeline(transaction=True) as p:
+        p.set(last_key(model), rec)
+        if d.changed:
+            p.lpush(changes_key(model), rec)
+            p.ltrim(changes_key(model), 0, HISTORY - 1)
+        await p.execute()

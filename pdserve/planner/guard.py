@@ -1,0 +1,79 @@
+"""Guard rails between what the model asks for and what a pool is told, one pool at a time.
+
+In order:
+1. direction: grow to the count the forecast rate needs when that is more than now; shrink to the count the
+   window's largest rate needs when that is less (predictor.py: the hysteresis); otherwise stay;
+2. feedback: when the pool's own SLO component is violated as measured (TTFT p90 for prefill, TPOT p90 for decode)
+   and the model still says "enough", grow by one anyway: the measurement beats the model (the simulator is a lower
+   bound for a deployment: docs/sim.md) - unless a replica of the pool is still starting (counted, not registered):
+   the latency measured then is the pool before the change took effect (spec §1.5: a cold start is not the steady
+   state), and growing again on it would run the pool to its maximum while one worker loads;
+3. min/max of the pool, and never below one replica while the deployment serves traffic;
+4. at most one step per interval, unless the pool's SLO is violated (then straight to the model's count);
+5. scale-down cooldown: no shrink within `cooldown_s` of the pool's last change (either way).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.planner.policy import Limits
+
+
+@dataclass(frozen=True)
+class PoolVerdict:
+    pool: str
+    current: int
+    desired: int
+    reason: str
+
+    @property
+    def action(self) -> str:
+        return "up" if self.desired > self.current else "down" if self.desired < self.current else "hold"
+
+
+class Guard:
+    def __init__(self, limits: Limits, cooldown_s: float = 60.0):
+        self.limits = limits
+        self.cooldown_s = cooldown_s
+        self.last_change: dict[str, float] = {}
+
+    def decide(self, pool: str, current: int, grow_to: int, shrink_to: int, violated: str | None, traffic: bool,
+               now: float, starting: int = 0) -> PoolVerdict:
+        """`grow_to`: count for the forecast rate; `shrink_to`: count for the window's largest rate; `violated`:
+        a description of the measured SLO violation of this pool, or None; `starting`: replicas counted but not
+        serving yet."""
+        if violated and starting > 0:
+            violated, waiting = None, f"{violated}, but {starting} replica(s) still starting"
+        else:
+            waiting = None
+        if grow_to > current:
+            want, why = grow_to, f"forecast needs {grow_to}"
+        elif shrink_to < current:
+            want, why = shrink_to, f"every recent interval needed at most {shrink_to}"
+        else:
+            want, why = current, f"forecast needs {grow_to}"
+        if violated and want <= current:
+            want, why = current + 1, f"{violated} while the model says {max(grow_to, shrink_to)} suffice"
+        elif violated:
+            why += f"; {violated}"
+        if waiting:
+            why += f"; {waiting}"
+        lo = self.limits.min_prefill if pool == "prefill" else self.limits.min_decode
+        hi = self.limits.max_prefill if pool == "prefill" else self.limits.max_decode
+        floor = max(lo, 1) if traffic else lo
+        bounded = min(hi, max(floor, want))
+        if bounded != want:
+            why += f"; bounded to {bounded} (min {floor}, max {hi})"
+        want = bounded
+        if want > current + 1 and not violated:
+            want, why = current + 1, why + "; one step per interval"
+        elif want < current - 1:
+            want, why = current - 1, why + "; one step per interval"
+        if want < current:
+            since = now - self.last_change.get(pool, -1e18)
+            if since < self.cooldown_s:
+                want, why = current, why + f"; scale-down cooldown ({self.cooldown_s - since:.0f} s left)"
+        return PoolVerdict(pool, current, want, why)
+
+    def applied(self, pool: str, now: float) -> None:
+        self.last_change[pool] = now
