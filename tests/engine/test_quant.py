@@ -228,3 +228,16 @@ def test_bf16_storage_under_auto_without_native_bf16(tmp_path, monkeypatch):
     outs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     for prompt, out in zip(PROMPTS, outs):
         assert out.outputs[0].token_ids == _hf_greedy(hf, prompt, 8), prompt
+
+
+def test_worker_and_up_flags_reach_the_engine(monkeypatch):
+    from pdserve.cli import build_parser
+    from pdserve.services.worker import engine_config_from_env
+    parse = build_parser().parse_args
+    assert engine_config_from_env(parse(["worker"])).quantization == "none"
+    assert engine_config_from_env(parse(["worker", "--quantization", "int8"])).quantization == "int8"
+    assert parse(["up", "--quantization", "int8"]).quantization == "int8"
+    monkeypatch.setenv("PDSERVE_QUANTIZATION", "int8")
+    assert engine_config_from_env(parse(["worker"])).quantization == "int8"
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(quantization="int8", tensor_parallel_size=2).validate()
