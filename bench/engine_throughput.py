@@ -5,8 +5,10 @@
 Prints the CPU (model name, the ISA flags that matter, the level cpu_isa.py detects) and the dtype `dtype=auto`
 chose, then: output tokens/s of the engine (`auto`) and of HF generate at each batch size and dtype (the best is
 the baseline), their ratio; batch-1 decode tokens/s of both (HF: the better dtype); the prefill time of one
-256-token prompt on both; and the decode step time at batch 1 and 32 against the bound (weights + KV bytes read
-per step / measured memory-copy bandwidth). The model is a random-weight Llama of ~124M parameters saved in
+256-token prompt on both; the decode step time at batch 1 and 32 against the bound (weights + KV bytes read
+per step / measured memory-copy bandwidth); batch-1 decode with `--quantization int8` against the unquantized
+figure; and, when llama-cpp-python + gguf are installed (optional), llama.cpp on the same shapes in bf16
+(bench/llama_cpp_anchor.py). The model is a random-weight Llama of ~124M parameters saved in
 bfloat16, as real checkpoints are (random weights: every request runs to its max_tokens, which is what we time).
 Figures hold for the CPU printed, not in general.
 """
@@ -18,12 +20,16 @@ import tempfile
 import time
 from pathlib import Path
 
+import sys
+
 import torch
 import transformers as tf
 
 from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.sim.costmodel import measure_copy_bandwidth
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/llama_cpp_anchor.py, the optional anchor row
 
 
 def build_model(out: Path, quick: bool) -> Path:
@@ -84,9 +90,10 @@ def copy_bandwidth() -> float:
     return measure_copy_bandwidth(256 << 20)
 
 
-def decode_step(model_dir: Path, batch: int, ctx: int = 256) -> tuple[float, int]:
+def decode_step(model_dir: Path, batch: int, ctx: int = 256, **engine_kw) -> tuple[float, int]:
+    """(median decode step seconds, bytes a step reads: weights + KV); engine_kw: e.g. quantization="int8"."""
     eng = Engine.from_pretrained(model_dir, EngineConfig(kv_cache_bytes=1 << 30, max_num_seqs=batch,
-                                                         enable_prefix_caching=False))
+                                                         enable_prefix_caching=False, **engine_kw))
     for i in range(batch):
         eng.add_request(str(i), [100 + (i + j) % 3000 for j in range(ctx)],
                         SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
@@ -120,10 +127,10 @@ def hf_single(model_dir: Path, dtype: torch.dtype, ctx: int = 256, new: int = 32
     return pre, new / max(full - pre, 1e-9)
 
 
-def engine_prefill(model_dir: Path, ctx: int = 256) -> float:
+def engine_prefill(model_dir: Path, ctx: int = 256, **engine_kw) -> float:
     """Seconds of the one step that prefills a ctx-token prompt (prefix cache off), the best of 3."""
     eng = Engine.from_pretrained(model_dir, EngineConfig(kv_cache_bytes=1 << 30, enable_prefix_caching=False,
-                                                         max_num_batched_tokens=2048))
+                                                         max_num_batched_tokens=2048, **engine_kw))
     best = float("inf")
     for r in range(4):  # the first is a warm-up
         eng.add_request(f"p{r}", [100 + j % 3000 for j in range(ctx)],
@@ -198,6 +205,20 @@ def main() -> None:
                 print(f"batch-1 decode: pdserve {1 / step:.1f} tok/s, best transformers {hf_dec:.1f} tok/s "
                       f"({1 / step / hf_dec:.2f}x); transformers per dtype: "
                       + ", ".join(f"{str(dt).removeprefix('torch.')} {d:.1f}" for dt, (_, d) in hf1.items()))
+                auto_step = step
+        q_step, q_bytes = decode_step(model_dir, 1, quantization="int8")
+        print(f"batch-1 decode, --quantization int8: {1 / q_step:.1f} tok/s = {auto_step / q_step:.2f}x the "
+              f"unquantized auto figure (target >= 1.6x); bound {q_bytes / bw * 1e3:.1f} ms "
+              f"({q_bytes / 1e6:.0f} MB); ratio {q_step / (q_bytes / bw):.2f}x")
+        import llama_cpp_anchor
+        why = llama_cpp_anchor.unavailable()
+        if why:
+            print(f"llama.cpp anchor: not measured ({why})")
+        else:
+            dec, pre = llama_cpp_anchor.measure(model_dir, torch.get_num_threads())
+            print(f"llama.cpp (llama-cpp-python, bf16 GGUF, same shapes and threads): batch-1 decode {dec:.1f} "
+                  f"tok/s (pdserve auto {1 / auto_step / dec:.2f}x of it; target >= 0.8x), prefill of 256 "
+                  f"tokens {pre:.0f} tok/s")
 
 
 if __name__ == "__main__":

@@ -58,6 +58,9 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
                    help="GiB of host memory (pinned on CUDA) for swapped-out KV, per worker (default: 0)")
     p.add_argument("--device", help="cpu | cuda | cuda:N (default: cpu)")
     p.add_argument("--dtype", choices=DTYPES, help="weights and KV dtype (default: the checkpoint's)")
+    p.add_argument("--quantization", choices=("none", "int8"),
+                   help="weight-only int8 projections and lm_head, per-channel scales; CPU only (default: none; "
+                        "docs/engine.md, Weight-only int8)")
     p.add_argument("--policy", choices=POLICIES, help="scheduling policy (default: fcfs)")
     p.add_argument("--batching", choices=BATCHING,
                    help="continuous (iteration-level refill) or static (a batch runs until all its members finish; "

@@ -22,6 +22,8 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
+    p.add_argument("--quantization", default="none", choices=["none", "int8"],
+                   help="weight-only int8 projections and lm_head (CPU; docs/engine.md, Weight-only int8)")
     p.add_argument("--kv-offload-bytes", type=int, default=0,
                    help="host KV tier bytes: evicted prefix blocks are recalled instead of recomputed (0: off)")
     p.add_argument("--kv-offload-dir", default=None, help="disk KV tier directory (spills from the host tier)")
@@ -51,7 +53,7 @@ def run_generate(args: argparse.Namespace) -> int:
     t0 = time.time()
     try:
         engine = Engine.from_pretrained(args.model, EngineConfig(
-            dtype=args.dtype, device=args.device, kv_offload_bytes=args.kv_offload_bytes,
+            dtype=args.dtype, device=args.device, quantization=args.quantization, kv_offload_bytes=args.kv_offload_bytes,
             kv_offload_dir=args.kv_offload_dir, kv_offload_disk_bytes=args.kv_offload_disk_bytes,
             tensor_parallel_size=args.tensor_parallel_size, batching=args.batching, **spec_config(args)))
     except (CheckpointError, ValueError) as e:

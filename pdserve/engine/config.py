@@ -145,6 +145,8 @@ class EngineConfig:
     max_buffered_outputs: int = 64
     backpressure_preempt_s: float = 5.0
     preemption_mode: str = "recompute"  # recompute | swap
+    # Weight-only quantization of the projections and lm_head (engine/quant.py): none | int8.
+    quantization: str = "none"
     # continuous: iteration-level refill (spec §5.3); static: a batch formed on an idle tick runs until all its
     # members finish, no request joins it mid-way (§5.2) -- the baseline D04 compares against
     batching: str = "continuous"
@@ -199,6 +201,12 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.attention not in ("auto", "native", "triton", "torch"):
             raise ValueError(f"unknown attention backend {self.attention!r} (auto, native, triton, torch)")
+        if self.quantization not in ("none", "int8"):
+            raise ValueError(f"unknown quantization {self.quantization!r} (none, int8)")
+        if self.quantization != "none" and not self.device.startswith("cpu"):
+            raise ValueError(f"quantization={self.quantization!r} runs on CPU only (device {self.device!r})")
+        if self.quantization != "none" and self.tensor_parallel_size > 1:  # the other ranks load unquantized
+            raise ValueError(f"quantization={self.quantization!r} is not supported with tensor_parallel_size > 1")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.speculative not in (None, "ngram", "draft"):

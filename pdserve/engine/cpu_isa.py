@@ -107,8 +107,9 @@ class EngineInfo:
     kernels: str  # native | triton | torch
     checkpoint_dtype: str
     chosen_by: str  # auto | --dtype
+    weights: str = ""  # how the projections are held: int8 | bfloat16 | float32 ... ("" = the compute dtype)
 
     def line(self) -> str:
         how = "dtype=auto" if self.chosen_by == "auto" else "--dtype"
         return (f"engine: isa={self.isa} dtype={self.dtype} ({how}; checkpoint {self.checkpoint_dtype}) "
-                f"kernels={self.kernels}")
+                f"weights={self.weights or self.dtype} kernels={self.kernels}")

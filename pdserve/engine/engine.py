@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from pdserve.engine.checkpoint import resolve_model_dir
 from pdserve.engine.config import DTYPES, EngineConfig, ModelConfig
 from pdserve.engine.core import EngineCore
 from pdserve.engine.cpu_isa import EngineInfo, choose_dtype, detected_level
+from pdserve.engine.kernels import native_ops
+from pdserve.engine.quant import BF16_WEIGHTS_ENV, choose_weight_storage
 from pdserve.engine.errors import RequestRejected
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.kv_offload import KVOffload
@@ -128,7 +131,8 @@ class Engine:
             isa=detected_level() if self.runner.device.type == "cpu" else self.runner.device.type,
             dtype=str(dtype).removeprefix("torch."), kernels=self.runner.kernels_name(),
             checkpoint_dtype=str(model_config.checkpoint_dtype).removeprefix("torch."),
-            chosen_by="auto" if config.dtype == "auto" else "--dtype")
+            chosen_by="auto" if config.dtype == "auto" else "--dtype",
+            weights=model.weight_storage if model.weight_storage != "same" else str(dtype).removeprefix("torch."))
         log.info("%s", self.info.line())
         self.eos_token_ids = sorted(set(model_config.eos_token_ids) | set(tokenizer.eos_token_ids))
         self.requests: dict[str, Request] = {}
@@ -163,8 +167,19 @@ class Engine:
         net.load_hf_weights(tensors)
         del tensors
         net.eval()
+        ops = native_ops() if config.native_kernels and config.device.startswith("cpu") else None
+        storage = config.quantization if config.quantization != "none" else "same"
+        if (storage == "same" and config.dtype == "auto" and config.tensor_parallel_size == 1
+                and os.environ.get(BF16_WEIGHTS_ENV) == "1"):
+            # opt-in: bf16-held projections computed in fp32 (quant.py): faster decode, slower prefill (docs/engine.md)
+            storage = choose_weight_storage(detected_level(), mcfg.checkpoint_dtype, dtype, config.device,
+                                            ops is not None)
+        if storage != "same":
+            net.store_weights(storage, ops)
         net.pack_weights()
-        engine = cls(mcfg, config, net, tokenizer, mcfg.fingerprint(digest, dtype))
+        # int8 weights compute different KV: never shared with (or prefix-hit by) an unquantized deployment's.
+        quant = "" if config.quantization == "none" else ":" + config.quantization
+        engine = cls(mcfg, config, net, tokenizer, mcfg.fingerprint(digest + quant, dtype))
         engine.tp_group = group
         return engine
 

@@ -150,13 +150,23 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, len(self.shard.vocab), bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
-        self.weight_bytes = 0  # checkpoint bytes held (set on load; packing does not change it)
+        self.weight_bytes = 0  # weight bytes held (set on load and by quantize; packing does not change it)
+        self.weight_storage = "same"  # projections held as: same (the compute dtype) | int8 | bfloat16 (quant.py)
 
     def use_native_ops(self, ops) -> None:
         """Route norms, rope and the MLP's silu(gate) * up through the compiled kernels (None: torch ops)."""
+        from pdserve.engine.quant import WeightOnlyLinear
         for m in self.modules():
-            if isinstance(m, (DecoderLayer, RMSNorm)):
+            if isinstance(m, (DecoderLayer, RMSNorm, WeightOnlyLinear)):
                 m.native_ops = ops
+
+    def store_weights(self, kind: str, native_ops=None) -> None:
+        """Hold the projections and lm_head as int8 or bf16 (quant.py); the embedding keeps the compute dtype."""
+        from pdserve.engine.quant import convert_linears
+        convert_linears(self, kind, native_ops)
+        self.weight_storage = kind
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in [*self.parameters(), *self.buffers()]
+                                if t is not self.inv_freq)
 
     def pack_weights(self) -> bool:
         """Prepack every projection for oneDNN where that path exists (CPU bf16); return whether it did."""

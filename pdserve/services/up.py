@@ -116,8 +116,8 @@ def up(args) -> int:
         if args.drain_timeout is not None:
             common += ["--drain-timeout", str(args.drain_timeout)]
         eng = []
-        for flag in ("num_gpu_blocks", "max_num_seqs", "device", "dtype", "threads", "policy", "batching",
-                     "kv_cache_bytes",
+        for flag in ("num_gpu_blocks", "max_num_seqs", "device", "dtype", "quantization", "threads", "policy",
+                     "batching", "kv_cache_bytes",
                      "gpu_memory_utilization", "block_size", "max_num_batched_tokens", "max_model_len",
                      "kv_offload_bytes", "kv_offload_dir", "kv_offload_disk_bytes", "preemption_mode", "swap_space",
                      "speculative", "num_speculative_tokens", "draft_model"):

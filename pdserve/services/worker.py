@@ -226,6 +226,8 @@ def engine_config_from_env(args) -> EngineConfig:
         kw["device"] = args.device
     if getattr(args, "dtype", None):
         kw["dtype"] = args.dtype
+    if getattr(args, "quantization", None):
+        kw["quantization"] = args.quantization
     if getattr(args, "policy", None):
         kw["policy"] = args.policy
     if getattr(args, "batching", None):

@@ -140,6 +140,8 @@ def test_every_command_is_one_pdserve_accepts(scenario, monkeypatch):
         a = parse_pdserve(c, monkeypatch)
         parsed[o["metadata"]["name"]] = a
         assert a.command in ("gateway", "router", "worker", "planner") and a.host == "0.0.0.0"
+        if a.command == "worker":  # workers.quantization reaches the engine flag (None when unset)
+            assert a.quantization == (vals.get("workers", {}).get("quantization") or None)
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         # the model path is mounted (or the builtin model needs nothing)
         mounts = {m["mountPath"] for m in c.get("volumeMounts", [])}

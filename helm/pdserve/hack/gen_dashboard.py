@@ -94,8 +94,9 @@ PANELS = [
        "failed {{reason}}"),
       (f"sum (increase(pdserve_kv_leases_expired_total{{{POOL}}}[$__rate_interval]))", "leases expired")]),
     # what dtype=auto chose on each pod's CPU (docs/engine.md): a pool on mixed node types shows it here
-    ("Engine path per pod (ISA, dtype, kernels)", "short",
-     [(f"max by (pod, isa, dtype, kernels) (pdserve_engine_info{{{POOL}}})", "{{pod}} {{isa}} {{dtype}} {{kernels}}")]),
+    ("Engine path per pod (ISA, dtype, weights, kernels)", "short",
+     [(f"max by (pod, isa, dtype, weights, kernels) (pdserve_engine_info{{{POOL}}})",
+       "{{pod}} {{isa}} {{dtype}} weights={{weights}} {{kernels}}")]),
     # one per (decode, prefill incarnation) pair; a steady rate means prefill workers keep restarting
     ("KV handshakes (new or restarted prefill peers)", "short",
      [(f"sum by (side) (increase(pdserve_kv_handshakes_total{{{POOL}}}[$__rate_interval]))", "{{side}}")]),

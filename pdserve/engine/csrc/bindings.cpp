@@ -10,6 +10,7 @@ void silu_and_mul(at::Tensor out, const at::Tensor& gate_up);
 void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps);
 void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin);
 std::tuple<at::Tensor, at::Tensor> argmax_logsumexp(const at::Tensor& logits);
+void weight_gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scales);
 bool prefill_attention_supported(const at::Tensor& kv, int64_t n_heads);
 void paged_prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv, int64_t layer,
                              const at::Tensor& starts, const at::Tensor& q_lens, const at::Tensor& context_lens,
@@ -24,5 +25,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_attention", &paged_prefill_attention, "causal (chunked-)prefill attention over the pool");
   m.def("compiled_isa", [] { return std::string(pdserve::compiled_isa()); },
         "the ISA level this build targets (cpu_isa.LEVELS)");
+  m.def("weight_gemv", &weight_gemv, "x @ (scales * weight).T for int8 / bf16-stored weights (decode GEMVs)",
+        py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("scales") = py::none());
   m.def("argmax_logsumexp", &argmax_logsumexp, "per-row argmax (lowest index on ties) and log-sum-exp");
 }

@@ -69,8 +69,8 @@ SPEC_ACCEPTANCE = Gauge("pdserve_spec_acceptance_rate", "Lifetime accepted / pro
 SPEC_MEAN_LEN = Gauge("pdserve_spec_mean_accepted_length", "Lifetime tokens committed per verification pass",
                       registry=WORKER)
 ENGINE_INFO = Gauge("pdserve_engine_info", "1, labelled with what this worker's engine runs on: the CPU ISA level "
-                    "used (or the accelerator), the compute dtype, and the kernels (native | triton | torch)",
-                    ["isa", "dtype", "kernels"], registry=WORKER)
+                    "used (or the accelerator), the compute dtype, how the projection weights are held (int8 | bfloat16 | the compute dtype), and the kernels "
+                    "(native | triton | torch)", ["isa", "dtype", "weights", "kernels"], registry=WORKER)
 
 READY_SECONDS = Gauge("pdserve_worker_ready_seconds", "Cold start (spec §1.5), set once: phase=load: process start "
                       "-> model loaded; warmup: the warm-up forwards' own time; ready: process start -> registered "
@@ -94,7 +94,7 @@ def process_start_time() -> float | None:
 def set_engine_info(info) -> None:
     """One sample for this process's engine (engine.cpu_isa.EngineInfo), set once at start."""
     ENGINE_INFO.clear()
-    ENGINE_INFO.labels(info.isa, info.dtype, info.kernels).set(1)
+    ENGINE_INFO.labels(info.isa, info.dtype, info.weights or info.dtype, info.kernels).set(1)
 
 
 def observe_engine_times(out) -> None:

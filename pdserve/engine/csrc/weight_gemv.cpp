@@ -1,0 +1,190 @@
+// Weight-only GEMV for decode: out[m, n] = scale[n] * sum_k x[m, k] * w[n, k], with w stored narrower than the
+// compute dtype (int8 with a per-output-channel scale, or bf16 computed in fp32) and widened to fp32 in registers.
+//
+// A batch-1 decode step is the weight bytes read (docs/engine.md, "Batch-1 decode"); torch's own int8
+// weight-only matmul (aten::_weight_int8pack_mm) runs fp32 activations in a scalar loop (0.6 GB/s measured), and a
+// bf16 weight with fp32 activations has no torch kernel at all. Each weight row is read once from memory and
+// used for up to 4 activation rows at a time (widened once per group); accumulation is fp32, scale applied once.
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+
+#include <c10/util/BFloat16.h>
+
+#include <cstring>
+#include <stdexcept>
+#include <vector>
+
+#include "simd.h"
+
+namespace {
+
+constexpr int64_t kRowGroup = 4;  // activation rows sharing one widened weight vector
+
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+using vec = __m512;
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+inline vec widen(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline vec widen(const c10::BFloat16* p) { return pdserve::load_bf16(p); }
+#define PDSERVE_GEMV_SIMD 1
+#elif defined(PDSERVE_AVX2)
+constexpr int64_t kLanes = 8;
+using vec = __m256;
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+inline float vsum(vec v) { return pdserve::reduce_add8(v); }
+inline vec widen(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline vec widen(const c10::BFloat16* p) { return pdserve::load_bf16_8(p); }
+#define PDSERVE_GEMV_SIMD 1
+#endif
+
+inline float to_f(int8_t v) { return static_cast<float>(v); }
+inline float to_f(c10::BFloat16 v) { return static_cast<float>(v); }
+
+// dots[r] = x[r] . w for the R (<= kRowGroup) activation rows starting at x (row stride k). C independent chains
+// per row: an FMA's 4-cycle latency would otherwise cap a single row at ~1 vector a cycle, below the bandwidth
+// of one core (4 chains for R = 1, 2 for the rest: R * C accumulators stay within 16 vector registers on AVX2).
+template <typename W, int64_t R>
+inline void dot_rows(float* dots, const float* x, const W* w, int64_t k) {
+  int64_t i = 0;
+#if defined(PDSERVE_GEMV_SIMD)
+  constexpr int64_t C = R == 1 ? 4 : 2;
+  vec acc[R][C];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < C; ++c) acc[r][c] = vzero();
+  for (; i + C * kLanes <= k; i += C * kLanes) {
+    vec wv[C];
+    for (int64_t c = 0; c < C; ++c) wv[c] = widen(w + i + c * kLanes);
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t c = 0; c < C; ++c) acc[r][c] = vfma(vload(x + r * k + i + c * kLanes), wv[c], acc[r][c]);
+  }
+  for (; i + kLanes <= k; i += kLanes) {  // what is left in whole vectors
+    const vec wv = widen(w + i);
+    for (int64_t r = 0; r < R; ++r) acc[r][0] = vfma(vload(x + r * k + i), wv, acc[r][0]);
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    vec t = acc[r][0];
+    for (int64_t c = 1; c < C; ++c) t = vadd(t, acc[r][c]);
+    dots[r] = vsum(t);
+  }
+#else
+  for (int64_t r = 0; r < R; ++r) dots[r] = 0.f;
+#endif
+  for (; i < k; ++i) {
+    const float wv = to_f(w[i]);
+    for (int64_t r = 0; r < R; ++r) dots[r] += x[r * k + i] * wv;
+  }
+}
+
+// Batch 1: four weight rows at once, dots[j] = x . w[j] for j < 4 (rows k apart). One core's DRAM bandwidth is
+// set by how many cache-line misses it keeps in flight: one row at a time read ~5 GB/s here where MKL's fp32 GEMV
+// read ~11; four concurrent streams plus a software prefetch ahead of each close most of that gap.
+template <typename W>
+inline void dot_4w(float* dots, const float* x, const W* w, int64_t k) {
+  int64_t i = 0;
+#if defined(PDSERVE_GEMV_SIMD)
+  constexpr int64_t kAhead = 1024 / sizeof(W);  // elements: 1 KiB ahead in each row
+  vec a[4][2];
+  for (int r = 0; r < 4; ++r) a[r][0] = a[r][1] = vzero();
+  for (; i + 2 * kLanes <= k; i += 2 * kLanes) {
+    const vec x0 = vload(x + i), x1 = vload(x + i + kLanes);
+    for (int r = 0; r < 4; ++r) {
+      const W* wr = w + r * k + i;
+      _mm_prefetch(reinterpret_cast<const char*>(wr + kAhead), _MM_HINT_T0);
+      a[r][0] = vfma(x0, widen(wr), a[r][0]);
+      a[r][1] = vfma(x1, widen(wr + kLanes), a[r][1]);
+    }
+  }
+  for (int r = 0; r < 4; ++r) dots[r] = vsum(vadd(a[r][0], a[r][1]));
+#else
+  for (int r = 0; r < 4; ++r) dots[r] = 0.f;
+#endif
+  for (; i < k; ++i)
+    for (int r = 0; r < 4; ++r) dots[r] += x[i] * to_f(w[r * k + i]);
+}
+
+template <typename W, typename O>
+void gemv(O* out, const float* x, const W* w, const float* scales, int64_t m, int64_t n, int64_t k) {
+  // ~64 KiB of weights per task: enough work per thread, and every thread streams its own rows.
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(k * int64_t(sizeof(W)), 1));
+  at::parallel_for(0, n, grain, [&](int64_t b, int64_t e) {
+    float dots[kRowGroup];
+    int64_t j = b;
+    if (m == 1) {
+      for (; j + 4 <= e; j += 4) {
+        dot_4w(dots, x, w + j * k, k);
+        for (int r = 0; r < 4; ++r) out[j + r] = static_cast<O>(dots[r] * (scales ? scales[j + r] : 1.f));
+      }
+    }
+    for (; j < e; ++j) {
+      const W* wr = w + j * k;
+      const float s = scales ? scales[j] : 1.f;
+      for (int64_t r0 = 0; r0 < m; r0 += kRowGroup) {
+        const int64_t rows = std::min(kRowGroup, m - r0);
+        const float* xr = x + r0 * k;
+        switch (rows) {
+          case 1: dot_rows<W, 1>(dots, xr, wr, k); break;
+          case 2: dot_rows<W, 2>(dots, xr, wr, k); break;
+          case 3: dot_rows<W, 3>(dots, xr, wr, k); break;
+          default: dot_rows<W, 4>(dots, xr, wr, k); break;
+        }
+        for (int64_t r = 0; r < rows; ++r) out[(r0 + r) * n + j] = static_cast<O>(dots[r] * s);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// out [m, n] (x's dtype) = x [m, k] (fp32 or bf16) @ (scales[:, None] * weight [n, k]).T; weight int8 (scales [n]
+// fp32 required) or bf16 (scales must be undefined: computed in fp32).
+void weight_gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scales) {
+  if (x.dim() != 2 || weight.dim() != 2 || out.dim() != 2 || x.size(1) != weight.size(1) ||
+      out.size(0) != x.size(0) || out.size(1) != weight.size(0))
+    throw std::invalid_argument("weight_gemv: want x [m, k], weight [n, k], out [m, n]");
+  if (!x.is_contiguous() || !weight.is_contiguous() || !out.is_contiguous() || out.scalar_type() != x.scalar_type())
+    throw std::invalid_argument("weight_gemv: tensors must be contiguous and out must have x's dtype");
+  const int64_t m = x.size(0), n = weight.size(0), k = x.size(1);
+  const bool int8 = weight.scalar_type() == at::kChar;
+  if (!int8 && weight.scalar_type() != at::kBFloat16)
+    throw std::invalid_argument("weight_gemv: weight must be int8 or bfloat16");
+  const float* s = nullptr;
+  if (int8) {
+    if (!scales || !scales->defined() || scales->scalar_type() != at::kFloat || scales->numel() != n ||
+        !scales->is_contiguous())
+      throw std::invalid_argument("weight_gemv: int8 weights need contiguous fp32 scales [n]");
+    s = scales->data_ptr<float>();
+  } else if (scales && scales->defined()) {
+    throw std::invalid_argument("weight_gemv: bf16 weights take no scales");
+  }
+  std::vector<float> widened;  // bf16 activations widened once (m * k floats: small at decode batch sizes)
+  const float* xf;
+  if (x.scalar_type() == at::kFloat) {
+    xf = x.data_ptr<float>();
+  } else if (x.scalar_type() == at::kBFloat16) {
+    widened.resize(m * k);
+    const c10::BFloat16* xb = x.data_ptr<c10::BFloat16>();
+    for (int64_t i = 0; i < m * k; ++i) widened[i] = static_cast<float>(xb[i]);
+    xf = widened.data();
+  } else {
+    throw std::invalid_argument("weight_gemv: x must be float32 or bfloat16");
+  }
+  if (m == 0 || n == 0) return;
+  if (x.scalar_type() == at::kFloat) {
+    if (int8) gemv(out.data_ptr<float>(), xf, weight.data_ptr<int8_t>(), s, m, n, k);
+    else gemv(out.data_ptr<float>(), xf, weight.data_ptr<c10::BFloat16>(), s, m, n, k);
+  } else {
+    if (int8) gemv(out.data_ptr<c10::BFloat16>(), xf, weight.data_ptr<int8_t>(), s, m, n, k);
+    else gemv(out.data_ptr<c10::BFloat16>(), xf, weight.data_ptr<c10::BFloat16>(), s, m, n, k);
+  }
+}

@@ -1,0 +1,133 @@
+"""Weight-only storage narrower than the compute dtype: int8 (`--quantization int8`) and bf16 computed in fp32.
+
+A batch-1 decode step is the projection weights' bytes read (docs/engine.md, "Batch-1 decode"); storing them in
+fewer bytes is the only way left to make it faster. Two forms, one module (`WeightOnlyLinear`):
+- **int8**: per-output-channel symmetric, `w ≈ scale[n] * q[n, k]` with `scale[n] = max_k |w[n, k]| / 127` and
+  `q = round(w / scale)` in [-127, 127] (no zero point; -128 unused so the grid is symmetric). Every projection
+  (q/k/v, o, gate/up, down) and `lm_head` are quantized: `lm_head` is ~22% of the bench model's decode bytes and
+  per-row int8 is what llama.cpp's q8_0 and torchao's int8 weight-only also do with it. The token embedding stays
+  in the compute dtype: a step gathers one row of it per token, so its size costs no step time.
+- **bf16 storage, fp32 compute** (opt-in: `PDSERVE_BF16_WEIGHTS=1` with `dtype=auto`): a bf16 checkpoint on a
+  CPU without native bf16 is computed in fp32 with its projections held in bf16 (`choose_weight_storage`): bf16
+  GEMMs are emulated there, but a GEMV that widens bf16 to fp32 in registers reads half of fp32's bytes. Not the
+  default yet: under the AVX2 cap batch-1 decode measured 1.22x fp32 but prefill 0.91x, and every step of more
+  than GEMV_MAX_ROWS rows pays a widening pass (docs/engine.md, "Weights held narrower than the compute dtype").
+
+Rows ≤ GEMV_MAX_ROWS (decode batches) run the native `weight_gemv` kernel (csrc/weight_gemv.cpp): the weight is
+read once, widened in registers, fp32 accumulation. Larger batches (prefill chunks, compute-bound) widen the
+weight to the compute dtype per call and run torch's GEMM: the widening is one extra pass over the weights per
+call, small next to a GEMM of many rows, and the model is still held once, narrow. Without the native module
+the small-batch path is torch's `_weight_int8pack_mm` for bf16 activations, else the per-call widening (slower
+than not quantizing at all: logged once, at load).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+QUANTIZATIONS = ("none", "int8")
+BF16_WEIGHTS_ENV = "PDSERVE_BF16_WEIGHTS"  # "1": dtype=auto holds a bf16 checkpoint's projections in bf16 (above)
+# Above this many rows the widened-weight GEMM wins (measured on the bench shapes, 1 thread: at 4 rows the native
+# GEMV is 2-4x faster than torch's fp32 GEMM, at 32 rows it is on par or slower).
+GEMV_MAX_ROWS = 8
+QMAX = 127
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel symmetric int8: (q [n, k] int8, scale [n] fp32) with weight ≈ scale[:, None] * q.
+    The scale is computed from the weight as given (fp32 math); an all-zero row gets scale 1 (q = 0)."""
+    w = weight.detach().float()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
+    q = torch.round(w / scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (q.to(torch.float32) * scale[:, None].to(torch.float32)).to(dtype)
+
+
+class WeightOnlyLinear(nn.Module):
+    """y = x @ W.T + b with W held as int8 + per-row scale, or as bf16 for fp32 activations.
+
+    `weight` and `scales` are buffers, not parameters: the engine reads the compute dtype from the model's first
+    parameter (the embedding), and nothing here is trained."""
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor | None, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight)
+        self.register_buffer("scales", scales)
+        self.register_buffer("bias", bias)
+        self.native_ops = None  # the compiled CPU kernels (LlamaModel.use_native_ops)
+        self._scales_bf16: torch.Tensor | None = None  # for torch's int8 kernel, which wants x's dtype
+
+    @classmethod
+    def int8(cls, linear: nn.Linear) -> "WeightOnlyLinear":
+        q, s = quantize_int8(linear.weight)
+        return cls(q, s, None if linear.bias is None else linear.bias.detach().clone())
+
+    @classmethod
+    def bf16(cls, linear: nn.Linear) -> "WeightOnlyLinear":
+        return cls(linear.weight.detach().to(torch.bfloat16).contiguous(), None,
+                   None if linear.bias is None else linear.bias.detach().clone())
+
+    @property
+    def kind(self) -> str:
+        return "int8" if self.weight.dtype == torch.int8 else "bfloat16"
+
+    def widened(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight in `dtype` (scale folded in): the large-batch path, and the tests' reference."""
+        if self.scales is None:
+            return self.weight.to(dtype)
+        return dequantize_int8(self.weight, self.scales, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        small = x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS
+        if small and self.native_ops is not None and x.is_contiguous() and x.dtype in (torch.float32, torch.bfloat16):
+            out = x.new_empty(x.shape[0], self.out_features)
+            self.native_ops.weight_gemv(out, x, self.weight, self.scales)
+        elif (small and self.scales is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+              and self.in_features % 16 == 0):  # torch 2.13's kernel returns NaN for other K (K = 100, 257 seen)
+            if self._scales_bf16 is None:
+                self._scales_bf16 = self.scales.to(torch.bfloat16)
+            out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.weight, self._scales_bf16)
+        elif self.scales is None:
+            out = F.linear(x, self.weight.to(x.dtype))
+        else:  # int8 is exact in bf16 and fp32: widen, multiply, then scale each output column once (in fp32)
+            out = F.linear(x, self.weight.to(x.dtype))
+            out = out * self.scales if out.dtype == torch.float32 else (out.float() * self.scales).to(out.dtype)
+        if self.bias is not None:
+            out += self.bias
+        return out
+
+
+def choose_weight_storage(level: str, checkpoint_dtype: torch.dtype, compute_dtype: torch.dtype,
+                          device: str, native: bool) -> str:
+    """The projections' storage under `dtype=auto` with PDSERVE_BF16_WEIGHTS=1: "bfloat16" where a bf16 checkpoint
+    is computed in fp32 on a CPU (no native bf16) and the native GEMV exists to read it, else "same"."""
+    if (device.startswith("cpu") and native and checkpoint_dtype == torch.bfloat16
+            and compute_dtype == torch.float32 and level != "scalar"):
+        return "bfloat16"
+    return "same"
+
+
+def convert_linears(model: nn.Module, kind: str, native_ops=None) -> int:
+    """Replace every nn.Linear of `model` (projections and lm_head) by its int8 or bf16-stored form, in place;
+    return how many. The widened weights are freed as each is replaced, so the peak is one layer over."""
+    make = {"int8": WeightOnlyLinear.int8, "bfloat16": WeightOnlyLinear.bf16}[kind]
+    if native_ops is None and kind == "int8":
+        log.warning("int8 weights without the native kernels: small batches use torch's _weight_int8pack_mm for "
+                    "bf16 activations, else the weight is widened per call (slower than not quantizing)")
+    targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+               if isinstance(child, nn.Linear)]
+    for parent, name, child in targets:
+        new = make(child)
+        new.native_ops = native_ops
+        setattr(parent, name, new)
+    return len(targets)
