@@ -18,16 +18,22 @@ STAGE_METRICS = ("pdserve_ttft_seconds", "pdserve_e2e_seconds", "pdserve_itl_sec
 READY = "pdserve_worker_ready_seconds"
 
 
-def worker_ready(urls: list[str], timeout: float = 5.0) -> dict[str, float]:
-    """The servers' own cold start (spec §1.5): `pdserve_worker_ready_seconds` per phase (load, warmup, ready),
-    the slowest worker's; {} when no endpoint exports it."""
-    out: dict[str, float] = {}
+def _pages(urls: list[str], timeout: float):
+    """The /metrics text of each endpoint that answers; one that is gone just contributes nothing."""
     for u in urls:
         try:
             with urllib.request.urlopen(u, timeout=timeout) as r:
                 text = r.read().decode()
-        except Exception:  # noqa: BLE001 - an endpoint that is gone just contributes nothing
+        except Exception:  # noqa: BLE001
             continue
+        yield text
+
+
+def worker_ready(urls: list[str], timeout: float = 5.0) -> dict[str, float]:
+    """The servers' own cold start (spec §1.5): `pdserve_worker_ready_seconds` per phase (load, warmup, ready),
+    the slowest worker's; {} when no endpoint exports it."""
+    out: dict[str, float] = {}
+    for text in _pages(urls, timeout):
         for line in text.splitlines():
             m = _LINE.match(line)
             if m and m.group(1) == READY:
@@ -40,12 +46,7 @@ def worker_ready(urls: list[str], timeout: float = 5.0) -> dict[str, float]:
 def scrape(urls: list[str], timeout: float = 5.0) -> dict[str, float]:
     """Sum every `<metric>_sum`/`_count` (and plain counters) over all endpoints, keyed 'name{labels}'."""
     out: dict[str, float] = {}
-    for u in urls:
-        try:
-            with urllib.request.urlopen(u, timeout=timeout) as r:
-                text = r.read().decode()
-        except Exception:  # noqa: BLE001 - an endpoint that is gone just contributes nothing
-            continue
+    for text in _pages(urls, timeout):
         for line in text.splitlines():
             if line.startswith("#"):
                 continue
