@@ -64,6 +64,9 @@ class RequestRecord:
     # the durable open record (usage_ledger.py): its key, and whether it was opened (then closed at the end)
     usage_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     usage_open: bool = False
+    # the open's Redis round trip, run beside admission (a rejection is told without waiting for it); awaited by
+    # the terminal path before the close, so a close never overtakes its open
+    usage_opening: asyncio.Future | None = None
 
     def to_json(self) -> dict:
         t = self.ticket
@@ -149,13 +152,14 @@ class Lifecycle:
         rec.request_id = rid
         rec.prompt_tokens = sum(len(p) for p in prompts)
         if self.usage is not None:
-            # opened before admission may queue it: a replica that dies meanwhile still leaves a record due.
-            # Marked open before the await: a client that leaves during it still has its close run.
+            # opened as admission starts (it may queue the request): a replica that dies meanwhile still leaves a
+            # record due. The open runs beside admission, so a rejection is not held up by its round trip; the
+            # terminal path awaits it before the close. Marked open at once: whatever ends it runs the close.
             self.usage.start()
             rec.usage_open = True
-            rec.usage_open = await self.usage.open(OpenUsage(
+            rec.usage_opening = asyncio.ensure_future(self.usage.open(OpenUsage(
                 rec.usage_id, rid, logs.request_id.get(), rec.tenant.name, self.model, rec.prompt_tokens,
-                rec.arrival, rec.deadline, self.usage.replica))
+                rec.arrival, rec.deadline, self.usage.replica)))
         if self.admission is None:
             rec.admitted_at = time.time()  # nothing to wait for: admitted once parsed and tokenized
             return None
@@ -235,6 +239,8 @@ class Lifecycle:
 
     async def _bill(self, rec: RequestRecord) -> None:
         state = rec.state
+        if rec.usage_opening is not None:
+            rec.usage_open = await rec.usage_opening
         if rec.usage_open and not await self.usage.close(rec.usage_id):
             # another replica finalised it, presuming this one dead (its liveness lapsed): one record only
             billing_log.warning("request %s: its usage record was finalised by another replica", rec.request_id)
