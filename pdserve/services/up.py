@@ -111,6 +111,8 @@ def up(args) -> int:
     if problem is not None:
         print(f"pdserve up: {problem}", file=sys.stderr, flush=True)
         return 2
+    # the ports given on the command line are taken (the gateway binds them last): never hand them to a child
+    _handed_out.update(p for p in (args.port, args.grpc_port) if p)
     d = Supervisor(_env(), restart=False)  # restarting starts once the deployment is ready
     pdserve = [sys.executable, "-m", "pdserve"]
     planner = None
