@@ -122,11 +122,14 @@ def test_worker_and_router_refuse_without_token(up):
                                             timeout=10)).status
             refl = reflection_pb2_grpc.ServerReflectionStub(w)
 
+            listed = []
+
             async def reflect():
-                async for _ in refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(
+                async for m in refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(
                         list_services="")]), metadata=_bearer(TOKEN), timeout=10):
-                    pass
+                    listed.append(m)
             out["reflection"] = await _code(reflect())
+            out["reflection_listed"] = listed
         return out
 
     out = asyncio.run(main())
@@ -136,7 +139,10 @@ def test_worker_and_router_refuse_without_token(up):
     assert len(out["generate_ok"]) == 3
     assert out["route_ok"] in ("disagg", "colocated", "local")
     assert out["health"] == health_pb2.HealthCheckResponse.SERVING
-    assert out["reflection"] == grpc.StatusCode.UNIMPLEMENTED
+    # closed: the call fails and lists nothing. The code is UNIMPLEMENTED, except that once in a CI run the client
+    # saw INTERNAL (grpc-aio's request writer racing the server's immediate trailers on a loaded box; never
+    # reproduced in 600 calls alone), so the code itself is not what is held to.
+    assert out["reflection"] != grpc.StatusCode.OK and out["reflection_listed"] == [], out["reflection"]
     assert "evil" not in json.dumps(httpx.get(up.base_url + "/health", timeout=10).json())
 
 
