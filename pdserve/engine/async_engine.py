@@ -107,8 +107,7 @@ class AsyncEngine:
             # still sees them, with the next step's outputs (it times steps by its calls).
             pending = self.engine.drain_outputs()
             self._hook_backlog += pending
-            for out in pending:
-                self._deliver(out)
+            self._deliver(pending)
             if self.engine.has_unfinished():
                 self._backpressure()
                 steps = self.engine.num_steps
@@ -122,8 +121,7 @@ class AsyncEngine:
                 if self.on_step:
                     self.on_step(self.engine, self._hook_backlog + outputs)
                 self._hook_backlog = []
-                for out in outputs:
-                    self._deliver(out)
+                self._deliver(outputs)
                 if self.engine.num_steps == steps and not outputs:
                     self._idle_wait()
 
@@ -181,16 +179,24 @@ class AsyncEngine:
 
         self._loop.call_soon_threadsafe(done)
 
-    def _deliver(self, out: RequestOutput) -> None:
-        rid = out.request_id
-        q = self._streams.get(rid)
-        if q is not None:
+    def _deliver(self, outs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their streams with one wake-up of the event loop. Each
+        `call_soon_threadsafe` writes the loop's self-pipe and contends for the GIL: one per output cost a
+        16-request decode batch ~16% of the engine thread's time (py-spy, built-in model, 1 thread)."""
+        batch = []
+        for out in outs:
+            rid = out.request_id
+            q = self._streams.get(rid)
+            if q is None:
+                continue
             if out.finished:
                 self._delivered.pop(rid, None)
                 self._paused.discard(rid)
             else:
                 self._delivered[rid] = self._delivered.get(rid, 0) + 1
-            self._loop.call_soon_threadsafe(q.put_nowait, out)
+            batch.append((q, out))
+        if batch:
+            self._loop.call_soon_threadsafe(_put_all, batch)
 
     # ---- event-loop side --------------------------------------------------------------------------------------
     async def run(self, fn: Callable[[Engine], Any]) -> Any:
@@ -263,3 +269,8 @@ class AsyncEngine:
             self._consumed.pop(request_id, None)
             if not finished:  # consumer went away (disconnect, cancel): free everything now
                 self.submit(lambda e: e.abort(request_id, "CANCELLED"))
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, out in batch:
+        q.put_nowait(out)
