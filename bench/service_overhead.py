@@ -7,6 +7,11 @@
    `usage.stage_times`) shown apart. Target: overhead minus transfer <= 10 ms.
 2. Gateway relay capacity: streamed tokens the gateway relays per second of its own CPU time (from
    /proc/<pid>/stat), with `--streams` concurrent streaming clients on a colocated deployment.
+3. Served decode throughput: `--streams` concurrent streams through `pdserve up --mode disagg` (1 prefill +
+   1 decode worker, 1 thread each) vs the in-process `Engine` running the same batch (1 thread): tokens/s and the
+   ratio, with the decode worker's CPU time per token. What the ratio leaves out is the serving path's own cost
+   inside the decode worker (gRPC streams, the event loop, GIL hand-offs with the engine thread) plus the other
+   processes sharing the CPU.
 Requests run one at a time for (1), so queueing is not counted as overhead.
 """
 from __future__ import annotations
@@ -32,8 +37,10 @@ from pdserve.services.up_process import UpProcess  # noqa: E402
 PROMPT = "The meaning of life is a question that many wise people have asked, and the answer"
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def cpu_seconds(pid: int, tid: int | None = None) -> float:
+    """CPU time of a process, or of one of its threads (the main thread: tid == pid)."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    fields = Path(path).read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
@@ -136,14 +143,78 @@ def relay(streams: int, tokens: int) -> None:
           f"gateway CPU {cpu:.2f} s -> {total / max(cpu, 1e-9):.0f} chunks per CPU-second (one chunk per token)")
 
 
+def engine_batch(streams: int, tokens: int, threads: int) -> float:
+    """Tokens/s of the in-process engine running `streams` requests of `tokens` tokens together (best of 2)."""
+    eng = Engine.from_pretrained("builtin", EngineConfig(num_threads=threads, max_num_seqs=streams,
+                                                          enable_prefix_caching=False))
+    best = 0.0
+    for rep in range(3):
+        for k in range(streams):
+            eng.add_request(f"b{rep}-{k}", eng.tokenizer.encode(f"{k} {PROMPT}"),
+                            SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
+        t0 = time.perf_counter()
+        while eng.has_unfinished():
+            eng.step()
+        if rep:  # the first round warms up
+            best = max(best, streams * tokens / (time.perf_counter() - t0))
+    return best
+
+
+def decode_throughput(streams: int, tokens: int) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PDSERVE_LOG_LEVEL="WARNING")
+    up = UpProcess(["--model", "builtin", "--mode", "disagg", "--prefill", "1", "--decode", "1", "--threads", "1",
+                    "--max-num-seqs", str(streams)], env, 180)
+    try:
+        dec = up.workers("decode")[0]["pid"]
+        body = {"model": "builtin", "prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
+        stream_ttft(up.base_url, {**body, "max_tokens": 8})
+        rates, cpus, loops = [], [], []
+        for rep in range(2):
+            done = [0] * streams
+
+            def client(k: int) -> None:
+                done[k] = stream_ttft(up.base_url, {**body, "prompt": f"{rep} {k} {PROMPT}"})[1].get(
+                    "completion_tokens", 0)
+
+            c0, l0, t0 = cpu_seconds(dec), cpu_seconds(dec, dec), time.perf_counter()
+            ths = [threading.Thread(target=client, args=(k,)) for k in range(streams)]
+            for th in ths:
+                th.start()
+            for th in ths:
+                th.join()
+            wall, cpu, loop = time.perf_counter() - t0, cpu_seconds(dec) - c0, cpu_seconds(dec, dec) - l0
+            n = max(sum(done), 1)
+            rates.append(sum(done) / wall)
+            cpus.append(cpu / n)
+            loops.append(loop / n)
+    finally:
+        up.stop()
+    eng = engine_batch(streams, tokens, 1)
+    served = max(rates)
+    # on a small box the clients here, the gateway and the workers share the cores: the tokens/s ratio then says
+    # as much about the machine as about the server; the CPU per token is the decode worker's own cost
+    print(f"decode throughput, {streams} streams x {tokens} tokens, 1 thread: served {served:.0f} tok/s, "
+          f"engine-only {eng:.0f} tok/s -> {served / eng:.2f}x (clients, gateway and workers share "
+          f"{os.cpu_count()} cpus)")
+    print(f"  decode worker CPU {min(cpus) * 1e3:.3f} ms/token (event-loop thread {min(loops) * 1e3:.3f}) vs the "
+          f"engine alone {1e3 / eng:.3f} ms/token")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=20)
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--only", choices=("overhead", "relay", "decode"), default=None)
     a = ap.parse_args()
-    overhead(a.requests)
-    relay(a.streams, a.tokens)
+    from pdserve.engine import cpu_isa
+    print(f"cpu: {cpu_isa.cpu_model()}; level: {cpu_isa.detected_level()}; {os.cpu_count()} cpus")
+    if a.only in (None, "overhead"):
+        overhead(a.requests)
+    if a.only in (None, "relay"):
+        relay(a.streams, a.tokens)
+    if a.only in (None, "decode"):
+        decode_throughput(a.streams, max(a.tokens, 200))
 
 
 if __name__ == "__main__":
