@@ -54,3 +54,10 @@ async def wait_registered(reg, proc: subprocess.Popen, timeout: float = 60) -> l
             return live
         await asyncio.sleep(0.2)
     raise AssertionError("worker did not register")
+
+
+async def drop_model_keys(r, model: str) -> None:
+    """Delete every key of `model` (`pdserve:{model}:*`) from the Redis client `r`: the Redis is shared by the
+    whole suite, so a test leaves it as it found it."""
+    async for k in r.scan_iter(f"pdserve:{model}:*"):
+        await r.delete(k)
