@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -28,6 +29,17 @@ def start_worker(model: Path, role: str, *args: str, env: dict | None = None,
                           "--port", str(port), "--redis-url", redis_url, "--num-gpu-blocks", "64",
                           "--worker-id", f"{role}-{port}", *args], env=penv)
     return p, port
+
+
+def stop_worker(proc: subprocess.Popen, timeout: float = 30) -> int:
+    """SIGTERM (the worker's graceful drain), SIGKILL if it has not exited within `timeout`; returns the exit
+    status. Call it from a `finally`: a failed assert must not leave a worker holding ports and Redis keys."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
 
 
 async def wait_serving(port: int, timeout: float = 120) -> None:
