@@ -33,7 +33,7 @@ from pdserve.engine.sequence import Sequence
 
 if TYPE_CHECKING:
     from pdserve.engine.core import EngineCore
-    from pdserve.engine.engine import Request
+    from pdserve.engine.request import Request
     from pdserve.engine.sampling_params import SamplingParams
     from pdserve.engine.scheduler import Scheduler
     from pdserve.engine.tokenizer import Tokenizer
@@ -179,10 +179,9 @@ def unstall(states: Iterable[BeamState], scheduler: Scheduler) -> None:
                 scheduler.preempt(seq)
 
 
-def output(req: Request, tokenizer: Tokenizer, state: str) -> RequestOutput:
+def output(req: Request, tokenizer: Tokenizer) -> RequestOutput:
     """Beam search shows nothing until it ends (any beam can still be overtaken), then the n best hypotheses;
-    `cumulative_logprob` is the hypothesis' sum of log-probabilities (its score: that / len ** length_penalty).
-    `state`: the request's state as the engine reports it (terminal once reclaimed)."""
+    `cumulative_logprob` is the hypothesis' sum of log-probabilities (its score: that / len ** length_penalty)."""
     outs = []
     if req.finished:
         skip = req.params.skip_special_tokens
@@ -191,6 +190,7 @@ def output(req: Request, tokenizer: Tokenizer, state: str) -> RequestOutput:
             reason = h.finish_reason if not req.reclaimed or req.state == S.FINISHED else "abort"
             outs.append(CompletionOutput(i, text, list(h.token_ids), text, list(h.token_ids), reason,
                                          cumulative_logprob=h.sum_logprob))
+    state = req.terminal_state().value if req.reclaimed else req.seqs[0].state.value
     return RequestOutput(req.request_id, req.prompt_token_ids, outs, req.finished, state,
                          req.seqs[0].num_cached_tokens, dict(req.metrics),
                          num_generated_tokens=req.beam.num_generated)

@@ -13,7 +13,6 @@ import logging
 import os
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -34,12 +33,12 @@ from pdserve.engine.loader import load_state_dict
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import CompletionOutput, FirstToken, RequestOutput
+from pdserve.engine.request import Request
 from pdserve.engine.request_state import RequestState as S
 from pdserve.engine.grammar import make_grammar_state
 from pdserve.engine.host_copy import to_device
 from pdserve.engine.sampler import Sampler, SamplingState, bad_words_to_ids
 from pdserve.engine.sampling_params import InvalidParameter, SamplingParams
-from pdserve.engine.sampling_state import select_best
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.spec_decode import make_spec_decoder
@@ -56,32 +55,6 @@ __all__ = ["Engine", "EngineConfig", "RequestOutput", "CompletionOutput", "First
 # Usage records kept in memory (the latest ones, for tests and tools; the usage log has them all): a long-running
 # worker must not grow a list forever.
 USAGE_RECORDS_KEPT = 1024
-
-
-@dataclass
-class Request:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    namespace: str
-    seqs: list[Sequence]
-    prefill_only: bool = False
-    metrics: dict = field(default_factory=dict)
-    reclaimed: bool = False
-    state: S = S.QUEUED
-    prompt_logprobs: list | None = None
-    deadline: float | None = None  # unix time; past it the request ends TIMED_OUT from any live state
-    # decode side: unix time by which a remote prefill's KV must have arrived (commit_prefilled), else FAILED
-    transfer_deadline: float | None = None
-    first_tokens: list[FirstToken] = field(default_factory=list)  # decode side: sampled by the prefill worker
-    paused_since: float | None = None  # backpressured since (unix time)
-    beam: beams.BeamState | None = None  # beam search (params.beam_width): the beams live in `seqs`
-
-    @property
-    def finished(self) -> bool:
-        if self.beam is not None:
-            return self.reclaimed or self.beam.done
-        return self.reclaimed or (all(s.finished for s in self.seqs) and len(self.seqs) >= self.params.num_branches)
 
 
 def auto_dtype(checkpoint_dtype: torch.dtype, device: str) -> torch.dtype:
@@ -370,11 +343,10 @@ class Engine:
 
     def _output(self, req: Request) -> RequestOutput:
         if req.beam is not None:
-            return beams.output(req, self.tokenizer,
-                                self._terminal_state(req).value if req.reclaimed else req.seqs[0].state.value)
-        live = self._chosen(req)
+            return beams.output(req, self.tokenizer)
+        live = req.chosen()
         # best_of > n: nothing was shown while it ran, so the chosen branches' "new" output is all of it
-        whole = self._hides_branches(req)
+        whole = req.hides_branches()
         outs = []
         for i, seq in enumerate(live):
             text = seq.output.text if hasattr(seq.output, "text") else seq.text
@@ -388,39 +360,12 @@ class Engine:
             seq.new_text, seq.new_token_ids = "", []
         cached = req.seqs[0].num_cached_tokens
         return RequestOutput(req.request_id, req.prompt_token_ids, outs, req.finished,
-                             req.seqs[0].state.value if not req.finished else self._terminal_state(req).value,
+                             req.seqs[0].state.value if not req.finished else req.terminal_state().value,
                              cached, dict(req.metrics), req.prompt_logprobs,
                              num_generated_tokens=sum(s.num_output_tokens for s in req.seqs),
                              num_verified_tokens=sum(s.num_verified_tokens for s in req.seqs),
                              num_accepted_tokens=sum(s.num_accepted_tokens for s in req.seqs),
                              num_kv_growth_tokens=sum(s.num_kv_growth_tokens for s in req.seqs))
-
-    @staticmethod
-    def _hides_branches(req: Request) -> bool:
-        """best_of > n: the caller sees only the winners, at the end. Not on a prefill worker handing the branches
-        over (every branch's first token goes to the decode side, which makes the choice)."""
-        p = req.params
-        if p.best_of is None or p.best_of == p.n:
-            return False
-        return not (req.prefill_only and any(s.finish_reason == "prefill" for s in req.seqs))
-
-    def _chosen(self, req: Request) -> list[Sequence]:
-        """With best_of > n, only the n branches of highest cumulative logprob are returned (once finished)."""
-        if not self._hides_branches(req):
-            return req.seqs
-        if not req.finished:
-            return []
-        return [req.seqs[i] for i in select_best([s.sampling for s in req.seqs], req.params.n)]
-
-    @staticmethod
-    def _terminal_state(req: Request) -> S:
-        if req.beam is not None and req.beam.done:
-            return S.FINISHED
-        states = [s.state for s in req.seqs]
-        for st in (S.FAILED, S.CANCELLED, S.TIMED_OUT):
-            if st in states:
-                return st
-        return S.FINISHED
 
     # ---- deadlines and backpressure ----------------------------------------------------------------------------
     def _expire(self, now: float) -> None:
@@ -481,11 +426,11 @@ class Engine:
         req.reclaimed = True
         self.requests.pop(req.request_id, None)
         self.remote_pending.pop(req.request_id, None)
-        final = self._terminal_state(req)
+        final = req.terminal_state()
         req.state = final
         req.metrics["finished_time"] = time.time()
         self.terminal_counts[final.value] = self.terminal_counts.get(final.value, 0) + 1
-        chosen = self._chosen(req) or req.seqs
+        chosen = req.chosen() or req.seqs
         record = {
             "request_id": req.request_id,
             "namespace": req.namespace,
