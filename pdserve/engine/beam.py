@@ -16,16 +16,27 @@ KV: a beam chosen k times continues in its own sequence plus k - 1 forks that sh
 (BlockManager.fork; the first write into a shared partial tail block copies it); a beam chosen by nobody is
 finished at once and drops its references, so the prompt and common prefixes are held once, and the blocks go
 back to the pool exactly when the last beam sharing them ends.
+
+The engine's side (the functions after `advance`) takes its collaborators as arguments: the engine core (forks,
+finishes), the scheduler (preemption), the tokenizer (the hypotheses' text).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 
+from pdserve.engine.outputs import CompletionOutput, RequestOutput
 from pdserve.engine.request_state import RequestState as S
 from pdserve.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from pdserve.engine.core import EngineCore
+    from pdserve.engine.request import Request
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.scheduler import Scheduler
+    from pdserve.engine.tokenizer import Tokenizer
 
 
 @dataclass
@@ -116,3 +127,78 @@ def advance(state: BeamState, fork: Callable[[Sequence], Sequence], finish: Call
             seq.set_state(S.DECODING)
     state.running = chosen
     state.scores = [s for _, _, s in nxt]
+
+
+def start(params: SamplingParams, prompt_len: int, max_model_len: int, eos_token_ids: Iterable[int],
+          first: Sequence) -> BeamState:
+    """The search of a new request, from its one (prompt) sequence. A hypothesis ends at EOS (unless ignore_eos),
+    a stop token, max_tokens, or the end of the context."""
+    left = max_model_len - prompt_len
+    eos = set() if params.ignore_eos else set(eos_token_ids)
+    state = BeamState(params.beam_width, params.length_penalty, params.early_stopping,
+                      min(params.max_tokens or left, left), frozenset(eos | set(params.stop_token_ids)))
+    state.running, state.scores = [first], [0.0]
+    return state
+
+
+def fork_beam(parent: Sequence, seq_id: int, core: EngineCore) -> Sequence:
+    """A beam continuing `parent` in a new sequence that shares its blocks. The sampling state and output
+    processor are shared, not forked: beams never sample (the search chooses the tokens) and show nothing while
+    they run, so neither is written."""
+    child = Sequence(seq_id, parent.request_id, parent.token_ids, parent.namespace, parent.branch,
+                     parent.arrival_time)
+    child.num_prompt_tokens = parent.num_prompt_tokens  # the parent's generated tokens are the child's too
+    child.sampling, child.output = parent.sampling, parent.output
+    core.fork(parent, child)
+    return child
+
+
+def step(state: BeamState, items: list[tuple[Sequence, torch.Tensor]], core: EngineCore,
+         new_seq_id: Callable[[], int]) -> list[Sequence] | None:
+    """This tick's logits rows of (some of) a request's beams. Once every live beam has its row the search
+    advances; returns the live beams then (the request's sequences from now on), None while it waits or once
+    the search is over (the request keeps its last beams)."""
+    for seq, row in items:
+        state.pending[seq.seq_id] = row
+    if not state.ready():
+        return None  # a beam left out of this tick (preempted): the others wait for it, computed
+    # A beam dropped while out of the batch (preempted, swapped; its logits were in) ends CANCELLED: the guard
+    # table has no FINISHED from there. The request's own terminal state comes from the search (BeamState.done).
+    advance(state, lambda parent: fork_beam(parent, new_seq_id(), core),
+            lambda seq: core.finish(seq, S.FINISHED if seq.state in (S.PREFILLING, S.DECODING) else S.CANCELLED))
+    return list(state.running) or None
+
+
+def unstall(states: Iterable[BeamState], scheduler: Scheduler) -> None:
+    """Nothing could be scheduled: beams holding blocks while they wait for a preempted sibling may be what
+    keeps that sibling out. Preempt them too (their logits are kept), so the group can come back together."""
+    for state in states:
+        idle = [s for s in state.running if s.seq_id in state.pending and s in scheduler.running]
+        if idle and len(idle) < len(state.running):
+            for seq in idle:
+                scheduler.preempt(seq)
+
+
+def output(req: Request, tokenizer: Tokenizer) -> RequestOutput:
+    """Beam search shows nothing until it ends (any beam can still be overtaken), then the n best hypotheses;
+    `cumulative_logprob` is the hypothesis' sum of log-probabilities (its score: that / len ** length_penalty)."""
+    outs = []
+    if req.finished:
+        skip = req.params.skip_special_tokens
+        for i, h in enumerate(req.beam.finished[:req.params.n]):
+            text = tokenizer.decode(h.token_ids, skip_special_tokens=skip)
+            reason = h.finish_reason if not req.reclaimed or req.state == S.FINISHED else "abort"
+            outs.append(CompletionOutput(i, text, list(h.token_ids), text, list(h.token_ids), reason,
+                                         cumulative_logprob=h.sum_logprob))
+    state = req.terminal_state().value if req.reclaimed else req.seqs[0].state.value
+    return RequestOutput(req.request_id, req.prompt_token_ids, outs, req.finished, state,
+                         req.seqs[0].num_cached_tokens, dict(req.metrics),
+                         num_generated_tokens=req.beam.num_generated)
+
+
+def usage(state: BeamState, n: int, finished: bool) -> dict:
+    """A beam request's usage-record counts: generated = every beam's tokens; emitted = committed = the returned
+    hypotheses (none when the search was cut short: nothing was shown)."""
+    shown = sum(len(h.token_ids) for h in state.finished[:n]) if finished else 0
+    return {"generated_tokens": state.num_generated, "emitted_tokens": shown, "committed_tokens": shown,
+            "finish_reasons": [h.finish_reason for h in state.finished[:n]]}

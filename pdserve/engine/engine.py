@@ -13,12 +13,11 @@ import logging
 import os
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from pdserve.engine import beam as beams
+from pdserve.engine import beam as beams, resume
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.checkpoint import resolve_model_dir
 from pdserve.engine.config import DTYPES, EngineConfig, ModelConfig
@@ -34,13 +33,12 @@ from pdserve.engine.loader import load_state_dict
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import CompletionOutput, FirstToken, RequestOutput
+from pdserve.engine.request import Request
 from pdserve.engine.request_state import RequestState as S
-from pdserve.engine.resume import replay
 from pdserve.engine.grammar import make_grammar_state
 from pdserve.engine.host_copy import to_device
 from pdserve.engine.sampler import Sampler, SamplingState, bad_words_to_ids
 from pdserve.engine.sampling_params import InvalidParameter, SamplingParams
-from pdserve.engine.sampling_state import select_best
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.spec_decode import make_spec_decoder
@@ -57,32 +55,6 @@ __all__ = ["Engine", "EngineConfig", "RequestOutput", "CompletionOutput", "First
 # Usage records kept in memory (the latest ones, for tests and tools; the usage log has them all): a long-running
 # worker must not grow a list forever.
 USAGE_RECORDS_KEPT = 1024
-
-
-@dataclass
-class Request:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    namespace: str
-    seqs: list[Sequence]
-    prefill_only: bool = False
-    metrics: dict = field(default_factory=dict)
-    reclaimed: bool = False
-    state: S = S.QUEUED
-    prompt_logprobs: list | None = None
-    deadline: float | None = None  # unix time; past it the request ends TIMED_OUT from any live state
-    # decode side: unix time by which a remote prefill's KV must have arrived (commit_prefilled), else FAILED
-    transfer_deadline: float | None = None
-    first_tokens: list[FirstToken] = field(default_factory=list)  # decode side: sampled by the prefill worker
-    paused_since: float | None = None  # backpressured since (unix time)
-    beam: beams.BeamState | None = None  # beam search (params.beam_width): the beams live in `seqs`
-
-    @property
-    def finished(self) -> bool:
-        if self.beam is not None:
-            return self.reclaimed or self.beam.done
-        return self.reclaimed or (all(s.finished for s in self.seqs) and len(self.seqs) >= self.params.num_branches)
 
 
 def auto_dtype(checkpoint_dtype: torch.dtype, device: str) -> torch.dtype:
@@ -216,66 +188,23 @@ class Engine:
         if request_id in self.requests or request_id in self.remote_pending:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.validate_request(prompt_token_ids, params)
-        if resume_token_ids and (params.num_branches != 1 or prefill_only or params.beam):
-            raise ValueError("invalid resume: only a single-branch request resumes, on a worker that decodes")
+        if resume_token_ids:
+            resume.check(params, prefill_only)
         req = self._new_request(request_id, prompt_token_ids, params, namespace, arrival_time)
         req.prefill_only = prefill_only
         if resume_token_ids:
-            replay(req.seqs[0], list(resume_token_ids), self.model_config.vocab_size, self.max_model_len)
-            req.seqs[0].wants_prompt_logprobs = False  # the client has them from the first worker
+            predicted_output_tokens = resume.resume(req.seqs[0], resume_token_ids, self.model_config.vocab_size,
+                                                    self.max_model_len, predicted_output_tokens)
             self.validate_request(req.seqs[0].token_ids, params)  # prompt + output must fit as a prefill does
-            if predicted_output_tokens is not None:
-                predicted_output_tokens = max(0, predicted_output_tokens - len(resume_token_ids))
         if params.beam:
             if prefill_only:
                 raise InvalidParameter("beam_width", "beam search runs where the whole request runs (a colocated "
                                        "worker), not split into prefill and decode")
-            req.beam = self._beam_state(req)
+            req.beam = beams.start(params, len(req.prompt_token_ids), self.max_model_len, self.eos_token_ids,
+                                   req.seqs[0])
         self._lifecycle(req, deadline, priority, predicted_output_tokens)
         self.requests[request_id] = req
         self.scheduler.add(req.seqs[0])
-
-    def _beam_state(self, req: Request) -> beams.BeamState:
-        p = req.params
-        left = self.max_model_len - len(req.prompt_token_ids)
-        eos = set() if p.ignore_eos else set(self.eos_token_ids)
-        state = beams.BeamState(p.beam_width, p.length_penalty, p.early_stopping,
-                                min(p.max_tokens or left, left), frozenset(eos | set(p.stop_token_ids)))
-        state.running, state.scores = [req.seqs[0]], [0.0]
-        return state
-
-    def _beam_fork(self, req: Request, parent: Sequence) -> Sequence:
-        child = Sequence(next(self._seq_ids), req.request_id, parent.token_ids, req.namespace, parent.branch,
-                         parent.arrival_time)
-        child.num_prompt_tokens = parent.num_prompt_tokens  # the parent's generated tokens are the child's too
-        child.sampling, child.output = parent.sampling, parent.output  # read-only here: beams never sample
-        self.core.fork(parent, child)
-        return child
-
-    def _beam_step(self, req: Request, items: list[tuple[Sequence, torch.Tensor]]) -> None:
-        state = req.beam
-        for seq, row in items:
-            state.pending[seq.seq_id] = row
-        if not state.ready():
-            return  # a beam left out of this tick (preempted): the others wait for it, computed
-        # A beam dropped while out of the batch (preempted, swapped; its logits were in) ends CANCELLED: the guard
-        # table has no FINISHED from there. The request's own terminal state comes from the search (_terminal_state).
-        beams.advance(state, lambda parent: self._beam_fork(req, parent),
-                      lambda seq: self.core.finish(seq, S.FINISHED if seq.state in (S.PREFILLING, S.DECODING)
-                                                   else S.CANCELLED))
-        if state.running:
-            req.seqs = list(state.running)
-
-    def _unstall_beams(self) -> None:
-        """Nothing could be scheduled: beams holding blocks while they wait for a preempted sibling may be what
-        keeps that sibling out. Preempt them too (their logits are kept), so the group can come back together."""
-        for req in list(self.requests.values()):
-            if req.beam is None:
-                continue
-            idle = [s for s in req.beam.running if s.seq_id in req.beam.pending and s in self.scheduler.running]
-            if idle and len(idle) < len(req.beam.running):
-                for seq in idle:
-                    self.scheduler.preempt(seq)
 
     def _lifecycle(self, req: Request, deadline: float | None, priority: int, predicted: int | None) -> None:
         req.deadline = deadline
@@ -318,7 +247,7 @@ class Engine:
             self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         if not sched.scheduled:
-            self._unstall_beams()
+            beams.unstall([r.beam for r in list(self.requests.values()) if r.beam is not None], self.scheduler)
             return outputs
         if self.config.fault_step_delay_s:  # fault injection: a slow device (docs/reliability.md)
             time.sleep(self.config.fault_step_delay_s)
@@ -379,7 +308,10 @@ class Engine:
         for rid, items in beam_rows.items():
             req = touched[rid] = self.requests[rid]
             req.metrics.setdefault("first_token_time", now)
-            self._beam_step(req, [(seq, logits[row]) for seq, row in items])
+            live = beams.step(req.beam, [(seq, logits[row]) for seq, row in items], self.core,
+                              lambda: next(self._seq_ids))
+            if live:
+                req.seqs = live
         for req in touched.values():
             if req.finished:
                 self._reclaim(req, S.FINISHED)
@@ -411,10 +343,10 @@ class Engine:
 
     def _output(self, req: Request) -> RequestOutput:
         if req.beam is not None:
-            return self._beam_output(req)
-        live = self._chosen(req)
+            return beams.output(req, self.tokenizer)
+        live = req.chosen()
         # best_of > n: nothing was shown while it ran, so the chosen branches' "new" output is all of it
-        whole = self._hides_branches(req)
+        whole = req.hides_branches()
         outs = []
         for i, seq in enumerate(live):
             text = seq.output.text if hasattr(seq.output, "text") else seq.text
@@ -428,55 +360,12 @@ class Engine:
             seq.new_text, seq.new_token_ids = "", []
         cached = req.seqs[0].num_cached_tokens
         return RequestOutput(req.request_id, req.prompt_token_ids, outs, req.finished,
-                             req.seqs[0].state.value if not req.finished else self._terminal_state(req).value,
+                             req.seqs[0].state.value if not req.finished else req.terminal_state().value,
                              cached, dict(req.metrics), req.prompt_logprobs,
                              num_generated_tokens=sum(s.num_output_tokens for s in req.seqs),
                              num_verified_tokens=sum(s.num_verified_tokens for s in req.seqs),
                              num_accepted_tokens=sum(s.num_accepted_tokens for s in req.seqs),
                              num_kv_growth_tokens=sum(s.num_kv_growth_tokens for s in req.seqs))
-
-    def _beam_output(self, req: Request) -> RequestOutput:
-        """Beam search shows nothing until it ends (any beam can still be overtaken), then the n best hypotheses;
-        `cumulative_logprob` is the hypothesis' sum of log-probabilities (its score: that / len ** length_penalty)."""
-        outs = []
-        if req.finished:
-            skip = req.params.skip_special_tokens
-            for i, h in enumerate(req.beam.finished[:req.params.n]):
-                text = self.tokenizer.decode(h.token_ids, skip_special_tokens=skip)
-                reason = h.finish_reason if not req.reclaimed or req.state == S.FINISHED else "abort"
-                outs.append(CompletionOutput(i, text, list(h.token_ids), text, list(h.token_ids), reason,
-                                             cumulative_logprob=h.sum_logprob))
-        state = self._terminal_state(req).value if req.reclaimed else req.seqs[0].state.value
-        return RequestOutput(req.request_id, req.prompt_token_ids, outs, req.finished, state,
-                             req.seqs[0].num_cached_tokens, dict(req.metrics),
-                             num_generated_tokens=req.beam.num_generated)
-
-    @staticmethod
-    def _hides_branches(req: Request) -> bool:
-        """best_of > n: the caller sees only the winners, at the end. Not on a prefill worker handing the branches
-        over (every branch's first token goes to the decode side, which makes the choice)."""
-        p = req.params
-        if p.best_of is None or p.best_of == p.n:
-            return False
-        return not (req.prefill_only and any(s.finish_reason == "prefill" for s in req.seqs))
-
-    def _chosen(self, req: Request) -> list[Sequence]:
-        """With best_of > n, only the n branches of highest cumulative logprob are returned (once finished)."""
-        if not self._hides_branches(req):
-            return req.seqs
-        if not req.finished:
-            return []
-        return [req.seqs[i] for i in select_best([s.sampling for s in req.seqs], req.params.n)]
-
-    @staticmethod
-    def _terminal_state(req: Request) -> S:
-        if req.beam is not None and req.beam.done:
-            return S.FINISHED
-        states = [s.state for s in req.seqs]
-        for st in (S.FAILED, S.CANCELLED, S.TIMED_OUT):
-            if st in states:
-                return st
-        return S.FINISHED
 
     # ---- deadlines and backpressure ----------------------------------------------------------------------------
     def _expire(self, now: float) -> None:
@@ -537,11 +426,11 @@ class Engine:
         req.reclaimed = True
         self.requests.pop(req.request_id, None)
         self.remote_pending.pop(req.request_id, None)
-        final = self._terminal_state(req)
+        final = req.terminal_state()
         req.state = final
         req.metrics["finished_time"] = time.time()
         self.terminal_counts[final.value] = self.terminal_counts.get(final.value, 0) + 1
-        chosen = self._chosen(req) or req.seqs
+        chosen = req.chosen() or req.seqs
         record = {
             "request_id": req.request_id,
             "namespace": req.namespace,
@@ -560,10 +449,8 @@ class Engine:
             "deadline": req.deadline,
             **{k: v for k, v in req.metrics.items()},
         }
-        if req.beam is not None:  # generated: every beam's tokens; emitted = committed: the returned hypotheses
-            shown = sum(len(h.token_ids) for h in req.beam.finished[:req.params.n]) if final == S.FINISHED else 0
-            record.update(generated_tokens=req.beam.num_generated, emitted_tokens=shown, committed_tokens=shown,
-                          finish_reasons=[h.finish_reason for h in req.beam.finished[:req.params.n]])
+        if req.beam is not None:
+            record.update(beams.usage(req.beam, req.params.n, final == S.FINISHED))
         self.usage_records.append(record)
         usage_log.info(json.dumps(record))
 

@@ -21,7 +21,26 @@ the logprobs of the replayed tokens (the client has them).
 from __future__ import annotations
 
 from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
+
+
+def check(params: SamplingParams, prefill_only: bool) -> None:
+    """Only a single-branch request resumes (the gateway migrates no other; `replay` restores one branch, not
+    best_of's ranking or a beam search), on a worker that decodes."""
+    if params.num_branches != 1 or prefill_only or params.beam:
+        raise ValueError("invalid resume: only a single-branch request resumes, on a worker that decodes")
+
+
+def resume(seq: Sequence, output_token_ids: list[int], vocab_size: int, max_model_len: int,
+           predicted_output_tokens: int | None) -> int | None:
+    """`replay`, and no prompt logprobs again: the client has them from the first worker. Returns the output
+    tokens still predicted: the caller's prediction counted the resumed ones too."""
+    replay(seq, list(output_token_ids), vocab_size, max_model_len)
+    seq.wants_prompt_logprobs = False
+    if predicted_output_tokens is None:
+        return None
+    return max(0, predicted_output_tokens - len(output_token_ids))
 
 
 def replay(seq: Sequence, output_token_ids: list[int], vocab_size: int, max_model_len: int) -> None:

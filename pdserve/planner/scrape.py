@@ -15,6 +15,7 @@ import math
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from typing import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -51,35 +52,47 @@ class Observation:
     queued: float
 
 
+def _v1(labels: dict) -> bool:
+    return labels.get("endpoint", "").startswith("/v1/")  # the API's requests, not the gateway's own pages
+
+
+def _queued(labels: dict) -> bool:
+    return labels.get("state") == "QUEUED"
+
+
+# sample name -> (the Snapshot field it adds to, which labels count: None = all); one line per family read
+SUMS: dict[str, tuple[str, Callable[[dict], bool] | None]] = {
+    "pdserve_requests_terminal_total": ("finished", None),
+    "pdserve_http_requests_in_flight": ("in_flight", _v1),
+    "pdserve_request_prompt_tokens_sum": ("prompt_sum", None),
+    "pdserve_request_prompt_tokens_count": ("prompt_count", None),
+    "pdserve_request_output_tokens_sum": ("output_sum", None),
+    "pdserve_request_output_tokens_count": ("output_count", None),
+    "pdserve_gateway_requests_in_state": ("queued", _queued),
+    "pdserve_num_waiting": ("queued", None),  # the gateway's admission queue and the engines' add up
+    "pdserve_prefix_cache_hits_total": ("prefix_hits", None),
+    "pdserve_prefix_cache_queries_total": ("prefix_queries", None),
+}
+# histogram bucket samples -> the Snapshot field holding their cumulative counts by `le`
+BUCKETS: dict[str, str] = {
+    "pdserve_ttft_seconds_bucket": "ttft",
+    "pdserve_tpot_seconds_bucket": "tpot",
+}
+
+
 def parse(text: str, snap: Snapshot) -> None:
     """Add the series of one /metrics page to `snap` (several pages sum: gateway replicas, workers)."""
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             n, lb, v = s.name, s.labels, s.value
-            if n == "pdserve_requests_terminal_total":
-                snap.finished += v
-            elif n == "pdserve_http_requests_in_flight" and lb.get("endpoint", "").startswith("/v1/"):
-                snap.in_flight += v
-            elif n == "pdserve_request_prompt_tokens_sum":
-                snap.prompt_sum += v
-            elif n == "pdserve_request_prompt_tokens_count":
-                snap.prompt_count += v
-            elif n == "pdserve_request_output_tokens_sum":
-                snap.output_sum += v
-            elif n == "pdserve_request_output_tokens_count":
-                snap.output_count += v
-            elif n in ("pdserve_ttft_seconds_bucket", "pdserve_tpot_seconds_bucket"):
-                h = snap.ttft if n.startswith("pdserve_ttft") else snap.tpot
+            if n in BUCKETS:
+                h = getattr(snap, BUCKETS[n])
                 le = float(lb["le"])
                 h[le] = h.get(le, 0.0) + v
-            elif n == "pdserve_gateway_requests_in_state" and lb.get("state") == "QUEUED":
-                snap.queued += v
-            elif n == "pdserve_num_waiting":
-                snap.queued += v
-            elif n == "pdserve_prefix_cache_hits_total":
-                snap.prefix_hits += v
-            elif n == "pdserve_prefix_cache_queries_total":
-                snap.prefix_queries += v
+            elif n in SUMS:
+                name, keep = SUMS[n]
+                if keep is None or keep(lb):
+                    setattr(snap, name, getattr(snap, name) + v)
 
 
 def fetch(urls: list[str], timeout_s: float = 3.0) -> Snapshot:

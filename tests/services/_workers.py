@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -30,6 +31,17 @@ def start_worker(model: Path, role: str, *args: str, env: dict | None = None,
     return p, port
 
 
+def stop_worker(proc: subprocess.Popen, timeout: float = 30) -> int:
+    """SIGTERM (the worker's graceful drain), SIGKILL if it has not exited within `timeout`; returns the exit
+    status. Call it from a `finally`: a failed assert must not leave a worker holding ports and Redis keys."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
 async def wait_serving(port: int, timeout: float = 120) -> None:
     stub = health_pb2_grpc.HealthStub(channel(f"127.0.0.1:{port}"))
     end = time.monotonic() + timeout
@@ -54,3 +66,10 @@ async def wait_registered(reg, proc: subprocess.Popen, timeout: float = 60) -> l
             return live
         await asyncio.sleep(0.2)
     raise AssertionError("worker did not register")
+
+
+async def drop_model_keys(r, model: str) -> None:
+    """Delete every key of `model` (`pdserve:{model}:*`) from the Redis client `r`: the Redis is shared by the
+    whole suite, so a test leaves it as it found it."""
+    async for k in r.scan_iter(f"pdserve:{model}:*"):
+        await r.delete(k)

@@ -13,7 +13,7 @@ from pdserve.services.kv_events import KvEventPublisher, blocks_key
 from pdserve.services.router.cost import WorkerCost
 from pdserve.services.router.policy import Policy, RouteInput
 from pdserve.services.router.prefix_index import IndexSync, PrefixIndex, chain_hashes
-from tests.services._workers import wait_registered
+from tests.services._workers import drop_model_keys, wait_registered
 from tests.services.test_routing import BS, FP, _rec
 
 REDIS = "redis://127.0.0.1:6379/0"
@@ -201,8 +201,7 @@ def test_real_worker_host_tier_events_and_metrics(tiny_llama):
             assert line and float(line[0].split()[-1]) == 48.0, line
             assert "pdserve_kv_recall_seconds_count" in text
         finally:
-            async for k in reg.r.scan_iter(f"pdserve:{model}:*"):
-                await reg.r.delete(k)
+            await drop_model_keys(reg.r, model)
             await reg.close()
 
     try:

@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 from pdserve.engine.block_manager import KVEvent, block_hash
 from pdserve.services.kv_events import KvEventPublisher, blocks_key, stream_key
 from pdserve.services.router.prefix_index import IndexSync, PrefixIndex, chain_hashes
-from tests.services._workers import wait_registered
+from tests.services._workers import drop_model_keys, wait_registered
 
 REDIS = "redis://127.0.0.1:6379/0"
 ROOT = Path(__file__).resolve().parents[2]
@@ -163,8 +163,7 @@ def test_real_worker_kv_events_reach_the_index_evictions_and_death(tiny_llama):
             await sync.sync_workers([w.worker_id for w in await reg.live_workers()])
             assert "w-real" not in sync.index.workers() and len(sync.index) == 0
         finally:
-            async for k in reg.r.scan_iter(f"pdserve:{model}:*"):
-                await reg.r.delete(k)
+            await drop_model_keys(reg.r, model)
             await reg.close()
 
     try:

@@ -1,0 +1,65 @@
+"""One engine request: its sequences (the branches, or the beams of a beam search) and lifecycle fields, and what
+follows from them alone: whether it is finished, which branches it returns, the state it ends in."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.engine import beam as beams
+from pdserve.engine.outputs import FirstToken
+from pdserve.engine.request_state import RequestState as S
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_state import select_best
+from pdserve.engine.sequence import Sequence
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    namespace: str
+    seqs: list[Sequence]
+    prefill_only: bool = False
+    metrics: dict = field(default_factory=dict)
+    reclaimed: bool = False
+    state: S = S.QUEUED
+    prompt_logprobs: list | None = None
+    deadline: float | None = None  # unix time; past it the request ends TIMED_OUT from any live state
+    # decode side: unix time by which a remote prefill's KV must have arrived (commit_prefilled), else FAILED
+    transfer_deadline: float | None = None
+    first_tokens: list[FirstToken] = field(default_factory=list)  # decode side: sampled by the prefill worker
+    paused_since: float | None = None  # backpressured since (unix time)
+    beam: beams.BeamState | None = None  # beam search (params.beam_width): the beams live in `seqs`
+
+    @property
+    def finished(self) -> bool:
+        if self.beam is not None:
+            return self.reclaimed or self.beam.done
+        return self.reclaimed or (all(s.finished for s in self.seqs) and len(self.seqs) >= self.params.num_branches)
+
+    def hides_branches(self) -> bool:
+        """best_of > n: the caller sees only the winners, at the end. Not on a prefill worker handing the branches
+        over (every branch's first token goes to the decode side, which makes the choice)."""
+        p = self.params
+        if p.best_of is None or p.best_of == p.n:
+            return False
+        return not (self.prefill_only and any(s.finish_reason == "prefill" for s in self.seqs))
+
+    def chosen(self) -> list[Sequence]:
+        """With best_of > n, only the n branches of highest cumulative logprob are returned (once finished)."""
+        if not self.hides_branches():
+            return self.seqs
+        if not self.finished:
+            return []
+        return [self.seqs[i] for i in select_best([s.sampling for s in self.seqs], self.params.n)]
+
+    def terminal_state(self) -> S:
+        """The state it ends in: FINISHED for a beam search that ran to its end (its pruned beams end CANCELLED on
+        the way); otherwise FAILED, CANCELLED or TIMED_OUT if any branch ended so (in that order), else FINISHED."""
+        if self.beam is not None and self.beam.done:
+            return S.FINISHED
+        states = [s.state for s in self.seqs]
+        for st in (S.FAILED, S.CANCELLED, S.TIMED_OUT):
+            if st in states:
+                return st
+        return S.FINISHED
