@@ -83,7 +83,7 @@ def _check(out: torch.Tensor, x: torch.Tensor, w64: torch.Tensor, b64: torch.Ten
     assert (err <= tol).all(), f"max err {err.max().item():.3g} vs tol {tol.flatten()[err.argmax()].item():.3g}"
 
 
-ROWS = [1, 2, 3, 4, 5, 8, GEMV_MAX_ROWS + 1, 37]
+ROWS = sorted({1, 2, 3, 4, 5, 8, 16, *(r + d for r in GEMV_MAX_ROWS.values() for d in (0, 1)), 37, 65})
 SHAPES = [(48, 64), (33, 100), (130, 257)]  # K not a multiple of the vector width: the scalar tail
 
 
@@ -107,7 +107,7 @@ def test_weight_only_linear_vs_float64(kind, xdtype, native, bias):
             x = torch.randn(rows, k).to(xdtype)
             # the native GEMV rounds once; the widened GEMM rounds its output, then the scaled output (and the
             # bias add); torch's int8 kernel (bf16, no native module) also takes its scales rounded to bf16
-            roundings = 1 if native and rows <= GEMV_MAX_ROWS and not bias else 3
+            roundings = 1 if native and rows <= GEMV_MAX_ROWS[xdtype] and not bias else 3
             _check(m(x), x, w64, b64, roundings)
 
 
