@@ -15,6 +15,7 @@ Figures hold for the CPU printed, not in general.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import tempfile
 import time
@@ -154,6 +155,11 @@ def describe_cpu(model_dir: Path) -> None:
     print(f"cpu: {cpu_isa.cpu_model()}; flags: {' '.join(shown) or '-'}; level: {cpu_isa.detected_level()}")
     print(f"dtype=auto on this CPU: {str(auto_dtype(ckpt, 'cpu')).removeprefix('torch.')} "
           f"(checkpoint {str(ckpt).removeprefix('torch.')})")
+    # an AVX2 stand-in on a wider CPU caps torch's libraries too (docs/engine.md, "An AVX2 stand-in")
+    caps = [f"{v}={os.environ[v]}" for v in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY")
+            if os.environ.get(v)]
+    print(f"torch's kernels: {torch.backends.cpu.get_cpu_capability()}"
+          + (f" (capped: {' '.join(caps)})" if caps else ""))
 
 
 def main() -> None:

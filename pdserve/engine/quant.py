@@ -10,8 +10,9 @@ fewer bytes is the only way left to make it faster. Two forms, one module (`Weig
 - **bf16 storage, fp32 compute** (opt-in: `PDSERVE_BF16_WEIGHTS=1` with `dtype=auto`): a bf16 checkpoint on a
   CPU without native bf16 is computed in fp32 with its projections held in bf16 (`choose_weight_storage`): bf16
   GEMMs are emulated there, but a GEMV that widens bf16 to fp32 in registers reads half of fp32's bytes. Not the
-  default yet: under the AVX2 cap batch-1 decode measured 1.22x fp32 but prefill 0.91x, and every step of more
-  than GEMV_MAX_ROWS rows pays a widening pass (docs/engine.md, "Weights held narrower than the compute dtype").
+  default: with every layer capped to AVX2 batch-1 decode measured 1.46-1.69x fp32 but the mixed workload 0.82x,
+  as every step of more than GEMV_MAX_ROWS rows pays a widening pass (docs/engine.md, "Weights held narrower than
+  the compute dtype").
 
 Rows ≤ GEMV_MAX_ROWS (decode batches) run the native `weight_gemv` kernel (csrc/weight_gemv.cpp): the weight is
 read once, widened in registers, fp32 accumulation. Larger batches (prefill chunks, compute-bound) widen the
