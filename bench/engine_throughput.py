@@ -144,6 +144,15 @@ def engine_prefill(model_dir: Path, ctx: int = 256, **engine_kw) -> float:
     return best
 
 
+def set_threads(threads: int | None) -> None:
+    """The torch thread count for every engine of the run (all cores when None); prints it and the kernels."""
+    if threads:
+        torch.set_num_threads(threads)
+    print(f"threads: {torch.get_num_threads()}")
+    from pdserve.engine.kernels import native_unavailable_reason
+    print(f"native CPU kernels: {native_unavailable_reason() or 'built (engine/kernels.py)'}")
+
+
 def describe_cpu(model_dir: Path) -> None:
     from pdserve.engine import cpu_isa
     from pdserve.engine.config import ModelConfig
@@ -170,11 +179,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small model, for a smoke run")
     ap.add_argument("--threads", type=int, default=None, help="torch threads for both sides (default: all)")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    print(f"threads: {torch.get_num_threads()}")
-    from pdserve.engine.kernels import native_unavailable_reason
-    print(f"native CPU kernels: {native_unavailable_reason() or 'built (engine/kernels.py)'}")
+    set_threads(args.threads)
     with tempfile.TemporaryDirectory() as d:
         model_dir = build_model(Path(d), args.quick)
         n_params = sum(p.numel() for p in tf.AutoModelForCausalLM.from_pretrained(model_dir).parameters())

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.engine_throughput import build_model, describe_cpu  # noqa: E402
+from bench.engine_throughput import build_model, describe_cpu, set_threads  # noqa: E402
 from pdserve.engine.quant import BF16_WEIGHTS_ENV  # noqa: E402
 
 BF16_ROW = "bf16-held"  # dtype=auto with PDSERVE_BF16_WEIGHTS=1: projections in bf16, computed in fp32
@@ -160,11 +160,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small model, for a smoke run")
     ap.add_argument("--skip-quality", action="store_true")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    print(f"threads: {torch.get_num_threads()}")
-    from pdserve.engine.kernels import native_unavailable_reason
-    print(f"native CPU kernels: {native_unavailable_reason() or 'built (engine/kernels.py)'}")
+    set_threads(args.threads)
     with tempfile.TemporaryDirectory() as d:
         model_dir = build_model(Path(d), args.quick)
         describe_cpu(model_dir)
