@@ -479,7 +479,11 @@ def capacity_from_workers(records, overcommit: float = 1.0, default_seqs: int = 
 def rates_from_workers(records, serving) -> ServiceRates:
     """The pool's measured speed from the load reports (`LoadMeter.report`). A worker reports its decode step
     time at its current batch and the slope per sequence; the intercept is taken through that point, so the line
-    is right where the worker is now. Unmeasured figures stay 0 (and deadlines are then not judged)."""
+    is right where the worker is now, but never below the intercept of the worker's own fitted line: the point is
+    a recent average (its batches varied) and the slope a long-run one, and through them a 30 ms step at 64
+    sequences with a 0.5 ms slope gives an intercept of 0, i.e. a lone request decoding 64 tokens in 32 ms on a
+    model whose batch-1 step is 2.4 ms (admitted, then timed out, CI). Unmeasured figures stay 0 (and deadlines
+    are then not judged)."""
     d0s, d1s = [], []
     for r in serving:
         ld = r.load
@@ -489,7 +493,7 @@ def rates_from_workers(records, serving) -> ServiceRates:
         slope = ld.decode_step_per_seq_s
         batch = ld.num_running
         d1s.append(slope)
-        d0s.append(max(0.0, step - slope * batch))
+        d0s.append(max(ld.decode_step0_s, step - slope * batch, 0.0))
     if not d0s:
         return ServiceRates(workers=len(serving))
     prefill = [r for r in records if r.role in ("prefill", "both")] or serving

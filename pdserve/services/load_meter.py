@@ -172,6 +172,7 @@ class LoadMeter:
                 prefill_overhead_s=ov,
                 decode_step_s=self.decode_now.value if warm else 0.0,
                 decode_step_per_seq_s=d1 if warm and (d0 > 0 or d1 > 0) else 0.0,
+                decode_step0_s=d0 if warm and d1 > 0 else 0.0,
                 pending_prefill_tokens=int(self.pending_prefill_tokens),
                 kv_bytes_per_s=self.kv_bw.value,
                 handoff_overhead_s=self.handoff.value,

@@ -348,6 +348,12 @@ def test_rates_from_workers_load_reports():
     assert (r.prefill_tokens_per_s, r.prefill_overhead_s) == (2000.0, 0.02)  # the prefill pool's
     # nothing measured yet: no rates, deadlines not judged
     assert not capacity_from_workers([WorkerRecord("b", "both", "x", "")]).rates.measured
+    # through the current point the intercept would be 0.030 - 0.0006 x 64 < 0: the worker's fitted intercept
+    # (its batch-1 step, 2.4 ms) is the floor, so one request of 64 tokens is not promised 64 x 0.6 ms = 38 ms
+    busy = common_pb2.LoadReport(**{**load, "decode_step_s": 0.030, "decode_step_per_seq_s": 0.0006,
+                                    "num_running": 64, "decode_step0_s": 0.0024})
+    r = capacity_from_workers([WorkerRecord("d", "decode", "x", "", 100, lay, busy)]).rates
+    assert r.step0_s == pytest.approx(0.0024) and r.service_s(0, 64, 1) > 0.05
 
 
 async def _dcap():

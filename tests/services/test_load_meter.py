@@ -35,3 +35,17 @@ def test_a_stall_is_clipped_and_a_slowdown_still_shows():
     assert m.report().decode_step_s == pytest.approx(WARM_S, rel=0.05)
     _steps(m, 15, 0.100)  # the worker really got 4.5 x slower (a noisy neighbour, long contexts)
     assert m.report().decode_step_s == pytest.approx(0.100, rel=0.05)
+
+
+def test_the_decode_line_intercept_is_reported():
+    """Steps over a range of batches from 20 ms + 0.5 ms per sequence: the report carries the line's intercept
+    (admission's floor for a lone request) and slope, and no intercept while no slope is measured."""
+    m = LoadMeter()
+    _steps(m, m.DECODE_WARMUP + m.DECODE_REPORT_AFTER, WARM_S)  # batch 4 only: no spread, no slope
+    assert m.report().decode_step0_s == 0.0
+    for _ in range(10):
+        for batch in (1, 8, 16, 32, 64):
+            m.observe_decode_step(batch, 0.020 + 0.0005 * batch)
+    rep = m.report()
+    assert rep.decode_step0_s == pytest.approx(0.020, rel=0.02) and rep.decode_step_per_seq_s == pytest.approx(
+        0.0005, rel=0.02)

@@ -283,7 +283,7 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., agent_name: _Optional[str] = ..., capacity_blocks: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("worker_id", "num_running", "num_waiting", "kv_blocks_in_use", "kv_blocks_total", "pinned_blocks", "prefix_hit_ratio", "prefill_tokens_per_s", "prefill_overhead_s", "decode_step_s", "decode_step_per_seq_s", "pending_prefill_tokens", "kv_bytes_per_s", "handoff_overhead_s", "report_time", "max_num_seqs", "tensor_parallel_size")
+    __slots__ = ("worker_id", "num_running", "num_waiting", "kv_blocks_in_use", "kv_blocks_total", "pinned_blocks", "prefix_hit_ratio", "prefill_tokens_per_s", "prefill_overhead_s", "decode_step_s", "decode_step_per_seq_s", "pending_prefill_tokens", "kv_bytes_per_s", "handoff_overhead_s", "report_time", "max_num_seqs", "tensor_parallel_size", "decode_step0_s")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -301,6 +301,7 @@ class LoadReport(_message.Message):
     REPORT_TIME_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEP0_S_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     num_running: int
     num_waiting: int
@@ -318,4 +319,5 @@ class LoadReport(_message.Message):
     report_time: float
     max_num_seqs: int
     tensor_parallel_size: int
-    def __init__(self, worker_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_in_use: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., prefix_hit_ratio: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefill_overhead_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., decode_step_per_seq_s: _Optional[float] = ..., pending_prefill_tokens: _Optional[int] = ..., kv_bytes_per_s: _Optional[float] = ..., handoff_overhead_s: _Optional[float] = ..., report_time: _Optional[float] = ..., max_num_seqs: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    decode_step0_s: float
+    def __init__(self, worker_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_in_use: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., prefix_hit_ratio: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefill_overhead_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., decode_step_per_seq_s: _Optional[float] = ..., pending_prefill_tokens: _Optional[int] = ..., kv_bytes_per_s: _Optional[float] = ..., handoff_overhead_s: _Optional[float] = ..., report_time: _Optional[float] = ..., max_num_seqs: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., decode_step0_s: _Optional[float] = ...) -> None: ...
