@@ -34,10 +34,11 @@ def up():
     # the builtin model (8 layers, 256 wide): slow enough per token that the engine, not the gateway relaying
     # SSE events or the load generator, is what saturates at ~3x capacity on a 2-core box (with the tests' tiny
     # model capacity was ~13 req/s x 128 tokens, and the gateway itself delayed its rejections by seconds).
-    # --threads 1: the worker leaves a core to the gateway and the load generator; 2048 blocks: 64 sequences of
-    # 16 + 64 tokens fit many times over, so the KV never limits admission here
+    # --threads 1: the worker leaves a core to the gateway and the load generator; 2048 blocks and 256 sequence
+    # slots: 16 + 64-token sequences fit many times over, so neither KV nor slots limit admission, deadlines do
+    # (with 64 slots and the decode worker's faster delivery the slots filled first: every rejection "capacity")
     d = Up("builtin", "--mode", "colocated", "--workers", "1", "--threads", "1", "--num-gpu-blocks", "2048",
-           "--max-num-seqs", "64")
+           "--max-num-seqs", "256")
     yield d
     assert d.stop() == 0
 
