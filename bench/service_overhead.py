@@ -69,6 +69,15 @@ def stream_ttft(base: str, body: dict) -> tuple[float, dict, int]:
     return ttft, usage, chunks
 
 
+def run_clients(n: int, client) -> None:
+    """client(0) .. client(n - 1), each in its own thread (its own keep-alive connection), all at once."""
+    ths = [threading.Thread(target=client, args=(k,)) for k in range(n)]
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join()
+
+
 def engine_ttft(n: int, threads: int) -> list[float]:
     eng = Engine.from_pretrained("builtin", EngineConfig(num_threads=threads, enable_prefix_caching=False))
     out = []
@@ -130,11 +139,7 @@ def relay(streams: int, tokens: int) -> None:
             counts[k] = stream_ttft(up.base_url, {**body, "seed": k})[2]
 
         c0, t0 = cpu_seconds(gw), time.perf_counter()
-        ths = [threading.Thread(target=client, args=(k,)) for k in range(streams)]
-        for th in ths:
-            th.start()
-        for th in ths:
-            th.join()
+        run_clients(streams, client)
         wall, cpu = time.perf_counter() - t0, cpu_seconds(gw) - c0
     finally:
         up.stop()
@@ -177,11 +182,7 @@ def decode_throughput(streams: int, tokens: int) -> None:
                     "completion_tokens", 0)
 
             c0, l0, t0 = cpu_seconds(dec), cpu_seconds(dec, dec), time.perf_counter()
-            ths = [threading.Thread(target=client, args=(k,)) for k in range(streams)]
-            for th in ths:
-                th.start()
-            for th in ths:
-                th.join()
+            run_clients(streams, client)
             wall, cpu, loop = time.perf_counter() - t0, cpu_seconds(dec) - c0, cpu_seconds(dec, dec) - l0
             n = max(sum(done), 1)
             rates.append(sum(done) / wall)

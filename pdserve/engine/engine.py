@@ -247,7 +247,7 @@ class Engine:
             self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         if not sched.scheduled:
-            beams.unstall([r.beam for r in list(self.requests.values()) if r.beam is not None], self.scheduler)
+            beams.unstall([r.beam for r in self.requests.values() if r.beam is not None], self.scheduler)
             return outputs
         if self.config.fault_step_delay_s:  # fault injection: a slow device (docs/reliability.md)
             time.sleep(self.config.fault_step_delay_s)

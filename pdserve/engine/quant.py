@@ -92,7 +92,7 @@ class WeightOnlyLinear(nn.Module):
         return dequantize_int8(self.weight, self.scales, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        small = x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS.get(x.dtype, 8)
+        small = x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS.get(x.dtype, 0)  # both small paths want fp32/bf16
         if small and self.native_ops is not None and x.is_contiguous() and x.dtype in (torch.float32, torch.bfloat16):
             out = x.new_empty(x.shape[0], self.out_features)
             self.native_ops.weight_gemv(out, x, self.weight, self.scales)

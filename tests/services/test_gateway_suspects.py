@@ -10,6 +10,7 @@ from pdserve.services.gateway.suspects import Suspects
 from pdserve.services.pb import common_pb2, router_pb2_grpc
 from pdserve.services.registry import Registry, WorkerRecord
 from pdserve.services.router.server import RouterService
+from tests.services._workers import drop_model_keys
 
 REDIS = "redis://127.0.0.1:6379/0"
 
@@ -55,8 +56,7 @@ def test_dispatcher_skips_a_suspect_the_registry_still_lists():
             assert (await d.route("t", 8, "", ["b2"])).both.worker_id == "b1"
         finally:
             await server.stop(0)
-            async for k in reg.r.scan_iter(f"pdserve:{model}:*"):
-                await reg.r.delete(k)
+            await drop_model_keys(reg.r, model)
             await reg.close()
 
     asyncio.run(main())

@@ -10,6 +10,7 @@ from pdserve.services.pb import common_pb2, router_pb2, router_pb2_grpc
 from pdserve.services.registry import Registry, WorkerRecord
 from pdserve.services.router.policy import NoWorkers, Policy
 from pdserve.services.router.server import RouterService
+from tests.services._workers import drop_model_keys
 
 REDIS = "redis://127.0.0.1:6379/0"
 
@@ -60,8 +61,7 @@ def test_lapsed_heartbeat_never_routed():
             await stub.Route(router_pb2.RouteRequest(request_id="y"))
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
         await server.stop(0)
-        async for k in reg.r.scan_iter(f"pdserve:{model}:*"):
-            await reg.r.delete(k)
+        await drop_model_keys(reg.r, model)
         await reg.close()
 
     asyncio.run(main())
@@ -143,8 +143,7 @@ def test_router_list_workers_and_gateway_503(tiny_llama):
             assert (await stub.ListWorkers(router_pb2.ListWorkersRequest(model=model))).workers == []
         finally:
             await server.stop(0)
-            async for k in reg.r.scan_iter(f"pdserve:{model}:*"):  # leave the shared Redis as found
-                await reg.r.delete(k)
+            await drop_model_keys(reg.r, model)  # leave the shared Redis as found
             await reg.close()
 
     asyncio.run(main())
@@ -177,8 +176,7 @@ def test_registry_round_trips_a_typed_load_report():
             assert back.load == load and back.layout == lay and back.role == "decode"
             assert back.load.max_num_seqs == 48 and back.load.prefill_tokens_per_s == 1234.5
         finally:
-            async for k in reg.r.scan_iter(f"pdserve:{model}:*"):
-                await reg.r.delete(k)
+            await drop_model_keys(reg.r, model)
             await reg.close()
 
     asyncio.run(main())
