@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 from pdserve.planner.status import gather
 from pdserve.services.up_process import UpProcess
@@ -72,7 +73,16 @@ def test_planner_grows_both_pools_under_load_and_drains_after(tmp_path, monkeypa
     bench = None
     pools = ("prefill", "decode")
     try:
-        first = _status(env)
+        # `up` writes its state file before its PDSERVE_UP line, yet one CI run found none right after it (cause not
+        # found): give it a few seconds, and say what the state directory held if it never shows
+        first = None
+        for _ in range(20):
+            first = _status(env)
+            if first is not None:
+                break
+            time.sleep(0.5)
+        state = Path(env["PDSERVE_STATE_DIR"])
+        assert first is not None, sorted(p.name for p in state.glob("*")) if state.exists() else "no state dir"
         assert [w["role"] for w in first["workers"]] == ["prefill", "decode"]
         assert all({"id", "role", "healthy"} <= set(w) and w["healthy"] for w in first["workers"])
         original = {pool: _pool(first, pool)[0]["id"] for pool in pools}
