@@ -107,7 +107,7 @@ def decode_step(model_dir: Path, batch: int, ctx: int = 256, **engine_kw) -> tup
         t = time.perf_counter()
         eng.step()
         times.append(time.perf_counter() - t)
-    weight_bytes = eng.runner.model.weight_bytes
+    weight_bytes = eng.runner.model.weight_bytes_read(batch)
     kv_bytes = batch * (ctx + 30) * eng.kv_cache.block_bytes // eng.kv_cache.block_size
     return sorted(times)[len(times) // 2], weight_bytes + kv_bytes
 

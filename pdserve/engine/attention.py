@@ -94,12 +94,17 @@ def gather_blocks(kv: torch.Tensor, layer: int, tables: torch.Tensor, which: int
 
 
 def write_kv(kv: torch.Tensor, layer: int, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor,
-             k: torch.Tensor, v: torch.Tensor) -> None:
+             k: torch.Tensor, v: torch.Tensor, native_ops=None) -> None:
     """Store the step's new K/V rows ([T, KVH, D]) at their (block, offset) slots of `layer`.
 
-    The pool is viewed as token rows `[(block, layer, K|V, offset), KVH * D]` and written with `index_copy_` of
-    whole rows: advanced-index assignment into the strided per-layer view was ~1 ms per call here (16% of a
-    mixed workload's time); this is a row memcpy."""
+    With the native kernels (CPU, k/v already in the pool's dtype) one call copies the rows (csrc/kv_write.cpp).
+    Otherwise the pool is viewed as token rows `[(block, layer, K|V, offset), KVH * D]` and written with
+    `index_copy_` of whole rows: advanced-index assignment into the strided per-layer view was ~1 ms per call
+    here (16% of a mixed workload's time); this is a row memcpy."""
+    native_write = getattr(native_ops, "write_kv", None)  # the CPU module has it; Triton's ops do not
+    if native_write is not None and k.dtype == kv.dtype and kv.device.type == "cpu":
+        native_write(kv, layer, slot_blocks, slot_offsets, k, v)
+        return
     n, layers, _, bs = kv.shape[:4]
     rows = kv.view(n * layers * 2 * bs, -1)
     k_rows = slot_blocks * (layers * 2 * bs) + (layer * 2 * bs) + slot_offsets
@@ -117,7 +122,7 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     # Write first: a token attends to its own key, and chunks attend to earlier chunks through the cache.
-    write_kv(kv, layer, meta.slot_blocks, meta.slot_offsets, k, v)
+    write_kv(kv, layer, meta.slot_blocks, meta.slot_offsets, k, v, meta.native_ops)
     out = torch.empty_like(q)
     n_kv = k.shape[1]
     if meta.native_prefill is not None:

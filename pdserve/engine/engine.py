@@ -24,7 +24,7 @@ from pdserve.engine.config import DTYPES, EngineConfig, ModelConfig
 from pdserve.engine.core import EngineCore
 from pdserve.engine.cpu_isa import EngineInfo, choose_dtype, detected_level
 from pdserve.engine.kernels import native_ops
-from pdserve.engine.quant import BF16_WEIGHTS_ENV, choose_weight_storage
+from pdserve.engine.quant import BF16_WEIGHTS_ENV, choose_weight_storage, weights_label
 from pdserve.engine.errors import RequestRejected
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.kv_offload import KVOffload
@@ -104,7 +104,7 @@ class Engine:
             dtype=str(dtype).removeprefix("torch."), kernels=self.runner.kernels_name(),
             checkpoint_dtype=str(model_config.checkpoint_dtype).removeprefix("torch."),
             chosen_by="auto" if config.dtype == "auto" else "--dtype",
-            weights=model.weight_storage if model.weight_storage != "same" else str(dtype).removeprefix("torch."))
+            weights=weights_label(model.weight_storage, dtype), linear="onednn" if model.packed else "torch")
         log.info("%s", self.info.line())
         self.eos_token_ids = sorted(set(model_config.eos_token_ids) | set(tokenizer.eos_token_ids))
         self.requests: dict[str, Request] = {}
@@ -141,11 +141,10 @@ class Engine:
         net.eval()
         ops = native_ops() if config.native_kernels and config.device.startswith("cpu") else None
         storage = config.quantization if config.quantization != "none" else "same"
-        if (storage == "same" and config.dtype == "auto" and config.tensor_parallel_size == 1
-                and os.environ.get(BF16_WEIGHTS_ENV) == "1"):
-            # opt-in: bf16-held projections computed in fp32 (quant.py): faster decode, slower prefill (docs/engine.md)
+        if storage == "same" and config.dtype == "auto" and config.tensor_parallel_size == 1:
+            # a bf16 checkpoint computed in fp32: bf16 copies for the decode GEMVs (quant.py, docs/engine.md)
             storage = choose_weight_storage(detected_level(), mcfg.checkpoint_dtype, dtype, config.device,
-                                            ops is not None)
+                                            ops is not None, os.environ.get(BF16_WEIGHTS_ENV))
         if storage != "same":
             net.store_weights(storage, ops)
         net.pack_weights()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -9,6 +10,7 @@ from torch import nn
 
 from pdserve.engine.attention import AttentionMetadata, paged_attention
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.cpu_isa import FP32_PACK_ENV, cpu_vendor, pack_fp32
 from pdserve.engine.errors import CheckpointError
 from pdserve.engine.loader import take
 from pdserve.engine.tp.shard import TPShard, shard_for
@@ -63,9 +65,13 @@ class RMSNorm(nn.Module):
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """oneDNN's prepacked linear exists for bf16 on CPUs with AVX512-BF16/AMX (the fp32 path stays F.linear)."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    """oneDNN's prepacked linear: for bf16 on CPUs with AVX512-BF16/AMX, and for fp32 where MKL's sgemm is not the
+    faster one (cpu_isa.pack_fp32: non-Intel CPUs)."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return weight.dtype == torch.float32 and pack_fp32(cpu_vendor(), os.environ.get(FP32_PACK_ENV))
 
 
 class Linear(nn.Linear):
@@ -85,7 +91,7 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise.default(x, self.packed, self.bias, "none", [], "")
 
 
 def swiglu(gate_up: torch.Tensor, native_ops=None) -> torch.Tensor:
@@ -151,6 +157,8 @@ class LlamaModel(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, len(self.shard.vocab), bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.weight_bytes = 0  # weight bytes held (set on load and by quantize; packing does not change it)
+        self.packed = False  # projections prepacked for oneDNN (pack_weights)
+        self.dual_bytes = (0, 0)  # the bf16 and the fp32 copies' bytes of DualLinear projections (quant.py)
         self.weight_storage = "same"  # projections held as: same (the compute dtype) | int8 | bfloat16 (quant.py)
 
     def use_native_ops(self, ops) -> None:
@@ -162,19 +170,28 @@ class LlamaModel(nn.Module):
 
     def store_weights(self, kind: str, native_ops=None) -> None:
         """Hold the projections and lm_head as int8 or bf16 (quant.py); the embedding keeps the compute dtype."""
-        from pdserve.engine.quant import convert_linears
+        from pdserve.engine.quant import DualLinear, convert_linears
         convert_linears(self, kind, native_ops)
         self.weight_storage = kind
         self.weight_bytes = sum(t.numel() * t.element_size() for t in [*self.parameters(), *self.buffers()]
                                 if t is not self.inv_freq)
+        duals = [m for m in self.modules() if isinstance(m, DualLinear)]
+        self.dual_bytes = (sum(m.gemv.weight.nbytes for m in duals), sum(m.gemm.weight.nbytes for m in duals))
+
+    def weight_bytes_read(self, rows: int) -> int:
+        """Weight bytes held that a step of `rows` rows reads: all, except one copy of each DualLinear's two."""
+        from pdserve.engine.quant import DUAL_GEMV_MAX_ROWS
+        bf16, fp32 = self.dual_bytes
+        return self.weight_bytes - (fp32 if rows <= DUAL_GEMV_MAX_ROWS else bf16)
 
     def pack_weights(self) -> bool:
-        """Prepack every projection for oneDNN where that path exists (CPU bf16); return whether it did."""
+        """Prepack every projection for oneDNN where that path exists (can_pack); return whether it did."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         if not linears or not can_pack(linears[0].weight):
             return False
         for m in linears:
             m.pack()
+        self.packed = True
         return True
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,10 @@ BF16_WEIGHTS_ENV = "PDSERVE_BF16_WEIGHTS"  # "1": dtype=auto holds a bf16 checkp
 # bf16 activations (AMX), int8 weights: 33 vs 50 ms at 16 rows, 97 vs 55 ms at 32 (the widened bf16 GEMM runs on
 # AMX tiles; the GEMV's fp32 FMAs do not).
 GEMV_MAX_ROWS = {torch.float32: 32, torch.bfloat16: 16}
+# DualLinear's GEMV rows: against oneDNN's prepacked fp32 linear on an AMD EPYC (Zen 3, AVX2, 2 threads; the bench
+# model's projections + lm_head) the bf16 GEMV took 3.8 / 7.2 / 15.4 / 30.1 ms at 1 / 8 / 16 / 32 rows, the GEMM
+# 8.1 / 12.7 / 17.2 / 22.4 ms.
+DUAL_GEMV_MAX_ROWS = 16
 QMAX = 127
 
 
@@ -111,20 +115,49 @@ class WeightOnlyLinear(nn.Module):
         return out
 
 
+class DualLinear(nn.Module):
+    """A projection held twice: in bf16 for decode-sized batches (the native GEMV reads half of fp32's bytes) and in
+    the compute dtype for everything larger (torch's or oneDNN's GEMM, no widening pass). The default for a bf16
+    checkpoint computed in fp32 (`choose_weight_storage`): 1.5x the weight memory of fp32 alone, batch-1 decode
+    at bf16's bytes, prefill and large batches at fp32's GEMM speed."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.gemv = WeightOnlyLinear.bf16(linear)
+        self.gemm = linear  # LlamaModel.pack_weights prepacks it where oneDNN's path applies
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = self.gemv.native_ops
+        if ops is not None and x.dim() == 2 and x.shape[0] <= DUAL_GEMV_MAX_ROWS and x.dtype == torch.float32 \
+                and x.is_contiguous():  # the GEMV called directly, not through a second module call
+            out = x.new_empty(x.shape[0], self.gemv.out_features)
+            ops.weight_gemv(out, x, self.gemv.weight, None)
+            return out if self.gemv.bias is None else out.add_(self.gemv.bias)
+        return self.gemm(x)
+
+
 def choose_weight_storage(level: str, checkpoint_dtype: torch.dtype, compute_dtype: torch.dtype,
-                          device: str, native: bool) -> str:
-    """The projections' storage under `dtype=auto` with PDSERVE_BF16_WEIGHTS=1: "bfloat16" where a bf16 checkpoint
-    is computed in fp32 on a CPU (no native bf16) and the native GEMV exists to read it, else "same"."""
-    if (device.startswith("cpu") and native and checkpoint_dtype == torch.bfloat16
-            and compute_dtype == torch.float32 and level != "scalar"):
-        return "bfloat16"
-    return "same"
+                          device: str, native: bool, env: str | None = None) -> str:
+    """The projections' storage under `dtype=auto`. Where a bf16 checkpoint is computed in fp32 on a CPU (no native
+    bf16) and the native GEMV exists to read bf16: "dual" (DualLinear) by default, "bfloat16" alone with
+    PDSERVE_BF16_WEIGHTS=1 (the lean form: larger batches widen per call), "same" with PDSERVE_BF16_WEIGHTS=0.
+    Everywhere else "same"."""
+    if (env == "0" or not device.startswith("cpu") or not native or checkpoint_dtype != torch.bfloat16
+            or compute_dtype != torch.float32 or level == "scalar"):
+        return "same"
+    return "bfloat16" if env == "1" else "dual"
+
+
+def weights_label(storage: str, compute_dtype: torch.dtype) -> str:
+    """How the projections are held, for EngineInfo: int8 | bfloat16 | bfloat16+float32 (dual) | the compute dtype."""
+    dtype = str(compute_dtype).removeprefix("torch.")
+    return {"same": dtype, "dual": "bfloat16+" + dtype}.get(storage, storage)
 
 
 def convert_linears(model: nn.Module, kind: str, native_ops=None) -> int:
     """Replace every nn.Linear of `model` (projections and lm_head) by its int8 or bf16-stored form, in place;
     return how many. The widened weights are freed as each is replaced, so the peak is one layer over."""
-    make = {"int8": WeightOnlyLinear.int8, "bfloat16": WeightOnlyLinear.bf16}[kind]
+    make = {"int8": WeightOnlyLinear.int8, "bfloat16": WeightOnlyLinear.bf16, "dual": DualLinear}[kind]
     if native_ops is None and kind == "int8":
         log.warning("int8 weights without the native kernels: small batches use torch's _weight_int8pack_mm for "
                     "bf16 activations, else the weight is widened per call (slower than not quantizing)")

@@ -52,6 +52,27 @@ def test_cap_only_lowers():
         cap_level("amx", "sse9")
 
 
+def test_fp32_projections_are_prepacked_off_intel_unless_overridden(monkeypatch):
+    """MKL's sgemm stays the fp32 path on Intel; elsewhere oneDNN's prepacked linear (docs/engine.md); the env
+    forces either way. An fp32 model loaded here follows this CPU's vendor, and its prepacked output equals the
+    float64 product."""
+    assert not cpu_isa.pack_fp32("GenuineIntel") and cpu_isa.pack_fp32("AuthenticAMD") and cpu_isa.pack_fp32("")
+    assert cpu_isa.pack_fp32("GenuineIntel", "1") and not cpu_isa.pack_fp32("AuthenticAMD", "0")
+    assert cpu_isa.pack_fp32("AuthenticAMD", "yes")  # anything but 0/1 leaves the vendor's choice
+    from pdserve.engine.model import Linear, can_pack
+    monkeypatch.setenv(cpu_isa.FP32_PACK_ENV, "1")
+    lin = Linear(48, 40, bias=True)
+    if not can_pack(lin.weight):
+        pytest.skip("torch built without oneDNN")
+    x = torch.randn(5, 48)
+    want = x.double() @ lin.weight.detach().double().T + lin.bias.detach().double()
+    lin.pack()
+    assert lin.weight.numel() == 0  # held once, packed
+    torch.testing.assert_close(lin(x).double(), want, atol=1e-5, rtol=1e-5)
+    monkeypatch.setenv(cpu_isa.FP32_PACK_ENV, "0")
+    assert not can_pack(Linear(8, 8).weight)
+
+
 def test_this_cpu_is_read_from_proc_cpuinfo():
     flags = cpu_isa.cpu_flags()
     if not flags:

@@ -213,6 +213,32 @@ def test_prefill_attention_rejects_bad_spans(ops):
     assert not ops.prefill_attention_supported(kv.float(), 2)  # bf16 only: SDPA serves other dtypes
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_stores_each_row_at_its_slot(ops, dtype):
+    """Rows of strided k/v views (as the fused qkv output gives them) land at (block, layer, K|V, offset), written
+    position by position as the reference; every other slot of the pool keeps its value."""
+    g = torch.Generator().manual_seed(3)
+    n, layers, bs, n_kv, d, t = 6, 3, 4, 2, 8, 5
+    kv = torch.randn(n, layers, 2, bs, n_kv, d, generator=g).to(dtype)
+    qkv = torch.randn(t, 4 * d + 2 * n_kv * d, generator=g).to(dtype)  # q of 4 heads, then k, then v
+    k = qkv[:, 4 * d:4 * d + n_kv * d].view(t, n_kv, d)
+    v = qkv[:, 4 * d + n_kv * d:].view(t, n_kv, d)
+    slots = torch.randperm(n * bs, generator=g)[:t]
+    blocks, offsets = slots // bs, slots % bs
+    want = kv.clone()
+    for i in range(t):
+        want[blocks[i], 1, 0, offsets[i]] = k[i]
+        want[blocks[i], 1, 1, offsets[i]] = v[i]
+    ops.write_kv(kv, 1, blocks, offsets, k, v)
+    assert torch.equal(kv, want)
+    with pytest.raises(ValueError, match="slot out of range"):
+        ops.write_kv(kv, 1, blocks + n, offsets, k, v)
+    with pytest.raises(ValueError, match="layer out of range"):
+        ops.write_kv(kv, layers, blocks, offsets, k, v)
+    with pytest.raises(ValueError, match="pool's dtype"):
+        ops.write_kv(kv, 1, blocks, offsets, k.double(), v.double())
+
+
 def test_build_targets_the_detected_isa(ops):
     """The module is compiled for the CPU's level, lowered by PDSERVE_CPU_ISA (run this file with
     PDSERVE_CPU_ISA=avx2 on an AVX-512 machine to test the AVX2 paths against the same references)."""

@@ -19,7 +19,8 @@ from torch import nn
 from pdserve.engine import cpu_isa
 from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.engine.kernels import native_ops
-from pdserve.engine.quant import (BF16_WEIGHTS_ENV, GEMV_MAX_ROWS, WeightOnlyLinear, choose_weight_storage,
+from pdserve.engine.quant import (BF16_WEIGHTS_ENV, DUAL_GEMV_MAX_ROWS, GEMV_MAX_ROWS, DualLinear, WeightOnlyLinear,
+                                  choose_weight_storage, weights_label,
                                   dequantize_int8, quantize_int8)
 from pdserve.engine.sampling_params import SamplingParams
 from tests.conftest import make_checkpoint
@@ -130,13 +131,41 @@ def test_native_gemv_rejects_bad_inputs():
 
 def test_weight_storage_choice():
     f32, bf16 = torch.float32, torch.bfloat16
-    assert choose_weight_storage("avx2", bf16, f32, "cpu", True) == "bfloat16"
-    assert choose_weight_storage("avx512", bf16, f32, "cpu", True) == "bfloat16"
+    assert choose_weight_storage("avx2", bf16, f32, "cpu", True) == "dual"  # bf16 for GEMVs + fp32 for GEMMs
+    assert choose_weight_storage("avx512", bf16, f32, "cpu", True) == "dual"
+    assert choose_weight_storage("avx2", bf16, f32, "cpu", True, "1") == "bfloat16"  # the lean opt-in
+    assert choose_weight_storage("avx2", bf16, f32, "cpu", True, "0") == "same"  # opted out
     assert choose_weight_storage("avx2", bf16, f32, "cpu", False) == "same"  # no GEMV to read bf16 with
     assert choose_weight_storage("avx2", f32, f32, "cpu", True) == "same"  # nothing to save
     assert choose_weight_storage("amx", bf16, bf16, "cpu", True) == "same"  # native bf16 compute
     assert choose_weight_storage("scalar", bf16, f32, "cpu", True) == "same"
     assert choose_weight_storage("", bf16, bf16, "cuda", True) == "same"
+    assert weights_label("dual", f32) == "bfloat16+float32" and weights_label("same", f32) == "float32"
+
+
+def test_dual_linear_takes_each_path_by_rows():
+    """DualLinear: up to DUAL_GEMV_MAX_ROWS rows through the bf16 GEMV, beyond through the fp32 GEMM; both equal
+    the float64 product of the bf16 weights (what the checkpoint holds) within fp32 accumulation error."""
+    if OPS is None:
+        pytest.skip("native kernels unavailable here")
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 48, bias=True)
+    lin.weight.data = lin.weight.data.to(torch.bfloat16).float()  # a bf16 checkpoint's values, held in fp32
+    dual = DualLinear(lin)
+    dual.gemv.native_ops = OPS
+    calls = []
+    real = OPS.weight_gemv
+
+    class Spy:
+        def weight_gemv(self, *a):
+            calls.append(a[0].shape[0])
+            return real(*a)
+    dual.gemv.native_ops = Spy()
+    for rows in (1, DUAL_GEMV_MAX_ROWS, DUAL_GEMV_MAX_ROWS + 1, 64):
+        x = torch.randn(rows, 64)
+        ref = x.double() @ lin.weight.double().T + lin.bias.double()
+        torch.testing.assert_close(dual(x).double(), ref, atol=1e-4, rtol=1e-4)
+    assert calls == [1, DUAL_GEMV_MAX_ROWS]  # larger batches never reach the GEMV
 
 
 def test_quantization_flag_is_validated(tmp_path):
@@ -204,30 +233,38 @@ def test_int8_changes_the_kv_fingerprint(ckpt):
 
 
 def test_bf16_storage_under_auto_without_native_bf16(tmp_path, monkeypatch):
-    """A bf16 checkpoint on an AVX2 CPU with PDSERVE_BF16_WEIGHTS=1: fp32 compute with the projections held in
-    bf16; greedy tokens equal transformers in fp32 (the same weights: bf16 widens to fp32 exactly). Without the
-    opt-in, fp32 throughout."""
+    """A bf16 checkpoint on an AVX2 CPU under dtype=auto: fp32 compute with the projections held twice (bf16 for
+    the decode GEMVs, fp32 for larger batches) by default, in bf16 alone with PDSERVE_BF16_WEIGHTS=1, in fp32
+    alone with =0. Greedy tokens equal transformers in fp32 either way (bf16 widens to fp32 exactly)."""
     if OPS is None:
         pytest.skip("native kernels unavailable here")
     path = make_checkpoint(tmp_path / "bf16", "llama", dtype=torch.bfloat16)
     monkeypatch.setenv(cpu_isa.ISA_ENV, "avx2")
     cpu_isa.detected_level.cache_clear()
+    engines = {}
     try:
-        default = Engine.from_pretrained(path, EngineConfig(num_gpu_blocks=16, block_size=4))
-        assert default.runner.model.weight_storage == "same" and default.info.weights == "float32"
+        dual = Engine.from_pretrained(path, EngineConfig(num_gpu_blocks=64, block_size=4))
+        assert dual.runner.model.weight_storage == "dual" and dual.info.weights == "bfloat16+float32"
+        assert dual.runner.model.layers[0].qkv.gemv.weight.dtype == torch.bfloat16
+        engines["dual"] = dual
+        monkeypatch.setenv(BF16_WEIGHTS_ENV, "0")
+        fp32 = Engine.from_pretrained(path, EngineConfig(num_gpu_blocks=16, block_size=4))
+        assert fp32.runner.model.weight_storage == "same" and fp32.info.weights == "float32"
         monkeypatch.setenv(BF16_WEIGHTS_ENV, "1")
         engine = Engine.from_pretrained(path, EngineConfig(num_gpu_blocks=64, block_size=4))
         assert engine.kv_cache.data.dtype == torch.float32
         assert engine.runner.model.weight_storage == "bfloat16" and engine.info.weights == "bfloat16"
         assert engine.runner.model.layers[0].qkv.weight.dtype == torch.bfloat16
+        engines["bfloat16"] = engine
         explicit = Engine.from_pretrained(path, EngineConfig(num_gpu_blocks=16, block_size=4, dtype="float32"))
         assert explicit.runner.model.weight_storage == "same"  # --dtype float32: fp32 throughout
     finally:
         cpu_isa.detected_level.cache_clear()
     hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    outs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    for prompt, out in zip(PROMPTS, outs):
-        assert out.outputs[0].token_ids == _hf_greedy(hf, prompt, 8), prompt
+    for kind, eng in engines.items():
+        outs = eng.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        for prompt, out in zip(PROMPTS, outs):
+            assert out.outputs[0].token_ids == _hf_greedy(hf, prompt, 8), (kind, prompt)
 
 
 def test_worker_and_up_flags_reach_the_engine(monkeypatch):

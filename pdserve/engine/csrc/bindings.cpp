@@ -9,6 +9,8 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
 void silu_and_mul(at::Tensor out, const at::Tensor& gate_up);
 void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps);
 void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin);
+void write_kv(at::Tensor kv, int64_t layer, const at::Tensor& slot_blocks, const at::Tensor& slot_offsets,
+              const at::Tensor& k, const at::Tensor& v);
 std::tuple<at::Tensor, at::Tensor> argmax_logsumexp(const at::Tensor& logits);
 void weight_gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scales);
 bool prefill_attention_supported(const at::Tensor& kv, int64_t n_heads);
@@ -27,5 +29,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the ISA level this build targets (cpu_isa.LEVELS)");
   m.def("weight_gemv", &weight_gemv, "x @ (scales * weight).T for int8 / bf16-stored weights (decode GEMVs)",
         py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("scales") = py::none());
+  m.def("write_kv", &write_kv, "a step's new K/V rows stored at their pool slots (one layer)");
   m.def("argmax_logsumexp", &argmax_logsumexp, "per-row argmax (lowest index on ties) and log-sum-exp");
 }
