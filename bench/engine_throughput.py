@@ -56,6 +56,7 @@ def workload(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
 def run_engine(model_dir: Path, reqs) -> tuple[float, int]:
     eng = Engine.from_pretrained(model_dir, EngineConfig(kv_cache_bytes=2 << 30, max_num_seqs=64,
                                                          max_num_batched_tokens=2048))
+    print(eng.info.line())  # the dtype, weight storage and GEMM path `auto` chose on this CPU
     for i, (p, n) in enumerate(reqs):
         eng.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     t = time.perf_counter()
@@ -161,7 +162,7 @@ def describe_cpu(model_dir: Path) -> None:
     shown = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8")
              if f in flags]
     ckpt = ModelConfig.from_dir(model_dir).checkpoint_dtype
-    print(f"cpu: {cpu_isa.cpu_model()}; flags: {' '.join(shown) or '-'}; level: {cpu_isa.detected_level()}")
+    print(f"cpu: {cpu_isa.cpu_model()} ({cpu_isa.cpu_vendor() or 'vendor unknown'}); flags: {' '.join(shown) or '-'}; level: {cpu_isa.detected_level()}")
     print(f"dtype=auto on this CPU: {str(auto_dtype(ckpt, 'cpu')).removeprefix('torch.')} "
           f"(checkpoint {str(ckpt).removeprefix('torch.')})")
     # an AVX2 stand-in on a wider CPU caps torch's libraries too (docs/engine.md, "An AVX2 stand-in")

@@ -86,34 +86,54 @@ inline void dot_rows(float* dots, const float* x, const W* w, int64_t k) {
   }
 }
 
-// Batch 1: two weight rows at once, dots[j] = x . w[j] for j < 2 (rows k apart), with a software prefetch 2 KiB
-// ahead in each row, once per cache line. One core's DRAM bandwidth is set by how many cache-line misses it keeps
-// in flight: one row at a time without prefetch read ~5 GB/s here where MKL's fp32 GEMV read ~11. Measured on the
-// 124M bench model's projections (1 thread, Sapphire Rapids class, AVX-512 and AVX2 builds): two rows with the
-// prefetch 2 KiB ahead read int8 weights at 9.4-9.9 GB/s where four rows with it 1 KiB ahead (and issued every
-// iteration) read 7.7-8.1 GB/s; bf16 weights read the same either way (~10 GB/s).
-constexpr int64_t kBatch1Rows = 2;
+// Batch 1: kBatch1Rows weight rows at once, dots[j] = x . w[j] for j < kBatch1Rows (rows k apart), with a software
+// prefetch 2 KiB ahead in each row, once per cache line. One core's DRAM bandwidth is set by how many cache-line
+// misses it keeps in flight: one row at a time without prefetch read ~5 GB/s where MKL's fp32 GEMV read ~11.
+// The best shape differs by machine, and the build's ISA is what tells them apart here:
+// - AVX-512 build, measured on a Sapphire Rapids class Xeon (the 124M bench model's projections, 1 thread): two
+//   rows, two vectors each per iteration, read int8 weights at 9.4-9.9 GB/s where four rows with the prefetch
+//   1 KiB ahead (issued every iteration) read 7.7-8.1 GB/s; bf16 weights read the same either way (~10 GB/s).
+// - AVX2 build, measured on an AMD EPYC (Zen 3; all the bench model's projections and lm_head, 2 threads, from
+//   DRAM): one row, one cache line per iteration (8 vectors of int8, 4 of bf16) took int8 from 7.0-8.0 ms to
+//   5.2-6.5 ms a pass and bf16 from 13.4-14.2 to 11.2-11.7 ms; two rows of a line each, or half a line, were
+//   slower, and the prefetch distance mattered less (1-3 KiB within 5%).
 constexpr int64_t kPrefetchBytes = 2048;
+#if defined(__AVX512F__)
+constexpr int64_t kBatch1Rows = 2;
+template <typename W>
+constexpr int64_t batch1_vecs() { return 2; }
+#elif defined(PDSERVE_AVX2)
+constexpr int64_t kBatch1Rows = 1;
+template <typename W>
+constexpr int64_t batch1_vecs() { return 64 / (kLanes * int64_t(sizeof(W))); }  // one cache line
+#else  // scalar build: the loop below is the tail loop only
+constexpr int64_t kBatch1Rows = 2;
+#endif
 
 template <typename W>
 inline void dot_rows_w(float* dots, const float* x, const W* w, int64_t k) {
   int64_t i = 0;
 #if defined(PDSERVE_GEMV_SIMD)
-  constexpr int64_t kAhead = kPrefetchBytes / sizeof(W);  // elements
-  constexpr int64_t kStep = 2 * kLanes;                     // elements per iteration and row
+  constexpr int64_t V = batch1_vecs<W>();
+  constexpr int64_t kStep = V * kLanes;  // elements per iteration and row
   constexpr int64_t kLine = 64 / (kStep * sizeof(W)) > 0 ? 64 / (kStep * sizeof(W)) : 1;  // iterations a line
-  vec a[kBatch1Rows][2];
-  for (int r = 0; r < kBatch1Rows; ++r) a[r][0] = a[r][1] = vzero();
+  vec a[kBatch1Rows][V];
+  for (int r = 0; r < kBatch1Rows; ++r)
+    for (int v = 0; v < V; ++v) a[r][v] = vzero();
   for (int64_t it = 0; i + kStep <= k; i += kStep, ++it) {
-    const vec x0 = vload(x + i), x1 = vload(x + i + kLanes);
+    vec xv[V];
+    for (int v = 0; v < V; ++v) xv[v] = vload(x + i + v * kLanes);
     for (int r = 0; r < kBatch1Rows; ++r) {
       const W* wr = w + r * k + i;
-      if (it % kLine == 0) _mm_prefetch(reinterpret_cast<const char*>(wr + kAhead), _MM_HINT_T0);
-      a[r][0] = vfma(x0, widen(wr), a[r][0]);
-      a[r][1] = vfma(x1, widen(wr + kLanes), a[r][1]);
+      if (it % kLine == 0) _mm_prefetch(reinterpret_cast<const char*>(wr) + kPrefetchBytes, _MM_HINT_T0);
+      for (int v = 0; v < V; ++v) a[r][v] = vfma(xv[v], widen(wr + v * kLanes), a[r][v]);
     }
   }
-  for (int r = 0; r < kBatch1Rows; ++r) dots[r] = vsum(vadd(a[r][0], a[r][1]));
+  for (int r = 0; r < kBatch1Rows; ++r) {
+    vec t = a[r][0];
+    for (int v = 1; v < V; ++v) t = vadd(t, a[r][v]);
+    dots[r] = vsum(t);
+  }
 #else
   for (int r = 0; r < kBatch1Rows; ++r) dots[r] = 0.f;
 #endif
