@@ -6,8 +6,9 @@
 Speed, on bench/engine_throughput.py's random ~124M Llama saved in bf16: batch-1 decode tokens/s (median step at
 256 tokens of context) and the prefill of one 256-token prompt, for `dtype=auto` unquantized, `--quantization
 int8`, `--dtype float32` (fp32 weights throughout), and on a CPU without native bf16 (where `auto` computes in
-fp32) `bf16-held`: `auto` with PDSERVE_BF16_WEIGHTS=1, the projections held in bf16 and widened to fp32 in the
-GEMV. Decode steps of all engines are interleaved (load from other processes falls on each alike). Target: int8
+fp32 and holds the projections in bf16 and in fp32, reading the bf16 copy at batch 1) `bf16-held`: `auto` with
+PDSERVE_BF16_WEIGHTS=1, the projections held in bf16 alone and widened to fp32 in the GEMV (prefill widens per
+call). Decode steps of all engines are interleaved (load from other processes falls on each alike). Target: int8
 batch-1 decode >= 1.6x the unquantized `auto` figure.
 
 Quality, on the built-in demo model (pdserve/builtin/model) and its 64 held-out fortunes (heldout.txt, never
