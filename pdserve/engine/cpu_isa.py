@@ -64,37 +64,30 @@ def choose_dtype(level: str, checkpoint_dtype: torch.dtype, device: str = "cpu")
     return torch.float32
 
 
-def cpu_flags() -> frozenset[str]:
+def _cpuinfo(field: str) -> str | None:
+    """The first core's `field` from /proc/cpuinfo, None where the file or the field is missing."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith(field):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    return None
+
+
+def cpu_flags() -> frozenset[str]:
+    return frozenset((_cpuinfo("flags") or "").split())
+
+
+def cpu_model() -> str:
     import platform
-    return platform.processor() or platform.machine()
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 @functools.lru_cache(maxsize=1)
 def cpu_vendor() -> str:
     """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD, ...), "" where it is missing."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    return _cpuinfo("vendor_id") or ""
 
 
 FP32_PACK_ENV = "PDSERVE_FP32_PACK"  # "1" / "0": force / forbid oneDNN-prepacked fp32 projections
