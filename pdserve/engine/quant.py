@@ -148,6 +148,25 @@ def choose_weight_storage(level: str, checkpoint_dtype: torch.dtype, compute_dty
     return "bfloat16" if env == "1" else "dual"
 
 
+def mem_available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (bytes), None where it cannot be read."""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def dual_fits(model: nn.Module, reserve_bytes: int, available: int | None) -> bool:
+    """Whether the bf16 copies DualLinear adds (2 bytes a projection weight) fit in `available` host memory with
+    `reserve_bytes` (the KV pool and the rest still to be allocated) to spare, and 10% headroom. Unknown memory:
+    assume it fits."""
+    extra = sum(m.weight.numel() * 2 for m in model.modules() if isinstance(m, nn.Linear))
+    return available is None or extra + reserve_bytes <= 0.9 * available
+
+
 def weights_label(storage: str, compute_dtype: torch.dtype) -> str:
     """How the projections are held, for EngineInfo: int8 | bfloat16 | bfloat16+float32 (dual) | the compute dtype."""
     dtype = str(compute_dtype).removeprefix("torch.")

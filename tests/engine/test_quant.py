@@ -267,6 +267,34 @@ def test_bf16_storage_under_auto_without_native_bf16(tmp_path, monkeypatch):
             assert out.outputs[0].token_ids == _hf_greedy(hf, prompt, 8), (kind, prompt)
 
 
+def test_dual_storage_yields_to_host_memory(tmp_path, monkeypatch, caplog):
+    """Where the bf16 copies would not fit in the host's available memory beside the KV pool, `auto` holds fp32
+    alone and says so; the arithmetic: 2 bytes a projection weight + the reserve within 90% of what is free."""
+    if OPS is None:
+        pytest.skip("native kernels unavailable here")
+    from pdserve.engine import quant
+    lin = nn.Sequential(nn.Linear(100, 50), nn.Linear(50, 10))
+    extra = (100 * 50 + 50 * 10) * 2
+    assert quant.dual_fits(lin, 1000, int((extra + 1000) / 0.9) + 1)
+    assert not quant.dual_fits(lin, 1000, extra + 1000)
+    assert quant.dual_fits(lin, 1 << 40, None)  # unknown: assume it fits
+    free = quant.mem_available_bytes()  # this host's, read from /proc/meminfo
+    assert free is None or 0 < free <= 1 << 50
+    path = make_checkpoint(tmp_path / "bf16", "llama", dtype=torch.bfloat16)
+    monkeypatch.setenv(cpu_isa.ISA_ENV, "avx2")
+    monkeypatch.setattr(quant, "mem_available_bytes", lambda: 64 << 20)  # 64 MiB free: the 256 MiB pool alone fails
+    import pdserve.engine.engine as engine_mod
+    monkeypatch.setattr(engine_mod, "mem_available_bytes", quant.mem_available_bytes)
+    cpu_isa.detected_level.cache_clear()
+    try:
+        with caplog.at_level("WARNING"):
+            engine = Engine.from_pretrained(path, EngineConfig(num_gpu_blocks=16, block_size=4))
+    finally:
+        cpu_isa.detected_level.cache_clear()
+    assert engine.runner.model.weight_storage == "same" and engine.info.weights == "float32"
+    assert "not holding bf16 copies" in caplog.text and BF16_WEIGHTS_ENV in caplog.text
+
+
 def test_worker_and_up_flags_reach_the_engine(monkeypatch):
     from pdserve.cli import build_parser
     from pdserve.services.worker import engine_config_from_env
