@@ -130,12 +130,13 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, kv, layer: int, meta: AttentionMetadata) -> torch.Tensor:
         cfg = self.cfg
         t = x.shape[0]
-        q, k, v = self.qkv(self.input_norm(x)).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv(self.input_norm(x))
+        if self.native_ops is not None:  # q's and k's heads (adjacent in the fused output) rotated in place, one call
+            qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, cfg.head_dim)
+            self.native_ops.rope_(qk, cos, sin)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = q.view(t, self.num_heads, cfg.head_dim), k.view(t, self.num_kv_heads, cfg.head_dim)
-        if self.native_ops is not None:  # rotated in place inside the fused qkv output: no temporaries
-            self.native_ops.rope_(q, cos, sin)
-            self.native_ops.rope_(k, cos, sin)
-        else:
+        if self.native_ops is None:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.view(t, self.num_kv_heads, cfg.head_dim)
         attn = paged_attention(q, k, v, kv, layer, meta, scale=cfg.head_dim ** -0.5)
