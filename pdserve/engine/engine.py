@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import os
 import time
 from collections import deque
 from pathlib import Path
@@ -24,8 +23,7 @@ from pdserve.engine.config import DTYPES, EngineConfig, ModelConfig
 from pdserve.engine.core import EngineCore
 from pdserve.engine.cpu_isa import EngineInfo, choose_dtype, detected_level
 from pdserve.engine.kernels import native_ops
-from pdserve.engine.quant import (BF16_WEIGHTS_ENV, choose_weight_storage, dual_fits, mem_available_bytes,
-                                  weights_label)
+from pdserve.engine.quant import auto_weight_storage, weights_label
 from pdserve.engine.errors import RequestRejected
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.kv_offload import KVOffload
@@ -144,14 +142,8 @@ class Engine:
         storage = config.quantization if config.quantization != "none" else "same"
         if storage == "same" and config.dtype == "auto" and config.tensor_parallel_size == 1:
             # a bf16 checkpoint computed in fp32: bf16 copies for the decode GEMVs (quant.py, docs/engine.md)
-            storage = choose_weight_storage(detected_level(), mcfg.checkpoint_dtype, dtype, config.device,
-                                            ops is not None, os.environ.get(BF16_WEIGHTS_ENV))
-            reserve = config.kv_cache_bytes or CPU_DEFAULT_KV_BYTES
-            if storage == "dual" and not dual_fits(net, reserve, mem_available_bytes()):
-                log.warning("not holding bf16 copies of the projections (the faster decode GEMVs): they would not "
-                            "fit in this host's available memory beside the KV pool; fp32 alone. "
-                            "%s=1 holds bf16 alone (less memory, slower prefill)", BF16_WEIGHTS_ENV)
-                storage = "same"
+            storage = auto_weight_storage(net, detected_level(), mcfg.checkpoint_dtype, dtype, config.device,
+                                          ops is not None, config.kv_cache_bytes or CPU_DEFAULT_KV_BYTES)
         if storage != "same":
             net.store_weights(storage, ops)
         net.pack_weights()

@@ -24,6 +24,7 @@ than not quantizing at all: logged once, at load).
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -165,6 +166,20 @@ def dual_fits(model: nn.Module, reserve_bytes: int, available: int | None) -> bo
     assume it fits."""
     extra = sum(m.weight.numel() * 2 for m in model.modules() if isinstance(m, nn.Linear))
     return available is None or extra + reserve_bytes <= 0.9 * available
+
+
+def auto_weight_storage(model: nn.Module, level: str, checkpoint_dtype: torch.dtype, compute_dtype: torch.dtype,
+                        device: str, native: bool, reserve_bytes: int) -> str:
+    """`dtype=auto`'s storage (choose_weight_storage under PDSERVE_BF16_WEIGHTS), except that dual storage yields to
+    fp32 alone, with a warning, where its bf16 copies would not fit beside `reserve_bytes` (dual_fits)."""
+    storage = choose_weight_storage(level, checkpoint_dtype, compute_dtype, device, native,
+                                    os.environ.get(BF16_WEIGHTS_ENV))
+    if storage == "dual" and not dual_fits(model, reserve_bytes, mem_available_bytes()):
+        log.warning("not holding bf16 copies of the projections (the faster decode GEMVs): they would not fit in "
+                    "this host's available memory beside the KV pool; fp32 alone. %s=1 holds bf16 alone (less "
+                    "memory, slower prefill)", BF16_WEIGHTS_ENV)
+        return "same"
+    return storage
 
 
 def weights_label(storage: str, compute_dtype: torch.dtype) -> str:

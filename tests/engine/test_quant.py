@@ -283,8 +283,6 @@ def test_dual_storage_yields_to_host_memory(tmp_path, monkeypatch, caplog):
     path = make_checkpoint(tmp_path / "bf16", "llama", dtype=torch.bfloat16)
     monkeypatch.setenv(cpu_isa.ISA_ENV, "avx2")
     monkeypatch.setattr(quant, "mem_available_bytes", lambda: 64 << 20)  # 64 MiB free: the 256 MiB pool alone fails
-    import pdserve.engine.engine as engine_mod
-    monkeypatch.setattr(engine_mod, "mem_available_bytes", quant.mem_available_bytes)
     cpu_isa.detected_level.cache_clear()
     try:
         with caplog.at_level("WARNING"):
