@@ -4,7 +4,7 @@
 
 Lines (each PASS / FAIL / skipped: <why> / error: <what>):
 - greedy-{llama,qwen2}-{fp32,bf16}: greedy tokens of the engine on CUDA equal transformers' on CUDA (tiny random
-  checkpoints written here).
+  checkpoints written here); in bf16 a sequence may differ from a near-tie on (TIE_ULPS).
 - decode-8b-b{1,64}: one decode forward of a random Llama-3-8B-shaped bf16 model (CUDA graph replay) at batch 1
   and 64, 1024-token contexts, against the HBM bound = (weight + KV bytes read) / device copy bandwidth, where
   the bandwidth is bytes read + written per second by a device-to-device copy. Targets <= 1.3x and <= 2x.
@@ -149,6 +149,19 @@ ENGINE = ("triton", "pdserve.engine.engine")  # the engine imports xgrammar, tok
 HF = ("transformers", "safetensors", "tokenizers")
 
 
+# bf16 greedy: two implementations sum in different orders and round differently, so where HF's top two logits are
+# within a few bf16 ulps the choice may flip (the CPU tests apply the same rule: tests/engine/test_cpu_isa.py).
+# Tokens must be equal up to the first difference, and there HF's own margin for its token over ours must be a
+# near-tie. fp32 must match exactly.
+TIE_ULPS = 4
+
+
+def bf16_ulp(x: float) -> float:
+    """The spacing of bf16 values at magnitude x (8 significant bits)."""
+    import math
+    return 2.0 ** (math.floor(math.log2(max(x, 2.0 ** -126))) - 7)
+
+
 def check_greedy(tmp: Path, arch: str, dtype_name: str) -> Line:
     need_cuda()
     why = importable(*ENGINE, *HF)
@@ -167,20 +180,33 @@ def check_greedy(tmp: Path, arch: str, dtype_name: str) -> Line:
     eng = Engine.from_pretrained(ckpt, EngineConfig(device=DEVICE, num_gpu_blocks=256, max_num_batched_tokens=128))
     outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True))
     hf = tf.AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype).to(DEVICE).eval()
-    same_seqs = same_toks = 0
+    same_seqs = same_toks = at_ties = 0
+    worst = 0.0  # the largest margin, in bf16 ulps, by which HF preferred its token where the two differ
     for p, o in zip(prompts, outs):
         with torch.no_grad():
             ref = hf.generate(torch.tensor([p], device=DEVICE), max_new_tokens=n_new, do_sample=False,
                               eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
         ours = o.outputs[0].token_ids
-        same_seqs += ours == ref
-        same_toks += next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), len(ref))
+        i = next((k for k, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
+        same_seqs += i is None
+        same_toks += len(ref) if i is None else i
+        if i is not None and dtype != torch.float32:
+            with torch.no_grad():
+                logits = hf(torch.tensor([p + ref[:i]], device=DEVICE)).logits[0, -1].float()
+            ulps = float(logits[ref[i]] - logits[ours[i]]) / bf16_ulp(float(logits.abs().max()))
+            worst = max(worst, ulps)
+            at_ties += ulps <= TIE_ULPS
     graphs = eng.runner.graphs is not None
-    ok = same_seqs == len(prompts)
+    if dtype == torch.float32:
+        ok, target, tie_note = same_seqs == len(prompts), "all equal", ""
+    else:
+        ok = same_seqs + at_ties == len(prompts)
+        target = f"equal, or first difference a near-tie (<= {TIE_ULPS} bf16 ulps in HF's logits)"
+        tie_note = f", {at_ties} differ at a near-tie (largest margin {worst:.1f} ulps)" if same_seqs < len(prompts) else ""
     return Line(f"greedy-{arch}-{dtype_name}",
-                f"{same_seqs}/{len(prompts)} sequences equal, {same_toks}/{len(prompts) * n_new} tokens before the "
-                f"first difference (attention {type(eng.runner.attention_ops).__name__}, graphs {graphs})",
-                "all equal", "PASS" if ok else "FAIL")
+                f"{same_seqs}/{len(prompts)} sequences equal{tie_note}, {same_toks}/{len(prompts) * n_new} tokens "
+                f"before the first difference (attention {type(eng.runner.attention_ops).__name__}, graphs {graphs})",
+                target, "PASS" if ok else "FAIL")
 
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
