@@ -367,7 +367,7 @@ def _nixl_layout(block_bytes: int) -> dict:
 
 def check_nixl() -> Line:
     need_cuda()
-    why = importable("pdserve.kv_transfer.agent")  # nixl_cu12 (or an upstream `nixl`) and numpy
+    why = importable("pdserve.kv_transfer.agent")  # nixl_cu12 / nixl_cu13 (or an upstream `nixl`) and numpy
     if why:
         raise Skip(why)
     import torch

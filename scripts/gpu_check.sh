@@ -8,16 +8,13 @@
 # from this checkout (PYTHONPATH), and every other package comes from wheels carried with it in wheels/ (git-
 # ignored), unpacked into .gpu-site/ on first run. Lines whose packages are missing say "skipped: <why>".
 #
-# Preparing wheels/ on a machine with network, for the GPU host's Python (e.g. 3.12) and platform: the closure
-# of what the engine and the transformers reference import, less what torch already brings (filelock, fsspec,
-# jinja2, markupsafe, sympy, networkx, typing-extensions); about 45 MiB of wheels:
-#   pip download --only-binary=:all: --no-deps --python-version 3.12 --platform manylinux_2_28_x86_64 \
-#     --platform manylinux2014_x86_64 -d wheels/ \
-#     numpy "transformers>=5.0" tokenizers safetensors huggingface-hub hf-xet pyyaml regex tqdm packaging \
-#     typer click rich markdown-it-py mdurl pygments shellingham annotated-doc httpx2 httpcore2 h11 anyio idna \
-#     truststore "xgrammar==0.2.9" apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection
-# (the names and versions are what `pip install -e .` resolved next to transformers 5.24 / xgrammar 0.2.9;
-# nixl-cu12 is ~50 MiB more: carry it only if the budget allows; without it the nixl line says why.)
+# Preparing wheels/ (on a machine with the package index, before the device call): `bash scripts/gpu_wheels.sh`
+# fetches what the lent H200 image lacks (xgrammar, tvm-ffi, pydantic, nixl-cu13 trimmed to ~29 MiB: ~37 MiB in
+# all, for Python 3.12); `--bare` adds what a host with only torch and Triton lacks. Then carry "wheels":
+#   run(command="bash scripts/gpu_check.sh", carry=["wheels"], timeout_s=540)
+# Checked without a GPU in a Python 3.12 venv holding only the image's packages (torch 2.11.0+cu130 wheel,
+# Triton 3.6, transformers 5.17, numpy 2.5): `PYTHON=<venv>/bin/python bash scripts/gpu_check.sh --device cpu
+# --tiny` ran every line.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -17,10 +17,13 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-try:  # the wheel is nixl-cu12; upstream builds install the module as `nixl`
+try:  # the pinned wheel is nixl-cu12; CUDA 13 hosts carry nixl-cu13; upstream builds install `nixl`
     from nixl_cu12._api import nixl_agent, nixl_agent_config
 except ImportError:  # pragma: no cover
-    from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[no-redef]
+    try:
+        from nixl_cu13._api import nixl_agent, nixl_agent_config  # type: ignore[no-redef]
+    except ImportError:
+        from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[no-redef]
 
 from pdserve.kv_transfer.hugepages import use_huge_pages
 from pdserve.kv_transfer.layout import KVLayout, KVRegion, check_compatible
