@@ -196,16 +196,20 @@ def check_greedy(tmp: Path, arch: str, dtype_name: str) -> Line:
             ulps = float(logits[ref[i]] - logits[ours[i]]) / bf16_ulp(float(logits.abs().max()))
             worst = max(worst, ulps)
             at_ties += ulps <= TIE_ULPS
-    graphs = eng.runner.graphs is not None
+    replays = eng.runner.graphs.replays if eng.runner.graphs is not None else 0  # decode steps served by graphs
     if dtype == torch.float32:
         ok, target, tie_note = same_seqs == len(prompts), "all equal", ""
     else:
         ok = same_seqs + at_ties == len(prompts)
         target = f"equal, or first difference a near-tie (<= {TIE_ULPS} bf16 ulps in HF's logits)"
-        tie_note = f", {at_ties} differ at a near-tie (largest margin {worst:.1f} ulps)" if same_seqs < len(prompts) else ""
+        tie_note = "" if same_seqs == len(prompts) else \
+            f", {at_ties} differ at a near-tie (largest margin {worst:.1f} ulps)"
+    if DEVICE == "cuda":  # the decode steps must have come from the CUDA graphs for this line to check them
+        ok, target = ok and replays > 0, target + ", CUDA graphs replayed"
+    kernels = type(eng.runner.attention_ops).__name__
     return Line(f"greedy-{arch}-{dtype_name}",
                 f"{same_seqs}/{len(prompts)} sequences equal{tie_note}, {same_toks}/{len(prompts) * n_new} tokens "
-                f"before the first difference (attention {type(eng.runner.attention_ops).__name__}, graphs {graphs})",
+                f"before the first difference (attention {kernels}, {replays} graph replays)",
                 target, "PASS" if ok else "FAIL")
 
 
@@ -320,7 +324,9 @@ def check_mixed(tmp: Path, n_requests: int, hf_batches: list[int], deadline: flo
     gc.collect()
     empty_cache()
     hf = tf.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).to(DEVICE).eval()
-    order = sorted(reqs, key=lambda r: len(r[0]))  # the most favourable static batching: similar lengths together
+    # The most favourable static batching: every row of a batch runs to the batch's longest output (min_new_tokens),
+    # so requests are grouped by output length first, then prompt length (less padding).
+    order = sorted(reqs, key=lambda r: (r[1], len(r[0])))
     best, best_batch, tried = 0.0, 0, []
     for batch in hf_batches:
         if time.monotonic() > deadline:
@@ -420,6 +426,9 @@ def check_sampler() -> Line:
     support sets as on CPU for the same logits (processed logprobs of a 16-token vocabulary, every config), and its
     time per step at batch 64 of a 128k vocabulary against the old path (logits copied to the host, CPU sampler)."""
     need_cuda()
+    why = importable("pdserve.engine.sampler")  # xgrammar (constrained decoding) comes with it
+    if why:
+        raise Skip(why)
     import torch
     from pdserve.engine.sampler import Sampler, SamplingState
     from pdserve.engine.sampling_params import SamplingParams

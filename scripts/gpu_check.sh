@@ -19,10 +19,14 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && PY=.venv/bin/python
-SITE=.gpu-site
+TAG=$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")' 2>/dev/null || echo none)
+SITE=.gpu-site/$TAG
 if compgen -G "wheels/*.whl" >/dev/null; then
   mkdir -p "$SITE"
   for w in wheels/*.whl; do  # a wheel is a zip laid out for site-packages: unpacking it is installing it
+    case $(basename "$w") in  # a compiled wheel for another Python would shadow a working package with a broken one
+      *-cp3*) [[ $(basename "$w") == *-"$TAG"-* ]] || { echo "not unpacked (not $TAG): $w" >&2; continue; } ;;
+    esac
     stamp="$SITE/.unpacked-$(basename "$w")"
     [ -e "$stamp" ] || { "$PY" -m zipfile -e "$w" "$SITE" && touch "$stamp"; }
   done

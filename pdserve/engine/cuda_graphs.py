@@ -90,7 +90,12 @@ class DecodeGraphs:
             block_tables=torch.zeros((top, width), dtype=torch.long, device=dev),
             context_lens=torch.ones(top, dtype=torch.long, device=dev))
         rows = torch.arange(top, device=dev)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Every graph writes its logits into one buffer: each graph's own output would stay held by it, which at
+        # 512 sequences and a 128k vocabulary is 8.5 GB across the 67 sizes; one buffer is top x vocab x 4 bytes
+        # (kv_sizing.graph_logits_bytes reserves it), and the outputs themselves return to the shared pool.
+        self.logits = torch.empty((top, model.cfg.vocab_size), dtype=torch.float32, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.replays = 0  # steps served by a graph (gpu_check reports it)
         pool = torch.cuda.graph_pool_handle()
         t0 = time.monotonic()
         # Captured at start-up with an empty pool: the warm-up runs write block 0 row 0, which holds nothing yet.
@@ -108,8 +113,8 @@ class DecodeGraphs:
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                out = model(*args)
-            self.graphs[size] = (graph, out)
+                self.logits[:size].copy_(model(*args))
+            self.graphs[size] = graph
         torch.cuda.synchronize()
         self.capture_s = time.monotonic() - t0
         log.info("captured %d CUDA graphs for decode batch sizes %s in %.1f s", len(self.graphs), self.sizes,
@@ -119,7 +124,8 @@ class DecodeGraphs:
         return bucket_for(n, self.sizes)
 
     def run(self, inputs: DecodeInputs) -> torch.Tensor:
-        """Logits [n, vocab] of the batch's n rows (a copy: the graph's output buffer is reused)."""
+        """Logits [n, vocab] of the batch's n rows (a copy: the shared logits buffer is rewritten by the next
+        replay)."""
         n = inputs.batch
         size = self.bucket(n)
         padded = pad_decode(inputs, size, self.width)
@@ -128,6 +134,6 @@ class DecodeGraphs:
                          (s.slot_blocks, padded.slot_blocks), (s.slot_offsets, padded.slot_offsets),
                          (s.block_tables, padded.block_tables), (s.context_lens, padded.context_lens)):
             dst[:size].copy_(src, non_blocking=True)
-        graph, out = self.graphs[size]
-        graph.replay()
-        return out[:n].clone()
+        self.graphs[size].replay()
+        self.replays += 1
+        return self.logits[:n].clone()

@@ -32,6 +32,7 @@ class MemoryProfile:
     weight_bytes: int  # the model's parameters and buffers
     activation_peak_bytes: int  # peak allocated above the weights during a forward at max_num_batched_tokens
     non_torch_bytes: int  # CUDA context, cuBLAS/NCCL workspaces: used on the device, not by torch's allocator
+    graph_bytes: int = 0  # what the CUDA graphs hold after capture: their shared logits buffer (graph_logits_bytes)
 
 
 def pool_blocks(profile: MemoryProfile, utilization: float, block_bytes: int) -> int:
@@ -41,17 +42,24 @@ def pool_blocks(profile: MemoryProfile, utilization: float, block_bytes: int) ->
     if block_bytes <= 0:
         raise KVSizingError(f"block_bytes must be positive, got {block_bytes}")
     budget = int(profile.total_bytes * utilization)
-    used = profile.weight_bytes + profile.activation_peak_bytes + profile.non_torch_bytes
+    used = profile.weight_bytes + profile.activation_peak_bytes + profile.non_torch_bytes + profile.graph_bytes
     free = budget - used
     if free < block_bytes:
         gib = 1 << 30
         raise KVSizingError(
             f"no room for the KV cache: {utilization:g} x {profile.total_bytes / gib:.1f} GiB = {budget / gib:.2f} "
             f"GiB, but weights {profile.weight_bytes / gib:.2f} + activations {profile.activation_peak_bytes / gib:.2f}"
-            f" + CUDA context {profile.non_torch_bytes / gib:.2f} GiB leave {max(0, free) / gib:.2f} GiB, less than "
-            f"one block of {block_bytes} bytes; raise --gpu-memory-utilization, lower --max-num-batched-tokens, or "
-            f"use a smaller --dtype")
+            f" + CUDA context {profile.non_torch_bytes / gib:.2f} + CUDA graphs {profile.graph_bytes / gib:.2f} GiB "
+            f"leave {max(0, free) / gib:.2f} GiB, less than one block of {block_bytes} bytes; raise "
+            f"--gpu-memory-utilization, lower --max-num-batched-tokens or --max-num-seqs, or use a smaller --dtype")
     return free // block_bytes
+
+
+def graph_logits_bytes(max_num_seqs: int, vocab_size: int) -> int:
+    """The CUDA graphs' one logits buffer (cuda_graphs.py): fp32 rows for the largest captured batch."""
+    from pdserve.engine.cuda_graphs import capture_sizes
+    sizes = capture_sizes(max_num_seqs)
+    return (sizes[-1] if sizes else 0) * vocab_size * 4
 
 
 def block_bytes_for(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -84,33 +92,65 @@ def num_blocks(config, model, device: torch.device, block_bytes: int) -> int:
     if config.native_kernels and config.attention in ("auto", "triton"):  # profile the kernels the steps will run
         from pdserve.engine.model_runner import triton_attention
         attention_ops = triton_attention(device)
-    profile = profile_cuda(model, device, config.max_num_batched_tokens, config.max_num_seqs, config.block_size,
-                           attention_ops)
+    # no graphs under tensor parallelism (model_runner.py)
+    graphs = graph_logits_bytes(config.max_num_seqs, model.cfg.vocab_size) \
+        if config.cuda_graphs and model.comm is None else 0
+    from pdserve.engine.model_runner import device_scope
+    with device_scope(device):
+        profile = profile_cuda(model, device, config.max_num_batched_tokens, config.max_num_seqs, config.block_size,
+                               attention_ops, graph_bytes=graphs)
     blocks = pool_blocks(profile, config.gpu_memory_utilization, block_bytes)
     log.info("KV pool: %d blocks of %d bytes (%.2f GiB) = %.2f x %.1f GiB - weights %.2f GiB - activations %.2f "
-             "GiB - non-torch %.2f GiB", blocks, block_bytes, blocks * block_bytes / 2 ** 30,
+             "GiB - non-torch %.2f GiB - CUDA graphs %.2f GiB", blocks, block_bytes, blocks * block_bytes / 2 ** 30,
              config.gpu_memory_utilization, profile.total_bytes / 2 ** 30, profile.weight_bytes / 2 ** 30,
-             profile.activation_peak_bytes / 2 ** 30, profile.non_torch_bytes / 2 ** 30)
+             profile.activation_peak_bytes / 2 ** 30, profile.non_torch_bytes / 2 ** 30, profile.graph_bytes / 2 ** 30)
     return blocks
+
+
+def heaviest_sampling(num_seqs: int, vocab_size: int, device: torch.device) -> list:
+    """Sampling states for `num_seqs` rows that each run the whole pipeline (penalties, every filter, a seeded
+    draw, top logprobs): the sampler's largest working set for a step, which the pool must leave room for."""
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.sampling_state import SamplingState
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, min_p=0.01, typical_p=0.95, seed=0,
+                            repetition_penalty=1.1, frequency_penalty=0.5, presence_penalty=0.5, logprobs=20,
+                            logprobs_mode="processed")
+    return [SamplingState(params, [2, 3, 4], vocab_size, [], None, i, device=device) for i in range(num_seqs)]
 
 
 @torch.inference_mode()
 def profile_cuda(model, device: torch.device, num_tokens: int, num_seqs: int, block_size: int,
-                 attention_ops=None) -> MemoryProfile:
-    """One forward of `num_tokens` prompt tokens (logits for the last `num_seqs` rows: a step's sampled rows),
-    with a scratch pool just big enough for them; its peak above the weights, less the scratch pool, is the
+                 attention_ops=None, graph_bytes: int = 0) -> MemoryProfile:
+    """The device's memory around `profiling_step`: its peak above the weights, less the scratch pool, is the
     activation peak the real pool must leave room for."""
-    cfg = model.cfg
-    dtype = next(model.parameters()).dtype
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + \
         sum(b.numel() * b.element_size() for b in model.buffers())
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
+    scratch_bytes = profiling_step(model, device, num_tokens, num_seqs, block_size, attention_ops)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base - scratch_bytes
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    non_torch = max(0, (total - free) - torch.cuda.memory_reserved(device))
+    return MemoryProfile(total_bytes=total, weight_bytes=weight_bytes, activation_peak_bytes=max(0, peak),
+                         non_torch_bytes=non_torch, graph_bytes=graph_bytes)
+
+
+@torch.inference_mode()
+def profiling_step(model, device: torch.device, num_tokens: int, num_seqs: int, block_size: int,
+                   attention_ops=None) -> int:
+    """The largest step the scheduler can form: one forward of `num_tokens` prompt tokens with logits for the last
+    `num_seqs` rows (a step's sampled rows), over a scratch pool just big enough for them, then the sampler over
+    those rows at its heaviest. Returns the scratch pool's bytes (not activations). Device-agnostic: tested on CPU."""
+    from pdserve.engine.sampler import Sampler
+    cfg = model.cfg
+    dtype = next(model.parameters()).dtype
     n_blocks = -(-num_tokens // block_size)
-    scratch = torch.zeros((n_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim), dtype=dtype,
-                          device=device)
+    scratch = torch.zeros((n_blocks, cfg.num_layers, 2, block_size, model.shard.num_kv_heads, cfg.head_dim),
+                          dtype=dtype, device=device)  # this rank's KV heads (all of them without TP)
     pos = torch.arange(num_tokens, device=device)
     ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
     table = torch.arange(n_blocks, device=device)
@@ -121,12 +161,7 @@ def profile_cuda(model, device: torch.device, num_tokens: int, num_seqs: int, bl
         native_prefill=NativePrefill(span, span + num_tokens, span + num_tokens, table[None])
         if attention_ops else None,
         native_ops=attention_ops, sliding_window=cfg.sliding_window)
-    model(ids, pos, scratch, meta, torch.arange(max(0, num_tokens - num_seqs), num_tokens, device=device))
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - base - scratch.numel() * scratch.element_size()
-    del scratch, meta
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(device)
-    non_torch = max(0, (total - free) - torch.cuda.memory_reserved(device))
-    return MemoryProfile(total_bytes=total, weight_bytes=weight_bytes, activation_peak_bytes=max(0, peak),
-                         non_torch_bytes=non_torch)
+    logits = model(ids, pos, scratch, meta, torch.arange(max(0, num_tokens - num_seqs), num_tokens, device=device))
+    if logits is not None:  # rank 0 (the only one that samples)
+        Sampler(cfg.vocab_size).sample(logits, heaviest_sampling(logits.shape[0], cfg.vocab_size, device))
+    return scratch.numel() * scratch.element_size()

@@ -162,6 +162,13 @@ class LlamaModel(nn.Module):
         self.dual_bytes = (0, 0)  # the bf16 and the fp32 copies' bytes of DualLinear projections (quant.py)
         self.weight_storage = "same"  # projections held as: same (the compute dtype) | int8 | bfloat16 (quant.py)
 
+    def _apply(self, fn, recurse=True):
+        # `.to(bf16)` would round the RoPE frequencies too (0.5623 -> 0.5625), turning distant positions by a
+        # visibly different angle than transformers, which keeps them in fp32 whatever the weights' dtype.
+        super()._apply(fn, recurse)
+        self.inv_freq = rope_inv_freq(self.cfg).to(self.inv_freq.device)
+        return self
+
     def use_native_ops(self, ops) -> None:
         """Route norms, rope and the MLP's silu(gate) * up through the compiled kernels (None: torch ops)."""
         from pdserve.engine.quant import WeightOnlyLinear

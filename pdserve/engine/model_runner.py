@@ -1,6 +1,7 @@
 """Turn a scheduler tick into one forward over a flat token batch and return the logits to sample from."""
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -25,6 +26,13 @@ def triton_attention(device: torch.device):
         log.warning("Triton attention unavailable, using the torch path (gather + SDPA): %s", ta.IMPORT_ERROR)
         return None
     return ta.TritonAttention.for_device(device)
+
+
+def device_scope(device: torch.device):
+    """Make `device` the thread's current CUDA device for the work inside: Triton launches on the current device
+    and a new stream or graph capture belongs to it, whatever device their tensors are on ("cuda:1" would
+    otherwise run GPU 0's kernels on GPU 1's pointers). A no-op on CPU."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def padded_tables(tables: list[list[int]], device=None) -> torch.Tensor:
@@ -72,9 +80,10 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         # (not with tensor parallelism: the captured graphs would have to hold the collectives too)
         if cuda_graph_max_batch > 0 and self.device.type == "cuda" and self.native_prefill and self.comm is None:
-            self.graphs = DecodeGraphs(model, kv.data, self.attention_ops, capture_sizes(cuda_graph_max_batch),
-                                       width=-(-model.cfg.max_model_len // kv.block_size),
-                                       sliding_window=self.sliding_window)
+            with device_scope(self.device):
+                self.graphs = DecodeGraphs(model, kv.data, self.attention_ops, capture_sizes(cuda_graph_max_batch),
+                                           width=-(-model.cfg.max_model_len // kv.block_size),
+                                           sliding_window=self.sliding_window)
 
     def kernels_name(self) -> str:
         """Which kernels this runner uses: native (the compiled CPU module), triton, or torch (the fallback)."""
@@ -171,6 +180,10 @@ class ModelRunner:
         return groups
 
     def execute(self, batch: list[ScheduledSeq], prompt_logits: set[int] = frozenset()):
+        with device_scope(self.device):
+            return self._execute(batch, prompt_logits)
+
+    def _execute(self, batch: list[ScheduledSeq], prompt_logits: set[int]):
         plan = plan_of(batch, prompt_logits, self.kv.block_size)
         if self.comm is not None:  # the other ranks replay rank 0's block copies/swaps, then run the same step
             plan.kv_ops = self.kv.take_ops()
@@ -186,10 +199,11 @@ class ModelRunner:
 
     def execute_plan(self, plan: StepPlan) -> None:
         """A TP rank other than 0: replay the block operations, run the forward (logits go to rank 0)."""
-        for op in plan.kv_ops:
-            apply_kv_op(self.kv, op)
-        ids, pos, meta, rows, _ = self.prepare_plan(plan)
-        self.model(ids, pos, self.kv.data, meta, rows)
+        with device_scope(self.device):
+            for op in plan.kv_ops:
+                apply_kv_op(self.kv, op)
+            ids, pos, meta, rows, _ = self.prepare_plan(plan)
+            self.model(ids, pos, self.kv.data, meta, rows)
 
 
 def apply_kv_op(kv: KVCache, op: KvOp) -> None:

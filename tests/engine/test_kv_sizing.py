@@ -7,7 +7,7 @@ import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_sizing import (CPU_DEFAULT_KV_BYTES, KVSizingError, MemoryProfile, block_bytes_for,
-                                      num_blocks, pool_blocks, swap_blocks)
+                                      graph_logits_bytes, heaviest_sampling, num_blocks, pool_blocks, swap_blocks)
 
 GIB = 1 << 30
 
@@ -31,8 +31,41 @@ def test_pool_takes_what_is_left_under_the_fraction():
 def test_no_room_names_the_parts():
     prof = MemoryProfile(total_bytes=24 * GIB, weight_bytes=16 * GIB, activation_peak_bytes=6 * GIB,
                          non_torch_bytes=GIB)
-    with pytest.raises(KVSizingError, match=r"weights 16\.00 \+ activations 6\.00 \+ CUDA context 1\.00 GiB"):
+    with pytest.raises(KVSizingError,
+                       match=r"weights 16\.00 \+ activations 6\.00 \+ CUDA context 1\.00 \+ CUDA graphs 0\.00 GiB"):
         pool_blocks(prof, 0.9, 2 << 20)
+
+
+def test_cuda_graphs_logits_buffer_is_reserved():
+    # one fp32 buffer for the largest captured batch: 256 x 128256 x 4 bytes = 125.25 MiB; 12 sequences are
+    # captured up to 16 (1, 2, 4, 8, 16)
+    assert graph_logits_bytes(256, 128256) == 256 * 128256 * 4
+    assert graph_logits_bytes(12, 1000) == 16 * 1000 * 4
+    assert graph_logits_bytes(2048, 10) == 512 * 10 * 4  # capture stops at 512
+    base = dict(total_bytes=141 * GIB, weight_bytes=16 * GIB, activation_peak_bytes=3 * GIB, non_torch_bytes=GIB)
+    without = pool_blocks(MemoryProfile(**base), 0.9, 2 << 20)
+    with_graphs = pool_blocks(MemoryProfile(**base, graph_bytes=GIB), 0.9, 2 << 20)
+    assert without - with_graphs == 512  # 1 GiB / 2 MiB
+    with pytest.raises(KVSizingError, match=r"CUDA graphs 2\.00 GiB"):
+        pool_blocks(MemoryProfile(**{**base, "weight_bytes": 122 * GIB}, graph_bytes=2 * GIB), 0.9, 2 << 20)
+
+
+def test_profiled_sampling_runs_the_whole_pipeline():
+    """The pool sizing's sampler call (profile_cuda) takes every stage a request can ask for, so its peak is the
+    sampler's largest working set; checked here on CPU with the sampler the engine uses."""
+    from pdserve.engine.logits_processors import FILTERS
+    from pdserve.engine.sampler import Sampler, _active
+    V = 1000
+    states = heaviest_sampling(4, V, torch.device("cpu"))
+    p = states[0].params
+    assert all(_active(p, V)[f] for f in FILTERS)
+    assert p.repetition_penalty != 1 and p.frequency_penalty and p.presence_penalty and p.seed is not None
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(0), dtype=torch.float64).float() * 3
+    results = Sampler(V).sample(logits, states)
+    assert len(results) == 4
+    for row, r in zip(logits, results):
+        assert r.token_id in set(row.topk(50).indices.tolist())  # inside top-k's support
+        assert len(r.top_logprobs) == 20
 
 
 @pytest.mark.parametrize("util", [0.0, 1.5, -0.1])
@@ -103,3 +136,15 @@ def test_bad_flags_are_one_line_errors(capsys, argv, want):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert want in err and argv[0] in err and len(err.strip().splitlines()) == 1
+
+
+def test_profiling_step_runs_the_largest_step(tiny_llama):
+    """The forward and sampler call that profile_cuda measures (never run on CPU otherwise): a full chunk of
+    prompt tokens over a scratch pool, logits for max_num_seqs rows, the heaviest sampling over them."""
+    from pdserve.engine.engine import Engine
+    from pdserve.engine.kv_sizing import profiling_step
+    engine = Engine.from_pretrained(tiny_llama, EngineConfig(num_gpu_blocks=8, block_size=4, attention="torch"))
+    model = engine.runner.model
+    cfg = model.cfg
+    scratch = profiling_step(model, torch.device("cpu"), 64, 8, 4)
+    assert scratch == block_bytes_for(cfg.num_layers, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32) * 16

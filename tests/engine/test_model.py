@@ -115,3 +115,16 @@ def test_float16_checkpoint_runs_and_agrees(tmp_path):
     assert e32.kv_cache.data.dtype == torch.float32  # "auto" on a CPU computes fp16 checkpoints in fp32
     a, b = engine_logits(e32, PROMPTS[2]), engine_logits(e16, PROMPTS[2])
     assert (a - b).abs().max().item() < 0.05
+
+
+@pytest.mark.parametrize("variant", ["llama", "llama3-rope-tied"])
+def test_rope_frequencies_stay_float32_in_a_bf16_model(tmp_path, variant):
+    """transformers keeps RoPE's inverse frequencies in fp32 when the weights are bf16; rounded to bf16 they turn
+    distant positions by a different angle (0.5623 -> 0.5625 rad/token is 0.2 rad apart after 1000 tokens)."""
+    ckpt = make_checkpoint(tmp_path, **VARIANTS[variant], dtype=torch.bfloat16)
+    engine = Engine.from_pretrained(ckpt, EngineConfig(num_gpu_blocks=16, block_size=4, dtype="bfloat16"))
+    ours = engine.runner.model.inv_freq
+    hf = tf.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).model.rotary_emb.inv_freq
+    assert engine.kv_cache.data.dtype == torch.bfloat16
+    assert ours.dtype == hf.dtype == torch.float32
+    torch.testing.assert_close(ours, hf, rtol=1e-6, atol=0)
