@@ -167,6 +167,10 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] | None = None) -> None:
         """Give seq room for `num_new_tokens` more tokens. On a sequence's first allocation `hits` (from lookup)
         become its first blocks and its computed-token count. Raises NoFreeBlocks without side effects."""
+        table = seq.block_table
+        if (table and not hits and seq.num_prompt_lookups and not self.shares.active and not self._needs_cow(seq)
+                and len(table) * self.block_size >= seq.num_computed_tokens + num_new_tokens):
+            return  # the tokens fit in the blocks held (most decode steps): nothing to take, nothing can fail
         hits = hits or []
         cost = self._cost(seq, num_new_tokens, hits)
         if cost > self.num_free_for(seq.namespace, len(seq.block_table) + cost):

@@ -354,16 +354,21 @@ class Engine:
                 new_token_ids=list(seq.output_token_ids) if whole else seq.new_token_ids,
                 finish_reason=seq.finish_reason, cumulative_logprob=seq.sampling.cumulative_logprob,
                 logprobs=list(seq.logprobs) if seq.sampling.params.logprobs is not None else None))
-        for seq in req.seqs:
+        seqs = req.seqs
+        for seq in seqs:
             seq.new_text, seq.new_token_ids = "", []
-        cached = req.seqs[0].num_cached_tokens
-        return RequestOutput(req.request_id, req.prompt_token_ids, outs, req.finished,
-                             req.seqs[0].state.value if not req.finished else req.terminal_state().value,
-                             cached, dict(req.metrics), req.prompt_logprobs,
-                             num_generated_tokens=sum(s.num_output_tokens for s in req.seqs),
-                             num_verified_tokens=sum(s.num_verified_tokens for s in req.seqs),
-                             num_accepted_tokens=sum(s.num_accepted_tokens for s in req.seqs),
-                             num_kv_growth_tokens=sum(s.num_kv_growth_tokens for s in req.seqs))
+        finished = req.finished
+        if len(seqs) == 1:  # one branch (most requests): this runs for every request every step
+            s = seqs[0]
+            counts = (s.num_output_tokens, s.num_verified_tokens, s.num_accepted_tokens, s.num_kv_growth_tokens)
+        else:
+            counts = (sum(s.num_output_tokens for s in seqs), sum(s.num_verified_tokens for s in seqs),
+                      sum(s.num_accepted_tokens for s in seqs), sum(s.num_kv_growth_tokens for s in seqs))
+        return RequestOutput(req.request_id, req.prompt_token_ids, outs, finished,
+                             seqs[0].state.value if not finished else req.terminal_state().value,
+                             seqs[0].num_cached_tokens, dict(req.metrics), req.prompt_logprobs,
+                             num_generated_tokens=counts[0], num_verified_tokens=counts[1],
+                             num_accepted_tokens=counts[2], num_kv_growth_tokens=counts[3])
 
     # ---- deadlines and backpressure ----------------------------------------------------------------------------
     def _expire(self, now: float) -> None:

@@ -35,7 +35,12 @@ class Request:
     def finished(self) -> bool:
         if self.beam is not None:
             return self.reclaimed or self.beam.done
-        return self.reclaimed or (all(s.finished for s in self.seqs) and len(self.seqs) >= self.params.num_branches)
+        if self.reclaimed:
+            return True
+        seqs = self.seqs
+        if len(seqs) == 1:  # the common case, asked several times per token
+            return seqs[0].finished and self.params.num_branches <= 1
+        return all(s.finished for s in seqs) and len(seqs) >= self.params.num_branches
 
     def hides_branches(self) -> bool:
         """best_of > n: the caller sees only the winners, at the end. Not on a prefill worker handing the branches

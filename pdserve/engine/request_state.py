@@ -24,11 +24,13 @@ class RequestState(enum.Enum):
 
     @property
     def terminal(self) -> bool:
-        return self in TERMINAL
+        return self._terminal  # set below from TERMINAL: asked several times per token, a set lookup hashes by name
 
 
 S = RequestState
 TERMINAL = frozenset({S.REJECTED, S.TIMED_OUT, S.CANCELLED, S.FAILED, S.FINISHED})
+for _state in RequestState:
+    _state._terminal = _state in TERMINAL
 # Cancellation and worker failure can strike any live state; the rest follows the spec's guard table.
 _ANY_LIVE = {S.CANCELLED, S.FAILED}
 TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {

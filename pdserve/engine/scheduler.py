@@ -137,8 +137,9 @@ class Scheduler:
 
     def _schedule_running(self, order: list[Sequence], out: SchedulerOutput, budget: int) -> int:
         scheduled_ids = {id(s.seq) for s in out.scheduled}
+        running = set(self.running)  # membership per sequence: a list scan each would be quadratic in the batch
         for seq in order:
-            if seq not in self.running or budget <= 0 or seq.paused:
+            if seq not in running or budget <= 0 or seq.paused:
                 continue
             need = seq.num_tokens - seq.num_computed_tokens
             del seq.draft_token_ids[max(0, budget - need):]  # speculative candidates only within the budget
@@ -156,9 +157,10 @@ class Scheduler:
                     victims = [s for s in self.running if s is not seq and id(s) not in scheduled_ids]
                     victim = self._victim(victims) if victims else seq
                     self._preempt(victim, out)
+                    running.discard(victim)
                     if victim is seq:
                         break
-            if seq in self.running:
+            if seq in running:
                 k = len(seq.draft_token_ids)
                 out.scheduled.append(ScheduledSeq(seq, n + k, k))
                 scheduled_ids.add(id(seq))

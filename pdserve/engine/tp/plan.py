@@ -37,7 +37,7 @@ def plan_of(batch, prompt_logits: set[int], block_size: int) -> StepPlan:
     for i, item in enumerate(batch):
         seq, n = item.seq, item.num_tokens
         first = seq.num_computed_tokens
-        items.append(PlanItem(list(seq.token_ids[first:first + n]), first,
-                              list(seq.block_table[: -(-(first + n) // block_size)]), bool(item.samples),
-                              i in prompt_logits))
+        # slices are copies already: the plan owns them (a later tick may grow the sequence's lists)
+        items.append(PlanItem(seq.token_ids[first:first + n], first, seq.block_table[:-(-(first + n) // block_size)],
+                              bool(item.samples), i in prompt_logits))
     return StepPlan(items)
