@@ -73,7 +73,8 @@ def main() -> None:
     elapsed = time.perf_counter() - t
     host = elapsed - inside["forward"] - inside["sampler"]
     print(f"CPU: {cpu_model()} ({detected_level()}), {args.threads} thread(s); torch {torch.__version__}")
-    print(f"{args.requests} requests, {steps} steps, {toks} tokens in {elapsed:.2f} s: forward {inside['forward']:.2f} s,"
+    print(f"{args.requests} requests, {steps} steps, {toks} tokens in {elapsed:.2f} s: "
+          f"forward {inside['forward']:.2f} s,"
           f" sampler {inside['sampler']:.2f} s, host bookkeeping {host:.2f} s = {host / toks * 1e6:.1f} us/token "
           f"({host / steps * 1e3:.2f} ms/step, {100 * host / elapsed:.0f}% of the time)"
           + (" [under cProfile: inflated]" if prof else ""))

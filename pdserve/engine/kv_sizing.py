@@ -113,7 +113,8 @@ def heaviest_sampling(num_seqs: int, vocab_size: int, device: torch.device) -> l
     from pdserve.engine.sampling_params import SamplingParams
     from pdserve.engine.sampling_state import SamplingState
     params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, min_p=0.01, typical_p=0.95, seed=0,
-                            repetition_penalty=1.1, frequency_penalty=0.5, presence_penalty=0.5, logprobs=20,
+                            repetition_penalty=1.1, frequency_penalty=0.5, presence_penalty=0.5,
+                            logprobs=min(20, vocab_size),
                             logprobs_mode="processed")
     return [SamplingState(params, [2, 3, 4], vocab_size, [], None, i, device=device) for i in range(num_seqs)]
 
