@@ -101,6 +101,19 @@ def gpu_time(fn, reps: int, warmup: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def time_calls(obj, name: str, spent: list[float]) -> None:
+    """Wrap the method `obj.name` so that the wall time of its calls adds up in spent[0]."""
+    fn = getattr(obj, name)
+
+    def wrapper(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            spent[0] += time.perf_counter() - t0
+    setattr(obj, name, wrapper)
+
+
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     """HBM traffic per second of a device-to-device copy: (read + written bytes) / s."""
     import torch
@@ -317,21 +330,10 @@ def check_mixed(tmp: Path, n_requests: int, hf_batches: list[int], deadline: flo
     for i, (p, n) in enumerate(reqs):
         eng.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     device_calls = [0.0]  # seconds in the forward, the graph replays and the sampler (whose read-back waits)
-
-    def timed(obj, name):
-        fn = getattr(obj, name)
-
-        def wrapper(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                device_calls[0] += time.perf_counter() - t0
-        setattr(obj, name, wrapper)
-    timed(eng.runner.model, "forward")
-    timed(eng.sampler, "sample")
+    time_calls(eng.runner.model, "forward", device_calls)
+    time_calls(eng.sampler, "sample", device_calls)
     if eng.runner.graphs is not None:
-        timed(eng.runner.graphs, "run")
+        time_calls(eng.runner.graphs, "run", device_calls)
     t = time.perf_counter()
     toks = 0
     while eng.has_unfinished():

@@ -31,7 +31,7 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from bench.gpu_check import write_checkpoint
+    from bench.gpu_check import time_calls, write_checkpoint
     from pdserve.engine.cpu_isa import cpu_model, detected_level
     from pdserve.engine.engine import Engine, EngineConfig
     from pdserve.engine.sampling_params import SamplingParams
@@ -44,20 +44,9 @@ def main() -> None:
             for _ in range(args.requests)]
     eng = Engine.from_pretrained(ckpt, EngineConfig(max_num_seqs=256, max_num_batched_tokens=8192,
                                                     num_gpu_blocks=40000, num_threads=args.threads))
-    inside = {"forward": 0.0, "sampler": 0.0}
-
-    def timed(obj, name: str, key: str) -> None:
-        fn = getattr(obj, name)
-
-        def wrapper(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                inside[key] += time.perf_counter() - t0
-        setattr(obj, name, wrapper)
-    timed(eng.runner.model, "forward", "forward")
-    timed(eng.sampler, "sample", "sampler")
+    forward, sampler = [0.0], [0.0]
+    time_calls(eng.runner.model, "forward", forward)
+    time_calls(eng.sampler, "sample", sampler)
     for i, (p, n) in enumerate(reqs):
         eng.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     prof = cProfile.Profile() if args.profile else None
@@ -71,11 +60,11 @@ def main() -> None:
     if prof:
         prof.disable()
     elapsed = time.perf_counter() - t
-    host = elapsed - inside["forward"] - inside["sampler"]
+    host = elapsed - forward[0] - sampler[0]
     print(f"CPU: {cpu_model()} ({detected_level()}), {args.threads} thread(s); torch {torch.__version__}")
     print(f"{args.requests} requests, {steps} steps, {toks} tokens in {elapsed:.2f} s: "
-          f"forward {inside['forward']:.2f} s,"
-          f" sampler {inside['sampler']:.2f} s, host bookkeeping {host:.2f} s = {host / toks * 1e6:.1f} us/token "
+          f"forward {forward[0]:.2f} s, sampler {sampler[0]:.2f} s, host bookkeeping {host:.2f} s = "
+          f"{host / toks * 1e6:.1f} us/token "
           f"({host / steps * 1e3:.2f} ms/step, {100 * host / elapsed:.0f}% of the time)"
           + (" [under cProfile: inflated]" if prof else ""))
     if prof:
