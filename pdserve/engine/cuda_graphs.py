@@ -66,7 +66,8 @@ def pad_decode(inputs: DecodeInputs, size: int, width: int) -> DecodeInputs:
         raise ValueError(f"cannot pad a decode batch of {n} to {size}")
     if w > width:
         raise ValueError(f"block table of {w} blocks is wider than the captured {width}")
-    rep = torch.cat([torch.arange(n), torch.zeros(size - n, dtype=torch.long)]).to(inputs.input_ids.device)
+    rep = torch.arange(size, device=inputs.input_ids.device)  # made where it is used: no host copy per replay
+    rep[n:] = 0
     tables = torch.zeros((size, width), dtype=torch.long, device=inputs.block_tables.device)
     tables[:, :w] = inputs.block_tables[rep]
     return DecodeInputs(inputs.input_ids[rep], inputs.positions[rep], inputs.slot_blocks[rep],
