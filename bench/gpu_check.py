@@ -167,10 +167,11 @@ HF = ("transformers", "safetensors", "tokenizers")
 # bf16 greedy: two implementations sum in different orders and round differently, so where HF's top two logits are
 # within a few bf16 ulps the choice may flip (the CPU tests apply the same rule: tests/engine/test_cpu_isa.py).
 # Tokens must be equal up to the first difference, and there HF's own margin for its token over ours must be a
-# near-tie. fp32 must match exactly. 8 ulps of the largest logit: the CPU smoke runs (bf16 AMX engine vs HF bf16)
-# saw margins up to 3, and a GPU sums in yet other orders (split contexts, tensor-core tiles); a wrong token where
-# nothing is tied sits tens of ulps below HF's (these models' top logits are ~0.1-1 apart at magnitude 2-4).
-TIE_ULPS = 8
+# near-tie. fp32 must match exactly. 6 ulps of the largest logit: the CPU smoke runs (bf16 AMX engine vs HF bf16)
+# saw margins up to 3, and a GPU sums in yet other orders (split contexts, tensor-core tiles). In fp32, these
+# checkpoints' top two logits are 0.23 apart at the median step and 0.08 at the first quartile, the largest logit
+# ~2.9 (a bf16 ulp there is 0.0156): 6 ulps (0.094) is a tie, and a token from a broken kernel lands far lower.
+TIE_ULPS = 6
 
 
 def bf16_ulp(x: float) -> float:
