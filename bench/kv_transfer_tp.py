@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import platform
 import statistics
 import sys
 import time
@@ -25,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from pdserve.engine.cpu_isa import cpu_flags, cpu_model  # noqa: E402
 from pdserve.engine.tp.shard import kv_head_range  # noqa: E402
 from pdserve.kv_transfer.agent import KVAgent  # noqa: E402
 from pdserve.kv_transfer.layout import KVLayout  # noqa: E402
@@ -60,18 +60,8 @@ def _owner(conn, a, tp: int):
 
 
 def cpu_line() -> str:
-    model, flags = platform.processor(), ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                fl = line.split(":", 1)[1].split()
-                flags = " ".join(f for f in fl if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16"))
-                break
-    except OSError:
-        pass
-    return f"{model}; flags {flags}"
+    flags = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in cpu_flags())
+    return f"{cpu_model()}; flags {flags}"
 
 
 def main() -> None:
