@@ -358,12 +358,7 @@ class Engine:
         for seq in seqs:
             seq.new_text, seq.new_token_ids = "", []
         finished = req.finished
-        if len(seqs) == 1:  # one branch (most requests): this runs for every request every step
-            s = seqs[0]
-            counts = (s.num_output_tokens, s.num_verified_tokens, s.num_accepted_tokens, s.num_kv_growth_tokens)
-        else:
-            counts = (sum(s.num_output_tokens for s in seqs), sum(s.num_verified_tokens for s in seqs),
-                      sum(s.num_accepted_tokens for s in seqs), sum(s.num_kv_growth_tokens for s in seqs))
+        counts = req.token_counts()
         return RequestOutput(req.request_id, req.prompt_token_ids, outs, finished,
                              seqs[0].state.value if not finished else req.terminal_state().value,
                              seqs[0].num_cached_tokens, dict(req.metrics), req.prompt_logprobs,

@@ -42,6 +42,15 @@ class Request:
             return seqs[0].finished and self.params.num_branches <= 1
         return all(s.finished for s in seqs) and len(seqs) >= self.params.num_branches
 
+    def token_counts(self) -> tuple[int, int, int, int]:
+        """Generated, verified, accepted and KV-kept tokens over every branch (a RequestOutput's counts)."""
+        seqs = self.seqs
+        if len(seqs) == 1:  # one branch (most requests): asked for every request every step
+            s = seqs[0]
+            return s.num_output_tokens, s.num_verified_tokens, s.num_accepted_tokens, s.num_kv_growth_tokens
+        return (sum(s.num_output_tokens for s in seqs), sum(s.num_verified_tokens for s in seqs),
+                sum(s.num_accepted_tokens for s in seqs), sum(s.num_kv_growth_tokens for s in seqs))
+
     def hides_branches(self) -> bool:
         """best_of > n: the caller sees only the winners, at the end. Not on a prefill worker handing the branches
         over (every branch's first token goes to the decode side, which makes the choice)."""
