@@ -1,12 +1,14 @@
-"""Process plumbing shared by every server: signals and the drain deadline (logging: logs.py)."""
+"""Process plumbing shared by every server: signals, the drain deadline, the start-up heap (logging: logs.py)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
 import sys
 import threading
+import time
 
 # What a process may spend tearing down after its drain (closing servers, Redis, NIXL) before it is cut short.
 EXIT_GRACE_S = 3.0
@@ -46,3 +48,21 @@ def install_stop_signals(drain_s: float | None = None, what: str = "pdserve") ->
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
     return ev
+
+
+def freeze_startup_heap(what: str) -> int:
+    """Move every object alive after start-up (modules, torch, protobuf descriptors, the model's Python objects)
+    out of the collector's reach, and return how many were moved. A full (generation 2) collection walks every
+    tracked object: 80k in a gateway, 250k+ in a worker, 50-160 ms on this project's CPUs, during which the event
+    loop (and a worker's engine) stands still. Under load such a pause lands on requests in flight: the 2-core CI
+    boxes saw rejections delayed past 100 ms in bursts. Frozen objects are never collected, which costs nothing
+    for objects that live as long as the process; garbage made afterwards is collected as before. The same
+    remedy as Instagram's `gc.freeze()` after fork and vLLM's after engine start-up."""
+    gc.collect()
+    gc.freeze()
+    n = gc.get_freeze_count()
+    t0 = time.perf_counter()
+    gc.collect(2)
+    log.info("%s: %d start-up objects frozen; a full collection now takes %.1f ms", what, n,
+             (time.perf_counter() - t0) * 1000)
+    return n

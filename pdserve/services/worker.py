@@ -247,7 +247,7 @@ def engine_config_from_env(args) -> EngineConfig:
 
 async def serve(args) -> None:
     from pdserve.services.metrics import exposition
-    from pdserve.services.procutil import install_stop_signals
+    from pdserve.services.procutil import freeze_startup_heap, install_stop_signals
     if args.metrics_port:
         exposition.serve(exposition.exposition(M.WORKER, {"model": args.served_model_name, "role": args.role},
                                                args.metrics_compat), args.metrics_port, args.host)
@@ -283,6 +283,7 @@ async def serve(args) -> None:
         kv_pub = asyncio.create_task(publish_forever(
             w.host, KvEventPublisher(registry.r, args.served_model_name, worker_id,
                                      ttl_s=max(30.0, 10 * args.heartbeat_ttl))))
+    freeze_startup_heap(f"worker {worker_id}")  # after warm-up: the engine's long-lived objects exist now
     await set_serving(hs, [WORKER_SERVICE], True)
     M.READY_SECONDS.labels("ready").set(time.time() - started)
     log.info("worker %s (%s) listening on %s:%d, %d KV blocks of %d bytes; %s", worker_id, args.role, args.host,

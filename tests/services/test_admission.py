@@ -545,3 +545,52 @@ def test_release_during_a_renew_does_not_resurrect_the_reservation():
             await _cleanup(r, model)
 
     run(main())
+
+
+def test_registry_capacity_one_read_at_a_time_and_stale_answers_at_once():
+    """A burst that finds the cache stale makes one registry read, not one per request; while it runs the others
+    get the last capacity without waiting. Before any is known, everyone waits for that one read."""
+    from pdserve.services.admission import RegistryCapacity
+    from pdserve.services.pb import common_pb2
+    from pdserve.services.registry import Registry, WorkerRecord
+
+    class HeldRegistry(Registry):  # the real registry on real Redis; each read waits until the test lets it go
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.reads, self.gate = 0, asyncio.Event()
+
+        async def live_workers(self):
+            self.reads += 1
+            await self.gate.wait()
+            return await super().live_workers()
+
+    def worker(blocks: int) -> WorkerRecord:
+        return WorkerRecord("w1", "both", "127.0.0.1:1", capacity_blocks=blocks,
+                            layout=common_pb2.KvLayout(block_size=16),
+                            load=common_pb2.LoadReport(kv_blocks_total=blocks))
+
+    async def main():
+        reg = HeldRegistry(REDIS, f"t-{uuid.uuid4().hex[:8]}", ttl_s=30)
+        try:
+            await reg.heartbeat(worker(100))
+            cap = RegistryCapacity(reg, ttl_s=0.05)
+            cold = [asyncio.ensure_future(cap()) for _ in range(20)]
+            await asyncio.sleep(0.05)
+            assert reg.reads == 1 and not any(t.done() for t in cold)  # nothing known yet: all wait for one read
+            reg.gate.set()
+            assert {c.blocks for c in await asyncio.gather(*cold)} == {100}
+            reg.gate.clear()
+            await reg.heartbeat(worker(60))
+            await asyncio.sleep(0.1)  # stale now
+            first = asyncio.ensure_future(cap())  # this one reads (and waits for it)
+            await asyncio.sleep(0.01)
+            stale = await asyncio.wait_for(asyncio.gather(*[cap() for _ in range(20)]), 0.5)
+            assert {c.blocks for c in stale} == {100} and reg.reads == 2  # at once, from the cache, no new read
+            reg.gate.set()
+            assert (await first).blocks == 60
+            assert (await cap()).blocks == 60 and reg.reads == 2  # fresh: no read
+        finally:
+            await reg.r.delete(*[k async for k in reg.r.scan_iter(f"pdserve:{reg.model}:*")] or ["-"])
+            await reg.close()
+
+    asyncio.run(main())

@@ -89,6 +89,8 @@ async def serve(args) -> None:
     cfg.timeout_graceful_shutdown = min(cfg.timeout_graceful_shutdown, args.drain_timeout)
     server = _Server(cfg, args.drain_timeout)
     app.state.lifecycle.start()  # a restarted gateway finalises its dead predecessor's records without waiting
+    from pdserve.services.procutil import freeze_startup_heap
+    freeze_startup_heap("gateway")
     log.info("gateway on http://%s:%d (grpc %s), router %s", args.host, args.port, args.grpc_port, args.router)
     await server.serve(sockets=[listen_socket(args.host, args.port)])  # returns after SIGTERM/SIGINT, having drained open connections
     # terminal paths still running (billing records, reservation releases, ReleaseKV) complete before exit

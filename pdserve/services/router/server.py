@@ -88,7 +88,7 @@ async def serve(host: str, port: int, redis_url: str, model: str, metrics_port: 
     SIGTERM: NOT_SERVING, in-flight Route calls get min(2, drain_s) s, and the process is gone by drain_s + grace
     (procutil.exit_deadline) even if Redis, which its teardown talks to, is not there."""
     from pdserve.services.metrics import exposition
-    from pdserve.services.procutil import install_stop_signals
+    from pdserve.services.procutil import freeze_startup_heap, install_stop_signals
     if metrics_port:
         exposition.serve(exposition.exposition(M.ROUTER, {"model": model}, metrics_compat), metrics_port, host)
     registry = Registry(redis_url, model, ttl_s=ttl_s, auth=redis_auth, key=security.registry_key())
@@ -99,6 +99,7 @@ async def serve(host: str, port: int, redis_url: str, model: str, metrics_port: 
     router_pb2_grpc.add_RouterServicer_to_server(svc, server)
     listen(server, f"{host}:{port}")
     await server.start()
+    freeze_startup_heap("router")
     await set_serving(hs, [ROUTER_SERVICE], True)
     log.info("router listening on %s:%d (model %s, mode %s, index rebuilt with %d blocks, internal auth %s)", host,
              port, model, mode, len(svc.sync.index), security.describe())
