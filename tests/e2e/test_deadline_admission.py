@@ -16,7 +16,11 @@ from pdserve.bench.overload import capacity, overload
 from tests.e2e.conftest import Up, wait_until
 
 TIMEOUT = 5.0
-PROMPT, OUTPUT = 16, 64
+# 128-token prompts: each request costs the engine more per token it streams, so the engine saturates at fewer
+# SSE events a second for the gateway to relay and the load generator to parse, all on the same 2 cores. With
+# 16-token prompts the gateway's rejections missed 100 ms in bursts (62 of 73 within it in one CI run; 134 of 154
+# beside a busy-loop process on a 2-core box), with 128 they kept it (128 of 128, 99 of 99 beside the same process)
+PROMPT, OUTPUT = 128, 64
 
 
 def _metrics(port: int) -> str:
@@ -35,8 +39,8 @@ def up():
     # SSE events or the load generator, is what saturates at ~3x capacity on a 2-core box (with the tests' tiny
     # model capacity was ~13 req/s x 128 tokens, and the gateway itself delayed its rejections by seconds).
     # --threads 1: the worker leaves a core to the gateway and the load generator; 2048 blocks and 256 sequence
-    # slots: 16 + 64-token sequences fit many times over, so neither KV nor slots limit admission, deadlines do
-    # (with 64 slots and the decode worker's faster delivery the slots filled first: every rejection "capacity")
+    # slots: 128 + 64-token sequences (12 blocks) fit 170 times over, so neither KV nor slots limit admission,
+    # deadlines do (with 64 slots and the decode worker's faster delivery the slots filled first: every rejection "capacity")
     d = Up("builtin", "--mode", "colocated", "--workers", "1", "--threads", "1", "--num-gpu-blocks", "2048",
            "--max-num-seqs", "256")
     yield d
