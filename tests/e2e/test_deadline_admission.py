@@ -40,7 +40,8 @@ def up():
     # model capacity was ~13 req/s x 128 tokens, and the gateway itself delayed its rejections by seconds).
     # --threads 1: the worker leaves a core to the gateway and the load generator; 2048 blocks and 256 sequence
     # slots: 128 + 64-token sequences (12 blocks) fit 170 times over, so neither KV nor slots limit admission,
-    # deadlines do (with 64 slots and the decode worker's faster delivery the slots filled first: every rejection "capacity")
+    # deadlines do (with 64 slots and the decode worker's faster delivery the slots filled first: every rejection
+    # "capacity")
     d = Up("builtin", "--mode", "colocated", "--workers", "1", "--threads", "1", "--num-gpu-blocks", "2048",
            "--max-num-seqs", "256")
     yield d
