@@ -57,7 +57,7 @@ def freeze_startup_heap(what: str) -> int:
     loop (and a worker's engine) stands still. Under load such a pause lands on requests in flight: the 2-core CI
     boxes saw rejections delayed past 100 ms in bursts. Frozen objects are never collected, which costs nothing
     for objects that live as long as the process; garbage made afterwards is collected as before. The same
-    remedy as Instagram's `gc.freeze()` after fork and vLLM's after engine start-up."""
+    remedy as vLLM's `freeze_gc_heap` after its warm-up and SGLang's `freeze_gc`."""
     gc.collect()
     gc.freeze()
     n = gc.get_freeze_count()
