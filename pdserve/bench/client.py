@@ -8,6 +8,8 @@ so a stalled server shows up in latency measured from `scheduled` (no coordinate
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import json
 import time
 from dataclasses import dataclass, field
@@ -185,6 +187,21 @@ def client_health(records: list[RequestRecord], loop_lag: list[float], cpu_frac:
     return ClientHealth(sl, ll, cpu_frac, bool(reasons), reasons)
 
 
+@contextlib.asynccontextmanager
+async def _frozen_heap():
+    """For the run, what this process already holds is kept out of the collector's full collections, which walk
+    every tracked object: a load generator sharing its process with much else (a test session with torch and
+    transformers imported holds 200k+ objects, a full collection ~110 ms on this project's CPUs, more as the
+    session grows) would otherwise report any such pause as the server's latency. Restored afterwards; `timeit`
+    keeps the collector out of its measurements for the same reason."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 class LoadGen:
     """Drives one load point. `records` fills in as requests are scheduled, so an interrupted run can still be
     summarised (unfinished requests carry an error and count as SLO misses)."""
@@ -236,7 +253,7 @@ class LoadGen:
         mon = LoopLagMonitor()
         cpu0, wall0 = time.process_time(), time.perf_counter()
         tasks: list[asyncio.Task] = []
-        async with self._client() as client:
+        async with self._client() as client, _frozen_heap():
             await resolve_model(client, self.target)
             if warmup:
                 await self._warmup(client, list(warmup))

@@ -38,3 +38,19 @@ def test_stall_visible_open_loop_hidden_closed_loop(mock_factory):
     assert open_pt["client"]["send_lag_s"]["p50"] < 0.02
     # E2E = TTFT + sum(ITL) on every request
     assert open_pt["steady"]["identity_max_abs_residual_s"] < 1e-9
+
+
+def test_load_generator_keeps_its_heap_out_of_full_collections(mock_factory):
+    """While a point runs, what the client process held before is frozen (a full collection of a test session's
+    heap is a 100+ ms pause the client would book as server latency); afterwards the collector is as it was."""
+    import gc
+
+    from pdserve.bench.client import LoadGen
+    m = mock_factory("--ttft", "0.001", "--itl", "0.001")
+    held = [[{} for _ in range(10)] for _ in range(1000)]  # long-lived objects of the client's process
+    during: list[int] = []
+    gen = LoadGen(Target(m.url), on_done=lambda rec: during.append(gc.get_freeze_count()))
+    records = asyncio.run(gen.run_open(synthetic(5, 50.0, LengthDist.parse(4), LengthDist.parse(2), seed=1)))
+    assert len(records) == 5 and all(r.ok for r in records)
+    assert len(during) == 5 and min(during) > len(held), during
+    assert gc.get_freeze_count() == 0
