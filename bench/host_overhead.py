@@ -1,13 +1,15 @@
 """The engine's host bookkeeping per generated token: step time outside the model's forward and the sampler.
 
-    python bench/host_overhead.py [--requests 512] [--threads 1] [--profile]
+    python bench/host_overhead.py [--requests 512] [--threads 1] [--output-len N] [--logprobs K] [--profile]
 
 bench/gpu_check.py's mixed workload (prompts of 32-512 tokens, 16-256 output tokens, up to 256 sequences a step)
 on a model so small (2 layers, hidden 64, vocabulary 1024) that the forward is cheap, so what is left is the
 Python around it: scheduling, the step's input tensors, the output processors (detokenizer, stops), the
 RequestOutputs. On a GPU that part does not shrink with the device: at B sequences a step it costs B times the
 figure here, and bounds the engine at 1 / (figure) tokens per second whatever the GPU does (docs/engine.md,
-"Host overhead"). --profile adds a cProfile listing.
+"Host overhead"). --output-len gives every request that many tokens (and the prompts 32 tokens), to see whether
+the per-token figure grows with the length of the answer; --logprobs asks K top logprobs of every token.
+--profile adds a cProfile listing.
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=512)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--output-len", type=int, default=None, help="every request's length (default: 16-256)")
+    ap.add_argument("--logprobs", type=int, default=None)
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     import torch
@@ -40,15 +44,17 @@ def main() -> None:
     ckpt = write_checkpoint(Path(tempfile.mkdtemp()) / "m", "llama", torch.float32, vocab=vocab, scale=0, hidden=64,
                             layers=2, heads=4, kv_heads=2, inter=128)
     rng = random.Random(0)
-    reqs = [([rng.randrange(100, vocab) for _ in range(rng.randint(32, 512))], rng.randint(16, 256))
-            for _ in range(args.requests)]
+    fixed = args.output_len
+    reqs = [([rng.randrange(100, vocab) for _ in range(32 if fixed else rng.randint(32, 512))],
+             fixed or rng.randint(16, 256)) for _ in range(args.requests)]
     eng = Engine.from_pretrained(ckpt, EngineConfig(max_num_seqs=256, max_num_batched_tokens=8192,
                                                     num_gpu_blocks=40000, num_threads=args.threads))
     forward, sampler = [0.0], [0.0]
     time_calls(eng.runner.model, "forward", forward)
     time_calls(eng.sampler, "sample", sampler)
     for i, (p, n) in enumerate(reqs):
-        eng.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        eng.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True,
+                                                  logprobs=args.logprobs))
     prof = cProfile.Profile() if args.profile else None
     steps = toks = 0
     t = time.perf_counter()

@@ -7,6 +7,7 @@ collective)."""
 from __future__ import annotations
 
 import ctypes
+import gc
 import json
 import logging
 import os
@@ -76,6 +77,10 @@ def main(argv: list[str]) -> int:
                     name=f"rank{a.rank}")
     log.info("rank %d/%d ready: heads %s, KV heads %s, %d blocks", a.rank, a.size, net.shard.heads,
              net.shard.kv_heads, num_blocks)
+    # every step waits for all ranks: a full collection in one (170k tracked objects, torch's mostly) stalls the group;
+    # the start-up heap is frozen as in the service processes (services/procutil.freeze_startup_heap)
+    gc.collect()
+    gc.freeze()
     while True:
         plan = comm.broadcast_object()
         if plan is None:
