@@ -31,7 +31,7 @@ from pdserve.engine.kv_sizing import CPU_DEFAULT_KV_BYTES, block_bytes_for, num_
 from pdserve.engine.loader import load_state_dict
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.outputs import CompletionOutput, FirstToken, RequestOutput
+from pdserve.engine.outputs import CompletionOutput, FirstToken, Prefix, RequestOutput
 from pdserve.engine.request import Request
 from pdserve.engine.request_state import RequestState as S
 from pdserve.engine.grammar import make_grammar_state
@@ -348,12 +348,14 @@ class Engine:
         outs = []
         for i, seq in enumerate(live):
             text = seq.output.text if hasattr(seq.output, "text") else seq.text
+            done = seq.finished or whole  # running: cumulative ids and logprobs as prefixes, not copies (outputs.py)
+            ids = seq.output_token_ids if done else Prefix(seq.token_ids, seq.num_prompt_tokens, seq.num_tokens)
+            lps = seq.logprobs if seq.sampling.params.logprobs is not None else None
+            lps = lps if lps is None else list(lps) if done else Prefix(lps, 0, len(lps))
             outs.append(CompletionOutput(
-                index=i, text=text, token_ids=seq.output_token_ids,
-                new_text=text if whole else seq.new_text,
-                new_token_ids=list(seq.output_token_ids) if whole else seq.new_token_ids,
-                finish_reason=seq.finish_reason, cumulative_logprob=seq.sampling.cumulative_logprob,
-                logprobs=list(seq.logprobs) if seq.sampling.params.logprobs is not None else None))
+                index=i, text=text, token_ids=ids, new_text=text if whole else seq.new_text,
+                new_token_ids=list(ids) if whole else seq.new_token_ids, finish_reason=seq.finish_reason,
+                cumulative_logprob=seq.sampling.cumulative_logprob, logprobs=lps))
         seqs = req.seqs
         for seq in seqs:
             seq.new_text, seq.new_token_ids = "", []

@@ -1,6 +1,7 @@
 """What the engine hands back: per-branch completion deltas and one usage record per request."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -12,16 +13,50 @@ class SampleResult:
     top_logprobs: list[tuple[int, float]] | None  # N alternatives sorted by (-logprob, id)
 
 
+class Prefix(Sequence):
+    """The first `end` items of an append-only list from `start` on, read when asked. A running sequence's output
+    carries its cumulative token ids (and logprobs) at every step; copying them there cost O(length) a sequence
+    a step (8 us at 1,000 tokens: more than the rest of the step's bookkeeping for the sequence at 4,000), for
+    consumers that mostly read only the new tokens. A sequence's committed tokens and logprobs are only ever
+    appended to (speculative candidates past them are appended and removed, never the committed ones), so the
+    prefix stays what it was when the output was made."""
+
+    __slots__ = ("_src", "_start", "_end")
+
+    def __init__(self, src: list, start: int, end: int):
+        self._src, self._start, self._end = src, start, end
+
+    def __len__(self) -> int:
+        return self._end - self._start
+
+    def __getitem__(self, i):
+        r = range(self._start, self._end)[i]  # bounds and negative indices as a list's
+        if isinstance(i, int):
+            return self._src[r]
+        return self._src[r.start:r.stop] if r.step == 1 else [self._src[j] for j in r]
+
+    def __iter__(self):
+        return iter(self._src[self._start:self._end])
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (list, tuple, Prefix)):
+            return len(self) == len(other) and list(self) == list(other)
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return repr(self._src[self._start:self._end])
+
+
 @dataclass
 class CompletionOutput:
     index: int
     text: str  # cumulative
-    token_ids: list[int]  # cumulative generated tokens
+    token_ids: Sequence[int]  # cumulative generated tokens (a list once finished, a `Prefix` before)
     new_text: str  # since the previous output of this request
     new_token_ids: list[int]
     finish_reason: str | None  # "stop" | "length" | "prefill" | "abort" | None while running
     cumulative_logprob: float = 0.0
-    logprobs: list | None = None  # per generated token: SampleResult-like (token_id, logprob, top_logprobs)
+    logprobs: Sequence | None = None  # per generated token: SampleResult-like (token_id, logprob, top_logprobs)
 
 
 @dataclass
