@@ -16,8 +16,8 @@ class SampleResult:
 class Prefix(Sequence):
     """The first `end` items of an append-only list from `start` on, read when asked. A running sequence's output
     carries its cumulative token ids (and logprobs) at every step; copying them there cost O(length) a sequence
-    a step (8 us at 1,000 tokens: more than the rest of the step's bookkeeping for the sequence at 4,000), for
-    consumers that mostly read only the new tokens. A sequence's committed tokens and logprobs are only ever
+    a step (8 us at 1,000 tokens; docs/engine.md, "Long answers"), for consumers that mostly read only the new
+    tokens. A sequence's committed tokens and logprobs are only ever
     appended to (speculative candidates past them are appended and removed, never the committed ones), so the
     prefix stays what it was when the output was made."""
 
