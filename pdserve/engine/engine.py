@@ -350,8 +350,9 @@ class Engine:
             text = seq.output.text if hasattr(seq.output, "text") else seq.text
             done = seq.finished or whole  # running: cumulative ids and logprobs as prefixes, not copies (outputs.py)
             ids = seq.output_token_ids if done else Prefix(seq.token_ids, seq.num_prompt_tokens, seq.num_tokens)
-            lps = seq.logprobs if seq.sampling.params.logprobs is not None else None
-            lps = lps if lps is None else list(lps) if done else Prefix(lps, 0, len(lps))
+            lps = None
+            if seq.sampling.params.logprobs is not None:
+                lps = list(seq.logprobs) if done else Prefix(seq.logprobs, 0, len(seq.logprobs))
             outs.append(CompletionOutput(
                 index=i, text=text, token_ids=ids, new_text=text if whole else seq.new_text,
                 new_token_ids=list(ids) if whole else seq.new_token_ids, finish_reason=seq.finish_reason,
