@@ -38,7 +38,11 @@ def remember_local(info: dict) -> Path | None:
         d = state_dir()
         d.mkdir(parents=True, exist_ok=True)
         p = d / f"up-{os.getpid()}.json"
-        p.write_text(json.dumps(info))
+        # the planner rewrites this at every change while `pdserve status` may be reading it: write a sibling and
+        # rename it over (atomic on POSIX), so a reader sees the old record or the new one, never a truncated file
+        tmp = d / f".up-{os.getpid()}.json.tmp"
+        tmp.write_text(json.dumps(info))
+        os.replace(tmp, p)
         return p
     except OSError:
         return None  # status then needs --url / --redis-url; serving does not depend on this file

@@ -73,8 +73,9 @@ def test_planner_grows_both_pools_under_load_and_drains_after(tmp_path, monkeypa
     bench = None
     pools = ("prefill", "decode")
     try:
-        # `up` writes its state file before its PDSERVE_UP line, yet one CI run found none right after it (cause not
-        # found): give it a few seconds, and say what the state directory held if it never shows
+        # `up` writes its state file before its PDSERVE_UP line; should it not show, say what the directory held.
+        # (Two CI runs read it while it was rewritten in place and found nothing: the write is atomic now, and
+        # tests/planner/test_status.py races a reader against a writer)
         first = None
         for _ in range(20):
             first = _status(env)

@@ -111,3 +111,37 @@ def test_gateway_status_needs_the_metrics_permission(tmp_path):
         assert r.status_code == 503 and "router" in r.json()["reason"]  # permitted; the router is not there
     finally:
         g.close()
+
+
+def test_local_state_file_is_never_seen_half_written(tmp_path, monkeypatch):
+    """The planner rewrites `up`'s state file at every scale change while `pdserve status` reads it (a CI run of
+    tests/e2e/test_planner.py once read it truncated and reported no `up` running): a reader in this process, a
+    writer in another, 1 MiB records; every read finds the record."""
+    from pdserve.planner.status import find_local
+    monkeypatch.setenv("PDSERVE_STATE_DIR", str(tmp_path))
+    writer = subprocess.Popen([sys.executable, "-c", (
+        "import time\n"
+        "from pdserve.planner.status import remember_local\n"
+        "pad = 'x' * (1 << 20)\n"
+        "end = time.monotonic() + 4\n"
+        "i = 0\n"
+        "while time.monotonic() < end:\n"
+        "    remember_local({'redis_url': 'redis://127.0.0.1:6379/0', 'n': i, 'pad': pad})\n"
+        "    i += 1\n")], cwd=ROOT, env={"PDSERVE_STATE_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)})
+    try:
+        reads, missed, seen = 0, 0, set()
+        while writer.poll() is None:
+            info = find_local()
+            if info is None:
+                if any(tmp_path.glob("up-*.json")):
+                    missed += 1
+                continue
+            reads += 1
+            seen.add(info["n"])
+        assert writer.returncode == 0
+        assert missed == 0, f"{missed} of {reads + missed} reads found the file but no record"
+        assert reads > 100 and len(seen) > 10, (reads, len(seen))  # the two really ran concurrently
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+            writer.wait()
