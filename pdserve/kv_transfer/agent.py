@@ -31,6 +31,8 @@ from pdserve.kv_transfer.layout import KVLayout, KVRegion, check_compatible
 
 # The largest staging buffer an agent keeps between pulls (tp_pull.py); larger pulls allocate their own.
 STAGING_KEEP_BYTES = 256 << 20
+# After a failed transfer, how long close() drives UCX progress before tearing the agent down (see close)
+SETTLE_S = 0.1
 
 
 class TransferFailure(enum.Enum):
@@ -89,6 +91,7 @@ class KVAgent:
         self._remotes: dict[tuple[str, int], object] = {}  # (agent name, base addr) -> prepped remote dlist
         self._stage: tuple[torch.Tensor, object] | None = None  # a kept staging buffer and its registration
         self._stage_lock = threading.Lock()
+        self.faulted = False  # a transfer failed (peer gone, ERR, timeout): close() settles UCX first
 
     def region(self) -> KVRegion:
         with self._lock:
@@ -104,19 +107,19 @@ class KVAgent:
             try:
                 name = self._agent.add_remote_agent(r.agent_metadata)
             except Exception as e:  # the peer's endpoint is unreachable (e.g. the process died)
-                raise KVTransferError(f"cannot connect to NIXL peer {r.agent_name}: {e!r}",
-                                      TransferFailure.PEER_GONE) from e
+                raise self._failed(f"cannot connect to NIXL peer {r.agent_name}: {e!r}",
+                                   TransferFailure.PEER_GONE) from e
             name = name.decode() if isinstance(name, bytes) else name
             if name != r.agent_name:
-                raise KVTransferError(f"remote metadata names agent {name!r}, expected {r.agent_name!r}",
-                                      TransferFailure.PEER_GONE)
+                raise self._failed(f"remote metadata names agent {name!r}, expected {r.agent_name!r}",
+                                   TransferFailure.PEER_GONE)
             try:
                 dl = self._agent.prep_xfer_dlist(
                     r.agent_name, _descs(r.base_addr, r.num_blocks, r.layout.block_bytes or self.block_bytes,
                                          r.device_id), r.mem_type)
             except Exception as e:
-                raise KVTransferError(f"cannot prepare descriptors for {r.agent_name}: {e!r}",
-                                      TransferFailure.NIXL_ERROR) from e
+                raise self._failed(f"cannot prepare descriptors for {r.agent_name}: {e!r}",
+                                   TransferFailure.NIXL_ERROR) from e
             self._remotes[key] = dl
         return dl
 
@@ -139,10 +142,10 @@ class KVAgent:
                 h = self._agent.make_prepped_xfer("READ", self._local,
                                                   np.asarray(local_block_ids, dtype=np.int32), rdl,
                                                   np.asarray(remote_block_ids, dtype=np.int32), notif)
-                state = self._agent.transfer(h)
             except Exception as e:  # nixlBackendError etc.: peer gone, connection refused
-                raise KVTransferError(f"KV transfer from {remote.agent_name} could not start: {e!r}",
-                                      TransferFailure.PEER_GONE) from e
+                raise self._failed(f"KV transfer from {remote.agent_name} could not start: {e!r}",
+                                   TransferFailure.PEER_GONE) from e
+            state = self._post(remote.agent_name, h)
         self._wait([(remote.agent_name, h, state)], timeout_s)
         return len(remote_block_ids) * self.block_bytes
 
@@ -164,15 +167,31 @@ class KVAgent:
                         h = self._agent.initialize_xfer(
                             "READ", self._agent.get_xfer_descs(local_d, self.mem_type),
                             self._agent.get_xfer_descs(remote_d, remote.mem_type), remote.agent_name, notif)
-                        started.append((remote.agent_name, h, self._agent.transfer(h)))
                     except Exception as e:
-                        raise KVTransferError(f"KV transfer from {remote.agent_name} could not start: {e!r}",
-                                              TransferFailure.PEER_GONE) from e
+                        raise self._failed(f"KV transfer from {remote.agent_name} could not start: {e!r}",
+                                           TransferFailure.PEER_GONE) from e
+                    started.append((remote.agent_name, h, self._post(remote.agent_name, h)))
         except BaseException:
             self._wait(started, timeout_s, raise_errors=False)  # never leave a READ writing into our blocks
             raise
         self._wait(started, timeout_s)
         return int(sum(int(local_d[:, 1].sum()) for _, local_d, _ in reads))
+
+    def _post(self, peer: str, h) -> str:
+        """Post a created READ (under self._lock). A post that fails releases its handle here: left to the
+        garbage collector, it would be released after close() tore the agent down."""
+        try:
+            return self._agent.transfer(h)
+        except Exception as e:
+            try:
+                self._agent.release_xfer_handle(h)
+            except Exception:
+                pass
+            raise self._failed(f"KV transfer from {peer} could not start: {e!r}", TransferFailure.PEER_GONE) from e
+
+    def _failed(self, message: str, kind: TransferFailure) -> KVTransferError:
+        self.faulted = True
+        return KVTransferError(message, kind)
 
     @contextlib.contextmanager
     def staging(self, shape: tuple[int, ...], dtype: torch.dtype):
@@ -221,8 +240,8 @@ class KVAgent:
                 if not pending:
                     break
                 if time.monotonic() > deadline:
-                    failure = KVTransferError(f"KV transfer from {handles[pending[0]][0]} timed out after "
-                                              f"{timeout_s}s", TransferFailure.TIMEOUT)
+                    failure = self._failed(f"KV transfer from {handles[pending[0]][0]} timed out after "
+                                           f"{timeout_s}s", TransferFailure.TIMEOUT)
                     break
                 if sleep:
                     time.sleep(sleep)
@@ -232,8 +251,8 @@ class KVAgent:
                         states[i] = self._agent.check_xfer_state(handles[i][1])
             errs = [handles[i][0] for i, st in states.items() if st == "ERR"]
             if failure is None and errs:
-                failure = KVTransferError(f"KV transfer from {errs[0]} failed (NIXL state ERR)",
-                                          TransferFailure.NIXL_ERROR)
+                failure = self._failed(f"KV transfer from {errs[0]} failed (NIXL state ERR)",
+                                       TransferFailure.NIXL_ERROR)
         finally:
             with self._lock:
                 for _, h, _ in handles:
@@ -303,8 +322,18 @@ class KVAgent:
             self._pump = None
 
     def close(self) -> None:
-        """Tear down in order (pump, prepped lists, registration, agent) so no NIXL/UCX thread outlives it."""
+        """Tear down in order (pump, prepped lists, registration, agent) so no NIXL/UCX thread outlives it.
+
+        After a failed transfer UCX still holds the failed endpoint's queued operations until its worker makes
+        progress; destroying the agent before that aborts the process (UCX's `ucs_arbiter_group_is_empty`
+        assertion: in one of 8 runs of a READ from a killed peer here, whenever NIXL saw the disconnect before
+        UCX did). So a faulted agent polls for SETTLE_S first (each poll progresses the worker)."""
         self.stop_pump()
+        if self.faulted and self._agent is not None:
+            end = time.monotonic() + SETTLE_S
+            while time.monotonic() < end:
+                self.poll_notifs()
+                time.sleep(0.002)
         with self._stage_lock:
             self._drop_stage()
         with self._lock:
