@@ -165,13 +165,17 @@ BODY = dict(prompt=list(range(20, 32)), max_tokens=40, ignore_eos=True, temperat
 
 def test_open_loop_overload(up):
     worker = up.workers()[0]
-    # capacity: 6 concurrent requests (KV reservations); measure how long a full batch of them takes
-    asyncio.run(_load(up.base_url, 1000, 0.001, BODY))  # warm-up
-    t0 = time.monotonic()
-    calib = asyncio.run(_load(up.base_url, 1000, 0.006, BODY))
-    batch_s = time.monotonic() - t0
-    assert [c for c, *_ in calib] == [200] * 6, calib
-    capacity = 6 / batch_s
+    # capacity: 6 concurrent requests (KV reservations); measure how long a full batch of them takes. The median
+    # of three batches after a warm-up one: a single batch's time varied ~2x between runs, and an overstated
+    # capacity offers the box far more than 3x (one run under a CPU hog: "capacity" 22 req/s, offered 66)
+    asyncio.run(_load(up.base_url, 1000, 0.006, BODY))  # warm-up
+    batches = []
+    for _ in range(3):
+        t0 = time.monotonic()
+        calib = asyncio.run(_load(up.base_url, 1000, 0.006, BODY))
+        batches.append(time.monotonic() - t0)
+        assert [c for c, *_ in calib] == [200] * 6, calib
+    capacity = 6 / sorted(batches)[1]
     rss0 = _rss_mb(worker["pid"])
     gw0 = _metrics(up.port)
     rate = min(3 * capacity, 90.0)
