@@ -54,7 +54,7 @@ def random_llama(out: Path, layers: int, hidden: int, max_pos: int) -> Path:
 
 def ttft(eng: Engine, prompt: list[int]) -> float:
     out = eng.generate([prompt], ONE)[0]
-    return out.metrics["first_token_time"] - out.metrics["arrival_time"]
+    return out.times.first_token - out.times.arrival
 
 
 def evict_all(eng: Engine) -> None:
@@ -128,7 +128,7 @@ def main() -> int:
             assert got == (len(hashes) * bs if kind == tier else 0), (kind, got)
         print(f"rep {rep}: {tier} {res[tier][-1] * 1e3:.1f} ms, recompute {res['recompute'][-1] * 1e3:.1f} ms")
     a, b = statistics.median(res[tier]), statistics.median(res["recompute"])
-    rec = eng.stats()["kv_recall_seconds"]
+    rec = eng.stats().tier.recall_seconds
     print(f"median TTFT, {args.tokens}-token prompt: {tier}-tier hit {a * 1e3:.1f} ms, recompute {b * 1e3:.1f} ms; "
           f"ratio {a / b:.3f} (target <= 0.3); recall alone: median {statistics.median(rec) * 1e3:.1f} ms "
           f"for {len(hashes)} blocks ({len(hashes) * block_bytes / 2**20:.1f} MiB)")

@@ -85,8 +85,8 @@ def engine_ttft(n: int, threads: int) -> list[float]:
         eng.add_request(f"r{i}", eng.tokenizer.encode(f"{i} {PROMPT}"), SamplingParams(temperature=0, max_tokens=1))
         while eng.has_unfinished():
             eng.step()
-        rec = eng.usage_records[-1]
-        out.append(rec["first_token_time"] - rec["arrival_time"])
+        t = eng.usage_records[-1].times
+        out.append(t.first_token - t.arrival)
     return out[2:]  # the first calls warm up
 
 

@@ -146,10 +146,10 @@ def main() -> None:
         print(f"{name}: plain {plain:.1f} tok/s" + (f" ({differ} outputs differ from plain)" if differ else ""))
         for key, dec in decoders.items():
             now, was = dec.stats.snapshot(), before[key]
-            prop = now["proposed_tokens"] - was["proposed_tokens"]
-            acc = now["accepted_tokens"] - was["accepted_tokens"]
-            steps = now["steps"] - was["steps"]
-            emitted = now["emitted_tokens"] - was["emitted_tokens"]
+            prop = now.proposed - was.proposed
+            acc = now.accepted - was.accepted
+            steps = now.steps - was.steps
+            emitted = now.emitted - was.emitted
             r = statistics.median(rates[key])
             print(f"  {key}: {r:.1f} tok/s = {r / plain:.2f}x plain; acceptance {acc / max(prop, 1):.2f} "
                   f"({acc}/{prop}); {emitted / max(steps, 1):.2f} tokens per verification step")

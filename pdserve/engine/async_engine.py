@@ -25,6 +25,7 @@ from typing import Any
 from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.stats import EngineStats
 
 
 # While a remote prefill's KV is awaited, an idle engine thread wakes this often to check transfer deadlines.
@@ -38,7 +39,7 @@ class EngineSnapshot:
     """Engine.stats() as of `published` (time.monotonic()); replaced whole, never mutated, so any thread may
     read the current one without a lock."""
 
-    stats: dict = field(default_factory=dict)
+    stats: EngineStats = field(default_factory=EngineStats)
     published: float = 0.0
 
 

@@ -192,13 +192,13 @@ def output(req: Request, tokenizer: Tokenizer) -> RequestOutput:
                                          cumulative_logprob=h.sum_logprob))
     state = req.terminal_state().value if req.reclaimed else req.seqs[0].state.value
     return RequestOutput(req.request_id, req.prompt_token_ids, outs, req.finished, state,
-                         req.seqs[0].num_cached_tokens, dict(req.metrics),
+                         req.seqs[0].num_cached_tokens, req.times,
                          num_generated_tokens=req.beam.num_generated)
 
 
-def usage(state: BeamState, n: int, finished: bool) -> dict:
-    """A beam request's usage-record counts: generated = every beam's tokens; emitted = committed = the returned
-    hypotheses (none when the search was cut short: nothing was shown)."""
+def usage(state: BeamState, n: int, finished: bool) -> tuple[int, int, int, tuple[str | None, ...]]:
+    """A beam request's usage-record counts (generated, emitted, committed, finish reasons): generated = every
+    beam's tokens; emitted = committed = the returned hypotheses (none when the search was cut short: nothing was
+    shown)."""
     shown = sum(len(h.token_ids) for h in state.finished[:n]) if finished else 0
-    return {"generated_tokens": state.num_generated, "emitted_tokens": shown, "committed_tokens": shown,
-            "finish_reasons": [h.finish_reason for h in state.finished[:n]]}
+    return state.num_generated, shown, shown, tuple(h.finish_reason for h in state.finished[:n])

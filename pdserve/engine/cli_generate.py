@@ -81,9 +81,9 @@ def run_generate(args: argparse.Namespace) -> int:
     finally:
         engine.close()
     c = out.outputs[0]
-    m = out.metrics
-    ttft = m["first_token_time"] - m["arrival_time"]
-    total = m["finished_time"] - m["arrival_time"]
+    t = out.times
+    ttft = (t.first_token or t.finished) - t.arrival
+    total = t.finished - t.arrival
     if args.json:
         print(json.dumps({
             "choices": [{"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason,

@@ -12,7 +12,9 @@ import json
 import logging
 import time
 from collections import deque
+from dataclasses import asdict
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 
@@ -31,7 +33,7 @@ from pdserve.engine.kv_sizing import CPU_DEFAULT_KV_BYTES, block_bytes_for, num_
 from pdserve.engine.loader import load_state_dict
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.outputs import CompletionOutput, FirstToken, Prefix, RequestOutput
+from pdserve.engine.outputs import CompletionOutput, FirstToken, Prefix, RequestOutput, RequestTimes, UsageRecord
 from pdserve.engine.request import Request
 from pdserve.engine.request_state import RequestState as S
 from pdserve.engine.grammar import make_grammar_state
@@ -41,6 +43,7 @@ from pdserve.engine.sampling_params import InvalidParameter, SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.spec_decode import make_spec_decoder
+from pdserve.engine.stats import EngineStats
 from pdserve.engine.stop import OutputProcessor
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.tp.kv_ops import RecordingKVCache
@@ -108,7 +111,7 @@ class Engine:
         self.eos_token_ids = sorted(set(model_config.eos_token_ids) | set(tokenizer.eos_token_ids))
         self.requests: dict[str, Request] = {}
         self.remote_pending: dict[str, Request] = {}
-        self.usage_records: deque[dict] = deque(maxlen=USAGE_RECORDS_KEPT)
+        self.usage_records: deque[UsageRecord] = deque(maxlen=USAGE_RECORDS_KEPT)
         self.terminal_counts: dict[str, int] = {}
         self._pending_outputs: list[RequestOutput] = []
         self._seq_ids = itertools.count()
@@ -225,8 +228,7 @@ class Engine:
         seq.output = OutputProcessor(params, self.tokenizer, self.eos_token_ids)
         seq.wants_prompt_logprobs = params.prompt_logprobs is not None
         seq.set_state(S.QUEUED)
-        return Request(request_id, list(prompt_token_ids), params, namespace, [seq],
-                       metrics={"arrival_time": arrival, "queued_time": time.time()})
+        return Request(request_id, list(prompt_token_ids), params, namespace, [seq], RequestTimes(arrival, time.time()))
 
     # ---- the step ---------------------------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -253,7 +255,8 @@ class Engine:
         self.batch_sizes.append((len(sched.scheduled), sched.num_batched_tokens))
         now = time.time()
         for item in sched.scheduled:
-            self.requests[item.seq.request_id].metrics.setdefault("first_scheduled_time", now)
+            req = self.requests[item.seq.request_id]
+            req.times = req.times.scheduled_at(now)
         want_prompt = {i for i, it in enumerate(sched.scheduled)
                        if it.seq.wants_prompt_logprobs and it.seq.num_output_tokens == 0}
         verifying = self.spec.begin(sched) if self.spec is not None else set()
@@ -293,7 +296,7 @@ class Engine:
         for seq, res in zip(seqs, results):
             req = self.requests[seq.request_id]
             touched[req.request_id] = req
-            req.metrics.setdefault("first_token_time", now)
+            req.times = req.times.first_token_at(now)
             if seq.sampling.params.logprobs is not None:
                 seq.logprobs.append(res)
             self.core.commit(seq, res.token_id, req.prefill_only)
@@ -305,7 +308,7 @@ class Engine:
                 seq.logprobs.extend(results)
         for rid, items in beam_rows.items():
             req = touched[rid] = self.requests[rid]
-            req.metrics.setdefault("first_token_time", now)
+            req.times = req.times.first_token_at(now)
             live = beams.step(req.beam, [(seq, logits[row]) for seq, row in items], self.core,
                               lambda: next(self._seq_ids))
             if live:
@@ -364,7 +367,7 @@ class Engine:
         counts = req.token_counts()
         return RequestOutput(req.request_id, req.prompt_token_ids, outs, finished,
                              seqs[0].state.value if not finished else req.terminal_state().value,
-                             seqs[0].num_cached_tokens, dict(req.metrics), req.prompt_logprobs,
+                             seqs[0].num_cached_tokens, req.times, req.prompt_logprobs,
                              num_generated_tokens=counts[0], num_verified_tokens=counts[1],
                              num_accepted_tokens=counts[2], num_kv_growth_tokens=counts[3])
 
@@ -429,31 +432,12 @@ class Engine:
         self.remote_pending.pop(req.request_id, None)
         final = req.terminal_state()
         req.state = final
-        req.metrics["finished_time"] = time.time()
+        req.times = req.times.finished_at(time.time())
         self.terminal_counts[final.value] = self.terminal_counts.get(final.value, 0) + 1
-        chosen = req.chosen() or req.seqs
-        record = {
-            "request_id": req.request_id,
-            "namespace": req.namespace,
-            "prompt_tokens": len(req.prompt_token_ids),
-            "cached_tokens": req.seqs[0].num_cached_tokens,
-            "generated_tokens": sum(s.output.num_generated for s in req.seqs),
-            "emitted_tokens": sum(s.output.num_emitted for s in req.seqs),
-            "committed_tokens": sum(len(s.output_token_ids) for s in chosen),
-            "state": final.value,
-            "finish_reasons": [s.finish_reason for s in chosen],
-            "num_preemptions": sum(s.num_preemptions for s in req.seqs),
-            # Q16: decode positions forwarded, speculative candidates accepted, KV kept (spec_decode/decoder.py)
-            "verified_tokens": sum(s.num_verified_tokens for s in req.seqs),
-            "accepted_tokens": sum(s.num_accepted_tokens for s in req.seqs),
-            "kv_growth_tokens": sum(s.num_kv_growth_tokens for s in req.seqs),
-            "deadline": req.deadline,
-            **{k: v for k, v in req.metrics.items()},
-        }
-        if req.beam is not None:
-            record.update(beams.usage(req.beam, req.params.n, final == S.FINISHED))
+        record = req.usage_record()
         self.usage_records.append(record)
-        usage_log.info(json.dumps(record))
+        if usage_log.isEnabledFor(logging.INFO):
+            usage_log.info(json.dumps(asdict(record)))
 
     def abort(self, request_id: str, state: str = "CANCELLED") -> None:
         """Cancel, time out or fail a request now; a no-op for unknown or already finished requests."""
@@ -526,7 +510,7 @@ class Engine:
             seq.sampling.cumulative_logprob = first.cumulative_logprob
             if seq.sampling.params.logprobs is not None and first.logprobs is not None:
                 seq.logprobs.append(first.logprobs)
-        req.metrics["first_token_time"] = time.time()
+        req.times = req.times.first_token_at(time.time())
         self.requests[request_id] = req
         reasons = self.core.commit_prefilled(req.seqs, [f.token_id for f in req.first_tokens])
         if all(r is not None for r in reasons):
@@ -576,26 +560,17 @@ class Engine:
             n += max(0, seq.num_tokens - max(hit, seq.num_computed_tokens))
         return n
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         bm = self.block_manager
         logical = sum(s.num_computed_tokens for r in self.requests.values() for s in r.seqs if not s.finished)
-        return {
-            "kv_blocks_in_use": bm.blocks_in_use,
-            "kv_blocks_total": bm.num_blocks,
-            "kv_blocks_cached_free": len(bm.evictable),
-            "kv_blocks_pinned": self.core.num_pinned_blocks(),
-            "kv_logical_slots": logical,
-            "kv_allocated_slots": bm.blocks_in_use * bm.block_size,
-            "cpu_blocks_in_use": bm.num_cpu_blocks - len(bm.cpu_free),
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "num_swapped": len(self.scheduler.swapped),
-            "states": self.state_counts(),
-            "prefix_hit_ratio": bm.hit_ratio,
-            "prefix_queried_tokens": bm.queried_tokens,
-            "prefix_hit_tokens": bm.hit_tokens,
-            "preemptions": dict(self.scheduler.num_preemptions),
-            "terminal": dict(self.terminal_counts),
-            **(self.kv_offload.stats() if self.kv_offload is not None else {}),
-            **({"spec": self.spec.stats.snapshot()} if self.spec is not None else {}),
-        }
+        return EngineStats(
+            kv_blocks_in_use=bm.blocks_in_use, kv_blocks_total=bm.num_blocks, kv_blocks_cached_free=len(bm.evictable),
+            kv_blocks_pinned=self.core.num_pinned_blocks(), kv_logical_slots=logical,
+            kv_allocated_slots=bm.blocks_in_use * bm.block_size, cpu_blocks_in_use=bm.num_cpu_blocks - len(bm.cpu_free),
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_swapped=len(self.scheduler.swapped), states=MappingProxyType(self.state_counts()),
+            prefix_hit_ratio=bm.hit_ratio, prefix_queried_tokens=bm.queried_tokens, prefix_hit_tokens=bm.hit_tokens,
+            preemptions=MappingProxyType(dict(self.scheduler.num_preemptions)),
+            terminal=MappingProxyType(dict(self.terminal_counts)),
+            tier=self.kv_offload.stats() if self.kv_offload is not None else None,
+            spec=self.spec.stats.snapshot() if self.spec is not None else None)

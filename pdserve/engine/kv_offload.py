@@ -34,6 +34,8 @@ import weakref
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
 
 import numpy
 import torch
@@ -46,6 +48,20 @@ log = logging.getLogger("pdserve.engine.kv_offload")
 
 DEVICE, HOST, DISK = "device", "host", "disk"
 DIRECTIONS = ("device_to_host", "host_to_device", "host_to_disk", "disk_to_device")
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    """The host / disk tier at one moment (EngineStats.tier)."""
+    host_blocks_in_use: int
+    host_blocks_total: int
+    disk_blocks_in_use: int
+    disk_blocks_total: int
+    recalls: int  # lifetime recalls completed
+    recalls_in_flight: int
+    recall_seconds: tuple[float, ...]  # the latest recalls' latencies, oldest first
+    bytes_moved: Mapping[str, int]  # lifetime, by direction (DIRECTIONS)
+    hit_tokens: Mapping[str, int]  # lifetime prefix-hit tokens served from each of HOST and DISK
 
 
 @dataclass
@@ -336,15 +352,10 @@ class KVOffload:
             return DISK
         return None
 
-    def stats(self) -> dict:
-        return {
-            "kv_host_blocks_in_use": self.num_host_blocks - len(self.host_free),
-            "kv_host_blocks_total": self.num_host_blocks,
-            "kv_disk_blocks_in_use": len(self.disk_lru),
-            "kv_disk_blocks_total": self.num_disk_blocks,
-            "kv_recalls": self.num_recalls,
-            "kv_recalls_in_flight": sum(1 for r in self.recalls.values() if not r.done),
-            "kv_recall_seconds": list(self.recall_seconds),
-            "kv_offload_bytes": dict(self.bytes),
-            "kv_offload_hit_tokens": dict(self.hit_tokens),
-        }
+    def stats(self) -> TierStats:
+        return TierStats(
+            host_blocks_in_use=self.num_host_blocks - len(self.host_free), host_blocks_total=self.num_host_blocks,
+            disk_blocks_in_use=len(self.disk_lru), disk_blocks_total=self.num_disk_blocks,
+            recalls=self.num_recalls, recalls_in_flight=sum(1 for r in self.recalls.values() if not r.done),
+            recall_seconds=tuple(self.recall_seconds), bytes_moved=MappingProxyType(dict(self.bytes)),
+            hit_tokens=MappingProxyType(dict(self.hit_tokens)))

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 
 @dataclass
@@ -47,6 +47,26 @@ class Prefix(Sequence):
         return repr(self._src[self._start:self._end])
 
 
+@dataclass(frozen=True, slots=True)
+class RequestTimes:
+    """A request's lifecycle timestamps (Unix seconds; None = not reached). Frozen: the engine replaces the whole
+    value at each of its few transitions, so every output can carry the current one without a copy."""
+    arrival: float
+    queued: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+    def scheduled_at(self, t: float) -> RequestTimes:
+        return self if self.first_scheduled is not None else replace(self, first_scheduled=t)
+
+    def first_token_at(self, t: float) -> RequestTimes:
+        return self if self.first_token is not None else replace(self, first_token=t)
+
+    def finished_at(self, t: float) -> RequestTimes:
+        return replace(self, finished=t)
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -77,7 +97,7 @@ class RequestOutput:
     finished: bool
     state: str  # the request's state name (terminal state once finished)
     num_cached_tokens: int = 0
-    metrics: dict = field(default_factory=dict)
+    times: RequestTimes | None = None
     prompt_logprobs: list | None = None
     error: str | None = None
     num_generated_tokens: int = 0  # sampled so far, every branch (best_of: the ones not returned too)
@@ -85,3 +105,25 @@ class RequestOutput:
     num_verified_tokens: int = 0
     num_accepted_tokens: int = 0
     num_kv_growth_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class UsageRecord:
+    """One request's accounting when it ends (the engine keeps the latest and logs each one as JSON on the
+    `pdserve.usage` logger). generated = sampled, every branch; emitted = shown to the client; committed = the
+    returned branches' tokens. verified / accepted / kv_growth: Q16 decode accounting (spec_decode/decoder.py)."""
+    request_id: str
+    namespace: str
+    state: str  # the terminal state's name
+    prompt_tokens: int
+    cached_tokens: int
+    generated_tokens: int
+    emitted_tokens: int
+    committed_tokens: int
+    finish_reasons: tuple[str | None, ...]
+    num_preemptions: int
+    verified_tokens: int
+    accepted_tokens: int
+    kv_growth_tokens: int
+    deadline: float | None
+    times: RequestTimes

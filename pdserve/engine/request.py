@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.engine import beam as beams
-from pdserve.engine.outputs import FirstToken
+from pdserve.engine.outputs import FirstToken, RequestTimes, UsageRecord
 from pdserve.engine.request_state import RequestState as S
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sampling_state import select_best
@@ -19,8 +19,8 @@ class Request:
     params: SamplingParams
     namespace: str
     seqs: list[Sequence]
+    times: RequestTimes
     prefill_only: bool = False
-    metrics: dict = field(default_factory=dict)
     reclaimed: bool = False
     state: S = S.QUEUED
     prompt_logprobs: list | None = None
@@ -77,3 +77,22 @@ class Request:
             if st in states:
                 return st
         return S.FINISHED
+
+    def usage_record(self) -> UsageRecord:
+        """Its accounting, once it has ended (`state` is terminal)."""
+        seqs = self.seqs
+        chosen = self.chosen() or seqs
+        generated = sum(s.output.num_generated for s in seqs)
+        emitted = sum(s.output.num_emitted for s in seqs)
+        committed = sum(len(s.output_token_ids) for s in chosen)
+        reasons = tuple(s.finish_reason for s in chosen)
+        if self.beam is not None:
+            generated, emitted, committed, reasons = beams.usage(self.beam, self.params.n, self.state == S.FINISHED)
+        return UsageRecord(
+            request_id=self.request_id, namespace=self.namespace, state=self.state.value,
+            prompt_tokens=len(self.prompt_token_ids), cached_tokens=seqs[0].num_cached_tokens,
+            generated_tokens=generated, emitted_tokens=emitted, committed_tokens=committed, finish_reasons=reasons,
+            num_preemptions=sum(s.num_preemptions for s in seqs),
+            verified_tokens=sum(s.num_verified_tokens for s in seqs),
+            accepted_tokens=sum(s.num_accepted_tokens for s in seqs),
+            kv_growth_tokens=sum(s.num_kv_growth_tokens for s in seqs), deadline=self.deadline, times=self.times)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from pdserve.engine.outputs import FirstToken, RequestOutput, SampleResult
+from pdserve.engine.outputs import FirstToken, RequestOutput, RequestTimes, SampleResult
 from pdserve.engine.sampling_params import GuidedSpec, SamplingParams
 from pdserve.kv_transfer.layout import KVLayout, KVRegion
 from pdserve.services.pb import common_pb2
@@ -62,7 +62,7 @@ class DeltaEncoder:
             msg.usage.verified_tokens = out.num_verified_tokens
             msg.usage.accepted_tokens = out.num_accepted_tokens
             msg.usage.kv_growth_tokens = out.num_kv_growth_tokens
-        fill_times(msg.times, out.metrics)
+        fill_times(msg.times, out.times)
         return msg
 
 
@@ -77,13 +77,14 @@ def first_tokens_from_pb(firsts) -> list[FirstToken]:
     return out
 
 
-def fill_times(times: common_pb2.StageTimes, metrics: dict | None) -> None:
+def fill_times(times: common_pb2.StageTimes, t: RequestTimes | None) -> None:
     """The engine's request timestamps (Unix seconds) -> StageTimes (0 = not reached)."""
-    m = metrics or {}
-    times.arrival = m.get("arrival_time", 0.0) or 0.0
-    times.first_scheduled = m.get("first_scheduled_time", 0.0) or 0.0
-    times.first_token = m.get("first_token_time", 0.0) or 0.0
-    times.finished = m.get("finished_time", 0.0) or 0.0
+    if t is None:
+        return
+    times.arrival = t.arrival
+    times.first_scheduled = t.first_scheduled or 0.0
+    times.first_token = t.first_token or 0.0
+    times.finished = t.finished or 0.0
 
 
 def full_response(out: RequestOutput, tokenizer=None) -> common_pb2.GenerateResponse:

@@ -134,9 +134,9 @@ class LoadMeter:
 
     def _prefill_sample(self, out) -> None:
         rid = out.request_id
-        m = out.metrics or {}
-        if rid not in self._seen:
-            s, f = m.get("first_scheduled_time"), m.get("first_token_time")
+        t = out.times
+        if rid not in self._seen and t is not None:
+            s, f = t.first_scheduled, t.first_token
             if s and f and f >= s:
                 self._seen.add(rid)
                 n_prompt = len(out.prompt_token_ids or [])

@@ -27,6 +27,7 @@ from pdserve.engine.warmup import warm_up
 from pdserve.kv_transfer.layout import KV_PROTOCOL_VERSION, KVLayout
 from pdserve.services.metrics import worker as M
 from pdserve.engine.request_state import RequestState
+from pdserve.engine.stats import EngineStats
 from pdserve.services.convert import DeltaEncoder, layout_to_pb, limits_from_pb, params_from_pb, region_to_pb
 from pdserve.services.decode.service import DecodeSide
 from pdserve.services.grpc_util import WORKER_SERVICE, listen, make_server, param_metadata, security, set_serving
@@ -85,7 +86,7 @@ class Worker(worker_pb2_grpc.WorkerServicer):
         self.decode = DecodeSide(self.host, self.endpoint, self.agent, self.tokenizer, self.meter, transfer_timeout_s,
                                  rank_agents=self.rank_agents)
         self.inflight = 0
-        self.last_stats: dict = {}
+        self.last_stats = EngineStats()
         self.labels: dict[str, str] = {}  # `--labels`, published in the registry for the router's spread terms
 
     # ---- helpers ----------------------------------------------------------------------------------------------
@@ -98,25 +99,25 @@ class Worker(worker_pb2_grpc.WorkerServicer):
         s = self.last_stats
         ld = self.meter.report()
         ld.worker_id = self.worker_id
-        ld.num_running = s.get("num_running", 0)
-        ld.num_waiting = s.get("num_waiting", 0) + self.inflight
-        ld.kv_blocks_in_use = s.get("kv_blocks_in_use", 0)
-        ld.kv_blocks_total = s.get("kv_blocks_total", 0)
+        ld.num_running = s.num_running
+        ld.num_waiting = s.num_waiting + self.inflight
+        ld.kv_blocks_in_use = s.kv_blocks_in_use
+        ld.kv_blocks_total = s.kv_blocks_total
         ld.pinned_blocks = self.prefill.leases.pinned_blocks()
-        ld.prefix_hit_ratio = float(s.get("prefix_hit_ratio", 0.0) or 0.0)
+        ld.prefix_hit_ratio = s.prefix_hit_ratio
         ld.max_num_seqs = self.engine.config.max_num_seqs
         ld.tensor_parallel_size = self.engine.config.tensor_parallel_size
         return ld
 
-    def refresh_stats(self) -> dict:
+    def refresh_stats(self) -> EngineStats:
         """From the snapshot the engine thread published last: never waits for a step."""
         return self._use_stats(self.host.snapshot.stats)
 
-    async def exact_stats(self) -> dict:
+    async def exact_stats(self) -> EngineStats:
         """Through the engine thread, after every command queued before it (waits for the current step)."""
         return self._use_stats(await self.host.run(lambda e: e.stats()))
 
-    def _use_stats(self, s: dict) -> dict:
+    def _use_stats(self, s: EngineStats) -> EngineStats:
         self.last_stats = s
         self.exporter.update(s)
         return s
@@ -187,7 +188,7 @@ class Worker(worker_pb2_grpc.WorkerServicer):
 
     async def GetStats(self, request, context):
         s = await self.exact_stats()
-        return worker_pb2.GetStatsResponse(load=self.load(), states=s.get("states", {}))
+        return worker_pb2.GetStatsResponse(load=self.load(), states=dict(s.states))
 
 
 async def _heartbeat_loop(w: Worker, registry: Registry | None, interval_s: float,

@@ -30,15 +30,15 @@ def test_stream_and_cancel(tiny_llama):
         stats = None
         for _ in range(100):
             stats = await aeng.run(lambda e: e.stats())
-            if stats["kv_blocks_in_use"] == 0:
+            if stats.kv_blocks_in_use == 0:
                 break
             await asyncio.sleep(0.01)
         await aeng.stop()
         return stats
 
     stats = asyncio.run(main())
-    assert stats["kv_blocks_in_use"] == 0
-    assert stats["terminal"] == {"FINISHED": 2, "CANCELLED": 1}
+    assert stats.kv_blocks_in_use == 0
+    assert stats.terminal == {"FINISHED": 2, "CANCELLED": 1}
 
 
 def test_pending_transfer_that_never_completes_is_freed(tiny_llama):
@@ -55,9 +55,9 @@ def test_pending_transfer_that_never_completes_is_freed(tiny_llama):
             "r", prompt, [FirstToken(7)], P, transfer_deadline=time.time() + 0.3))
         assert cached == 0 and len(blocks) == 7
         held = await aeng.run(lambda e: e.stats())
-        assert held["kv_blocks_in_use"] == 7 and held["states"] == {"PREFILLING": 1}
+        assert held.kv_blocks_in_use == 7 and held.states == {"PREFILLING": 1}
         t0 = time.monotonic()
-        while (await aeng.run(lambda e: e.stats()))["kv_blocks_in_use"] and time.monotonic() - t0 < 5:
+        while (await aeng.run(lambda e: e.stats())).kv_blocks_in_use and time.monotonic() - t0 < 5:
             await asyncio.sleep(0.05)
         freed_after = time.monotonic() - t0
         stats = await aeng.run(lambda e: e.stats())
@@ -66,10 +66,10 @@ def test_pending_transfer_that_never_completes_is_freed(tiny_llama):
         return stats, freed_after, late
 
     stats, freed_after, late = asyncio.run(main())
-    assert stats["kv_blocks_in_use"] == 0 and stats["states"] == {} and stats["terminal"] == {"FAILED": 1}
+    assert stats.kv_blocks_in_use == 0 and stats.states == {} and stats.terminal == {"FAILED": 1}
     assert freed_after < 1.0  # deadline 0.3 s + one idle poll (TRANSFER_POLL_S)
     assert late is False
-    assert eng.usage_records[-1]["request_id"] == "r" and eng.usage_records[-1]["state"] == "FAILED"
+    assert eng.usage_records[-1].request_id == "r" and eng.usage_records[-1].state == "FAILED"
 
 
 def test_snapshot_is_published_without_a_round_trip(tiny_llama):
@@ -81,14 +81,14 @@ def test_snapshot_is_published_without_a_round_trip(tiny_llama):
     async def main():
         aeng = AsyncEngine(eng)
         await aeng.start()
-        assert aeng.snapshot.stats["kv_blocks_in_use"] == 0 and aeng.busy_for() == 0.0
+        assert aeng.snapshot.stats.kv_blocks_in_use == 0 and aeng.busy_for() == 0.0
         gen = aeng.generate("s", [5, 6, 7], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
         task = asyncio.ensure_future(asyncio.wait_for(_drain(gen), 10))
         await asyncio.sleep(0.25)  # inside the first (slowed) step
         busy = aeng.busy_for()
         await task
         for _ in range(50):
-            if aeng.snapshot.stats["terminal"].get("FINISHED") == 1:
+            if aeng.snapshot.stats.terminal.get("FINISHED") == 1:
                 break
             await asyncio.sleep(0.02)
         final = aeng.snapshot.stats
@@ -97,7 +97,7 @@ def test_snapshot_is_published_without_a_round_trip(tiny_llama):
 
     busy, final = asyncio.run(main())
     assert 0.1 < busy < 0.4
-    assert final["terminal"] == {"FINISHED": 1} and final["kv_blocks_in_use"] == 0
+    assert final.terminal == {"FINISHED": 1} and final.kv_blocks_in_use == 0
 
 
 async def _drain(gen):

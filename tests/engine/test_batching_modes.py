@@ -49,7 +49,7 @@ def engine(tiny_llama, batching):
 
 
 def utilisation(eng, done, capacity=2):
-    served_tokens = sum(r["generated_tokens"] for r in eng.usage_records)
+    served_tokens = sum(r.generated_tokens for r in eng.usage_records)
     assert served_tokens == 6  # token conservation: 1 + 4 + 1 whichever the policy
     return served_tokens / (capacity * max(done.values()))
 

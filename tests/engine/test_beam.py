@@ -89,7 +89,7 @@ def test_beams_share_blocks_copy_on_write(tiny_llama):
     assert shared_seen
     assert eng.block_manager.blocks_in_use == 0 and all(r == 0 for r in eng.block_manager.ref)
     rec = eng.usage_records[-1]
-    assert rec["state"] == "FINISHED" and rec["committed_tokens"] == 8 and rec["generated_tokens"] >= 8 * 4
+    assert rec.state == "FINISHED" and rec.committed_tokens == 8 and rec.generated_tokens >= 8 * 4
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -118,7 +118,7 @@ def test_abort_mid_search_frees_everything(engine):
     outs = [o for o in engine.drain_outputs() if o.request_id == "x"]
     assert len(outs) == 1 and outs[0].finished and outs[0].state == "CANCELLED"
     assert engine.block_manager.blocks_in_use == 0
-    assert sum(1 for r in engine.usage_records if r["request_id"] == "x") == 1
+    assert sum(1 for r in engine.usage_records if r.request_id == "x") == 1
 
 
 @pytest.mark.parametrize("kw,param", [

@@ -36,8 +36,8 @@ def test_timeout_from_queued(tiny_llama):
     b = next(o for o in outs if o.request_id == "b")
     assert b.finished and b.state == "TIMED_OUT" and b.outputs[0].finish_reason == "timeout"
     _run(eng)
-    rec = {r["request_id"]: r for r in eng.usage_records}
-    assert rec["b"]["state"] == "TIMED_OUT" and rec["a"]["state"] == "FINISHED"
+    rec = {r.request_id: r for r in eng.usage_records}
+    assert rec["b"].state == "TIMED_OUT" and rec["a"].state == "FINISHED"
     assert eng.block_manager.blocks_in_use == 0 and len(eng.usage_records) == 2
 
 
@@ -56,7 +56,7 @@ def test_timeout_from_preempted_and_running(tiny_llama):
     assert seq.history[-2:] == [S.PREEMPTED, S.TIMED_OUT]
     time.sleep(0.06)
     _run(eng)
-    states = {r["request_id"]: r["state"] for r in eng.usage_records}
+    states = {r.request_id: r.state for r in eng.usage_records}
     assert states == {"p": "TIMED_OUT", "r": "TIMED_OUT"}  # running past its deadline: partial output, TIMED_OUT
     assert eng.block_manager.blocks_in_use == 0
 
@@ -68,14 +68,14 @@ def test_cancel_and_timeout_race_one_record(tiny_llama):
     eng.step()  # ... then the deadline check: a no-op
     eng.abort("x", "TIMED_OUT")
     eng.abort("x", "CANCELLED")
-    assert [r["state"] for r in eng.usage_records] == ["CANCELLED"]
+    assert [r.state for r in eng.usage_records] == ["CANCELLED"]
     assert eng.block_manager.blocks_in_use == 0 and eng.terminal_counts == {"CANCELLED": 1}
 
 
 def _order_of_first_schedule(eng: Engine, ids: list[str]) -> list[str]:
     _run(eng)
-    recs = {r["request_id"]: r for r in eng.usage_records}
-    return sorted(ids, key=lambda i: recs[i]["first_scheduled_time"])
+    recs = {r.request_id: r for r in eng.usage_records}
+    return sorted(ids, key=lambda i: recs[i].times.first_scheduled)
 
 
 def test_priority_policy_and_age_bound(tiny_llama):

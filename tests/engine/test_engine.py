@@ -52,7 +52,7 @@ def test_preemption_same_tokens(tiny_llama, reference, mode):
     assert toks == reference
     assert eng.scheduler.num_preemptions[mode] > 0
     assert eng.block_manager.blocks_in_use == 0
-    assert eng.stats()["cpu_blocks_in_use"] == 0
+    assert eng.stats().cpu_blocks_in_use == 0
 
 
 def test_swap_space_sizes_the_host_pool_and_swaps(tiny_llama, reference):
@@ -226,7 +226,7 @@ def test_best_of_returns_highest_cumulative_logprob(tiny_llama):
         shown += [c for o in eng.step() for c in o.outputs]
     assert len(shown) == 1 and shown[0].index == 0  # nothing of the losers, nothing before the end
     assert shown[0].new_token_ids == shown[0].token_ids == best.token_ids
-    assert eng.usage_records[-1]["committed_tokens"] == 6 and eng.usage_records[-1]["generated_tokens"] == 18
+    assert eng.usage_records[-1].committed_tokens == 6 and eng.usage_records[-1].generated_tokens == 18
     got, _, _ = _handoff(tiny_llama, prompt, SamplingParams(n=1, best_of=3, **sampled))
     assert [c.token_ids for c in got.outputs] == [best.token_ids]
     assert got.outputs[0].new_token_ids == best.token_ids
@@ -247,3 +247,25 @@ def test_usage_records_are_bounded(tiny_llama):
     eng = Engine.from_pretrained(tiny_llama, EngineConfig(block_size=4, num_gpu_blocks=64))
     eng.generate([[5, 6, 7]] * (engine_mod.USAGE_RECORDS_KEPT + 3), SamplingParams(max_tokens=1))
     assert len(eng.usage_records) == engine_mod.USAGE_RECORDS_KEPT
+
+
+def test_usage_log_line_is_the_record_with_ordered_times(tiny_llama, caplog):
+    """Each request's `pdserve.usage` line is its UsageRecord as JSON; its timestamps are in lifecycle order and
+    agree with the output the client got."""
+    import json
+    import logging
+    import time
+    from dataclasses import asdict
+    eng = Engine.from_pretrained(tiny_llama, EngineConfig(block_size=4, num_gpu_blocks=64))
+    t0 = time.time()
+    with caplog.at_level(logging.INFO, logger="pdserve.usage"):
+        out = eng.generate([[5, 6, 7, 8, 9]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "pdserve.usage"]
+    assert len(lines) == 1
+    line, rec = lines[0], eng.usage_records[-1]
+    assert line == json.loads(json.dumps(asdict(rec)))
+    assert (line["request_id"], line["state"], line["prompt_tokens"], line["generated_tokens"],
+            line["committed_tokens"], line["finish_reasons"]) == (out.request_id, "FINISHED", 5, 4, 4, ["length"])
+    t = line["times"]
+    assert t0 <= t["arrival"] <= t["queued"] <= t["first_scheduled"] <= t["first_token"] <= t["finished"] <= time.time()
+    assert out.times == rec.times and out.times.finished == t["finished"]

@@ -84,9 +84,9 @@ def test_host_hit_recalls_instead_of_recomputing(tiny_llama, hf_ref):
     # computed: the 4 tokens of the last block (never a hit), then one token per decode step
     assert computed == (len(A) - 9 * BS) + (GREEDY.max_tokens - 1)
     st = eng.stats()
-    assert st["kv_offload_hit_tokens"]["host"] == on_host * BS
-    assert st["kv_recalls"] == 1 and len(st["kv_recall_seconds"]) == 1
-    assert st["kv_offload_bytes"]["host_to_device"] == on_host * eng.kv_cache.block_bytes
+    assert st.tier.hit_tokens["host"] == on_host * BS
+    assert st.tier.recalls == 1 and len(st.tier.recall_seconds) == 1
+    assert st.tier.bytes_moved["host_to_device"] == on_host * eng.kv_cache.block_bytes
     assert all(eng.kv_offload.tier_of(h) == "device" for h in hashes)
     assert any(ev.kind == "stored" and ev.tier == "device" for ev in eng.drain_kv_events())
     check_accounting(eng)
@@ -124,8 +124,8 @@ def test_disk_tier_round_trip(tiny_llama, hf_ref, tmp_path):
     assert toks == hf_ref(A)
     assert computed == (len(A) - 9 * BS) + (GREEDY.max_tokens - 1)
     st = eng.stats()
-    assert st["kv_offload_hit_tokens"]["disk"] == on_disk * BS
-    assert st["kv_offload_bytes"]["disk_to_device"] == on_disk * bb
+    assert st.tier.hit_tokens["disk"] == on_disk * BS
+    assert st.tier.bytes_moved["disk_to_device"] == on_disk * bb
     eng.kv_offload.io.submit(lambda: None).result()
     assert len(os.listdir(eng.kv_offload.disk_dir)) == len(eng.kv_offload.disk_lru)  # recalled files deleted
     check_accounting(eng)
@@ -147,7 +147,7 @@ def test_host_tier_capacity_and_lru(tiny_llama):
             elif ev.kind == "evicted":
                 seen.add(ev.block_hash)
     assert len(order) > cap
-    assert eng.stats()["kv_host_blocks_in_use"] == cap
+    assert eng.stats().tier.host_blocks_in_use == cap
     assert list(eng.kv_offload.host_lru) == order[-cap:]  # the most recently evicted stay, oldest first
     assert set(order[:-cap]) <= seen  # the older ones fell off the last tier, each with an `evicted` event
     assert all(eng.kv_offload.tier_of(h) is None for h in order[:-cap])
@@ -170,13 +170,13 @@ def test_recall_is_asynchronous_and_cancel_is_safe(tiny_llama, hf_ref):
     for _ in range(5):
         outs = {o.request_id: o for o in eng.step()}
         assert len(outs["b"].outputs[0].new_token_ids) == 1  # b decodes one token every step
-        assert eng.requests["a"].seqs[0].state == S.QUEUED and eng.stats()["kv_recalls_in_flight"] == 1
+        assert eng.requests["a"].seqs[0].state == S.QUEUED and eng.stats().tier.recalls_in_flight == 1
     eng.abort("a")
     gate.set()
     while eng.has_unfinished():
         eng.step()
     check_accounting(eng)
-    assert eng.stats()["kv_recalls"] == 1  # the copy completed and its blocks joined the device cache
+    assert eng.stats().tier.recalls == 1  # the copy completed and its blocks joined the device cache
     toks, computed, _ = run_counting(eng, A)
     assert toks == hf_ref(A)
     check_accounting(eng)
@@ -201,7 +201,7 @@ def test_finished_recall_never_blocks_the_queue_head(tiny_llama, hf_ref):
     eng.kv_offload.io.submit(gate.wait, 30)
     eng.add_request("x", A, GREEDY, priority=1)
     eng.step()
-    assert eng.stats()["kv_recalls_in_flight"] == 1
+    assert eng.stats().tier.recalls_in_flight == 1
     head = [(5 * i) % 290 + 7 for i in range(80)]  # 20 blocks of the 24: fits only if x's pins are gone
     eng.add_request("h", head, GREEDY, priority=0)
     gate.set()

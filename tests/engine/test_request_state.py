@@ -92,12 +92,12 @@ def test_no_leak_finish_and_aborts(engine):
     assert not engine.scheduler.has_work()
     by_id = {}
     for r in engine.usage_records:
-        by_id.setdefault(r["request_id"], []).append(r)
+        by_id.setdefault(r.request_id, []).append(r)
     assert {k: len(v) for k, v in by_id.items()} == {"done": 1, "mid-prefill": 1, "mid-decode": 1, "queued": 1}
-    assert by_id["mid-decode"][0]["state"] == "TIMED_OUT"
-    assert by_id["mid-prefill"][0]["state"] == "CANCELLED"
-    assert by_id["queued"][0]["state"] == "FAILED"
-    assert by_id["done"][0]["state"] == "FINISHED" and by_id["done"][0]["generated_tokens"] == 20
+    assert by_id["mid-decode"][0].state == "TIMED_OUT"
+    assert by_id["mid-prefill"][0].state == "CANCELLED"
+    assert by_id["queued"][0].state == "FAILED"
+    assert by_id["done"][0].state == "FINISHED" and by_id["done"][0].generated_tokens == 20
     assert seqs["done"].history[:4] == [RequestState.QUEUED, RequestState.RUNNABLE, RequestState.PREFILLING,
                                         RequestState.DECODING]
     final = {o.request_id: o for o in outs if o.finished}
@@ -112,7 +112,7 @@ def test_abort_unknown_is_noop_and_bad_state_rejected(engine):
     engine.abort("x")
     engine.abort("x")
     drain(engine)
-    assert [r["request_id"] for r in engine.usage_records] == ["x"]
+    assert [r.request_id for r in engine.usage_records] == ["x"]
 
 
 def test_prefill_only_pins_until_released(engine):

@@ -119,20 +119,20 @@ def test_usage_records_count_verified_accepted_kv_growth(tiny_llama):
     p, s = plain.usage_records[-1], spec.usage_records[-1]
     n = GREEDY.max_tokens
     # Plain decode: one position per step, each kept; the first token came from the prefill.
-    assert (p["verified_tokens"], p["accepted_tokens"], p["kv_growth_tokens"]) == (n - 1, 0, n - 1)
+    assert (p.verified_tokens, p.accepted_tokens, p.kv_growth_tokens) == (n - 1, 0, n - 1)
     st = spec.spec.stats
-    assert s["generated_tokens"] == s["emitted_tokens"] == n
-    assert s["kv_growth_tokens"] == n - 1  # the committed KV is the same: rejected candidates were rolled back
-    assert s["accepted_tokens"] == st.accepted > 0
-    assert s["verified_tokens"] == st.proposed + st.steps + (n - 1 - st.emitted)  # k+1 per verify step, 1 per plain
-    assert s["verified_tokens"] - s["kv_growth_tokens"] == st.rolled_back
+    assert s.generated_tokens == s.emitted_tokens == n
+    assert s.kv_growth_tokens == n - 1  # the committed KV is the same: rejected candidates were rolled back
+    assert s.accepted_tokens == st.accepted > 0
+    assert s.verified_tokens == st.proposed + st.steps + (n - 1 - st.emitted)  # k+1 per verify step, 1 per plain
+    assert s.verified_tokens - s.kv_growth_tokens == st.rolled_back
     # the same counts on the wire (the decode worker's last GenerateResponse)
     from pdserve.services.convert import DeltaEncoder
     out = spec.generate(PROMPTS[:1], GREEDY)[0]
     u = DeltaEncoder().encode(out).usage
     r = spec.usage_records[-1]
     assert (u.verified_tokens, u.accepted_tokens, u.kv_growth_tokens) == \
-        (r["verified_tokens"], r["accepted_tokens"], r["kv_growth_tokens"])
+        (r.verified_tokens, r.accepted_tokens, r.kv_growth_tokens)
 
 
 def test_flags_reach_the_engine_config(tmp_path):
@@ -187,8 +187,8 @@ def test_pipeline_applies_per_verified_position(tiny_llama, draft_small, draft_c
             stopped += x.outputs[0].finish_reason == "stop" and len(x.outputs[0].token_ids) < 20
             # a stop inside a speculative step: the KV kept is that of the committed tokens, as in plain decoding
             rp, rs = plain.usage_records[-1], spec.usage_records[-1]
-            assert rs["kv_growth_tokens"] == rp["kv_growth_tokens"] == rp["generated_tokens"] - 1
-            assert rs["verified_tokens"] >= rs["kv_growth_tokens"]
+            assert rs.kv_growth_tokens == rp.kv_growth_tokens == rp.generated_tokens - 1
+            assert rs.verified_tokens >= rs.kv_growth_tokens
     assert stopped >= 2  # stops really fell inside multi-token steps' range
     assert spec.block_manager.blocks_in_use == 0
 

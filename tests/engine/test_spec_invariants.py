@@ -37,7 +37,7 @@ def test_d04_continuous_batching(tiny_llama):
         eng.add_request(rid, [5, 6], greedy(n))
     done, _ = finish_ticks(eng)
     assert done == {"A": 1, "C": 2, "B": 4}
-    served_tokens = sum(r["generated_tokens"] for r in eng.usage_records)
+    served_tokens = sum(r.generated_tokens for r in eng.usage_records)
     assert served_tokens == 6  # token conservation
     assert served_tokens / (2 * max(done.values())) == 0.75  # slot utilisation
     assert eng.block_manager.blocks_in_use == 0  # finishing releases

@@ -124,12 +124,12 @@ def test_worker_metrics_count_tier_hits_bytes_and_recalls(tiny_llama):
     st = eng.stats()
     assert val("pdserve_kv_tier_hit_tokens_total", tier="host") - before["host"] == on_host * 4
     assert val("pdserve_kv_tier_hit_tokens_total", tier="device") - before["device"] == \
-        st["prefix_hit_tokens"] - on_host * 4
+        st.prefix_hit_tokens - on_host * 4
     assert val("pdserve_kv_offload_bytes_total", direction="host_to_device") - moved0 == \
         on_host * eng.kv_cache.block_bytes
     assert val("pdserve_kv_recall_seconds_count") - n0 == 1
     assert val("pdserve_kv_tier_capacity_blocks", tier="host") == eng.kv_offload.num_host_blocks
-    assert val("pdserve_kv_tier_blocks", tier="host") == st["kv_host_blocks_in_use"]
+    assert val("pdserve_kv_tier_blocks", tier="host") == st.tier.host_blocks_in_use
 
 
 def test_real_worker_host_tier_events_and_metrics(tiny_llama):

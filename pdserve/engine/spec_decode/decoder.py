@@ -21,7 +21,7 @@ max_tokens / the context.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pdserve.engine.outputs import SampleResult
 from pdserve.engine.request_state import RequestState as S
@@ -41,10 +41,9 @@ class SpecStats:
     emitted: int = 0  # tokens committed by verification passes (accepted + bonus / residual, up to a stop)
     rolled_back: int = 0  # KV positions written but not kept: rejected candidates (and any past a stop)
 
-    def snapshot(self) -> dict:
-        return {"steps": self.steps, "proposed_tokens": self.proposed, "accepted_tokens": self.accepted,
-                "emitted_tokens": self.emitted, "rolled_back_tokens": self.rolled_back,
-                "acceptance_rate": self.acceptance_rate, "mean_accepted_length": self.mean_accepted_length}
+    def snapshot(self) -> SpecStats:
+        """A copy: the counters keep moving on the engine thread."""
+        return replace(self)
 
     @property
     def acceptance_rate(self) -> float:

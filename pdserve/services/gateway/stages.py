@@ -9,7 +9,7 @@ across processes on one host or NTP-synced hosts) and consecutive durations that
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 # consecutive stages from gateway arrival to the gateway's last emit (their sum is E2E by construction; the
 # timestamps' order across processes is what a test can check). handoff and kv_transfer are part of the sum only
@@ -22,12 +22,38 @@ def _nz(x: float) -> float | None:
 
 
 @dataclass
+class EngineTimes:
+    """One worker engine's timestamps for the sub-request, merged from its `StageTimes` messages (None = not
+    reported). The KV pull's are a decode worker's only."""
+    arrival: float | None = None
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+    kv_transfer_start: float | None = None
+    kv_transfer_end: float | None = None
+
+    def merge(self, times) -> None:
+        # later messages repeat the engine's times and add `finished`; the KV pull times are on the first only
+        for f in _ENGINE_FIELDS:
+            v = _nz(getattr(times, f))
+            if v is not None:
+                setattr(self, f, v)
+
+    @property
+    def reported(self) -> bool:
+        return any(getattr(self, f) is not None for f in _ENGINE_FIELDS)
+
+
+_ENGINE_FIELDS = tuple(f.name for f in fields(EngineTimes))
+
+
+@dataclass
 class StageTrace:
     routed: float | None = None
     # the engine that ran the prefill (prefill worker in disagg, `both` worker in colocated)
-    prefill: dict = field(default_factory=dict)
+    prefill: EngineTimes = field(default_factory=EngineTimes)
     # disagg only: the decode worker's engine + its KV pull
-    decode: dict = field(default_factory=dict)
+    decode: EngineTimes = field(default_factory=EngineTimes)
     disagg: bool = False
     first_emit: float | None = None
     last_emit: float | None = None
@@ -40,21 +66,13 @@ class StageTrace:
         # a reroute (worker unreachable before any token) overwrites: the stages describe the attempt that served
         self.routed = time.time()
         self.disagg = mode == "disagg"
-        self.prefill, self.decode = {}, {}
-
-    @staticmethod
-    def _merge(into: dict, times) -> None:
-        # later messages repeat the engine's times and add `finished`; the KV pull times are on the first only
-        for k in ("arrival", "first_scheduled", "first_token", "finished", "kv_transfer_start", "kv_transfer_end"):
-            v = _nz(getattr(times, k))
-            if v is not None:
-                into[k] = v
+        self.prefill, self.decode = EngineTimes(), EngineTimes()
 
     def on_prefill(self, times) -> None:
-        self._merge(self.prefill, times)
+        self.prefill.merge(times)
 
     def on_stream(self, times) -> None:
-        self._merge(self.decode if self.disagg else self.prefill, times)
+        (self.decode if self.disagg else self.prefill).merge(times)
 
     def on_emit(self, now: float) -> None:
         if self.first_emit is None:
@@ -66,13 +84,12 @@ def stage_times(arrival: float, admitted: float | None, t: StageTrace, index: in
     """The `usage.stage_times` object for one sub-request (index of count). Missing stages are null."""
     p, d = t.prefill, t.decode
     admitted = admitted if admitted is not None else arrival  # no admission control: admitted on arrival
-    kv_end = d.get("kv_transfer_end")
+    kv_end = d.kv_transfer_end
     ts = {
         "arrival": arrival, "admitted": admitted, "routed": t.routed,
-        "worker_arrival": p.get("arrival"), "first_scheduled": p.get("first_scheduled"),
-        "first_token": p.get("first_token"),
-        "decode_arrival": d.get("arrival"), "kv_transfer_start": d.get("kv_transfer_start"), "kv_transfer_end": kv_end,
-        "worker_finished": (d if d else p).get("finished"),
+        "worker_arrival": p.arrival, "first_scheduled": p.first_scheduled, "first_token": p.first_token,
+        "decode_arrival": d.arrival, "kv_transfer_start": d.kv_transfer_start, "kv_transfer_end": kv_end,
+        "worker_finished": (d if d.reported else p).finished,
         "first_emit": t.first_emit, "last_emit": t.last_emit,
     }
 

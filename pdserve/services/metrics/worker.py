@@ -2,10 +2,17 @@
 pool) is added to every sample at exposition, with `model`."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 
 from pdserve.services.metrics.common import FAST, LAT, REJECTIONS  # noqa: F401 - worker-side rejections
+
+if TYPE_CHECKING:  # annotations only: this module imports no engine code (see _StateEntries)
+    from pdserve.engine.kv_offload import TierStats
+    from pdserve.engine.outputs import RequestOutput
+    from pdserve.engine.stats import EngineStats
 
 WORKER = CollectorRegistry(auto_describe=True)
 
@@ -97,14 +104,15 @@ def set_engine_info(info) -> None:
     ENGINE_INFO.labels(info.isa, info.dtype, info.weights or info.dtype, info.kernels).set(1)
 
 
-def observe_engine_times(out) -> None:
+def observe_engine_times(out: RequestOutput | None) -> None:
     """Queue and prefill time of a request from its engine output's timestamps (a worker's first output)."""
-    m = (out.metrics or {}) if out is not None else {}
-    a, s, f = m.get("arrival_time"), m.get("first_scheduled_time"), m.get("first_token_time")
-    if a and s:
-        QUEUE_TIME.observe(max(0.0, s - a))
-    if s and f:
-        PREFILL_TIME.observe(max(0.0, f - s))
+    t = out.times if out is not None else None
+    if t is None:
+        return
+    if t.first_scheduled is not None:
+        QUEUE_TIME.observe(max(0.0, t.first_scheduled - t.arrival))
+        if t.first_token is not None:
+            PREFILL_TIME.observe(max(0.0, t.first_token - t.first_scheduled))
 
 
 class EngineStatsExporter:
@@ -119,54 +127,53 @@ class EngineStatsExporter:
         self.tier_hits: dict[str, int] = {}
         self.moved: dict[str, int] = {}
         self.recalls = 0
-        self.spec = {"steps": 0, "proposed_tokens": 0, "accepted_tokens": 0, "emitted_tokens": 0}
+        self.spec = [0, 0, 0, 0]  # steps, proposed, accepted, emitted as last exported
 
-    def update(self, s: dict) -> None:
-        used, total = s.get("kv_blocks_in_use", 0), s.get("kv_blocks_total", 0)
+    def update(self, s: EngineStats) -> None:
+        used, total = s.kv_blocks_in_use, s.kv_blocks_total
         KV_BLOCKS_IN_USE.set(used)
         KV_BLOCKS_TOTAL.set(total)
         KV_USAGE.set(used / total if total else 0.0)
-        KV_BLOCKS_PINNED.set(s.get("kv_blocks_pinned", 0))
-        PREFIX_HIT_RATIO.set(float(s.get("prefix_hit_ratio", 0.0) or 0.0))
-        NUM_RUNNING.set(s.get("num_running", 0))
-        NUM_WAITING.set(s.get("num_waiting", 0))
-        counts = s.get("states", {})
+        KV_BLOCKS_PINNED.set(s.kv_blocks_pinned)
+        PREFIX_HIT_RATIO.set(s.prefix_hit_ratio)
+        NUM_RUNNING.set(s.num_running)
+        NUM_WAITING.set(s.num_waiting)
         for st in self.states:
-            STATE_GAUGE.labels(st).set(counts.get(st, 0))
-        q, h = s.get("prefix_queried_tokens", 0), s.get("prefix_hit_tokens", 0)
+            STATE_GAUGE.labels(st).set(s.states.get(st, 0))
+        q, h = s.prefix_queried_tokens, s.prefix_hit_tokens
         if q > self.queried:
             PREFIX_QUERIES.inc(q - self.queried)
             self.queried = q
         if h > self.hits:
             PREFIX_HITS.inc(h - self.hits)
             self.hits = h
-        spec = s.get("spec")
-        if spec:
-            for key, counter in (("steps", SPEC_STEPS), ("proposed_tokens", SPEC_PROPOSED),
-                                 ("accepted_tokens", SPEC_ACCEPTED), ("emitted_tokens", SPEC_EMITTED)):
-                if spec[key] > self.spec[key]:
-                    counter.inc(spec[key] - self.spec[key])
-                    self.spec[key] = spec[key]
-            SPEC_ACCEPTANCE.set(spec["acceptance_rate"])
-            SPEC_MEAN_LEN.set(spec["mean_accepted_length"])
-        if "kv_host_blocks_total" in s:
-            self._tier(s)
+        spec = s.spec
+        if spec is not None:
+            now = (spec.steps, spec.proposed, spec.accepted, spec.emitted)
+            for i, counter in enumerate((SPEC_STEPS, SPEC_PROPOSED, SPEC_ACCEPTED, SPEC_EMITTED)):
+                if now[i] > self.spec[i]:
+                    counter.inc(now[i] - self.spec[i])
+                    self.spec[i] = now[i]
+            SPEC_ACCEPTANCE.set(spec.acceptance_rate)
+            SPEC_MEAN_LEN.set(spec.mean_accepted_length)
+        if s.tier is not None:
+            self._tier(s.tier, s.prefix_hit_tokens)
 
-    def _tier(self, s: dict) -> None:
-        for tier in ("host", "disk"):
-            KV_TIER_BLOCKS.labels(tier).set(s.get(f"kv_{tier}_blocks_in_use", 0))
-            KV_TIER_CAPACITY.labels(tier).set(s.get(f"kv_{tier}_blocks_total", 0))
-        offl = s.get("kv_offload_hit_tokens", {})
-        hits = {**offl, "device": max(0, s.get("prefix_hit_tokens", 0) - sum(offl.values()))}
+    def _tier(self, t: TierStats, prefix_hit_tokens: int) -> None:
+        KV_TIER_BLOCKS.labels("host").set(t.host_blocks_in_use)
+        KV_TIER_CAPACITY.labels("host").set(t.host_blocks_total)
+        KV_TIER_BLOCKS.labels("disk").set(t.disk_blocks_in_use)
+        KV_TIER_CAPACITY.labels("disk").set(t.disk_blocks_total)
+        hits = {**t.hit_tokens, "device": max(0, prefix_hit_tokens - sum(t.hit_tokens.values()))}
         for tier, n in hits.items():
             if n > self.tier_hits.get(tier, 0):
                 KV_TIER_HITS.labels(tier).inc(n - self.tier_hits.get(tier, 0))
                 self.tier_hits[tier] = n
-        for direction, n in s.get("kv_offload_bytes", {}).items():
+        for direction, n in t.bytes_moved.items():
             if n > self.moved.get(direction, 0):
                 KV_OFFLOAD_BYTES.labels(direction).inc(n - self.moved.get(direction, 0))
                 self.moved[direction] = n
-        n, recent = s.get("kv_recalls", 0), s.get("kv_recall_seconds", [])
+        n, recent = t.recalls, t.recall_seconds
         if n > self.recalls:  # the latest latencies come last; older ones than the list keeps are not seen
             for x in recent[max(0, len(recent) - (n - self.recalls)):]:
                 KV_RECALL_SECONDS.observe(x)

@@ -172,7 +172,7 @@ class PrefillSide:
             await context.abort(grpc.StatusCode.CANCELLED, "the KV of this request was released during its prefill")
         M.observe_engine_times(final)
         resp = worker_pb2.PrefillResponse(request_id=rid, num_cached_tokens=final.num_cached_tokens or 0)
-        fill_times(resp.times, final.metrics)  # the gateway combines these with the decode worker's (stage_times)
+        fill_times(resp.times, final.times)  # the gateway combines these with the decode worker's (stage_times)
         if final.state != "FINISHED" or not any(c.finish_reason == "prefill" for c in final.outputs):
             # The first tokens already ended every branch (or it failed): nothing to hand over (Prefill's finally
             # frees what is pinned).
