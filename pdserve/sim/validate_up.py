@@ -6,7 +6,7 @@ given model) one deployment is started with `pdserve.bench.breakeven.Deployment`
 (`pdserve.bench.runner.run_point`, streaming HTTP through gateway, router and workers). The simulator runs the
 same seeded schedule on the same topology (1 `both`, or 1P + 1D), the same KV blocks and `max_num_seqs`, with
 the gateway's admission in the loop and the calibrated cost model; error per cell on mean TTFT and mean TPOT.
-The cost model is profiled on the engine alone; a probe request on each fresh deployment prices what a served
+The cost model is profiled on the engine alone; three probe requests on each fresh deployment price what a served
 step costs beyond that (`serving_overhead`), and the simulated steps carry it.
 
 What the simulator leaves out here, and so shows up as error: HTTP/SSE and gRPC hops (client -> gateway ->
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import statistics
 
 from pdserve.engine.config import EngineConfig
 from pdserve.sim.admission import AdmissionSpec
@@ -61,17 +62,23 @@ def simulate(cost, specs, mode: str, num_blocks: int, max_num_seqs: int, slo: SL
 
 
 def serving_overhead(dep, cost, mode: str, num_blocks: int, max_num_seqs: int, slo: SLO, seed: int = 0,
-                     tokens: int = 48) -> float:
-    """Seconds a step of the served worker takes beyond the profiled in-process step: one streamed probe request
-    alone on the deployment (prompt 32, `tokens` out), its client TPOT minus the simulated one (>= 0). The cost
-    model is profiled on the engine alone; a served worker also runs its event loop and gRPC stream per step,
-    sharing the GIL with the engine thread (1.7x the in-process time per token at one stream on a Zen 5), and
-    this probe prices that the way `profile` prices the steps: on this box, just before the cells."""
-    probe = cell_specs(32, tokens, 0.0, 1, seed)
-    real = measure(dep, probe, slo, "serving-overhead probe", warmup=cell_specs(32, 8, 0.0, 1, seed + 1))
-    sim = simulate(cost, probe, mode, num_blocks, max_num_seqs, slo)
-    r, p = real["steady"]["latency"]["tpot_s"].get("mean"), sim["latency"]["tpot_s"].get("mean")
-    return max(0.0, r - p) if r is not None and p is not None else 0.0
+                     tokens: int = 48, probes: int = 3) -> float:
+    """Seconds a step of the served worker takes beyond the profiled in-process step: `probes` streamed requests
+    one after another, each alone on the deployment (prompt 32, `tokens` out); the median of their client TPOTs
+    minus the simulated one (>= 0). The cost model is profiled on the engine alone; a served worker also runs
+    its event loop and gRPC stream per step, sharing the GIL with the engine thread (1.7x the in-process time per
+    token at one stream on a Zen 5), and the probes price that the way `profile` prices the steps: on this box,
+    just before the cells."""
+    real = []
+    for k in range(probes):
+        probe = cell_specs(32, tokens, 0.0, 1, seed + 2 * k)
+        warm = cell_specs(32, 8, 0.0, 1, seed + 2 * k + 1) if k == 0 else ()
+        tpot = measure(dep, probe, slo, f"serving-overhead probe {k}", warmup=warm)["steady"]["latency"]["tpot_s"]
+        if tpot.get("mean") is not None:
+            real.append(tpot["mean"])
+    sim = simulate(cost, cell_specs(32, tokens, 0.0, 1, seed), mode, num_blocks, max_num_seqs, slo)
+    p = sim["latency"]["tpot_s"].get("mean")
+    return max(0.0, statistics.median(real) - p) if real and p is not None else 0.0
 
 
 def served(cost, step_overhead_s: float):
@@ -113,7 +120,7 @@ def grid(model: str, cost, prompt_lens, rates, output_len: int, duration: float,
             over = serving_overhead(dep, cost, mode, num_gpu_blocks, max_num_seqs, slo, seed + 998_000)
             mcost = served(cost, over)
             if log:
-                log(f"{mode}: served step overhead {over * 1e3:.2f} ms (probe), added to the simulated steps")
+                log(f"{mode}: served step overhead {over * 1e3:.2f} ms (median of the probes), added to the simulated steps")
             for ci, (pl, r) in enumerate((pl, r) for pl in prompt_lens for r in rates):
                 n = max(min_requests, int(round(r * duration)))
                 specs = cell_specs(pl, output_len, r, n, seed + 1000 * (ci + 1))  # fresh prompts: no cache hits

@@ -4,9 +4,9 @@ the built-in model) driven by `pdserve bench`: one light-load cell (prompt 32, 2
 What is asserted, and why these bounds (measured here, docs/sim.md):
 - TPOT, which the decode worker's step time sets. The cost model is profiled on the engine alone, and a served
   worker is slower per step (its event loop and gRPC stream share the GIL with the engine thread): the raw
-  prediction was 25-66% under the real TPOT on a Zen 5, so it is asserted only as a lower bound. With the served
-  step overhead a probe request prices on the same deployment just before (`serving_overhead`), the prediction
-  must be within 50%.
+  prediction was 6-67% under the real TPOT on a Zen 5, so it is asserted only as a lower bound (25% slack for
+  the profile's own noise). With the served step overhead three probe requests price on the same deployment
+  just before (`serving_overhead`), the prediction must be within 50%.
 - TTFT: the simulator leaves out the HTTP/gRPC hops (client -> gateway -> router -> workers, ~20-40 ms per
   request on this box, read from the servers' histograms as `frontend_s`), so it must not predict *more* than the
   real TTFT, and the rest (real minus front-end) must be within 50% + 20 ms of the prediction.
@@ -24,7 +24,7 @@ from tests.sim.test_validate import SMALL_GRID
 
 def _attempt(dep, cost, seed: int) -> dict:
     specs = VU.cell_specs(32, 16, 2.0, 8, seed)
-    over = VU.serving_overhead(dep, cost, "disagg", 512, 16, SLO(0.5, 0.05), seed + 2)
+    over = VU.serving_overhead(dep, cost, "disagg", 512, 16, SLO(0.5, 0.05), seed + 100)
     real = VU.measure(dep, specs, SLO(0.5, 0.05), "disagg P=32 2/s", warmup=VU.cell_specs(32, 16, 0.0, 2, seed + 1))
     sim = VU.simulate(VU.served(cost, over), specs, "disagg", 512, 16, SLO(0.5, 0.05))
     raw = VU.simulate(cost, specs, "disagg", 512, 16, SLO(0.5, 0.05))
@@ -38,7 +38,9 @@ def _attempt(dep, cost, seed: int) -> dict:
 def _ok(r: dict) -> bool:
     if r["tpot_s_mean_err"] is None or abs(r["tpot_s_mean_err"]) > 0.5 or r["frontend_s"] is None:
         return False
-    if r["tpot_s_mean_sim_raw"] > 1.05 * r["tpot_s_mean_real"]:  # the engine alone is never slower than served
+    # the engine alone is not slower than served; 25% slack: the profile and the cell run at different moments,
+    # and the profiled step of this cell moved 2.1 -> 3.1 ms between two runs on one box
+    if r["tpot_s_mean_sim_raw"] > 1.25 * r["tpot_s_mean_real"]:
         return False
     worker_side = r["ttft_s_mean_real"] - r["frontend_s"]
     # 20 ms absolute: `frontend_s` is measured apart and, with the gateway's per-request usage-ledger round trips
