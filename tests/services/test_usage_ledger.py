@@ -49,9 +49,11 @@ def test_dead_replica_records_are_finalised_exactly_once():
         recs = [x for k in "bc" for x in written[k]]
         assert sorted(u.usage_id for _, u in recs) == sorted(u.usage_id for u in us[1:])  # each once
         rec, u = recs[0]
-        assert rec["state"] == "FAILED" and rec["finalised_by"] in (b.replica, c.replica)
-        assert rec["billed_tokens"] == rec["prompt_tokens"] == 7 and rec["request_id"] == u.request_id
-        assert rec["tenant"] == "t1" and a.replica in rec["error"]
+        assert rec.state == "FAILED" and rec.finalised_by in (b.replica, c.replica)
+        assert rec.billed_tokens == rec.prompt_tokens == 7 and rec.request_id == u.request_id
+        assert rec.tenant == "t1" and a.replica in rec.error
+        line = rec.to_json()  # the JSON line's fields, as the owner's record has them
+        assert line["billed_tokens"] == 7 and line["emitted_tokens"] == 0 and line["times"]["admitted"] is None
         assert await b.finalise_dead() + await c.finalise_dead() == 0  # nothing twice
         # a was only presumed dead (SIGSTOP): its own close of a finalised record must not write a second one
         assert not await a.close(us[1].usage_id)

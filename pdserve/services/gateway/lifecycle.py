@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from pdserve.services.metrics import gateway as M
 from pdserve.services.admission import Admission, Ticket
+from pdserve.services.gateway.billing import BillingRecord, BillingTimes
 from pdserve.services.gateway.ingress import IngressGate
 from pdserve.services.gateway.params import APIError
 from pdserve.services.gateway.tenants import DEFAULT_TENANT, Tenant
@@ -68,26 +69,21 @@ class RequestRecord:
     # the terminal path before the close, so a close never overtakes its open
     usage_opening: asyncio.Future | None = None
 
-    def to_json(self) -> dict:
+    def billing(self) -> BillingRecord:
+        """Its billing record, now that it ended (`state` set)."""
         t = self.ticket
-        return {
-            "request_id": self.request_id, "tenant": self.tenant.name, "model": self.model, "state": self.state,
-            "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
-            "generated_tokens": self.generated, "emitted_tokens": self.emitted,
-            "committed_tokens": self.committed, "billed_tokens": self.prompt_tokens + self.committed,
-            "n_requested": t.n_requested if t else None, "n_granted": t.n_granted if t else None,
-            "predicted_output_tokens": t.predicted_output if t else None,
-            "reserved_blocks": t.blocks if t else 0, "admission": t.states if t else [],
-            "error": self.error,
-            # mid-stream migration (docs/reliability.md): tokens prefilled again on the workers that took the
-            # request over (prompt + tokens already sent, less prefix-cache hits), apart from the billed counts
-            "migrations": sum(x.migrations for x in self.traces),
-            "recomputed_tokens": sum(x.recomputed_tokens for x in self.traces),
-            "finalised_by": None,  # a replica that wrote it for the dead gateway that served it (usage_ledger.py)
-            "times": {"arrival": self.arrival, "admitted": self.admitted_at, "first_emit": self.first_emit,
-                      "last_emit": self.last_emit, "finished": time.time(), "deadline": self.deadline,
-                      "queued_s": t.queued_s if t else 0.0},
-        }
+        return BillingRecord(
+            request_id=self.request_id, tenant=self.tenant.name, model=self.model, state=self.state,
+            times=BillingTimes(arrival=self.arrival, finished=time.time(), admitted=self.admitted_at,
+                               first_emit=self.first_emit, last_emit=self.last_emit, deadline=self.deadline,
+                               queued_s=t.queued_s if t else 0.0),
+            prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens, generated_tokens=self.generated,
+            emitted_tokens=self.emitted, committed_tokens=self.committed,
+            n_requested=t.n_requested if t else None, n_granted=t.n_granted if t else None,
+            predicted_output_tokens=t.predicted_output if t else None, reserved_blocks=t.blocks if t else 0,
+            admission=tuple(t.states) if t else (), error=self.error,
+            migrations=sum(x.migrations for x in self.traces),
+            recomputed_tokens=sum(x.recomputed_tokens for x in self.traces))
 
 
 class Lifecycle:
@@ -238,35 +234,34 @@ class Lifecycle:
                                           finished=state == "FINISHED", calibrate=not migrated)
 
     async def _bill(self, rec: RequestRecord) -> None:
-        state = rec.state
         if rec.usage_opening is not None:
             rec.usage_open = await rec.usage_opening
+        record = rec.billing()
         if rec.usage_open and not await self.usage.close(rec.usage_id):
             # another replica finalised it, presuming this one dead (its liveness lapsed): one record only
             billing_log.warning("request %s: its usage record was finalised by another replica", rec.request_id)
-            await self.gate.charge(rec.tenant, rec.prompt_tokens + rec.committed if state != "REJECTED" else 0)
+            await self.gate.charge(rec.tenant, record.billed_tokens)
             return
-        billed = rec.prompt_tokens + rec.committed if state != "REJECTED" else 0
         t = rec.tenant.name
-        M.USAGE_RECORDS.labels(t, state).inc()
-        for kind, v in (("prompt", rec.prompt_tokens if state != "REJECTED" else 0), ("generated", rec.generated),
-                        ("emitted", rec.emitted), ("committed", rec.committed),
-                        ("recomputed", sum(x.recomputed_tokens for x in rec.traces))):
+        M.USAGE_RECORDS.labels(t, record.state).inc()
+        for kind, v in (("prompt", record.prompt_tokens if record.state != "REJECTED" else 0),
+                        ("generated", record.generated_tokens), ("emitted", record.emitted_tokens),
+                        ("committed", record.committed_tokens), ("recomputed", record.recomputed_tokens)):
             if v:
                 M.USAGE_TOKENS.labels(t, kind).inc(v)
         self.records_written += 1
-        billing_log.info(json.dumps(rec.to_json()))
-        await self.gate.charge(rec.tenant, billed)
+        billing_log.info(json.dumps(record.to_json()))
+        await self.gate.charge(rec.tenant, record.billed_tokens)
 
-    def write_finalised(self, record: dict, u: OpenUsage) -> None:
+    def write_finalised(self, record: BillingRecord, u: OpenUsage) -> None:
         """A record finalised here for a dead replica's request: counted and logged like one of ours, under the
         request's own x-request-id."""
-        M.USAGE_RECORDS.labels(u.tenant, record["state"]).inc()
-        if u.prompt_tokens:
-            M.USAGE_TOKENS.labels(u.tenant, "prompt").inc(u.prompt_tokens)
+        M.USAGE_RECORDS.labels(record.tenant, record.state).inc()
+        if record.prompt_tokens:
+            M.USAGE_TOKENS.labels(record.tenant, "prompt").inc(record.prompt_tokens)
         token = logs.request_id.set(u.log_id)
         try:
-            billing_log.info(json.dumps(record))
+            billing_log.info(json.dumps(record.to_json()))
         finally:
             logs.request_id.reset(token)
 

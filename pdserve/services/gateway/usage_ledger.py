@@ -36,6 +36,8 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 
+from pdserve.services.gateway.billing import BillingRecord, BillingTimes
+
 log = logging.getLogger("pdserve.gateway.usage")
 
 LIVE_TTL_S = 3.0   # a replica silent this long is dead for its records
@@ -90,18 +92,14 @@ class OpenUsage:
     def from_json(raw: bytes | str) -> "OpenUsage":
         return OpenUsage(**json.loads(raw))
 
-    def finalised_record(self, by: str) -> dict:
-        """The billing record (lifecycle.RequestRecord.to_json's fields) of a request its replica never ended."""
-        return {
-            "request_id": self.request_id, "tenant": self.tenant, "model": self.model, "state": "FAILED",
-            "prompt_tokens": self.prompt_tokens, "cached_tokens": 0, "generated_tokens": 0, "emitted_tokens": 0,
-            "committed_tokens": 0, "billed_tokens": self.prompt_tokens, "n_requested": None, "n_granted": None,
-            "predicted_output_tokens": None, "reserved_blocks": 0, "admission": [],
-            "error": f"gateway replica {self.replica} ended before the request did (tokens it streamed unknown)",
-            "migrations": 0, "recomputed_tokens": 0, "finalised_by": by,
-            "times": {"arrival": self.arrival, "admitted": None, "first_emit": None, "last_emit": None,
-                      "finished": time.time(), "deadline": self.deadline, "queued_s": 0.0},
-        }
+    def finalised_record(self, by: str) -> BillingRecord:
+        """The billing record of a request its replica never ended: FAILED, its streamed tokens unknown (0)."""
+        return BillingRecord(
+            request_id=self.request_id, tenant=self.tenant, model=self.model, state="FAILED",
+            times=BillingTimes(arrival=self.arrival, finished=time.time(), deadline=self.deadline),
+            prompt_tokens=self.prompt_tokens,
+            error=f"gateway replica {self.replica} ended before the request did (tokens it streamed unknown)",
+            finalised_by=by)
 
 
 class UsageLedger:
