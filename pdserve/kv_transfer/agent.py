@@ -138,15 +138,10 @@ class KVAgent:
             raise ValueError("block id out of range")
         with self._lock:
             rdl = self._remote_dlist(remote)  # KVLayoutMismatch propagates as is
-            try:
-                h = self._agent.make_prepped_xfer("READ", self._local,
-                                                  np.asarray(local_block_ids, dtype=np.int32), rdl,
-                                                  np.asarray(remote_block_ids, dtype=np.int32), notif)
-            except Exception as e:  # nixlBackendError etc.: peer gone, connection refused
-                raise self._failed(f"KV transfer from {remote.agent_name} could not start: {e!r}",
-                                   TransferFailure.PEER_GONE) from e
-            state = self._post(remote.agent_name, h)
-        self._wait([(remote.agent_name, h, state)], timeout_s)
+            started = self._start(remote.agent_name, lambda: self._agent.make_prepped_xfer(
+                "READ", self._local, np.asarray(local_block_ids, dtype=np.int32), rdl,
+                np.asarray(remote_block_ids, dtype=np.int32), notif))
+        self._wait([started], timeout_s)
         return len(remote_block_ids) * self.block_bytes
 
     def read_descs(self, reads: list[tuple[KVRegion, np.ndarray, np.ndarray]], notif: bytes = b"",
@@ -163,30 +158,29 @@ class KVAgent:
                     continue
                 with self._lock:
                     self._remote_dlist(remote)  # adds the peer, checks its layout (KVLayoutMismatch as is)
-                    try:
-                        h = self._agent.initialize_xfer(
-                            "READ", self._agent.get_xfer_descs(local_d, self.mem_type),
-                            self._agent.get_xfer_descs(remote_d, remote.mem_type), remote.agent_name, notif)
-                    except Exception as e:
-                        raise self._failed(f"KV transfer from {remote.agent_name} could not start: {e!r}",
-                                           TransferFailure.PEER_GONE) from e
-                    started.append((remote.agent_name, h, self._post(remote.agent_name, h)))
+                    started.append(self._start(remote.agent_name, lambda: self._agent.initialize_xfer(
+                        "READ", self._agent.get_xfer_descs(local_d, self.mem_type),
+                        self._agent.get_xfer_descs(remote_d, remote.mem_type), remote.agent_name, notif)))
         except BaseException:
             self._wait(started, timeout_s, raise_errors=False)  # never leave a READ writing into our blocks
             raise
         self._wait(started, timeout_s)
         return int(sum(int(local_d[:, 1].sum()) for _, local_d, _ in reads))
 
-    def _post(self, peer: str, h) -> str:
-        """Post a created READ (under self._lock). A post that fails releases its handle here: left to the
-        garbage collector, it would be released after close() tore the agent down."""
+    def _start(self, peer: str, create) -> tuple[str, object, str]:
+        """Create a READ with `create()` and post it (under self._lock): (peer, handle, state). Either step failing
+        (nixlBackendError etc.: peer gone, connection refused) is PEER_GONE. A post that fails releases its handle
+        here: left to the garbage collector, it would be released after close() tore the agent down."""
+        h = None
         try:
-            return self._agent.transfer(h)
+            h = create()
+            return peer, h, self._agent.transfer(h)
         except Exception as e:
-            try:
-                self._agent.release_xfer_handle(h)
-            except Exception:
-                pass
+            if h is not None:
+                try:
+                    self._agent.release_xfer_handle(h)
+                except Exception:
+                    pass
             raise self._failed(f"KV transfer from {peer} could not start: {e!r}", TransferFailure.PEER_GONE) from e
 
     def _failed(self, message: str, kind: TransferFailure) -> KVTransferError:
