@@ -128,7 +128,7 @@ class EngineInfo:
     checkpoint_dtype: str
     chosen_by: str  # auto | --dtype
     weights: str = ""  # how the projections are held: int8 | bfloat16 | float32 ... ("" = the compute dtype)
-    linear: str = ""  # the large-batch projections' GEMM: onednn (prepacked) | torch ("" = not recorded)
+    linear: str = ""  # the projections' GEMM: onednn (prepacked) | onednn+gemv (one-row steps: the native GEMV) | torch
 
     def line(self) -> str:
         how = "dtype=auto" if self.chosen_by == "auto" else "--dtype"

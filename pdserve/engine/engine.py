@@ -25,7 +25,7 @@ from pdserve.engine.config import DTYPES, EngineConfig, ModelConfig
 from pdserve.engine.core import EngineCore
 from pdserve.engine.cpu_isa import EngineInfo, choose_dtype, detected_level
 from pdserve.engine.kernels import native_ops
-from pdserve.engine.quant import auto_weight_storage, weights_label
+from pdserve.engine.quant import auto_weight_storage, keep_batch1_gemv, weights_label
 from pdserve.engine.errors import RequestRejected
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.kv_offload import KVOffload
@@ -106,7 +106,7 @@ class Engine:
             dtype=str(dtype).removeprefix("torch."), kernels=self.runner.kernels_name(),
             checkpoint_dtype=str(model_config.checkpoint_dtype).removeprefix("torch."),
             chosen_by="auto" if config.dtype == "auto" else "--dtype",
-            weights=weights_label(model.weight_storage, dtype), linear="onednn" if model.packed else "torch")
+            weights=weights_label(model.weight_storage, dtype), linear=("onednn+gemv" if model.gemv_bytes else "onednn") if model.packed else "torch")
         log.info("%s", self.info.line())
         self.eos_token_ids = sorted(set(model_config.eos_token_ids) | set(tokenizer.eos_token_ids))
         self.requests: dict[str, Request] = {}
@@ -143,13 +143,16 @@ class Engine:
         net.eval()
         ops = native_ops() if config.native_kernels and config.device.startswith("cpu") else None
         storage = config.quantization if config.quantization != "none" else "same"
+        reserve = config.kv_cache_bytes or CPU_DEFAULT_KV_BYTES
         if storage == "same" and config.dtype == "auto" and config.tensor_parallel_size == 1:
             # a bf16 checkpoint computed in fp32: bf16 copies for the decode GEMVs (quant.py, docs/engine.md)
             storage = auto_weight_storage(net, detected_level(), mcfg.checkpoint_dtype, dtype, config.device,
-                                          ops is not None, config.kv_cache_bytes or CPU_DEFAULT_KV_BYTES)
+                                          ops is not None, reserve)
         if storage != "same":
             net.store_weights(storage, ops)
-        net.pack_weights()
+        # bf16 computed as bf16: batch-1 decode through the native GEMV beside oneDNN's packed weights (quant.py)
+        net.pack_weights(storage == "same" and config.tensor_parallel_size == 1 and keep_batch1_gemv(
+            net, detected_level(), dtype, config.device, ops is not None, reserve))
         # int8 weights compute different KV: never shared with (or prefix-hit by) an unquantized deployment's.
         quant = "" if config.quantization == "none" else ":" + config.quantization
         engine = cls(mcfg, config, net, tokenizer, mcfg.fingerprint(digest + quant, dtype))

@@ -76,8 +76,9 @@ def _cpu_targets() -> str:
 
 def cflags() -> tuple[str, ...]:
     """CFLAGS plus the ISA cap's flags when PDSERVE_CPU_ISA is set (part of the cache key: its own build)."""
-    from pdserve.engine.cpu_isa import ISA_ENV, detected_level
-    return CFLAGS + (ISA_CAP_FLAGS[detected_level()] if os.environ.get(ISA_ENV, "").strip() else ())
+    from pdserve.engine.cpu_isa import ISA_ENV, cpu_vendor, detected_level
+    vendor = ("-DPDSERVE_CPU_AMD",) if cpu_vendor() == "AuthenticAMD" else ()  # weight_gemv.cpp's batch-1 shape
+    return CFLAGS + vendor + (ISA_CAP_FLAGS[detected_level()] if os.environ.get(ISA_ENV, "").strip() else ())
 
 
 def compiler() -> str:

@@ -149,6 +149,35 @@ def choose_weight_storage(level: str, checkpoint_dtype: torch.dtype, compute_dty
     return "bfloat16" if env == "1" else "dual"
 
 
+BATCH1_GEMV_ENV = "PDSERVE_BATCH1_GEMV"  # "1" / "0": force / forbid the plain copies for one-row GEMVs
+
+
+def batch1_gemv_wanted(level: str, compute_dtype: torch.dtype, device: str, native: bool,
+                       env: str | None = None) -> bool:
+    """Whether oneDNN-packed bf16 projections also keep their plain weight, so one-row steps (batch-1 decode) run
+    the native GEMV (csrc/weight_gemv.cpp: vdpbf16ps on bf16 as stored) instead of oneDNN's M=1 linear. Measured
+    on an AMD EPYC Zen 4 (level avx512_bf16, 2 threads; the bench model's projections + lm_head): 7.0-7.7 ms
+    against 11.6-13.6 ms (1 thread: 9.6 vs 17.5); at 2 rows and more oneDNN is as fast or faster. Twice the
+    projections' memory, so it yields to the host's memory like dual storage (auto_weight_storage). On by default
+    at level avx512_bf16 only, where it was measured; AMX CPUs keep oneDNN unless PDSERVE_BATCH1_GEMV=1."""
+    if not (native and device.startswith("cpu") and compute_dtype == torch.bfloat16) or env == "0":
+        return False
+    return env == "1" or level == "avx512_bf16"
+
+
+def keep_batch1_gemv(model: nn.Module, level: str, compute_dtype: torch.dtype, device: str, native: bool,
+                     reserve_bytes: int) -> bool:
+    """batch1_gemv_wanted under PDSERVE_BATCH1_GEMV, except where the plain copies (2 bytes a projection weight)
+    would not fit beside `reserve_bytes` (dual_fits): then oneDNN alone, with a warning."""
+    if not batch1_gemv_wanted(level, compute_dtype, device, native, os.environ.get(BATCH1_GEMV_ENV)):
+        return False
+    if not dual_fits(model, reserve_bytes, mem_available_bytes()):
+        log.warning("not keeping plain copies of the projections for batch-1 GEMVs: they would not fit in this "
+                    "host's available memory beside the KV pool")
+        return False
+    return True
+
+
 def mem_available_bytes() -> int | None:
     """MemAvailable from /proc/meminfo (bytes), None where it cannot be read."""
     try:

@@ -19,8 +19,9 @@ from torch import nn
 from pdserve.engine import cpu_isa
 from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.engine.kernels import native_ops
-from pdserve.engine.quant import (BF16_WEIGHTS_ENV, DUAL_GEMV_MAX_ROWS, GEMV_MAX_ROWS, DualLinear, WeightOnlyLinear,
-                                  choose_weight_storage, weights_label,
+from pdserve.engine.model import Linear, can_pack
+from pdserve.engine.quant import (BATCH1_GEMV_ENV, BF16_WEIGHTS_ENV, DUAL_GEMV_MAX_ROWS, GEMV_MAX_ROWS, DualLinear,
+                                  WeightOnlyLinear, batch1_gemv_wanted, choose_weight_storage, weights_label,
                                   dequantize_int8, quantize_int8)
 from pdserve.engine.sampling_params import SamplingParams
 from tests.conftest import make_checkpoint
@@ -141,6 +142,78 @@ def test_weight_storage_choice():
     assert choose_weight_storage("scalar", bf16, f32, "cpu", True) == "same"
     assert choose_weight_storage("", bf16, bf16, "cuda", True) == "same"
     assert weights_label("dual", f32) == "bfloat16+float32" and weights_label("same", f32) == "float32"
+
+
+def test_batch1_gemv_choice():
+    bf16, f32 = torch.bfloat16, torch.float32
+    assert batch1_gemv_wanted("avx512_bf16", bf16, "cpu", True)  # measured there (Zen 4): on by default
+    assert not batch1_gemv_wanted("amx", bf16, "cpu", True)  # oneDNN's AMX path: not measured against, kept
+    assert batch1_gemv_wanted("amx", bf16, "cpu", True, "1")  # ... unless forced
+    assert not batch1_gemv_wanted("avx512_bf16", bf16, "cpu", True, "0")  # forbidden
+    assert not batch1_gemv_wanted("avx512_bf16", f32, "cpu", True, "1")  # fp32 compute: dual storage's business
+    assert not batch1_gemv_wanted("avx512_bf16", bf16, "cpu", False, "1")  # no native GEMV to run
+    assert not batch1_gemv_wanted("", bf16, "cuda", True, "1")
+
+
+class _RowSpy:
+    """The native module, recording the rows of each weight_gemv call."""
+
+    def __init__(self, real):
+        self.real, self.rows = real, []
+
+    def weight_gemv(self, out, x, w, s):
+        self.rows.append(x.shape[0])
+        return self.real.weight_gemv(out, x, w, s)
+
+
+def test_packed_bf16_linear_keeps_a_gemv_copy_for_one_row():
+    """A packed bf16 projection that keeps its plain weight: one row runs the native GEMV (vdpbf16ps where the CPU
+    has it), more rows oneDNN; both equal the float64 product within one bf16 rounding of the output."""
+    w = torch.empty(0, dtype=torch.bfloat16)
+    if OPS is None or not can_pack(w):
+        pytest.skip("native kernels or oneDNN's bf16 linear unavailable here")
+    for n, k, bias in ((48, 64, False), (33, 100, True), (130, 257, False), (96, 768, False)):
+        lin = Linear(k, n, bias=bias)
+        with torch.no_grad():
+            lin.weight.normal_(0, 0.1)
+            if bias:
+                lin.bias.normal_(0, 0.1)
+        lin = lin.to(torch.bfloat16)
+        w64, b64 = lin.weight.detach().double(), (lin.bias.detach().double() if bias else None)
+        lin.pack(keep_gemv=True)
+        assert lin.gemv_weight is not None and lin.weight.numel() == 0
+        lin.native_ops = spy = _RowSpy(OPS)
+        for rows in (1, 2, 5):
+            x = torch.randn(rows, k).to(torch.bfloat16)
+            _check(lin(x), x, w64, b64, 1 if rows == 1 and not bias else 2)
+        assert spy.rows == [1]  # two rows and more never reach the GEMV
+
+
+def test_batch1_gemv_greedy_close_to_float64(ckpt, monkeypatch):
+    """bf16 decode with the plain copies forced on: single-sequence steps (one row) run the GEMV; greedy tokens
+    equal transformers in float64 on the same bf16 weights up to the first difference, and there float64's own
+    margin between the two tokens is within a tie for bf16 compute (INT8_TIE)."""
+    if OPS is None or not can_pack(torch.empty(0, dtype=torch.bfloat16)):
+        pytest.skip("native kernels or oneDNN's bf16 linear unavailable here")
+    monkeypatch.setenv(BATCH1_GEMV_ENV, "1")
+    engine = Engine.from_pretrained(ckpt, EngineConfig(num_gpu_blocks=64, block_size=4, dtype="bfloat16"))
+    model = engine.runner.model
+    assert engine.info.linear == "onednn+gemv" and model.gemv_bytes > 0
+    assert model.weight_bytes_read(1) == model.weight_bytes - model.gemv_bytes  # one copy of the two is read
+    model.lm_head.native_ops = spy = _RowSpy(engine.runner.native_ops)
+    hf = tf.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).double().eval()
+    for prompt in PROMPTS:
+        ours = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
+        ours, ref = ours.outputs[0].token_ids, _hf_greedy(hf, prompt, 10)
+        i = next((j for j, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
+        if i is not None:
+            with torch.no_grad():
+                logits = hf(torch.tensor([prompt + ref[:i]])).logits[0, -1]
+            assert logits[ref[i]] - logits[ours[i]] <= INT8_TIE, (prompt, i, ours, ref)
+    assert spy.rows.count(1) >= 9 * len(PROMPTS)  # every decode step's LM head went through the GEMV
+    monkeypatch.setenv(BATCH1_GEMV_ENV, "0")
+    off = Engine.from_pretrained(ckpt, EngineConfig(num_gpu_blocks=16, block_size=4, dtype="bfloat16"))
+    assert off.info.linear == "onednn" and off.runner.model.gemv_bytes == 0
 
 
 def test_dual_linear_takes_each_path_by_rows():
@@ -304,3 +377,17 @@ def test_worker_and_up_flags_reach_the_engine(monkeypatch):
     assert engine_config_from_env(parse(["worker"])).quantization == "int8"
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(quantization="int8", tensor_parallel_size=2).validate()
+
+
+def test_batch1_gemv_copies_yield_to_host_memory(ckpt, monkeypatch, caplog):
+    """The plain copies are the projections' size again: where they would not fit beside the KV pool, oneDNN
+    alone, and the log says so."""
+    if OPS is None or not can_pack(torch.empty(0, dtype=torch.bfloat16)):
+        pytest.skip("native kernels or oneDNN's bf16 linear unavailable here")
+    from pdserve.engine import quant
+    monkeypatch.setenv(BATCH1_GEMV_ENV, "1")
+    monkeypatch.setattr(quant, "mem_available_bytes", lambda: 64 << 20)  # the 256 MiB pool alone does not fit
+    with caplog.at_level("WARNING"):
+        engine = Engine.from_pretrained(ckpt, EngineConfig(num_gpu_blocks=16, block_size=4, dtype="bfloat16"))
+    assert engine.info.linear == "onednn" and engine.runner.model.gemv_bytes == 0
+    assert "not keeping plain copies" in caplog.text
