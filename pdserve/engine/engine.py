@@ -106,7 +106,8 @@ class Engine:
             dtype=str(dtype).removeprefix("torch."), kernels=self.runner.kernels_name(),
             checkpoint_dtype=str(model_config.checkpoint_dtype).removeprefix("torch."),
             chosen_by="auto" if config.dtype == "auto" else "--dtype",
-            weights=weights_label(model.weight_storage, dtype), linear=("onednn+gemv" if model.gemv_bytes else "onednn") if model.packed else "torch")
+            weights=weights_label(model.weight_storage, dtype),
+            linear=("onednn+gemv" if model.gemv_bytes else "onednn") if model.packed else "torch")
         log.info("%s", self.info.line())
         self.eos_token_ids = sorted(set(model_config.eos_token_ids) | set(tokenizer.eos_token_ids))
         self.requests: dict[str, Request] = {}
