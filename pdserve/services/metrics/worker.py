@@ -116,18 +116,20 @@ def observe_engine_times(out: RequestOutput | None) -> None:
 
 
 class EngineStatsExporter:
-    """Engine stats snapshot -> the gauges above, and the engine's cumulative prefix-cache token counts -> the
-    counters (incremented by what grew since the last snapshot, so they stay counters Prometheus can rate and sum
-    across workers)."""
+    """Engine stats snapshot -> the gauges above, and the engine's cumulative counts (prefix-cache tokens, KV tier
+    hits and bytes, speculation) -> the counters, each incremented by what grew since the last snapshot, so they
+    stay counters Prometheus can rate and sum across workers."""
 
     def __init__(self, states: list[str]):
         self.states = states
-        self.queried = 0
-        self.hits = 0
-        self.tier_hits: dict[str, int] = {}
-        self.moved: dict[str, int] = {}
-        self.recalls = 0
-        self.spec = [0, 0, 0, 0]  # steps, proposed, accepted, emitted as last exported
+        self._exported: dict[object, int] = {}  # counter (or labelled child) -> the engine total last exported
+        self.recalls = 0  # KV tier recalls whose latencies were observed
+
+    def _advance(self, counter, total: int) -> None:
+        last = self._exported.get(counter, 0)
+        if total > last:
+            counter.inc(total - last)
+            self._exported[counter] = total
 
     def update(self, s: EngineStats) -> None:
         used, total = s.kv_blocks_in_use, s.kv_blocks_total
@@ -140,20 +142,14 @@ class EngineStatsExporter:
         NUM_WAITING.set(s.num_waiting)
         for st in self.states:
             STATE_GAUGE.labels(st).set(s.states.get(st, 0))
-        q, h = s.prefix_queried_tokens, s.prefix_hit_tokens
-        if q > self.queried:
-            PREFIX_QUERIES.inc(q - self.queried)
-            self.queried = q
-        if h > self.hits:
-            PREFIX_HITS.inc(h - self.hits)
-            self.hits = h
+        self._advance(PREFIX_QUERIES, s.prefix_queried_tokens)
+        self._advance(PREFIX_HITS, s.prefix_hit_tokens)
         spec = s.spec
         if spec is not None:
-            now = (spec.steps, spec.proposed, spec.accepted, spec.emitted)
-            for i, counter in enumerate((SPEC_STEPS, SPEC_PROPOSED, SPEC_ACCEPTED, SPEC_EMITTED)):
-                if now[i] > self.spec[i]:
-                    counter.inc(now[i] - self.spec[i])
-                    self.spec[i] = now[i]
+            self._advance(SPEC_STEPS, spec.steps)
+            self._advance(SPEC_PROPOSED, spec.proposed)
+            self._advance(SPEC_ACCEPTED, spec.accepted)
+            self._advance(SPEC_EMITTED, spec.emitted)
             SPEC_ACCEPTANCE.set(spec.acceptance_rate)
             SPEC_MEAN_LEN.set(spec.mean_accepted_length)
         if s.tier is not None:
@@ -166,13 +162,9 @@ class EngineStatsExporter:
         KV_TIER_CAPACITY.labels("disk").set(t.disk_blocks_total)
         hits = {**t.hit_tokens, "device": max(0, prefix_hit_tokens - sum(t.hit_tokens.values()))}
         for tier, n in hits.items():
-            if n > self.tier_hits.get(tier, 0):
-                KV_TIER_HITS.labels(tier).inc(n - self.tier_hits.get(tier, 0))
-                self.tier_hits[tier] = n
+            self._advance(KV_TIER_HITS.labels(tier), n)
         for direction, n in t.bytes_moved.items():
-            if n > self.moved.get(direction, 0):
-                KV_OFFLOAD_BYTES.labels(direction).inc(n - self.moved.get(direction, 0))
-                self.moved[direction] = n
+            self._advance(KV_OFFLOAD_BYTES.labels(direction), n)
         n, recent = t.recalls, t.recall_seconds
         if n > self.recalls:  # the latest latencies come last; older ones than the list keeps are not seen
             for x in recent[max(0, len(recent) - (n - self.recalls)):]:
