@@ -168,7 +168,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, len(self.shard.vocab), bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
-        self.weight_bytes = 0  # weight bytes held (set on load and by quantize; packing does not change it)
+        self.weight_bytes = 0  # weight bytes held (set on load and by quantize; packing adds only kept GEMV copies)
         self.packed = False  # projections prepacked for oneDNN (pack_weights)
         self.dual_bytes = (0, 0)  # the bf16 and the fp32 copies' bytes of DualLinear projections (quant.py)
         self.gemv_bytes = 0  # bytes of the plain copies packed projections keep for one-row GEMVs (Linear)
