@@ -13,6 +13,7 @@ from pdserve.engine.config import ModelConfig
 from pdserve.engine.cpu_isa import FP32_PACK_ENV, cpu_vendor, pack_fp32
 from pdserve.engine.errors import CheckpointError
 from pdserve.engine.loader import take
+from pdserve.engine.quant import GEMV_COPY_MAX_ROWS
 from pdserve.engine.tp.shard import TPShard, shard_for
 
 
@@ -83,8 +84,9 @@ class Linear(nn.Linear):
     the model is held once."""
 
     packed: torch.Tensor | None = None
-    # The plain bf16 weight kept beside the packed one for one-row steps (quant.keep_batch1_gemv): the native GEMV
-    # (vdpbf16ps) reads it 1.5-1.9x faster than oneDNN's M=1 linear on an AMD Zen 4.
+    # The plain bf16 weight kept beside the packed one for steps of up to GEMV_COPY_MAX_ROWS rows
+    # (quant.keep_batch1_gemv): the native GEMV (vdpbf16ps) reads it 1.2-1.9x faster than oneDNN's small-M linear
+    # on an AMD Zen 4.
     gemv_weight: torch.Tensor | None = None
     native_ops = None  # the compiled CPU kernels, set by LlamaModel.use_native_ops
 
@@ -97,9 +99,9 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        if self.gemv_weight is not None and self.native_ops is not None and x.dim() == 2 and x.shape[0] == 1 \
-                and x.dtype == self.gemv_weight.dtype and x.is_contiguous():
-            out = x.new_empty(1, self.gemv_weight.shape[0])
+        if self.gemv_weight is not None and self.native_ops is not None and x.dim() == 2 \
+                and x.shape[0] <= GEMV_COPY_MAX_ROWS and x.dtype == self.gemv_weight.dtype and x.is_contiguous():
+            out = x.new_empty(x.shape[0], self.gemv_weight.shape[0])
             self.native_ops.weight_gemv(out, x, self.gemv_weight, None)
             return out if self.bias is None else out.add_(self.bias)
         return torch.ops.mkldnn._linear_pointwise.default(x, self.packed, self.bias, "none", [], "")
@@ -171,7 +173,7 @@ class LlamaModel(nn.Module):
         self.weight_bytes = 0  # weight bytes held (set on load and by quantize; packing adds only kept GEMV copies)
         self.packed = False  # projections prepacked for oneDNN (pack_weights)
         self.dual_bytes = (0, 0)  # the bf16 and the fp32 copies' bytes of DualLinear projections (quant.py)
-        self.gemv_bytes = 0  # bytes of the plain copies packed projections keep for one-row GEMVs (Linear)
+        self.gemv_bytes = 0  # bytes of the plain copies packed projections keep for small-batch GEMVs (Linear)
         self.weight_storage = "same"  # projections held as: same (the compute dtype) | int8 | bfloat16 (quant.py)
 
     def _apply(self, fn, recurse=True):
@@ -207,7 +209,7 @@ class LlamaModel(nn.Module):
 
     def pack_weights(self, keep_gemv: bool = False) -> bool:
         """Prepack every projection for oneDNN where that path exists (can_pack); return whether it did. keep_gemv:
-        each also keeps its plain weight for one-row steps (quant.keep_batch1_gemv)."""
+        each also keeps its plain weight for small-batch steps (quant.keep_batch1_gemv)."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         if not linears or not can_pack(linears[0].weight):
             return False

@@ -149,15 +149,20 @@ def choose_weight_storage(level: str, checkpoint_dtype: torch.dtype, compute_dty
     return "bfloat16" if env == "1" else "dual"
 
 
-BATCH1_GEMV_ENV = "PDSERVE_BATCH1_GEMV"  # "1" / "0": force / forbid the plain copies for one-row GEMVs
+BATCH1_GEMV_ENV = "PDSERVE_BATCH1_GEMV"  # "1" / "0": force / forbid the plain copies for small-batch GEMVs
+# Rows up to which packed bf16 projections with a plain copy take the native GEMV (vdpbf16ps). The 49 calls of the
+# bench model's step on an AMD EPYC Zen 4, 2 threads, GEMV vs oneDNN's packed linear, two runs: 7.2-7.9 vs 9.4-9.7
+# ms at 1 row, 7.9-8.2 vs 10.5 at 2, 10.4-10.5 vs 9.9-10.2 at 4 (the dot products' own work catches up), 11.8 vs
+# 10.7-11.7 at 8.
+GEMV_COPY_MAX_ROWS = 2
 
 
 def batch1_gemv_wanted(level: str, compute_dtype: torch.dtype, device: str, native: bool,
                        env: str | None = None) -> bool:
-    """Whether oneDNN-packed bf16 projections also keep their plain weight, so one-row steps (batch-1 decode) run
-    the native GEMV (csrc/weight_gemv.cpp: vdpbf16ps on bf16 as stored) instead of oneDNN's M=1 linear. Measured
-    on an AMD EPYC Zen 4 (level avx512_bf16, 2 threads; the bench model's projections + lm_head): 7.0-7.7 ms
-    against 11.6-13.6 ms (1 thread: 9.6 vs 17.5); at 2 rows and more oneDNN is as fast or faster. Twice the
+    """Whether oneDNN-packed bf16 projections also keep their plain weight, so steps of up to GEMV_COPY_MAX_ROWS rows
+    (batch-1 and -2 decode) run the native GEMV (csrc/weight_gemv.cpp: vdpbf16ps on bf16 as stored) instead of
+    oneDNN's small-M linear. Measured on an AMD EPYC Zen 4 (level avx512_bf16, 2 threads; the bench model's
+    projections + lm_head) at one row: 7.0-7.7 ms against 11.6-13.6 ms (1 thread: 9.6 vs 17.5). Twice the
     projections' memory, so it yields to the host's memory like dual storage (auto_weight_storage). On by default
     at level avx512_bf16 only, where it was measured; AMX CPUs keep oneDNN unless PDSERVE_BATCH1_GEMV=1."""
     if not (native and device.startswith("cpu") and compute_dtype == torch.bfloat16) or env == "0":

@@ -20,7 +20,8 @@ from pdserve.engine import cpu_isa
 from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.engine.kernels import native_ops
 from pdserve.engine.model import Linear, can_pack
-from pdserve.engine.quant import (BATCH1_GEMV_ENV, BF16_WEIGHTS_ENV, DUAL_GEMV_MAX_ROWS, GEMV_MAX_ROWS, DualLinear,
+from pdserve.engine.quant import (BATCH1_GEMV_ENV, BF16_WEIGHTS_ENV, DUAL_GEMV_MAX_ROWS, GEMV_COPY_MAX_ROWS,
+                                  GEMV_MAX_ROWS, DualLinear,
                                   WeightOnlyLinear, batch1_gemv_wanted, choose_weight_storage, weights_label,
                                   dequantize_int8, quantize_int8)
 from pdserve.engine.sampling_params import SamplingParams
@@ -166,9 +167,10 @@ class _RowSpy:
         return self.real.weight_gemv(out, x, w, s)
 
 
-def test_packed_bf16_linear_keeps_a_gemv_copy_for_one_row():
-    """A packed bf16 projection that keeps its plain weight: one row runs the native GEMV (vdpbf16ps where the CPU
-    has it), more rows oneDNN; both equal the float64 product within one bf16 rounding of the output."""
+def test_packed_bf16_linear_keeps_a_gemv_copy_for_small_batches():
+    """A packed bf16 projection that keeps its plain weight: up to GEMV_COPY_MAX_ROWS rows run the native GEMV
+    (vdpbf16ps where the CPU has it), more rows oneDNN; both equal the float64 product within one bf16 rounding of
+    the output."""
     w = torch.empty(0, dtype=torch.bfloat16)
     if OPS is None or not can_pack(w):
         pytest.skip("native kernels or oneDNN's bf16 linear unavailable here")
@@ -183,10 +185,11 @@ def test_packed_bf16_linear_keeps_a_gemv_copy_for_one_row():
         lin.pack(keep_gemv=True)
         assert lin.gemv_weight is not None and lin.weight.numel() == 0
         lin.native_ops = spy = _RowSpy(OPS)
-        for rows in (1, 2, 5):
+        sizes = sorted({1, 2, GEMV_COPY_MAX_ROWS, GEMV_COPY_MAX_ROWS + 1, 5})
+        for rows in sizes:
             x = torch.randn(rows, k).to(torch.bfloat16)
-            _check(lin(x), x, w64, b64, 1 if rows == 1 and not bias else 2)
-        assert spy.rows == [1]  # two rows and more never reach the GEMV
+            _check(lin(x), x, w64, b64, 1 if rows <= GEMV_COPY_MAX_ROWS and not bias else 2)
+        assert spy.rows == [r for r in sizes if r <= GEMV_COPY_MAX_ROWS]  # larger steps never reach the GEMV
 
 
 def test_batch1_gemv_greedy_close_to_float64(ckpt, monkeypatch):
