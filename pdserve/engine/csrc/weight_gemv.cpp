@@ -1,5 +1,6 @@
 // Weight-only GEMV for decode: out[m, n] = scale[n] * sum_k x[m, k] * w[n, k], with w stored narrower than the
-// compute dtype (int8 with a per-output-channel scale, or bf16 computed in fp32) and widened to fp32 in registers.
+// compute dtype (int8 with a per-output-channel scale, or bf16 computed in fp32) and widened to fp32 in registers;
+// and bf16 x bf16 on AVX512-BF16 CPUs, multiplied as stored (vdpbf16ps, fp32 accumulation; gemv_bf16_dp).
 //
 // A batch-1 decode step is the weight bytes read (docs/engine.md, "Batch-1 decode"); torch's own int8
 // weight-only matmul (aten::_weight_int8pack_mm) runs fp32 activations in a scalar loop (0.6 GB/s measured), and a
