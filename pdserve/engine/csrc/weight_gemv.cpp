@@ -186,7 +186,7 @@ void gemv(O* out, const float* x, const W* w, const float* scales, int64_t m, in
 // the bf16 pairs as they are and accumulates in fp32, so neither side is widened and a cache line of weights is one
 // instruction per activation row. One weight row at a time, two lines per iteration, shared by R activation rows.
 // Measured on an AMD EPYC (Zen 4, 2 threads; the bench model's projections + lm_head, a step's 49 calls) at one
-// row: 7.0-7.7 ms against 8.0-9.2 ms widening to fp32 FMAs, and 10.5-11.6 ms through oneDNN's prepacked linear.
+// row: 7.0-7.7 ms against 8.6-9.3 ms widening to fp32 FMAs, and 11.6-13.6 ms through oneDNN's prepacked linear.
 template <int64_t R>
 inline void dot_rows_dp(float* dots, const c10::BFloat16* x, const c10::BFloat16* w, int64_t k) {
   __m512 a[R][2];

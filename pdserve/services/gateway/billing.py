@@ -50,6 +50,10 @@ class BillingRecord:
     finalised_by: str | None = field(default=None)  # the replica that wrote it for a dead one (usage_ledger.py)
 
     @property
+    def billed_prompt_tokens(self) -> int:
+        return 0 if self.state == "REJECTED" else self.prompt_tokens
+
+    @property
     def billed_tokens(self) -> int:
         return 0 if self.state == "REJECTED" else self.prompt_tokens + self.committed_tokens
 

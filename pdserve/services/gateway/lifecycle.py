@@ -244,7 +244,7 @@ class Lifecycle:
             return
         t = rec.tenant.name
         M.USAGE_RECORDS.labels(t, record.state).inc()
-        for kind, v in (("prompt", record.prompt_tokens if record.state != "REJECTED" else 0),
+        for kind, v in (("prompt", record.billed_prompt_tokens),
                         ("generated", record.generated_tokens), ("emitted", record.emitted_tokens),
                         ("committed", record.committed_tokens), ("recomputed", record.recomputed_tokens)):
             if v:
