@@ -13,8 +13,6 @@ threads. Prints the CPU model and flags; figures hold for that CPU only.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import sys
 import tempfile
 import time
@@ -25,22 +23,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench.engine_throughput import build_model, describe_cpu, set_threads  # noqa: E402
+from bench.quantization import env  # noqa: E402
 from pdserve.engine.quant import BATCH1_GEMV_ENV  # noqa: E402
 
 CONFIGS = {"auto": ({}, None), "auto, oneDNN M=1": ({}, "0"), "int8": ({"quantization": "int8"}, None)}
-
-
-@contextlib.contextmanager
-def env(name: str, value: str | None):
-    old = os.environ.pop(name, None)
-    if value is not None:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        os.environ.pop(name, None)
-        if old is not None:
-            os.environ[name] = old
 
 
 def main() -> None:

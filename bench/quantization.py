@@ -38,17 +38,22 @@ BF16_ROW = "bf16-held"  # dtype=auto with PDSERVE_BF16_WEIGHTS=1: projections in
 
 
 @contextlib.contextmanager
-def bf16_weights(on: bool):
-    """PDSERVE_BF16_WEIGHTS=1 while an engine loads (bf16-held projections under dtype=auto, quant.py)."""
-    old = os.environ.pop(BF16_WEIGHTS_ENV, None)
-    if on:
-        os.environ[BF16_WEIGHTS_ENV] = "1"
+def env(name: str, value: str | None):
+    """Environment variable `name` set to `value` (None: unset) while an engine loads, then as it was."""
+    old = os.environ.pop(name, None)
+    if value is not None:
+        os.environ[name] = value
     try:
         yield
     finally:
-        os.environ.pop(BF16_WEIGHTS_ENV, None)
+        os.environ.pop(name, None)
         if old is not None:
-            os.environ[BF16_WEIGHTS_ENV] = old
+            os.environ[name] = old
+
+
+def bf16_weights(on: bool):
+    """PDSERVE_BF16_WEIGHTS=1 while an engine loads (bf16-held projections under dtype=auto, quant.py)."""
+    return env(BF16_WEIGHTS_ENV, "1" if on else None)
 
 
 def interleaved_decode(model_dir: Path, configs: dict[str, dict], ctx: int = 256, rounds: int = 40) -> dict:

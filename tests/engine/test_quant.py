@@ -28,6 +28,9 @@ from pdserve.engine.sampling_params import SamplingParams
 from tests.conftest import make_checkpoint
 
 OPS = native_ops()
+# the GEMV copies of packed bf16 projections need the native kernels and oneDNN's bf16 linear
+needs_gemv_copies = pytest.mark.skipif(OPS is None or not can_pack(torch.empty(0, dtype=torch.bfloat16)),
+                                       reason="native kernels or oneDNN's bf16 linear unavailable here")
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], list(range(20, 61))]
 # Greedy int8 vs unquantized: tokens equal up to the first difference, and there the unquantized model's own
 # logit margin between the two tokens is at most INT8_TIE. The int8 weight error moves this model's logits
@@ -167,13 +170,11 @@ class _RowSpy:
         return self.real.weight_gemv(out, x, w, s)
 
 
+@needs_gemv_copies
 def test_packed_bf16_linear_keeps_a_gemv_copy_for_small_batches():
     """A packed bf16 projection that keeps its plain weight: up to GEMV_COPY_MAX_ROWS rows run the native GEMV
     (vdpbf16ps where the CPU has it), more rows oneDNN; both equal the float64 product within one bf16 rounding of
     the output."""
-    w = torch.empty(0, dtype=torch.bfloat16)
-    if OPS is None or not can_pack(w):
-        pytest.skip("native kernels or oneDNN's bf16 linear unavailable here")
     for n, k, bias in ((48, 64, False), (33, 100, True), (130, 257, False), (96, 768, False)):
         lin = Linear(k, n, bias=bias)
         with torch.no_grad():
@@ -192,12 +193,11 @@ def test_packed_bf16_linear_keeps_a_gemv_copy_for_small_batches():
         assert spy.rows == [r for r in sizes if r <= GEMV_COPY_MAX_ROWS]  # larger steps never reach the GEMV
 
 
+@needs_gemv_copies
 def test_batch1_gemv_greedy_close_to_float64(ckpt, monkeypatch):
     """bf16 decode with the plain copies forced on: single-sequence steps (one row) run the GEMV; greedy tokens
     equal transformers in float64 on the same bf16 weights up to the first difference, and there float64's own
     margin between the two tokens is within a tie for bf16 compute (INT8_TIE)."""
-    if OPS is None or not can_pack(torch.empty(0, dtype=torch.bfloat16)):
-        pytest.skip("native kernels or oneDNN's bf16 linear unavailable here")
     monkeypatch.setenv(BATCH1_GEMV_ENV, "1")
     engine = Engine.from_pretrained(ckpt, EngineConfig(num_gpu_blocks=64, block_size=4, dtype="bfloat16"))
     model = engine.runner.model
@@ -206,13 +206,8 @@ def test_batch1_gemv_greedy_close_to_float64(ckpt, monkeypatch):
     model.lm_head.native_ops = spy = _RowSpy(engine.runner.native_ops)
     hf = tf.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).double().eval()
     for prompt in PROMPTS:
-        ours = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
-        ours, ref = ours.outputs[0].token_ids, _hf_greedy(hf, prompt, 10)
-        i = next((j for j, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
-        if i is not None:
-            with torch.no_grad():
-                logits = hf(torch.tensor([prompt + ref[:i]])).logits[0, -1]
-            assert logits[ref[i]] - logits[ours[i]] <= INT8_TIE, (prompt, i, ours, ref)
+        out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
+        _assert_greedy_within_tie(hf, prompt, out.outputs[0].token_ids, 10)
     assert spy.rows.count(1) >= 9 * len(PROMPTS)  # every decode step's LM head went through the GEMV
     monkeypatch.setenv(BATCH1_GEMV_ENV, "0")
     off = Engine.from_pretrained(ckpt, EngineConfig(num_gpu_blocks=16, block_size=4, dtype="bfloat16"))
@@ -261,6 +256,17 @@ def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
                           pad_token_id=0)[0, len(prompt):].tolist()
 
 
+def _assert_greedy_within_tie(hf, prompt: list[int], ours: list[int], n: int) -> None:
+    """`ours` equals `hf`'s greedy tokens up to the first difference, and there `hf`'s own logit margin between the
+    two tokens is at most INT8_TIE (a near-tie the other arithmetic may flip)."""
+    ref = _hf_greedy(hf, prompt, n)
+    i = next((j for j, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
+    if i is not None:
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + ref[:i]])).logits[0, -1]
+        assert logits[ref[i]] - logits[ours[i]] <= INT8_TIE, (prompt, i, ours, ref)
+
+
 def _fake_quant_hf(ckpt, dtype=torch.float64):
     """transformers' model with every nn.Linear's weight replaced by its int8 dequantization (float64 math)."""
     hf = tf.AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype).eval()
@@ -294,12 +300,7 @@ def test_int8_greedy_close_to_unquantized(ckpt):
             assert (hf(x).logits - hfq(x).logits).abs().max() <= LOGIT_TOL
     outs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     for prompt, out in zip(PROMPTS, outs):
-        ours, ref = out.outputs[0].token_ids, _hf_greedy(hf, prompt, 10)
-        i = next((j for j, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
-        if i is not None:
-            with torch.no_grad():
-                logits = hf(torch.tensor([prompt + ref[:i]])).logits[0, -1]
-            assert logits[ref[i]] - logits[ours[i]] <= INT8_TIE, (prompt, i, ours, ref)
+        _assert_greedy_within_tie(hf, prompt, out.outputs[0].token_ids, 10)
 
 
 def test_int8_changes_the_kv_fingerprint(ckpt):
@@ -382,11 +383,10 @@ def test_worker_and_up_flags_reach_the_engine(monkeypatch):
         EngineConfig(quantization="int8", tensor_parallel_size=2).validate()
 
 
+@needs_gemv_copies
 def test_batch1_gemv_copies_yield_to_host_memory(ckpt, monkeypatch, caplog):
     """The plain copies are the projections' size again: where they would not fit beside the KV pool, oneDNN
     alone, and the log says so."""
-    if OPS is None or not can_pack(torch.empty(0, dtype=torch.bfloat16)):
-        pytest.skip("native kernels or oneDNN's bf16 linear unavailable here")
     from pdserve.engine import quant
     monkeypatch.setenv(BATCH1_GEMV_ENV, "1")
     monkeypatch.setattr(quant, "mem_available_bytes", lambda: 64 << 20)  # the 256 MiB pool alone does not fit
