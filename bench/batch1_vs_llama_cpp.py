@@ -4,15 +4,17 @@ both sides report the same statistic (the median of `--rounds`).
 
     python bench/batch1_vs_llama_cpp.py [--threads N] [--rounds 60]
 
-Engines: `auto` (dtype=auto, as served) and `auto, oneDNN M=1` (the same with PDSERVE_BATCH1_GEMV=0: one-row
-steps through oneDNN's packed linear instead of the native GEMV; quant.keep_batch1_gemv), plus `--quantization
-int8`. The model is bench/engine_throughput.py's random ~124M Llama saved in bf16, one sequence after a 256-token
+Engines: `auto` (dtype=auto, as served), `auto, Python layers` (the same with PDSERVE_DECODER_STACK=0: the
+decoder layers run one Python call at a time instead of as one native call; engine/decoder_stack.py) and `auto,
+oneDNN M=1` (with PDSERVE_BATCH1_GEMV=0: one-row steps through oneDNN's packed linear instead of the native GEMV;
+quant.keep_batch1_gemv), plus `--quantization int8`. The model is bench/engine_throughput.py's random ~124M Llama saved in bf16, one sequence after a 256-token
 prompt; llama.cpp (llama-cpp-python, optional) runs a bf16 GGUF written from it (bench/llama_cpp_anchor.py), same
 threads. Prints the CPU model and flags; figures hold for that CPU only.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import tempfile
 import time
@@ -24,9 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench.engine_throughput import build_model, describe_cpu, set_threads  # noqa: E402
 from bench.quantization import env  # noqa: E402
+from pdserve.engine.decoder_stack import STACK_ENV  # noqa: E402
 from pdserve.engine.quant import BATCH1_GEMV_ENV  # noqa: E402
 
-CONFIGS = {"auto": ({}, None), "auto, oneDNN M=1": ({}, "0"), "int8": ({"quantization": "int8"}, None)}
+CONFIGS = {"auto": ({}, {}), "auto, Python layers": ({}, {STACK_ENV: "0"}),
+           "auto, oneDNN M=1": ({}, {BATCH1_GEMV_ENV: "0"}), "int8": ({"quantization": "int8"}, {})}
 
 
 def main() -> None:
@@ -43,8 +47,10 @@ def main() -> None:
         model_dir = build_model(Path(d), False)
         describe_cpu(model_dir)
         steps: dict[str, callable] = {}
-        for name, (kw, gemv) in CONFIGS.items():
-            with env(BATCH1_GEMV_ENV, gemv):
+        for name, (kw, variables) in CONFIGS.items():
+            with contextlib.ExitStack() as scope:
+                for var, value in variables.items():
+                    scope.enter_context(env(var, value))
                 eng = Engine.from_pretrained(model_dir, EngineConfig(kv_cache_bytes=64 << 20, max_num_seqs=1,
                                                                      enable_prefix_caching=False, **kw))
             print(f"{name}: {eng.info.line()}")

@@ -42,7 +42,7 @@ _failed: str | None = None
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("bindings.cpp", "paged_attention.cpp", "silu_and_mul.cpp", "norm_rope.cpp", "row_stats.cpp",
-           "prefill_attention.cpp", "weight_gemv.cpp", "kv_write.cpp")
+           "prefill_attention.cpp", "weight_gemv.cpp", "kv_write.cpp", "decoder_stack.cpp")
 # -march=native: the extension is built on the machine that runs it (the CPU's targets are part of the cache key).
 # Reassociation lets g++ vectorise the fp32 dot products and sums (no NaN/inf assumptions).
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",

@@ -11,6 +11,7 @@ from torch import nn
 from pdserve.engine.attention import AttentionMetadata, paged_attention
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.cpu_isa import FP32_PACK_ENV, cpu_vendor, pack_fp32
+from pdserve.engine.decoder_stack import DecoderStacks
 from pdserve.engine.errors import CheckpointError
 from pdserve.engine.loader import take
 from pdserve.engine.quant import GEMV_COPY_MAX_ROWS
@@ -175,6 +176,7 @@ class LlamaModel(nn.Module):
         self.dual_bytes = (0, 0)  # the bf16 and the fp32 copies' bytes of DualLinear projections (quant.py)
         self.gemv_bytes = 0  # bytes of the plain copies packed projections keep for small-batch GEMVs (Linear)
         self.weight_storage = "same"  # projections held as: same (the compute dtype) | int8 | bfloat16 (quant.py)
+        self.stacks: DecoderStacks | None = None  # the layers as one native call for small decode steps
 
     def _apply(self, fn, recurse=True):
         # `.to(bf16)` would round the RoPE frequencies too (0.5623 -> 0.5625), turning distant positions by a
@@ -189,6 +191,7 @@ class LlamaModel(nn.Module):
         for m in self.modules():
             if isinstance(m, (DecoderLayer, RMSNorm, WeightOnlyLinear, Linear)):
                 m.native_ops = ops
+        self.stacks = DecoderStacks(self, ops) if ops is not None else None
 
     def store_weights(self, kind: str, native_ops=None) -> None:
         """Hold the projections and lm_head as int8 or bf16 (quant.py); the embedding keeps the compute dtype."""
@@ -238,8 +241,15 @@ class LlamaModel(nn.Module):
         freqs = (positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)).unsqueeze(1)  # [T, 1, D/2]
         x = self._embed(input_ids)
         cos, sin = freqs.cos().to(x.dtype), freqs.sin().to(x.dtype)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv, i, meta)
+        t = input_ids.shape[0]
+        stack = self.stacks.get(t, x.dtype) if self.stacks and self.stacks.applies(meta, t, kv, x) else None
+        if stack is not None:
+            nd = meta.native_decode
+            x = stack.forward(x, cos, sin, kv, meta.slot_blocks, meta.slot_offsets, nd.rows, nd.block_tables,
+                              nd.context_lens, self.cfg.head_dim ** -0.5, meta.sliding_window or 0)
+        else:
+            for i, layer in enumerate(self.layers):
+                x = layer(x, cos, sin, kv, i, meta)
         x = self.norm(x[logits_rows])
         logits = self.lm_head(x).float()
         if self.comm is None:

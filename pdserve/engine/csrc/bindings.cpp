@@ -17,6 +17,7 @@ bool prefill_attention_supported(const at::Tensor& kv, int64_t n_heads);
 void paged_prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv, int64_t layer,
                              const at::Tensor& starts, const at::Tensor& q_lens, const at::Tensor& context_lens,
                              const at::Tensor& block_tables, double scale, int64_t sliding_window);
+void bind_decoder_stack(py::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV pool");
@@ -31,4 +32,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("scales") = py::none());
   m.def("write_kv", &write_kv, "a step's new K/V rows stored at their pool slots (one layer)");
   m.def("argmax_logsumexp", &argmax_logsumexp, "per-row argmax (lowest index on ties) and log-sum-exp");
+  bind_decoder_stack(m);
 }
