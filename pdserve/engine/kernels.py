@@ -6,7 +6,8 @@ RMSNorm and in-place rotary embedding (csrc/norm_rope.cpp), whose torch forms ar
 greedy step's per-row argmax + log-sum-exp in one kernel (csrc/row_stats.cpp), and causal prefill attention over
 the pool for bf16 on AVX-512 (csrc/prefill_attention.cpp; SDPA stays the path elsewhere), and the decode GEMV over
 weights held narrower than the compute dtype, int8 or bf16 (csrc/weight_gemv.cpp; engine/quant.py), and a step's
-new K/V rows stored into the pool in one call (csrc/kv_write.cpp).
+new K/V rows stored into the pool in one call (csrc/kv_write.cpp), and every decoder layer of a small all-decode
+step as one call over those kernels (csrc/decoder_stack.cpp; engine/decoder_stack.py).
 Every kernel has a pure-torch twin in attention.py that the tests
 compare it against; when the build is impossible (no compiler, `PDSERVE_NATIVE_KERNELS=0`, a non-CPU device) the
 engine uses the twin and says so once in its log.
