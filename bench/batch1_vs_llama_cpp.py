@@ -7,9 +7,10 @@ both sides report the same statistic (the median of `--rounds`).
 Engines: `auto` (dtype=auto, as served), `auto, Python layers` (the same with PDSERVE_DECODER_STACK=0: the
 decoder layers run one Python call at a time instead of as one native call; engine/decoder_stack.py) and `auto,
 oneDNN M=1` (with PDSERVE_BATCH1_GEMV=0: one-row steps through oneDNN's packed linear instead of the native GEMV;
-quant.keep_batch1_gemv), plus `--quantization int8`. The model is bench/engine_throughput.py's random ~124M Llama saved in bf16, one sequence after a 256-token
-prompt; llama.cpp (llama-cpp-python, optional) runs a bf16 GGUF written from it (bench/llama_cpp_anchor.py), same
-threads. Prints the CPU model and flags; figures hold for that CPU only.
+quant.keep_batch1_gemv), plus `--quantization int8`. The model is bench/engine_throughput.py's random ~124M Llama
+saved in bf16, one sequence after a 256-token prompt; llama.cpp (llama-cpp-python, optional) runs a bf16 GGUF
+written from it (bench/llama_cpp_anchor.py), same threads. Prints the CPU model and flags; figures hold for that
+CPU only.
 """
 from __future__ import annotations
 

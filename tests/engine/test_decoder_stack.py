@@ -58,8 +58,9 @@ def _both_paths(engine: Engine, batch: list[ScheduledSeq]) -> tuple[torch.Tensor
     twice stores the same values at the same slots, so the second run sees the pool the first one saw."""
     runner, model = engine.runner, engine.runner.model
     ids, pos, meta, rows, _ = runner.prepare(batch)
-    ran = model.stacks is not None and model.stacks.applies(meta, ids.numel(), engine.kv_cache.data, model.embed.weight) \
-        and model.stacks.get(ids.numel(), model.embed.weight.dtype) is not None
+    x = model.embed.weight
+    ran = model.stacks.applies(meta, ids.numel(), engine.kv_cache.data, x) and \
+        model.stacks.get(ids.numel(), x.dtype) is not None
     stacked = model(ids, pos, engine.kv_cache.data, meta, rows)
     model.stacks.enabled = False
     try:

@@ -12,19 +12,11 @@
 #include <string>
 #include <vector>
 
-void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv, int64_t layer,
-                            const at::Tensor& rows, const at::Tensor& block_tables, const at::Tensor& context_lens,
-                            double scale, int64_t sliding_window);
-void silu_and_mul(at::Tensor out, const at::Tensor& gate_up);
-void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps);
-void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin);
-void write_kv(at::Tensor kv, int64_t layer, const at::Tensor& slot_blocks, const at::Tensor& slot_offsets,
-              const at::Tensor& k, const at::Tensor& v);
-void weight_gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scales);
+#include "kernels.h"
 
 namespace {
 
-// How one projection runs (decoder_stack.LinearKind): the native GEMV over a plain int8 / bf16 weight, oneDNN's
+// How one projection runs (decoder_stack.GEMV / PACKED / DENSE): the native GEMV over a plain int8 / bf16 weight, oneDNN's
 // prepacked linear, or torch's linear over a plain weight in the activations' dtype.
 enum Kind : int64_t { GEMV = 0, PACKED = 1, DENSE = 2 };
 
