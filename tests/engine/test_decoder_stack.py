@@ -179,3 +179,45 @@ def test_stack_rejects_inconsistent_plans():
     with pytest.raises(ValueError):  # qkv width 8 != (2 + 2 * 1) * 4 = 16
         OPS.DecoderStack([lin.weight.detach()[0]] * 2, [2] * 4, [lin.weight.detach()] * 4, [torch.empty(0)] * 4,
                          [torch.empty(0)] * 4, [8] * 4, 2, 1, 4, 1e-5)
+
+
+def test_forward_releases_the_gil():
+    """While one thread is inside DecoderStack.forward, another runs Python: its longest pause during the call
+    stays far below the call's length (a call holding the GIL would pause it for the whole call)."""
+    import threading
+    import time
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        g = torch.Generator().manual_seed(0)
+        hidden, heads, hd, inter, layers, rows, bs = 512, 8, 64, 2048, 8, 64, 4
+
+        def w(*shape):
+            return torch.randn(*shape, generator=g) * 0.02
+
+        proj = [w(3 * heads * hd, hidden), w(hidden, heads * hd), w(2 * inter, hidden), w(hidden, inter)]
+        stack = OPS.DecoderStack([torch.ones(hidden)] * (2 * layers), [2] * (4 * layers), proj * layers,
+                                 [torch.empty(0)] * (4 * layers), [torch.empty(0)] * (4 * layers),
+                                 [p.shape[0] for p in proj] * layers, heads, heads, hd, 1e-5)
+        kv = torch.zeros(rows, layers, 2, bs, heads, hd)
+        ids = torch.arange(rows)
+        args = (torch.randn(rows, hidden, generator=g), torch.ones(rows, 1, hd // 2), torch.zeros(rows, 1, hd // 2),
+                kv, ids, torch.zeros(rows, dtype=torch.long), ids, ids.unsqueeze(1), torch.ones(rows, dtype=torch.long),
+                hd ** -0.5, 0)
+        with torch.inference_mode():
+            stack.forward(*args)
+            t = time.perf_counter()
+            stack.forward(*args)
+            call = time.perf_counter() - t
+            done = threading.Event()
+            worker = threading.Thread(target=lambda: (stack.forward(*args), done.set()))
+            longest, last = 0.0, time.perf_counter()
+            worker.start()
+            while not done.is_set():
+                now = time.perf_counter()
+                longest, last = max(longest, now - last), now
+            worker.join()
+    finally:
+        torch.set_num_threads(threads)
+    assert call > 0.02, "the call is too short to tell"
+    assert longest < call / 2, (longest, call)
