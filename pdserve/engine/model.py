@@ -193,11 +193,17 @@ class LlamaModel(nn.Module):
                 m.native_ops = ops
         self.stacks = DecoderStacks(self, ops) if ops is not None else None
 
+    def _forget_stacks(self) -> None:
+        """The projections changed form: plans built over the old tensors would still compute with them."""
+        if self.stacks is not None:
+            self.stacks = DecoderStacks(self, self.stacks.native_ops)
+
     def store_weights(self, kind: str, native_ops=None) -> None:
         """Hold the projections and lm_head as int8 or bf16 (quant.py); the embedding keeps the compute dtype."""
         from pdserve.engine.quant import DualLinear, convert_linears
         convert_linears(self, kind, native_ops)
         self.weight_storage = kind
+        self._forget_stacks()
         self.weight_bytes = sum(t.numel() * t.element_size() for t in [*self.parameters(), *self.buffers()]
                                 if t is not self.inv_freq)
         duals = [m for m in self.modules() if isinstance(m, DualLinear)]
@@ -219,6 +225,7 @@ class LlamaModel(nn.Module):
         for m in linears:
             m.pack(keep_gemv)
         self.packed = True
+        self._forget_stacks()
         if keep_gemv:
             self.gemv_bytes = sum(m.gemv_weight.nbytes for m in linears)
             self.weight_bytes += self.gemv_bytes

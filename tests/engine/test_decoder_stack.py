@@ -221,3 +221,16 @@ def test_forward_releases_the_gil():
         torch.set_num_threads(threads)
     assert call > 0.02, "the call is too short to tell"
     assert longest < call / 2, (longest, call)
+
+
+def test_plans_follow_a_change_of_weight_storage(ckpt, monkeypatch):
+    """Plans hold the projections' tensors: after the model's weights change form (here fp32 -> int8, after steps
+    that built plans), the stack computes with the new ones, equal to the Python loop over them."""
+    monkeypatch.setenv(cpu_isa.FP32_PACK_ENV, "0")  # plain fp32 weights, which int8 can be made from
+    engine = _engine(ckpt)
+    engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    model = engine.runner.model
+    assert model.stacks.get(1, torch.float32) is not None
+    model.store_weights("int8", engine.runner.native_ops)
+    stacked, looped, ran = _both_paths(engine, _decode_batch(engine, 1))
+    assert ran and torch.equal(stacked, looped)

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
+#include <utility>
 #include "simd.h"
 #include <vector>
 
@@ -186,6 +187,23 @@ void attend_generic(const float* qf, int64_t heads, int64_t group, int64_t d, co
                });
 }
 
+// Calls fn(std::integral_constant<int, G>{}) for G = group in 1..8, so a kernel can keep the group's accumulators in
+// registers; false (nothing called) for other groups.
+template <typename Fn>
+bool with_group(int64_t group, Fn&& fn) {
+  switch (group) {
+    case 1: fn(std::integral_constant<int, 1>{}); return true;
+    case 2: fn(std::integral_constant<int, 2>{}); return true;
+    case 3: fn(std::integral_constant<int, 3>{}); return true;
+    case 4: fn(std::integral_constant<int, 4>{}); return true;
+    case 5: fn(std::integral_constant<int, 5>{}); return true;
+    case 6: fn(std::integral_constant<int, 6>{}); return true;
+    case 7: fn(std::integral_constant<int, 7>{}); return true;
+    case 8: fn(std::integral_constant<int, 8>{}); return true;
+    default: return false;
+  }
+}
+
 // The KV heads [h0, h0 + heads) of one sequence: their query heads' outputs into acc ([heads * group, d] fp32).
 // Rows are walked token by token, each token's K (then V) bytes of all these heads being one contiguous run.
 template <typename T>
@@ -193,36 +211,18 @@ void attend_item(const float* qf, int64_t heads, int64_t group, int64_t d, const
                  const int64_t* table, const Walk& w, float* scores, float* acc, float* tmp) {
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (d % 16 == 0) {
-      switch (group) {
-        case 1: return attend_bf16<1>(qf, heads, d, k_base, v_base, table, w, scores, acc);
-        case 2: return attend_bf16<2>(qf, heads, d, k_base, v_base, table, w, scores, acc);
-        case 3: return attend_bf16<3>(qf, heads, d, k_base, v_base, table, w, scores, acc);
-        case 4: return attend_bf16<4>(qf, heads, d, k_base, v_base, table, w, scores, acc);
-        case 5: return attend_bf16<5>(qf, heads, d, k_base, v_base, table, w, scores, acc);
-        case 6: return attend_bf16<6>(qf, heads, d, k_base, v_base, table, w, scores, acc);
-        case 7: return attend_bf16<7>(qf, heads, d, k_base, v_base, table, w, scores, acc);
-        case 8: return attend_bf16<8>(qf, heads, d, k_base, v_base, table, w, scores, acc);
-        default: break;
-      }
-    }
+    if (d % 16 == 0 && with_group(group, [&](auto g) {
+          attend_bf16<decltype(g)::value>(qf, heads, d, k_base, v_base, table, w, scores, acc);
+        }))
+      return;
   }
 #endif
 #if defined(PDSERVE_AVX2)
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
-    if (d % 8 == 0) {
-      switch (group) {
-        case 1: return attend8<1>(qf, heads, d, k_base, v_base, table, w, scores, acc);
-        case 2: return attend8<2>(qf, heads, d, k_base, v_base, table, w, scores, acc);
-        case 3: return attend8<3>(qf, heads, d, k_base, v_base, table, w, scores, acc);
-        case 4: return attend8<4>(qf, heads, d, k_base, v_base, table, w, scores, acc);
-        case 5: return attend8<5>(qf, heads, d, k_base, v_base, table, w, scores, acc);
-        case 6: return attend8<6>(qf, heads, d, k_base, v_base, table, w, scores, acc);
-        case 7: return attend8<7>(qf, heads, d, k_base, v_base, table, w, scores, acc);
-        case 8: return attend8<8>(qf, heads, d, k_base, v_base, table, w, scores, acc);
-        default: break;
-      }
-    }
+    if (d % 8 == 0 && with_group(group, [&](auto g) {
+          attend8<decltype(g)::value>(qf, heads, d, k_base, v_base, table, w, scores, acc);
+        }))
+      return;
   }
 #endif
   attend_generic<T>(qf, heads, group, d, k_base, v_base, table, w, scores, acc, tmp);
