@@ -24,6 +24,7 @@ everything (what CI runs, to keep this script runnable).
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import json
 import multiprocessing as mp
@@ -330,6 +331,8 @@ def check_mixed(tmp: Path, n_requests: int, hf_batches: list[int], deadline: flo
     eng = Engine.from_pretrained(ckpt, EngineConfig(device=DEVICE, max_num_seqs=256, max_num_batched_tokens=8192,
                                                     gpu_memory_utilization=0.5))
     pool = f"pool {eng.kv_cache.num_blocks} blocks ({eng.kv_cache.num_blocks * eng.kv_cache.block_bytes / 2**30:.1f} GiB)"
+    gc.collect()
+    gc.freeze()  # as a worker does after warm-up (services/procutil.py): no full collection over start-up objects
     for i, (p, n) in enumerate(reqs):
         eng.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     device_calls = [0.0]  # seconds in the forward, the graph replays and the sampler (whose read-back waits)
@@ -345,8 +348,8 @@ def check_mixed(tmp: Path, n_requests: int, hf_batches: list[int], deadline: flo
     ours = toks / elapsed
     host = elapsed - device_calls[0]
     host_note = f"engine host bookkeeping {host / toks * 1e6:.1f} us/token ({100 * host / elapsed:.0f}% of its time)"
+    gc.unfreeze()  # the engine's objects (its KV pool among them) must be collectable before transformers loads
     del eng
-    import gc
     gc.collect()
     empty_cache()
     hf = tf.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).to(DEVICE).eval()

@@ -258,9 +258,11 @@ class Engine:
         self.num_steps += 1
         self.batch_sizes.append((len(sched.scheduled), sched.num_batched_tokens))
         now = time.time()
+        requests = self.requests
         for item in sched.scheduled:
-            req = self.requests[item.seq.request_id]
-            req.times = req.times.scheduled_at(now)
+            req = requests[item.seq.request_id]
+            if req.times.first_scheduled is None:
+                req.times = req.times.scheduled_at(now)
         want_prompt = {i for i, it in enumerate(sched.scheduled)
                        if it.seq.wants_prompt_logprobs and it.seq.num_output_tokens == 0}
         verifying = self.spec.begin(sched) if self.spec is not None else set()
@@ -349,9 +351,9 @@ class Engine:
     def _output(self, req: Request) -> RequestOutput:
         if req.beam is not None:
             return beams.output(req, self.tokenizer)
-        live = req.chosen()
         # best_of > n: nothing was shown while it ran, so the chosen branches' "new" output is all of it
         whole = req.hides_branches()
+        live = req.chosen() if whole else req.seqs
         outs = []
         for i, seq in enumerate(live):
             text = seq.output.text if hasattr(seq.output, "text") else seq.text

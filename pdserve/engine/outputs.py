@@ -67,7 +67,7 @@ class RequestTimes:
         return replace(self, finished=t)
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str  # cumulative
@@ -89,7 +89,7 @@ class FirstToken:
     logprobs: object | None = None
 
 
-@dataclass
+@dataclass(slots=True)  # one a request a step: slots make building and reading it cheaper
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]

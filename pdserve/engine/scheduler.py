@@ -207,8 +207,9 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         members_only = self.cfg.batching == "static" and self.batch_in_flight()
+        slots = self.slots_used()  # counted once, then by admission: per candidate it was O(running) each
         for seq in self._waiting_order():
-            if budget <= 0 or self.slots_used() >= self.cfg.max_num_seqs:
+            if budget <= 0 or slots >= self.cfg.max_num_seqs:
                 break
             if seq.paused or (members_only and seq.state != S.PREEMPTED):
                 continue  # backpressured while preempted / not in the static batch in flight: others go ahead
@@ -229,6 +230,7 @@ class Scheduler:
             seq.set_state(S.PREFILLING)
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
+            slots += seq.num_tokens > seq.num_computed_tokens  # as slots_used counts it
             budget -= n
         return budget
 

@@ -23,6 +23,7 @@ class Sequence:
         self.block_hashes: list[int] = []
         self.host_table: list[int] = []
         self.state: RequestState | None = None
+        self.finished = False  # state is terminal: kept by set_state, read several times a token
         self.history: list[RequestState] = []
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.priority = 0  # lower = more urgent (policy `priority`; also orders preemption victims)
@@ -48,6 +49,7 @@ class Sequence:
     def set_state(self, new: RequestState) -> None:
         check_transition(self.state, new)
         self.state = new
+        self.finished = new.terminal
         self.history.append(new)
         ENTERED[new.value] += 1
 
@@ -67,10 +69,6 @@ class Sequence:
     def is_prefill(self) -> bool:
         """No token sampled yet, or more than one token lacks KV (a recompute after preemption)."""
         return self.num_output_tokens == 0 or self.num_tokens - self.num_computed_tokens > 1
-
-    @property
-    def finished(self) -> bool:
-        return self.state is not None and self.state.terminal
 
     def __repr__(self) -> str:
         return f"Sequence({self.request_id}#{self.branch}, {self.state}, {self.num_computed_tokens}/{self.num_tokens})"

@@ -50,3 +50,42 @@ def test_invalid_bytes_released_at_flush(bpe_tokenizer):
     assert d.step(tok.encode("a", add_special_tokens=False)[0]) == "a"
     assert d.step(lead) == ""
     assert d.flush() == "\ufffd"
+
+
+class _Refuses:
+    """A DecodeStream that refuses every step, as the library does when its prefix check fails."""
+
+    def step(self, tokenizer, token_id):
+        raise Exception("InvalidPrefix")
+
+
+def _two_decodes(tok, ids, prompt, skip, switch_at=None):
+    """Deltas with the library stream (switched to the two-decode path at `switch_at`, as on a refused step)."""
+    d = IncrementalDetokenizer(tok, list(prompt), skip)
+    deltas = []
+    for k, t in enumerate(ids):
+        if k == switch_at:
+            d._stream = _Refuses()
+        deltas.append(d.step(t))
+    return deltas + [d.flush()]
+
+
+def test_library_stream_equals_the_two_decodes_and_falls_back_mid_sequence(bpe_tokenizer):
+    """The DecodeStream path and the two-decode path give the same deltas step by step (byte-level pieces of CJK
+    and emoji, special tokens skipped and kept, invalid bytes at the end); a stream that refuses a step hands
+    over with its window, so the deltas are unchanged whatever step it happens at."""
+    tok = bpe_tokenizer
+    assert IncrementalDetokenizer(tok, [], True)._stream is not None  # the library path is the one tested
+    rnd = random.Random(1)
+    eos = tok.eos_token_ids[0]
+    lead = [i for i in range(tok.vocab_size) if tok.id_to_token(i) == "ä"][0]
+    for trial in range(30):
+        ids = tok.encode("".join(rnd.choice(TEXTS) for _ in range(3)), add_special_tokens=False)
+        ids = [t for i in ids for t in ([i, eos] if rnd.random() < 0.05 else [i])] + ([lead] if trial % 3 == 0 else [])
+        prompt = tok.encode(rnd.choice(TEXTS), add_special_tokens=False)
+        skip = trial % 2 == 0
+        reference = _two_decodes(tok, ids, prompt, skip, switch_at=0)  # refused from the first step: two decodes
+        for switch in (None, 1, len(ids) // 2, len(ids) - 1):
+            assert _two_decodes(tok, ids, prompt, skip, switch) == reference, (trial, switch)
+        full = tok.decode(prompt[-5:] + ids, skip_special_tokens=skip)[len(tok.decode(prompt[-5:], skip_special_tokens=skip)):]
+        assert "".join(reference) == full

@@ -37,7 +37,11 @@ def plan_of(batch, prompt_logits: set[int], block_size: int) -> StepPlan:
     for i, item in enumerate(batch):
         seq, n = item.seq, item.num_tokens
         first = seq.num_computed_tokens
-        # slices are copies already: the plan owns them (a later tick may grow the sequence's lists)
-        items.append(PlanItem(seq.token_ids[first:first + n], first, seq.block_table[:-(-(first + n) // block_size)],
-                              bool(item.samples), i in prompt_logits))
+        # A plan lives for one step: it is turned into tensors (and, with TP, pickled for the other ranks) before
+        # the scheduler touches a sequence again. So a block table that is exactly the step's is shared, not
+        # copied: a copy of every sequence's table every step was a tenth of the engine's host time at 256
+        # sequences (docs/engine.md, "Host overhead"). The token slice is a copy (one token for a decode).
+        table, nb = seq.block_table, -(-(first + n) // block_size)
+        items.append(PlanItem(seq.token_ids[first:first + n], first, table if len(table) == nb else table[:nb],
+                              item.samples, i in prompt_logits))
     return StepPlan(items)
