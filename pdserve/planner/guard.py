@@ -16,7 +16,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.planner.policy import Limits
+
+# Here rather than in policy.py (which sizes by simulation: torch, the simulator): decision.py, and through it
+# `pdserve status` and `up`'s state file, need only these bounds, and importing policy cost them ~2 s a start.
+@dataclass(frozen=True)
+class Limits:
+    min_prefill: int = 1
+    max_prefill: int = 4
+    min_decode: int = 1
+    max_decode: int = 4
+
+    def clamp(self, pool: str, n: int) -> int:
+        lo, hi = (self.min_prefill, self.max_prefill) if pool == "prefill" else (self.min_decode, self.max_decode)
+        return min(hi, max(lo, n))
 
 
 @dataclass(frozen=True)

@@ -20,22 +20,11 @@ from dataclasses import dataclass
 
 from pdserve.engine.config import EngineConfig
 from pdserve.planner.costs import LiveCosts
+from pdserve.planner.guard import Limits
 from pdserve.sim.cluster import ClusterSpec
 from pdserve.sim.plan import PlanInput, pool_rates, smallest_pd
 from pdserve.sim.plan import _run as simulate  # one cluster at one rate -> bench's summary
 from pdserve.sim.workload import SLO, LengthDist, synthetic
-
-
-@dataclass(frozen=True)
-class Limits:
-    min_prefill: int = 1
-    max_prefill: int = 4
-    min_decode: int = 1
-    max_decode: int = 4
-
-    def clamp(self, pool: str, n: int) -> int:
-        lo, hi = (self.min_prefill, self.max_prefill) if pool == "prefill" else (self.min_decode, self.max_decode)
-        return min(hi, max(lo, n))
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,50 @@ def _served(pool: str, port: int) -> float:
         return 0.0
 
 
+SEGMENT_S = 12  # seconds of arrivals per `pdserve bench run` of the load
+
+
+class Load:
+    """The load step: `pdserve bench run` at 3 req/s in segments of SEGMENT_S, each started as the last one ends
+    for as long as the test still needs load. It lasts until the planner has grown and the new decode worker has
+    served, however long that takes on the box, instead of a fixed 45 s sized to cover the slowest box's scale-up
+    (the planner sees no gap: a segment's start-up is ~1 s, and a pool shrinks only after a whole window, two
+    intervals, without traffic). Every segment must succeed and every record of every segment be ok."""
+
+    def __init__(self, base_url: str, env: dict, out: Path):
+        self.base_url, self.env, self.out = base_url, env, out
+        self.proc: subprocess.Popen | None = None
+        self.dirs: list[Path] = []
+
+    def keep_going(self) -> None:
+        """Start the next segment if the current one has ended (successfully)."""
+        if self.proc is not None and self.proc.poll() is None:
+            return
+        self._check()
+        d = self.out / f"bench{len(self.dirs)}"
+        self.dirs.append(d)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pdserve", "bench", "run", "--base-url", self.base_url, "--rate", "3",
+             "--duration", str(SEGMENT_S), "--prompt-len", "32", "--output-len", "24", "--out", str(d),
+             "--no-progress", "--seed", str(len(self.dirs))], env=self.env, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True)
+
+    def _check(self) -> None:
+        if self.proc is not None:
+            out = self.proc.communicate()[0]
+            assert self.proc.returncode == 0, out
+
+    def finish(self) -> list[dict]:
+        """Let the current segment run to its end; every segment's records."""
+        self._check()
+        return [r for d in self.dirs for r in json.loads((d / "results.json").read_text())["points"][0]["records"]]
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
 def test_planner_grows_both_pools_under_load_and_drains_after(tmp_path, monkeypatch):
     env = _env(tmp_path / "state")
     monkeypatch.setenv("PDSERVE_STATE_DIR", env["PDSERVE_STATE_DIR"])
@@ -70,7 +114,7 @@ def test_planner_grows_both_pools_under_load_and_drains_after(tmp_path, monkeypa
                     "--planner-interval", "5", "--min-decode", "1", "--max-decode", "2", "--min-prefill", "1",
                     "--max-prefill", "2", "--slo-tpot", "0.002", "--slo-ttft", "0.001", "--scale-down-cooldown", "5",
                     "--planner-window", "2"], env, ready_timeout=150)
-    bench = None
+    load = None
     pools = ("prefill", "decode")
     try:
         # `up` writes its state file before its PDSERVE_UP line; should it not show, say what the directory held.
@@ -87,15 +131,13 @@ def test_planner_grows_both_pools_under_load_and_drains_after(tmp_path, monkeypa
         assert [w["role"] for w in first["workers"]] == ["prefill", "decode"]
         assert all({"id", "role", "healthy"} <= set(w) and w["healthy"] for w in first["workers"])
         original = {pool: _pool(first, pool)[0]["id"] for pool in pools}
-        bench = subprocess.Popen(
-            [sys.executable, "-m", "pdserve", "bench", "run", "--base-url", up.base_url, "--rate", "3",
-             "--duration", "45", "--prompt-len", "32", "--output-len", "24", "--out", str(tmp_path / "bench"),
-             "--no-progress", "--seed", "1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        load = Load(up.base_url, env, tmp_path)
 
         # 1. the planner adds a worker to each pool; each registers (healthy, serving) while the load runs
         added: dict[str, dict] = {}
         end = time.monotonic() + 80
-        while time.monotonic() < end and bench.poll() is None and len(added) < 2:
+        while time.monotonic() < end and len(added) < 2:
+            load.keep_going()
             st = _status(env)
             for pool in pools:
                 serving = [w for w in _pool(st, pool) if w["healthy"]]
@@ -117,12 +159,13 @@ def test_planner_grows_both_pools_under_load_and_drains_after(tmp_path, monkeypa
         in_router = {w["id"] for w in gather(argparse.Namespace(
             url=up.base_url, redis_url=None, model=None, api_key=None, internal_token_file=None,
             redis_password_file=None, redis_ca_file=None))["workers"]}
-        while bench.poll() is None:
+        end = time.monotonic() + 60
+        while time.monotonic() < end and not served["decode"]:
+            load.keep_going()
             for pool in pools:
                 served[pool] = max(served[pool], _served(pool, added[pool]["metrics_port"]))
             time.sleep(1.0)
-        out = bench.communicate()[0]
-        assert bench.returncode == 0, out
+        recs = load.finish()
         for pool in pools:
             served[pool] = max(served[pool], _served(pool, added[pool]["metrics_port"]))
         # the decode worker is chosen by batch / KV load, so under this load it gets work; the router prefers the
@@ -170,8 +213,6 @@ def test_planner_grows_both_pools_under_load_and_drains_after(tmp_path, monkeypa
         assert gw["planner"]["changes"][0] == cli["planner"]["changes"][0]
 
         # 4. no request failed: every bench record ok, and the gateway counted no other terminal state
-        res = json.loads((tmp_path / "bench" / "results.json").read_text())
-        recs = res["points"][0]["records"]
         assert recs and all(r["ok"] for r in recs), [r["error"] for r in recs if not r["ok"]][:5]
         with urllib.request.urlopen(up.base_url + "/metrics", timeout=5) as r:
             page = r.read().decode()
@@ -183,7 +224,6 @@ def test_planner_grows_both_pools_under_load_and_drains_after(tmp_path, monkeypa
         for pool in pools:
             assert f"{pool} 1->2 [up:" in log and f"{pool} 2->1 [down:" in log
     finally:
-        if bench is not None and bench.poll() is None:
-            bench.kill()
-            bench.wait()
+        if load is not None:
+            load.kill()
         up.stop()

@@ -1,7 +1,8 @@
 """Compile the CUDA kernels for given GPU architectures without a GPU and print one JSON line per variant.
 
 Run in a process of its own (tests/engine/test_triton_compile.py): Triton's JIT must not be in interpreter mode,
-which the test session turns on for the other Triton tests."""
+which the test session turns on for the other Triton tests. `triton_compile_probe.py 90` compiles sm_90's only
+(the test runs one process per architecture, side by side)."""
 from __future__ import annotations
 
 import json
@@ -20,8 +21,8 @@ def build(fn, types: dict, consts: dict, arch: int):
     return triton.compile(src, target=GPUTarget("cuda", arch, 32))
 
 
-def variants():
-    for arch in (90, 80):
+def variants(archs=(90, 80)):
+    for arch in archs:
         for dt in ("bf16", "fp32"):
             for splits in (1, 8):
                 yield (f"decode-sm{arch}-{dt}-splits{splits}", ta._decode_kernel, dict(
@@ -40,8 +41,8 @@ def variants():
                 PRECISION="ieee", UPCAST=False), arch)
 
 
-if __name__ == "__main__":
-    for name, fn, types, consts, arch in variants():
+if __name__ == "__main__":  # args: the architectures (default both)
+    for name, fn, types, consts, arch in variants(tuple(map(int, sys.argv[1:])) or (90, 80)):
         try:
             k = build(fn, types, consts, arch)
             print(json.dumps({"name": name, "cubin_bytes": len(k.asm["cubin"]), "mma": "mma" in k.asm["ptx"]}))

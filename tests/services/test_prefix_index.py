@@ -21,6 +21,22 @@ REDIS = "redis://127.0.0.1:6379/0"
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def test_block_hash_is_fixed_bytes():
+    """The hash of a block is blake2b-64 over fixed bytes (parent or root + fingerprint + namespace, then each id
+    as 4 bytes little-endian): routers, workers and stored KV tiers of other versions must agree on it."""
+    import hashlib
+    toks = [0, 1, 255, 256, 70000, 2**32 - 1]
+
+    def ref(parent, head: bytes) -> int:
+        h = hashlib.blake2b(digest_size=8)
+        h.update(head + b"".join(t.to_bytes(4, "little") for t in toks))
+        return int.from_bytes(h.digest(), "little")
+
+    root = block_hash(None, toks, "fp", "ns")
+    assert root == ref(None, b"root" + b"fp" + b"\x00ns")
+    assert block_hash(root, toks, "fp", "ns") == ref(root, root.to_bytes(8, "little"))
+
+
 def test_chain_hashes_are_the_engines():
     toks = list(range(1, 50))  # 49 tokens, block 16: blocks 0..2 full; the last token is alone in block 3
     hs = chain_hashes(toks, 16, "fp", "ns")

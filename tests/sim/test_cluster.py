@@ -1,10 +1,14 @@
 """Cluster simulation: scale, disaggregated handoff accounting, the router's real policy, plan."""
 from __future__ import annotations
 
+import functools
+import random
 import time
+from dataclasses import replace
 
 from pdserve.engine import block_manager as bm_mod
 from pdserve.engine import scheduler as sched_mod
+from pdserve.bench.workload import arrivals
 from pdserve.engine.config import EngineConfig
 from pdserve.services.router import policy as policy_mod
 from pdserve.sim.cluster import Cluster, ClusterSpec
@@ -61,8 +65,15 @@ def test_disagg_tokens_and_transfer_time_exact():
 def test_plan_small():
     cost = RooflineCostModel(get_model("llama-3-8b"), get_gpu("H100"))
 
+    # plan() asks for ~56 workloads that differ only in rate; a spec's prompt and lengths come from its own seeded
+    # stream, its arrival from another (bench/workload.py: synthetic), so the prompts are drawn once per (n, seed)
+    # and only the arrivals per call: the very workloads make_workload returns, without 3M randrange calls
+    @functools.lru_cache(maxsize=None)
+    def prompts(n, seed):
+        return tuple(make_workload(n, 1.0, "uniform:256:1024", "uniform:32:128", seed=seed))
+
     def wl(rate, n, seed):
-        return make_workload(n, rate, "uniform:256:1024", "uniform:32:128", seed=seed)
+        return [replace(s, arrival=t) for s, t in zip(prompts(n, seed), arrivals(n, rate, random.Random(seed + 1)))]
 
     pi = PlanInput(rate=20.0, slo=SLO(ttft=0.2, tpot=0.02), workload=wl, cost=cost,
                    num_blocks=cost.kv_blocks(16), engine=CFG, requests=150, sweep_requests=80)
