@@ -39,8 +39,7 @@ def plan_of(batch, prompt_logits: set[int], block_size: int) -> StepPlan:
         first = seq.num_computed_tokens
         # A plan lives for one step: it is turned into tensors (and, with TP, pickled for the other ranks) before
         # the scheduler touches a sequence again. So a block table that is exactly the step's is shared, not
-        # copied: a copy of every sequence's table every step was a tenth of the engine's host time at 256
-        # sequences (docs/engine.md, "Host overhead"). The token slice is a copy (one token for a decode).
+        # copied (a saving within noise: docs/engine.md, "Host overhead"). The token slice is a copy.
         table, nb = seq.block_table, -(-(first + n) // block_size)
         items.append(PlanItem(seq.token_ids[first:first + n], first, table if len(table) == nb else table[:nb],
                               item.samples, i in prompt_logits))
