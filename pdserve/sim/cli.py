@@ -141,7 +141,9 @@ def cmd_profile(a) -> int:
     t = time.time()
     cm = profile(a.model, threads=a.threads, repeats=a.repeats, log=lambda m: print(m, file=sys.stderr))
     cm.save(a.out)
-    print(f"step_time = {cm.a:.4g} + {cm.b:.4g}*prefill_tokens + {cm.c:.4g}*decode_seqs + {cm.d:.4g}*sum_context s"
+    print(f"step_time = {cm.a:.4g} + {cm.e:.4g}*[prefill] + {cm.b:.4g}*prefill_tokens + {cm.c:.4g}*decode_seqs + "
+          f"{cm.d:.4g}*sum_context + {cm.f:.4g}*prefill_pairs s, + {cm.wake_s * 1e3:.2g} ms after idle "
+          f"(tau {cm.wake_tau_s * 1e3:.0f} ms)"
           f"  (median rel err {cm.meta['median_rel_err']:.1%}, p90 {cm.meta['p90_rel_err']:.1%}, "
           f"{cm.meta['n_samples']} steps, {time.time() - t:.0f} s) -> {a.out}")
     return 0
@@ -154,10 +156,9 @@ def cmd_roofline(a) -> int:
     cm = RooflineCostModel(m, g, a.tp or min_tp(m, g))
     d = cm.describe()
     for b in (1, 8, 64, 256):
-        s = StepShape(decode_seqs=b, sum_context=b * a.context, attn_pairs=b * a.context, samples=b)
+        s = StepShape.decode(b, b * a.context)
         d[f"decode_step_bound_s_batch{b}_ctx{a.context}"] = cm.step_time(s)
-    s = StepShape(prefill_tokens=a.context, prefill_seqs=1, sum_context=a.context,
-                  attn_pairs=a.context * (a.context + 1) // 2, samples=1)
+    s = StepShape.prefill(a.context)
     d[f"prefill_bound_s_{a.context}_tokens"] = cm.step_time(s)
     d["kv_transfer_bound_s_per_1k_tokens_ib"] = cm.transfer_time(1000)
     d["kv_blocks_16"] = cm.kv_blocks(16)

@@ -3,14 +3,22 @@
 A step is described by `StepShape` (what the real scheduler put in the batch). Two models share the
 `step_time(shape) -> seconds` interface:
 
-- `LinearCostModel` (calibrated): step = a + b*prefill_tokens + c*decode_seqs + d*sum_context, fitted by least
-  squares to step times the real engine took on this machine (`profile`, `pdserve sim profile`), saved as JSON.
-  It is a *prediction* for this machine and model, valid inside the profiled range.
+- `LinearCostModel` (calibrated): step = a + e*[step has prefill] + b*prefill_tokens + c*decode_seqs
+  + d*sum_context + f*prefill_pairs, fitted by least squares to step times the real engine took on this machine
+  (`profile`, `pdserve sim profile`), saved as JSON. It is a *prediction* for this machine and model, valid inside
+  the profiled range.
+
+  Why a second intercept: a step with only decode sequences runs as one native call over the whole layer stack
+  (engine/decoder_stack.py) where a step holding a prefill chunk runs the per-layer Python loop, so the two have
+  different fixed costs (~1.3 ms vs ~5 ms on the built-in model on one core). With one shared intercept the fit
+  splits the difference and a 16-32-token prefill came out 40-50% short. The prefill attention term is quadratic in
+  the chunk (a 1000-token prompt's causal pairs), which `b` alone cannot follow.
 - `pdserve.sim.roofline.RooflineCostModel`: a *lower bound* for a named GPU and model.
 """
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,6 +32,7 @@ class StepShape:
     sum_context: int = 0      # over scheduled sequences: KV positions the last computed position attends to
     attn_pairs: int = 0       # causal (query, key) pairs computed: n*start + n(n+1)/2 per chunk, start+1 per decode
     samples: int = 0          # sequences whose chunk reaches their end (one logits row, one sampled token each)
+    prefill_pairs: int = 0    # the part of attn_pairs computed by prefill chunks
 
     @property
     def tokens(self) -> int:
@@ -32,7 +41,7 @@ class StepShape:
     @classmethod
     def of_scheduled(cls, scheduled) -> "StepShape":
         """From a `SchedulerOutput.scheduled` list, before the step advances `num_computed_tokens`."""
-        pt = ps = ds = ctx = attn = smp = 0
+        pt = ps = ds = ctx = attn = smp = ppairs = 0
         for it in scheduled:
             seq, n = it.seq, it.num_tokens
             start = seq.num_computed_tokens
@@ -41,11 +50,24 @@ class StepShape:
             if seq.is_prefill:
                 pt += n
                 ps += 1
-                attn += n * start + n * (n + 1) // 2  # query-key pairs of a causal chunk after `start` cached
+                pairs = n * start + n * (n + 1) // 2  # query-key pairs of a causal chunk after `start` cached
+                attn += pairs
+                ppairs += pairs
             else:
                 ds += 1
                 attn += start + 1
-        return cls(pt, ps, ds, ctx, attn, smp)
+        return cls(pt, ps, ds, ctx, attn, smp, ppairs)
+
+    @classmethod
+    def prefill(cls, n: int) -> "StepShape":
+        """One whole n-token prompt, nothing cached, nothing else in the step."""
+        return cls(prefill_tokens=n, prefill_seqs=1, sum_context=n, attn_pairs=n * (n + 1) // 2, samples=1,
+                   prefill_pairs=n * (n + 1) // 2)
+
+    @classmethod
+    def decode(cls, n: int, context: int) -> "StepShape":
+        """n decode sequences whose contexts sum to `context`."""
+        return cls(decode_seqs=n, sum_context=context, attn_pairs=context, samples=n)
 
 
 @dataclass
@@ -54,6 +76,14 @@ class LinearCostModel:
     b: float = 1e-4           # s per prefill token
     c: float = 1e-3           # s per decode sequence
     d: float = 0.0            # s per context token (sum over scheduled sequences)
+    e: float = 0.0            # s per step that holds any prefill chunk, on top of `a`
+    f: float = 0.0            # s per prefill (query, key) attention pair
+    # The first step after the engine sat idle costs more: measured on a 2-vCPU KVM guest, a 32-token prefill took
+    # 3.6 ms back to back and 4.9 / 5.8 / 6.2 ms after 20 / 100 / 300 ms idle (caches and the vCPU going cold;
+    # a GPU's clocks drop when idle too). Modelled as wake_s * (1 - exp(-idle / wake_tau_s)), fitted by `profile`.
+    # At light load every request meets an idle engine, so without it short prompts' TTFT came out ~35% short.
+    wake_s: float = 0.0
+    wake_tau_s: float = 0.04
     # KV handoff between replicas (disaggregation): bytes per token and link bandwidth, plus a fixed overhead.
     kv_bytes_per_token: float = 0.0
     link_bytes_per_s: float = 1e9
@@ -63,7 +93,14 @@ class LinearCostModel:
     kind = "linear"
 
     def step_time(self, s: StepShape) -> float:
-        return self.a + self.b * s.prefill_tokens + self.c * s.decode_seqs + self.d * s.sum_context
+        return (self.a + (self.e if s.prefill_seqs else 0.0) + self.b * s.prefill_tokens + self.c * s.decode_seqs
+                + self.d * s.sum_context + self.f * s.prefill_pairs)
+
+    def wake_time(self, idle_s: float) -> float:
+        """Extra time of a step that starts `idle_s` after the previous one ended."""
+        if self.wake_s <= 0 or idle_s <= 0:
+            return 0.0
+        return self.wake_s * -math.expm1(-idle_s / self.wake_tau_s)
 
     def transfer_time(self, num_tokens: int) -> float:
         return self.handoff_s + num_tokens * self.kv_bytes_per_token / self.link_bytes_per_s
@@ -88,15 +125,19 @@ class LinearCostModel:
         more work); the intercept is clipped at 0."""
         import numpy as np
 
-        active = [0, 1, 2, 3]
-        coef = np.zeros(4)
+        # Columns span ~1 (intercepts) to ~1e6 (attention pairs): solve on unit-scaled columns, scale back.
+        scale = np.abs(X).max(axis=0)
+        scale[scale == 0] = 1.0
+        Xs = X / scale
+        active = list(range(X.shape[1]))
+        coef = np.zeros(X.shape[1])
         while active:
-            sol, *_ = np.linalg.lstsq(X[:, active], y, rcond=None)
+            sol, *_ = np.linalg.lstsq(Xs[:, active], y, rcond=None)
             neg = [(v, a) for v, a in zip(sol, active) if v < 0 and a != 0]
             if not neg:
                 coef[active] = sol
                 coef[0] = max(coef[0], 0.0)
-                return coef
+                return coef / scale
             active.remove(min(neg)[1])
         return coef
 
@@ -106,7 +147,8 @@ class LinearCostModel:
         the rest refitted: a step never gets cheaper with more work)."""
         import numpy as np
 
-        X = np.array([[1.0, s.prefill_tokens, s.decode_seqs, s.sum_context] for s, _ in samples])
+        X = np.array([[1.0, s.prefill_tokens, s.decode_seqs, s.sum_context, float(s.prefill_seqs > 0),
+                       s.prefill_pairs] for s, _ in samples], dtype=float)
         y = np.array([t for _, t in samples])
         keep = np.ones(len(y), dtype=bool)
         for _ in range(2):  # relative-error least squares; the second pass drops outliers (contended steps)
@@ -117,7 +159,8 @@ class LinearCostModel:
         rel = np.abs(pred - y) / np.maximum(y, 1e-9)
         meta = {"n_samples": len(samples), "n_outliers_dropped": int((~keep).sum()), "median_rel_err": float(np.median(rel)),
                 "p90_rel_err": float(np.quantile(rel, 0.9)), **extra.pop("meta", {})}
-        return cls(*map(float, coef), meta=meta, **extra)
+        a, b, c, d, e, f = map(float, coef)
+        return cls(a, b, c, d, e, f, meta=meta, **extra)
 
 
 def load_cost_model(path: str | Path):
@@ -192,12 +235,8 @@ def profile(model: str = "builtin", *, threads: int | None = 1, repeats: int = 1
         prompt = [3 + (k * 131 + j * 17) % (vocab - 3) for j in range(plen)]
         eng.add_request(f"p{k}", prompt, SamplingParams(max_tokens=maxtok, ignore_eos=True, temperature=0))
 
-    # warm-up: the first steps pay allocator / kernel first-use costs
-    add(64, 4)
-    add(16, 4)
-    timed_steps(eng, shapes)
-    samples: list[tuple[StepShape, float]] = []
-    for _ in range(repeats):
+    def one_pass() -> list[tuple[StepShape, float]]:
+        samples: list[tuple[StepShape, float]] = []
         for plen, b in grid["prefill"]:
             for _ in range(b):
                 add(plen, 1)
@@ -220,6 +259,16 @@ def profile(model: str = "builtin", *, threads: int | None = 1, repeats: int = 1
             dt = time.perf_counter() - t0
             if len(shapes) > n and shapes[-1] is not None:
                 samples.append((shapes[-1], dt))
+        return samples
+
+    # The first pass is warm-up and is dropped: the first step of each new shape pays allocator and math-library
+    # first-use costs (oneDNN creates a primitive per shape), up to several times a warm step, which a serving
+    # worker pays once at start-up and which would otherwise inflate the small-prefill fit the most.
+    one_pass()
+    samples: list[tuple[StepShape, float]] = []
+    for _ in range(repeats):
+        samples += one_pass()
+    wake_s, wake_tau_s = measure_wake(eng, lambda: add(32, 1))
     mc = eng.model_config
     kv_bpt = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * eng.kv_cache.data.element_size() \
         if hasattr(eng.kv_cache, "data") else 0
@@ -227,9 +276,42 @@ def profile(model: str = "builtin", *, threads: int | None = 1, repeats: int = 1
     if log:
         log(f"profiled {len(samples)} steps")
     return LinearCostModel.fit(samples, kv_bytes_per_token=float(kv_bpt), link_bytes_per_s=link, handoff_s=0.005,
+                               wake_s=wake_s, wake_tau_s=wake_tau_s,
                                meta={"model": str(model), "machine": platform.node(), "torch_threads":
                                      torch.get_num_threads(), "link": "host memcpy bandwidth (in-machine copy); "
                                      "handoff_s is a fixed 5 ms allowance for the pull/commit round trip"})
+
+
+WAKE_GAPS_S = (0.01, 0.03, 0.1, 0.3)
+
+
+def measure_wake(engine, add_one, reps: int = 5) -> tuple[float, float]:
+    """(wake_s, wake_tau_s): how much longer one short prefill step takes after the engine sat idle, against the
+    same step back to back, at idle gaps WAKE_GAPS_S; the saturation fitted to the longest gap, the time
+    constant by least squares over the rest. (0, default tau) when the difference is under 5% of the step."""
+    def step_after(gap: float) -> float:
+        add_one()
+        time.sleep(gap)
+        t0 = time.perf_counter()
+        engine.step()
+        dt = time.perf_counter() - t0
+        while engine.has_unfinished():
+            engine.step()
+        return dt
+
+    def median(xs):
+        xs = sorted(xs)
+        return xs[len(xs) // 2]
+
+    step_after(0.0)
+    hot = median([step_after(0.0) for _ in range(2 * reps)])
+    extra = [median([step_after(g) for _ in range(reps)]) - hot for g in WAKE_GAPS_S]
+    wake = extra[-1]
+    if wake < 0.05 * hot:
+        return 0.0, LinearCostModel.wake_tau_s
+    taus = [0.002 * 1.1 ** k for k in range(60)]  # 2 ms .. ~0.6 s
+    tau = min(taus, key=lambda tau: sum((x + wake * math.expm1(-g / tau)) ** 2 for g, x in zip(WAKE_GAPS_S, extra)))
+    return float(wake), float(tau)
 
 
 def measure_copy_bandwidth(nbytes: int = 16 << 20) -> float:

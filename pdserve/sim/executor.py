@@ -90,6 +90,7 @@ class SimReplica:
         self.reqs: dict[str, tuple[SimRequest, Sequence, bool]] = {}  # rid -> (request, seq, prefill_only)
         self.remote_pending: dict[str, tuple[SimRequest, Sequence]] = {}
         self.busy_until: float | None = None
+        self.idle_since = float("-inf")  # when the last step ended: a step after a long idle gap costs more
         self.deferred: list = []
         self.num_steps = 0
         self.busy_s = 0.0
@@ -125,6 +126,9 @@ class SimReplica:
         if not out.scheduled:
             return None
         dt = self.cost.step_time(StepShape.of_scheduled(out.scheduled))
+        wake = getattr(self.cost, "wake_time", None)  # the calibrated model's; a roofline bound has none
+        if wake is not None:
+            dt += wake(now - self.idle_since)
         self.num_steps += 1
         self.busy_s += dt
         self.busy_until = now + dt
@@ -137,6 +141,7 @@ class SimReplica:
     def end_step(self, out: SchedulerOutput, now: float) -> list[StepEvent]:
         """What Engine.step does after the forward, with `token_source`'s token for the sampled one."""
         self.busy_until = None
+        self.idle_since = now
         self.core.computed(out)
         events: list[StepEvent] = []
         for item in out.scheduled:

@@ -105,8 +105,8 @@ class RouterPlacer:
     def _prefill_line(self) -> tuple[float, float]:
         if self.cost is None:
             return 0.0, 0.0
-        t1 = self.cost.step_time(StepShape(512, 1, 0, 512, 512 * 513 // 2, 1))
-        t2 = self.cost.step_time(StepShape(2048, 1, 0, 2048, 2048 * 2049 // 2, 1))
+        t1 = self.cost.step_time(StepShape.prefill(512))
+        t2 = self.cost.step_time(StepShape.prefill(2048))
         slope = (t2 - t1) / 1536
         return (1.0 / slope if slope > 0 else 0.0), max(0.0, t1 - 512 * slope)
 
@@ -120,9 +120,9 @@ class RouterPlacer:
             dec = [s for s in sch.running if not s.is_prefill]
             ctx = sum(s.num_tokens for s in dec)
             n = len(dec)
-            step = self.cost.step_time(StepShape(0, 0, n, ctx, ctx, n)) if n else 0.0
+            step = self.cost.step_time(StepShape.decode(n, ctx)) if n else 0.0
             mean = ctx // n if n else 512
-            step1 = self.cost.step_time(StepShape(0, 0, n + 1, ctx + mean, ctx + mean, n + 1))
+            step1 = self.cost.step_time(StepShape.decode(n + 1, ctx + mean))
             rate, overhead = self._rates
             ld.prefill_tokens_per_s, ld.prefill_overhead_s, ld.decode_step_s = rate, overhead, step
             ld.decode_step_per_seq_s = max(0.0, step1 - step) if n else 0.0
