@@ -17,8 +17,10 @@ import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used: kernels.cache_key reads the level without loading it
+    import torch
 
 # ISA levels, lowest first; each implies those before it (as x86-64 microarchitecture levels do in practice).
 LEVELS = ("scalar", "avx2", "avx512", "avx512_bf16", "amx")
@@ -57,6 +59,7 @@ def native_bf16(level: str) -> bool:
 def choose_dtype(level: str, checkpoint_dtype: torch.dtype, device: str = "cpu") -> torch.dtype:
     """The compute (and weight storage) dtype of `dtype=auto`: the checkpoint's on an accelerator; on a CPU the
     checkpoint's bf16 only where bf16 is native, else fp32 (fp16 is never native for torch's CPU GEMMs)."""
+    import torch
     if not device.startswith("cpu"):
         return checkpoint_dtype
     if checkpoint_dtype == torch.bfloat16 and native_bf16(level):
@@ -107,6 +110,7 @@ def pack_fp32(vendor: str, env: str | None = None) -> bool:
 
 def _torch_level() -> str:
     """Where /proc/cpuinfo is missing (not Linux): torch's own dispatch capability."""
+    import torch
     cap = torch.backends.cpu.get_cpu_capability()  # DEFAULT | AVX2 | AVX512 | ...
     return {"AVX2": "avx2", "AVX512": "avx512"}.get(cap, "scalar")
 

@@ -86,13 +86,26 @@ def compiler() -> str:
     return os.environ.get("CXX", "c++")  # what torch's builder runs
 
 
-def cache_key() -> str:
+def _torch_install() -> tuple[str, str]:
+    """torch's version and install directory, read without importing torch (~1 s), so that `pdserve up` can see
+    that the kernels are built without loading it. A torch without package metadata (a source tree) is imported."""
+    import importlib.metadata
+    try:
+        spec = importlib.util.find_spec("torch")
+        if spec is not None and spec.origin:
+            return importlib.metadata.version("torch"), os.path.dirname(spec.origin)
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        pass
     import torch
+    return torch.__version__, os.path.dirname(torch.__file__)
+
+
+def cache_key() -> str:
     h = hashlib.sha256()
     for f in sorted(CSRC.iterdir()):
         if f.suffix in (".cpp", ".h"):
             h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
-    for part in (torch.__version__, os.path.dirname(torch.__file__), sys.version, compiler(), " ".join(cflags()),
+    for part in (*_torch_install(), sys.version, compiler(), " ".join(cflags()),
                  " ".join(LDFLAGS), _cpu_targets()):
         h.update(part.encode() + b"\0")
     return h.hexdigest()[:16]
@@ -241,6 +254,13 @@ def native_ops():
             _failed = f"{type(e).__name__}: {e}"
             log.warning("native kernels unavailable, using the torch path: %s", _failed[:500])
         return _module
+
+
+def native_ready() -> bool:
+    """Whether this process would import built kernels without building (and without importing torch to tell)."""
+    if os.environ.get("PDSERVE_NATIVE_KERNELS", "1") == "0":
+        return False
+    return (cache_dir() / READY).exists()
 
 
 def native_unavailable_reason() -> str | None:

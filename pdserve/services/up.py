@@ -174,8 +174,10 @@ def up(args) -> int:
             # Build the engine's native kernels once, here, rather than in every worker at the same time (they
             # would serialize on the build lock inside their start-up); a no-op once cached. Bounded by
             # PDSERVE_KERNEL_BUILD_TIMEOUT; when they are unavailable (said once, by the child) the workers skip
-            # them instead of each trying, and waiting, again.
-            built = subprocess.run([sys.executable, "-c", "import sys; from pdserve.engine.kernels import "
+            # them instead of each trying, and waiting, again. Already built (the usual start): no child, which
+            # would spend ~1 s importing torch to find that out.
+            from pdserve.engine.kernels import native_ready
+            built = subprocess.CompletedProcess((), 0) if native_ready() else subprocess.run([sys.executable, "-c", "import sys; from pdserve.engine.kernels import "
                                     "native_ops; sys.exit(native_ops() is None)"], env=d.env, check=False)
             if built.returncode != 0:
                 d.env["PDSERVE_NATIVE_KERNELS"] = "0"

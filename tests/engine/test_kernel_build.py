@@ -6,6 +6,7 @@ TORCH_EXTENSIONS_DIR (never the shared cache)."""
 from __future__ import annotations
 
 import fcntl
+import importlib.metadata
 import os
 import shutil
 import subprocess
@@ -49,7 +50,8 @@ def test_cache_key_follows_sources_torch_compiler_flags_not_the_checkout(tmp_pat
     monkeypatch.setattr(kernels, "CFLAGS", kernels.CFLAGS[:-1])
     monkeypatch.setenv("CXX", "clang++")
     assert kernels.cache_key() not in (base, edited)
-    monkeypatch.setattr("torch.__version__", "0.0.0")
+    real_version = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda d: "0.0.0" if d == "torch" else real_version(d))
     monkeypatch.delenv("CXX")
     assert kernels.cache_key() not in (base, edited)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
@@ -150,3 +152,22 @@ def test_failing_compiler_falls_back_naming_the_log(tmp_path):
     assert r.returncode == 0 and "module None" in r.stdout, r.stderr[-3000:]
     lines = _log_lines(r)
     assert len(lines) == 2 and "build failed" in lines[1] and "build.log" in lines[1], lines
+
+
+def test_native_ready_reads_the_cache_without_importing_torch(tmp_path):
+    """`pdserve up` asks native_ready() before deciding to spend a child process (and a torch import) on a
+    build; the answer must come from the cache directory alone and agree with what a build leaves there."""
+    script = ("import sys, os; from pdserve.engine import kernels as k; r = k.native_ready(); "
+              "print(r, 'torch' in sys.modules, k.cache_dir())")
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    ready, torch_loaded, d = out.stdout.split()
+    assert (ready, torch_loaded) == ("False", "False")
+    assert Path(d) == tmp_path / kernels.module_name(kernels.cache_key())  # the key this process (torch loaded) computes
+    Path(d).mkdir(parents=True)
+    (Path(d) / kernels.READY).touch()
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split()[:2] == ["True", "False"]
+    env["PDSERVE_NATIVE_KERNELS"] = "0"
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split()[0] == "False"
