@@ -320,6 +320,7 @@ def check_mixed(tmp: Path, n_requests: int, hf_batches: list[int], deadline: flo
 
     from pdserve.engine.engine import Engine, EngineConfig
     from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.services.procutil import freeze_startup_heap
     shape = dict(hidden=768, layers=12, heads=12, kv_heads=4, inter=2048) if SHAPE == "8b" else \
         dict(hidden=128, layers=2, heads=4, kv_heads=2, inter=256)  # --tiny: smoke runs
     ckpt = write_checkpoint(tmp / "mixed", "llama", torch.bfloat16, vocab=32000, scale=0, **shape)
@@ -331,8 +332,9 @@ def check_mixed(tmp: Path, n_requests: int, hf_batches: list[int], deadline: flo
     eng = Engine.from_pretrained(ckpt, EngineConfig(device=DEVICE, max_num_seqs=256, max_num_batched_tokens=8192,
                                                     gpu_memory_utilization=0.5))
     pool = f"pool {eng.kv_cache.num_blocks} blocks ({eng.kv_cache.num_blocks * eng.kv_cache.block_bytes / 2**30:.1f} GiB)"
-    gc.collect()
-    gc.freeze()  # as a worker does after warm-up (services/procutil.py): no full collection over start-up objects
+    # as a worker does after warm-up: no full collection over start-up objects mid-run (procutil imports only the
+    # standard library, so the bare GPU host has what it needs)
+    freeze_startup_heap("gpu_check mixed")
     for i, (p, n) in enumerate(reqs):
         eng.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     device_calls = [0.0]  # seconds in the forward, the graph replays and the sampler (whose read-back waits)
