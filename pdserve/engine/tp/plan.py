@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)
 class PlanItem:
     tokens: list[int]  # token ids computed this step
     first: int  # position of tokens[0] (tokens already computed before this step)
