@@ -21,7 +21,7 @@ from pdserve.services.gateway.params import validate
 from pdserve.services.gateway.parse import RequestParser
 from pdserve.services.gateway.schema import GenerateCall
 from pdserve.services.convert import params_from_pb
-from pdserve.services.pb import gateway_pb2_grpc
+from pdserve.services.pb import common_pb2, gateway_pb2_grpc
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -53,9 +53,11 @@ class GatewayGrpc(gateway_pb2_grpc.GatewayServicer):
                     d.msg.request_id = st.rid
                     yield d.msg
             except RequestFailed as e:  # the worker ended it: its last message says how, without its detail
-                e.msg.error = (await handler.fail(rec, e)).message
-                e.msg.request_id = st.rid
-                yield e.msg
+                # (no message: the gateway's own deadline cut a silent upstream; the same last message then)
+                msg = e.msg if e.msg is not None else common_pb2.GenerateResponse(finished=True, state=e.state)
+                msg.error = (await handler.fail(rec, e)).message
+                msg.request_id = st.rid
+                yield msg
         except Exception as e:  # noqa: BLE001 - every refusal is a typed reply (errors.reply_for)
             failure = grpc_status(await handler.fail(rec, e))
         finally:

@@ -9,6 +9,7 @@ ends a request whose client left.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from dataclasses import replace
@@ -77,7 +78,7 @@ class RequestHandler:
         upstream = self.disp.generate_many(rid, subs, rec.tenant.namespace, on_route=on_route, traces=traces,
                                            lifecycle=lifecycle)
         try:
-            first = await upstream.__anext__()
+            first = await _next_by(deadline, upstream)
         except StopAsyncIteration:
             first = None
         except BaseException:
@@ -97,7 +98,7 @@ class RequestHandler:
         rec, streamed = st.rec, st.call.streamed
         seen = [0] * len(st.subs)  # tokens each sub-request's messages carried
         async with contextlib.aclosing(st.upstream):
-            async for i, m in _messages(st.first, st.upstream):
+            async for i, m in _by_deadline(rec.deadline, _messages(st.first, st.upstream)):
                 ntok = 0
                 for o in m.outputs:
                     k = len(o.token_ids)
@@ -183,3 +184,37 @@ async def _messages(first, upstream) -> AsyncIterator:
     async for x in upstream:
         yield x
 
+
+
+# The workers end a request at its deadline themselves (it travels in their request's `Lifecycle`), but a worker
+# that hangs (alive, connected, silent) cannot, and a relay running late must not hand the client its answer after
+# the deadline either: the gateway holds the deadline too, on every upstream read (docs/reliability.md).
+def _timed_out() -> RequestFailed:
+    return RequestFailed("TIMED_OUT", "the request's deadline passed before its answer reached the gateway")
+
+
+async def _next_by(deadline: float | None, it: AsyncIterator):
+    """`await it.__anext__()`, given up at the unix time `deadline` (cancelling the read: the upstream generator
+    aborts its calls on the workers as it does for a client that left)."""
+    if deadline is None:
+        return await it.__anext__()
+    left = deadline - time.time()
+    if left <= 0:
+        raise _timed_out()
+    cm = asyncio.timeout(left)  # raises TimeoutError only when no other cancellation (a client that left) races it
+    try:
+        async with cm:
+            return await it.__anext__()
+    except TimeoutError:
+        if cm.expired():  # ours, not a TimeoutError from inside the read
+            raise _timed_out() from None
+        raise
+
+
+async def _by_deadline(deadline: float | None, it: AsyncIterator) -> AsyncIterator:
+    while True:
+        try:
+            m = await _next_by(deadline, it)
+        except StopAsyncIteration:
+            return
+        yield m
