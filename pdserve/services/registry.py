@@ -70,7 +70,13 @@ class Registry:
         self.model = model
         self.ttl_s = ttl_s
         self.key = key
-        self.r = connect(redis_url, auth)
+        # Every call bounded, so that a connection gone silent (a replaced Redis pod: no reset, no answer) is given
+        # up and a new one opened before this worker's entry lapses: a heartbeat hung for a quarter TTL, then
+        # retried a third TTL later, still lands inside the TTL. (redis-py's own default has been None or 5 s
+        # depending on its version.) The router's blocking stream reads wait 50 ms, well inside.
+        self.call_timeout_s = max(0.5, ttl_s / 4)
+        self.r = connect(redis_url, auth, socket_timeout=self.call_timeout_s,
+                         socket_connect_timeout=self.call_timeout_s)
         self._refused: set[str] = set()  # worker ids already logged as forged (log once, count every time)
 
     def _authentic(self, worker_id: str, h: dict[str, bytes]) -> bool:
