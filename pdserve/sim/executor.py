@@ -125,10 +125,7 @@ class SimReplica:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return None
-        dt = self.cost.step_time(StepShape.of_scheduled(out.scheduled))
-        wake = getattr(self.cost, "wake_time", None)  # the calibrated model's; a roofline bound has none
-        if wake is not None:
-            dt += wake(now - self.idle_since)
+        dt = self.cost.step_time(StepShape.of_scheduled(out.scheduled)) + self.cost.wake_time(now - self.idle_since)
         self.num_steps += 1
         self.busy_s += dt
         self.busy_until = now + dt

@@ -180,6 +180,9 @@ class RooflineCostModel:
     def transfer_time(self, num_tokens: int) -> float:
         return num_tokens * self.model.kv_bytes_per_token / self.link_bytes_per_s
 
+    def wake_time(self, idle_s: float) -> float:
+        return 0.0  # a lower bound: no cost of waking from idle
+
     def kv_blocks(self, block_size: int) -> int:
         """The replica's blocks: every rank holds the same block ids, each with its KV heads (the engine's pool)."""
         free = self.mem_util * self.gpu.memory_bytes - self.model.weight_bytes / self.tp

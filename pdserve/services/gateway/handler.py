@@ -185,7 +185,6 @@ async def _messages(first, upstream) -> AsyncIterator:
         yield x
 
 
-
 # The workers end a request at its deadline themselves (it travels in their request's `Lifecycle`), but a worker
 # that hangs (alive, connected, silent) cannot, and a relay running late must not hand the client its answer after
 # the deadline either: the gateway holds the deadline too, on every upstream read (docs/reliability.md).
