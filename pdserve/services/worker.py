@@ -193,8 +193,9 @@ class Worker(worker_pb2_grpc.WorkerServicer):
 
 async def _heartbeat_loop(w: Worker, registry: Registry | None, interval_s: float,
                           stall_s: float = ENGINE_STALL_S) -> None:
-    stalled = False
+    stalled, failures = False, 0
     while True:
+        wait = interval_s
         try:
             w.refresh_stats()
             busy = w.host.busy_for()
@@ -207,9 +208,17 @@ async def _heartbeat_loop(w: Worker, registry: Registry | None, interval_s: floa
                     log.warning("engine thread moves again: rejoining the registry")
                 stalled = False
                 await registry.heartbeat(w.record())
+            if failures:
+                log.warning("heartbeat succeeds again after %d failures", failures)
+            failures = 0
         except Exception as e:  # Redis blips must not kill the worker; the TTL says whether it is live
-            log.warning("heartbeat failed: %s", e)
-        await asyncio.sleep(interval_s)
+            failures += 1
+            if failures == 1 or failures % 20 == 0:  # said once, then now and then: Redis down is one event
+                log.warning("heartbeat failed (%d in a row): %s", failures, e)
+            # Soon again: a call that timed out dropped its connection, and the retry takes a new one; waiting a
+            # whole interval after a hung one (bounded at a quarter TTL, registry.py) could let the entry lapse.
+            wait = interval_s / 4
+        await asyncio.sleep(wait)
 
 
 ENGINE_SIZE_FLAGS = ("kv_cache_bytes", "gpu_memory_utilization", "block_size", "max_num_batched_tokens",
