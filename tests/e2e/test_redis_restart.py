@@ -68,10 +68,10 @@ def _stream(base: str, n_tokens: int) -> tuple[int, int, bool]:
     return 200, ntok, done
 
 
-def _ok(base: str) -> bool:
+def _ok(base: str, key: str | None = "sk-t", **body) -> bool:
     try:
-        r = httpx.post(base + "/v1/completions", headers={"Authorization": "Bearer sk-t"}, timeout=10,
-                       json={"model": "ck", "prompt": "judge my vow", "max_tokens": 3, "temperature": 0})
+        r = httpx.post(base + "/v1/completions", headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=10,
+                       json={"model": "ck", "prompt": "judge my vow", "max_tokens": 3, "temperature": 0, **body})
         return r.status_code == 200
     except httpx.HTTPError:
         return False
