@@ -483,8 +483,10 @@ def run_case(dep: ChaosDeployment, case: str, *, rate: float = 8.0, duration: fl
     # control: as many that did not move (at most 16): batched greedy decoding is not bit-reproducible across
     # batch compositions (spec §1.6), so a re-run can differ for a stream that never moved too
     # (greedy_check=False: a caller that asserts none of it skips the re-runs)
-    stayed = [o for o in outs if o.ok and o not in moved][:max(0, min(16, len(moved) * 2))] if greedy_check else []
-    same = _greedy_again(dep, [o for o in moved if o.ok] + stayed, max_tokens) if greedy_check else []
+    stayed, same = [], []
+    if greedy_check:
+        stayed = [o for o in outs if o.ok and o not in moved][:max(0, min(16, len(moved) * 2))]
+        same = _greedy_again(dep, [o for o in moved if o.ok] + stayed, max_tokens)
     res.greedy_equal = sum(x is True for x in same[:res.migrated_finished])
     res.control_equal = f"{sum(x is True for x in same[res.migrated_finished:])}/{len(stayed)}" if greedy_check \
         else "not checked"

@@ -177,9 +177,9 @@ def up(args) -> int:
             # them instead of each trying, and waiting, again. Already built (the usual start): no child, which
             # would spend ~1 s importing torch to find that out.
             from pdserve.engine.kernels import native_ready
-            built = subprocess.CompletedProcess((), 0) if native_ready() else subprocess.run([sys.executable, "-c", "import sys; from pdserve.engine.kernels import "
-                                    "native_ops; sys.exit(native_ops() is None)"], env=d.env, check=False)
-            if built.returncode != 0:
+            if not native_ready() and subprocess.run(
+                    [sys.executable, "-c", "import sys; from pdserve.engine.kernels import native_ops; "
+                     "sys.exit(native_ops() is None)"], env=d.env, check=False).returncode != 0:
                 d.env["PDSERVE_NATIVE_KERNELS"] = "0"
         started = iter(range(1 << 30))
 

@@ -98,7 +98,7 @@ class RequestHandler:
         rec, streamed = st.rec, st.call.streamed
         seen = [0] * len(st.subs)  # tokens each sub-request's messages carried
         async with contextlib.aclosing(st.upstream):
-            async for i, m in _by_deadline(rec.deadline, _messages(st.first, st.upstream)):
+            async for i, m in _messages(st.first, st.upstream, rec.deadline):
                 ntok = 0
                 for o in m.outputs:
                     k = len(o.token_ids)
@@ -178,11 +178,18 @@ class RequestHandler:
         return stage_times(st.rec.arrival, st.rec.admitted_at, st.traces[i], i, len(st.traces))
 
 
-async def _messages(first, upstream) -> AsyncIterator:
+async def _messages(first, upstream, deadline: float | None) -> AsyncIterator:
+    """`first` (read by `start`), then the upstream's messages, every one by the deadline."""
     if first is not None:
+        if deadline is not None and time.time() >= deadline:
+            raise _timed_out()
         yield first
-    async for x in upstream:
-        yield x
+    while True:
+        try:
+            m = await _next_by(deadline, upstream)
+        except StopAsyncIteration:
+            return
+        yield m
 
 
 # The workers end a request at its deadline themselves (it travels in their request's `Lifecycle`), but a worker
@@ -208,12 +215,3 @@ async def _next_by(deadline: float | None, it: AsyncIterator):
         if cm.expired():  # ours, not a TimeoutError from inside the read
             raise _timed_out() from None
         raise
-
-
-async def _by_deadline(deadline: float | None, it: AsyncIterator) -> AsyncIterator:
-    while True:
-        try:
-            m = await _next_by(deadline, it)
-        except StopAsyncIteration:
-            return
-        yield m
