@@ -71,8 +71,8 @@ class Registry:
         self.ttl_s = ttl_s
         self.key = key
         # Every call bounded, so that a connection gone silent (a replaced Redis pod: no reset, no answer) is given
-        # up and a new one opened before this worker's entry lapses: a heartbeat hung for a quarter TTL, then
-        # retried a third TTL later, still lands inside the TTL. (redis-py's own default has been None or 5 s
+        # up and a new one opened before this worker's entry lapses: a heartbeat hung for a quarter TTL and retried
+        # soon after (worker.py) still lands inside the TTL. (redis-py's own default has been None or 5 s
         # depending on its version.) The router's blocking stream reads wait 50 ms, well inside.
         self.call_timeout_s = max(0.5, ttl_s / 4)
         self.r = connect(redis_url, auth, socket_timeout=self.call_timeout_s,

@@ -10,15 +10,16 @@ A step is described by `StepShape` (what the real scheduler put in the batch). T
 
   Why a second intercept: a step with only decode sequences runs as one native call over the whole layer stack
   (engine/decoder_stack.py) where a step holding a prefill chunk runs the per-layer Python loop, so the two have
-  different fixed costs (~1.3 ms vs ~5 ms on the built-in model on one core). With one shared intercept the fit
-  splits the difference and a 16-32-token prefill came out 40-50% short. The prefill attention term is quadratic in
-  the chunk (a 1000-token prompt's causal pairs), which `b` alone cannot follow.
+  different fixed costs (fitted 1.7 vs 2.8 ms on the built-in model, one core of an Intel Xeon; docs/sim.md). With
+  one shared intercept the fit splits the difference and short prefills come out short. The prefill attention term
+  is quadratic in the chunk (a 1000-token prompt's causal pairs), which `b` alone cannot follow.
 - `pdserve.sim.roofline.RooflineCostModel`: a *lower bound* for a named GPU and model.
 """
 from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -79,7 +80,7 @@ class LinearCostModel:
     e: float = 0.0            # s per step that holds any prefill chunk, on top of `a`
     f: float = 0.0            # s per prefill (query, key) attention pair
     # The first step after the engine sat idle costs more: measured on a 2-vCPU KVM guest, a 32-token prefill took
-    # 3.6 ms back to back and 4.9 / 5.8 / 6.2 ms after 20 / 100 / 300 ms idle (caches and the vCPU going cold;
+    # 3.7 ms back to back and 4.9 / 5.8 / 6.2 ms after 20 / 100 / 300 ms idle (caches and the vCPU going cold;
     # a GPU's clocks drop when idle too). Modelled as wake_s * (1 - exp(-idle / wake_tau_s)), fitted by `profile`.
     # At light load every request meets an idle engine, so without it short prompts' TTFT came out ~35% short.
     wake_s: float = 0.0
@@ -287,8 +288,8 @@ WAKE_GAPS_S = (0.01, 0.03, 0.1, 0.3)
 
 def measure_wake(engine, add_one, reps: int = 5) -> tuple[float, float]:
     """(wake_s, wake_tau_s): how much longer one short prefill step takes after the engine sat idle, against the
-    same step back to back, at idle gaps WAKE_GAPS_S; the saturation fitted to the longest gap, the time
-    constant by least squares over the rest. (0, default tau) when the difference is under 5% of the step."""
+    same step back to back, at idle gaps WAKE_GAPS_S: the saturation is the extra at the longest gap, the time
+    constant the least-squares fit over all of them. (0, default tau) when the extra is under 5% of the step."""
     def step_after(gap: float) -> float:
         add_one()
         time.sleep(gap)
@@ -299,13 +300,9 @@ def measure_wake(engine, add_one, reps: int = 5) -> tuple[float, float]:
             engine.step()
         return dt
 
-    def median(xs):
-        xs = sorted(xs)
-        return xs[len(xs) // 2]
-
     step_after(0.0)
-    hot = median([step_after(0.0) for _ in range(2 * reps)])
-    extra = [median([step_after(g) for _ in range(reps)]) - hot for g in WAKE_GAPS_S]
+    hot = statistics.median([step_after(0.0) for _ in range(2 * reps)])
+    extra = [statistics.median([step_after(g) for _ in range(reps)]) - hot for g in WAKE_GAPS_S]
     wake = extra[-1]
     if wake < 0.05 * hot:
         return 0.0, LinearCostModel.wake_tau_s
