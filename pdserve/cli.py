@@ -108,6 +108,19 @@ def _add_lifecycle(p: argparse.ArgumentParser, redis_url: bool = True) -> None:
                         "writes, else hermes")
 
 
+def _add_grammar(p: argparse.ArgumentParser, worker: bool) -> None:
+    """Bounds on guided-output constraints (engine/grammar_limits.py; docs/api.md, "Limits"). The gateway refuses
+    over them with a 400 naming the limit; a worker checks again and compiles within the timeout."""
+    from pdserve.engine.grammar_limits import GrammarLimits, LIMIT_FLAGS
+    defaults = GrammarLimits()
+    for flag, (attr, text) in LIMIT_FLAGS.items():
+        kind = positive_float if attr == "compile_timeout_s" else positive_int
+        p.add_argument(flag, dest=attr, type=kind, default=None, help=f"{text} (default: {getattr(defaults, attr)})")
+    if worker:
+        p.add_argument("--grammar-processes", type=positive_int, default=None,
+                       help="processes compiling guided-output grammars off the engine thread (default: 2)")
+
+
 def _add_security(p: argparse.ArgumentParser) -> None:
     """Internal transport security (docs/services.md, Trust model). Secrets come as files, never as values; the
     files are read (and a missing one reported) once the command line is parsed: `_check_security`."""
@@ -152,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--drain-timeout", type=nonneg_float, default=None,
                     help="passed to every child (default: each its own)")
     _add_lifecycle(up, redis_url=False)
+    _add_grammar(up, worker=True)
     _add_security(up)
     from pdserve.planner.cli import add_up_flags
     add_up_flags(up)  # --planner and its flags (docs/planner.md)
@@ -162,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--grpc-port", type=port, default=0)
     gw.add_argument("--router", default="127.0.0.1:7000", help="router gRPC address")
     _add_lifecycle(gw)
+    _add_grammar(gw, worker=False)
     _add_security(gw)
     # slow clients, big heads, who reads /metrics (docs/reliability.md "Hostile input", docs/admission.md)
     gw.add_argument("--header-timeout", type=positive_float, default=10.0,
@@ -207,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--drain-timeout", type=nonneg_float, default=30.0)
     wk.add_argument("--labels", type=labels_arg, default={}, metavar="K=V,...",
                     help="failure domains and price for the router, e.g. zone=a,node=n1,price=2 (docs/routing.md)")
+    _add_grammar(wk, worker=True)
     _add_security(wk)
 
     # ---- lead's subcommands -----------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.engine.engine import Engine
+from pdserve.engine.grammar_pool import GrammarPool
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.stats import EngineStats
@@ -44,8 +45,11 @@ class EngineSnapshot:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, grammars: GrammarPool | None = None):
+        """`grammars`: where constraints compile (a serving worker's pool, never the engine thread); None: the
+        engine compiles them inline (tests, tools)."""
         self.engine = engine
+        self.grammars = grammars
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, asyncio.Queue] = {}
         self._delivered: dict[str, int] = {}  # written by the engine thread only
@@ -220,13 +224,14 @@ class AsyncEngine:
                        arrival_time: float | None = None, deadline: float | None = None, priority: int = 0,
                        predicted_output_tokens: int | None = None,
                        resume_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
+        grammar = await self.compile_grammar(params, deadline)  # before the request holds anything
         stream = self.attach(request_id)
         try:
             await self.run(lambda e: e.add_request(request_id, prompt_token_ids, params, namespace=namespace,
                                                    prefill_only=prefill_only, arrival_time=arrival_time,
                                                    deadline=deadline, priority=priority,
                                                    predicted_output_tokens=predicted_output_tokens,
-                                                   resume_token_ids=resume_token_ids))
+                                                   resume_token_ids=resume_token_ids, grammar=grammar))
         except asyncio.CancelledError:
             # the add is queued and will run: undo it behind it (commands run in order), or the request would
             # compute (and a prefill-only one stay pinned) for nobody
@@ -238,6 +243,13 @@ class AsyncEngine:
             raise
         async for out in stream:
             yield out
+
+    async def compile_grammar(self, params: SamplingParams, deadline: float | None):
+        """`params.guided` compiled by the pool, or None (unconstrained, or no pool: the engine compiles inline).
+        Raises InvalidParameter or grammar_pool.CompileTimeout; cancelling the await stops the compile."""
+        if params.guided is None or self.grammars is None:
+            return None
+        return await self.grammars.compile(params.guided, deadline)
 
     def detach(self, request_id: str) -> None:
         """Forget a request's output queue. For a caller that attached but never iterated (a never-started

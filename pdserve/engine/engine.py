@@ -17,6 +17,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 import torch
+from xgrammar import CompiledGrammar
 
 from pdserve.engine import beam as beams, resume
 from pdserve.engine.block_manager import BlockManager
@@ -186,16 +187,18 @@ class Engine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     namespace: str = "", prefill_only: bool = False, arrival_time: float | None = None,
                     deadline: float | None = None, priority: int = 0,
-                    predicted_output_tokens: int | None = None, resume_token_ids: list[int] | None = None) -> None:
+                    predicted_output_tokens: int | None = None, resume_token_ids: list[int] | None = None,
+                    grammar: CompiledGrammar | None = None) -> None:
         """`deadline` (unix time): TIMED_OUT when passed; `priority` (lower = more urgent) and
         `predicted_output_tokens` feed the `priority` / `shortest-predicted-first` policies. `resume_token_ids`:
-        a migrated request continues after these output tokens (engine/resume.py; one branch, not prefill-only)."""
+        a migrated request continues after these output tokens (engine/resume.py; one branch, not prefill-only).
+        `grammar`: `params.guided` compiled off this thread (grammar_pool.py); None compiles it here."""
         if request_id in self.requests or request_id in self.remote_pending:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.validate_request(prompt_token_ids, params)
         if resume_token_ids:
             resume.check(params, prefill_only)
-        req = self._new_request(request_id, prompt_token_ids, params, namespace, arrival_time)
+        req = self._new_request(request_id, prompt_token_ids, params, namespace, arrival_time, grammar)
         req.prefill_only = prefill_only
         if resume_token_ids:
             predicted_output_tokens = resume.resume(req.seqs[0], resume_token_ids, self.model_config.vocab_size,
@@ -220,10 +223,11 @@ class Engine:
             predicted = mt if mt is not None else self.max_model_len - len(req.prompt_token_ids)
         seq.predicted_output_tokens = int(predicted)
 
-    def _new_request(self, request_id, prompt_token_ids, params, namespace, arrival_time) -> Request:
+    def _new_request(self, request_id, prompt_token_ids, params, namespace, arrival_time,
+                     compiled: CompiledGrammar | None = None) -> Request:
         arrival = arrival_time if arrival_time is not None else time.time()
         seq = Sequence(next(self._seq_ids), request_id, prompt_token_ids, namespace, 0, arrival)
-        grammar = make_grammar_state(params.guided, self.tokenizer, self.model_config.vocab_size) \
+        grammar = make_grammar_state(params.guided, self.tokenizer, self.model_config.vocab_size, compiled) \
             if params.guided is not None else None
         seq.sampling = SamplingState(params, list(prompt_token_ids), self.model_config.vocab_size,
                                      self.eos_token_ids, grammar, 0,
@@ -475,8 +479,8 @@ class Engine:
     def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int], first_tokens: list[FirstToken],
                               params: SamplingParams, *, namespace: str = "",
                               arrival_time: float | None = None, deadline: float | None = None,
-                              priority: int = 0,
-                              transfer_deadline: float | None = None) -> tuple[list[int], int] | None:
+                              priority: int = 0, transfer_deadline: float | None = None,
+                              grammar: CompiledGrammar | None = None) -> tuple[list[int], int] | None:
         """Decode side: allocate blocks for a prompt prefilled elsewhere, once for all branches. `first_tokens`:
         each branch's first token (branch i = entry i; n, or best_of of them), sampled by the prefill worker.
         Returns (block ids, number of leading blocks already valid from the local prefix cache) or None when the
@@ -491,7 +495,7 @@ class Engine:
             raise ValueError(f"invalid first tokens: {len(first_tokens)} for {params.num_branches} branches")
         if any(not (0 <= f.token_id < self.model_config.vocab_size) for f in first_tokens):
             raise ValueError("invalid first tokens: token id outside the vocabulary")
-        req = self._new_request(request_id, prompt_token_ids, params, namespace, arrival_time)
+        req = self._new_request(request_id, prompt_token_ids, params, namespace, arrival_time, grammar)
         self._lifecycle(req, deadline, priority, None)
         seq = req.seqs[0]
         hits = self.core.allocate_prefilled(seq)

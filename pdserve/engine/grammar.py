@@ -18,19 +18,25 @@ still happen:
 Whitespace: JSON schema / object mode are compiled with any_whitespace=False (compact JSON with
 ", " and ": " separators), so a model cannot wander in unbounded whitespace.
 
-Compilation is cached: one xgrammar.GrammarCompiler per (tokenizer, vocab_size) — it has its own
-compile cache — plus a bounded dict of compiled grammars per spec.
+Where it compiles: a serving worker never compiles on its engine thread (a client-sized schema would stall
+every request on the worker): grammar_pool.py compiles in child processes under a deadline and hands the
+engine the compiled grammar. The offline engine compiles inline, cached: one xgrammar.GrammarCompiler per
+(tokenizer, vocab_size) plus a bounded dict of compiled grammars per spec.
 """
 from __future__ import annotations
 
 import json
 import re
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
-import torch
 import xgrammar as xgr
 
+from pdserve.engine.grammar_limits import GrammarLimits, check_rules
 from pdserve.engine.sampling_params import GuidedSpec, InvalidParameter
+
+if TYPE_CHECKING:
+    import torch
 
 _MAX_CACHED = 256
 _compilers: dict[tuple[int, int], tuple[object, xgr.GrammarCompiler]] = {}
@@ -61,45 +67,63 @@ def get_compiler(tokenizer, vocab_size: int) -> xgr.GrammarCompiler:
     return hit[1]
 
 
+# xgrammar prefixes its messages with a time and its source file: "[08:59:38] /project/cpp/x.cc:94: "
+_XGR_WHERE = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+def grammar_source(spec: GuidedSpec) -> tuple[str, object]:
+    """(kind, text) of a constraint: what compiles, and its cache key. A schema's JSON is re-serialized compactly
+    (key order kept: it is the order the model writes properties in), so spacing alone does not miss the cache.
+    Raises ValueError naming the field."""
+    if spec.json_schema is not None:
+        try:
+            schema = json.dumps(json.loads(spec.json_schema), separators=(",", ":"), ensure_ascii=False)
+        except (ValueError, TypeError, RecursionError) as e:
+            raise _bad("json_schema", f"not valid JSON ({str(e)[:200]})") from e
+        if spec.grammar is not None:
+            return "wrapped_json", (spec.grammar, schema)
+        return "json_schema", schema
+    if spec.json_object:
+        return "json_object", '{"type": "object"}'
+    if spec.regex is not None:
+        return "regex", spec.regex
+    if spec.grammar is not None:
+        return "grammar", spec.grammar
+    raise InvalidParameter("guided", "no constraint set")
+
+
+def compile_source(compiler: xgr.GrammarCompiler, kind: str, text, limits: GrammarLimits | None = None):
+    """Compile one grammar_source. With `limits`, the EBNF a schema converts to is held to max_grammar_rules
+    before the (costly) compile. Raises ValueError naming the field."""
+    field = {"json_object": "json_schema", "wrapped_json": "grammar"}.get(kind, kind)
+    try:
+        if kind == "regex":
+            return compiler.compile_regex(text)
+        if kind == "wrapped_json":
+            ebnf = wrapped_json_ebnf(*text)
+        elif kind in ("json_schema", "json_object"):
+            ebnf = _json_schema_ebnf(text)
+        else:
+            ebnf = text
+        if limits is not None:
+            check_rules(ebnf, limits, f"guided.{field}")
+        return compiler.compile_grammar(ebnf)
+    except InvalidParameter:
+        raise
+    except Exception as e:  # xgrammar raises RuntimeError / InvalidJSONError with the parse problem
+        raise _bad(field, _XGR_WHERE.sub("", str(e).strip().splitlines()[0])[:300]) from e
+
+
 def compile_guided(spec: GuidedSpec, tokenizer, vocab_size: int) -> xgr.CompiledGrammar:
-    """Compile (or fetch from cache) the grammar for `spec`. Raises ValueError naming the field."""
-    if spec.json_schema is not None and spec.grammar is not None:
-        kind, text = "wrapped_json", (spec.grammar, spec.json_schema)
-        try:
-            json.loads(spec.json_schema)
-        except (json.JSONDecodeError, TypeError) as e:
-            raise _bad("json_schema", f"not valid JSON ({e})") from e
-    elif spec.json_schema is not None:
-        kind, text = "json_schema", spec.json_schema
-        try:
-            json.loads(text)
-        except (json.JSONDecodeError, TypeError) as e:
-            raise _bad("json_schema", f"not valid JSON ({e})") from e
-    elif spec.json_object:
-        kind, text = "json_object", '{"type": "object"}'
-    elif spec.regex is not None:
-        kind, text = "regex", spec.regex
-    elif spec.grammar is not None:
-        kind, text = "grammar", spec.grammar
-    else:
-        raise InvalidParameter("guided", "no constraint set")
+    """Compile (or fetch from cache) the grammar for `spec`, in this thread: for the offline engine and tests. A
+    serving worker compiles in its GrammarPool's processes instead (grammar_pool.py), never on the engine
+    thread. Raises ValueError naming the field."""
+    kind, text = grammar_source(spec)
     key = (id(tokenizer), vocab_size, kind, text)
     if key in _compiled:
         _compiled.move_to_end(key)
         return _compiled[key]
-    compiler = get_compiler(tokenizer, vocab_size)
-    try:
-        if kind == "wrapped_json":
-            compiled = compiler.compile_grammar(wrapped_json_ebnf(*text))
-        elif kind in ("json_schema", "json_object"):
-            compiled = compiler.compile_grammar(_json_schema_ebnf(text))
-        elif kind == "regex":
-            compiled = compiler.compile_regex(text)
-        else:
-            compiled = compiler.compile_grammar(text)
-    except Exception as e:  # xgrammar raises RuntimeError / InvalidJSONError with the parse problem
-        field = {"json_object": "json_schema", "wrapped_json": "grammar"}.get(kind, kind)
-        raise _bad(field, str(e).strip().splitlines()[0][:300]) from e
+    compiled = compile_source(get_compiler(tokenizer, vocab_size), kind, text)
     _compiled[key] = compiled
     if len(_compiled) > _MAX_CACHED:
         _compiled.popitem(last=False)
@@ -147,5 +171,7 @@ class GrammarState:
         return GrammarState(self.compiled, self.matcher.fork())
 
 
-def make_grammar_state(spec: GuidedSpec, tokenizer, vocab_size: int) -> GrammarState:
-    return GrammarState(compile_guided(spec, tokenizer, vocab_size))
+def make_grammar_state(spec: GuidedSpec, tokenizer, vocab_size: int,
+                       compiled: xgr.CompiledGrammar | None = None) -> GrammarState:
+    """`compiled`: the grammar a GrammarPool compiled for `spec` off this thread; None compiles it here."""
+    return GrammarState(compiled if compiled is not None else compile_guided(spec, tokenizer, vocab_size))

@@ -28,7 +28,7 @@ class InvalidParameter(ValueError):
 
     def __init__(self, param: str, why: str):
         super().__init__(f"invalid sampling parameter '{param}': {why}")
-        self.param = param
+        self.param, self.why = param, why
 
 
 @dataclass

@@ -106,6 +106,14 @@ def param_metadata(e: Exception) -> tuple:
     return ((PARAM_METADATA, param),) if param else ()
 
 
+async def abort_compile_timeout(context, e) -> None:
+    """A guided request whose grammar was not compiled in time (engine/grammar_pool.CompileTimeout): its deadline
+    passed (DEADLINE_EXCEEDED: the gateway answers 504), or every compiler was busy (RESOURCE_EXHAUSTED: 503,
+    retry)."""
+    code = grpc.StatusCode.DEADLINE_EXCEEDED if e.why == "deadline" else grpc.StatusCode.RESOURCE_EXHAUSTED
+    await context.abort(code, str(e))
+
+
 def param_of(e: grpc.aio.AioRpcError) -> str | None:
     """The parameter a peer's INVALID_ARGUMENT named in its trailing metadata, if any."""
     for k, v in e.trailing_metadata() or ():

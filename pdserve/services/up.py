@@ -103,6 +103,18 @@ def _lifecycle_flags(args) -> list[str]:
     return _flags(args, LIFECYCLE_FLAGS)
 
 
+def _grammar_flags(args, worker: bool) -> list[str]:
+    """Guided-output limits (engine/grammar_limits.py): the gateway refuses over them, workers check again."""
+    from pdserve.engine.grammar_limits import LIMIT_FLAGS
+    out = []
+    for flag, (attr, _) in LIMIT_FLAGS.items():
+        if getattr(args, attr, None) is not None:
+            out += [flag, str(getattr(args, attr))]
+    if worker and getattr(args, "grammar_processes", None) is not None:
+        out += ["--grammar-processes", str(args.grammar_processes)]
+    return out
+
+
 def up(args) -> int:
     # Everything that can be known wrong before a process starts ends here, in one line and well under a second,
     # rather than as a child's traceback seconds later.
@@ -189,7 +201,8 @@ def up(args) -> int:
             return d.start(wid, [*pdserve, "worker", *common, *eng, "--role", role,
                                  "--tensor-parallel-size", str(tp[role]), "--port", str(port), "--worker-id", wid,
                                  "--redis-url", redis_url, "--metrics-port", str(mport),
-                                 "--heartbeat-ttl", str(args.heartbeat_ttl), "--lease-ttl", str(args.lease_ttl)],
+                                 "--heartbeat-ttl", str(args.heartbeat_ttl), "--lease-ttl", str(args.lease_ttl),
+                                 *_grammar_flags(args, worker=True)],
                            {"role": role, "port": port, "metrics_port": mport, "worker_id": wid})
 
         for role in roles:
@@ -198,7 +211,8 @@ def up(args) -> int:
         # the gateway is the one process clients reach: it listens on --host (the rest stay on loopback)
         d.start("gateway", [*pdserve, "gateway", *common, "--host", args.host, "--port", str(args.port),
                               "--grpc-port", str(gport), "--router", f"127.0.0.1:{rt_port}", "--redis-url", redis_url,
-                              *_lifecycle_flags(args)], {"port": args.port, "grpc_port": gport})
+                              *_lifecycle_flags(args), *_grammar_flags(args, worker=False)],
+                {"port": args.port, "grpc_port": gport})
         reach = "127.0.0.1" if args.host in ("0.0.0.0", "", "::") else args.host
         base = f"http://{'[' + reach + ']' if ':' in reach else reach}:{args.port}"
         end = time.monotonic() + args.ready_timeout

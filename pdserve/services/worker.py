@@ -22,6 +22,8 @@ import grpc
 
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import Engine, EngineConfig
+from pdserve.engine.grammar_limits import limits_from_args
+from pdserve.engine.grammar_pool import DEFAULT_PROCESSES, CompileTimeout, GrammarPool
 from pdserve.engine.spec_decode.flags import spec_config
 from pdserve.engine.warmup import warm_up
 from pdserve.kv_transfer.layout import KV_PROTOCOL_VERSION, KVLayout
@@ -30,7 +32,8 @@ from pdserve.engine.request_state import RequestState
 from pdserve.engine.stats import EngineStats
 from pdserve.services.convert import DeltaEncoder, layout_to_pb, limits_from_pb, params_from_pb, region_to_pb
 from pdserve.services.decode.service import DecodeSide
-from pdserve.services.grpc_util import WORKER_SERVICE, listen, make_server, param_metadata, security, set_serving
+from pdserve.services.grpc_util import (WORKER_SERVICE, abort_compile_timeout, listen, make_server, param_metadata,
+                                       security, set_serving)
 from pdserve.services.kv_endpoint import KvEndpoint
 from pdserve.services.pb import common_pb2, worker_pb2, worker_pb2_grpc
 from pdserve.services.prefill.service import PrefillSide
@@ -48,13 +51,13 @@ ENGINE_STALL_S = 60.0
 
 class Worker(worker_pb2_grpc.WorkerServicer):
     def __init__(self, engine: Engine, role: str, worker_id: str, address: str, lease_ttl_s: float = 30.0,
-                 transfer_timeout_s: float = 10.0):
+                 transfer_timeout_s: float = 10.0, grammars: GrammarPool | None = None):
         self.engine = engine
         self.role = role
         self.worker_id = worker_id
         self.address = address
         self.tokenizer = engine.tokenizer
-        self.host = AsyncEngine(engine)
+        self.host = AsyncEngine(engine, grammars)
         # measured prefill rate / decode step / KV bandwidth for the router's cost model (docs/routing.md)
         self.meter = LoadMeter()
         self.meter.chain(self.host.on_step)
@@ -160,6 +163,9 @@ class Worker(worker_pb2_grpc.WorkerServicer):
                 M.REJECTIONS.labels("invalid_request").inc()
                 finished = True
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e), trailing_metadata=param_metadata(e))
+            except CompileTimeout as e:
+                finished = True
+                await abort_compile_timeout(context, e)
             finally:
                 if not finished:
                     M.TERMINAL.labels("CANCELLED").inc()
@@ -255,6 +261,19 @@ def engine_config_from_env(args) -> EngineConfig:
     return EngineConfig(**kw)
 
 
+def _grammar_pool(engine: Engine, args) -> GrammarPool:
+    pool = GrammarPool(engine.tokenizer, engine.model_config.vocab_size, limits_from_args(args),
+                       processes=getattr(args, "grammar_processes", None) or DEFAULT_PROCESSES)
+
+    def observe(outcome: str, seconds: float) -> None:
+        M.GRAMMAR_COMPILE_SECONDS.labels(outcome).observe(seconds)
+        M.GRAMMAR_CACHE_BYTES.set(pool.cache.bytes)
+
+    pool.observe = observe
+    pool.start()
+    return pool
+
+
 async def serve(args) -> None:
     from pdserve.services.metrics import exposition
     from pdserve.services.procutil import freeze_startup_heap, install_stop_signals
@@ -267,13 +286,14 @@ async def serve(args) -> None:
     started = M.process_start_time() or time.time()
     engine = Engine.from_pretrained(args.model, config)
     M.set_engine_info(engine.info)
+    grammars = _grammar_pool(engine, args)  # its processes start while the engine warms up
     M.READY_SECONDS.labels("load").set(time.time() - started)
     # spec §1.5: the first forwards at each batch shape happen here, before anything can route to this worker
     warm = warm_up(engine)
     M.READY_SECONDS.labels("warmup").set(warm.seconds)
     log.info("warm-up: %d forwards at batch sizes %s in %.2fs", warm.forwards, warm.batch_sizes, warm.seconds)
     w = Worker(engine, args.role, worker_id, f"{host}:{args.port}", lease_ttl_s=args.lease_ttl,
-               transfer_timeout_s=args.transfer_timeout)
+               transfer_timeout_s=args.transfer_timeout, grammars=grammars)
     w.labels = dict(getattr(args, "labels", None) or {})
     await w.host.start()
     await w.prefill.start()
@@ -318,6 +338,7 @@ async def serve(args) -> None:
     await w.decode.close()
     await w.prefill.stop()
     await w.host.stop()
+    grammars.close()
     if w.rank_agents is not None:
         w.rank_agents.close()
     engine.close()

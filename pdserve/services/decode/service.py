@@ -24,13 +24,14 @@ from dataclasses import dataclass
 import grpc
 
 from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.grammar_pool import CompileTimeout
 from pdserve.kv_transfer.agent import KVAgent, KVTransferError, TransferFailure
 from pdserve.kv_transfer.layout import KVLayoutMismatch
 from pdserve.kv_transfer.tp_pull import KvPuller
 from pdserve.services.metrics import worker as M
 from pdserve.services.convert import DeltaEncoder, first_tokens_from_pb, limits_from_pb, params_from_pb
 from pdserve.services.decode.peers import KvPeers
-from pdserve.services.grpc_util import channel, param_metadata
+from pdserve.services.grpc_util import abort_compile_timeout, channel, param_metadata
 from pdserve.services.kv_endpoint import KvEndpoint
 from pdserve.services.load_meter import LoadMeter
 from pdserve.services.pb import common_pb2, worker_pb2, worker_pb2_grpc
@@ -175,11 +176,19 @@ class DecodeSide:
         lim = limits_from_pb(request.lifecycle)
         lim.apply_share(self.host, request.namespace)
         budget = self.transfer_timeout_s + TRANSFER_GRACE_S
+        try:  # the constraint goes on here: compiled off the engine thread, before anything is allocated
+            grammar = await host.compile_grammar(params, lim.deadline)
+        except ValueError as e:
+            p.ended = True
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e), trailing_metadata=param_metadata(e))
+        except CompileTimeout as e:
+            p.ended = True
+            await abort_compile_timeout(context, e)
 
         def add(e):
             return e.add_prefilled_request(rid, prompt, firsts, params, namespace=request.namespace,
                                            transfer_deadline=time.time() + budget, deadline=lim.deadline,
-                                           priority=lim.priority)
+                                           priority=lim.priority, grammar=grammar)
 
         # 1. allocate (waiting a little for capacity: decode blocks free up as other requests finish)
         deadline = time.monotonic() + self.alloc_wait_s

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from fastapi import FastAPI, Request
@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdserve.engine.checkpoint import resolve_model_dir, serving_limits
+from pdserve.engine.grammar_limits import GrammarLimits
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.services.gateway import responses
 from pdserve.services.gateway.core import Dispatcher
@@ -25,7 +26,8 @@ from pdserve.services.gateway.errors import ErrorReply, reply_for
 from pdserve.services.gateway.handler import RequestHandler
 from pdserve.services.gateway.lifecycle import build_lifecycle
 from pdserve.services.gateway.fields import MAX_PRIORITY
-from pdserve.services.gateway.params import APIError, _num, flag, prompt_only, to_sampling_params
+from pdserve.services.gateway.params import (APIError, _num, check_guided, flag, guided_field, prompt_only,
+                                             to_sampling_params)
 from pdserve.services.gateway.guard import MAX_HEADER_BYTES, HttpGuard, fastapi_options  # noqa: I001 - out of order: fewer merge conflicts
 from pdserve.services.gateway.ingress import IngressGate
 from pdserve.services.gateway import http_metrics, openapi
@@ -67,6 +69,7 @@ class GatewayConfig:
     tool_call_parser: str | None = None  # the model's tool call format; None: detected from its chat template
     default_max_tokens: int | None = None  # a body without max_tokens: at most this many (None: the context left)
     migration_limit: int = 2  # moves per request after its worker died mid-stream (gateway/migration.py)
+    grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)  # guided output (grammar_limits.py)
 
 
 def debug_options(headers) -> set[str]:
@@ -196,6 +199,7 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
             treq = tool_request(body) if chat else None
             if treq is not None:
                 form.tools = tool_output(treq, tool_parser, params)
+            check_guided(params, cfg.grammar_limits, guided_field(body, treq is not None and treq.constrained))
             prompts = [await parser.chat_prompt(body, treq.tools if treq else None)] if chat \
                 else await parser.completion_prompts(body)
             parser.check_room(prompts, params.max_tokens, body)

@@ -96,6 +96,9 @@ def reply_for(e: BaseException) -> ErrorReply:
         if e.code == grpc.StatusCode.INVALID_ARGUMENT:  # about the client's input: its text, scrubbed
             return ErrorReply(400, redact.scrub(e.details), "invalid_request_error", "invalid_parameter",
                               client_param(e.param), state="FAILED", rejection="invalid_request")
+        if e.code == grpc.StatusCode.DEADLINE_EXCEEDED:  # the request's deadline passed on the worker
+            return ErrorReply(504, redact.with_id("the request's deadline passed"), "timeout_error", "timeout",
+                              state="TIMED_OUT")
         if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             return ErrorReply(503, redact.with_id("no capacity for this request now"), "service_unavailable_error",
                               "capacity", headers={"Retry-After": "1"}, state="FAILED", rejection="capacity")

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import logging
 
+from pdserve.engine.grammar_limits import GrammarLimits
 from pdserve.services.gateway.errors import RequestFailed, grpc_status
 from pdserve.services.gateway.handler import RequestHandler
-from pdserve.services.gateway.params import validate
+from pdserve.services.gateway.params import check_guided, validate
 from pdserve.services.gateway.parse import RequestParser
 from pdserve.services.gateway.schema import GenerateCall
 from pdserve.services.convert import params_from_pb
@@ -27,8 +28,9 @@ log = logging.getLogger("pdserve.gateway")
 
 
 class GatewayGrpc(gateway_pb2_grpc.GatewayServicer):
-    def __init__(self, handler: RequestHandler, parser: RequestParser):
+    def __init__(self, handler: RequestHandler, parser: RequestParser, grammar_limits: GrammarLimits | None = None):
         self.handler, self.parser = handler, parser
+        self.grammar_limits = grammar_limits or GrammarLimits()
 
     async def Generate(self, request, context):
         handler = self.handler
@@ -38,6 +40,7 @@ class GatewayGrpc(gateway_pb2_grpc.GatewayServicer):
         async def parse() -> GenerateCall:
             params = params_from_pb(request.params)
             validate(params, self.parser.vocab)
+            check_guided(params, self.grammar_limits, "params.guided")
             prompt = list(request.prompt_token_ids) or request.prompt
             ids = (await self.parser.completion_prompts({"prompt": prompt}))[0]
             remaining = context.time_remaining()  # the call's gRPC deadline is the request's timeout

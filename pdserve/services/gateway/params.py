@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 
+from pdserve.engine.grammar_limits import GrammarLimits, LimitExceeded, check as check_limits
 from pdserve.engine.sampling_params import GuidedSpec, InvalidParameter, SamplingParams
 
 
@@ -248,6 +249,25 @@ def prompt_only(body: dict) -> bool:
     """`echo` with `max_tokens: 0`: the prompt (and its log-probs) without a completion. After
     to_sampling_params has checked both fields."""
     return body.get("echo") is True and body.get("max_tokens") == 0
+
+
+GUIDED_EXTENSIONS = ("guided_json", "guided_regex", "guided_grammar", "guided_choice")
+
+
+def check_guided(p: SamplingParams, limits: GrammarLimits, field: str) -> None:
+    """The constraint within this server's bounds (engine/grammar_limits.py): a 400 naming `field` (what the
+    client wrote: response_format, guided_*, tools) and the limit, before anything is admitted or compiled."""
+    try:
+        check_limits(p.guided, limits)
+    except LimitExceeded as e:
+        raise bad(field, e.why) from None
+
+
+def guided_field(body: dict, tools_constrained: bool) -> str:
+    """Where a request's constraint came from, as the client wrote it."""
+    if tools_constrained:
+        return "tools"
+    return next((n for n in GUIDED_EXTENSIONS if body.get(n) is not None), "response_format")
 
 
 def validate(p: SamplingParams, vocab_size: int) -> None:

@@ -6,6 +6,7 @@ import socket
 
 import uvicorn
 
+from pdserve.engine.grammar_limits import limits_from_args
 from pdserve.services.gateway.app import GatewayConfig, create_app
 from pdserve.services.gateway.grpc_front import GatewayGrpc
 from pdserve.services.grpc_util import GATEWAY_SERVICE, make_server, security, set_serving
@@ -72,7 +73,7 @@ async def serve(args) -> None:
         header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout, metrics_compat=args.metrics_compat,
         redis_auth=RedisAuth.from_args(args), registry_key=security().registry_key(),
         tool_call_parser=args.tool_call_parser, default_max_tokens=args.default_max_tokens,
-        migration_limit=args.migration_limit))
+        migration_limit=args.migration_limit, grammar_limits=limits_from_args(args)))
     if args.metrics_port:  # unauthenticated, for a scraper on the service network (docs/admission.md, Trust model)
         from pdserve.services.metrics.exposition import serve as serve_metrics
         serve_metrics(app.state.metrics, args.metrics_port, args.metrics_host or args.host)
@@ -81,7 +82,7 @@ async def serve(args) -> None:
         # the public front door: tenants authenticate by API key here, not by the internal token or certificate
         grpc_server, hs = make_server([GATEWAY_SERVICE], internal=False)
         gateway_pb2_grpc.add_GatewayServicer_to_server(
-            GatewayGrpc(app.state.handler, app.state.parser), grpc_server)
+            GatewayGrpc(app.state.handler, app.state.parser, app.state.config.grammar_limits), grpc_server)
         grpc_server.add_insecure_port(f"{args.host}:{args.grpc_port}")
         await grpc_server.start()
         await set_serving(hs, [GATEWAY_SERVICE], True)

@@ -32,6 +32,13 @@ KV_HANDSHAKES = Counter("pdserve_kv_handshakes_total", "KV handshakes between a 
                         registry=WORKER)
 KV_EVENTS_PUBLISHED = Counter("pdserve_kv_events_published_total", "KV events a worker published", ["kind"],
                               registry=WORKER)
+GRAMMAR_COMPILE_SECONDS = Histogram(
+    "pdserve_grammar_compile_seconds", "A guided request's constraint, checked and compiled off the engine thread "
+    "(engine/grammar_pool.py); outcome: ok, cached, over_limit, invalid, timeout (over --grammar-compile-timeout), "
+    "deadline, busy, cancelled", ["outcome"], buckets=(0.001, 0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+    registry=WORKER)
+GRAMMAR_CACHE_BYTES = Gauge("pdserve_grammar_cache_bytes", "Compiled grammars kept by the worker's compile cache",
+                            registry=WORKER)
 TERMINAL = Counter("pdserve_engine_requests_terminal_total", "Engine requests on this worker reaching a terminal "
                    "state (a client request is one or more engine requests; the gateway counts client requests)",
                    ["state"], registry=WORKER)

@@ -21,12 +21,13 @@ from typing import TYPE_CHECKING
 import grpc
 
 from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.grammar_pool import CompileTimeout
 from pdserve.kv_transfer.layout import KVLayout, KVLayoutMismatch, check_compatible
 from pdserve.kv_transfer.lease import Lease, LeaseTable, reap_forever
 from pdserve.services.metrics import worker as M
 from pdserve.services.convert import (DeltaEncoder, fill_times, full_response, layout_from_pb, limits_from_pb,
                                       params_from_pb)
-from pdserve.services.grpc_util import param_metadata
+from pdserve.services.grpc_util import abort_compile_timeout, param_metadata
 from pdserve.services.kv_endpoint import KvEndpoint
 from pdserve.services.pb import worker_pb2
 
@@ -134,6 +135,9 @@ class PrefillSide:
             owned = False
             M.REJECTIONS.labels("invalid_request").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e), trailing_metadata=param_metadata(e))
+        except CompileTimeout as e:  # nothing was added to the engine
+            owned = False
+            await abort_compile_timeout(context, e)
         finally:
             self._running.discard(rid)
             if owned and not handed_over:
