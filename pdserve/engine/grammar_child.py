@@ -7,7 +7,7 @@ thread, so on a small host a compile takes what the engine threads leave.
 
 Frames on stdin/stdout, each an 8-byte big-endian length and its bytes:
   in:  first {"tokenizer_info": <TokenizerInfo JSON>, "limits": {...}}; then per job {"kind": ..., "text": ...}
-  out: per job {"ok": true, "seconds": s} and a frame of the CompiledGrammar's JSON, or
+  out: {"ready": true} once set up; per job {"ok": true, "seconds": s} and a frame of the CompiledGrammar's JSON, or
        {"ok": false, "param": ..., "why": ...} (the client's constraint is invalid or over a limit)
 """
 from __future__ import annotations
@@ -52,6 +52,8 @@ def serve(inp, out) -> None:
     limits = GrammarLimits(**cfg["limits"])
     # the pool keeps the cache (bounded, shared by every child's results): none here
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    write_frame(out, b'{"ready": true}')  # the pool times compiles from here: start-up is not a compile
+    out.flush()
     while (job := read_frame(inp)) is not None:
         req = json.loads(job)
         text = tuple(req["text"]) if req["kind"] == "wrapped_json" else req["text"]

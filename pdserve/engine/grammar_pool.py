@@ -65,13 +65,15 @@ class _Child:
         self.ready = None  # the pool's future of greet()
 
     def greet(self) -> None:
-        """Blocking (a pool thread): hand the child its tokenizer, once. The write waits for the child to read
-        it, i.e. for its imports (~3.5 s), so it never runs on the event loop."""
+        """Blocking (a pool thread): hand the child its tokenizer, once, and wait until it says it is ready (its
+        imports take ~3.5 s), so that no compile's deadline counts its start-up. Never on the event loop."""
         with self._lock:
             if self._hello is not None:
                 write_frame(self.proc.stdin, self._hello)
                 self.proc.stdin.flush()
                 self._hello = None
+                if read_frame(self.proc.stdout) is None:
+                    raise OSError(f"the grammar compiler process exited at start ({self.proc.poll()})")
 
     def roundtrip(self, job: bytes, info: xgr.TokenizerInfo):
         """Blocking (a pool thread): send one job, read its answer. Killing the process ends the read (EOF)."""
