@@ -139,7 +139,7 @@ def _open_parts(args) -> list[str]:
         parts.append("router and worker RPCs answer any local caller and worker registry records are unsigned (a "
                      "process that can write to Redis can register a worker and receive prompts)")
     if not args.redis_password_file and not (args.redis_url and urlparse(args.redis_url).password):
-        parts.append("Redis has no password (any local process can read and change the registry, the admission "
+        parts.append("Redis has no password (whoever reaches it can read and change the registry, the admission "
                      "ledger, rate limits and quotas)")
     return parts
 
