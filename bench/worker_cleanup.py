@@ -44,7 +44,7 @@ async def held(up: UpProcess) -> list[tuple[str, int, int, dict]]:
     out = []
     for w in up.workers():
         st = await worker_pb2_grpc.WorkerStub(channel(f"127.0.0.1:{w['port']}")).GetStats(
-            worker_pb2.GetStatsRequest(), timeout=10)
+            worker_pb2.GetStatsRequest(), metadata=up.grpc_metadata(), timeout=10)
         out.append((w["name"], st.load.kv_blocks_in_use, st.load.pinned_blocks, dict(st.states)))
     return out
 
@@ -104,10 +104,9 @@ def storm(args) -> None:
 
 
 def heartbeat(args) -> None:
-    import redis
     up = UpProcess(["--model", "builtin", "--mode", "disagg"])
     try:
-        r = redis.Redis.from_url(up.info["redis_url"])
+        r = up.redis()
         keys = {w["worker_id"]: workers_key("builtin", w["worker_id"]) for w in up.workers()}
         lapses = {wid: 0 for wid in keys}
         stop = threading.Event()

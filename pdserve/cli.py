@@ -133,6 +133,9 @@ def _add_security(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-server-name", help="name internal servers' certificates carry (default: the dialed host)")
     p.add_argument("--redis-password-file", help="Redis AUTH password (username, if any, in --redis-url)")
     p.add_argument("--redis-ca-file", help="PEM CA for a rediss:// (TLS) Redis")
+    p.add_argument("--insecure-internal", action="store_true", default=None,  # None: help prints no default
+                   help="run without internal authentication, said at WARNING (up: generate no token or Redis "
+                        "password; router/worker: serve a non-loopback address without a token or mTLS)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -266,6 +269,20 @@ def _check_security(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _check_exposure(args: argparse.Namespace) -> str | None:
+    from pdserve.services.internal_security import exposure_problem
+    return exposure_problem(args.command, args.host, _security(args), bool(args.insecure_internal))
+
+
+def _warn_open(command: str, security) -> None:
+    import logging
+
+    from pdserve.services.internal_security import open_warning
+    text = open_warning(command, security)
+    if text is not None:
+        logging.getLogger("pdserve.security").warning(text)
+
+
 def _security(args):
     from pdserve.services.internal_security import InternalSecurity
     return InternalSecurity.from_args(args)
@@ -283,7 +300,7 @@ def _run(args: argparse.Namespace) -> int:
         import logging
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         return args.func(args) or 0
-    problem = _check_security(args)
+    problem = _check_security(args) or _check_exposure(args)
     if problem is not None:
         print(f"pdserve {args.command}: {problem}", file=sys.stderr)
         return 2
@@ -303,6 +320,7 @@ def _run(args: argparse.Namespace) -> int:
     from pdserve.services.grpc_util import configure
     security = _security(args)
     configure(security)
+    _warn_open(args.command, security)
     if args.command == "gateway":
         from pdserve.services.gateway.server import serve
         asyncio.run(serve(args))

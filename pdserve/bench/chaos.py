@@ -195,7 +195,7 @@ class ChaosDeployment:
         router = self.up.process("router")
         cmd = [sys.executable, "-m", "pdserve", "gateway", "--model", self.model, "--served-model-name", self.served,
                "--port", str(self.gw2_port), "--router", f"127.0.0.1:{router['port']}",
-               "--redis-url", self.up.info["redis_url"]]
+               "--redis-url", self.up.info["redis_url"], *self.up.security_flags()]
         from pdserve.services.supervisor import _tie_to_parent
         with open(self.log, "ab") as f:
             self.gw2 = subprocess.Popen(cmd, env=self.env, stdout=f, stderr=subprocess.STDOUT,
@@ -233,7 +233,6 @@ class ChaosDeployment:
 
     def leftovers(self) -> dict:
         """KV blocks in use / pinned on every worker, reservations in Redis (None where unreadable)."""
-        import redis
         out = {"blocks": 0, "pinned": 0, "reservations": 0}
         for w in self.workers():
             try:
@@ -244,7 +243,7 @@ class ChaosDeployment:
                 out["blocks"] = out["pinned"] = None
                 break
         try:
-            r = redis.Redis.from_url(self.up.info["redis_url"], socket_timeout=2)
+            r = self.up.redis(socket_timeout=2)
             out["reservations"] = (r.zcard(f"pdserve:{self.served}:reservations")
                                    + r.hlen(f"pdserve:{self.served}:reservation_blocks"))
         except Exception:

@@ -9,6 +9,9 @@
   the system roots) and present their own certificate. `--tls-server-name` is the name clients expect in the
   server's certificate when it differs from the host they dial (pod IPs: one shared SAN for every internal cert).
 - The token also keys the registry's record HMAC (registry.py): a process without it cannot register a worker.
+- Closed by default: `pdserve up` generates a token (and its private Redis' password) unless given one; a router or
+  worker alone without a token or mTLS refuses a non-loopback address unless `--insecure-internal`, and every
+  process without them says so at WARNING (`open_warning`).
 
 A process has one internal identity, set once at start-up (`grpc_util.configure`), and every channel and server
 it opens uses it: the trust model is in docs/services.md ("Trust model").
@@ -89,6 +92,11 @@ class InternalSecurity:
     def mutual(self) -> bool:
         return self.ca is not None
 
+    @property
+    def authenticated(self) -> bool:
+        """Callers must prove themselves: a token, or a client certificate the CA signed."""
+        return self.token is not None or self.mutual
+
     def describe(self) -> str:
         parts = (["token"] if self.token else []) + (["mTLS" if self.mutual else "TLS"] if self.tls else [])
         return "+".join(parts) or "none"
@@ -130,6 +138,34 @@ class InternalSecurity:
 
 
 NONE = InternalSecurity()
+
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+def is_loopback(host: str) -> bool:
+    return host in LOOPBACK or host.startswith("127.")
+
+
+def exposure_problem(command: str, host: str, sec: InternalSecurity, insecure: bool) -> str | None:
+    """A router or worker that would serve its RPCs beyond this host to anyone: refused unless asked for. (The
+    gateway serves no internal RPC; its own doors are the tenants'.)"""
+    if command not in ("router", "worker") or sec.authenticated or insecure or is_loopback(host):
+        return None
+    return (f"refusing to serve {command} RPCs on {host} without authentication: give --internal-token-file "
+            "(and/or mutual TLS: --tls-cert, --tls-key, --tls-ca), or --insecure-internal to run it open "
+            "(docs/services.md, Trust model)")
+
+
+def open_warning(command: str, sec: InternalSecurity) -> str | None:
+    """What a process without internal authentication leaves open, for one WARNING line at start; None if closed."""
+    if sec.authenticated:
+        return None
+    what = {"router": "its Route/ListWorkers RPCs answer any caller that reaches its port",
+            "worker": "its Generate/Prefill/KV RPCs answer any caller that reaches its port (prompts and outputs)",
+            "gateway": "its calls to the router and workers carry no credential"}[command]
+    return (f"internal RPCs are unauthenticated: {what}, and worker registry records are unsigned (any process that "
+            "can write to Redis can register a worker and receive prompts); give --internal-token-file "
+            "(docs/services.md, Trust model)")
 
 
 def _bearer(metadata) -> str | None:

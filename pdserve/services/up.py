@@ -7,20 +7,29 @@ reverse order (SIGTERM, which drains, then SIGKILL after a grace period). A chil
 is ready fails `up`; once ready, a child that exits is restarted with backoff (supervisor.py: counted, logged,
 announced as `PDSERVE_CHILD {json}`), unless --no-restart, with which a dead gateway, router or Redis, or the last
 worker, stops everything. Children never outlive `up` (parent-death signal, supervisor.py).
+
+Closed by default (docs/services.md, Trust model): unless given them, `up` generates an internal token and a
+password for its private Redis, each a 0600 file in a 0700 directory under the state dir (removed when `up`
+stops), and passes their paths to every child like the user's own files; PDSERVE_UP and the state file name them
+for local clients (`pdserve status`, tests, bench). `--insecure-internal` generates nothing and says at WARNING
+what is open; so does a user's --redis-url without a password.
 """
 from __future__ import annotations
 
 import json
 import os
 import random
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from urllib.parse import urlparse
 
 from pdserve.services.supervisor import Child, Supervisor, describe_exit
 
@@ -115,6 +124,56 @@ def _grammar_flags(args, worker: bool) -> list[str]:
     return out
 
 
+def _warn(text: str) -> None:
+    print(f"pdserve up: WARNING: {text}", file=sys.stderr, flush=True)
+
+
+def _secret_file(path: Path) -> str:
+    # created 0600 from the start (O_EXCL: never someone else's file), not chmod-ed after being written
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_urlsafe(32) + "\n")
+    return str(path)
+
+
+def _secrets_dir() -> Path:
+    from pdserve.planner.status import state_dir
+    try:
+        state_dir().mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f"secrets-{os.getpid()}-", dir=state_dir()))  # 0700
+    except OSError:
+        return Path(tempfile.mkdtemp(prefix="pdserve-secrets-"))  # a state dir we cannot write: the temp dir
+
+
+def _open_parts(args) -> list[str]:
+    parts = []
+    if not args.internal_token_file and not args.tls_ca:
+        parts.append("router and worker RPCs answer any local caller and worker registry records are unsigned (a "
+                     "process that can write to Redis can register a worker and receive prompts)")
+    if not args.redis_password_file and not (args.redis_url and urlparse(args.redis_url).password):
+        parts.append("Redis has no password (whoever reaches it can read and change the registry, the admission "
+                     "ledger, rate limits and quotas)")
+    return parts
+
+
+def close_by_default(args) -> Path | None:
+    """Fill in the internal token and the private Redis' password `args` lacks (generated files); the directory
+    holding them, or None when nothing was generated. Warns about what stays open."""
+    if args.insecure_internal:
+        _warn("--insecure-internal: " + "; ".join(_open_parts(args) or ["nothing generated"]))
+        return None
+    need_token = not args.internal_token_file
+    need_password = not args.redis_url and not args.redis_password_file
+    d = _secrets_dir() if need_token or need_password else None
+    if need_token:
+        args.internal_token_file = _secret_file(d / "internal-token")
+    if need_password:
+        args.redis_password_file = _secret_file(d / "redis-password")
+    if args.redis_url and _open_parts(args):  # a user's Redis without a password stays the user's choice
+        _warn(f"--redis-url {args.redis_url.split('@')[-1]}: " + "; ".join(_open_parts(args)))
+    return d
+
+
 def up(args) -> int:
     # Everything that can be known wrong before a process starts ends here, in one line and well under a second,
     # rather than as a child's traceback seconds later.
@@ -129,6 +188,7 @@ def up(args) -> int:
     pdserve = [sys.executable, "-m", "pdserve"]
     planner = None
     stopping = {"flag": False}
+    generated = close_by_default(args)
 
     def on_signal(signum, frame):
         stopping["flag"] = True
@@ -239,7 +299,8 @@ def up(args) -> int:
             return 1
         print(f"pdserve up: {args.mode} deployment of {args.served_model_name} ready at {base}/v1", flush=True)
         ready_info = {"base_url": base, "mode": args.mode, "redis_url": redis_url, "model": args.served_model_name,
-                      "internal_token_file": args.internal_token_file, "processes": d.infos()}
+                      "internal_token_file": args.internal_token_file,
+                      "redis_password_file": args.redis_password_file, "processes": d.infos()}
         if args.planner:  # the planner adds and drains workers through start_worker (docs/planner.md)
             from pdserve.planner.connectors.local import start_in_up
             planner = start_in_up(args, d, start_worker, ready_info)
@@ -270,4 +331,6 @@ def up(args) -> int:
         from pdserve.planner.status import forget_local
         forget_local()
         d.stop_all(args.drain_timeout + 5 if args.drain_timeout is not None else 15.0)
+        if generated is not None:  # after the children: a restarting one still reads them
+            shutil.rmtree(generated, ignore_errors=True)
         print("pdserve up: stopped", flush=True)

@@ -54,6 +54,29 @@ class UpProcess:
     def process(self, name: str) -> dict:
         return next(p for p in self.info["processes"] if p["name"] == name)
 
+    # A default `up` is closed (up.py): what joins it or calls inside it needs the files it generated.
+
+    def security_flags(self) -> list[str]:
+        """The flags a process joining this deployment needs (its token and Redis password files)."""
+        out = []
+        for key in ("internal_token_file", "redis_password_file"):
+            if self.info.get(key):
+                out += ["--" + key.replace("_", "-"), self.info[key]]
+        return out
+
+    def redis(self, **kwargs):
+        """A (synchronous) client of the deployment's Redis; kwargs are redis-py's."""
+        import redis
+        from pdserve.services.redis_conn import RedisAuth
+        kwargs.setdefault("password", RedisAuth.from_files(self.info.get("redis_password_file")).password)
+        return redis.Redis.from_url(self.info["redis_url"], **kwargs)
+
+    def grpc_metadata(self) -> tuple[tuple[str, str], ...]:
+        """Metadata for a direct call to the router or a worker."""
+        from pdserve.services.internal_security import AUTH_HEADER, read_token
+        path = self.info.get("internal_token_file")
+        return ((AUTH_HEADER, f"Bearer {read_token(path)}"),) if path else ()
+
     def metrics_urls(self) -> list[str]:
         return [self.base_url + "/metrics"] + [f"http://127.0.0.1:{w['metrics_port']}/metrics"
                                                for w in self.workers()]

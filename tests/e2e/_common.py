@@ -244,13 +244,14 @@ N_PROMPT = "seven wizards quietly hex every jolly sphinx of black quartz " * 6  
 N_SAMPLED = dict(temperature=1.0, seed=4242, ignore_eos=True)
 
 
-def _blocks_in_use(w) -> int:
+def _blocks_in_use(up, w) -> int:
     """Exactly what the worker's engine holds now (the GetStats RPC runs on its engine thread)."""
     import grpc
 
     from pdserve.services.pb import worker_pb2, worker_pb2_grpc
     with grpc.insecure_channel(f"127.0.0.1:{w['port']}") as ch:
-        st = worker_pb2_grpc.WorkerStub(ch).GetStats(worker_pb2.GetStatsRequest(), timeout=10)
+        st = worker_pb2_grpc.WorkerStub(ch).GetStats(worker_pb2.GetStatsRequest(), metadata=up.grpc_metadata(),
+                                                     timeout=10)
     return st.load.kv_blocks_in_use
 
 
@@ -260,7 +261,7 @@ def _live_workers(up) -> list[dict]:
     live = []
     for w in up.workers():
         try:
-            _blocks_in_use(w)
+            _blocks_in_use(up, w)
         except grpc.RpcError:
             continue
         live.append(w)
@@ -292,7 +293,7 @@ def check_n_branches(up, tiny_llama):
 
     workers = _live_workers(up)
     for w in workers:  # nothing else running: the lookup counters move for this request only
-        assert wait_until(lambda: _blocks_in_use(w) == 0, 15)
+        assert wait_until(lambda: _blocks_in_use(up, w) == 0, 15)
     before = _prompt_lookups(workers)
     r = post(n=3, max_tokens=8)
     assert r.status_code == 200, r.text
@@ -344,7 +345,7 @@ def check_n_branches(up, tiny_llama):
 
     def poll() -> None:
         while not done.is_set():
-            held.append(sum(_blocks_in_use(w) for w in decoders))
+            held.append(sum(_blocks_in_use(up, w) for w in decoders))
 
     t = threading.Thread(target=poll)
     t.start()

@@ -18,7 +18,6 @@ import time
 import urllib.request
 
 import pytest
-import redis
 
 from tests.e2e.conftest import Up, served_as_ck, wait_until
 
@@ -105,7 +104,7 @@ def test_abort_storm_leaves_nothing_behind(up):
 
     asyncio.run(storm())
     t_last = time.monotonic()
-    r = redis.Redis.from_url(up.info["redis_url"])
+    r = up.redis()
     workers = [w["metrics_port"] for w in up.workers()]
 
     def clean() -> bool:
@@ -144,7 +143,7 @@ def test_abort_storm_leaves_nothing_behind(up):
 
 def test_quota_charged_for_tokens_streamed_before_disconnect(up):
     """The issue's reproduction: a metered tenant reads 8 streams part-way and disconnects before [DONE]."""
-    r = redis.Redis.from_url(up.info["redis_url"])
+    r = up.redis()
     qkey = "pdserve:ck:quota:metered"
     r.delete(qkey)
 

@@ -9,7 +9,6 @@ import re
 import urllib.request
 
 import pytest
-import redis
 
 from pdserve.bench.client import Target
 from pdserve.bench.overload import capacity, overload
@@ -76,7 +75,7 @@ def test_goodput_at_3x_capacity(up):
     assert srv["+Inf"] >= c["rejected"] and srv["0.1"] >= 0.95 * srv["+Inf"], (srv, res.line())
     assert res.reject_latency_s["p50"] <= 0.1, res.line()
     assert _sum(gw, "pdserve_rejections_total", 'reason="deadline_unreachable"') > 0
-    r = redis.Redis.from_url(up.info["redis_url"])
+    r = up.redis()
     assert wait_until(lambda: r.zcard("pdserve:builtin:reservations") == 0, 10), "reservations left behind"
 
 

@@ -75,7 +75,8 @@ def test_orphaned_prefill_blocks_freed_by_lease(up):
         stub = worker_pb2_grpc.WorkerStub(channel(f"127.0.0.1:{pw['port']}"))
         return await stub.Prefill(worker_pb2.PrefillRequest(
             request_id="orphan-1", prompt_token_ids=list(range(2, 60)),
-            params=params_to_pb(SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))))
+            params=params_to_pb(SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))),
+            metadata=up.grpc_metadata())
 
     r = asyncio.run(prefill())
     assert not r.finished and len(r.kv.block_ids) == 4 and r.kv.lease_expiry_unix > time.time()

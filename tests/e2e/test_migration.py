@@ -18,7 +18,6 @@ import time
 
 import httpx
 import pytest
-import redis
 
 from pdserve.services.up_process import UpProcess
 from tests.e2e.conftest import NUM_BLOCKS, ROOT, metric, served_as_ck, wait_until
@@ -189,7 +188,7 @@ def test_sigkill_mid_stream_migrates_to_the_same_output(up, tiny_llama, kind):
 
 def test_nothing_left_behind(up):
     """After the kills and stops: every live worker holds no KV blocks and no pins, Redis no reservations."""
-    r = redis.Redis.from_url(up.info["redis_url"])
+    r = up.redis()
     live = [p for p in up.workers() if _alive(p["pid"])]
     assert len(live) == 2  # one prefill worker and one decode worker survive
 

@@ -12,7 +12,6 @@ import urllib.request
 
 import httpx
 import pytest
-import redis
 
 from tests.e2e.conftest import ROOT, Up, _env, served_as_ck, wait_until
 
@@ -113,7 +112,7 @@ def test_two_gateway_replicas_share_a_tenant_bucket(up):
     port = free_port()
     g2 = subprocess.Popen([sys.executable, "-m", "pdserve", "gateway", "--model", str(up.model), "--port", str(port),
                            "--router", f"127.0.0.1:{router}", "--redis-url", up.info["redis_url"],
-                           "--api-keys-file", str(up.keys)], env=_env(), cwd=str(ROOT))
+                           "--api-keys-file", str(up.keys), *up.security_flags()], env=_env(), cwd=str(ROOT))
     try:
         base2 = f"http://127.0.0.1:{port}"
         assert wait_until(lambda: _ok(base2 + "/health"), 30)
@@ -207,7 +206,7 @@ def test_open_loop_overload(up):
     assert lat[len(lat) // 2] <= 0.1, summary
     assert all(r[1] == "timeout" and r[2] <= TIMEOUT + 0.5 for r in timed_out), summary
     # afterwards: blocks and reservations back to 0, worker memory bounded, one billing record per request
-    r = redis.Redis.from_url(up.info["redis_url"])
+    r = up.redis()
     assert wait_until(lambda: r.zcard("pdserve:ck:reservations") == 0 and r.hlen("pdserve:ck:reservation_blocks") == 0,
                       10), "reservations left behind"
     wm = worker["metrics_port"]

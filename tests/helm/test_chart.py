@@ -327,7 +327,8 @@ def test_redis_bundled_or_external():
     ss = by_kind(objs, "StatefulSet")[f"{FULL}-redis"]
     args = pod_template(ss)["containers"][0]["args"]
     assert args[args.index("--save") + 1] == "" and args[args.index("--appendonly") + 1] == "no"
-    assert not by_kind(objs, "Secret")
+    # no URL Secret: only the generated internal token and Redis password (closed by default)
+    assert set(by_kind(objs, "Secret")) == {f"{FULL}-internal-token", f"{FULL}-redis-auth"}
 
     ext = objects(SCENARIOS["external_redis"])
     assert not by_kind(ext, "StatefulSet")
@@ -340,7 +341,8 @@ def test_redis_bundled_or_external():
     assert "s3cret" not in json.dumps(by_kind(ext, "Deployment"))
 
     own = objects(SCENARIOS["external_redis_secret"])
-    assert not by_kind(own, "Secret") and not by_kind(own, "StatefulSet")
+    # the user's URL Secret: none made for it, no password invented for its Redis (only the internal token)
+    assert set(by_kind(own, "Secret")) == {f"{FULL}-internal-token"} and not by_kind(own, "StatefulSet")
     env = pod_template(by_kind(own, "Deployment")[f"{FULL}-router"])["containers"][0]["env"]
     assert next(e for e in env if e["name"] == "PDSERVE_REDIS_URL")["valueFrom"]["secretKeyRef"] == \
         {"name": "team-redis", "key": "url"}
@@ -408,7 +410,7 @@ def test_api_keys_secret_is_a_file_the_gateway_loads(tmp_path):
         ann2 = by_kind(objects(vals), "Deployment")[f"{FULL}-gateway"]["spec"]["template"]["metadata"]["annotations"]
         assert ann["checksum/api-keys"] != ann2["checksum/api-keys"]
     own = objects(SCENARIOS["plain_keys_secret"])
-    assert not by_kind(own, "Secret")
+    assert not [n for n in by_kind(own, "Secret") if "api-keys" in n]
     g = pod_template(by_kind(own, "Deployment")[f"{FULL}-gateway"])
     assert g["containers"][0]["args"][-2:] == ["--api-keys-file", "/etc/pdserve/api-keys/api-keys"]
     assert next(v for v in g["volumes"] if v["name"] == "api-keys")["secret"]["secretName"] == "team-keys"

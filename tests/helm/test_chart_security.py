@@ -43,14 +43,43 @@ def _secret(objs: list[dict], name: str) -> dict[str, str]:
     return out
 
 
-def test_defaults_render_no_security_material():
-    objs = objects()
-    assert not [n for n in by_kind(objs, "Secret") if "internal-token" in n or "redis-auth" in n]
-    for name, (spec, c) in _pdserve_containers(objs).items():
+def test_defaults_are_closed():
+    """No values: the chart generates the internal token and the bundled Redis' password, and every pdserve pod
+    (gateway, router, both pools, the planner) reads both from the mounted Secrets."""
+    objs = objects({"planner": {"enabled": True}})
+    secrets = by_kind(objs, "Secret")
+    assert len(_secret(objs, f"{FULL}-internal-token")["token"]) == 48
+    assert len(_secret(objs, f"{FULL}-redis-auth")["password"]) == 40
+    conts = _pdserve_containers(objs)
+    assert {n.rsplit("-", 1)[-1] for n in conts} == {"gateway", "router", "prefill", "decode", "planner"}
+    for name, (spec, c) in conts.items():
         env = container_env(c)
-        assert not [k for k in env if k.startswith(("PDSERVE_TLS", "PDSERVE_INTERNAL", "PDSERVE_REDIS_PASSWORD"))]
+        assert _mounted_file(spec, c, env["PDSERVE_INTERNAL_TOKEN_FILE"]) == (f"{FULL}-internal-token", "token")
+        assert _mounted_file(spec, c, env["PDSERVE_REDIS_PASSWORD_FILE"]) == (f"{FULL}-redis-auth", "password")
+        assert "PDSERVE_INSECURE_INTERNAL" not in env and not [k for k in env if k.startswith("PDSERVE_TLS")]
         if name.endswith(("-router", "-prefill", "-decode")):
             assert "grpc" in c["readinessProbe"]  # the kubelet's own probe while there is no TLS
+    redis = pod_template(by_kind(objs, "StatefulSet")[f"{FULL}-redis"])
+    assert "--aclfile" in redis["containers"][0]["args"]
+    assert set(secrets) >= {f"{FULL}-internal-token", f"{FULL}-redis-auth"}
+
+
+def test_opting_out_is_explicit_and_said_by_every_pod():
+    """Token off without mTLS: router and workers run open, with --insecure-internal (each logs what is open); an
+    external Redis gets no invented password (its URL carries it)."""
+    objs = objects({"security": {"internalToken": {"enabled": False}},
+                    "redis": {"enabled": False, "external": {"url": "redis://:pw@redis.example:6379/0"}}})
+    assert not [n for n in by_kind(objs, "Secret") if "internal-token" in n or "redis-auth" in n]
+    for spec, c in _pdserve_containers(objs).values():
+        env = container_env(c)
+        assert env["PDSERVE_INSECURE_INTERNAL"] == "1"
+        assert "PDSERVE_INTERNAL_TOKEN_FILE" not in env and "PDSERVE_REDIS_PASSWORD_FILE" not in env
+    # mTLS alone authenticates callers: no opt-out needed
+    objs = objects({"security": {"internalToken": {"enabled": False}, **TLS["security"]}})
+    assert not [c for _, c in _pdserve_containers(objs).values() if "PDSERVE_INSECURE_INTERNAL" in container_env(c)]
+    # the bundled Redis without a password, asked for
+    objs = objects({"redis": {"auth": {"enabled": False}}})
+    assert f"{FULL}-redis-auth" not in by_kind(objs, "Secret")
 
 
 def test_token_generated_and_mounted_by_path():

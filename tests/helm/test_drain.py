@@ -16,8 +16,11 @@ import pytest
 from tests.helm._chart import FULL, ROOT, by_kind, container_env, objects, pod_template
 from tests.helm._pods import host_kernel_cache
 
+# opted out of internal auth (the chart's explicit PDSERVE_INSECURE_INTERNAL): the drain is what is tested here,
+# against a plain redis-server of the test's own
 VALUES = {"mode": "colocated", "workers": {"device": "cpu", "shm": {"enabled": False}},
-          "worker": {"gpus": 0, "numGpuBlocks": 64, "drainTimeout": 10}}
+          "worker": {"gpus": 0, "numGpuBlocks": 64, "drainTimeout": 10},
+          "security": {"internalToken": {"enabled": False}}, "redis": {"auth": {"enabled": False}}}
 
 
 def _free_port() -> int:

@@ -204,7 +204,7 @@ def test_disagg_variant_serves_requests_as_rendered(tiny_llama, tmp_path):
         assert r.status_code == 200, r.text
         r = httpx.post(g1 + "/v1/completions", json=one, headers={"x-api-key": "sk-metered"}, timeout=60)
         assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded", r.text
-        rd = redis.Redis(port=comp["redis"][0].port("redis"))
+        rd = redis.Redis(port=comp["redis"][0].port("redis"), password=comp["redis"][0].env["REDISCLI_AUTH"])
         assert rd.exists("pdserve:ck:ratelimit:metered")
         # the router placed by the chart's mode: every request went prefill -> decode
         end = time.monotonic() + 10

@@ -81,3 +81,67 @@ def test_token_file_whitespace_is_trimmed_and_combinations_describe_themselves(f
     assert InternalSecurity().describe() == "none" and InternalSecurity().server_interceptors() == []
     with pytest.raises(ConfigError):
         InternalSecurity.from_files(cert=files["cert"])
+
+
+# ---- closed by default (issue 35, item 6) -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("cmd", ["router", "worker"])
+def test_router_and_worker_refuse_a_public_address_without_authentication(cmd):
+    rc, _, err, took = pdserve(cmd, "--host", "0.0.0.0")
+    assert rc == 2 and "without authentication" in one_line(err) and "--insecure-internal" in err, err
+    assert took < 10
+
+
+def test_exposure_needs_an_explicit_opt_out():
+    from pdserve.services.internal_security import exposure_problem
+    token, mtls = InternalSecurity(token=GOOD), InternalSecurity(cert=b"c", key=b"k", ca=b"a")
+    assert exposure_problem("worker", "10.0.0.5", InternalSecurity(), insecure=False) is not None
+    assert exposure_problem("worker", "10.0.0.5", InternalSecurity(), insecure=True) is None
+    assert exposure_problem("worker", "10.0.0.5", token, insecure=False) is None
+    assert exposure_problem("router", "0.0.0.0", mtls, insecure=False) is None
+    assert exposure_problem("router", "127.0.0.1", InternalSecurity(), insecure=False) is None  # warned, not refused
+    assert exposure_problem("gateway", "0.0.0.0", InternalSecurity(), insecure=False) is None  # serves no internal RPC
+
+
+def test_a_router_alone_without_a_token_warns_at_start():
+    """Loopback: it starts, and its first WARNING says what is open."""
+    import os
+    import subprocess
+    import sys
+
+    from pdserve.services.up import free_port
+    from tests.services.test_cli import ROOT
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}, "PYTHONPATH": str(ROOT)}
+    p = subprocess.Popen([sys.executable, "-m", "pdserve", "router", "--port", str(free_port()), "--redis-url",
+                          f"redis://127.0.0.1:{free_port()}/0"], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        line = next(l for l in p.stderr if "WARNING" in l)
+    finally:
+        p.kill()
+        p.wait()
+    assert "internal RPCs are unauthenticated" in line and "--internal-token-file" in line, line
+
+
+def test_up_insecure_internal_warns_and_generates_nothing(tmp_path, monkeypatch, capsys):
+    from pdserve.services.up import close_by_default
+    monkeypatch.setenv("PDSERVE_STATE_DIR", str(tmp_path))
+    args = build_parser().parse_args(["up", "--insecure-internal"])
+    assert close_by_default(args) is None and args.internal_token_file is None and args.redis_password_file is None
+    err = capsys.readouterr().err
+    assert "pdserve up: WARNING: --insecure-internal" in err and "any local caller" in err and "no password" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_up_keeps_what_the_user_gave_and_warns_about_a_redis_without_password(tmp_path, monkeypatch, capsys, files):
+    from pdserve.services.up import close_by_default
+    monkeypatch.setenv("PDSERVE_STATE_DIR", str(tmp_path))
+    args = build_parser().parse_args(["up", "--internal-token-file", files["token"], "--redis-url",
+                                      "redis://10.1.2.3:6379/0"])
+    assert close_by_default(args) is None and args.internal_token_file == files["token"]
+    assert args.redis_password_file is None  # the user's Redis: no password invented for it
+    err = capsys.readouterr().err
+    assert "WARNING: --redis-url redis://10.1.2.3:6379/0: Redis has no password" in err and "any local caller" not in err
+    args = build_parser().parse_args(["up", "--redis-url", "redis://:pw@10.1.2.3:6379/0"])
+    d = close_by_default(args)
+    assert args.internal_token_file.startswith(str(d)) and args.redis_password_file is None
+    assert "WARNING" not in capsys.readouterr().err

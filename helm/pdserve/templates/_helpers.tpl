@@ -384,6 +384,13 @@ securityContext:
 {{- default (printf "%s-redis-auth" (include "pdserve.fullname" .)) .Values.redis.auth.existingSecret -}}
 {{- end -}}
 
+{{/* Redis AUTH: as set, or unset (null) on exactly when the chart runs its own Redis (closed by default) */}}
+{{- define "pdserve.redisAuthOn" -}}
+{{- $on := .Values.redis.auth.enabled -}}
+{{- if kindIs "invalid" $on }}{{ $on = .Values.redis.enabled }}{{ end -}}
+{{- if $on }}true{{ end -}}
+{{- end -}}
+
 {{- define "pdserve.tlsEnabled" -}}
 {{- if .Values.security.tls.enabled -}}
 {{- $_ := required "security.tls.secretName is required with security.tls.enabled (a Secret with the PEM cert, key and CA)" .Values.security.tls.secretName -}}
@@ -411,7 +418,12 @@ true
   value: {{ $s.tls.serverName | quote }}
 {{- end }}
 {{- end }}
-{{- if .Values.redis.auth.enabled }}
+{{- if not (or $s.internalToken.enabled (and (include "pdserve.tlsEnabled" .) $s.tls.caKey)) }}
+# the values turned internal authentication off: said, at WARNING, by every pod (docs/services.md, Trust model)
+- name: PDSERVE_INSECURE_INTERNAL
+  value: "1"
+{{- end }}
+{{- if include "pdserve.redisAuthOn" . }}
 - name: PDSERVE_REDIS_PASSWORD_FILE
   value: {{ printf "/etc/pdserve/redis-auth/%s" .Values.redis.auth.passwordKey | quote }}
 {{- end }}
@@ -428,7 +440,7 @@ true
   mountPath: /etc/pdserve/tls
   readOnly: true
 {{- end }}
-{{- if .Values.redis.auth.enabled }}
+{{- if include "pdserve.redisAuthOn" . }}
 - name: redis-auth
   mountPath: /etc/pdserve/redis-auth
   readOnly: true
@@ -448,7 +460,7 @@ true
     secretName: {{ .Values.security.tls.secretName }}
     defaultMode: 0440
 {{- end }}
-{{- if .Values.redis.auth.enabled }}
+{{- if include "pdserve.redisAuthOn" . }}
 - name: redis-auth
   secret:
     secretName: {{ include "pdserve.redisAuthSecret" . }}
