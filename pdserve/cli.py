@@ -114,7 +114,7 @@ def _add_grammar(p: argparse.ArgumentParser, worker: bool) -> None:
     from pdserve.engine.grammar_limits import GrammarLimits, LIMIT_FLAGS
     defaults = GrammarLimits()
     for flag, (attr, text) in LIMIT_FLAGS.items():
-        kind = positive_float if attr == "compile_timeout_s" else positive_int
+        kind = positive_float if attr == "grammar_compile_timeout" else positive_int
         p.add_argument(flag, dest=attr, type=kind, default=None, help=f"{text} (default: {getattr(defaults, attr)})")
     if worker:
         p.add_argument("--grammar-processes", type=positive_int, default=None,

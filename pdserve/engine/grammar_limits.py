@@ -28,7 +28,7 @@ class GrammarLimits:
     max_pattern_chars: int = 1000  # a guided_regex, and each `pattern` inside a schema
     max_grammar_bytes: int = 64 << 10  # a guided_grammar's EBNF text
     max_grammar_rules: int = 2000  # EBNF rules: a guided_grammar's, or what a schema converts to
-    compile_timeout_s: float = 10.0  # a compile's deadline: min(the request's deadline, now + this)
+    grammar_compile_timeout: float = 10.0  # seconds: a compile's deadline is min(the request's, now + this)
 
 
 LIMIT_FLAGS = {  # flag -> (attribute, help); cli.py declares them, up.py forwards them, the chart sets them
@@ -38,7 +38,7 @@ LIMIT_FLAGS = {  # flag -> (attribute, help); cli.py declares them, up.py forwar
     "--max-pattern-chars": ("max_pattern_chars", "longest regex: guided_regex, or a schema's `pattern`"),
     "--max-grammar-bytes": ("max_grammar_bytes", "largest guided_grammar (bytes of EBNF)"),
     "--max-grammar-rules": ("max_grammar_rules", "most EBNF rules in a grammar (or a schema's conversion)"),
-    "--grammar-compile-timeout": ("compile_timeout_s", "seconds a grammar may compile (also bounded by the "
+    "--grammar-compile-timeout": ("grammar_compile_timeout", "seconds a grammar may compile (also bounded by the "
                                                        "request's deadline)"),
 }
 

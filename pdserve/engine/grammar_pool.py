@@ -211,7 +211,7 @@ class GrammarPool:
         def left() -> float:
             return float("inf") if deadline is None else deadline - time.time()
 
-        cap = self.limits.compile_timeout_s
+        cap = self.limits.grammar_compile_timeout
         try:  # a free compiler: waiting is bounded by the request, and by one compile's cap
             child = await asyncio.wait_for(self._idle.get(), max(0.0, min(left(), cap)))
         except TimeoutError:

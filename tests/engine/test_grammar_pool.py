@@ -149,7 +149,7 @@ def test_invalid_constraint_and_one_over_the_cap(bpe_tokenizer):
     """A constraint the compiler refuses is a 400 naming the field, and the process lives on; one that compiles
     past --grammar-compile-timeout is refused too, its process killed and replaced."""
     async def main():
-        pool = GrammarPool(bpe_tokenizer, V, replace(OPEN, compile_timeout_s=1.0), processes=1)
+        pool = GrammarPool(bpe_tokenizer, V, replace(OPEN, grammar_compile_timeout=1.0), processes=1)
         pool.start()
         try:
             await ready(pool)
@@ -207,7 +207,7 @@ def test_a_slow_compile_does_not_stall_other_requests(tiny_llama):
 
     async def main():
         pool = GrammarPool(eng.tokenizer, eng.model_config.vocab_size,
-                           replace(OPEN, compile_timeout_s=3.0), processes=1)
+                           replace(OPEN, grammar_compile_timeout=3.0), processes=1)
         pool.start()
         aeng = AsyncEngine(eng, pool)
         await aeng.start()

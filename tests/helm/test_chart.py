@@ -157,6 +157,12 @@ def test_every_command_is_one_pdserve_accepts(scenario, monkeypatch):
                 assert a.api_keys_file is None
             # PDSERVE_MIGRATION_LIMIT, read by the gateway's own parser (docs/reliability.md)
             assert a.migration_limit == vals.get("gateway", {}).get("migrationLimit", 2)
+        if a.command in ("gateway", "worker"):  # guidedOutput: the same limits on both (grammar_limits.py)
+            g = vals.get("guidedOutput", {})
+            assert a.max_enum_values == g.get("maxEnumValues", 1000) and a.max_schema_depth == 64
+            assert a.grammar_compile_timeout == g.get("grammarCompileTimeout", 10)
+            assert getattr(a, "grammar_processes", None) == (g.get("grammarProcesses", 2) if a.command == "worker"
+                                                             else None)
         if a.command == "router":
             assert a.mode == vals.get("mode", "disagg")  # the router's placement policy is the chart's mode
         if True:  # every component has the Redis URL, the gateway too: limits/quotas/reservations are shared
@@ -189,6 +195,20 @@ def test_every_command_is_one_pdserve_accepts(scenario, monkeypatch):
     assert len({a.redis_url for a in parsed.values()}) == 1
     assert {a.command for a in parsed.values()} == {"gateway", "router", "worker"} | (
         {"planner"} if vals.get("planner", {}).get("enabled") else set())
+
+
+def test_guided_output_defaults_are_the_codes():
+    """The chart sets every limit explicitly: its defaults must be the ones the code and docs state."""
+    from dataclasses import asdict
+
+    from pdserve.engine.grammar_limits import LIMIT_FLAGS, GrammarLimits
+    from pdserve.engine.grammar_pool import DEFAULT_PROCESSES
+    vals = yaml.safe_load((CHART / "values.yaml").read_text())["guidedOutput"]
+    camel = {attr: "".join(w.capitalize() if i else w for i, w in enumerate(attr.split("_")))
+             for attr, _ in LIMIT_FLAGS.values()}
+    assert {camel[k]: v for k, v in asdict(GrammarLimits()).items()} == \
+        {k: v for k, v in vals.items() if k != "grammarProcesses"}
+    assert vals["grammarProcesses"] == DEFAULT_PROCESSES
 
 
 def test_service_links_off_because_they_collide_with_pdserve_env(monkeypatch):

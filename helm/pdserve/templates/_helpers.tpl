@@ -257,6 +257,29 @@ builtin
 {{- end }}
 {{- end -}}
 
+{{/* Guided-output limits (engine/grammar_limits.py), the same for the gateway and every worker: (dict "ctx" $ "worker" bool) */}}
+{{- define "pdserve.guidedEnv" -}}
+{{- $g := .ctx.Values.guidedOutput -}}
+- name: PDSERVE_MAX_SCHEMA_BYTES
+  value: {{ $g.maxSchemaBytes | int64 | quote }}
+- name: PDSERVE_MAX_SCHEMA_DEPTH
+  value: {{ $g.maxSchemaDepth | int64 | quote }}
+- name: PDSERVE_MAX_ENUM_VALUES
+  value: {{ $g.maxEnumValues | int64 | quote }}
+- name: PDSERVE_MAX_PATTERN_CHARS
+  value: {{ $g.maxPatternChars | int64 | quote }}
+- name: PDSERVE_MAX_GRAMMAR_BYTES
+  value: {{ $g.maxGrammarBytes | int64 | quote }}
+- name: PDSERVE_MAX_GRAMMAR_RULES
+  value: {{ $g.maxGrammarRules | int64 | quote }}
+- name: PDSERVE_GRAMMAR_COMPILE_TIMEOUT
+  value: {{ $g.grammarCompileTimeout | quote }}
+{{- if .worker }}
+- name: PDSERVE_GRAMMAR_PROCESSES
+  value: {{ $g.grammarProcesses | int64 | quote }}
+{{- end }}
+{{- end -}}
+
 {{/* Pod-level scheduling keys: (dict "v" $poolValues) */}}
 {{- define "pdserve.scheduling" -}}
 {{- with .v.nodeSelector }}
