@@ -37,7 +37,7 @@ def grammar_body(model: str, n: int, tag: str) -> dict:
             "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
 
 
-def contentless_body(model: str, n: int = 61_000) -> dict:
+def contentless_body(model: str, n: int = 61_000) -> dict:  # 976 KB as compact JSON
     return {"model": model, "messages": [{"role": "user"}] * n, "max_tokens": 1}
 
 
@@ -63,6 +63,7 @@ class Phase:
     normal_status: Counter = field(default_factory=Counter)
     attack_status: Counter = field(default_factory=Counter)
     attack_seconds: list[float] = field(default_factory=list)
+    attack_sample: dict = field(default_factory=dict)  # status -> the first answer's start (what it said)
     workers_min: int | None = None
 
     def pct(self, q: float) -> float:
@@ -76,7 +77,7 @@ class Phase:
                 "normal_status": dict(self.normal_status), "attack_status": dict(self.attack_status),
                 "attack_p50_s": round(sorted(self.attack_seconds)[len(self.attack_seconds) // 2], 3)
                 if self.attack_seconds else None,
-                "workers_min": self.workers_min}
+                "workers_min": self.workers_min, "attack_sample": self.attack_sample}
 
 
 async def _normal(client: httpx.AsyncClient, model: str, phase: Phase, until: float) -> None:
@@ -100,11 +101,12 @@ async def _attacker(client: httpx.AsyncClient, kind: str, model: str, phase: Pha
                     interval: float, enum_values: int) -> None:
     async def one(i: int) -> None:
         path, body = attack_request(kind, model, i, enum_values)
-        raw = json.dumps(body).encode()
+        raw = json.dumps(body, separators=(",", ":")).encode()
         t0 = time.monotonic()
         try:
             r = await client.post(path, content=raw, headers={"content-type": "application/json"}, timeout=90)
             phase.attack_status[r.status_code] += 1
+            phase.attack_sample.setdefault(r.status_code, r.text[:300])
         except httpx.HTTPError as e:
             phase.attack_status[type(e).__name__] += 1
         phase.attack_seconds.append(time.monotonic() - t0)
