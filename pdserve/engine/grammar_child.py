@@ -2,7 +2,7 @@
 
 A process, not a thread, because a compile must be stoppable: xgrammar cannot be interrupted, and a compile past
 its deadline would otherwise burn a core for as long as the client's schema makes it (~100 s seen). The pool
-kills this process instead and starts another. It runs at a lower CPU priority (nice 10) and one xgrammar
+kills this process instead and starts another. It runs at the lowest CPU priority (nice 19) and one xgrammar
 thread, so on a small host a compile takes what the engine threads leave.
 
 Frames on stdin/stdout, each an 8-byte big-endian length and its bytes:
@@ -74,7 +74,7 @@ if __name__ == "__main__":
     channel = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     try:
-        os.nice(10)
+        os.nice(19)  # the lowest priority: a compile gets what the engine threads leave
     except OSError:
         pass
     serve(sys.stdin.buffer, channel)
