@@ -6,23 +6,37 @@ set it for the task serving a request, and asyncio copies it into every task tha
 anywhere while the request is handled carries it without being passed down. A JSON line is one object:
 `ts`, `level`, `logger`, `message`, `process`, `pid`, then `request_id`, `worker_role`, `trace_id`, `span_id`,
 `exception` where they apply.
+
+Nothing that logs waits for the sink. A record is formatted by the caller (its request and trace ids are the
+caller's) and put on a bounded queue; one listener thread per process writes the lines to the stream. A sink that
+stops reading (a supervisor that never reads the pipe, a stalled log collector) fills the queue, and further lines
+are dropped and counted in `pdserve_log_lines_dropped_total` rather than blocking the caller: an event loop that
+blocked in `write` once froze the whole gateway (issue 35, item 4).
 """
 from __future__ import annotations
 
+import atexit
 import contextvars
 import json
 import logging
+import logging.handlers
 import os
+import queue
 import re
 import sys
 import time
 import uuid
 
 from pdserve.services import tracing
+from pdserve.services.metrics.common import LOG_LINES_DROPPED
 
 FORMATS = ("text", "json")
 REQUEST_ID_HEADER = "x-request-id"
 NO_ID = "-"
+# Lines held for a slow sink: at ~200 bytes a line, a few MB and a few seconds of a busy gateway's debug output.
+QUEUE_LINES = 10_000
+# What exit gives the listener to write the lines still queued: a sink that is stuck is not waited for longer.
+STOP_TIMEOUT_S = 2.0
 
 # The id of the request being served; NO_ID outside one.
 request_id: contextvars.ContextVar[str] = contextvars.ContextVar("pdserve_request_id", default=NO_ID)
@@ -112,12 +126,58 @@ class TextFormatter(logging.Formatter):
         return super().format(record)
 
 
+class DroppingQueueHandler(logging.handlers.QueueHandler):
+    """Formats the record in the caller and queues the finished line; a full queue drops it (counted)."""
+
+    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
+        return logging.makeLogRecord({"msg": self.format(record), "levelno": record.levelno,
+                                      "levelname": record.levelname, "name": record.name})
+
+    def enqueue(self, record: logging.LogRecord) -> None:
+        try:
+            self.queue.put_nowait(record)
+        except queue.Full:
+            LOG_LINES_DROPPED.inc()
+
+
+class Listener(logging.handlers.QueueListener):
+    """The thread that writes queued lines to the sink; `stop` is bounded, so a stuck sink cannot hold up exit."""
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        if self._thread is None:
+            return
+        try:
+            self.queue.put(self._sentinel, timeout=timeout)
+        except queue.Full:  # the sink took nothing for `timeout`: the queued lines are lost with the process
+            self._thread = None
+            return
+        self._thread.join(timeout)
+        self._thread = None
+
+
+_listener: Listener | None = None
+
+
+def stop(timeout: float = STOP_TIMEOUT_S) -> None:
+    """Write the lines queued so far (for at most `timeout` s) and end the listener thread: at exit, and before
+    an `os._exit`."""
+    if _listener is not None:
+        _listener.stop(timeout)
+
+
+atexit.register(stop)
+
+
 def setup(process: str, fmt: str = "text", worker_role: str | None = None, stream=None) -> None:
     """Configure the root logger of a server process (replaces any handler set before). Level:
     PDSERVE_LOG_LEVEL (default INFO)."""
     if fmt not in FORMATS:
         raise ValueError(f"log format {fmt!r}: choose from {', '.join(FORMATS)}")
-    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    global _listener
+    stop()  # the previous listener writes what it holds before its stream is replaced
+    sink = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    sink.setFormatter(logging.Formatter("%(message)s"))  # the line is finished in the caller
+    handler = DroppingQueueHandler(queue.Queue(QUEUE_LINES))
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter(process))
     # on the handler, not a logger: records of every logger (uvicorn's, grpc's, libraries') pass through it
     handler.addFilter(ContextFilter(process, worker_role))
@@ -125,4 +185,6 @@ def setup(process: str, fmt: str = "text", worker_role: str | None = None, strea
     for h in list(root.handlers):
         root.removeHandler(h)
     root.addHandler(handler)
+    _listener = Listener(handler.queue, sink)
+    _listener.start()
     root.setLevel(os.environ.get("PDSERVE_LOG_LEVEL", "INFO").upper())

@@ -25,6 +25,8 @@ def exit_deadline(seconds: float, what: str) -> threading.Timer:
     def expire() -> None:
         msg = f"{what}: still running {seconds:.1f} s after the stop signal; exiting now"
         log.error(msg)
+        from pdserve.services import logs
+        logs.stop()  # os._exit skips atexit: write the queued lines (this one included) first
         print(msg, file=sys.stderr, flush=True)
         os._exit(EXIT_STUCK)
 
