@@ -283,7 +283,10 @@ def _run(args: argparse.Namespace) -> int:
         print(f"pdserve {args.command}: {problem}", file=sys.stderr)
         return 2
     if args.command == "up":
+        from pdserve.services import logs
         from pdserve.services.up import up
+        # up's own lines never block it (its children write to the same pipe through their own log queues)
+        sys.stdout, sys.stderr = logs.QueuedStream(sys.stdout), logs.QueuedStream(sys.stderr)
         return up(args)
     if args.command in ("gateway", "worker"):  # both load the model: a wrong --model is one line, at once
         from pdserve.services.preflight import check_model

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import contextvars
+import io
 import json
 import logging
 import logging.handlers
@@ -33,7 +34,8 @@ from pdserve.services.metrics.common import LOG_LINES_DROPPED
 FORMATS = ("text", "json")
 REQUEST_ID_HEADER = "x-request-id"
 NO_ID = "-"
-# Lines held for a slow sink: at ~200 bytes a line, a few MB and a few seconds of a busy gateway's debug output.
+# Lines held for a slow sink: at ~200 bytes a line, a few MB and a few seconds of a busy gateway's debug output
+# (PDSERVE_LOG_QUEUE_LINES overrides it).
 QUEUE_LINES = 10_000
 # What exit gives the listener to write the lines still queued: a sink that is stuck is not waited for longer.
 STOP_TIMEOUT_S = 2.0
@@ -155,6 +157,66 @@ class Listener(logging.handlers.QueueListener):
         self._thread = None
 
 
+class FdSink(logging.Handler):
+    """Writes each line straight to the stream's file descriptor. A write that blocks (a full pipe) then holds no
+    lock of `sys.stderr`'s own, which the interpreter takes to flush it at exit: that wait is what made a process
+    with a stuck sink never exit."""
+
+    def __init__(self, fd: int, terminator: str):
+        super().__init__()
+        self.fd, self.terminator = fd, terminator
+
+    def createLock(self) -> None:
+        # No lock: the listener thread is its only writer, and `logging.shutdown` (atexit) takes every handler's
+        # lock, which a write stuck on a full pipe would hold forever.
+        self.lock = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        data = (self.format(record) + self.terminator).encode("utf-8", "backslashreplace")
+        try:
+            while data:
+                data = data[os.write(self.fd, data):]
+        except OSError:  # the reader is gone: there is nobody to tell
+            pass
+
+
+def _sink(stream, terminator: str = "\n") -> logging.Handler:
+    """The listener's handler for `stream`: its file descriptor when it has one, else the stream (io.StringIO)."""
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        sink = logging.StreamHandler(stream)
+        sink.terminator = terminator
+    else:
+        stream.flush()  # what was written through the stream before goes out first
+        sink = FdSink(fd, terminator)
+    sink.setFormatter(logging.Formatter("%(message)s"))  # the line is finished in the caller
+    return sink
+
+
+class QueuedStream(io.TextIOBase):
+    """A text stream whose writes are queued for a listener thread like log lines (bounded, dropped and counted
+    when full): `pdserve up` prints its announcements and its children's fate on stdout / stderr, and must not stop
+    supervising because nobody reads them."""
+
+    def __init__(self, stream):
+        self._handler = DroppingQueueHandler(queue.Queue(QUEUE_LINES))
+        # the text is written as given (print() writes the newline itself)
+        self._listener = Listener(self._handler.queue, _sink(stream, terminator=""))
+        self._listener.start()
+        atexit.register(self.stop)
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self._handler.enqueue(logging.makeLogRecord({"msg": text}))
+        return len(text)
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        self._listener.stop(timeout)
+
+
 _listener: Listener | None = None
 
 
@@ -170,14 +232,13 @@ atexit.register(stop)
 
 def setup(process: str, fmt: str = "text", worker_role: str | None = None, stream=None) -> None:
     """Configure the root logger of a server process (replaces any handler set before). Level:
-    PDSERVE_LOG_LEVEL (default INFO)."""
+    PDSERVE_LOG_LEVEL (default INFO); lines queued for the sink at most: PDSERVE_LOG_QUEUE_LINES."""
     if fmt not in FORMATS:
         raise ValueError(f"log format {fmt!r}: choose from {', '.join(FORMATS)}")
     global _listener
     stop()  # the previous listener writes what it holds before its stream is replaced
-    sink = logging.StreamHandler(stream if stream is not None else sys.stderr)
-    sink.setFormatter(logging.Formatter("%(message)s"))  # the line is finished in the caller
-    handler = DroppingQueueHandler(queue.Queue(QUEUE_LINES))
+    sink = _sink(stream if stream is not None else sys.stderr)
+    handler = DroppingQueueHandler(queue.Queue(int(os.environ.get("PDSERVE_LOG_QUEUE_LINES", QUEUE_LINES))))
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter(process))
     # on the handler, not a logger: records of every logger (uvicorn's, grpc's, libraries') pass through it
     handler.addFilter(ContextFilter(process, worker_role))

@@ -6,7 +6,6 @@ import gc
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 
@@ -27,7 +26,6 @@ def exit_deadline(seconds: float, what: str) -> threading.Timer:
         log.error(msg)
         from pdserve.services import logs
         logs.stop()  # os._exit skips atexit: write the queued lines (this one included) first
-        print(msg, file=sys.stderr, flush=True)
         os._exit(EXIT_STUCK)
 
     t = threading.Timer(seconds, expire)

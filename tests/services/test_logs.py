@@ -6,6 +6,7 @@ import asyncio
 import io
 import json
 import logging
+import os
 import threading
 import time
 
@@ -165,3 +166,29 @@ def test_stop_writes_every_queued_line_and_the_counter_is_exported(capture):
     logs.stop()
     assert len(capture.getvalue().splitlines()) == 500
     assert b"pdserve_log_lines_dropped_total" in generate_latest(exposition(ROUTER, {"model": "m"}))
+
+
+def test_up_output_and_fd_sinks_never_block_on_a_full_pipe(monkeypatch):
+    """`pdserve up` prints through QueuedStream; a sink with a file descriptor is written by os.write, without the
+    handler lock `logging.shutdown` takes at exit (a write stuck on the pipe held it, and the process never
+    exited)."""
+    from pdserve.services.metrics.common import LOG_LINES_DROPPED
+    monkeypatch.setattr(logs, "QUEUE_LINES", 20)
+    r, w = os.pipe()
+    try:
+        with os.fdopen(w, "w", closefd=False) as stream:
+            out = logs.QueuedStream(stream)
+            before = LOG_LINES_DROPPED._value.get()
+            t0 = time.monotonic()
+            for i in range(100):
+                print("x" * 4096, file=out, flush=True)  # 800 KB: the 64 KiB pipe fills within the first lines
+            assert time.monotonic() - t0 < 1.0
+            assert LOG_LINES_DROPPED._value.get() > before
+            sink = out._listener.handlers[0]
+            assert isinstance(sink, logs.FdSink) and sink.lock is None  # logging.shutdown cannot wait on it
+            t0 = time.monotonic()
+            out.stop(timeout=0.2)
+            assert time.monotonic() - t0 < 1.0
+    finally:
+        os.close(r)  # the stuck write ends (EPIPE, ignored)
+        os.close(w)
