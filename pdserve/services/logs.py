@@ -158,9 +158,8 @@ class Listener(logging.handlers.QueueListener):
 
 
 class FdSink(logging.Handler):
-    """Writes each line straight to the stream's file descriptor. A write that blocks (a full pipe) then holds no
-    lock of `sys.stderr`'s own, which the interpreter takes to flush it at exit: that wait is what made a process
-    with a stuck sink never exit."""
+    """Writes each line straight to the stream's file descriptor, so a write stuck on a full pipe holds no lock that
+    exit takes: not `sys.stderr`'s (flushed at exit), not its own (`createLock`)."""
 
     def __init__(self, fd: int, terminator: str):
         super().__init__()
