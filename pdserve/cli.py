@@ -10,8 +10,8 @@ import asyncio
 import os
 import sys
 
-from pdserve.cli_args import (Parser, context_len, fraction, labels_arg, nonneg_float, nonneg_int, port, positive_float,
-                              positive_int, print_error, weights_arg)
+from pdserve.cli_args import (Parser, context_len, fraction, labels_arg, list_arg, nonneg_float, nonneg_int, port,
+                              positive_float, positive_int, print_error, weights_arg)
 from pdserve.engine.spec_decode.flags import add_spec_flags
 
 
@@ -121,6 +121,15 @@ def _add_grammar(p: argparse.ArgumentParser, worker: bool) -> None:
                        help="processes compiling guided-output grammars off the engine thread (default: 2)")
 
 
+def _add_browser(p: argparse.ArgumentParser) -> None:
+    """What a web page may make the gateway do (docs/api.md, Browsers): nothing, unless these say so."""
+    p.add_argument("--allowed-hosts", type=list_arg, default=(), metavar="HOST,...",
+                   help="Host header names accepted besides localhost, 127.0.0.1 and [::1] (any port); others get "
+                        "421. Checked when the gateway listens on loopback or when this is set; `*`: any")
+    p.add_argument("--allowed-origins", type=list_arg, default=(), metavar="ORIGIN,...",
+                   help="browser origins (e.g. https://app.example) allowed to call the API (CORS); unset: none")
+
+
 def _add_security(p: argparse.ArgumentParser) -> None:
     """Internal transport security (docs/services.md, Trust model). Secrets come as files, never as values; the
     files are read (and a missing one reported) once the command line is parsed: `_check_security`."""
@@ -169,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="passed to every child (default: each its own)")
     _add_lifecycle(up, redis_url=False)
     _add_grammar(up, worker=True)
+    _add_browser(up)
     _add_security(up)
     from pdserve.planner.cli import add_up_flags
     add_up_flags(up)  # --planner and its flags (docs/planner.md)
@@ -180,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--router", default="127.0.0.1:7000", help="router gRPC address")
     _add_lifecycle(gw)
     _add_grammar(gw, worker=False)
+    _add_browser(gw)
     _add_security(gw)
     # slow clients, big heads, who reads /metrics (docs/reliability.md "Hostile input", docs/admission.md)
     gw.add_argument("--header-timeout", type=positive_float, default=10.0,
@@ -305,7 +316,10 @@ def _run(args: argparse.Namespace) -> int:
         print(f"pdserve {args.command}: {problem}", file=sys.stderr)
         return 2
     if args.command == "up":
+        from pdserve.services import logs
         from pdserve.services.up import up
+        # up's own lines never block it (its children write to the same pipe through their own log queues)
+        sys.stdout, sys.stderr = logs.QueuedStream(sys.stdout), logs.QueuedStream(sys.stderr)
         return up(args)
     if args.command in ("gateway", "worker"):  # both load the model: a wrong --model is one line, at once
         from pdserve.services.preflight import check_model

@@ -73,6 +73,14 @@ def labels_arg(text: str) -> dict[str, str]:
     return out
 
 
+def list_arg(text: str) -> tuple[str, ...]:
+    """`a.example,b.example` -> ("a.example", "b.example") (the gateway's --allowed-hosts / --allowed-origins)."""
+    out = tuple(p.strip() for p in text.split(",") if p.strip())
+    if any(any(c.isspace() for c in p) for p in out):
+        raise argparse.ArgumentTypeError(f"{text!r}: names are separated by commas, without spaces inside")
+    return out
+
+
 WEIGHT_KEYS = ("zone", "node", "price", "fairness")
 
 

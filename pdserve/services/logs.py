@@ -6,23 +6,39 @@ set it for the task serving a request, and asyncio copies it into every task tha
 anywhere while the request is handled carries it without being passed down. A JSON line is one object:
 `ts`, `level`, `logger`, `message`, `process`, `pid`, then `request_id`, `worker_role`, `trace_id`, `span_id`,
 `exception` where they apply.
+
+Nothing that logs waits for the sink. A record is formatted by the caller (its request and trace ids are the
+caller's) and put on a bounded queue; one listener thread per process writes the lines to the stream. A sink that
+stops reading (a supervisor that never reads the pipe, a stalled log collector) fills the queue, and further lines
+are dropped and counted in `pdserve_log_lines_dropped_total` rather than blocking the caller: an event loop that
+blocked in `write` once froze the whole gateway (issue 35, item 4).
 """
 from __future__ import annotations
 
+import atexit
 import contextvars
+import io
 import json
 import logging
+import logging.handlers
 import os
+import queue
 import re
 import sys
 import time
 import uuid
 
 from pdserve.services import tracing
+from pdserve.services.metrics.common import LOG_LINES_DROPPED
 
 FORMATS = ("text", "json")
 REQUEST_ID_HEADER = "x-request-id"
 NO_ID = "-"
+# Lines held for a slow sink: at ~200 bytes a line, a few MB and a few seconds of a busy gateway's debug output
+# (PDSERVE_LOG_QUEUE_LINES overrides it).
+QUEUE_LINES = 10_000
+# What exit gives the listener to write the lines still queued: a sink that is stuck is not waited for longer.
+STOP_TIMEOUT_S = 2.0
 
 # The id of the request being served; NO_ID outside one.
 request_id: contextvars.ContextVar[str] = contextvars.ContextVar("pdserve_request_id", default=NO_ID)
@@ -112,12 +128,116 @@ class TextFormatter(logging.Formatter):
         return super().format(record)
 
 
+class DroppingQueueHandler(logging.handlers.QueueHandler):
+    """Formats the record in the caller and queues the finished line; a full queue drops it (counted)."""
+
+    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
+        return logging.makeLogRecord({"msg": self.format(record), "levelno": record.levelno,
+                                      "levelname": record.levelname, "name": record.name})
+
+    def enqueue(self, record: logging.LogRecord) -> None:
+        try:
+            self.queue.put_nowait(record)
+        except queue.Full:
+            LOG_LINES_DROPPED.inc()
+
+
+class Listener(logging.handlers.QueueListener):
+    """The thread that writes queued lines to the sink; `stop` is bounded, so a stuck sink cannot hold up exit."""
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        if self._thread is None:
+            return
+        try:
+            self.queue.put(self._sentinel, timeout=timeout)
+        except queue.Full:  # the sink took nothing for `timeout`: the queued lines are lost with the process
+            self._thread = None
+            return
+        self._thread.join(timeout)
+        self._thread = None
+
+
+class FdSink(logging.Handler):
+    """Writes each line straight to the stream's file descriptor, so a write stuck on a full pipe holds no lock that
+    exit takes: not `sys.stderr`'s (flushed at exit), not its own (`createLock`)."""
+
+    def __init__(self, fd: int, terminator: str):
+        super().__init__()
+        self.fd, self.terminator = fd, terminator
+
+    def createLock(self) -> None:
+        # No lock: the listener thread is its only writer, and `logging.shutdown` (atexit) takes every handler's
+        # lock, which a write stuck on a full pipe would hold forever.
+        self.lock = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        data = (self.format(record) + self.terminator).encode("utf-8", "backslashreplace")
+        try:
+            while data:
+                data = data[os.write(self.fd, data):]
+        except OSError:  # the reader is gone: there is nobody to tell
+            pass
+
+
+def _sink(stream, terminator: str = "\n") -> logging.Handler:
+    """The listener's handler for `stream`: its file descriptor when it has one, else the stream (io.StringIO)."""
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        sink = logging.StreamHandler(stream)
+        sink.terminator = terminator
+    else:
+        stream.flush()  # what was written through the stream before goes out first
+        sink = FdSink(fd, terminator)
+    sink.setFormatter(logging.Formatter("%(message)s"))  # the line is finished in the caller
+    return sink
+
+
+class QueuedStream(io.TextIOBase):
+    """A text stream whose writes are queued for a listener thread like log lines (bounded, dropped and counted
+    when full): `pdserve up` prints its announcements and its children's fate on stdout / stderr, and must not stop
+    supervising because nobody reads them."""
+
+    def __init__(self, stream):
+        self._handler = DroppingQueueHandler(queue.Queue(QUEUE_LINES))
+        # the text is written as given (print() writes the newline itself)
+        self._listener = Listener(self._handler.queue, _sink(stream, terminator=""))
+        self._listener.start()
+        atexit.register(self.stop)
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self._handler.enqueue(logging.makeLogRecord({"msg": text}))
+        return len(text)
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        self._listener.stop(timeout)
+
+
+_listener: Listener | None = None
+
+
+def stop(timeout: float = STOP_TIMEOUT_S) -> None:
+    """Write the lines queued so far (for at most `timeout` s) and end the listener thread: at exit, and before
+    an `os._exit`."""
+    if _listener is not None:
+        _listener.stop(timeout)
+
+
+atexit.register(stop)
+
+
 def setup(process: str, fmt: str = "text", worker_role: str | None = None, stream=None) -> None:
     """Configure the root logger of a server process (replaces any handler set before). Level:
-    PDSERVE_LOG_LEVEL (default INFO)."""
+    PDSERVE_LOG_LEVEL (default INFO); lines queued for the sink at most: PDSERVE_LOG_QUEUE_LINES."""
     if fmt not in FORMATS:
         raise ValueError(f"log format {fmt!r}: choose from {', '.join(FORMATS)}")
-    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    global _listener
+    stop()  # the previous listener writes what it holds before its stream is replaced
+    sink = _sink(stream if stream is not None else sys.stderr)
+    handler = DroppingQueueHandler(queue.Queue(int(os.environ.get("PDSERVE_LOG_QUEUE_LINES", QUEUE_LINES))))
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter(process))
     # on the handler, not a logger: records of every logger (uvicorn's, grpc's, libraries') pass through it
     handler.addFilter(ContextFilter(process, worker_role))
@@ -125,4 +245,6 @@ def setup(process: str, fmt: str = "text", worker_role: str | None = None, strea
     for h in list(root.handlers):
         root.removeHandler(h)
     root.addHandler(handler)
+    _listener = Listener(handler.queue, sink)
+    _listener.start()
     root.setLevel(os.environ.get("PDSERVE_LOG_LEVEL", "INFO").upper())

@@ -6,7 +6,6 @@ import gc
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 
@@ -25,7 +24,8 @@ def exit_deadline(seconds: float, what: str) -> threading.Timer:
     def expire() -> None:
         msg = f"{what}: still running {seconds:.1f} s after the stop signal; exiting now"
         log.error(msg)
-        print(msg, file=sys.stderr, flush=True)
+        from pdserve.services import logs
+        logs.stop()  # os._exit skips atexit: write the queued lines (this one included) first
         os._exit(EXIT_STUCK)
 
     t = threading.Timer(seconds, expire)

@@ -91,7 +91,7 @@ def _env() -> dict:
 
 LIFECYCLE_FLAGS = ("api_keys_file", "max_body_bytes", "default_timeout", "max_timeout", "admission_queue",
                    "max_queue_wait", "kv_overcommit", "reservation_lease", "tool_call_parser",
-                   "default_max_tokens", "migration_limit")
+                   "default_max_tokens", "migration_limit", "allowed_hosts", "allowed_origins")
 
 
 # Paths only: the secrets stay in their files (a child's command line is visible to every local user).
@@ -103,6 +103,8 @@ def _flags(args, names) -> list[str]:
     out = []
     for name in names:
         v = getattr(args, name, None)
+        if isinstance(v, tuple):  # a list flag (--allowed-hosts): as it was given, or not at all when empty
+            v = ",".join(v) or None
         if v is not None:
             out += ["--" + name.replace("_", "-"), str(v)]
     return out

@@ -62,7 +62,7 @@ async def _stream(port: int, key: str, stage: int, max_tokens: int, read_events:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     events = 0
     try:
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Authorization: Bearer %s\r\nContent-Length: %d\r\n\r\n" % (key.encode(), len(body)) + body)
         await writer.drain()
         if stage == 0:

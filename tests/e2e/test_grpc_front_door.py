@@ -169,3 +169,64 @@ def test_stage_times_only_when_asked_and_allowed(up, key, ask, shown):
     assert ("stage_times" in usage) == shown, usage
     if shown:
         assert usage["stage_times"]["sub_requests"] == 1 and usage["stage_times"]["durations"]["e2e"] > 0
+
+
+# ---- issue 35, item 5: the caller's request_id is a label, never a key ----
+
+SHARED_ID = "shared-1"
+
+
+def test_the_same_request_id_from_two_tenants_touches_neither(up):
+    """bob streams under request_id `shared-1`; alice sends `shared-1` too and finishes first. Before, the id was
+    every key: alice's admission took bob's reservation over (its release then deleted it while bob still
+    streamed), the worker refused her as a `duplicate request id`, and both billing records carried one id. Now
+    each runs under an id of the gateway's own, and `shared-1` only comes back to each in its responses."""
+    import redis
+    db = redis.Redis.from_url(up.info["redis_url"])
+    holders = "pdserve:ck:reservation_tenant"  # reservation id -> tenant (reservations.py)
+    params = params_to_pb(SamplingParams(temperature=0, max_tokens=250, ignore_eos=True))
+
+    async def main():
+        stub = gateway_pb2_grpc.GatewayStub(channel(f"127.0.0.1:{up.process('gateway')['grpc_port']}"))
+
+        def call(key: str, max_tokens: int):
+            p = worker_pb2.GenerateRequest(request_id=SHARED_ID, prompt_token_ids=PROMPT, params=params)
+            p.params.max_tokens = max_tokens
+            return stub.Generate(p, metadata=(("authorization", f"Bearer {key}"),), timeout=60)
+
+        bob = call("sk-bob", 250)
+        bob_msgs = [await bob.read()]  # bob is streaming: his reservation is held
+        alice_msgs = [m async for m in call("sk-alice", 4)]
+        await asyncio.sleep(0.3)  # alice's release (a terminal path) has run
+        held = sorted(v.decode() for v in db.hvals(holders))
+        bob_finished_early = any(m.finished for m in bob_msgs)
+        while (m := await bob.read()) is not grpc.aio.EOF:
+            bob_msgs.append(m)
+        return bob_msgs, alice_msgs, held, bob_finished_early
+
+    before = {t: _records(up, t) for t in ("alice", "bob")}
+    bob_msgs, alice_msgs, held, bob_finished_early = asyncio.run(main())
+    assert not bob_finished_early  # the check below ran while bob still streamed
+    assert "bob" in held, held  # was: [] (alice's release deleted bob's reservation)
+    for msgs, n in ((bob_msgs, 250), (alice_msgs, 4)):
+        assert msgs[-1].state == "FINISHED" and sum(len(o.token_ids) for m in msgs for o in m.outputs) == n
+        assert {m.request_id for m in msgs} == {SHARED_ID}  # the label comes back as it was sent
+    assert {t: _records(up, t) - before[t] for t in before} == {"alice": 1, "bob": 1}
+    assert "bob" not in {v.decode() for v in db.hvals(holders)}  # released at its end
+
+
+@pytest.mark.parametrize("rid", ["x" * 129, "x" * (1 << 20), "new\nline", "tab\t", "ünïcode"])
+def test_an_unacceptable_request_id_is_refused_and_not_logged(up, rid):
+    async def main():
+        stub = gateway_pb2_grpc.GatewayStub(channel(f"127.0.0.1:{up.process('gateway')['grpc_port']}"))
+        async for _ in stub.Generate(worker_pb2.GenerateRequest(
+                request_id=rid, prompt_token_ids=PROMPT,
+                params=params_to_pb(SamplingParams(temperature=0, max_tokens=2))),
+                metadata=(("authorization", "Bearer sk-bob"),), timeout=30):
+            pass
+
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        asyncio.run(main())
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in e.value.details()
+    assert len(e.value.details()) < 500
+    assert not any("x" * 200 in line for line in up.lines)  # before: a 1 MB id wrote ~2 MB of log lines

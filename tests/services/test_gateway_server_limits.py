@@ -85,7 +85,7 @@ def _read_until_closed(s: socket.socket, timeout: float = 10, on_data=None) -> t
 
 
 def _get_models(s: socket.socket) -> bytes:
-    s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: gw\r\n\r\n")
+    s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n")
     s.settimeout(10)
     data = b""
     while b"\r\n\r\n" not in data or not data.endswith(b"}"):
@@ -128,7 +128,7 @@ def test_slow_loris_connections_are_closed_within_the_header_timeout(gateway):
     trickle = [_connect(port) for _ in range(10)]  # a request head, one header line every 0.2 s
     t0 = time.monotonic()
     for s in trickle:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\n")
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n")
     stop = threading.Event()
 
     def drip():
@@ -158,7 +158,7 @@ def test_slow_loris_connections_are_closed_within_the_header_timeout(gateway):
 def test_a_body_sent_too_slowly_is_408_and_closes(gateway):
     port, _ = gateway
     with _connect(port) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nAuthorization: Bearer sk-plain\r\n"
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer sk-plain\r\n"
                   b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"prompt\": \"")
         t0 = time.monotonic()
         stop = threading.Event()
@@ -185,11 +185,11 @@ def test_a_body_sent_too_slowly_is_408_and_closes(gateway):
 def test_oversized_headers_are_refused(gateway):
     port, _ = gateway
     with _connect(port) as s:  # in one piece: h11 parses it whole, the app's guard refuses it
-        s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: gw\r\nx-big: " + b"a" * (100 << 10) + b"\r\n\r\n")
+        s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nx-big: " + b"a" * (100 << 10) + b"\r\n\r\n")
         data, _ = _read_until_closed(s)
     assert data.startswith(b"HTTP/1.1 431") and b"connection: close" in data.lower()
     with _connect(port) as s:  # in pieces: h11 refuses the incomplete head once it passes the limit
-        s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: gw\r\n")
+        s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n")
         try:
             for _ in range(40):
                 s.sendall(b"x-more: " + b"b" * 1000 + b"\r\n")
@@ -203,7 +203,7 @@ def test_oversized_headers_are_refused(gateway):
     assert data == b"" or data.startswith((b"HTTP/1.1 400", b"HTTP/1.1 431")), data[:200]
     with _connect(port) as s:  # headers under the limit, split across reads, on a kept-alive connection
         for _ in range(2):
-            s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: gw\r\n")
+            s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n")
             time.sleep(0.3)
             assert _get_models_rest(s).startswith(b"HTTP/1.1 200")
 
@@ -289,7 +289,7 @@ def test_an_unhandled_error_is_a_500_that_closes_the_connection():
             time.sleep(0.05)
         with _connect(port) as s:
             assert _get_models(s).startswith(b"HTTP/1.1 200")  # a kept-alive connection ...
-            s.sendall(b"GET /boom HTTP/1.1\r\nHost: gw\r\n\r\n")  # ... then the failure on it
+            s.sendall(b"GET /boom HTTP/1.1\r\nHost: localhost\r\n\r\n")  # ... then the failure on it
             data, _ = _read_until_closed(s)
         head, _, body = data.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 500") and b"connection: close" in head.lower(), head

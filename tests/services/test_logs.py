@@ -1,11 +1,14 @@
 """pdserve/services/logs.py: request-id validation, the JSON and text formats, the id following a request's tasks,
-and the --log-format flag / PDSERVE_LOG_FORMAT."""
+the --log-format flag / PDSERVE_LOG_FORMAT, and a stuck sink never blocking the caller."""
 from __future__ import annotations
 
 import asyncio
 import io
 import json
 import logging
+import os
+import threading
+import time
 
 import pytest
 
@@ -36,6 +39,7 @@ def capture():
     saved = (list(root.handlers), root.level)
     buf = io.StringIO()
     yield buf
+    logs.stop()
     root.handlers[:] = saved[0]
     root.setLevel(saved[1])
 
@@ -58,6 +62,7 @@ def test_json_lines_carry_the_request_id_into_child_tasks(capture):
         log.info("outside")
 
     asyncio.run(main())
+    logs.stop()  # the listener thread has written every queued line
     lines = [json.loads(x) for x in capture.getvalue().splitlines()]
     by_msg = {(x["message"], x.get("request_id")) for x in lines}
     assert by_msg == {("start r-1", "r-1"), ("start r-2", "r-2"), ("child", "r-1"), ("child", "r-2"),
@@ -78,6 +83,7 @@ def test_json_exception_and_text_format(capture):
             logging.getLogger("x").exception("failed: %s", "why")
     finally:
         logs.request_id.reset(token)
+    logs.stop()
     x = json.loads(capture.getvalue())
     assert x["message"] == "failed: why" and x["request_id"] == "e-1" and "RuntimeError: boom" in x["exception"]
     assert x["level"] == "ERROR" and x["process"] == "gateway" and "worker_role" not in x
@@ -88,6 +94,7 @@ def test_json_exception_and_text_format(capture):
     logging.getLogger("pdserve.rpc").info("in")
     logs.request_id.reset(token)
     logging.getLogger("pdserve.rpc").info("out")
+    logs.stop()
     first, second = text.getvalue().splitlines()
     assert " router[" in first and " INFO pdserve.rpc [t-9]: in" in first
     assert second.endswith(" INFO pdserve.rpc: out")
@@ -98,6 +105,7 @@ def test_level_from_env_and_unknown_format(capture, monkeypatch):
     logs.setup("router", "json", stream=capture)
     logging.getLogger("q").info("hidden")
     logging.getLogger("q").warning("shown")
+    logs.stop()
     assert [json.loads(x)["message"] for x in capture.getvalue().splitlines()] == ["shown"]
     with pytest.raises(ValueError, match="xml"):
         logs.setup("router", "xml", stream=capture)
@@ -113,3 +121,74 @@ def test_log_format_flag_and_env(command, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args([command])
     assert "PDSERVE_LOG_FORMAT='yaml'" in capsys.readouterr().err
+
+
+class _StuckSink(io.TextIOBase):
+    """A stream whose first write never returns (until released): a pipe nobody reads."""
+
+    def __init__(self):
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def write(self, s):
+        self.entered.set()
+        self.release.wait()
+        return len(s)
+
+
+def test_a_stuck_sink_blocks_no_caller_and_counts_the_dropped_lines(capture, monkeypatch):
+    from pdserve.services.metrics.common import LOG_LINES_DROPPED
+    monkeypatch.setattr(logs, "QUEUE_LINES", 50)
+    sink = _StuckSink()
+    logs.setup("gateway", "text", stream=sink)
+    log = logging.getLogger("pdserve.test")
+    before = LOG_LINES_DROPPED._value.get()
+    log.info("first")
+    assert sink.entered.wait(5)  # the listener is now stuck inside write
+    t0 = time.monotonic()
+    for i in range(1000):
+        log.info("line %d", i)
+    took = time.monotonic() - t0
+    assert took < 1.0, took  # on the old StreamHandler the first of these never returned
+    assert LOG_LINES_DROPPED._value.get() - before == 1000 - 50  # the queue held 50, the rest were dropped
+    t0 = time.monotonic()
+    logs.stop(timeout=0.2)  # exit does not wait on a stuck sink beyond its bound
+    assert time.monotonic() - t0 < 1.0
+    sink.release.set()
+
+
+def test_stop_writes_every_queued_line_and_the_counter_is_exported(capture):
+    from prometheus_client import generate_latest
+    from pdserve.services.metrics.exposition import exposition
+    from pdserve.services.metrics.router import ROUTER
+    logs.setup("router", "text", stream=capture)
+    for i in range(500):
+        logging.getLogger("pdserve.test").warning("w%d", i)
+    logs.stop()
+    assert len(capture.getvalue().splitlines()) == 500
+    assert b"pdserve_log_lines_dropped_total" in generate_latest(exposition(ROUTER, {"model": "m"}))
+
+
+def test_up_output_and_fd_sinks_never_block_on_a_full_pipe(monkeypatch):
+    """`pdserve up` prints through QueuedStream; a sink with a file descriptor is written by os.write, without the
+    handler lock `logging.shutdown` takes at exit (a write stuck on the pipe held it, and the process never
+    exited)."""
+    from pdserve.services.metrics.common import LOG_LINES_DROPPED
+    monkeypatch.setattr(logs, "QUEUE_LINES", 20)
+    r, w = os.pipe()
+    try:
+        with os.fdopen(w, "w", closefd=False) as stream:
+            out = logs.QueuedStream(stream)
+            before = LOG_LINES_DROPPED._value.get()
+            t0 = time.monotonic()
+            for i in range(100):
+                print("x" * 4096, file=out, flush=True)  # 800 KB: the 64 KiB pipe fills within the first lines
+            assert time.monotonic() - t0 < 1.0
+            assert LOG_LINES_DROPPED._value.get() > before
+            sink = out._listener.handlers[0]
+            assert isinstance(sink, logs.FdSink) and sink.lock is None  # logging.shutdown cannot wait on it
+            t0 = time.monotonic()
+            out.stop(timeout=0.2)
+            assert time.monotonic() - t0 < 1.0
+    finally:
+        os.close(r)  # the stuck write ends (EPIPE, ignored)
+        os.close(w)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import grpc
 from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -30,6 +31,7 @@ from pdserve.services.gateway.params import (APIError, _num, check_guided, flag,
                                              to_sampling_params)
 from pdserve.services.gateway.guard import MAX_HEADER_BYTES, HttpGuard, fastapi_options  # noqa: I001 - out of order: fewer merge conflicts
 from pdserve.services.gateway.ingress import IngressGate
+from pdserve.services.gateway.origin import BrowserGuard, allowed_hosts
 from pdserve.services.gateway import http_metrics, openapi
 from pdserve.services.gateway.parse import RequestParser
 from pdserve.services.gateway.responses import OpenAIForm
@@ -70,6 +72,11 @@ class GatewayConfig:
     default_max_tokens: int | None = None  # a body without max_tokens: at most this many (None: the context left)
     migration_limit: int = 2  # moves per request after its worker died mid-stream (gateway/migration.py)
     grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)  # guided output (grammar_limits.py)
+    # browsers (origin.py): the address the gateway listens on (None: not its own listener, no Host check), the
+    # Host names and the CORS origins allowed besides
+    host: str | None = None
+    allowed_hosts: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()
 
 
 def debug_options(headers) -> set[str]:
@@ -171,6 +178,10 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
                                     migration_limit=cfg.migration_limit)
     app = FastAPI(title="pdserve gateway", **fastapi_options())
     app.openapi = lambda: openapi.document("pdserve gateway", _version())  # openapi.py: the real request schemas
+    if cfg.allowed_origins:  # inside BrowserGuard: a preflight from a foreign Host is refused like any request
+        app.add_middleware(CORSMiddleware, allow_origins=list(cfg.allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["*"], expose_headers=["x-request-id"])
+    app.add_middleware(BrowserGuard, hosts=allowed_hosts(cfg.host, cfg.allowed_hosts))
     app.add_middleware(HttpGuard, max_header_bytes=cfg.max_header_bytes)
     http_metrics.install(app, cfg.served_model_name, cfg.metrics_compat)  # outermost: counts HttpGuard's refusals
     app.state.dispatcher = disp

@@ -10,21 +10,40 @@ gRPC codes (errors.grpc_status: 401 -> UNAUTHENTICATED, 429 -> RESOURCE_EXHAUSTE
 retry hint in the message, 400 -> INVALID_ARGUMENT, 504 -> DEADLINE_EXCEEDED). Worker and router error text is
 logged under the request id, not sent (redact.py), and prompts are parsed and tokenized as the HTTP API does
 (parse.py: big prompts off the event loop).
+
+The request's `request_id` is the caller's label, echoed back in every response message; the request runs
+under an id the gateway makes up (handler.start), so one tenant cannot name another's reservation, lease or
+billing record by reusing its id. The label is bounded (`label`): a longer or unprintable one is refused, and
+never logged whole.
 """
 from __future__ import annotations
 
 import logging
 
 from pdserve.engine.grammar_limits import GrammarLimits
+from pdserve.services import logs
 from pdserve.services.gateway.errors import RequestFailed, grpc_status
 from pdserve.services.gateway.handler import RequestHandler
-from pdserve.services.gateway.params import check_guided, validate
+from pdserve.services.gateway.params import APIError, check_guided, validate
 from pdserve.services.gateway.parse import RequestParser
 from pdserve.services.gateway.schema import GenerateCall
 from pdserve.services.convert import params_from_pb
 from pdserve.services.pb import common_pb2, gateway_pb2_grpc
 
 log = logging.getLogger("pdserve.gateway")
+
+MAX_LABEL = logs.MAX_REQUEST_ID  # as long as an x-request-id may be
+
+
+def label(request_id: str) -> str | None:
+    """The caller's `request_id` as a label to echo back (None: not given); 400 naming it when it is not at most
+    MAX_LABEL printable ASCII characters."""
+    if not request_id:
+        return None
+    if len(request_id) > MAX_LABEL or not (request_id.isascii() and request_id.isprintable()):
+        raise APIError(400, f"invalid parameter 'request_id': at most {MAX_LABEL} printable ASCII characters "
+                            f"(got {len(request_id)} characters)", param="request_id", code="invalid_parameter")
+    return request_id
 
 
 class GatewayGrpc(gateway_pb2_grpc.GatewayServicer):
@@ -35,7 +54,7 @@ class GatewayGrpc(gateway_pb2_grpc.GatewayServicer):
     async def Generate(self, request, context):
         handler = self.handler
         rec = handler.new_record()
-        # the log lines' id is the caller's x-request-id (grpc_context.py); request.request_id is the engine's
+        # the log lines' id is the caller's x-request-id (grpc_context.py); request.request_id is a label
 
         async def parse() -> GenerateCall:
             params = params_from_pb(request.params)
@@ -44,22 +63,23 @@ class GatewayGrpc(gateway_pb2_grpc.GatewayServicer):
             prompt = list(request.prompt_token_ids) or request.prompt
             ids = (await self.parser.completion_prompts({"prompt": prompt}))[0]
             remaining = context.time_remaining()  # the call's gRPC deadline is the request's timeout
-            return GenerateCall("grpc", [ids], params, request_id=request.request_id or None,
+            return GenerateCall("grpc", [ids], params, client_label=label(request.request_id),
                                 timeout_s=None if remaining is None else max(remaining, 1e-3),
                                 allow_degrade=False, streamed=True, stage_times=False)
 
         failure, st = None, None
         try:
             st = await handler.open(rec, dict(context.invocation_metadata() or ()), parse)
+            echo = st.call.client_label or st.rid
             try:
                 async for d in handler.consume(st):
-                    d.msg.request_id = st.rid
+                    d.msg.request_id = echo
                     yield d.msg
             except RequestFailed as e:  # the worker ended it: its last message says how, without its detail
                 # (no message: the gateway's own deadline cut a silent upstream; the same last message then)
                 msg = e.msg if e.msg is not None else common_pb2.GenerateResponse(finished=True, state=e.state)
                 msg.error = (await handler.fail(rec, e)).message
-                msg.request_id = st.rid
+                msg.request_id = echo
                 yield msg
         except Exception as e:  # noqa: BLE001 - every refusal is a typed reply (errors.reply_for)
             failure = grpc_status(await handler.fail(rec, e))

@@ -36,7 +36,7 @@ POLLED_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapers: their 
 KEEP_ALIVE_5XX = frozenset({503, 504})  # deliberate answers (load shed, deadline): the connection is sound
 
 
-def _error(status: int, message: str, type_: str, code: str) -> tuple[dict, bytes]:
+def error_response(status: int, message: str, type_: str, code: str) -> tuple[dict, bytes]:
     body = json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
     start = {"type": "http.response.start", "status": status,
              "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
@@ -101,9 +101,9 @@ class HttpGuard:
             head = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") \
                 + sum(len(k) + len(v) + 4 for k, v in scope["headers"])
             if head > self.max_header_bytes:
-                start, body = _error(431, f"request headers of {head} bytes exceed the limit of "
-                                          f"{self.max_header_bytes} bytes", "invalid_request_error",
-                                     "request_header_fields_too_large")
+                start, body = error_response(431, f"request headers of {head} bytes exceed the limit of "
+                                                  f"{self.max_header_bytes} bytes", "invalid_request_error",
+                                             "request_header_fields_too_large")
                 start["headers"].append((b"connection", b"close"))
                 await guarded_send(start)
                 await guarded_send({"type": "http.response.body", "body": body})
@@ -114,7 +114,7 @@ class HttpGuard:
             log.exception("request %s: unhandled error", rid)
             if started:
                 raise
-            start, body = _error(500, redact.with_id("internal error"), "server_error", "internal_error")
+            start, body = error_response(500, redact.with_id("internal error"), "server_error", "internal_error")
             await guarded_send(start)  # adds Connection: close
             await guarded_send({"type": "http.response.body", "body": body})
         except BaseException as e:  # cancelled (the server stopping): still ends the span and the access line

@@ -43,7 +43,9 @@ class RequestHandler:
         """Admit and dispatch; raises (for `fail`) if the request is refused before its first message."""
         params = call.params
         deadline = self.life.deadline_for(call.timeout_s, rec)
-        rid = call.request_id or new_id(call.id_prefix)
+        # Always the gateway's own: reservations, leases, ReleaseKV and billing are keyed by it, so a caller's id
+        # (another tenant's, repeated, huge) can touch nothing but the label echoed back (issue 35, item 5).
+        rid = new_id(call.id_prefix)
         # stage two: reserve KV for prompt + predicted output of every branch (best_of of them, when asked: the
         # worker runs them all); may queue, degrade the branch count, or reject
         # (never a narrower beam: that would change the answer, not only its count)

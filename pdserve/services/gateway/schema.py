@@ -22,7 +22,7 @@ class GenerateCall:
     id_prefix: str  # "cmpl", "chatcmpl", "grpc"
     prompts: list[list[int]]
     params: SamplingParams
-    request_id: str | None = None  # the caller's own id (gRPC); else one is made up
+    client_label: str | None = None  # the caller's own id (gRPC), only echoed back: never a key (handler.start)
     timeout_s: float | None = None  # None: the server's default; capped by the tenant / server maximum
     allow_degrade: bool = True  # admission may lower n instead of refusing
     streamed: bool = False  # tokens reach the client as they come (counted as emitted at each delta)

@@ -22,3 +22,7 @@ REJECTIONS = Counter("pdserve_rejections_total", "Requests this process rejected
 REGISTRY_REJECTED = Counter("pdserve_registry_rejected_records_total",
                             "Worker registry records skipped because their HMAC does not verify (forged or written "
                             "without the internal token)", registry=COMMON)
+
+# logs.py: lines a full log queue dropped because the sink (stderr's pipe, a collector) was not keeping up
+LOG_LINES_DROPPED = Counter("pdserve_log_lines_dropped_total", "Log lines dropped because the log sink did not keep "
+                            "up (its queue was full): the process never waits for its log output", registry=COMMON)
