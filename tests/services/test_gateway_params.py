@@ -89,4 +89,5 @@ def test_engine_refusals_name_their_parameter_typed():
     r = reply_for(UpstreamError(grpc.StatusCode.INVALID_ARGUMENT, "invalid sampling parameter 'guided.json_schema': "
                                 "Cannot find field 'nope'", "guided.json_schema"))
     assert (r.status, r.param, r.code) == (400, "response_format", "invalid_parameter")
+    assert r.state == "REJECTED"  # the worker ran nothing: not billed, like the gateway's own refusals
     assert reply_for(UpstreamError(grpc.StatusCode.INVALID_ARGUMENT, "'x' is wrong")).param is None  # no guessing

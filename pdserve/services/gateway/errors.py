@@ -94,8 +94,10 @@ def reply_for(e: BaseException) -> ErrorReply:
     if isinstance(e, UpstreamError):
         log.warning("request %s: worker answered %s: %s", rid, e.code.name, e.details)
         if e.code == grpc.StatusCode.INVALID_ARGUMENT:  # about the client's input: its text, scrubbed
+            # REJECTED, not FAILED: the worker refused it before running anything (a schema that does not
+            # compile, a limit), so, like the gateway's own refusals, it is not billed (spec §0.2, §1.7)
             return ErrorReply(400, redact.scrub(e.details), "invalid_request_error", "invalid_parameter",
-                              client_param(e.param), state="FAILED", rejection="invalid_request")
+                              client_param(e.param), state="REJECTED", rejection="invalid_request")
         if e.code == grpc.StatusCode.DEADLINE_EXCEEDED:  # the request's deadline passed on the worker
             return ErrorReply(504, redact.with_id("the request's deadline passed"), "timeout_error", "timeout",
                               state="TIMED_OUT")
