@@ -20,6 +20,12 @@ POLICIES = ("fcfs", "decode-priority", "prefill-priority", "priority", "shortest
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 BATCHING = ("continuous", "static")
 MODES = ("auto", "disagg", "colocated")
+# The router's placement policies a deployment may select (services/router/policy_registry.py names(); not
+# imported: it pulls in the services package).
+PLACEMENTS = ("cache-aware", "round-robin", "least-loaded")
+PLACEMENT_HELP = ("placement policy by name (docs/routing.md, Placement policies): cache-aware predicts completion "
+                  "time from prefix hits and load; round-robin and least-loaded are baselines that place on "
+                  "colocated (both) workers only")
 PREEMPTION_MODES = ("recompute", "swap")
 LOG_FORMATS = ("text", "json")  # pdserve/services/logs.py FORMATS (not imported: it pulls in the services package)
 
@@ -159,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--mode", choices=MODES, default="auto",
                     help="auto: prefill + decode pools, the router disaggregates a request only when that is "
                          "predicted faster (docs/routing.md); disagg: always; colocated: `both` workers only")
+    up.add_argument("--placement", choices=PLACEMENTS, default="cache-aware", help=PLACEMENT_HELP)
     up.add_argument("--prefill", type=nonneg_int, default=1, help="prefill workers (auto/disagg)")
     up.add_argument("--decode", type=nonneg_int, default=1, help="decode workers (auto/disagg)")
     up.add_argument("--workers", type=nonneg_int, default=1, help="'both' workers (colocated)")
@@ -212,7 +219,10 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     rt.add_argument("--metrics-port", type=port, default=0)
     rt.add_argument("--heartbeat-ttl", type=positive_float, default=3.0)
-    rt.add_argument("--mode", choices=MODES, default="auto", help="placement policy (docs/routing.md)")
+    rt.add_argument("--placement", choices=PLACEMENTS, default="cache-aware", help=PLACEMENT_HELP)
+    rt.add_argument("--mode", choices=MODES, default="auto",
+                    help="cache-aware placement: disaggregate when predicted faster (auto), always (disagg), or "
+                         "never (colocated) (docs/routing.md)")
     rt.add_argument("--drain-timeout", type=nonneg_float, default=5.0,
                     help="SIGTERM: the process is gone this + 3 s later at most")
     rt.add_argument("--weights", type=weights_arg, default=None, metavar="K=V,...",
@@ -343,7 +353,7 @@ def _run(args: argparse.Namespace) -> int:
         asyncio.run(serve(args.host, args.port, args.redis_url, args.served_model_name, args.metrics_port,
                           args.heartbeat_ttl, args.mode, args.metrics_compat,
                           security=security, redis_auth=_redis_auth(args), drain_s=args.drain_timeout,
-                          weights=args.weights))
+                          weights=args.weights, placement=args.placement))
     elif args.command == "worker":
         from pdserve.services.worker import serve
         asyncio.run(serve(args))

@@ -10,6 +10,7 @@ import torch
 
 from pdserve.engine.checkpoint import max_position_embeddings, need_int, read_config
 from pdserve.engine.errors import CheckpointError
+from pdserve.engine.sched_policy import SCHEDULING_POLICIES
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -112,7 +113,7 @@ def _generation_config(model_dir: Path) -> dict:
 
 
 PREEMPTION_MODES = ("recompute", "swap")  # spec §4.4: both free device blocks (descheduling alone would not)
-POLICIES = ("fcfs", "decode-priority", "prefill-priority", "priority", "shortest-predicted-first")
+POLICIES = tuple(SCHEDULING_POLICIES)
 BATCHING = ("continuous", "static")
 
 
@@ -176,7 +177,7 @@ class EngineConfig:
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
-            raise ValueError(f"unknown scheduling policy {self.policy!r}")
+            raise ValueError(f"unknown scheduling policy {self.policy!r} (one of {', '.join(POLICIES)})")
         if self.batching not in BATCHING:
             raise ValueError(f"unknown batching mode {self.batching!r} (continuous, static)")
         if self.preemption_mode not in PREEMPTION_MODES:

@@ -6,10 +6,8 @@ nothing was preempted this tick, then queued sequences are admitted while `max_n
 `max_num_batched_tokens` and free blocks allow. Physical blocks are taken only here, when a tick selects a
 sequence (spec §1.2: admission is a reservation, allocation happens on selection).
 
-Policies for the queue (spec §1.3): `fcfs` (and decode-/prefill-priority) admit in arrival order; `priority`
-admits by (priority class, arrival); `shortest-predicted-first` by predicted remaining work in ticks (predicted
-output tokens left + prompt chunks left). Both put any request queued longer than `starvation_age_s` first, in
-arrival order: the age bound is what keeps long / low-class requests from starving.
+The order of the running sequences and of the queue is the scheduling policy's (spec §1.3; sched_policy.py:
+fcfs, decode-priority, prefill-priority, priority, shortest-predicted-first), looked up once by name.
 Backpressured sequences (`seq.paused`) are skipped everywhere and are the first preemption victims.
 
 `batching="static"` (spec §5.2, the D04 baseline): queued requests are admitted only on a tick where no batch is
@@ -18,13 +16,13 @@ finished member leaves stays empty until the whole batch is done.
 """
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.engine.block_manager import BlockManager, NoFreeBlocks
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.request_state import RequestState as S
+from pdserve.engine.sched_policy import scheduling_policy
 from pdserve.engine.sequence import Sequence
 
 
@@ -54,6 +52,7 @@ class Scheduler:
     def __init__(self, cfg: EngineConfig, block_manager: BlockManager):
         self.cfg = cfg
         self.bm = block_manager
+        self.policy = scheduling_policy(cfg.policy)
         self.waiting: deque[Sequence] = deque()  # QUEUED, or PREEMPTED by recompute (at the front)
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
@@ -78,21 +77,8 @@ class Scheduler:
         return (seq.priority, seq.arrival_time, seq.seq_id)
 
     def _waiting_order(self) -> list[Sequence]:
-        if self.cfg.policy not in ("priority", "shortest-predicted-first"):
-            return list(self.waiting)  # arrival order (recompute-preempted ones were put at the front)
-        now = time.time()
-        chunk = max(1, self.cfg.max_num_batched_tokens)
-
-        def key(s: Sequence) -> tuple:
-            if now - s.arrival_time > self.cfg.starvation_age_s:
-                return (0, 0.0, s.arrival_time, s.seq_id)
-            if self.cfg.policy == "priority":
-                return (1, float(s.priority), s.arrival_time, s.seq_id)
-            work = max(0, s.predicted_output_tokens - s.num_output_tokens) \
-                + (s.num_tokens - s.num_computed_tokens) / chunk
-            return (1, float(work), s.arrival_time, s.seq_id)
-
-        return sorted(self.waiting, key=key)
+        return self.policy.waiting_order(self.waiting, max(1, self.cfg.max_num_batched_tokens),
+                                         self.cfg.starvation_age_s)
 
     def _victim(self, cands: list[Sequence]) -> Sequence:
         """Backpressured sequences first (nobody is reading them), then the lowest priority / latest arrival."""
@@ -105,12 +91,7 @@ class Scheduler:
             self._preempt(seq, SchedulerOutput())
 
     def _running_order(self) -> list[Sequence]:
-        by_age = sorted(self.running, key=self._key)
-        if self.cfg.policy == "decode-priority":
-            return [s for s in by_age if not s.is_prefill] + [s for s in by_age if s.is_prefill]
-        if self.cfg.policy == "prefill-priority":
-            return [s for s in by_age if s.is_prefill] + [s for s in by_age if not s.is_prefill]
-        return by_age
+        return self.policy.running_order(sorted(self.running, key=self._key))
 
     # ---- the tick ---------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -119,7 +100,7 @@ class Scheduler:
         if self.recall is not None:
             self.recall.poll()  # finished recalls are device prefix-cache blocks from here on
         order = self._running_order()
-        if self.cfg.policy == "prefill-priority":
+        if self.policy.prefill_first:
             # New prompts go before running decodes: they take budget first, decodes get what is left.
             prefills = [s for s in order if s.is_prefill]
             decodes = [s for s in order if not s.is_prefill]

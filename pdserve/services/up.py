@@ -234,7 +234,7 @@ def up(args) -> int:
         rt_port, rt_metrics = free_port(), free_port()
         d.start("router", [*pdserve, "router", *common, "--port", str(rt_port), "--redis-url", redis_url,
                              "--metrics-port", str(rt_metrics), "--heartbeat-ttl", str(args.heartbeat_ttl),
-                             "--mode", args.mode],
+                             "--mode", args.mode, "--placement", args.placement],
                   {"port": rt_port, "metrics_port": rt_metrics})
         # auto and disagg deploy the same two pools; the router's policy differs (a decode worker also
         # answers Generate, so in auto it prefills short prompts itself)

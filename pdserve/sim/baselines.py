@@ -1,42 +1,14 @@
-"""Baseline routing policies for the simulator, with the router `Policy`'s interface
-(`place(workers, req=RouteInput) -> Placement`): what cache-aware routing is measured against.
-They place on the colocated (`both`) pool only."""
+"""The simulator's own placement baseline, `oracle`: registered `sim_only` because it reads the replicas' exact
+state, which a deployment's router cannot. The other baselines (round-robin, least-loaded) are the router's
+(services/router/baselines.py), so a deployment can run them too."""
 from __future__ import annotations
 
 import random
 
 from pdserve.services.registry import WorkerRecord
-from pdserve.services.router.policy import Placement, RouteInput
-
-
-class RoundRobin:
-    def __init__(self):
-        self.i = 0
-
-    def place(self, workers: list[WorkerRecord], req: RouteInput) -> Placement:
-        ws = sorted((w for w in workers if w.role == "both"), key=lambda w: w.worker_id)
-        self.i += 1
-        return Placement("colocated", both=ws[self.i % len(ws)], reason="round_robin")
-
-
-class LeastLoaded:
-    """Least outstanding work by the last report plus what it placed since (the classic baseline)."""
-
-    def __init__(self, rng: random.Random, clock):
-        self.rng = rng
-        self.clock = clock
-        self.placed: dict[str, list[tuple[float, int]]] = {}
-
-    def place(self, workers: list[WorkerRecord], req: RouteInput) -> Placement:
-        def load(w: WorkerRecord) -> float:
-            since = [n for t, n in self.placed.get(w.worker_id, []) if t > w.load.report_time]
-            return w.load.pending_prefill_tokens + sum(since) + 100 * w.load.num_running
-
-        ws = [w for w in workers if w.role == "both"]
-        best = min(load(w) for w in ws)
-        w = self.rng.choice([w for w in ws if load(w) == best])
-        self.placed.setdefault(w.worker_id, []).append((self.clock(), req.n_prompt))
-        return Placement("colocated", both=w, reason="least_loaded")
+from pdserve.services.router.baselines import colocated
+from pdserve.services.router.placement import Placement, RouteInput
+from pdserve.services.router.policy_registry import register
 
 
 class Oracle:
@@ -48,7 +20,7 @@ class Oracle:
         self.rng = rng
 
     def place(self, workers: list[WorkerRecord], req: RouteInput) -> Placement:
-        ws = [w for w in workers if w.role == "both"]
+        ws = colocated(workers, req, "oracle")
         hits = {w.worker_id: self.replicas[w.worker_id].cached_prefix(req.prompt_token_ids, req.namespace)
                 for w in ws}
         best = max(hits.values())
@@ -57,3 +29,6 @@ class Oracle:
         m = min(q.values())
         return Placement("colocated", both=self.rng.choice([w for w in cands if q[w.worker_id] == m]),
                          reason="oracle")
+
+
+register("oracle", lambda ctx: Oracle(ctx.replicas, ctx.rng), sim_only=True)

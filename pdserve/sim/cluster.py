@@ -10,10 +10,10 @@ Event flow per request (mirrors the gateway / prefill / decode services):
              the blocks d's prefix cache lacks (cost model `transfer_time`) -> p releases its pinned blocks, d
              commits: the first token is emitted to the client then (the real decode stream's first message),
              and the request joins d's decode batch.
-Placement: `RouterPlacer` (placer.py) runs the real `pdserve.services.router.policy.Policy` - or a baseline:
-round-robin, least-loaded, oracle (`RouterSpec.policy`) - over `WorkerRecord`s that carry the replicas' load,
-refreshed every `report_s` of virtual time (the workers' heartbeat), so the policy sees load as stale as it does
-in a deployment; the prefix index follows the replicas' block events in-process or through Redis
+Placement: `RouterPlacer` (placer.py) runs a placement policy selected by name from the router's registry
+(`RouterSpec.policy`: the real cache-aware `Policy`, round-robin, least-loaded, oracle, or one registered) - over
+`WorkerRecord`s that carry the replicas' load, refreshed every `report_s` of virtual time (the workers'
+heartbeat), so the policy sees load as stale as it does in a deployment; the prefix index follows the replicas' block events in-process or through Redis
 (`RouterSpec.index`).
 """
 from __future__ import annotations

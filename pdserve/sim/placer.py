@@ -1,4 +1,5 @@
-"""The router in the simulator: the real `Policy` (or a baseline) placing requests on simulated replicas.
+"""The router in the simulator: a placement policy from the router's registry (policy_registry.py: the real
+cache-aware `Policy`, a baseline, or one registered by the caller) placing requests on simulated replicas.
 
 `RouterPlacer` holds one `WorkerRecord` per replica whose load is rebuilt every `report_s` of virtual time from
 the replica's real scheduler / block-manager state (the workers' heartbeat), with the rates a worker would have
@@ -18,19 +19,18 @@ from dataclasses import dataclass
 
 from pdserve.services.pb import common_pb2
 from pdserve.services.registry import WorkerRecord
-from pdserve.services.router.policy import Policy, RouteInput
-from pdserve.sim.baselines import LeastLoaded, Oracle, RoundRobin
+from pdserve.services.router import policy_registry
+from pdserve.services.router.placement import PolicyContext, RouteInput
+from pdserve.sim import baselines  # noqa: F401 (registers the sim-only `oracle`)
 from pdserve.sim.costmodel import StepShape
 from pdserve.sim.executor import SimReplica, SimRequest
 from pdserve.sim.index_feed import DirectIndex, RedisIndex
 
-POLICIES = ("cache-aware", "round-robin", "least-loaded", "oracle")
-
 
 @dataclass
 class RouterSpec:
-    policy: str = "cache-aware"       # cache-aware (the router's Policy) | round-robin | least-loaded | oracle
-    mode: str | None = None           # Policy mode; default: disagg with P/D pools, colocated otherwise
+    policy: str = "cache-aware"       # a name in policy_registry: cache-aware | round-robin | least-loaded | oracle
+    mode: str | None = None           # cache-aware's mode; default: disagg with P/D pools, colocated otherwise
     index: str = "direct"             # direct (in-process PrefixIndex) | redis (the real publisher / IndexSync)
     redis_url: str = "redis://127.0.0.1:6379/0"
     event_delay_s: float = 0.1        # block events reach the index this long after their step
@@ -38,8 +38,9 @@ class RouterSpec:
     track_best_hit: bool = False      # record, per decision, the longest prefix any replica holds
 
     def validate(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"router policy must be one of {', '.join(POLICIES)}, not {self.policy!r}")
+        if self.policy not in policy_registry.names(sim=True):
+            raise ValueError(f"router policy must be one of {', '.join(policy_registry.names(sim=True))}, "
+                             f"not {self.policy!r}")
         if self.index not in ("direct", "redis"):
             raise ValueError(f"router index must be direct or redis, not {self.index!r}")
 
@@ -69,16 +70,10 @@ class RouterPlacer:
         self._rates = self._prefill_line()
 
     def _make_policy(self, spec: RouterSpec, seed: int):
-        rng = random.Random(seed)
-        if spec.policy == "round-robin":
-            return RoundRobin()
-        if spec.policy == "least-loaded":
-            return LeastLoaded(rng, self.clock)
-        if spec.policy == "oracle":
-            return Oracle(self.by_id, rng)
         roles = {r.role for r in self.replicas}
         mode = spec.mode or ("disagg" if {"prefill", "decode"} <= roles else "colocated")
-        return Policy(mode, self.feed.index, rng=rng, clock=self.clock)
+        ctx = PolicyContext(mode, self.feed.index, rng=random.Random(seed), clock=self.clock, replicas=self.by_id)
+        return policy_registry.create(spec.policy, ctx)
 
     @property
     def index(self):

@@ -1,9 +1,10 @@
-"""Placement: minimise predicted completion time (cost.py) using the prefix index and measured load.
+"""`cache-aware` placement (the router's default; policy_registry.py): minimise predicted completion time
+(cost.py) using the prefix index and measured load. `place` is candidates -> scores -> pick:
 
-Candidates per request (after `exclude`):
-- local: every `both` worker, and in `auto` mode every `decode` worker (it prefills the prompt itself; every
-  role answers Generate - services/worker.py);
-- disaggregated: every (prefill, decode) pair.
+- candidates (candidates.py): local workers and (prefill, decode) pairs the mode allows, after `exclude`;
+- scores (`_score`): each candidate's predicted completion time, with its prefix hit by tier, plus the spread
+  terms;
+- pick (`_kind`, `_pick`): local or disaggregated, then one near-equal candidate of that kind at random.
 
 `auto` disaggregates only when the best pair beats the best local candidate by more than `disagg_margin_s`
 (the pair's cost already contains the KV transfer and the hand-off overhead). `disagg` always disaggregates
@@ -26,11 +27,13 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pdserve.services.metrics import router as M
 from pdserve.services.registry import WorkerRecord
+from pdserve.services.router.candidates import Candidates, candidates
 from pdserve.services.router.cost import CostModel, CostParams, Estimate, Inflight, WorkerCost, peer_priors
+from pdserve.services.router.placement import NoWorkers, Placement, RouteInput  # noqa: F401 (NoWorkers: what place raises)
 from pdserve.services.router.prefix_index import PrefixIndex, TierHit, chain_hashes
 from pdserve.services.router.spread import RouteWeights, Spread, Terms, zone_of
 
@@ -39,47 +42,12 @@ log = logging.getLogger("pdserve.router")
 MODES = ("auto", "disagg", "colocated")
 
 
-class NoWorkers(RuntimeError):
-    """No live worker can take the request (maps to HTTP 503 / gRPC UNAVAILABLE)."""
-
-
 @dataclass
-class RouteInput:
-    request_id: str = ""
-    prompt_token_ids: list[int] = field(default_factory=list)
-    num_prompt_tokens: int = 0  # used when the token ids are not given (no prefix lookup then)
-    namespace: str = ""
-    max_tokens: int = 0
-    exclude: set[str] = field(default_factory=set)
-    prefer: str = ""  # "" | "colocated" | "disagg" | "local" (a both or decode worker, never a pair)
-
-    @property
-    def n_prompt(self) -> int:
-        return len(self.prompt_token_ids) or self.num_prompt_tokens
-
-
-@dataclass
-class Placement:
-    mode: str  # disagg | colocated (the gateway's two request paths)
-    prefill: WorkerRecord | None = None
-    decode: WorkerRecord | None = None
-    both: WorkerRecord | None = None
-    reason: str = ""
-    cached_tokens: int = 0
-    ttft_s: float = 0.0
-    e2e_s: float = 0.0
-    alternative_s: float = 0.0  # best cost of the kind not chosen (0: none)
-    n_candidates: int = 0
-    terms: Terms = field(default_factory=Terms)  # the chosen candidate's spread.py terms
-
-    def header(self) -> str:
-        """The `x-pdserve-route` debug header."""
-        ws = f"prefill={self.prefill.worker_id};decode={self.decode.worker_id}" if self.mode == "disagg" \
-            else f"worker={self.both.worker_id}"
-        return (f"mode={self.mode};reason={self.reason};{ws};cached_tokens={self.cached_tokens};"
-                f"ttft_s={self.ttft_s:.4f};e2e_s={self.e2e_s:.4f};alt_s={self.alternative_s:.4f};"
-                f"candidates={self.n_candidates};zone={self.terms.zone};fd_s={self.terms.fd_s:.4f};"
-                f"price_s={self.terms.price_s:.4f};fair_s={self.terms.fair_s:.4f}")
+class Scored:
+    local: list[Estimate]
+    pairs: list[Estimate]
+    terms: dict[int, Terms]  # id(estimate) -> its spread terms; empty when no term is weighted
+    keys: list[tuple]  # the request's spread keys (spread.py), recorded against the chosen worker
 
 
 class Policy:
@@ -129,84 +97,81 @@ class Policy:
             out.update(self.index.match_tiers(hashes, req.namespace, ids))
         return out
 
-    # ---- the decision -----------------------------------------------------------------------------------------
+    # ---- the decision: candidates -> scores -> pick ------------------------------------------------------------
     def place(self, workers: list[WorkerRecord], exclude: set[str] = frozenset(), prefer: str = "",
               req: RouteInput | None = None) -> Placement:
         req = req or RouteInput(exclude=set(exclude), prefer=prefer)
         excl = set(req.exclude) | set(exclude)
         live = [w for w in workers if w.worker_id not in excl]
-        pri = self.cost.p.priors
-        now = self.clock()
-        wc = {w.worker_id: WorkerCost.of(w, peer_priors(pri, w, workers), self._inflight(w), now) for w in live}
-        pre = [wc[w.worker_id] for w in live if w.role == "prefill"]
-        dec = [wc[w.worker_id] for w in live if w.role == "decode"]
-        both = [wc[w.worker_id] for w in live if w.role == "both"]
         mode = req.prefer if req.prefer in ("colocated", "disagg", "local") else self.mode
-        if not (pre or dec or both):
-            raise NoWorkers(f"no live workers (prefill=0, decode=0, both=0; excluded {len(excl)})")
+        now = self.clock()
+        wc = {w.worker_id: WorkerCost.of(w, peer_priors(self.cost.p.priors, w, workers), self._inflight(w), now)
+              for w in live}
+        cands = candidates(mode, list(wc.values()), any(w.role == "prefill" for w in workers), len(excl))
+        scored = self._score(req, live, wc, cands)
+        kind, reason, alt = self._kind(cands, scored, mode)
+        chosen = self._pick(scored.local if kind == "local" else scored.pairs)
+        return self._commit(req, kind, reason, chosen, alt, scored, cands.degraded)
 
-        degraded = ""
-        if mode == "colocated":
-            local, pairs = both, []
-            if not both:  # no colocated pool: serve disaggregated rather than fail
-                pairs = [(p, d) for p in pre for d in dec]
-        elif mode == "local":  # one worker prefills and decodes (a migrated request resumes so: gateway/migration.py)
-            local, pairs = both + dec, []
-        elif mode == "disagg":
-            pairs = [(p, d) for p in pre for d in dec]
-            local = both if not pairs else []
-        else:  # auto
-            pairs = [(p, d) for p in pre for d in dec]
-            local = both + dec
-        if not pairs and not local and dec:
-            local = dec  # decode workers exist but no pair is possible: the prefill pool is down
-        if dec and not pre and any(x in local for x in dec):
-            had_prefill = any(w.role == "prefill" for w in workers)
-            degraded = "prefill_excluded" if had_prefill else "prefill_pool_down"
-        if not pairs and not local:
-            raise NoWorkers(f"no placement (prefill={len(pre)}, decode={len(dec)}, both={len(both)}, "
-                            f"mode={mode})")
-
-        n = req.n_prompt
-        out = self.cost.out_tokens(req.max_tokens)
+    def _score(self, req: RouteInput, live: list[WorkerRecord], wc: dict[str, WorkerCost],
+               cands: Candidates) -> Scored:
+        """Predicted completion time of every candidate (prefix hits by tier, queues, transfer), plus the spread
+        terms when any is weighted."""
+        n, out = req.n_prompt, self.cost.out_tokens(req.max_tokens)
         hits = self.prefix_hits(req, live)
         cached = {wid: h.blocks * wc[wid].block_size for wid, h in hits.items()}
         device = {wid: h.device * wc[wid].block_size for wid, h in hits.items()}
         recall = {wid: self.cost.recall_s(wc[wid], h.host, h.disk) for wid, h in hits.items()}
-        ests_local = [self.cost.local(w, n, cached[w.rec.worker_id], out, recall[w.rec.worker_id]) for w in local]
-        ests_pair = [self.cost.disagg(p, d, n, cached[p.rec.worker_id], device[d.rec.worker_id], out,
-                                      recall[p.rec.worker_id])
-                     for p, d in pairs]
+        local = [self.cost.local(w, n, cached[w.rec.worker_id], out, recall[w.rec.worker_id]) for w in cands.local]
+        pairs = [self.cost.disagg(p, d, n, cached[p.rec.worker_id], device[d.rec.worker_id], out,
+                                  recall[p.rec.worker_id])
+                 for p, d in cands.pairs]
         keys = self.spread.keys(req.namespace, req.prompt_token_ids)
-        fd, fair = self.spread.per_worker(keys, req.namespace, live)
-        terms: dict[int, Terms] = {}
-        if fd or fair or self.spread.weights.price:
-            for e in ests_local + ests_pair:
-                terms[id(e)] = self.spread.terms(e, n, out, fd, fair)
-            # relative to the smallest: a constant changes neither the choice nor the near-equal band
-            floor = min((t.total for t in terms.values()), default=0.0)
-            for e in ests_local + ests_pair:
-                e.extra_s = terms[id(e)].total - floor
-        best_local = min((e.cost for e in ests_local), default=float("inf"))
-        best_pair = min((e.cost for e in ests_pair), default=float("inf"))
+        return Scored(local, pairs, self._spread_terms(req, live, local + pairs, keys, out), keys)
 
-        if degraded:
-            kind, reason, pool, alt = "local", f"degraded_{degraded}", ests_local, best_pair
-        elif not ests_pair:
-            kind, pool, alt = "local", ests_local, 0.0
-            reason = "colocated_only" if not dec else ("local_forced" if mode in ("colocated", "local") else "local_only")
-        elif not ests_local:
-            kind, pool, alt = "disagg", ests_pair, 0.0
+    def _spread_terms(self, req: RouteInput, live: list[WorkerRecord], ests: list[Estimate], keys: list[tuple],
+                      out: int) -> dict[int, Terms]:
+        """spread.py's failure-domain, price and fairness terms per estimate (by id), added to its cost."""
+        fd, fair = self.spread.per_worker(keys, req.namespace, live)
+        if not (fd or fair or self.spread.weights.price):
+            return {}
+        terms = {id(e): self.spread.terms(e, req.n_prompt, out, fd, fair) for e in ests}
+        # relative to the smallest: a constant changes neither the choice nor the near-equal band
+        floor = min((t.total for t in terms.values()), default=0.0)
+        for e in ests:
+            e.extra_s = terms[id(e)].total - floor
+        return terms
+
+    def _kind(self, cands: Candidates, scored: Scored, mode: str) -> tuple[str, str, float]:
+        """local or disagg, why, and the best cost of the kind not chosen (0: none)."""
+        best_local = min((e.cost for e in scored.local), default=float("inf"))
+        best_pair = min((e.cost for e in scored.pairs), default=float("inf"))
+        if cands.degraded:
+            kind, reason, alt = "local", f"degraded_{cands.degraded}", best_pair
+        elif not scored.pairs:
+            kind, alt = "local", 0.0
+            reason = "colocated_only" if not cands.decode_pool else \
+                ("local_forced" if mode in ("colocated", "local") else "local_only")
+        elif not scored.local:
+            kind, alt = "disagg", 0.0
             reason = "disagg_forced" if mode == "disagg" else "disagg_only"
         elif best_pair + self.cost.p.disagg_margin_s < best_local:
-            kind, reason, pool, alt = "disagg", "disagg_faster", ests_pair, best_local
+            kind, reason, alt = "disagg", "disagg_faster", best_local
         else:
-            kind, reason, pool, alt = "local", "local_faster", ests_local, best_pair
-        chosen = self._pick(pool)
-        if alt == float("inf"):
-            alt = 0.0
+            kind, reason, alt = "local", "local_faster", best_pair
+        return kind, reason, (0.0 if alt == float("inf") else alt)
 
-        blocks = -(-(n + out) // chosen.decode.block_size)
+    def _pick(self, ests: list[Estimate]) -> Estimate:
+        best = min(e.cost for e in ests)
+        tol = best * self.cost.p.tie_rel + self.cost.p.tie_abs_s
+        near = [e for e in ests if e.cost <= best + tol]
+        return self.rng.choice(near)
+
+    def _commit(self, req: RouteInput, kind: str, reason: str, chosen: Estimate, alt: float, scored: Scored,
+                degraded: str) -> Placement:
+        """The placement, with what it adds to the chosen workers' load until their next report."""
+        n = req.n_prompt
+        blocks = -(-(n + self.cost.out_tokens(req.max_tokens)) // chosen.decode.block_size)
         if kind == "local":
             self._note(chosen.prefill.rec.worker_id, n - chosen.cached_tokens, 1, blocks)
             pl = Placement("colocated", both=chosen.prefill.rec)
@@ -215,17 +180,11 @@ class Policy:
             self._note(chosen.decode.rec.worker_id, 0, 1, blocks)
             pl = Placement("disagg", prefill=chosen.prefill.rec, decode=chosen.decode.rec)
         pl.reason, pl.cached_tokens, pl.ttft_s, pl.e2e_s = reason, chosen.cached_tokens, chosen.ttft_s, chosen.e2e_s
-        pl.alternative_s, pl.n_candidates = alt, len(ests_local) + len(ests_pair)
-        pl.terms = terms.get(id(chosen)) or Terms(zone=zone_of(chosen.decode.rec))
-        self.spread.record(keys, req.namespace, chosen.decode.rec)
+        pl.alternative_s, pl.n_candidates = alt, len(scored.local) + len(scored.pairs)
+        pl.terms = scored.terms.get(id(chosen)) or Terms(zone=zone_of(chosen.decode.rec))
+        self.spread.record(scored.keys, req.namespace, chosen.decode.rec)
         self._count(pl, n, degraded)
         return pl
-
-    def _pick(self, ests: list[Estimate]) -> Estimate:
-        best = min(e.cost for e in ests)
-        tol = best * self.cost.p.tie_rel + self.cost.p.tie_abs_s
-        near = [e for e in ests if e.cost <= best + tol]
-        return self.rng.choice(near)
 
     def _count(self, pl: Placement, n_prompt: int, degraded: str) -> None:
         M.ROUTE_DECISIONS.labels(pl.mode, pl.reason).inc()

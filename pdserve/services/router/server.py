@@ -1,4 +1,5 @@
-"""`pdserve router`: gRPC Router service: live worker view + prefix index (both from Redis) + cost-based policy."""
+"""`pdserve router`: gRPC Router service: live worker view + prefix index (both from Redis) + a placement policy
+selected by name (policy_registry.py; default cache-aware)."""
 from __future__ import annotations
 
 import asyncio
@@ -14,7 +15,8 @@ from pdserve.services.internal_security import NONE, InternalSecurity
 from pdserve.services.pb import router_pb2, router_pb2_grpc
 from pdserve.services.redis_conn import NO_AUTH, RedisAuth
 from pdserve.services.registry import Registry, WorkerRecord
-from pdserve.services.router.policy import NoWorkers, Policy, RouteInput
+from pdserve.services.router import policy_registry
+from pdserve.services.router.placement import NoWorkers, PlacementPolicy, PolicyContext, RouteInput
 from pdserve.services.router.prefix_index import IndexSync
 from pdserve.services.router.spread import RouteWeights
 from pdserve.services.router.view import LiveView
@@ -23,12 +25,14 @@ log = logging.getLogger("pdserve.router")
 
 
 class RouterService(router_pb2_grpc.RouterServicer):
-    def __init__(self, registry: Registry, view_ttl_s: float = 0.2, mode: str = "auto", policy: Policy | None = None,
-                 weights: dict[str, float] | None = None):
+    def __init__(self, registry: Registry, view_ttl_s: float = 0.2, mode: str = "auto",
+                 policy: PlacementPolicy | None = None, weights: dict[str, float] | None = None,
+                 placement: str = "cache-aware"):
         self.registry = registry
         self.sync = IndexSync(registry.r, registry.model)
         self.view = LiveView(registry, self.sync, refresh_s=view_ttl_s)
-        self.policy = policy or Policy(mode, index=self.sync.index, weights=RouteWeights.of(weights))
+        self.policy = policy or policy_registry.create(
+            placement, PolicyContext(mode, self.sync.index, RouteWeights.of(weights)))
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -83,7 +87,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
 async def serve(host: str, port: int, redis_url: str, model: str, metrics_port: int | None = None,
                 ttl_s: float = 3.0, mode: str = "auto", metrics_compat: str | None = None,
                 security: InternalSecurity = NONE, redis_auth: RedisAuth = NO_AUTH, drain_s: float = 5.0,
-                weights: dict[str, float] | None = None) -> None:
+                weights: dict[str, float] | None = None, placement: str = "cache-aware") -> None:
     """`security` must be what grpc_util.configure was given (the CLI does both): it keys the registry HMAC.
     SIGTERM: NOT_SERVING, in-flight Route calls get min(2, drain_s) s, and the process is gone by drain_s + grace
     (procutil.exit_deadline) even if Redis, which its teardown talks to, is not there."""
@@ -94,15 +98,15 @@ async def serve(host: str, port: int, redis_url: str, model: str, metrics_port: 
     registry = Registry(redis_url, model, ttl_s=ttl_s, auth=redis_auth, key=security.registry_key())
     await registry.r.ping()  # fail fast with a clear error when Redis is not there
     server, hs = make_server([ROUTER_SERVICE])
-    svc = RouterService(registry, mode=mode, weights=weights)
+    svc = RouterService(registry, mode=mode, weights=weights, placement=placement)
     await svc.start()
     router_pb2_grpc.add_RouterServicer_to_server(svc, server)
     listen(server, f"{host}:{port}")
     await server.start()
     freeze_startup_heap("router")
     await set_serving(hs, [ROUTER_SERVICE], True)
-    log.info("router listening on %s:%d (model %s, mode %s, index rebuilt with %d blocks, internal auth %s)", host,
-             port, model, mode, len(svc.sync.index), security.describe())
+    log.info("router listening on %s:%d (model %s, placement %s, mode %s, index rebuilt with %d blocks, internal "
+             "auth %s)", host, port, model, placement, mode, len(svc.sync.index), security.describe())
     stop = install_stop_signals(drain_s, "router")
     await stop.wait()
     await set_serving(hs, [ROUTER_SERVICE], False)
