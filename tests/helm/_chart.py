@@ -68,6 +68,7 @@ SCENARIOS: dict[str, dict] = {
                     "extraEnv": [{"name": "UCX_TLS", "value": "rc,cuda_copy,cuda_ipc"}]},
         "prefill": {"gpus": 2, "numGpuBlocks": 4096, "maxNumSeqs": 64, "maxNumBatchedTokens": 8192, **GPU_SCHED},
         "guidedOutput": {"maxEnumValues": 5000, "grammarCompileTimeout": 2.5, "grammarProcesses": 4},
+        "router": {"placement": "least-loaded"},
         "decode": {"gpus": 1, "drainTimeout": 60, "priorityClassName": "inference", "gpuMemoryUtilization": 0.85,
                    "preemptionMode": "swap", "swapSpace": 8, **GPU_SCHED},
         "model": {"source": "download", "download": {"url": "s3:models/llama", "envFrom": [

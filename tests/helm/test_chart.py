@@ -164,7 +164,8 @@ def test_every_command_is_one_pdserve_accepts(scenario, monkeypatch):
             assert getattr(a, "grammar_processes", None) == (g.get("grammarProcesses", 2) if a.command == "worker"
                                                              else None)
         if a.command == "router":
-            assert a.mode == vals.get("mode", "disagg")  # the router's placement policy is the chart's mode
+            assert a.mode == vals.get("mode", "disagg")  # the router's disaggregation mode is the chart's mode
+            assert a.placement == vals.get("router", {}).get("placement", "cache-aware")
         if True:  # every component has the Redis URL, the gateway too: limits/quotas/reservations are shared
             env = container_env(c)
             if vals.get("redis", {}).get("enabled", True):
