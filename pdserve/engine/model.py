@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/3, Qwen3-MoE, Mixtral) over a flat batch of tokens with paged attention."""
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral) over a flat batch of tokens with
+paged attention."""
 from __future__ import annotations
 
 import math
