@@ -39,7 +39,8 @@ def make_tokenizer(out: Path, vocab_size: int = 96) -> None:
 def make_checkpoint(out: Path, arch: str = "llama", *, vocab_size: int = 320, hidden: int = 64, layers: int = 2,
                     heads: int = 4, kv_heads: int = 2, tie: bool = False, rope_scaling: dict | None = None,
                     dtype: torch.dtype = torch.float32, seed: int = 0, max_pos: int = 512,
-                    sharded: bool = False, sliding_window: int | None = None) -> Path:
+                    sharded: bool = False, sliding_window: int | None = None, **arch_fields) -> Path:
+    """`arch_fields`: more fields of the architecture's transformers config (head_dim, num_experts, ...)."""
     import transformers as tf
 
     out.mkdir(parents=True, exist_ok=True)
@@ -56,13 +57,24 @@ def make_checkpoint(out: Path, arch: str = "llama", *, vocab_size: int = 320, hi
     elif arch == "qwen2":
         cfg = tf.Qwen2Config(**common)
         cls = tf.Qwen2ForCausalLM
+    elif arch == "qwen3":
+        cfg = tf.Qwen3Config(**common, **arch_fields)
+        cls = tf.Qwen3ForCausalLM
+    elif arch == "qwen3_moe":
+        cfg = tf.Qwen3MoeConfig(**common, **{"num_experts": 4, "num_experts_per_tok": 2,
+                                             "moe_intermediate_size": hidden + 8, **arch_fields})
+        cls = tf.Qwen3MoeForCausalLM
+    elif arch == "mixtral":
+        cfg = tf.MixtralConfig(**common, **{"num_local_experts": 4, "num_experts_per_tok": 2,
+                                            "sliding_window": sliding_window, **arch_fields})
+        cls = tf.MixtralForCausalLM
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
     model = cls(cfg).to(dtype)
     with torch.no_grad():  # random init is near-uniform; scale up so greedy choices are decisive
         for p in model.parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # transformers holds an MoE layer's experts as one [experts, out, in] tensor
                 p.normal_(0, 0.08)
     model.save_pretrained(out, safe_serialization=True, max_shard_size="100KB" if sharded else "10GB")
     make_tokenizer(out)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from pdserve.engine.architectures import MOE_ARCHITECTURES
 from pdserve.engine.checkpoint import max_position_embeddings, need_int, read_config
 from pdserve.engine.errors import CheckpointError
 from pdserve.engine.sched_policy import SCHEDULING_POLICIES
@@ -36,6 +37,17 @@ class ModelConfig:
     checkpoint_dtype: torch.dtype
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
+    qk_norm: bool = False  # Qwen3: each head of q and k RMS-normalised (one weight over head_dim) before RoPE
+    # Sparse MoE (engine/moe.py): the layers whose MLP is `num_experts` routed SwiGLU experts of
+    # `moe_intermediate_size`, `num_experts_per_tok` chosen per token; the other layers keep the dense MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_layers: tuple[int, ...] = ()
+    norm_topk_prob: bool = False  # the chosen experts' softmax weights renormalised to sum to 1
+    # Qwen3-MoE rounds the routing weights to the activations' dtype before scaling the experts' outputs; Mixtral
+    # scales in fp32 and rounds the product (the two differ in bf16 only).
+    round_router_weights: bool = False
 
     @property
     def max_model_len(self) -> int:
@@ -62,8 +74,10 @@ class ModelConfig:
             else:
                 scaling = None
             sliding = cfg.get("sliding_window")
-            if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+            if arch.startswith("Qwen") and not cfg.get("use_sliding_window", False):
                 sliding = None
+            if arch.startswith("Qwen3") and sliding:  # windows on the layers past max_window_layers only
+                raise CheckpointError(f"{path}: use_sliding_window is not supported for {arch} (per-layer windows)")
             dtype_name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
             gen = _generation_config(model_dir)
             eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
@@ -89,6 +103,8 @@ class ModelConfig:
                 checkpoint_dtype=DTYPES.get(str(dtype_name), torch.float32),
                 eos_token_ids=[int(e) for e in eos_ids],
                 bos_token_id=gen.get("bos_token_id", cfg.get("bos_token_id")),
+                qk_norm=arch.startswith("Qwen3"),
+                **_moe_fields(path, cfg, arch),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{path}: missing or invalid field {e}") from e
@@ -100,6 +116,26 @@ class ModelConfig:
             [self.architecture, self.num_layers, self.num_kv_heads, self.head_dim, self.rope_theta,
              self.rope_scaling, str(kv_dtype), weights_digest], sort_keys=True, default=str).encode())
         return h.hexdigest()
+
+
+def _moe_fields(path: Path, cfg: dict, arch: str) -> dict:
+    """The MoE fields of ModelConfig for a sparse architecture, read as transformers' config classes read them."""
+    if arch not in MOE_ARCHITECTURES:
+        return {}
+    # Qwen3MoeConfig saves `num_experts` (older files) or `num_local_experts` (transformers >= 5), Mixtral the latter
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    layers = need_int(path, cfg, "num_hidden_layers")
+    if arch == "MixtralForCausalLM":
+        return dict(num_experts=experts, num_experts_per_tok=need_int(path, cfg, "num_experts_per_tok"),
+                    moe_intermediate_size=need_int(path, cfg, "intermediate_size"), moe_layers=tuple(range(layers)),
+                    norm_topk_prob=True)
+    # Qwen3MoeDecoderLayer: sparse unless listed in mlp_only_layers, on every decoder_sparse_step-th layer
+    dense = set(cfg.get("mlp_only_layers") or [])
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    sparse = tuple(i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
+    return dict(num_experts=experts, num_experts_per_tok=need_int(path, cfg, "num_experts_per_tok"),
+                moe_intermediate_size=need_int(path, cfg, "moe_intermediate_size"), moe_layers=sparse,
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), round_router_weights=True)
 
 
 def _generation_config(model_dir: Path) -> dict:

@@ -10,6 +10,10 @@ Each projection runs as its module's forward would at the step's row count (`pro
 (int8 / bf16 weights, the plain copies of packed projections, DualLinear's bf16 half), oneDNN's prepacked linear,
 or torch's linear. Where some projection has no such form at that size (int8 beyond the GEMV's rows widens the
 weight per call), the step keeps the Python loop. Plans are built once per row count and cached.
+
+The stack knows only the plain Llama layer: a model with any layer it does not compute (Qwen3's q/k norms, a
+mixture-of-experts MLP: `DecoderLayer.stackable`) keeps the Python loop for every step, where each layer still runs
+the same per-op native kernels (norms, rope, SwiGLU, attention) and torch for the rest.
 """
 from __future__ import annotations
 
@@ -67,7 +71,7 @@ class DecoderStacks:
         self.model = model
         self.native_ops = native_ops
         self.enabled = (native_ops is not None and hasattr(native_ops, "DecoderStack") and model.comm is None
-                        and os.environ.get(STACK_ENV, "1") != "0")
+                        and all(layer.stackable for layer in model.layers) and os.environ.get(STACK_ENV, "1") != "0")
         self._by_rows: dict[int, object] = {}
 
     def applies(self, meta: AttentionMetadata, rows: int, kv: torch.Tensor, x: torch.Tensor) -> bool:

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a flat batch of tokens with paged attention."""
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral) over a flat batch of tokens with
+paged attention."""
 from __future__ import annotations
 
 import math
@@ -14,6 +15,7 @@ from pdserve.engine.cpu_isa import FP32_PACK_ENV, cpu_vendor, pack_fp32
 from pdserve.engine.decoder_stack import DecoderStacks
 from pdserve.engine.errors import CheckpointError
 from pdserve.engine.loader import take
+from pdserve.engine.moe import SparseMoE
 from pdserve.engine.quant import GEMV_COPY_MAX_ROWS
 from pdserve.engine.tp.shard import TPShard, shard_for
 
@@ -120,10 +122,11 @@ def swiglu(gate_up: torch.Tensor, native_ops=None) -> torch.Tensor:
 
 class DecoderLayer(nn.Module):
     """With tensor parallelism (`shard` of N > 1 ranks, `comm` its group): qkv and gate/up are column-parallel
-    (this rank's heads and intermediate slice), o and down row-parallel, each followed by one all-reduce."""
+    (this rank's heads and intermediate slice), o and down row-parallel, each followed by one all-reduce.
+    `sparse`: the MLP is a mixture of experts (moe.py) instead of gate_up/down."""
     native_ops = None  # the compiled CPU kernels, set by LlamaModel.use_native_ops
 
-    def __init__(self, cfg: ModelConfig, shard: TPShard, comm=None):
+    def __init__(self, cfg: ModelConfig, shard: TPShard, comm=None, sparse: bool = False):
         super().__init__()
         self.cfg = cfg
         self.comm = comm
@@ -135,8 +138,18 @@ class DecoderLayer(nn.Module):
         self.qkv = Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)  # q, k, v fused: one GEMM
         self.o = Linear(self.q_size, h, bias=cfg.o_bias)
         self.post_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.gate_up = Linear(h, 2 * inter, bias=cfg.mlp_bias)
-        self.down = Linear(inter, h, bias=cfg.mlp_bias)
+        # q/k norms have one weight over head_dim, the same on every rank: tensor parallelism needs no slicing.
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.moe = SparseMoE(cfg, Linear) if sparse else None
+        self.gate_up = None if sparse else Linear(h, 2 * inter, bias=cfg.mlp_bias)
+        self.down = None if sparse else Linear(inter, h, bias=cfg.mlp_bias)
+
+    @property
+    def stackable(self) -> bool:
+        """Whether the native decoder stack (csrc/decoder_stack.cpp) computes this layer: it knows neither q/k norms
+        nor experts."""
+        return self.q_norm is None and self.moe is None
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.comm is None else self.comm.all_reduce(x)
@@ -145,6 +158,10 @@ class DecoderLayer(nn.Module):
         cfg = self.cfg
         t = x.shape[0]
         qkv = self.qkv(self.input_norm(x))
+        if self.q_norm is not None:  # before RoPE, in place in the fused output so the rotation below still applies
+            qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, cfg.head_dim)
+            qk[:, :self.num_heads] = self.q_norm(qk[:, :self.num_heads])
+            qk[:, self.num_heads:] = self.k_norm(qk[:, self.num_heads:])
         if self.native_ops is not None:  # q's and k's heads (adjacent in the fused output) rotated in place, one call
             qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, cfg.head_dim)
             self.native_ops.rope_(qk, cos, sin)
@@ -155,6 +172,8 @@ class DecoderLayer(nn.Module):
         v = v.view(t, self.num_kv_heads, cfg.head_dim)
         attn = paged_attention(q, k, v, kv, layer, meta, scale=cfg.head_dim ** -0.5)
         x = x + self._reduce(self.o(attn.reshape(t, self.q_size)))
+        if self.moe is not None:  # refused with tensor parallelism (tp/shard.py): the experts are whole here
+            return x + self.moe(self.post_norm(x))
         return x + self._reduce(self.down(swiglu(self.gate_up(self.post_norm(x)), self.native_ops)))
 
 
@@ -167,7 +186,8 @@ class LlamaModel(nn.Module):
         self.shard = shard or shard_for(cfg)
         self.comm = comm
         self.embed = nn.Embedding(len(self.shard.vocab), cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.shard, comm) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.shard, comm, i in cfg.moe_layers)
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, len(self.shard.vocab), bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
@@ -189,7 +209,7 @@ class LlamaModel(nn.Module):
         """Route norms, rope and the MLP's silu(gate) * up through the compiled kernels (None: torch ops)."""
         from pdserve.engine.quant import WeightOnlyLinear
         for m in self.modules():
-            if isinstance(m, (DecoderLayer, RMSNorm, WeightOnlyLinear, Linear)):
+            if isinstance(m, (DecoderLayer, RMSNorm, WeightOnlyLinear, Linear, SparseMoE)):
                 m.native_ops = ops
         self.stacks = DecoderStacks(self, ops) if ops is not None else None
 
@@ -303,6 +323,14 @@ class LlamaModel(nn.Module):
             put(layer.o.weight, take(tensors, p + "self_attn.o_proj.weight", (h, cfg.num_heads * hd))[:, heads])
             if cfg.o_bias:
                 row_bias(layer.o.bias, take(tensors, p + "self_attn.o_proj.bias"))
+            if cfg.qk_norm:
+                put(layer.q_norm.weight, take(tensors, p + "self_attn.q_norm.weight", (hd,)))
+                put(layer.k_norm.weight, take(tensors, p + "self_attn.k_norm.weight", (hd,)))
+            put(layer.input_norm.weight, take(tensors, p + "input_layernorm.weight", (h,)))
+            put(layer.post_norm.weight, take(tensors, p + "post_attention_layernorm.weight", (h,)))
+            if layer.moe is not None:
+                layer.moe.load(tensors, p, cfg.architecture, put)
+                continue
             gw = take(tensors, p + "mlp.gate_proj.weight", (inter, h))
             uw = take(tensors, p + "mlp.up_proj.weight", (inter, h))
             put(layer.gate_up.weight, torch.cat([gw[cols], uw[cols]]))
@@ -311,6 +339,4 @@ class LlamaModel(nn.Module):
                 put(layer.gate_up.bias, torch.cat([take(tensors, p + "mlp.gate_proj.bias")[cols],
                                                    take(tensors, p + "mlp.up_proj.bias")[cols]]))
                 row_bias(layer.down.bias, take(tensors, p + "mlp.down_proj.bias"))
-            put(layer.input_norm.weight, take(tensors, p + "input_layernorm.weight", (h,)))
-            put(layer.post_norm.weight, take(tensors, p + "post_attention_layernorm.weight", (h,)))
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.parameters())

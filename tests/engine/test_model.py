@@ -23,6 +23,13 @@ VARIANTS = {
     "mistral-sliding-window-8": dict(arch="mistral", sliding_window=8),
     "qwen2-qkv-bias": dict(arch="qwen2"),
     "llama-sharded-mha": dict(arch="llama", sharded=True, kv_heads=4),
+    # q/k norms; head_dim 32 with hidden 64 and 4 heads: q is wider than the hidden state
+    "qwen3-qk-norm-head-dim-32": dict(arch="qwen3", head_dim=32),
+    # layer 0 sparse (weights renormalised over the top 2), layer 1 dense by mlp_only_layers
+    "qwen3-moe-norm-topk-dense-layer": dict(arch="qwen3_moe", norm_topk_prob=True, mlp_only_layers=[1]),
+    # layer 1 sparse by decoder_sparse_step=2, raw softmax weights; top 3 of 6 experts
+    "qwen3-moe-sparse-step-2": dict(arch="qwen3_moe", decoder_sparse_step=2, num_experts=6, num_experts_per_tok=3),
+    "mixtral": dict(arch="mixtral"),
 }
 
 

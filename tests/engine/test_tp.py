@@ -22,6 +22,7 @@ VARIANTS = {
     "llama-gqa-kv1-replicated": dict(arch="llama", kv_heads=1),  # fewer KV heads than ranks: replicated
     "qwen2-qkv-bias": dict(arch="qwen2", kv_heads=2),
     "llama-tied-odd-vocab": dict(arch="llama", tie=True, vocab_size=321),  # vocab split unevenly (padded)
+    "qwen3-qk-norm": dict(arch="qwen3", kv_heads=2, head_dim=32),  # the q/k norm weights held whole by each rank
 }
 
 

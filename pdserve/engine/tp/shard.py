@@ -40,11 +40,14 @@ class TPShard:
         return self.total_kv_heads < self.size
 
 
-def check_tp(num_heads: int, num_kv_heads: int, intermediate_size: int, size: int) -> None:
+def check_tp(num_heads: int, num_kv_heads: int, intermediate_size: int, size: int, num_experts: int = 0) -> None:
     """Raise CheckpointError naming the shapes when `size` ranks cannot split this model (D08)."""
     if size < 1:
         raise CheckpointError(f"tensor parallel size must be >= 1, got {size}")
     problems = []
+    if num_experts and size > 1:  # engine/moe.py holds every expert whole in one process
+        problems.append(f"the {num_experts} experts of a mixture-of-experts model are not sharded for tensor "
+                        f"parallelism yet (run it with tensor_parallel_size=1)")
     if num_heads % size:
         problems.append(f"num_attention_heads={num_heads} is not divisible by tensor_parallel_size={size}")
     if num_kv_heads >= size and num_kv_heads % size:
@@ -68,7 +71,7 @@ def kv_head_range(num_kv_heads: int, rank: int, size: int) -> range:
 
 def shard_for(cfg, rank: int = 0, size: int = 1) -> TPShard:
     """The shard of rank `rank` of `size` for ModelConfig `cfg` (CheckpointError when it cannot be split)."""
-    check_tp(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, size)
+    check_tp(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, size, cfg.num_experts)
     h, inter = cfg.num_heads // size, cfg.intermediate_size // size
     v = -(-cfg.vocab_size // size)
     return TPShard(rank, size, range(rank * h, (rank + 1) * h), kv_head_range(cfg.num_kv_heads, rank, size),
