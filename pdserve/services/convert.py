@@ -153,7 +153,7 @@ class Limits:
         engine commands run in order, so it is in force when the request first allocates."""
         if self.kv_share is not None:
             share = self.kv_share
-            host.submit(lambda e: e.block_manager.set_share(namespace, share))
+            host.submit(lambda e: e.set_tenant_share(namespace, share))
 
 
 def limits_from_pb(m: common_pb2.Lifecycle) -> Limits:

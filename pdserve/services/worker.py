@@ -60,8 +60,7 @@ class Worker(worker_pb2_grpc.WorkerServicer):
         self.host = AsyncEngine(engine, grammars)
         # measured prefill rate / decode step / KV bandwidth for the router's cost model (docs/routing.md)
         self.meter = LoadMeter()
-        self.meter.chain(self.host.on_step)
-        self.host.on_step = self.meter.on_step
+        self.host.add_step_listener(self.meter.on_step)
         # engine stats snapshot -> this worker's gauges and prefix-cache counters (metrics/worker.py)
         self.exporter = M.EngineStatsExporter([st.value for st in RequestState if not st.terminal])
         self.layout = KVLayout.from_dict(engine.kv_cache.layout())
