@@ -163,7 +163,7 @@ def check_up(args) -> Problem | None:
         return Problem(f"--mode disagg needs both pools (--prefill {args.prefill}, --decode {args.decode})",
                        "give each pool at least one worker, or use --mode auto / colocated")
     if getattr(args, "planner", False):
-        from pdserve.planner.cli import check_up_planner
+        from pdserve.cli_flags import check_up_planner
         why = check_up_planner(args)
         if why:
             return Problem(why, "see docs/planner.md")

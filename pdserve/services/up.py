@@ -29,6 +29,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any, Callable
 from urllib.parse import urlparse
 
 from pdserve.services.supervisor import Child, Supervisor, describe_exit
@@ -137,7 +138,7 @@ def _secret_file(path: Path) -> str:
 
 
 def _secrets_dir() -> Path:
-    from pdserve.planner.status import state_dir
+    from pdserve.services.status import state_dir
     try:
         state_dir().mkdir(parents=True, exist_ok=True)
         return Path(tempfile.mkdtemp(prefix=f"secrets-{os.getpid()}-", dir=state_dir()))  # 0700
@@ -174,11 +175,20 @@ def close_by_default(args) -> Path | None:
     return d
 
 
-def up(args) -> int:
+# `--planner`: starts the planner in this process once the deployment is ready, given the supervisor, the
+# `start_worker(role)` that grows a pool and the PDSERVE_UP record; returns what `up` calls `start()` once,
+# `apply()` every tick (from this, the forking thread) and `stop()` before its children stop
+# (planner/connectors/local.py: start_in_up). Passed in by cli.py: services never import the planner.
+StartPlanner = Callable[[Any, Supervisor, Callable[[str], Child], dict], Any]
+
+
+def up(args, start_planner: StartPlanner | None = None) -> int:
     # Everything that can be known wrong before a process starts ends here, in one line and well under a second,
     # rather than as a child's traceback seconds later.
     from pdserve.services.preflight import check_up
     problem = check_up(args)
+    if problem is None and args.planner and start_planner is None:
+        problem = "--planner: no planner was handed to `up` (pdserve/cli.py hands it one)"
     if problem is not None:
         print(f"pdserve up: {problem}", file=sys.stderr, flush=True)
         return 2
@@ -302,9 +312,8 @@ def up(args) -> int:
                       "internal_token_file": args.internal_token_file,
                       "redis_password_file": args.redis_password_file, "processes": d.infos()}
         if args.planner:  # the planner adds and drains workers through start_worker (docs/planner.md)
-            from pdserve.planner.connectors.local import start_in_up
-            planner = start_in_up(args, d, start_worker, ready_info)
-        from pdserve.planner.status import remember_local
+            planner = start_planner(args, d, start_worker, ready_info)
+        from pdserve.services.status import remember_local
         remember_local(ready_info)  # for `pdserve status`
         # one write: another thread's log line (stderr, often the same pipe) cannot land inside it
         sys.stdout.write("PDSERVE_UP " + json.dumps(ready_info) + "\n")
@@ -328,7 +337,7 @@ def up(args) -> int:
     finally:
         if planner is not None:
             planner.stop()  # before the children stop: nothing is started or drained after this
-        from pdserve.planner.status import forget_local
+        from pdserve.services.status import forget_local
         forget_local()
         d.stop_all(args.drain_timeout + 5 if args.drain_timeout is not None else 15.0)
         if generated is not None:  # after the children: a restarting one still reads them

@@ -102,7 +102,7 @@ class LocalConnector:
     def publish(self) -> None:
         if self.state is None:
             return
-        from pdserve.planner.status import remember_local
+        from pdserve.services.status import remember_local
         procs = [c.info for c in self._children() if c.running]
         draining = sorted(c.proc.pid for c in self.sup.draining() if c.proc is not None)
         remember_local({**self.state, "processes": procs, "draining": draining})
