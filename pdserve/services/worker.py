@@ -136,9 +136,7 @@ class Worker(worker_pb2_grpc.WorkerServicer):
     async def Generate(self, request, context):
         with self._track():
             params = params_from_pb(request.params)
-            prompt = list(request.prompt_token_ids)
-            if not prompt and request.prompt:
-                prompt = self.tokenizer.encode(request.prompt)
+            prompt = list(request.prompt_token_ids)  # the gateway tokenizes: `prompt` text is its front door's only
             enc = DeltaEncoder(self.tokenizer)
             finished = False
             lim = limits_from_pb(request.lifecycle)
