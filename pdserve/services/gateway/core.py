@@ -30,6 +30,7 @@ from pdserve.services.metrics import gateway as M
 from pdserve.services.grpc_util import channel, param_of
 from pdserve.services.convert import params_to_pb
 from pdserve.services.pb import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pdserve.services.tasks import OwnedTasks
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -71,18 +72,12 @@ class Dispatcher:
         self._listed_at = float("-inf")
         self._router = router_pb2_grpc.RouterStub(channel(router_address))
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks = OwnedTasks()  # ReleaseKV calls that outlive their request
         self.suspects = Suspects()  # workers a call just found dead: skipped until the registry drops them
-
-    def _spawn(self, coro) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     async def close(self, timeout_s: float = 5.0) -> None:
         """Shutdown: let in-flight ReleaseKV calls complete."""
-        if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=timeout_s)
+        await self._tasks.wait(timeout_s)
 
     def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         ch = self._channels.get(address)
@@ -333,7 +328,7 @@ class Dispatcher:
                     worker_pb2.ReleaseKVRequest(request_id=rid, lease_id=lease_id), timeout=2)
             except grpc.aio.AioRpcError as e:
                 log.warning("ReleaseKV %s on %s failed: %s (the lease will expire)", rid, address, e.code().name)
-        self._spawn(release())
+        self._tasks.spawn(release())
 
     async def generate_many(self, rid: str, subs: list[SubRequest], namespace: str = "", on_route=None,
                             traces: list[StageTrace] | None = None,
