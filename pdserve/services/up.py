@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import secrets
 import shutil
 import signal
@@ -32,45 +31,10 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlparse
 
+from pdserve.services.ports import free_port, hand_out
 from pdserve.services.supervisor import Child, Supervisor, describe_exit
 
 ROOT = str(Path(__file__).resolve().parent.parent.parent)
-
-
-_handed_out: set[int] = set()
-
-
-def _ephemeral_low() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def free_port() -> int:
-    """A port free now, chosen below the kernel's ephemeral range. A port from bind(0) lies inside that range, where
-    every outgoing connection (gRPC, Redis, UCX) and every other bind(0) also draws: between this check and the
-    child's bind, one of them could take it, and the child fails to start ("Address already in use", seen with a
-    worker's port). Below the range only another explicit chooser competes; ports handed out by this process are
-    not handed out again."""
-    low = _ephemeral_low()
-    if low > 12000:
-        rng = random.Random()
-        for _ in range(64):
-            port = rng.randrange(10000, low)
-            if port in _handed_out:
-                continue
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    continue
-            _handed_out.add(port)
-            return port
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_tcp(port: int, timeout: float) -> bool:
@@ -193,7 +157,7 @@ def up(args, start_planner: StartPlanner | None = None) -> int:
         print(f"pdserve up: {problem}", file=sys.stderr, flush=True)
         return 2
     # the ports given on the command line are taken (the gateway binds them last): never hand them to a child
-    _handed_out.update(p for p in (args.port, args.grpc_port) if p)
+    hand_out(p for p in (args.port, args.grpc_port) if p)
     d = Supervisor(_env(), restart=False)  # restarting starts once the deployment is ready
     pdserve = [sys.executable, "-m", "pdserve"]
     planner = None
