@@ -12,6 +12,7 @@ import sys
 
 from pdserve.cli_args import (Parser, context_len, fraction, labels_arg, list_arg, nonneg_float, nonneg_int, port,
                               positive_float, positive_int, print_error, weights_arg)
+from pdserve.cli_flags import add_security as _add_security
 from pdserve.engine.spec_decode.flags import add_spec_flags
 
 
@@ -136,23 +137,6 @@ def _add_browser(p: argparse.ArgumentParser) -> None:
                    help="browser origins (e.g. https://app.example) allowed to call the API (CORS); unset: none")
 
 
-def _add_security(p: argparse.ArgumentParser) -> None:
-    """Internal transport security (docs/services.md, Trust model). Secrets come as files, never as values; the
-    files are read (and a missing one reported) once the command line is parsed: `_check_security`."""
-    p.add_argument("--internal-token-file",
-                   help="shared token for router/worker RPCs and registry records (a mounted Secret)")
-    p.add_argument("--tls-cert", help="PEM certificate for internal gRPC (with --tls-key)")
-    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
-    p.add_argument("--tls-ca",
-                   help="PEM CA: servers require client certificates it signed (mTLS), clients verify servers by it")
-    p.add_argument("--tls-server-name", help="name internal servers' certificates carry (default: the dialed host)")
-    p.add_argument("--redis-password-file", help="Redis AUTH password (username, if any, in --redis-url)")
-    p.add_argument("--redis-ca-file", help="PEM CA for a rediss:// (TLS) Redis")
-    p.add_argument("--insecure-internal", action="store_true", default=None,  # None: help prints no default
-                   help="run without internal authentication, said at WARNING (up: generate no token or Redis "
-                        "password; router/worker: serve a non-loopback address without a token or mTLS)")
-
-
 def build_parser() -> argparse.ArgumentParser:
     """Flags of up / gateway / router / worker also read PDSERVE_<FLAG> (what a Kubernetes pod sets), parsed and
     checked like the flag when the command line is parsed (pdserve/cli_args.py)."""
@@ -187,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_grammar(up, worker=True)
     _add_browser(up)
     _add_security(up)
-    from pdserve.planner.cli import add_up_flags
+    from pdserve.cli_flags import add_up_flags
     add_up_flags(up)  # --planner and its flags (docs/planner.md)
 
     gw = sub.add_parser("gateway", env=True, help="OpenAI HTTP API + gRPC front door")
@@ -330,6 +314,9 @@ def _run(args: argparse.Namespace) -> int:
         from pdserve.services.up import up
         # up's own lines never block it (its children write to the same pipe through their own log queues)
         sys.stdout, sys.stderr = logs.QueuedStream(sys.stdout), logs.QueuedStream(sys.stderr)
+        if args.planner:  # the planner sits above the services: `up` is handed its start, never imports it
+            from pdserve.planner.connectors.local import start_in_up
+            return up(args, start_planner=start_in_up)
         return up(args)
     if args.command in ("gateway", "worker"):  # both load the model: a wrong --model is one line, at once
         from pdserve.services.preflight import check_model

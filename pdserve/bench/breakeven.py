@@ -311,7 +311,7 @@ def verdict(rows: list[dict]) -> list[str]:
 def run_breakeven(a) -> int:
     import html as H
 
-    from pdserve.bench.cli import Progress
+    from pdserve.bench.progress import Progress
     from pdserve.bench.report import _clean, _img, write_html, write_json
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

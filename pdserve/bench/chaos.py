@@ -180,7 +180,7 @@ class ChaosDeployment:
 
     def __init__(self, model: str, served: str, env: dict, heartbeat_ttl: float = 2.0, decode: int = 2,
                  extra: tuple[str, ...] = (), log_dir: Path | None = None):
-        from pdserve.services.up import free_port
+        from pdserve.services.ports import free_port
         self.model, self.served, self.env, self.ttl = model, served, env, heartbeat_ttl
         self.n_decode = decode
         self.up = UpProcess(["--model", model, "--served-model-name", served, "--mode", "disagg", "--prefill", "1",

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from pdserve.bench import metrics as MX
+from pdserve.bench.progress import Progress
 
 
 def _add_target(p: argparse.ArgumentParser) -> None:
@@ -128,32 +129,6 @@ def workload_meta(a, rate) -> dict:
             "prompt_format": a.prompt_format, "shared_prefix_len": a.shared_prefix_len,
             "shared_prefix_frac": a.shared_prefix_frac, "tenants": a.tenants, "endpoint": a.endpoint,
             "ignore_eos": not a.no_ignore_eos}
-
-
-class Progress:
-    """rich progress bar over requests (or a no-op)."""
-
-    def __init__(self, enabled: bool):
-        self.p = None
-        if enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress as P, TextColumn, TimeElapsedColumn
-            self.p = P(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                       transient=False)
-
-    def __enter__(self):
-        if self.p:
-            self.p.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self.p:
-            self.p.__exit__(*exc)
-
-    def task(self, desc: str, total: int):
-        if not self.p:
-            return lambda rec: None
-        tid = self.p.add_task(desc, total=total)
-        return lambda rec: self.p.advance(tid)
 
 
 def print_points(points: list[dict], title: str = "results") -> None:

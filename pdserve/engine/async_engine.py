@@ -33,6 +33,8 @@ from pdserve.engine.stats import EngineStats
 TRANSFER_POLL_S = 0.25
 # Stats are republished at most this often while the engine is busy (always before it goes idle).
 SNAPSHOT_INTERVAL_S = 0.1
+# Called after each step with the engine and the outputs it produced (AsyncEngine.add_step_listener).
+StepListener = Callable[[Engine, list[RequestOutput]], None]
 
 
 @dataclass(frozen=True)
@@ -59,10 +61,15 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self.on_step: Callable[[Engine, list[RequestOutput]], None] | None = None  # metrics hook (engine thread)
-        self._hook_backlog: list[RequestOutput] = []  # delivered between steps, shown to the hook at the next
+        self._step_listeners: list[StepListener] = []  # add_step_listener; called on the engine thread
+        self._hook_backlog: list[RequestOutput] = []  # delivered between steps, shown to the listeners at the next
         self.snapshot = EngineSnapshot()
         self._busy_since: float | None = None  # monotonic start of the step/command running now (engine thread)
+
+    def add_step_listener(self, fn: StepListener) -> None:
+        """Call `fn(engine, outputs)` on the engine thread after every step, in the order added (metrics: it may
+        read the engine, and must be quick). `outputs` also holds what commands delivered since the last step."""
+        self._step_listeners.append(fn)
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -108,8 +115,8 @@ class AsyncEngine:
             except queue.Empty:
                 pass
             self.engine.expire_transfers(time.time())
-            # Deliver what commands produced (a committed prefill's first token, aborts) now; the metrics hook
-            # still sees them, with the next step's outputs (it times steps by its calls).
+            # Deliver what commands produced (a committed prefill's first token, aborts) now; the step listeners
+            # still see them, with the next step's outputs (it times steps by its calls).
             pending = self.engine.drain_outputs()
             self._hook_backlog += pending
             self._deliver(pending)
@@ -123,8 +130,10 @@ class AsyncEngine:
                     outputs = self._fail_all(e)
                 finally:
                     self._busy_since = None
-                if self.on_step:
-                    self.on_step(self.engine, self._hook_backlog + outputs)
+                if self._step_listeners:
+                    seen = self._hook_backlog + outputs
+                    for fn in self._step_listeners:
+                        fn(self.engine, seen)
                 self._hook_backlog = []
                 self._deliver(outputs)
                 if self.engine.num_steps == steps and not outputs:

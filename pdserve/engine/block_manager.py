@@ -260,9 +260,6 @@ class BlockManager:
         seq.host_table = [h for _, h in pairs]
         self.free(seq)
 
-    def can_swap_in(self, seq: Sequence) -> bool:
-        return len(seq.host_table) <= self.num_free_for(seq.namespace, len(seq.host_table))
-
     def swap_in(self, seq: Sequence) -> None:
         fair = len(seq.host_table) <= self.num_free_for(seq.namespace)
         pairs = [(h, self._take(seq.namespace, fair)) for h in seq.host_table]

@@ -570,6 +570,23 @@ class Engine:
             n += max(0, seq.num_tokens - max(hit, seq.num_computed_tokens))
         return n
 
+    def pending_prefill_tokens(self) -> int:
+        """Prefill work queued ahead of a new request: the waiting queue's uncached tokens
+        (`queued_prefill_tokens`) + what running sequences still have to prefill (chunked prefill in progress)."""
+        n = self.queued_prefill_tokens()
+        for s in list(self.scheduler.running):
+            n += max(0, s.num_prompt_tokens - s.num_computed_tokens)
+        return n
+
+    def has_waiting(self) -> bool:
+        """Any sequence queued for its (first or re-)prefill."""
+        return bool(self.scheduler.waiting)
+
+    def set_tenant_share(self, namespace: str, fraction: float) -> None:
+        """The namespace's guaranteed fraction of the KV blocks for fair eviction (engine/kv_fairness.py); 0 lifts
+        it. In force for every allocation after this call."""
+        self.block_manager.set_share(namespace, fraction)
+
     def stats(self) -> EngineStats:
         bm = self.block_manager
         logical = sum(s.num_computed_tokens for r in self.requests.values() for s in r.seqs if not s.finished)

@@ -1,54 +1,16 @@
-"""`pdserve planner` (its own process: the chart's planner Deployment), the planner flags of `pdserve up --planner`,
-and `pdserve status` (docs/planner.md). Flags read PDSERVE_<FLAG> like every service's."""
+"""`pdserve planner` (its own process: the chart's planner Deployment) and `pdserve status` (docs/planner.md). The
+planner flags it shares with `pdserve up --planner` are in cli_flags.py. Flags read PDSERVE_<FLAG> like every
+service's."""
 from __future__ import annotations
 
 import asyncio
 import sys
 
-from pdserve.cli_args import nonneg_float, port, positive_float, positive_int
-
-
-def add_planner_flags(p) -> None:
-    """What `pdserve up --planner` and `pdserve planner` share."""
-    p.add_argument("--planner-interval", type=positive_float, default=30.0, help="seconds between decisions")
-    p.add_argument("--slo-ttft", type=positive_float, default=0.5, help="TTFT SLO (p90, seconds) the planner sizes for")
-    p.add_argument("--slo-tpot", type=positive_float, default=0.05, help="TPOT SLO (p90, seconds)")
-    p.add_argument("--min-prefill", type=positive_int, default=1, help="planner: fewest prefill workers")
-    p.add_argument("--max-prefill", type=positive_int, default=4, help="planner: most prefill workers")
-    p.add_argument("--min-decode", type=positive_int, default=1, help="planner: fewest decode workers")
-    p.add_argument("--max-decode", type=positive_int, default=4, help="planner: most decode workers")
-    p.add_argument("--scale-down-cooldown", type=nonneg_float, default=None,
-                   help="seconds after a pool's last change before it may shrink (default: 2 intervals)")
-    p.add_argument("--planner-window", type=positive_int, default=6,
-                   help="intervals the forecast looks back (a pool shrinks only when all of them needed fewer)")
-    p.add_argument("--headroom", type=positive_float, default=1.2, help="size for the forecast rate x this")
-    p.add_argument("--attainment", type=positive_float, default=0.9, help="target SLO attainment in simulation")
-
-
-def add_up_flags(up) -> None:
-    up.add_argument("--planner", action="store_true", default=None,  # None: no "(default: False)" in --help
-                    help="run the SLA planner in this process: it adds and drains workers (docs/planner.md)")
-    add_planner_flags(up)
-
-
-def check_limits(a) -> str | None:
-    for pool in ("prefill", "decode"):
-        lo, hi = getattr(a, f"min_{pool}"), getattr(a, f"max_{pool}")
-        if lo > hi:
-            return f"--min-{pool} {lo} is above --max-{pool} {hi}"
-    if a.planner_window < 2:
-        return "--planner-window needs at least 2 intervals"
-    return None
-
-
-def check_up_planner(a) -> str | None:
-    if a.mode == "colocated":
-        return "--planner sizes prefill and decode pools: use --mode auto or disagg"
-    return check_limits(a)
+from pdserve.cli_args import port, positive_float
+from pdserve.cli_flags import add_planner_flags, add_security, check_limits
 
 
 def add_planner_parser(sub) -> None:
-    from pdserve.cli import _add_security
     p = sub.add_parser("planner", env=True, help="SLA planner: size the prefill and decode pools from measured load")
     p.add_argument("--model", default="builtin", help="the served model (names its registry keys)")
     p.add_argument("--served-model-name", help="default: the model dir's basename")
@@ -69,7 +31,7 @@ def add_planner_parser(sub) -> None:
     p.add_argument("--heartbeat-ttl", type=positive_float, default=3.0, help="the workers' (registry record TTL)")
     p.add_argument("--log-format", choices=("text", "json"), default="text")
     add_planner_flags(p)
-    _add_security(p)
+    add_security(p)
     p.set_defaults(func=cmd_planner)
 
 
@@ -139,7 +101,7 @@ def add_status_parser(sub) -> None:
 
 
 def cmd_status(a) -> int:
-    from pdserve.planner.status import format_text, gather
+    from pdserve.services.status import format_text, gather
     st = gather(a)
     if st is None:
         return 1

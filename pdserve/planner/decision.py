@@ -1,32 +1,17 @@
 """One interval's decision: what was seen, forecast and simulated, what each pool was told, and why.
 
 Each decision is exported (services/metrics/planner.py), logged as one line with its reason, and stored in Redis for
-`pdserve status`: `pdserve:{model}:planner:last` (the last decision) and `pdserve:{model}:planner:changes` (the
-last 50 that changed a pool), JSON, HMAC-signed with the registry key when an internal token is configured (the
-same key and canonical form as worker records: registry.record_sig), so a process without the token cannot make
-status show a decision the planner never took.
+`pdserve status` (signed; the keys and the record's form: services/planner_record.py).
 """
 from __future__ import annotations
 
-import hmac
-import json
 import logging
 from dataclasses import asdict, dataclass, field
 
 from pdserve.planner.guard import PoolVerdict
 from pdserve.services.metrics import planner as M
-from pdserve.services.registry import record_sig
 
 log = logging.getLogger("pdserve.planner")
-HISTORY = 50
-
-
-def last_key(model: str) -> str:
-    return f"pdserve:{model}:planner:last"
-
-
-def changes_key(model: str) -> str:
-    return f"pdserve:{model}:planner:changes"
 
 
 @dataclass
@@ -95,32 +80,3 @@ class Decision:
         M.FEASIBLE.set(1 if self.feasible else 0)
         M.DRY_RUN.set(1 if self.dry_run else 0)
 
-
-def _signed(model: str, body: str, key: bytes | None) -> str:
-    rec = {"decision": body}
-    if key is not None:
-        rec["sig"] = record_sig(key, model, {"decision": body.encode()})
-    return json.dumps(rec)
-
-
-def verify(model: str, raw: bytes | str | None, key: bytes | None) -> dict | None:
-    """The stored decision if its signature verifies (or no key is configured); None otherwise."""
-    if not raw:
-        return None
-    rec = json.loads(raw)
-    body = rec.get("decision", "")
-    if key is not None and not hmac.compare_digest(rec.get("sig", ""),
-                                                   record_sig(key, model, {"decision": body.encode()})):
-        return None
-    return json.loads(body)
-
-
-async def store(r, model: str, d: Decision, key: bytes | None) -> None:
-    """`r`: a redis.asyncio client."""
-    rec = _signed(model, json.dumps(d.to_json()), key)
-    async with r.pipeline(transaction=True) as p:
-        p.set(last_key(model), rec)
-        if d.changed:
-            p.lpush(changes_key(model), rec)
-            p.ltrim(changes_key(model), 0, HISTORY - 1)
-        await p.execute()

@@ -15,10 +15,11 @@ from typing import Callable
 
 from pdserve.planner import scrape
 from pdserve.planner.costs import live_costs
-from pdserve.planner.decision import Decision, store
+from pdserve.planner.decision import Decision
 from pdserve.planner.guard import Guard
 from pdserve.planner.policy import Limits, Sizer
 from pdserve.planner.predictor import TrendPredictor
+from pdserve.services import planner_record
 from pdserve.services.metrics import planner as M
 from pdserve.sim.workload import SLO
 
@@ -109,7 +110,7 @@ class Planner:
             d.export()
             log.info(d.line())
             stage = "store"
-            await store(reg.r, self.cfg.model, d, self.key)
+            await planner_record.store(reg.r, self.cfg.model, d.to_json(), d.changed, self.key)
             self.last = d
             return d
         except Exception as e:  # noqa: BLE001 - one bad interval must not end the loop

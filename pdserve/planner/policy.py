@@ -22,8 +22,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.planner.costs import LiveCosts
 from pdserve.planner.guard import Limits
 from pdserve.sim.cluster import ClusterSpec
-from pdserve.sim.plan import PlanInput, pool_rates, smallest_pd
-from pdserve.sim.plan import _run as simulate  # one cluster at one rate -> bench's summary
+from pdserve.sim.plan import PlanInput, pool_rates, simulate, smallest_pd
 from pdserve.sim.workload import SLO, LengthDist, synthetic
 
 

@@ -1,6 +1,6 @@
 """The one place where Python-side values become wire messages and back: engine outputs -> GenerateResponse
-deltas, SamplingParams and KV layouts, worker records <-> WorkerInfo + LoadReport (the Redis registry stores these
-serialized), request lifecycle limits, KV regions.
+deltas, SamplingParams and KV layouts, request lifecycle limits, KV regions. (Worker records <-> WorkerInfo +
+LoadReport live with the record, in registry.py.)
 Everything between processes is a proto message; nothing here builds a string-keyed dict for the wire."""
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from pdserve.engine.outputs import FirstToken, RequestOutput, RequestTimes, Samp
 from pdserve.engine.sampling_params import GuidedSpec, SamplingParams
 from pdserve.kv_transfer.layout import KVLayout, KVRegion
 from pdserve.services.pb import common_pb2
-from pdserve.services.registry import WorkerRecord
 
 
 class DeltaEncoder:
@@ -94,36 +93,6 @@ def full_response(out: RequestOutput, tokenizer=None) -> common_pb2.GenerateResp
     return DeltaEncoder(tokenizer).encode(cum)
 
 
-# ---- worker records (registry, router) ------------------------------------------------------------------------
-def record_to_pb(r: WorkerRecord) -> common_pb2.WorkerInfo:
-    return common_pb2.WorkerInfo(worker_id=r.worker_id, role=r.role, address=r.address, agent_name=r.agent_name,
-                                 capacity_blocks=r.capacity_blocks, layout=r.layout, labels=r.labels)
-
-
-def record_from_pb(w: common_pb2.WorkerInfo, load: common_pb2.LoadReport | None = None) -> WorkerRecord:
-    return WorkerRecord(w.worker_id, w.role, w.address, w.agent_name, w.capacity_blocks, _copy(w.layout),
-                        _copy(load) if load is not None else common_pb2.LoadReport(), labels=dict(w.labels))
-
-
-def _copy(m):
-    out = type(m)()
-    out.CopyFrom(m)
-    return out
-
-
-def record_to_hash(rec: WorkerRecord) -> dict[str, bytes]:
-    """The registry's Redis hash: serialized protos plus the heartbeat time (the TTL check reads it)."""
-    return {"info": record_to_pb(rec).SerializeToString(), "load": rec.load.SerializeToString(),
-            "updated": repr(float(rec.updated)).encode()}
-
-
-def record_from_hash(h: dict) -> WorkerRecord:
-    h = {(k.decode() if isinstance(k, bytes) else k): v for k, v in h.items()}
-    rec = record_from_pb(common_pb2.WorkerInfo.FromString(h["info"]), common_pb2.LoadReport.FromString(h["load"]))
-    rec.updated = float(h["updated"])
-    return rec
-
-
 # ---- request lifecycle (gateway -> workers) -------------------------------------------------------------------
 def lifecycle_to_pb(deadline: float | None, priority: int | None, predicted: int | None,
                     kv_share: float | None = None) -> common_pb2.Lifecycle:
@@ -153,7 +122,7 @@ class Limits:
         engine commands run in order, so it is in force when the request first allocates."""
         if self.kv_share is not None:
             share = self.kv_share
-            host.submit(lambda e: e.block_manager.set_share(namespace, share))
+            host.submit(lambda e: e.set_tenant_share(namespace, share))
 
 
 def limits_from_pb(m: common_pb2.Lifecycle) -> Limits:

@@ -45,12 +45,6 @@ def parse_member_tier(m: str | bytes) -> tuple[str, int, str]:
     return ns, int(h, 16), tier or "device"
 
 
-def parse_member(m: str | bytes) -> tuple[str, int]:
-    """(namespace, chained block hash) of a set member."""
-    ns, h, _ = parse_member_tier(m)
-    return ns, h
-
-
 class KvEventPublisher:
     """Worker side: push the engine's drained KV events to Redis (set + stream, one transaction)."""
 

@@ -61,7 +61,7 @@ class EwmaLine:
 class LoadMeter:
     """Measures prefill rate, decode step time and KV link bandwidth on a worker.
 
-    `on_step` is installed as the AsyncEngine step hook (engine thread); `observe_transfer` is called by the
+    `on_step` is an AsyncEngine step listener (engine thread); `observe_transfer` is called by the
     decode side after each KV pull (event loop). A lock keeps `report` consistent across the two threads.
     """
 
@@ -93,7 +93,6 @@ class LoadMeter:
         self._last_step: float | None = None
         self._decode_steps = 0  # pure-decode steps seen, warm-up included
         self._busy = False
-        self._chain = None
 
     # ---- engine thread ---------------------------------------------------------------------------------------
     def on_step(self, engine, outputs) -> None:
@@ -104,13 +103,11 @@ class LoadMeter:
                 self._prefill_sample(out)
             # prefix lookups hash every waiting prompt: refresh a few times a second, not every step
             # (always when nothing waits: then it is cheap, and an idle worker must not keep a stale value)
-            if not engine.scheduler.waiting or now - self._pending_at >= self.PENDING_REFRESH_S:
-                self.pending_prefill_tokens = _pending_prefill(engine)
+            if not engine.has_waiting() or now - self._pending_at >= self.PENDING_REFRESH_S:
+                self.pending_prefill_tokens = engine.pending_prefill_tokens()
                 self._pending_at = now
             self._busy = engine.has_unfinished()
             self._last_step = now
-        if self._chain is not None:
-            self._chain(engine, outputs)
 
     def _step_time(self, engine, now: float) -> None:
         # The interval between two step ends while the engine stayed busy is one step (plus the few commands
@@ -153,10 +150,6 @@ class LoadMeter:
                 self.kv_bw.add(nbytes / transfer_s)
             self.handoff.add(max(0.0, handoff_s - transfer_s))
 
-    def chain(self, hook) -> None:
-        """Keep another on_step hook working (e.g. someone else's metrics)."""
-        self._chain = hook
-
     def report(self) -> common_pb2.LoadReport:
         """The measured fields of a load report (the worker fills in the rest)."""
         with self._lock:
@@ -179,12 +172,3 @@ class LoadMeter:
                 report_time=time.time(),
             )
 
-
-def _pending_prefill(engine) -> int:
-    """Prefill work queued ahead of a new request: the waiting queue's uncached tokens
-    (`Engine.queued_prefill_tokens`, prefix-cache hits subtracted) + what running sequences still have to
-    prefill (chunked prefill in progress)."""
-    n = engine.queued_prefill_tokens()
-    for s in list(engine.scheduler.running):
-        n += max(0, s.num_prompt_tokens - s.num_computed_tokens)
-    return n

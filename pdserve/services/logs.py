@@ -141,6 +141,12 @@ class DroppingQueueHandler(logging.handlers.QueueHandler):
         except queue.Full:
             LOG_LINES_DROPPED.inc()
 
+    def close(self) -> None:
+        """`logging.shutdown()` writes the queued lines: what code that cannot import this module (the engine)
+        calls before an `os._exit`."""
+        stop()
+        super().close()
+
 
 class Listener(logging.handlers.QueueListener):
     """The thread that writes queued lines to the sink; `stop` is bounded, so a stuck sink cannot hold up exit."""

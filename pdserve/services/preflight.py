@@ -16,6 +16,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from pdserve.engine.architectures import SUPPORTED_ARCHITECTURES
+from pdserve.services.ports import free_port
 
 # owner/name as the Hugging Face hub spells a repository (what people pass to --model out of habit)
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -113,7 +114,6 @@ def check_port(flag: str, host: str, port: int) -> Problem | None:
     if port == 0 or port_free(host, port):
         return None
     owner = port_owner(port)
-    from pdserve.services.up import free_port
     return Problem(f"{flag} {port}: port {port} on {host} is already in use" + (f" by {owner}" if owner else ""),
                    f"stop that process or pass a free port (e.g. {flag} {free_port()})")
 
@@ -163,7 +163,7 @@ def check_up(args) -> Problem | None:
         return Problem(f"--mode disagg needs both pools (--prefill {args.prefill}, --decode {args.decode})",
                        "give each pool at least one worker, or use --mode auto / colocated")
     if getattr(args, "planner", False):
-        from pdserve.planner.cli import check_up_planner
+        from pdserve.cli_flags import check_up_planner
         why = check_up_planner(args)
         if why:
             return Problem(why, "see docs/planner.md")

@@ -40,7 +40,7 @@ def index_key(model: str) -> str:
 
 @dataclass
 class WorkerRecord:
-    """A live worker as the registry holds it; `load` is its last LoadReport (services/convert.py converts)."""
+    """A live worker as the registry holds it; `load` is its last LoadReport (wire forms: record_to_pb / _hash)."""
 
     worker_id: str
     role: str  # prefill | decode | both
@@ -51,6 +51,36 @@ class WorkerRecord:
     load: common_pb2.LoadReport = field(default_factory=common_pb2.LoadReport)
     updated: float = 0.0
     labels: dict[str, str] = field(default_factory=dict)  # `--labels`: zone, node, price (router/spread.py)
+
+
+# ---- wire forms (the registry's hash, the router's WorkerInfo) -------------------------------------------------------
+def record_to_pb(r: WorkerRecord) -> common_pb2.WorkerInfo:
+    return common_pb2.WorkerInfo(worker_id=r.worker_id, role=r.role, address=r.address, agent_name=r.agent_name,
+                                 capacity_blocks=r.capacity_blocks, layout=r.layout, labels=r.labels)
+
+
+def record_from_pb(w: common_pb2.WorkerInfo, load: common_pb2.LoadReport | None = None) -> WorkerRecord:
+    return WorkerRecord(w.worker_id, w.role, w.address, w.agent_name, w.capacity_blocks, _copy(w.layout),
+                        _copy(load) if load is not None else common_pb2.LoadReport(), labels=dict(w.labels))
+
+
+def _copy(m):
+    out = type(m)()
+    out.CopyFrom(m)
+    return out
+
+
+def record_to_hash(rec: WorkerRecord) -> dict[str, bytes]:
+    """The registry's Redis hash: serialized protos plus the heartbeat time (the TTL check reads it)."""
+    return {"info": record_to_pb(rec).SerializeToString(), "load": rec.load.SerializeToString(),
+            "updated": repr(float(rec.updated)).encode()}
+
+
+def record_from_hash(h: dict) -> WorkerRecord:
+    h = {(k.decode() if isinstance(k, bytes) else k): v for k, v in h.items()}
+    rec = record_from_pb(common_pb2.WorkerInfo.FromString(h["info"]), common_pb2.LoadReport.FromString(h["load"]))
+    rec.updated = float(h["updated"])
+    return rec
 
 
 def record_sig(key: bytes, model: str, fields: dict[str, bytes]) -> str:
@@ -96,10 +126,9 @@ class Registry:
 
     async def heartbeat(self, rec: WorkerRecord) -> None:
         """Register or refresh (same write: a worker that lapsed re-registers with its next heartbeat)."""
-        from pdserve.services import convert  # convert imports WorkerRecord from here
         rec.updated = time.time()
         key = workers_key(self.model, rec.worker_id)
-        fields = convert.record_to_hash(rec)
+        fields = record_to_hash(rec)
         if self.key is not None:
             fields[SIG_FIELD] = record_sig(self.key, self.model, fields).encode()
         async with self.r.pipeline(transaction=True) as p:
@@ -116,7 +145,6 @@ class Registry:
             await p.execute()
 
     async def live_workers(self) -> list[WorkerRecord]:
-        from pdserve.services import convert
         ids = sorted(m.decode() for m in await self.r.smembers(index_key(self.model)))
         if not ids:
             return []
@@ -134,7 +162,7 @@ class Registry:
             if not self._authentic(i, h):
                 continue
             try:
-                rec = convert.record_from_hash(h)
+                rec = record_from_hash(h)
             except Exception as e:  # noqa: BLE001 - a malformed record is skipped like a forged one
                 self._refuse(i, f"it does not parse ({e!r})")
                 continue

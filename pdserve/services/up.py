@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import secrets
 import shutil
 import signal
@@ -29,47 +28,13 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any, Callable
 from urllib.parse import urlparse
 
+from pdserve.services.ports import free_port, hand_out
 from pdserve.services.supervisor import Child, Supervisor, describe_exit
 
 ROOT = str(Path(__file__).resolve().parent.parent.parent)
-
-
-_handed_out: set[int] = set()
-
-
-def _ephemeral_low() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def free_port() -> int:
-    """A port free now, chosen below the kernel's ephemeral range. A port from bind(0) lies inside that range, where
-    every outgoing connection (gRPC, Redis, UCX) and every other bind(0) also draws: between this check and the
-    child's bind, one of them could take it, and the child fails to start ("Address already in use", seen with a
-    worker's port). Below the range only another explicit chooser competes; ports handed out by this process are
-    not handed out again."""
-    low = _ephemeral_low()
-    if low > 12000:
-        rng = random.Random()
-        for _ in range(64):
-            port = rng.randrange(10000, low)
-            if port in _handed_out:
-                continue
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    continue
-            _handed_out.add(port)
-            return port
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_tcp(port: int, timeout: float) -> bool:
@@ -139,7 +104,7 @@ def _secret_file(path: Path) -> str:
 
 
 def _secrets_dir() -> Path:
-    from pdserve.planner.status import state_dir
+    from pdserve.services.status import state_dir
     try:
         state_dir().mkdir(parents=True, exist_ok=True)
         return Path(tempfile.mkdtemp(prefix=f"secrets-{os.getpid()}-", dir=state_dir()))  # 0700
@@ -176,16 +141,25 @@ def close_by_default(args) -> Path | None:
     return d
 
 
-def up(args) -> int:
+# `--planner`: starts the planner in this process once the deployment is ready, given the supervisor, the
+# `start_worker(role)` that grows a pool and the PDSERVE_UP record; returns what `up` calls `start()` once,
+# `apply()` every tick (from this, the forking thread) and `stop()` before its children stop
+# (planner/connectors/local.py: start_in_up). Passed in by cli.py: services never import the planner.
+StartPlanner = Callable[[Any, Supervisor, Callable[[str], Child], dict], Any]
+
+
+def up(args, start_planner: StartPlanner | None = None) -> int:
     # Everything that can be known wrong before a process starts ends here, in one line and well under a second,
     # rather than as a child's traceback seconds later.
     from pdserve.services.preflight import check_up
     problem = check_up(args)
+    if problem is None and args.planner and start_planner is None:
+        problem = "--planner: no planner was handed to `up` (pdserve/cli.py hands it one)"
     if problem is not None:
         print(f"pdserve up: {problem}", file=sys.stderr, flush=True)
         return 2
     # the ports given on the command line are taken (the gateway binds them last): never hand them to a child
-    _handed_out.update(p for p in (args.port, args.grpc_port) if p)
+    hand_out(p for p in (args.port, args.grpc_port) if p)
     d = Supervisor(_env(), restart=False)  # restarting starts once the deployment is ready
     pdserve = [sys.executable, "-m", "pdserve"]
     planner = None
@@ -304,9 +278,8 @@ def up(args) -> int:
                       "internal_token_file": args.internal_token_file,
                       "redis_password_file": args.redis_password_file, "processes": d.infos()}
         if args.planner:  # the planner adds and drains workers through start_worker (docs/planner.md)
-            from pdserve.planner.connectors.local import start_in_up
-            planner = start_in_up(args, d, start_worker, ready_info)
-        from pdserve.planner.status import remember_local
+            planner = start_planner(args, d, start_worker, ready_info)
+        from pdserve.services.status import remember_local
         remember_local(ready_info)  # for `pdserve status`
         # one write: another thread's log line (stderr, often the same pipe) cannot land inside it
         sys.stdout.write("PDSERVE_UP " + json.dumps(ready_info) + "\n")
@@ -330,7 +303,7 @@ def up(args) -> int:
     finally:
         if planner is not None:
             planner.stop()  # before the children stop: nothing is started or drained after this
-        from pdserve.planner.status import forget_local
+        from pdserve.services.status import forget_local
         forget_local()
         d.stop_all(args.drain_timeout + 5 if args.drain_timeout is not None else 15.0)
         if generated is not None:  # after the children: a restarting one still reads them

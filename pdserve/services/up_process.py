@@ -15,7 +15,7 @@ import threading
 class UpProcess:
     def __init__(self, args: list[str], env: dict | None = None, ready_timeout: float = 90.0):
         """`args` follow `pdserve up`; the HTTP port is chosen here (free) unless args give one."""
-        from pdserve.services.up import free_port
+        from pdserve.services.ports import free_port
         if "--port" in args:
             self.port = int(args[args.index("--port") + 1])
         else:

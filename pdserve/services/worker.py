@@ -60,8 +60,7 @@ class Worker(worker_pb2_grpc.WorkerServicer):
         self.host = AsyncEngine(engine, grammars)
         # measured prefill rate / decode step / KV bandwidth for the router's cost model (docs/routing.md)
         self.meter = LoadMeter()
-        self.meter.chain(self.host.on_step)
-        self.host.on_step = self.meter.on_step
+        self.host.add_step_listener(self.meter.on_step)
         # engine stats snapshot -> this worker's gauges and prefix-cache counters (metrics/worker.py)
         self.exporter = M.EngineStatsExporter([st.value for st in RequestState if not st.terminal])
         self.layout = KVLayout.from_dict(engine.kv_cache.layout())
@@ -137,9 +136,7 @@ class Worker(worker_pb2_grpc.WorkerServicer):
     async def Generate(self, request, context):
         with self._track():
             params = params_from_pb(request.params)
-            prompt = list(request.prompt_token_ids)
-            if not prompt and request.prompt:
-                prompt = self.tokenizer.encode(request.prompt)
+            prompt = list(request.prompt_token_ids)  # the gateway tokenizes: `prompt` text is its front door's only
             enc = DeltaEncoder(self.tokenizer)
             finished = False
             lim = limits_from_pb(request.lifecycle)

@@ -45,7 +45,8 @@ class PlanInput:
     log: callable = None
 
 
-def _run(pi: PlanInput, spec: ClusterSpec, rate: float, n: int, slo: SLO) -> dict:
+def simulate(pi: PlanInput, spec: ClusterSpec, rate: float, n: int, slo: SLO) -> dict:
+    """One cluster at one offered rate (`n` requests of `pi`'s workload) -> the bench summary, SLO included."""
     spec = replace(spec, num_blocks=pi.num_blocks, engine=pi.engine, max_model_len=pi.max_model_len, seed=pi.seed)
     c = Cluster(spec, pi.cost)
     c.run(pi.workload(rate, n, pi.seed))
@@ -65,7 +66,7 @@ def replica_goodput(pi: PlanInput, spec: ClusterSpec, slo: SLO, cap: float = mat
         if r > cap:
             hi = cap
             break
-        s = _run(pi, spec, r, pi.sweep_requests, slo)
+        s = simulate(pi, spec, r, pi.sweep_requests, slo)
         if _meets(s, pi.attainment):
             lo, good = r, s["slo"]["goodput_req_per_s"]
             r *= 2
@@ -76,7 +77,7 @@ def replica_goodput(pi: PlanInput, spec: ClusterSpec, slo: SLO, cap: float = mat
         return lo, good
     for _ in range(6):  # bisection to ~1.5%
         mid = (lo + hi) / 2
-        s = _run(pi, spec, mid, pi.sweep_requests, slo)
+        s = simulate(pi, spec, mid, pi.sweep_requests, slo)
         if _meets(s, pi.attainment):
             lo, good = mid, s["slo"]["goodput_req_per_s"]
         else:
@@ -142,12 +143,12 @@ def plan(pi: PlanInput) -> dict:
 
 
 def _smallest(pi, make, c, peak, n, log, limit=256):
-    s = _run(pi, make(c), peak, n, pi.slo)
+    s = simulate(pi, make(c), peak, n, pi.slo)
     while not _meets(s, pi.attainment) and c < limit:
         c += max(1, c // 8)
-        s = _run(pi, make(c), peak, n, pi.slo)
+        s = simulate(pi, make(c), peak, n, pi.slo)
     while c > 1:
-        s2 = _run(pi, make(c - 1), peak, n, pi.slo)
+        s2 = simulate(pi, make(c - 1), peak, n, pi.slo)
         if not _meets(s2, pi.attainment):
             break
         c, s = c - 1, s2
@@ -158,19 +159,19 @@ def _smallest(pi, make, c, peak, n, log, limit=256):
 def smallest_pd(pi, p, d, peak, n, log, limit=256):
     """Q19 step 4: from the lower bound (p, d), grow the pool whose SLO fails at `peak`, then shrink each pool
     while the target attainment holds; returns ((p, d), the summary at the result)."""
-    s = _run(pi, ClusterSpec(prefill=p, decode=d), peak, n, pi.slo)
+    s = simulate(pi, ClusterSpec(prefill=p, decode=d), peak, n, pi.slo)
     steps = 0
     while not _meets(s, pi.attainment) and p + d < limit and steps < 40:
         if _fail_side(s, pi.slo) == "decode":
             d += max(1, d // 8)
         else:
             p += max(1, p // 8)
-        s = _run(pi, ClusterSpec(prefill=p, decode=d), peak, n, pi.slo)
+        s = simulate(pi, ClusterSpec(prefill=p, decode=d), peak, n, pi.slo)
         steps += 1
     for side in ("prefill", "decode"):  # shrink each pool while the SLO still holds
         while (p if side == "prefill" else d) > 1:
             p2, d2 = (p - 1, d) if side == "prefill" else (p, d - 1)
-            s2 = _run(pi, ClusterSpec(prefill=p2, decode=d2), peak, n, pi.slo)
+            s2 = simulate(pi, ClusterSpec(prefill=p2, decode=d2), peak, n, pi.slo)
             if not _meets(s2, pi.attainment):
                 break
             p, d, s = p2, d2, s2
@@ -179,8 +180,8 @@ def smallest_pd(pi, p, d, peak, n, log, limit=256):
 
 
 def _candidate(pi, mode, spec, s_min, sweep, peak, n) -> dict:
-    at_peak = _run(pi, spec, peak, n, pi.slo)
-    at_rate = _run(pi, spec, pi.rate, n, pi.slo)
+    at_peak = simulate(pi, spec, peak, n, pi.slo)
+    at_rate = simulate(pi, spec, pi.rate, n, pi.slo)
     return {"mode": mode, "config": spec.label(), "prefill": spec.prefill, "decode": spec.decode,
             "colocated": spec.colocated, "replicas": spec.replicas, "gpus": spec.replicas * pi.tp,
             "sweep": sweep, "without_redundancy_attainment_at_peak": s_min["slo"]["attainment_ratio"],

@@ -107,7 +107,7 @@ def test_tenant_isolation_of_prefix_cache(up):
 
 
 def test_two_gateway_replicas_share_a_tenant_bucket(up):
-    from pdserve.services.up import free_port
+    from pdserve.services.ports import free_port
     router = up.process("router")["port"]
     port = free_port()
     g2 = subprocess.Popen([sys.executable, "-m", "pdserve", "gateway", "--model", str(up.model), "--port", str(port),

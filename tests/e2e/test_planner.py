@@ -19,7 +19,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from pdserve.planner.status import gather
+from pdserve.services.status import gather
 from pdserve.services.up_process import UpProcess
 from tests.e2e.conftest import ROOT, samples
 

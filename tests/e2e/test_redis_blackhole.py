@@ -76,7 +76,7 @@ class Relay:
 
 @pytest.fixture(scope="module")
 def deployment(tiny_llama, tmp_path_factory):
-    from pdserve.services.up import free_port
+    from pdserve.services.ports import free_port
     model, _ = served_as_ck(tiny_llama, tmp_path_factory, "tenants: {}\n")
     port = free_port()
     server = _redis(port)

@@ -39,7 +39,7 @@ def _ping(r: redis.Redis) -> bool:
 
 @pytest.fixture(scope="module")
 def deployment(tiny_llama, tmp_path_factory):
-    from pdserve.services.up import free_port
+    from pdserve.services.ports import free_port
     model, keys = served_as_ck(tiny_llama, tmp_path_factory, KEYS)
     port = free_port()
     holder = {"redis": _redis(port)}

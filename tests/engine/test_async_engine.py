@@ -143,3 +143,24 @@ def test_concurrent_streams_get_their_own_tokens_with_one_wakeup_per_step(tiny_l
     # per step at most one delivery; the 8 adds' command results and stray idle wake-ups stay well below the
     # 8 x 16 = 128 a per-output hand-off would take
     assert steps >= 16 and wakeups <= steps + 8 + 8, (wakeups, steps)
+
+
+def test_step_listeners_see_every_step_in_order(tiny_llama):
+    """`add_step_listener`: each listener is called on the engine thread after every step, in the order added,
+    with the outputs of that step (the worker's load meter is one)."""
+    eng = Engine.from_pretrained(tiny_llama, EngineConfig(block_size=4, num_gpu_blocks=64))
+    calls: list[tuple[str, int, int]] = []
+
+    async def main():
+        aeng = AsyncEngine(eng)
+        aeng.add_step_listener(lambda e, outs: calls.append(("a", e.num_steps, len(outs))))
+        aeng.add_step_listener(lambda e, outs: calls.append(("b", e.num_steps, len(outs))))
+        await aeng.start()
+        async for _ in aeng.generate("s", [5, 6, 7], P):
+            pass
+        await aeng.stop()
+
+    asyncio.run(main())
+    assert calls and [c[0] for c in calls] == ["a", "b"] * (len(calls) // 2)
+    assert calls[0::2] == [("a", n, k) for _, n, k in calls[1::2]]  # both saw the same steps and outputs
+    assert sum(k for who, _, k in calls if who == "a") >= P.max_tokens  # one output per token step at least

@@ -124,7 +124,6 @@ def test_context_limit_finishes_with_length(tmp_path):
 def test_queued_prefill_tokens_subtracts_prefix_cache_hits(tiny_llama):
     """The routing load report's queued prefill work: a waiting request whose prefix is cached counts only its
     uncached tokens (and the worker's load report uses it)."""
-    from pdserve.services.load_meter import _pending_prefill
     eng = Engine.from_pretrained(tiny_llama, EngineConfig(block_size=4, num_gpu_blocks=128))
     prefix = list(range(10, 30))  # 20 tokens = 5 full blocks
     eng.generate([prefix + [40, 41]], GREEDY)  # caches the prefix's blocks (freed, still hashed)
@@ -133,13 +132,13 @@ def test_queued_prefill_tokens_subtracts_prefix_cache_hits(tiny_llama):
     eng.add_request("miss", list(range(100, 111)), GREEDY)   # 11 tokens, nothing cached
     assert eng.block_manager.blocks_in_use == 0  # still waiting: nothing allocated, the lookups took nothing
     assert eng.queued_prefill_tokens() == 3 + 11
-    assert _pending_prefill(eng) == 3 + 11
+    assert eng.pending_prefill_tokens() == 3 + 11
     # a full hit still recomputes the block holding the last token (the first token needs logits)
     eng.add_request("full", prefix, GREEDY)  # 20 tokens: 4 of 5 blocks can hit -> 4 to compute
     assert eng.queued_prefill_tokens() == 3 + 11 + 4
     while eng.has_unfinished():
         eng.step()
-    assert eng.queued_prefill_tokens() == 0 and _pending_prefill(eng) == 0
+    assert eng.queued_prefill_tokens() == 0 and eng.pending_prefill_tokens() == 0
 
 
 def test_decode_groups_same_tokens(tiny_llama, reference, monkeypatch):

@@ -120,7 +120,7 @@ def test_engine_quiet_prefix_survives_noisy_tenant(tiny_llama, share):
     generates the same tokens."""
     eng = Engine.from_pretrained(tiny_llama, EngineConfig(block_size=4, num_gpu_blocks=24))
     if share:
-        eng.block_manager.set_share(QUIET, share)  # floor(0.35 x 24) = 8
+        eng.set_tenant_share(QUIET, share)  # floor(0.35 x 24) = 8
     rng = random.Random(0)
     vocab = eng.model_config.vocab_size
     quiet = [rng.randrange(vocab) for _ in range(33)]

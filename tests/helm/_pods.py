@@ -64,7 +64,7 @@ def _files(obj: dict) -> dict[str, str]:
 
 
 def _free_port() -> int:
-    from pdserve.services.up import free_port
+    from pdserve.services.ports import free_port
     return free_port()
 
 

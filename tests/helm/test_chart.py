@@ -305,7 +305,7 @@ def test_named_health_service_is_not_serving_until_set():
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from pdserve.services.grpc_util import WORKER_SERVICE, channel, make_server, set_serving
-    from pdserve.services.up import free_port
+    from pdserve.services.ports import free_port
 
     async def main():
         server, hs = make_server([WORKER_SERVICE])

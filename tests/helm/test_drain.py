@@ -24,7 +24,7 @@ VALUES = {"mode": "colocated", "workers": {"device": "cpu", "shm": {"enabled": F
 
 
 def _free_port() -> int:
-    from pdserve.services.up import free_port
+    from pdserve.services.ports import free_port
     return free_port()
 
 

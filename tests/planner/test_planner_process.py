@@ -13,7 +13,7 @@ import uuid
 
 import redis
 
-from pdserve.services.up import free_port
+from pdserve.services.ports import free_port
 from tests.e2e.conftest import ROOT, samples
 
 

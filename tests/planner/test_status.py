@@ -10,9 +10,9 @@ import uuid
 
 import pytest
 
-from pdserve.planner import decision
 from pdserve.planner.decision import Decision
 from pdserve.planner.guard import PoolVerdict
+from pdserve.services import planner_record
 from pdserve.services.internal_security import InternalSecurity
 from pdserve.services.pb import common_pb2
 from pdserve.services.registry import Registry, WorkerRecord
@@ -44,7 +44,8 @@ def deployment(tmp_path):
                 worker_id=wid, num_running=running, kv_blocks_in_use=16, kv_blocks_total=64)))
         forged = Registry(URL, model, ttl_s=30, key=b"not the key")  # a writer without the token
         await forged.heartbeat(WorkerRecord("evil", "decode", "6.6.6.6:1"))
-        await decision.store(reg.r, model, _decision(2.0), key)
+        d = _decision(2.0)
+        await planner_record.store(reg.r, model, d.to_json(), d.changed, key)
         await reg.close()
         await forged.close()
 
@@ -89,13 +90,13 @@ def test_status_json_from_the_registry(deployment):
 
 def test_signed_decision_round_trip_and_tamper():
     key = b"k" * 32
-    rec = decision._signed("m", json.dumps(_decision(1.0).to_json()), key)
-    assert decision.verify("m", rec, key)["pools"][0]["pool"] == "prefill"
-    assert decision.verify("m", rec, b"x" * 32) is None
+    rec = planner_record.sign("m", json.dumps(_decision(1.0).to_json()), key)
+    assert planner_record.verify("m", rec, key)["pools"][0]["pool"] == "prefill"
+    assert planner_record.verify("m", rec, b"x" * 32) is None
     tampered = json.loads(rec)
     tampered["decision"] = tampered["decision"].replace('"desired": 2', '"desired": 9')
-    assert decision.verify("m", json.dumps(tampered), key) is None
-    assert decision.verify("other-model", rec, key) is None
+    assert planner_record.verify("m", json.dumps(tampered), key) is None
+    assert planner_record.verify("other-model", rec, key) is None
 
 
 def test_gateway_status_needs_the_metrics_permission(tmp_path):
@@ -117,11 +118,11 @@ def test_local_state_file_is_never_seen_half_written(tmp_path, monkeypatch):
     """The planner rewrites `up`'s state file at every scale change while `pdserve status` reads it (a CI run of
     tests/e2e/test_planner.py once read it truncated and reported no `up` running): a reader in this process, a
     writer in another, 1 MiB records; every read finds the record."""
-    from pdserve.planner.status import find_local
+    from pdserve.services.status import find_local
     monkeypatch.setenv("PDSERVE_STATE_DIR", str(tmp_path))
     writer = subprocess.Popen([sys.executable, "-c", (
         "import time\n"
-        "from pdserve.planner.status import remember_local\n"
+        "from pdserve.services.status import remember_local\n"
         "pad = 'x' * (1 << 20)\n"
         "end = time.monotonic() + 4\n"
         "i = 0\n"

@@ -14,7 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.services.grpc_util import channel
-from pdserve.services.up import free_port
+from pdserve.services.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

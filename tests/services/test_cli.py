@@ -19,7 +19,7 @@ import pytest
 
 from pdserve.cli import DTYPES, MODES, POLICIES, PREEMPTION_MODES, build_parser
 from pdserve.cli_args import env_name
-from pdserve.services.up import free_port
+from pdserve.services.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

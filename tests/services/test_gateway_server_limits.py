@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdserve.services.up import free_port
+from pdserve.services.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADER_TIMEOUT = 1.0

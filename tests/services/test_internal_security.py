@@ -109,7 +109,7 @@ def test_a_router_alone_without_a_token_warns_at_start():
     import subprocess
     import sys
 
-    from pdserve.services.up import free_port
+    from pdserve.services.ports import free_port
     from tests.services.test_cli import ROOT
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}, "PYTHONPATH": str(ROOT)}
     p = subprocess.Popen([sys.executable, "-m", "pdserve", "router", "--port", str(free_port()), "--redis-url",

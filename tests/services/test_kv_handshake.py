@@ -21,7 +21,7 @@ from pdserve.kv_transfer.layout import KV_PROTOCOL_VERSION
 from pdserve.services.grpc_util import channel
 from pdserve.services.convert import params_to_pb
 from pdserve.services.pb import worker_pb2, worker_pb2_grpc
-from pdserve.services.up import free_port
+from pdserve.services.ports import free_port
 from tests.services._workers import start_worker, wait_serving
 
 PARAMS = params_to_pb(SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))

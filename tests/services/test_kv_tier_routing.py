@@ -146,7 +146,7 @@ def test_real_worker_host_tier_events_and_metrics(tiny_llama):
     from pdserve.services.grpc_util import channel
     from pdserve.services.pb import worker_pb2, worker_pb2_grpc
     from pdserve.services.registry import Registry
-    from pdserve.services.up import free_port
+    from pdserve.services.ports import free_port
 
     root = Path(__file__).resolve().parents[2]
     model = f"test-{uuid.uuid4().hex[:8]}"

@@ -14,7 +14,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.services.convert import params_to_pb
 from pdserve.services.grpc_util import channel
 from pdserve.services.pb import worker_pb2, worker_pb2_grpc
-from pdserve.services.up import free_port
+from pdserve.services.ports import free_port
 from tests.services._workers import start_worker, wait_serving
 from tests.services.test_kv_handshake import _handoff, _handshakes, _stop
 

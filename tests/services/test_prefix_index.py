@@ -123,7 +123,7 @@ def test_real_worker_kv_events_reach_the_index_evictions_and_death(tiny_llama):
     from pdserve.services.pb import worker_pb2, worker_pb2_grpc
     from pdserve.engine.sampling_params import SamplingParams
     from pdserve.services.registry import Registry
-    from pdserve.services.up import free_port
+    from pdserve.services.ports import free_port
 
     model = f"test-{uuid.uuid4().hex[:8]}"
     port = free_port()

@@ -72,7 +72,7 @@ def test_registry_survives_redis_restart(tmp_path):
     import subprocess
     import time
 
-    from pdserve.services.up import free_port
+    from pdserve.services.ports import free_port
 
     port = free_port()
 

@@ -40,10 +40,10 @@ def test_gateway_and_router_import_neither_torch_nor_the_engine():
 
 
 def test_up_state_file_and_status_import_no_torch():
-    """`pdserve up` writes its state file (planner/status.py) between its workers' readiness and its PDSERVE_UP
+    """`pdserve up` writes its state file (services/status.py) between its workers' readiness and its PDSERVE_UP
     line, and `pdserve status` runs the same module: neither may pull in torch or the simulator through the
     planner's decision record (that import cost every deployment ~2 s before it was announced)."""
-    probe = ("import json, sys; import pdserve.planner.status; "
+    probe = ("import json, sys; import pdserve.services.status; "
              "print(json.dumps(sorted(m for m in sys.modules if m == 'torch' or m.startswith('pdserve.sim'))))")
     out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "PYTHONPATH": str(ROOT)},
                          capture_output=True, text=True, timeout=120, cwd=ROOT)

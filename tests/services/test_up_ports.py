@@ -1,9 +1,9 @@
-"""`up.free_port`: ports for the children are chosen below the kernel's ephemeral range (where outgoing connections
-and other bind(0) calls cannot take them between the choice and the child's bind), are bindable when handed out,
-and are never handed out twice by one process."""
+"""`ports.free_port` (what `up` starts its children on): ports are chosen below the kernel's ephemeral range (where
+outgoing connections and other bind(0) calls cannot take them between the choice and the child's bind), are
+bindable when handed out, and are never handed out twice by one process."""
 import socket
 
-from pdserve.services.up import _ephemeral_low, free_port
+from pdserve.services.ports import _ephemeral_low, free_port
 
 
 def test_ports_below_the_ephemeral_range_distinct_and_bindable():
@@ -21,7 +21,7 @@ def test_a_taken_port_is_skipped(monkeypatch):
     """The chooser's first draw is a port something else holds: it is skipped, the next draw is handed out."""
     import pytest
 
-    from pdserve.services import up
+    from pdserve.services import ports
     if _ephemeral_low() <= 12000:
         pytest.skip("ephemeral range starts too low on this host")
     held = socket.socket()
@@ -37,7 +37,7 @@ def test_a_taken_port_is_skipped(monkeypatch):
         def randrange(self, a, b):
             return next(draws)
 
-    monkeypatch.setattr(up.random, "Random", Draws)
+    monkeypatch.setattr(ports.random, "Random", Draws)
     try:
         assert free_port() == port + 200
     finally:

@@ -8,10 +8,10 @@ import uuid
 import redis.asyncio as aioredis
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.services.convert import lifecycle_to_pb, params_to_pb, record_from_hash
+from pdserve.services.convert import lifecycle_to_pb, params_to_pb
 from pdserve.services.grpc_util import channel
 from pdserve.services.pb import worker_pb2, worker_pb2_grpc
-from pdserve.services.registry import workers_key
+from pdserve.services.registry import record_from_hash, workers_key
 from tests.services._workers import start_worker, stop_worker, wait_serving
 
 REDIS = "redis://127.0.0.1:6379/0"

@@ -31,17 +31,17 @@ def test_close_waits_for_owned_tasks_then_cancels_the_rest():
                 cancelled.append(1)
                 raise
 
-        side._spawn(quick())
-        t = side._spawn(stuck())
+        side._tasks.spawn(quick())
+        t = side._tasks.spawn(stuck())
         await side.close(grace_s=0.3)
         assert finished == [1] and cancelled == [1] and t.cancelled()
-        assert not side._tasks  # nothing left behind
+        assert len(side._tasks) == 0  # nothing left behind
 
     asyncio.run(main())
 
 
 def test_no_unowned_futures_in_the_worker_parts():
-    """Every task in the prefill and decode parts goes through an owning set (their `_spawn`/`_release_soon`)."""
+    """Every task in the prefill and decode parts goes through an owning set (services/tasks.py)."""
     from pathlib import Path
 
     import pdserve.services.decode.service as d

@@ -89,8 +89,7 @@ class RankGroup:
             return
         log.critical("tensor parallel rank %d (pid %d) exited with status %s: the worker cannot run a forward "
                      "without it and exits now", rank, proc.pid, code)
-        from pdserve.services import logs
-        logs.stop()  # os._exit skips atexit: write the queued lines (this one included) first
+        logging.shutdown()  # os._exit skips atexit: write the queued lines (this one included) first
         sys.stderr.flush()
         os._exit(RANK_EXIT_CODE)
 

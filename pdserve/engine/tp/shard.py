@@ -34,11 +34,6 @@ class TPShard:
     def num_kv_heads(self) -> int:
         return len(self.kv_heads)
 
-    @property
-    def replicated_kv(self) -> bool:
-        """Each KV head is held by more than one rank (num_kv_heads < N)."""
-        return self.total_kv_heads < self.size
-
 
 def check_tp(num_heads: int, num_kv_heads: int, intermediate_size: int, size: int, num_experts: int = 0) -> None:
     """Raise CheckpointError naming the shapes when `size` ranks cannot split this model (D08)."""

@@ -102,7 +102,7 @@ class LocalConnector:
     def publish(self) -> None:
         if self.state is None:
             return
-        from pdserve.planner.status import remember_local
+        from pdserve.services.status import remember_local
         procs = [c.info for c in self._children() if c.running]
         draining = sorted(c.proc.pid for c in self.sup.draining() if c.proc is not None)
         remember_local({**self.state, "processes": procs, "draining": draining})
@@ -143,7 +143,7 @@ def start_in_up(args, supervisor: Supervisor, start_worker: Callable[[str], Chil
     from pdserve.services import logs
     from pdserve.services.metrics import exposition
     from pdserve.services.metrics.planner import PLANNER
-    from pdserve.services.up import free_port
+    from pdserve.services.ports import free_port
     logs.setup("planner", args.log_format)  # the decisions' log lines (`up` itself prints plain lines)
     conn = LocalConnector(supervisor, start_worker, state=state)
     cfg = PlannerConfig.from_args(args, redis_url=state["redis_url"])

@@ -35,6 +35,7 @@ from pdserve.services.grpc_util import abort_compile_timeout, channel, param_met
 from pdserve.services.kv_endpoint import KvEndpoint
 from pdserve.services.load_meter import LoadMeter
 from pdserve.services.pb import common_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.services.tasks import OwnedTasks
 
 log = logging.getLogger("pdserve.decode")
 
@@ -74,7 +75,7 @@ class DecodeSide:
         self._channels: dict[str, grpc.aio.Channel] = {}
         # every task this side starts (ReleaseKV calls, aborts waiting for a READ, the READs themselves): owned,
         # so none is collected mid-flight, and close() waits for them, then cancels what is left
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks = OwnedTasks()
         self.peers = KvPeers(self._stub, endpoint.layout, endpoint.protocol_version,
                              self.puller.forget_remote if agent is not None else (lambda name: None))
 
@@ -84,22 +85,12 @@ class DecodeSide:
             ch = self._channels[address] = channel(address)
         return worker_pb2_grpc.WorkerStub(ch)
 
-    def _spawn(self, coro) -> asyncio.Task:
-        t = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(t)
-        t.add_done_callback(self._tasks.discard)
-        return t
-
     async def close(self, grace_s: float = 10.0) -> None:
         """Let outstanding cleanups (ReleaseKV calls, aborts waiting for a READ) finish for `grace_s` (a READ
         ends by its own timeout), then cancel what is left and wait for it."""
         await self.peers.close()
-        if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=grace_s)
-        while self._tasks:
-            for t in list(self._tasks):
-                t.cancel()
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        await self._tasks.wait(grace_s)
+        await self._tasks.cancel()
 
     async def _release_remote(self, kv: common_pb2.KvHandle, request_id: str) -> None:
         try:
@@ -111,7 +102,7 @@ class DecodeSide:
     def _release_once(self, p: _Pickup, kv: common_pb2.KvHandle, rid: str) -> None:
         if not p.released:
             p.released = True
-            self._spawn(self._release_remote(kv, rid))
+            self._tasks.spawn(self._release_remote(kv, rid))
 
     async def _abort_after(self, xfer: asyncio.Future, rid: str) -> None:
         # never free blocks NIXL may still be writing into: the READ ends by its own timeout at the latest
@@ -128,7 +119,7 @@ class DecodeSide:
             M.TERMINAL.labels("CANCELLED").inc()
             if p.added:
                 if p.xfer is not None and not p.xfer.done():
-                    self._spawn(self._abort_after(p.xfer, rid))
+                    self._tasks.spawn(self._abort_after(p.xfer, rid))
                 else:  # queued behind the allocation if that is still queued: it undoes it
                     self.host.submit(lambda e: e.abort(rid, "CANCELLED"))
         if p.attached:  # attached before a commit whose output we may never have read
@@ -223,7 +214,7 @@ class DecodeSide:
         if timeout <= 0:
             failure = KVTransferError("KV lease expired before the transfer started", TransferFailure.LEASE_EXPIRED)
         elif src:
-            p.xfer = self._spawn(asyncio.to_thread(
+            p.xfer = self._tasks.spawn(asyncio.to_thread(
                 self.puller.read, regions, src, dst, kv.lease_id.encode(), timeout))
             try:
                 nbytes = await asyncio.shield(p.xfer)  # a cancel here leaves the READ to _cleanup

@@ -315,7 +315,7 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
         if tenant is None or not tenant.can("metrics"):
             return _error_response(APIError(401 if tenant is None else 403, "this API key may not read the status",
                                             "authentication_error" if tenant is None else "permission_error"))
-        from pdserve.planner.status import gateway_status
+        from pdserve.services.status import gateway_status
         try:
             body = await gateway_status(disp, life.gate.redis, cfg.served_model_name, cfg.registry_key)
         except grpc.aio.AioRpcError as e:

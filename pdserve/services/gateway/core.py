@@ -30,6 +30,7 @@ from pdserve.services.metrics import gateway as M
 from pdserve.services.grpc_util import channel, param_of
 from pdserve.services.convert import params_to_pb
 from pdserve.services.pb import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pdserve.services.tasks import OwnedTasks
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -71,18 +72,12 @@ class Dispatcher:
         self._listed_at = float("-inf")
         self._router = router_pb2_grpc.RouterStub(channel(router_address))
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks = OwnedTasks()  # ReleaseKV calls that outlive their request
         self.suspects = Suspects()  # workers a call just found dead: skipped until the registry drops them
-
-    def _spawn(self, coro) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     async def close(self, timeout_s: float = 5.0) -> None:
         """Shutdown: let in-flight ReleaseKV calls complete."""
-        if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=timeout_s)
+        await self._tasks.wait(timeout_s)
 
     def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         ch = self._channels.get(address)
@@ -110,7 +105,7 @@ class Dispatcher:
         # the suspects left nothing (suspects.py): asked again without them above; this is the router's own answer
         raise NoWorkersError(err.details() or str(err.code())) from None
 
-    async def generate(self, rid: str, sub: SubRequest, namespace: str = "", on_route=None, metadata: tuple = (),
+    async def generate(self, rid: str, sub: SubRequest, namespace: str = "", on_route=None,
                        trace: StageTrace | None = None, lifecycle: common_pb2.Lifecycle | None = None
                        ) -> AsyncIterator[common_pb2.GenerateResponse]:
         """One engine request, all its branches on one worker (or one prefill + one decode worker). Retries
@@ -118,15 +113,14 @@ class Dispatcher:
         out, a worker that dies (or whose prefill peer died) is replaced by migration (migration.py), up to
         `migration_limit` times. `trace` collects the route time, the workers' stage timestamps
         (usage.stage_times) and the migrations. `lifecycle` (deadline, priority, predicted output) goes to every
-        worker in its request message; `metadata` carries only tracing headers."""
+        worker in its request message."""
         trace = trace if trace is not None else StageTrace()
         sent = Sent()
         exclude: list[str] = []
         resume: list[int] | None = None  # None: a fresh placement
         while True:
             try:
-                async for m in self._place(rid, sub, namespace, on_route, metadata, trace, lifecycle, exclude,
-                                           resume):
+                async for m in self._place(rid, sub, namespace, on_route, trace, lifecycle, exclude, resume):
                     sent.add(m)
                     yield m
                 return
@@ -158,7 +152,7 @@ class Dispatcher:
                 self._listed_ids = None
         return self._listed_ids is None or worker_id in self._listed_ids
 
-    async def _place(self, rid: str, sub: SubRequest, namespace: str, on_route, metadata: tuple, trace: StageTrace,
+    async def _place(self, rid: str, sub: SubRequest, namespace: str, on_route, trace: StageTrace,
                      lifecycle, exclude: list[str], resume: list[int] | None
                      ) -> AsyncIterator[common_pb2.GenerateResponse]:
         """One placement of the sub-request (several while nothing was emitted and workers were unreachable).
@@ -187,7 +181,7 @@ class Dispatcher:
                         lifecycle=lifecycle)
                     if resume is not None:
                         req.resume.output_token_ids.extend(resume)
-                    call = self.stub(route.both.address).Generate(req, metadata=metadata)
+                    call = self.stub(route.both.address).Generate(req)
                     done = False
                     try:
                         async for m in watched(call, failed_worker, self._listed):
@@ -210,7 +204,7 @@ class Dispatcher:
                 failed_worker = route.prefill.worker_id
                 pcall = self.stub(route.prefill.address).Prefill(worker_pb2.PrefillRequest(
                     request_id=rid, prompt_token_ids=sub.prompt_token_ids, params=pp, namespace=namespace,
-                    lifecycle=lifecycle), metadata=metadata)
+                    lifecycle=lifecycle))
                 handed_over = False  # the decode stream ended normally: its pull released the prefill side
                 pinned_on = route.prefill.address  # where KV may be pinned for rid from here on
                 try:
@@ -236,7 +230,7 @@ class Dispatcher:
                         skip = _SkipFirst(pre.first)
                         yield pre.first
                     try:
-                        async for m in self._decode(rid, sub, pp, namespace, route, pre, metadata, lifecycle):
+                        async for m in self._decode(rid, sub, pp, namespace, route, pre, lifecycle):
                             trace.on_stream(m.times)
                             if m.finished and (m.state or "FINISHED") == "FINISHED":
                                 handed_over = True
@@ -277,7 +271,7 @@ class Dispatcher:
                     self.suspects.add(failed_worker)
                 exclude.append(failed_worker)
 
-    async def _decode(self, rid, sub, pp, namespace, route, pre, metadata: tuple = (),
+    async def _decode(self, rid, sub, pp, namespace, route, pre,
                       lifecycle: common_pb2.Lifecycle | None = None) -> AsyncIterator[common_pb2.GenerateResponse]:
         kv = pre.kv
         exclude = [route.decode.worker_id]
@@ -285,7 +279,7 @@ class Dispatcher:
         for attempt in range(self.max_attempts):
             call = self.stub(decode.address).GenerateFromPrefill(worker_pb2.GenerateFromPrefillRequest(
                 request_id=rid, prompt_token_ids=sub.prompt_token_ids, params=pp, namespace=namespace,
-                first_tokens=pre.first_tokens, kv=kv, lifecycle=lifecycle), metadata=metadata)
+                first_tokens=pre.first_tokens, kv=kv, lifecycle=lifecycle))
             emitted = False
             try:
                 async for m in watched(call, decode.worker_id, self._listed):
@@ -334,17 +328,17 @@ class Dispatcher:
                     worker_pb2.ReleaseKVRequest(request_id=rid, lease_id=lease_id), timeout=2)
             except grpc.aio.AioRpcError as e:
                 log.warning("ReleaseKV %s on %s failed: %s (the lease will expire)", rid, address, e.code().name)
-        self._spawn(release())
+        self._tasks.spawn(release())
 
     async def generate_many(self, rid: str, subs: list[SubRequest], namespace: str = "", on_route=None,
-                            metadata: tuple = (), traces: list[StageTrace] | None = None,
+                            traces: list[StageTrace] | None = None,
                             lifecycle: common_pb2.Lifecycle | None = None
                             ) -> AsyncIterator[tuple[int, common_pb2.GenerateResponse]]:
         """Several sub-requests (one per prompt) merged into one stream; yields (sub index, message) with each
         message's choice indexes already shifted to the response's numbering. `traces[i]` is sub-request i's."""
         traces = traces if traces is not None else [StageTrace() for _ in subs]
         if len(subs) == 1:
-            async for m in self.generate(rid, subs[0], namespace, on_route, metadata, traces[0], lifecycle):
+            async for m in self.generate(rid, subs[0], namespace, on_route, traces[0], lifecycle):
                 _shift(m, subs[0].index_base)
                 yield 0, m
             return
@@ -354,7 +348,7 @@ class Dispatcher:
 
         async def pump(i: int, sub: SubRequest) -> None:
             try:
-                async for m in self.generate(f"{rid}-{i}", sub, namespace, on_route, metadata, traces[i], lifecycle):
+                async for m in self.generate(f"{rid}-{i}", sub, namespace, on_route, traces[i], lifecycle):
                     _shift(m, sub.index_base)
                     await q.put((i, m))
             except BaseException as e:  # noqa: BLE001 - forwarded to the consumer

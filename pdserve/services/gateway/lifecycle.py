@@ -35,6 +35,7 @@ from pdserve.services.gateway.params import APIError
 from pdserve.services.gateway.tenants import DEFAULT_TENANT, Tenant
 from pdserve.services.gateway.usage_ledger import OpenUsage, UsageLedger
 from pdserve.services import logs
+from pdserve.services.tasks import OwnedTasks
 
 billing_log = logging.getLogger("pdserve.billing")
 # The errors app.py (HTTP disconnect) and grpc_front.py (gRPC cancel) end a request with when its client left.
@@ -95,7 +96,7 @@ class Lifecycle:
         self.default_timeout_s = default_timeout_s
         self.max_timeout_s = max_timeout_s
         self.records_written = 0
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks = OwnedTasks(on_error=lambda e: billing_log.error("terminal path failed: %r", e))
         self.usage: UsageLedger | None = None  # durable open records (Redis); None: written at the end only
 
     def start(self) -> None:
@@ -106,20 +107,11 @@ class Lifecycle:
     def spawn(self, coro) -> asyncio.Task:
         """Run `coro` in a task this Lifecycle owns: it outlives the cancellation of whoever started it, its
         errors are logged, and `close()` waits for it."""
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._reap)
-        return task
-
-    def _reap(self, task: asyncio.Task) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            billing_log.error("terminal path failed: %r", task.exception())
+        return self._tasks.spawn(coro)
 
     async def close(self, timeout_s: float = 5.0) -> None:
         """Shutdown: let in-flight terminal paths (release, charge, record) complete."""
-        if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=timeout_s)
+        await self._tasks.wait(timeout_s)
         if self.usage is not None:
             await self.usage.stop()
 

@@ -30,6 +30,7 @@ from pdserve.services.convert import (DeltaEncoder, fill_times, full_response, l
 from pdserve.services.grpc_util import abort_compile_timeout, param_metadata
 from pdserve.services.kv_endpoint import KvEndpoint
 from pdserve.services.pb import worker_pb2
+from pdserve.services.tasks import OwnedTasks
 
 if TYPE_CHECKING:
     from pdserve.kv_transfer.agent import KVAgent
@@ -55,7 +56,7 @@ class PrefillSide:
         self._running: set[str] = set()  # request ids whose Prefill call is in progress
         # request id -> expiry (time.time()): ReleaseKV came before the Prefill could pin anything
         self._released_early: dict[str, float] = {}
-        self._tasks: set[asyncio.Task] = set()  # releases for replies that never reached the caller
+        self._tasks = OwnedTasks()  # releases for replies that never reached the caller
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -71,9 +72,7 @@ class PrefillSide:
 
     def _release_soon(self, lease_id: str) -> None:
         """A release in a task this side owns (stop() awaits it)."""
-        t = asyncio.get_running_loop().create_task(self.release(lease_id=lease_id))
-        self._tasks.add(t)
-        t.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(self.release(lease_id=lease_id))
 
     async def stop(self) -> None:
         if self.agent is not None:
@@ -81,7 +80,7 @@ class PrefillSide:
         if self._reaper:
             self._reaper.cancel()
             await asyncio.gather(self._reaper, return_exceptions=True)
-        await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        await self._tasks.wait()
         for lease in self.leases.pop_expired(now=float("inf")):
             await self._free(lease)
 

@@ -10,11 +10,10 @@ import grpc
 
 from pdserve.services.metrics import router as M
 from pdserve.services.grpc_util import ROUTER_SERVICE, listen, make_server, set_serving
-from pdserve.services.convert import record_to_pb
 from pdserve.services.internal_security import NONE, InternalSecurity
 from pdserve.services.pb import router_pb2, router_pb2_grpc
 from pdserve.services.redis_conn import NO_AUTH, RedisAuth
-from pdserve.services.registry import Registry, WorkerRecord
+from pdserve.services.registry import Registry, WorkerRecord, record_to_pb
 from pdserve.services.router import policy_registry
 from pdserve.services.router.placement import NoWorkers, PlacementPolicy, PolicyContext, RouteInput
 from pdserve.services.router.prefix_index import IndexSync

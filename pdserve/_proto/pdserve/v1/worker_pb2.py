@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve._proto.pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xeb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x11\n\tnamespace\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12\x0e\n\x06prompt\x18\x06 \x01(\t\x12(\n\tlifecycle\x18\x07 \x01(\x0b\x32\x15.pdserve.v1.Lifecycle\x12\"\n\x06resume\x18\x08 \x01(\x0b\x32\x12.pdserve.v1.Resume\"\"\n\x06Resume\x12\x18\n\x10output_token_ids\x18\x01 \x03(\x05\"\xa7\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x11\n\tnamespace\x18\x04 \x01(\t\x12(\n\tlifecycle\x18\x05 \x01(\x0b\x32\x15.pdserve.v1.Lifecycle\"e\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x1a\n\x12\x63umulative_logprob\x18\x02 \x01(\x01\x12)\n\x07logprob\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\xaf\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x0c\x66irst_tokens\x18\n \x03(\x0b\x32\x16.pdserve.v1.FirstToken\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12+\n\x05\x66inal\x18\x04 \x01(\x0b\x32\x1c.pdserve.v1.GenerateResponse\x12 \n\x02kv\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KvHandle\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\x05\x12%\n\x05times\x18\x07 \x01(\x0b\x32\x16.pdserve.v1.StageTimes\x12+\n\x05\x66irst\x18\t \x01(\x0b\x32\x1c.pdserve.v1.GenerateResponseJ\x04\x08\x02\x10\x03J\x04\x08\x08\x10\t\"\x8f\x02\n\x1aGenerateFromPrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x11\n\tnamespace\x18\x04 \x01(\t\x12 \n\x02kv\x18\x06 \x01(\x0b\x32\x14.pdserve.v1.KvHandle\x12,\n\x0c\x66irst_tokens\x18\t \x03(\x0b\x32\x16.pdserve.v1.FirstToken\x12(\n\tlifecycle\x18\x08 \x01(\x0b\x32\x15.pdserve.v1.LifecycleJ\x04\x08\x05\x10\x06J\x04\x08\x07\x10\x08\"8\n\x10ReleaseKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"%\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"T\n\x12KvHandshakeRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KvLayout\"\x94\x01\n\x13KvHandshakeResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12$\n\x06region\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KvRegion\x12(\n\ntp_regions\x18\x04 \x03(\x0b\x32\x14.pdserve.v1.KvRegion\"\x11\n\x0fGetStatsRequest\"\xa7\x01\n\x10GetStatsResponse\x12$\n\x04load\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.LoadReport\x12\x38\n\x06states\x18\x03 \x03(\x0b\x32(.pdserve.v1.GetStatsResponse.StatesEntry\x1a-\n\x0bStatesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01J\x04\x08\x02\x10\x03\x32\xd5\x03\n\x06Worker\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12]\n\x13GenerateFromPrefill\x12&.pdserve.v1.GenerateFromPrefillRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12H\n\tReleaseKV\x12\x1c.pdserve.v1.ReleaseKVRequest\x1a\x1d.pdserve.v1.ReleaseKVResponse\x12N\n\x0bKvHandshake\x12\x1e.pdserve.v1.KvHandshakeRequest\x1a\x1f.pdserve.v1.KvHandshakeResponse\x12\x45\n\x08GetStats\x12\x1b.pdserve.v1.GetStatsRequest\x1a\x1c.pdserve.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xe9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x11\n\tnamespace\x18\x04 \x01(\t\x12\x0e\n\x06prompt\x18\x06 \x01(\t\x12(\n\tlifecycle\x18\x07 \x01(\x0b\x32\x15.pdserve.v1.Lifecycle\x12\"\n\x06resume\x18\x08 \x01(\x0b\x32\x12.pdserve.v1.ResumeJ\x04\x08\x05\x10\x06R\x05model\"\"\n\x06Resume\x12\x18\n\x10output_token_ids\x18\x01 \x03(\x05\"\xa7\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x11\n\tnamespace\x18\x04 \x01(\t\x12(\n\tlifecycle\x18\x05 \x01(\x0b\x32\x15.pdserve.v1.Lifecycle\"e\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x1a\n\x12\x63umulative_logprob\x18\x02 \x01(\x01\x12)\n\x07logprob\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\xaf\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x0c\x66irst_tokens\x18\n \x03(\x0b\x32\x16.pdserve.v1.FirstToken\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12+\n\x05\x66inal\x18\x04 \x01(\x0b\x32\x1c.pdserve.v1.GenerateResponse\x12 \n\x02kv\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KvHandle\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\x05\x12%\n\x05times\x18\x07 \x01(\x0b\x32\x16.pdserve.v1.StageTimes\x12+\n\x05\x66irst\x18\t \x01(\x0b\x32\x1c.pdserve.v1.GenerateResponseJ\x04\x08\x02\x10\x03J\x04\x08\x08\x10\t\"\x8f\x02\n\x1aGenerateFromPrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x11\n\tnamespace\x18\x04 \x01(\t\x12 \n\x02kv\x18\x06 \x01(\x0b\x32\x14.pdserve.v1.KvHandle\x12,\n\x0c\x66irst_tokens\x18\t \x03(\x0b\x32\x16.pdserve.v1.FirstToken\x12(\n\tlifecycle\x18\x08 \x01(\x0b\x32\x15.pdserve.v1.LifecycleJ\x04\x08\x05\x10\x06J\x04\x08\x07\x10\x08\"8\n\x10ReleaseKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"%\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"T\n\x12KvHandshakeRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KvLayout\"\x94\x01\n\x13KvHandshakeResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12$\n\x06region\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KvRegion\x12(\n\ntp_regions\x18\x04 \x03(\x0b\x32\x14.pdserve.v1.KvRegion\"\x11\n\x0fGetStatsRequest\"\xa7\x01\n\x10GetStatsResponse\x12$\n\x04load\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.LoadReport\x12\x38\n\x06states\x18\x03 \x03(\x0b\x32(.pdserve.v1.GetStatsResponse.StatesEntry\x1a-\n\x0bStatesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01J\x04\x08\x02\x10\x03\x32\xd5\x03\n\x06Worker\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12]\n\x13GenerateFromPrefill\x12&.pdserve.v1.GenerateFromPrefillRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12H\n\tReleaseKV\x12\x1c.pdserve.v1.ReleaseKVRequest\x1a\x1d.pdserve.v1.ReleaseKVResponse\x12N\n\x0bKvHandshake\x12\x1e.pdserve.v1.KvHandshakeRequest\x1a\x1f.pdserve.v1.KvHandshakeResponse\x12\x45\n\x08GetStats\x12\x1b.pdserve.v1.GetStatsRequest\x1a\x1c.pdserve.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,31 +35,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSTATSRESPONSE_STATESENTRY']._loaded_options = None
   _globals['_GETSTATSRESPONSE_STATESENTRY']._serialized_options = b'8\001'
   _globals['_GENERATEREQUEST']._serialized_start=65
-  _globals['_GENERATEREQUEST']._serialized_end=300
-  _globals['_RESUME']._serialized_start=302
-  _globals['_RESUME']._serialized_end=336
-  _globals['_PREFILLREQUEST']._serialized_start=339
-  _globals['_PREFILLREQUEST']._serialized_end=506
-  _globals['_FIRSTTOKEN']._serialized_start=508
-  _globals['_FIRSTTOKEN']._serialized_end=609
-  _globals['_PREFILLRESPONSE']._serialized_start=612
-  _globals['_PREFILLRESPONSE']._serialized_end=915
-  _globals['_GENERATEFROMPREFILLREQUEST']._serialized_start=918
-  _globals['_GENERATEFROMPREFILLREQUEST']._serialized_end=1189
-  _globals['_RELEASEKVREQUEST']._serialized_start=1191
-  _globals['_RELEASEKVREQUEST']._serialized_end=1247
-  _globals['_RELEASEKVRESPONSE']._serialized_start=1249
-  _globals['_RELEASEKVRESPONSE']._serialized_end=1286
-  _globals['_KVHANDSHAKEREQUEST']._serialized_start=1288
-  _globals['_KVHANDSHAKEREQUEST']._serialized_end=1372
-  _globals['_KVHANDSHAKERESPONSE']._serialized_start=1375
-  _globals['_KVHANDSHAKERESPONSE']._serialized_end=1523
-  _globals['_GETSTATSREQUEST']._serialized_start=1525
-  _globals['_GETSTATSREQUEST']._serialized_end=1542
-  _globals['_GETSTATSRESPONSE']._serialized_start=1545
-  _globals['_GETSTATSRESPONSE']._serialized_end=1712
-  _globals['_GETSTATSRESPONSE_STATESENTRY']._serialized_start=1661
-  _globals['_GETSTATSRESPONSE_STATESENTRY']._serialized_end=1706
-  _globals['_WORKER']._serialized_start=1715
-  _globals['_WORKER']._serialized_end=2184
+  _globals['_GENERATEREQUEST']._serialized_end=298
+  _globals['_RESUME']._serialized_start=300
+  _globals['_RESUME']._serialized_end=334
+  _globals['_PREFILLREQUEST']._serialized_start=337
+  _globals['_PREFILLREQUEST']._serialized_end=504
+  _globals['_FIRSTTOKEN']._serialized_start=506
+  _globals['_FIRSTTOKEN']._serialized_end=607
+  _globals['_PREFILLRESPONSE']._serialized_start=610
+  _globals['_PREFILLRESPONSE']._serialized_end=913
+  _globals['_GENERATEFROMPREFILLREQUEST']._serialized_start=916
+  _globals['_GENERATEFROMPREFILLREQUEST']._serialized_end=1187
+  _globals['_RELEASEKVREQUEST']._serialized_start=1189
+  _globals['_RELEASEKVREQUEST']._serialized_end=1245
+  _globals['_RELEASEKVRESPONSE']._serialized_start=1247
+  _globals['_RELEASEKVRESPONSE']._serialized_end=1284
+  _globals['_KVHANDSHAKEREQUEST']._serialized_start=1286
+  _globals['_KVHANDSHAKEREQUEST']._serialized_end=1370
+  _globals['_KVHANDSHAKERESPONSE']._serialized_start=1373
+  _globals['_KVHANDSHAKERESPONSE']._serialized_end=1521
+  _globals['_GETSTATSREQUEST']._serialized_start=1523
+  _globals['_GETSTATSREQUEST']._serialized_end=1540
+  _globals['_GETSTATSRESPONSE']._serialized_start=1543
+  _globals['_GETSTATSRESPONSE']._serialized_end=1710
+  _globals['_GETSTATSRESPONSE_STATESENTRY']._serialized_start=1659
+  _globals['_GETSTATSRESPONSE_STATESENTRY']._serialized_end=1704
+  _globals['_WORKER']._serialized_start=1713
+  _globals['_WORKER']._serialized_end=2182
 # @@protoc_insertion_point(module_scope)

@@ -2,7 +2,8 @@
 
 Where from:
 - `--redis-url URL`: the registry itself (services/registry.py; records whose HMAC does not verify under
-  `--internal-token-file` are left out, as the router leaves them out) and the planner's record (decision.py);
+  `--internal-token-file` are left out, as the router leaves them out) and the planner's record
+  (services/planner_record.py);
 - `--url GATEWAY`: the gateway's `/status` (the router's view of the registry and the planner's record as the
   gateway reads them; the same permission as /metrics when keys are on);
 - neither: the local `pdserve up`, which leaves `up-<pid>.json` (its redis URL, model, token and Redis password
@@ -23,7 +24,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from pdserve.planner import decision
+from pdserve.services import planner_record
 
 log = logging.getLogger("pdserve.status")
 POOL_ORDER = ("prefill", "decode", "both")
@@ -102,9 +103,9 @@ def assemble(model: str, source: str, workers: list[dict], last, changes: list) 
 
 
 async def _planner_records(r, model: str, key: bytes | None) -> tuple[dict | None, list]:
-    last = decision.verify(model, await r.get(decision.last_key(model)), key)
-    changes = [c for c in (decision.verify(model, raw, key)
-                           for raw in await r.lrange(decision.changes_key(model), 0, 9)) if c]
+    last = planner_record.verify(model, await r.get(planner_record.last_key(model)), key)
+    changes = [c for c in (planner_record.verify(model, raw, key)
+                           for raw in await r.lrange(planner_record.changes_key(model), 0, 9)) if c]
     return last, changes
 
 
