@@ -16,10 +16,18 @@ compares the two on real Llama-3, Qwen2.5, Mistral and SmolLM2 templates):
 
 Every failure of a template (a `raise_exception`, a sandbox refusal, a template that does not fit the messages) is
 a `ChatTemplateError`, a `ValueError`, which the gateway answers with a 400 naming `messages`.
+
+A template is also bounded in what it costs (issue 35, item 8): the sandbox keeps it from escaping, not from
+looping 10^8 times (4.5 s) or writing `'a' * 10**8`. `render` streams the output and stops past `max_chars`; a
+trace function on the rendering thread's template frames stops it past `budget_s` (a loop with an empty body
+writes nothing, so counting output alone would not); `*` and `**` are checked before they build a huge string,
+list or integer in one C call that no trace could interrupt.
 """
 from __future__ import annotations
 
 import json
+import sys
+import time
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
@@ -35,6 +43,13 @@ SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_
 
 # Older names for a message's reasoning; transformers fills `reasoning_content` (and `thinking`) from them.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+# What one render may cost. Real templates write a few dozen characters per message and render a 2,048-message
+# conversation in well under 0.1 s; the bounds stop a template written to stall whoever renders it.
+MAX_RENDER_CHARS = 4 << 20
+RENDER_BUDGET_S = 2.0
+_MAX_POW_BITS = 1 << 16  # `**` of integers: a result up to 64 Ki bits (computing 10**10**9 would run for minutes)
+_CHECK_EVERY = 256  # template lines between two clock reads in the trace function
 
 
 class ChatTemplateError(ValueError):
@@ -98,10 +113,27 @@ class _GenerationBlock(jinja2.ext.Extension):
         return caller()
 
 
+class _BoundedEnvironment(ImmutableSandboxedEnvironment):
+    """The sandbox, with `*` and `**` refused where their result would be too big to build (intercepting them
+    also keeps Jinja from folding `'a' * 10**8` into a constant at compile time)."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context, operator, left, right):
+        if operator == "*":
+            seq, k = (left, right) if isinstance(right, int) else (right, left)
+            if isinstance(seq, (str, list, tuple)) and isinstance(k, int) and len(seq) * k > MAX_RENDER_CHARS:
+                raise SecurityError(f"a repetition of {len(seq)} x {k} exceeds {MAX_RENDER_CHARS} items")
+        elif isinstance(left, int) and isinstance(right, int) and right > 0 \
+                and max(left.bit_length(), 1) * right > _MAX_POW_BITS:
+            raise SecurityError(f"a power of over {_MAX_POW_BITS} bits")
+        return super().call_binop(context, operator, left, right)
+
+
 @lru_cache(maxsize=16)
 def compile_template(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
+    env = _BoundedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                              extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -147,17 +179,57 @@ def _normalize(messages: list[dict]) -> list[dict]:
     return out
 
 
+class _Budget:
+    """A trace function for the rendering thread: in the template's own frames (compiled Jinja code, file
+    `<template>`), every `_CHECK_EVERY` lines, the clock against the deadline. Other frames are not traced."""
+
+    def __init__(self, budget_s: float):
+        self.budget_s = budget_s
+        self.deadline = time.monotonic() + budget_s
+        self.lines = 0
+
+    def __call__(self, frame, event, arg):
+        return self._line if frame.f_code.co_filename == "<template>" else None
+
+    def _line(self, frame, event, arg):
+        self.lines += 1
+        if self.lines % _CHECK_EVERY == 0 and time.monotonic() > self.deadline:
+            raise ChatTemplateError(f"the chat template ran for over {self.budget_s:g} s")
+        return self._line
+
+
+def _bounded(template: jinja2.Template, max_chars: int, budget_s: float, variables: dict) -> str:
+    """`template.render(**variables)`, stopped past `max_chars` of output or `budget_s` of time."""
+    out, size = [], 0
+    previous = sys.gettrace()  # a debugger's or coverage's: put back after
+    sys.settrace(_Budget(budget_s))
+    try:
+        for chunk in template.generate(**variables):
+            size += len(chunk)
+            if size > max_chars:
+                raise ChatTemplateError(f"the chat template's output exceeds {max_chars} characters")
+            out.append(chunk)
+    finally:
+        sys.settrace(previous)
+    return "".join(out)
+
+
 def render(source: str, messages: list[dict], *, add_generation_prompt: bool = False,
            tools: list[dict] | None = None, documents: list[dict] | None = None,
-           special_tokens: dict[str, str] | None = None, **kwargs) -> str:
-    """Render `source` over `messages` exactly as `tokenizer.apply_chat_template(..., tokenize=False)` does."""
+           special_tokens: dict[str, str] | None = None, max_chars: int = MAX_RENDER_CHARS,
+           budget_s: float = RENDER_BUDGET_S, **kwargs) -> str:
+    """Render `source` over `messages` exactly as `tokenizer.apply_chat_template(..., tokenize=False)` does, within
+    `max_chars` of output and `budget_s` seconds."""
     template = compile_template(source)
     if not messages:
         raise ChatTemplateError("cannot apply the chat template to an empty conversation")
     variables = _plain({**(special_tokens or {}), **kwargs})
     try:
-        return template.render(messages=_normalize(messages), tools=_plain(tools), documents=_plain(documents),
-                               add_generation_prompt=add_generation_prompt, **variables)
+        return _bounded(template, max_chars, budget_s, dict(
+            messages=_normalize(messages), tools=_plain(tools), documents=_plain(documents),
+            add_generation_prompt=add_generation_prompt, **variables))
+    except ChatTemplateError:
+        raise
     except SecurityError as e:
         raise ChatTemplateError(f"the chat template was stopped by the sandbox: {e}") from None
     except TemplateError as e:  # raise_exception(...) and undefined-variable errors: the template's own words

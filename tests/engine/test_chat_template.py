@@ -146,6 +146,40 @@ def test_sandbox_refuses_python_internals(tmp_path, source):
     assert msgs == [{"role": "user", "content": "hi"}]
 
 
+# Templates written to stall whoever renders them (issue 35, item 8): each stopped, as a ChatTemplateError.
+COSTLY = {
+    "loop": ("{% for i in range(10000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}x", "ran for over"),
+    "repeat": ("{{ 'a' * 10**8 }}", "repetition of 1 x 100000000"),
+    "power": ("{{ 10 ** (10 ** 9) }}", "power of over"),
+    "output": ("{% for i in range(100000) %}{{ 'abcdefghij' * 10 }}{% endfor %}", "output exceeds"),
+    "list": ("{{ ([0] * 100000 * 100000) | length }}", "repetition of"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(COSTLY))
+def test_a_costly_template_is_stopped(name):
+    import sys
+    import time
+
+    from pdserve.engine import chat_template
+    source, words = COSTLY[name]
+    tracer = sys.gettrace()
+    t = time.monotonic()
+    with pytest.raises(ChatTemplateError, match=words):
+        chat_template.render(source, [{"role": "user", "content": "hi"}], max_chars=1 << 20, budget_s=0.3)
+    assert time.monotonic() - t < 2  # the loop ran 0.3 s, not its 4.5 s; the others stop at once
+    assert sys.gettrace() is tracer  # the rendering thread's tracer (coverage's, a debugger's) is back
+
+
+def test_the_bounds_leave_real_templates_alone():
+    from pdserve.engine import chat_template
+    conv = [{"role": "user" if i % 2 == 0 else "assistant", "content": "hello there " * 30} for i in range(2048)]
+    out = chat_template.render((TEMPLATES / "llama3.jinja").read_text(), conv, tools=[WEATHER_TOOL],
+                               special_tokens=SPECIALS["llama3"])
+    assert out.count("hello there") == 2048 * 30 and len(out) < chat_template.MAX_RENDER_CHARS
+    assert chat_template.render("{{ 2 ** 10 }} {{ [1] * 3 }} {{ 3 * 'ab' }}", conv) == "1024 [1, 1, 1] ababab"
+
+
 def test_no_template_and_named_templates(tmp_path):
     d = tmp_path / "plain"
     d.mkdir()

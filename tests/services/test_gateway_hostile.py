@@ -132,6 +132,46 @@ def test_a_valid_body_passes_the_checks(gw):
         assert "connection" not in r.headers  # a deliberate 503 (load shed) keeps the connection (guard.HttpGuard)
 
 
+# ---- issue 35, item 2: chat bodies whose cost is not their content's size ----
+
+def test_contentless_messages_are_refused_by_count_before_rendering(gw, monkeypatch):
+    """61,000 `{"role": "user"}` (976 KB, no content) rendered on the event loop for ~0.85 s, then were a 400
+    `context_length_exceeded`; now the count is refused before anything renders."""
+    rendered = []
+    monkeypatch.setattr(gw.app.state.tokenizer, "apply_chat_template", lambda *a, **k: rendered.append(1) or "x")
+    raw = json.dumps({"messages": [{"role": "user"}] * 61_000}, separators=(",", ":")).encode()
+    r = gw.post("/v1/chat/completions", raw)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert "at most 2048 messages" in r.json()["error"]["message"] and not rendered
+
+
+@pytest.mark.parametrize("msg", [{"role": "user"}, {"role": "user", "content": None}, {"role": "system"},
+                                 {"role": "developer"}, {"role": "tool", "tool_call_id": "c1"},
+                                 {"role": "assistant"}, {"role": "assistant", "content": None, "tool_calls": None}])
+def test_a_message_without_content_is_400(gw, msg):
+    """As the OpenAI API answers: only an assistant message with tool_calls may leave content out."""
+    r = gw.post("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "hi"}, msg]}).encode())
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "messages[1].content" and "is required" in r.json()["error"]["message"]
+
+
+def test_chat_templates_render_off_the_event_loop(gw, monkeypatch):
+    """Even a one-word message: the template's cost is its own, not the content's (a 10^8 loop in a checkpoint's
+    template, or 2,048 empty messages, cost seconds whatever the content's length)."""
+    import threading
+    tok = gw.app.state.tokenizer
+    threads = []
+
+    def spy(*a, **k):
+        threads.append(threading.current_thread().name)
+        return type(tok).apply_chat_template(tok, *a, **k)
+
+    monkeypatch.setattr(tok, "apply_chat_template", spy)
+    r = gw.post("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}]}')
+    assert r.status_code == 503 and len(threads) == 1, r.text  # rendered, then no router
+    assert threads[0].startswith("pdserve-tokenize") and threads[0] != threading.current_thread().name
+
+
 # ---- property: no body makes a 5xx ----
 
 JUNK = st.recursive(

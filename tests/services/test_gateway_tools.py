@@ -216,6 +216,24 @@ def test_openai_tool_history_renders_as_transformers(tmp_path, name):
     assert got == want and "München" in got
 
 
+def test_the_sdks_own_assistant_message_goes_back_in():
+    """What `resp.choices[0].message.model_dump(exclude_none=True)` gives for a tool call has no `content` key: it
+    was a 500 (`KeyError: 'content'`); it renders (then no router behind this gateway: 503)."""
+    from openai.types.chat import ChatCompletionMessage
+    from tests.services.test_gateway_hostile import Gateway
+    msg = ChatCompletionMessage.model_validate({"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call12345", "type": "function",
+         "function": {"name": "get_weather", "arguments": "{\"city\": \"München\"}"}}]}).model_dump(exclude_none=True)
+    assert "content" not in msg
+    body = {"messages": [OPENAI_HISTORY[0], msg, *OPENAI_HISTORY[2:]], "tools": [WEATHER_TOOL]}
+    gw = Gateway()
+    try:
+        r = gw.post("/v1/chat/completions", json.dumps(body).encode())
+    finally:
+        gw.close()
+    assert r.status_code == 503 and r.json()["error"]["code"] == "no_workers", r.text
+
+
 @pytest.mark.parametrize("msg,param", [
     ({"role": "tool", "content": "x"}, "messages[1].tool_call_id"),
     ({"role": "user", "content": "x", "tool_call_id": "a"}, "messages[1].tool_call_id"),
