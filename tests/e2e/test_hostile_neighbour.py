@@ -4,7 +4,8 @@ disaggregated deployment (pdserve/bench/hostile.py drives both).
 The deployment raises the grammar limits far enough that the grammar attack's schema (20k enum values, ~7 s of
 compile on a 2-vCPU AMD EPYC) reaches the workers' compilers: what is tested there is the isolation itself (the
 compile runs in a process of its own and is killed at --grammar-compile-timeout), not only the gateway's limit.
-Asserted: nobody gets a 5xx, no worker leaves the registry, every attack is answered with a 4xx, and the normal
+Asserted: the normal client gets no 5xx (only 200s), no worker leaves the registry, every attack is answered with a
+4xx (the grammar attacker also 503/504: compilers busy with its own earlier requests, its own deadline), and the normal
 client's p99 TTFT stays within a bound of the baseline phase's (docs/reliability.md, "Hostile neighbours", has the
 figures this bound comes from).
 """
@@ -46,6 +47,9 @@ def test_no_attack_takes_service_from_a_normal_client(up):
         assert r["requests"] >= 5, r
     for name in hostile.ATTACKS:
         codes = by[name]["attack_status"]
-        assert codes and all(isinstance(k, int) and 400 <= k < 500 for k in codes), (name, codes)
+        # the grammar attacker may also see its own deadline pass (504) or every compiler taken by its earlier
+        # requests (503, Retry-After) on a loaded box; never a 500, and nobody else sees either
+        allowed = {400, 503, 504} if name == "grammar" else set(range(400, 500))
+        assert codes and set(codes) <= allowed, (name, codes)
         rise = by[name]["ttft_p99_ms"] - by["baseline"]["ttft_p99_ms"]
         assert rise / 1e3 < P99_RISE_S, (name, by[name], by["baseline"])
