@@ -143,8 +143,12 @@ class DroppingQueueHandler(logging.handlers.QueueHandler):
 
     def close(self) -> None:
         """`logging.shutdown()` writes the queued lines: what code that cannot import this module (the engine)
-        calls before an `os._exit`."""
+        calls before an `os._exit`. Closing is not the end of the handler: `logging.config` closes every handler
+        it finds, and libraries call it at import (nixl does, at `import nixl_cu12`), so while this handler is
+        still the root's and the process is not exiting, its listener goes on after writing what was queued."""
         stop()
+        if not _exiting and _listener is not None and self in logging.getLogger().handlers:
+            _listener.start()
         super().close()
 
 
@@ -223,6 +227,7 @@ class QueuedStream(io.TextIOBase):
 
 
 _listener: Listener | None = None
+_exiting = False  # set at exit: a handler closed from then on ends its listener for good
 
 
 def stop(timeout: float = STOP_TIMEOUT_S) -> None:
@@ -232,7 +237,13 @@ def stop(timeout: float = STOP_TIMEOUT_S) -> None:
         _listener.stop(timeout)
 
 
-atexit.register(stop)
+def _at_exit() -> None:
+    global _exiting
+    _exiting = True
+    stop()
+
+
+atexit.register(_at_exit)
 
 
 def setup(process: str, fmt: str = "text", worker_role: str | None = None, stream=None) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 import urllib.request
 
 import grpc
@@ -176,15 +177,17 @@ def test_stage_times_only_when_asked_and_allowed(up, key, ask, shown):
 SHARED_ID = "shared-1"
 
 
+BOB_TOKENS = 420  # long enough to outlast alice's whole request (70 + 420 within the tiny model's 512)
+
+
 def test_the_same_request_id_from_two_tenants_touches_neither(up):
     """bob streams under request_id `shared-1`; alice sends `shared-1` too and finishes first. Before, the id was
     every key: alice's admission took bob's reservation over (its release then deleted it while bob still
     streamed), the worker refused her as a `duplicate request id`, and both billing records carried one id. Now
     each runs under an id of the gateway's own, and `shared-1` only comes back to each in its responses."""
-    import redis
-    db = redis.Redis.from_url(up.info["redis_url"])
+    db = up.redis()
     holders = "pdserve:ck:reservation_tenant"  # reservation id -> tenant (reservations.py)
-    params = params_to_pb(SamplingParams(temperature=0, max_tokens=250, ignore_eos=True))
+    params = params_to_pb(SamplingParams(temperature=0, max_tokens=BOB_TOKENS, ignore_eos=True))
 
     async def main():
         stub = gateway_pb2_grpc.GatewayStub(channel(f"127.0.0.1:{up.process('gateway')['grpc_port']}"))
@@ -194,21 +197,31 @@ def test_the_same_request_id_from_two_tenants_touches_neither(up):
             p.params.max_tokens = max_tokens
             return stub.Generate(p, metadata=(("authorization", f"Bearer {key}"),), timeout=60)
 
-        bob = call("sk-bob", 250)
+        bob = call("sk-bob", BOB_TOKENS)
         bob_msgs = [await bob.read()]  # bob is streaming: his reservation is held
+        done = asyncio.Event()
+
+        async def read_bob():
+            while (m := await bob.read()) is not grpc.aio.EOF:
+                bob_msgs.append(m)
+            done.set()
+
+        reader = asyncio.create_task(read_bob())
+        held_before = sorted(v.decode() for v in db.hvals(holders))
         alice_msgs = [m async for m in call("sk-alice", 4)]
-        await asyncio.sleep(0.3)  # alice's release (a terminal path) has run
-        held = sorted(v.decode() for v in db.hvals(holders))
-        bob_finished_early = any(m.finished for m in bob_msgs)
-        while (m := await bob.read()) is not grpc.aio.EOF:
-            bob_msgs.append(m)
-        return bob_msgs, alice_msgs, held, bob_finished_early
+        t0 = time.monotonic()  # alice's release (a terminal path) runs as her stream ends
+        while "alice" in (held := sorted(v.decode() for v in db.hvals(holders))) and time.monotonic() - t0 < 5:
+            await asyncio.sleep(0.01)
+        bob_finished_early = done.is_set() or any(m.finished for m in bob_msgs)
+        await reader
+        return bob_msgs, alice_msgs, (held_before, held), bob_finished_early
 
     before = {t: _records(up, t) for t in ("alice", "bob")}
     bob_msgs, alice_msgs, held, bob_finished_early = asyncio.run(main())
     assert not bob_finished_early  # the check below ran while bob still streamed
-    assert "bob" in held, held  # was: [] (alice's release deleted bob's reservation)
-    for msgs, n in ((bob_msgs, 250), (alice_msgs, 4)):
+    held_before, held = held
+    assert held_before == ["bob"] and "bob" in held, (held_before, held)  # was: [] (alice's release deleted bob's)
+    for msgs, n in ((bob_msgs, BOB_TOKENS), (alice_msgs, 4)):
         assert msgs[-1].state == "FINISHED" and sum(len(o.token_ids) for m in msgs for o in m.outputs) == n
         assert {m.request_id for m in msgs} == {SHARED_ID}  # the label comes back as it was sent
     assert {t: _records(up, t) - before[t] for t in before} == {"alice": 1, "bob": 1}

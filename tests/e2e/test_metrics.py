@@ -18,7 +18,7 @@ MODEL = "ck"
 
 # Who owns what: written out here (not read from pdserve/services/metrics/) so that a family moving to the wrong
 # process, or a new one no owner claims, fails this test.
-SHARED = {"pdserve_rejections", "pdserve_registry_rejected_records"}
+SHARED = {"pdserve_rejections", "pdserve_registry_rejected_records", "pdserve_log_lines_dropped"}
 GATEWAY = {
     "pdserve_ttft_seconds", "pdserve_itl_seconds", "pdserve_tpot_seconds", "pdserve_e2e_seconds",
     "pdserve_requests_terminal", "pdserve_rejection_latency_seconds", "pdserve_prompt_tokens",
@@ -43,7 +43,7 @@ WORKER = {
     "pdserve_spec_emitted_tokens", "pdserve_spec_acceptance_rate", "pdserve_spec_mean_accepted_length",
     "pdserve_prefix_cache_queries", "pdserve_prefix_cache_hits", "pdserve_prefix_hit_ratio", "pdserve_num_running",
     "pdserve_num_waiting", "pdserve_requests_in_state", "pdserve_request_state_entries", "pdserve_engine_info",
-    "pdserve_worker_ready_seconds"}
+    "pdserve_worker_ready_seconds", "pdserve_grammar_compile_seconds", "pdserve_grammar_cache_bytes"}
 
 # vLLM's name -> (pdserve's family, owner, labels selecting the native samples): the table in docs/metrics.md
 ALIASES = {

@@ -192,3 +192,19 @@ def test_up_output_and_fd_sinks_never_block_on_a_full_pipe(monkeypatch):
     finally:
         os.close(r)  # the stuck write ends (EPIPE, ignored)
         os.close(w)
+
+
+def test_a_library_configuring_logging_at_import_does_not_silence_the_process():
+    """nixl calls `logging.config.dictConfig` when it is imported, which closes every handler; once, that ended the
+    listener, and a worker (which imports nixl after `logs.setup`) logged nothing after its first line."""
+    import subprocess
+    import sys
+    code = ("import logging; from pdserve.services import logs; logs.setup('worker', 'text'); "
+            "logging.getLogger('pdserve.t').warning('before'); import nixl_cu12; "
+            "logging.getLogger('pdserve.t').warning('after import'); "
+            "import logging.config; logging.config.dictConfig({'version': 1, 'disable_existing_loggers': False}); "
+            "logging.getLogger('pdserve.t').warning('after dictConfig')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = [x for x in r.stderr.splitlines() if " pdserve.t: " in x]
+    assert [x.rsplit(": ", 1)[1] for x in lines] == ["before", "after import", "after dictConfig"], r.stderr

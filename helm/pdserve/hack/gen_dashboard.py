@@ -104,6 +104,16 @@ PANELS = [
     ("Registry records refused (HMAC does not verify)", "short",
      [(f"sum by (service) (increase(pdserve_registry_rejected_records_total{{{SEL}}}[$__rate_interval]))",
        "{{service}}")]),
+    # guided output (docs/reliability.md, Hostile neighbours): compiles run off the engine thread, under limits
+    ("Grammar compile time by outcome", "s",
+     [(q("0.5", "pdserve_grammar_compile_seconds", "outcome", POOL), "p50 {{outcome}}"),
+      (q("0.99", "pdserve_grammar_compile_seconds", "outcome", POOL), "p99 {{outcome}}")]),
+    ("Grammar compile cache", "bytes",
+     [(f"sum by (role) (pdserve_grammar_cache_bytes{{{POOL}}})", "{{role}}")]),
+    # logs (docs/observability.md): anything above zero is a log sink that did not keep up
+    ("Log lines dropped (sink not keeping up)", "short",
+     [(f"sum by (service) (increase(pdserve_log_lines_dropped_total{{{SEL}}}[$__rate_interval]))",
+       "{{service}}")]),
     # router (docs/routing.md)
     ("Route decisions by mode and reason", "reqps",
      [(f"sum by (mode, reason) (rate(pdserve_route_decisions_total{{{SEL}}}[$__rate_interval]))",
