@@ -107,6 +107,9 @@ def _add_lifecycle(p: argparse.ArgumentParser, redis_url: bool = True) -> None:
     p.add_argument("--default-max-tokens", type=positive_int, default=None,
                    help="output cap of a request without max_tokens (min with the context left); unset: the context "
                         "(docs/api.md)")
+    p.add_argument("--max-logprob-entries", type=positive_int, default=500_000,
+                   help="log-prob values one answer may carry (tokens x n x (1 + top log-probs), output and echoed "
+                        "prompt); more: 400 naming logprobs (docs/api.md, Limits)")
     p.add_argument("--migration-limit", type=nonneg_int, default=2,
                    help="times a request may move to another worker after its worker died mid-stream (0: never; "
                         "docs/reliability.md, Mid-stream migration)")

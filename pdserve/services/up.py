@@ -56,7 +56,7 @@ def _env() -> dict:
 
 LIFECYCLE_FLAGS = ("api_keys_file", "max_body_bytes", "default_timeout", "max_timeout", "admission_queue",
                    "max_queue_wait", "kv_overcommit", "reservation_lease", "tool_call_parser",
-                   "default_max_tokens", "migration_limit", "allowed_hosts", "allowed_origins")
+                   "default_max_tokens", "max_logprob_entries", "migration_limit", "allowed_hosts", "allowed_origins")
 
 
 # Paths only: the secrets stay in their files (a child's command line is visible to every local user).

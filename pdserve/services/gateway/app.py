@@ -27,7 +27,8 @@ from pdserve.services.gateway.errors import ErrorReply, reply_for
 from pdserve.services.gateway.handler import RequestHandler
 from pdserve.services.gateway.lifecycle import build_lifecycle
 from pdserve.services.gateway.fields import MAX_PRIORITY
-from pdserve.services.gateway.params import (APIError, _num, check_guided, flag, guided_field, prompt_only,
+from pdserve.services.gateway.params import (DEFAULT_MAX_LOGPROB_ENTRIES, APIError, _num, check_guided,
+                                             check_logprob_volume, flag, guided_field, prompt_only,
                                              to_sampling_params)
 from pdserve.services.gateway.guard import MAX_HEADER_BYTES, HttpGuard, fastapi_options  # noqa: I001 - out of order: fewer merge conflicts
 from pdserve.services.gateway.ingress import IngressGate
@@ -70,6 +71,7 @@ class GatewayConfig:
     registry_key: bytes | None = None
     tool_call_parser: str | None = None  # the model's tool call format; None: detected from its chat template
     default_max_tokens: int | None = None  # a body without max_tokens: at most this many (None: the context left)
+    max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES  # an answer's log-prob values at most (params.py)
     migration_limit: int = 2  # moves per request after its worker died mid-stream (gateway/migration.py)
     grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)  # guided output (grammar_limits.py)
     # browsers (origin.py): the address the gateway listens on (None: not its own listener, no Host check), the
@@ -217,6 +219,7 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
             if params.max_tokens is None and cfg.default_max_tokens is not None:
                 # a bounded answer, and a bounded KV reservation while the tenant's predictor is cold
                 params.max_tokens = max(1, min(cfg.default_max_tokens, max_len - max(len(p) for p in prompts)))
+            check_logprob_volume(body, chat, prompts, params, prompt_only(body), max_len, cfg.max_logprob_entries)
             form.return_token_ids = bool(body.get("return_token_ids", False))
             if not chat and body.get("echo") is True:
                 form.echo_prompts = echo_texts(body["prompt"], prompts, tok)
@@ -256,7 +259,7 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
             out = task.result()
         except Exception as e:  # noqa: BLE001
             return _reply(await handler.fail(rec, e))
-        return JSONResponse(out, headers=st.headers)
+        return Response(out, media_type="application/json", headers=st.headers)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -93,9 +93,10 @@ class RequestHandler:
                             routes, headers, tokens_per_choice=[0] * n, finish_reasons=[None] * n,
                             prompt_logprobs=[[] for _ in range(n)])
 
-    async def consume(self, st: RequestState) -> AsyncIterator[Delta]:
+    async def consume(self, st: RequestState, finish: bool = True) -> AsyncIterator[Delta]:
         """The upstream messages, counted (tokens, finish reasons, emit times, the record's counts). Ends the
-        request FINISHED after the last one; a failure reported by a worker raises `RequestFailed`, a broken
+        request FINISHED after the last one (`finish=False`: the caller calls `finish` once it has built the
+        answer, which the deadline covers too); a failure reported by a worker raises `RequestFailed`, a broken
         upstream its own error: the caller passes either to `fail`."""
         rec, streamed = st.rec, st.call.streamed
         seen = [0] * len(st.subs)  # tokens each sub-request's messages carried
@@ -133,8 +134,14 @@ class RequestHandler:
                 if t is not None:
                     st.traces[i].on_emit(t)
                 yield Delta(i, m, ntok)
+        if finish:
+            await self.finish(st)
+
+    async def finish(self, st: RequestState) -> None:
+        """The answer is complete: the request ends FINISHED."""
+        rec = st.rec
         st.timing.done()
-        if not streamed:
+        if not st.call.streamed:
             rec.emitted = st.completion_tokens  # the whole answer goes out at once
             # the output-length predictor learns from whole answers only: a streamed answer's admission learns
             # its service time from the emitted count instead (lifecycle._learn)
@@ -184,7 +191,7 @@ async def _messages(first, upstream, deadline: float | None) -> AsyncIterator:
     """`first` (read by `start`), then the upstream's messages, every one by the deadline."""
     if first is not None:
         if deadline is not None and time.time() >= deadline:
-            raise _timed_out()
+            raise timed_out()
         yield first
     while True:
         try:
@@ -197,7 +204,7 @@ async def _messages(first, upstream, deadline: float | None) -> AsyncIterator:
 # The workers end a request at its deadline themselves (it travels in their request's `Lifecycle`), but a worker
 # that hangs (alive, connected, silent) cannot, and a relay running late must not hand the client its answer after
 # the deadline either: the gateway holds the deadline too, on every upstream read (docs/reliability.md).
-def _timed_out() -> RequestFailed:
+def timed_out() -> RequestFailed:
     return RequestFailed("TIMED_OUT", "the request's deadline passed before its answer reached the gateway")
 
 
@@ -208,12 +215,12 @@ async def _next_by(deadline: float | None, it: AsyncIterator):
         return await it.__anext__()
     left = deadline - time.time()
     if left <= 0:
-        raise _timed_out()
+        raise timed_out()
     cm = asyncio.timeout(left)  # raises TimeoutError only when no other cancellation (a client that left) races it
     try:
         async with cm:
             return await it.__anext__()
     except TimeoutError:
         if cm.expired():  # ours, not a TimeoutError from inside the read
-            raise _timed_out() from None
+            raise timed_out() from None
         raise

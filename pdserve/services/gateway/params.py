@@ -245,6 +245,45 @@ def to_sampling_params(body: dict, *, chat: bool, vocab_size: int) -> SamplingPa
     return p
 
 
+# The log-prob values one answer may carry (each returned token's own and its top alternatives, over the output and
+# over the prompt for `echo` / `prompt_logprobs`). The gateway builds that answer, and a client controls its size:
+# 300 prompts x 300 tokens x 21 values took over a minute to answer and stalled every other request (docs/reliability.md,
+# Hostile neighbours). lm-eval's log-likelihood batches (echo, logprobs 1, 2k-token prompts) use ~4k a prompt.
+DEFAULT_MAX_LOGPROB_ENTRIES = 500_000
+
+
+def logprob_entries(prompts: list[list[int]], p: SamplingParams, prompt_only: bool, max_len: int) -> int:
+    """The log-prob values the answer to `prompts` carries at most: per returned choice (n per prompt), its output
+    tokens (up to max_tokens, none for a prompt-only echo) x (1 + logprobs), and its prompt's tokens after the
+    first x (1 + prompt_logprobs)."""
+    total = 0
+    for ids in prompts:
+        per = 0
+        if p.logprobs is not None and not prompt_only:
+            out = p.max_tokens if p.max_tokens is not None else max_len - len(ids)
+            per += out * (1 + p.logprobs)
+        if p.prompt_logprobs is not None:
+            per += (len(ids) - 1) * (1 + p.prompt_logprobs)
+        total += per * p.n
+    return total
+
+
+def check_logprob_volume(body: dict, chat: bool, prompts: list[list[int]], p: SamplingParams, prompt_only: bool,
+                         max_len: int, limit: int) -> None:
+    """A 400 naming the field when the answer's log-prob values would exceed `limit` (--max-logprob-entries)."""
+    entries = logprob_entries(prompts, p, prompt_only, max_len)
+    if entries <= limit:
+        return
+    if body.get("prompt_logprobs") is not None:
+        param = "prompt_logprobs"
+    else:
+        param = ("top_logprobs" if body.get("top_logprobs") else "logprobs") if chat else "logprobs"
+    raise APIError(400, f"'{param}': the answer would carry {entries:,} log-prob values ({len(prompts)} prompt(s) x "
+                        f"tokens x n={p.n} x (1 + top alternatives)), over the server's limit of {limit:,} "
+                        "(--max-logprob-entries): send fewer prompts per request, fewer tokens or fewer top "
+                        "log-probs", param=param, code="logprobs_too_large")
+
+
 def prompt_only(body: dict) -> bool:
     """`echo` with `max_tokens: 0`: the prompt (and its log-probs) without a completion. After
     to_sampling_params has checked both fields."""

@@ -6,13 +6,15 @@ no `[DONE]`), from the handler's `fail`.
 """
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.services.gateway.errors import RequestFailed
-from pdserve.services.gateway.handler import RequestHandler
+from pdserve.services.gateway.handler import RequestHandler, timed_out
 from pdserve.services.gateway.schema import FINISH_REASONS, RequestState
 from pdserve.services.gateway.tools.output import ToolOutput
 
@@ -92,50 +94,70 @@ def _base(form: OpenAIForm, st: RequestState, obj: str) -> dict:
     return {"id": st.rid, "object": obj, "created": st.created, "model": form.model}
 
 
-async def collect(handler: RequestHandler, st: RequestState, form: OpenAIForm) -> dict:
-    """The whole answer's body. Raises what `consume` raises (the caller renders it with `fail`)."""
+async def collect(handler: RequestHandler, st: RequestState, form: OpenAIForm) -> bytes:
+    """The whole answer's JSON body. Raises what `consume` raises (the caller renders it with `fail`), and the
+    deadline's TIMED_OUT while the body is still being built: a big answer (echo, log-probs; bounded by
+    `--max-logprob-entries`) is built and serialized one choice at a time, yielding to the event loop between
+    choices, and it ends FINISHED only once it is built."""
     chat = form.chat
     n = st.n_choices
     texts = [""] * n
     ids: list[list[int]] = [[] for _ in range(n)]
     lps: list[list] = [[] for _ in range(n)]
-    async for d in handler.consume(st):
+    async for d in handler.consume(st, finish=False):
         for o in d.msg.outputs:
             texts[o.index] += o.text
             ids[o.index].extend(o.token_ids)
             lps[o.index].extend(o.logprobs)
-    want_lp = st.call.params.logprobs is not None
     if st.call.prompt_only:  # echo with max_tokens 0: the sampled token is not part of the answer
         texts, ids, lps = [""] * n, [[] for _ in range(n)], [[] for _ in range(n)]
-    per_prompt = n // len(st.call.prompts)
-    choices = []
-    for i, t in enumerate(texts):
-        echoed = form.echo_prompts[i // per_prompt] if form.echo_prompts is not None else ""
-        c = {"index": i, "finish_reason": st.finish_reasons[i] or "stop",
-             "logprobs": choice_logprobs(chat, lps[i], len(echoed), form.tokenizer) if want_lp else None}
-        if form.echo_prompts is not None:
-            if want_lp:
-                c["logprobs"] = echo_logprobs(st.call.prompts[i // per_prompt], st.prompt_logprobs[i], c["logprobs"],
-                                              form.tokenizer)
-            t = echoed + t
-        if chat and form.tools is not None:
-            c["message"], called = form.tools.message(t)
-            if called and c["finish_reason"] == "stop":
-                c["finish_reason"] = "tool_calls"
-        elif chat:
-            c["message"] = {"role": "assistant", "content": t}
-        else:
-            c["text"] = t
-        if form.echo_prompts is None and st.call.params.prompt_logprobs is not None:
-            c["prompt_logprobs"] = prompt_logprobs(st.prompt_logprobs[i])
-        if form.return_token_ids:
-            c["token_ids"] = ids[i]
-        choices.append(c)
-    out = {**_base(form, st, "chat.completion" if chat else "text_completion"), "choices": choices,
+    parts = []
+    for i in range(n):
+        await _on_time(st.rec.deadline)
+        parts.append(json.dumps(_choice(st, form, i, texts[i], ids[i], lps[i])))
+    await _on_time(st.rec.deadline)
+    await handler.finish(st)
+    out = {**_base(form, st, "chat.completion" if chat else "text_completion"), "choices": None,
            "usage": usage(handler, st)}
     if st.degraded is not None:  # DEGRADED: fewer choices than asked, in the body and the x-pdserve-degraded header
         out["pdserve"] = {"degraded": st.degraded.to_json()}
-    return out
+    # the choices go in as serialized: `"choices": null` can only be the key (a string's quotes are escaped)
+    head, tail = json.dumps(out).split('"choices": null', 1)
+    return "".join((head, '"choices": [', ", ".join(parts), "]", tail)).encode()
+
+
+async def _on_time(deadline: float | None) -> None:
+    """Between two pieces of a big answer: let the event loop serve others, and stop at the deadline."""
+    await asyncio.sleep(0)
+    if deadline is not None and time.time() >= deadline:
+        raise timed_out()
+
+
+def _choice(st: RequestState, form: OpenAIForm, i: int, t: str, ids: list[int], lps: list) -> dict:
+    chat = form.chat
+    want_lp = st.call.params.logprobs is not None
+    per_prompt = st.n_choices // len(st.call.prompts)
+    echoed = form.echo_prompts[i // per_prompt] if form.echo_prompts is not None else ""
+    c = {"index": i, "finish_reason": st.finish_reasons[i] or "stop",
+         "logprobs": choice_logprobs(chat, lps, len(echoed), form.tokenizer) if want_lp else None}
+    if form.echo_prompts is not None:
+        if want_lp:
+            c["logprobs"] = echo_logprobs(st.call.prompts[i // per_prompt], st.prompt_logprobs[i], c["logprobs"],
+                                          form.tokenizer)
+        t = echoed + t
+    if chat and form.tools is not None:
+        c["message"], called = form.tools.message(t)
+        if called and c["finish_reason"] == "stop":
+            c["finish_reason"] = "tool_calls"
+    elif chat:
+        c["message"] = {"role": "assistant", "content": t}
+    else:
+        c["text"] = t
+    if form.echo_prompts is None and st.call.params.prompt_logprobs is not None:
+        c["prompt_logprobs"] = prompt_logprobs(st.prompt_logprobs[i])
+    if form.return_token_ids:
+        c["token_ids"] = ids
+    return c
 
 
 async def stream(handler: RequestHandler, st: RequestState, form: OpenAIForm) -> AsyncIterator[bytes]:

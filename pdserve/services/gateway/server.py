@@ -73,6 +73,7 @@ async def serve(args) -> None:
         header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout, metrics_compat=args.metrics_compat,
         redis_auth=RedisAuth.from_args(args), registry_key=security().registry_key(),
         tool_call_parser=args.tool_call_parser, default_max_tokens=args.default_max_tokens,
+        max_logprob_entries=args.max_logprob_entries,
         migration_limit=args.migration_limit, grammar_limits=limits_from_args(args), host=args.host,
         allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins))
     if args.metrics_port:  # unauthenticated, for a scraper on the service network (docs/admission.md, Trust model)
