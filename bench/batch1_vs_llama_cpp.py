@@ -40,9 +40,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=60)
     args = ap.parse_args()
     set_threads(args.threads)
+    import llama_cpp_anchor
+
     from pdserve.engine.engine import Engine, EngineConfig
     from pdserve.engine.sampling_params import SamplingParams
-    import llama_cpp_anchor
     ctx = 256
     with tempfile.TemporaryDirectory() as d:
         model_dir = build_model(Path(d), False)

@@ -27,6 +27,7 @@ from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
 
 def build_model(out: Path) -> Path:
     import transformers as tf
+
     from tests.conftest import make_tokenizer
     cfg = tf.LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)

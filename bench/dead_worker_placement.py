@@ -19,6 +19,7 @@ import httpx
 root = sys.argv[1] if len(sys.argv) > 1 else str(Path(__file__).resolve().parents[1])
 sys.path.insert(0, root)
 from pdserve.services.up_process import UpProcess  # noqa: E402
+
 env = {**os.environ, "PYTHONPATH": root, "PYTHONDONTWRITEBYTECODE": "1", "PDSERVE_FAULT_STEP_DELAY_S": "0.03"}
 up = UpProcess(["--no-restart", "--model", "builtin", "--mode", "disagg", "--prefill", "1", "--decode", "2",
                 "--heartbeat-ttl", "3"], env, 180)
@@ -30,13 +31,15 @@ try:
     with httpx.stream("POST", up.base_url + "/v1/completions", json=body, headers={"x-pdserve-debug": "route"},
                       timeout=60) as r:
         dead = route(r)["decode"]
-        it = r.iter_lines(); n = 0
+        it = r.iter_lines()
+        n = 0
         for line in it:
             if line.startswith("data: {"):
                 n += 1
                 if n == 5:
                     pid = next(p["pid"] for p in up.workers() if p["worker_id"] == dead)
-                    os.kill(pid, signal.SIGKILL); t_kill = time.monotonic()
+                    os.kill(pid, signal.SIGKILL)
+                    t_kill = time.monotonic()
                     break
         for line in it:
             pass

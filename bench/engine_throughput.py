@@ -17,11 +17,10 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import sys
 import tempfile
 import time
 from pathlib import Path
-
-import sys
 
 import torch
 import transformers as tf

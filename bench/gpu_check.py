@@ -24,6 +24,7 @@ everything (what CI runs, to keep this script runnable).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import importlib
 import json
@@ -121,8 +122,9 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     nbytes = nbytes if DEVICE == "cuda" else 256 << 20
     src = torch.ones(nbytes, dtype=torch.uint8, device=DEVICE)
     dst = torch.zeros_like(src)
-    t = gpu_time(lambda: dst.copy_(src), reps=10)
-    del src, dst
+    copy = functools.partial(dst.copy_, src)
+    t = gpu_time(copy, reps=10)
+    del src, dst, copy  # freed before empty_cache
     empty_cache()
     return 2 * nbytes / t
 
@@ -462,6 +464,7 @@ def check_sampler() -> Line:
     if why:
         raise Skip(why)
     import torch
+
     from pdserve.engine.sampler import Sampler, SamplingState
     from pdserve.engine.sampling_params import SamplingParams
 

@@ -111,11 +111,11 @@ def interleaved_prefill(model_dir: Path, configs: dict[str, dict], ctx: int = 25
 def perplexities(model_dir: Path) -> tuple[float, float, int]:
     """(ppl unquantized, ppl int8, tokens scored) over the held-out records, transformers fp32."""
     import transformers as tf
+    from tokenizers import Tokenizer
     from torch import nn
 
     from pdserve.builtin.train import read_heldout
     from pdserve.engine.quant import dequantize_int8, quantize_int8
-    from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     texts = read_heldout(model_dir / "heldout.txt")
 

@@ -47,6 +47,7 @@ def truncated_builtin(layers: int, out: Path) -> Path:
     """The built-in checkpoint keeping its first `layers` decoder layers (+ embeddings, final norm, LM head): a
     smaller checkpoint with the same tokenizer, as a draft model (layer-skipping self-speculation)."""
     from safetensors.torch import load_file, save_file
+
     from pdserve.engine.checkpoint import resolve_model_dir
     src = resolve_model_dir("builtin")
     for f in src.iterdir():

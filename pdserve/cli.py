@@ -10,11 +10,22 @@ import asyncio
 import os
 import sys
 
-from pdserve.cli_args import (Parser, context_len, fraction, labels_arg, list_arg, nonneg_float, nonneg_int, port,
-                              positive_float, positive_int, print_error, weights_arg)
+from pdserve.cli_args import (
+    Parser,
+    context_len,
+    fraction,
+    labels_arg,
+    list_arg,
+    nonneg_float,
+    nonneg_int,
+    port,
+    positive_float,
+    positive_int,
+    print_error,
+    weights_arg,
+)
 from pdserve.cli_flags import add_security as _add_security
 from pdserve.engine.spec_decode.flags import add_spec_flags
-
 
 # The same names the engine validates (pdserve/engine/config.py, which imports torch; the CLI must not).
 POLICIES = ("fcfs", "decode-priority", "prefill-priority", "priority", "shortest-predicted-first")
@@ -121,7 +132,7 @@ def _add_lifecycle(p: argparse.ArgumentParser, redis_url: bool = True) -> None:
 def _add_grammar(p: argparse.ArgumentParser, worker: bool) -> None:
     """Bounds on guided-output constraints (engine/grammar_limits.py; docs/api.md, "Limits"). The gateway refuses
     over them with a 400 naming the limit; a worker checks again and compiles within the timeout."""
-    from pdserve.engine.grammar_limits import GrammarLimits, LIMIT_FLAGS
+    from pdserve.engine.grammar_limits import LIMIT_FLAGS, GrammarLimits
     defaults = GrammarLimits()
     for flag, (attr, text) in LIMIT_FLAGS.items():
         kind = positive_float if attr == "grammar_compile_timeout" else positive_int

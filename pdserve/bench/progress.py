@@ -9,7 +9,8 @@ class Progress:
     def __init__(self, enabled: bool):
         self.p = None
         if enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress as P, TextColumn, TimeElapsedColumn
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+            from rich.progress import Progress as P
             self.p = P(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                        transient=False)
 

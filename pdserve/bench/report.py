@@ -11,7 +11,6 @@ import math
 from pathlib import Path
 
 
-
 def pyplot():
     """matplotlib.pyplot on the Agg backend, or None when the `bench` extra is not installed."""
     try:

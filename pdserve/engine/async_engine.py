@@ -28,7 +28,6 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.stats import EngineStats
 
-
 # While a remote prefill's KV is awaited, an idle engine thread wakes this often to check transfer deadlines.
 TRANSFER_POLL_S = 0.25
 # Stats are republished at most this often while the engine is busy (always before it goes idle).

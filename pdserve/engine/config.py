@@ -12,6 +12,7 @@ from pdserve.engine.architectures import MOE_ARCHITECTURES
 from pdserve.engine.checkpoint import max_position_embeddings, need_int, read_config
 from pdserve.engine.errors import CheckpointError
 from pdserve.engine.sched_policy import SCHEDULING_POLICIES
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

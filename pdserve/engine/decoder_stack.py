@@ -42,8 +42,7 @@ def projection_plan(m: torch.nn.Module, rows: int, dtype: torch.dtype) -> Projec
     """How `m` computes `rows` contiguous rows of `dtype`, mirroring its forward; None where that is not one of the
     three native forms."""
     from pdserve.engine.model import Linear
-    from pdserve.engine.quant import DUAL_GEMV_MAX_ROWS, GEMV_COPY_MAX_ROWS, GEMV_MAX_ROWS, DualLinear, \
-        WeightOnlyLinear
+    from pdserve.engine.quant import DUAL_GEMV_MAX_ROWS, GEMV_COPY_MAX_ROWS, GEMV_MAX_ROWS, DualLinear, WeightOnlyLinear
     if isinstance(m, DualLinear):
         if m.gemv.native_ops is not None and rows <= DUAL_GEMV_MAX_ROWS and dtype == torch.float32:
             return Projection(GEMV, m.gemv.weight, None, m.gemv.bias)

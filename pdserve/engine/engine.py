@@ -19,26 +19,28 @@ from types import MappingProxyType
 import torch
 from xgrammar import CompiledGrammar
 
-from pdserve.engine import beam as beams, resume
+from pdserve.engine import beam as beams
+from pdserve.engine import resume
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.checkpoint import resolve_model_dir
 from pdserve.engine.config import DTYPES, EngineConfig, ModelConfig
 from pdserve.engine.core import EngineCore
 from pdserve.engine.cpu_isa import EngineInfo, choose_dtype, detected_level
-from pdserve.engine.kernels import native_ops
-from pdserve.engine.quant import auto_weight_storage, keep_batch1_gemv, weights_label
 from pdserve.engine.errors import RequestRejected
+from pdserve.engine.grammar import make_grammar_state
+from pdserve.engine.host_copy import to_device
+from pdserve.engine.kernels import native_ops
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.kv_offload import KVOffload
-from pdserve.engine.kv_sizing import CPU_DEFAULT_KV_BYTES, block_bytes_for, num_blocks as kv_pool_blocks, swap_blocks
+from pdserve.engine.kv_sizing import CPU_DEFAULT_KV_BYTES, block_bytes_for, swap_blocks
+from pdserve.engine.kv_sizing import num_blocks as kv_pool_blocks
 from pdserve.engine.loader import load_state_dict
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import CompletionOutput, FirstToken, Prefix, RequestOutput, RequestTimes, UsageRecord
+from pdserve.engine.quant import auto_weight_storage, keep_batch1_gemv, weights_label
 from pdserve.engine.request import Request
 from pdserve.engine.request_state import RequestState as S
-from pdserve.engine.grammar import make_grammar_state
-from pdserve.engine.host_copy import to_device
 from pdserve.engine.sampler import Sampler, SamplingState, bad_words_to_ids
 from pdserve.engine.sampling_params import InvalidParameter, SamplingParams
 from pdserve.engine.scheduler import Scheduler

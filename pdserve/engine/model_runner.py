@@ -7,8 +7,15 @@ import logging
 import numpy as np
 import torch
 
-from pdserve.engine.attention import (AttentionMetadata, DecodeGroup, NativeDecode, NativePrefill, PrefillSpan,
-                                      causal_mask, decode_bias)
+from pdserve.engine.attention import (
+    AttentionMetadata,
+    DecodeGroup,
+    NativeDecode,
+    NativePrefill,
+    PrefillSpan,
+    causal_mask,
+    decode_bias,
+)
 from pdserve.engine.cuda_graphs import DecodeGraphs, DecodeInputs, capture_sizes
 from pdserve.engine.host_copy import to_device
 from pdserve.engine.kernels import native_ops

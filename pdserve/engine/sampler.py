@@ -40,8 +40,8 @@ from torch import Tensor
 
 from pdserve.engine import logits_processors as lp
 from pdserve.engine.host_copy import read_back, to_device
-from pdserve.engine.sampling_state import SamplingState, bad_words_to_ids, select_best  # noqa: F401 (re-export)
 from pdserve.engine.outputs import SampleResult  # noqa: F401 (re-export: the sampler returns these)
+from pdserve.engine.sampling_state import SamplingState, bad_words_to_ids, select_best  # noqa: F401 (re-export)
 
 DEFAULT_FILTER_ORDER = ("top_k", "top_p", "min_p", "typical_p")
 _NEG_INF = float("-inf")

@@ -28,7 +28,6 @@ except ImportError:  # pragma: no cover
 from pdserve.kv_transfer.hugepages import use_huge_pages
 from pdserve.kv_transfer.layout import KVLayout, KVRegion, check_compatible
 
-
 # The largest staging buffer an agent keeps between pulls (tp_pull.py); larger pulls allocate their own.
 STAGING_KEEP_BYTES = 256 << 20
 # After a failed transfer, how long close() drives UCX progress before tearing the agent down (see close)

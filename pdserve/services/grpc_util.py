@@ -8,9 +8,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pdserve.services.internal_security import NONE, InternalSecurity
 from pdserve._proto.pdserve.v1 import common_pb2, gateway_pb2, router_pb2, worker_pb2  # noqa: F401
 from pdserve.services.grpc_context import ContextChannel, ContextServerInterceptor
+from pdserve.services.internal_security import NONE, InternalSecurity
 
 # Streams carry small token deltas but Prefill responses carry NIXL agent metadata (a few KB to MB).
 OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]

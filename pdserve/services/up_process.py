@@ -67,6 +67,7 @@ class UpProcess:
     def redis(self, **kwargs):
         """A (synchronous) client of the deployment's Redis; kwargs are redis-py's."""
         import redis
+
         from pdserve.services.redis_conn import RedisAuth
         kwargs.setdefault("password", RedisAuth.from_files(self.info.get("redis_password_file")).password)
         return redis.Redis.from_url(self.info["redis_url"], **kwargs)

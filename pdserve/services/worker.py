@@ -24,22 +24,29 @@ from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.engine.grammar_limits import limits_from_args
 from pdserve.engine.grammar_pool import DEFAULT_PROCESSES, CompileTimeout, GrammarPool
+from pdserve.engine.request_state import RequestState
 from pdserve.engine.spec_decode.flags import spec_config
+from pdserve.engine.stats import EngineStats
 from pdserve.engine.warmup import warm_up
 from pdserve.kv_transfer.layout import KV_PROTOCOL_VERSION, KVLayout
-from pdserve.services.metrics import worker as M
-from pdserve.engine.request_state import RequestState
-from pdserve.engine.stats import EngineStats
 from pdserve.services.convert import DeltaEncoder, layout_to_pb, limits_from_pb, params_from_pb, region_to_pb
 from pdserve.services.decode.service import DecodeSide
-from pdserve.services.grpc_util import (WORKER_SERVICE, abort_compile_timeout, listen, make_server, param_metadata,
-                                       security, set_serving)
+from pdserve.services.grpc_util import (
+    WORKER_SERVICE,
+    abort_compile_timeout,
+    listen,
+    make_server,
+    param_metadata,
+    security,
+    set_serving,
+)
 from pdserve.services.kv_endpoint import KvEndpoint
+from pdserve.services.kv_events import KvEventPublisher, publish_forever
+from pdserve.services.load_meter import LoadMeter
+from pdserve.services.metrics import worker as M
 from pdserve.services.pb import common_pb2, worker_pb2, worker_pb2_grpc
 from pdserve.services.prefill.service import PrefillSide
 from pdserve.services.registry import Registry, WorkerRecord
-from pdserve.services.kv_events import KvEventPublisher, publish_forever
-from pdserve.services.load_meter import LoadMeter
 
 log = logging.getLogger("pdserve.worker")
 

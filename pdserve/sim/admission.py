@@ -18,8 +18,16 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-from pdserve.services.admission import (AdmissionError, Capacity, OutputPredictor, capacity_from_workers,
-                                        make_ticket, no_fit, plan_for, prepare)
+from pdserve.services.admission import (
+    AdmissionError,
+    Capacity,
+    OutputPredictor,
+    capacity_from_workers,
+    make_ticket,
+    no_fit,
+    plan_for,
+    prepare,
+)
 from pdserve.services.reservations import LocalLedger
 
 

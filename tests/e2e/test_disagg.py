@@ -8,9 +8,9 @@ import httpx
 import pytest
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.services.grpc_util import channel
 from pdserve.services.convert import params_to_pb
-from pdserve.services.pb import worker_pb2, worker_pb2_grpc, gateway_pb2_grpc
+from pdserve.services.grpc_util import channel
+from pdserve.services.pb import gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.e2e import _common
 from tests.e2e.conftest import Up, metric, wait_until
 

@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.services.grpc_util import channel
 from pdserve.services.convert import params_to_pb
+from pdserve.services.grpc_util import channel
 from pdserve.services.pb import gateway_pb2_grpc, worker_pb2
 from tests.e2e.conftest import Up, served_as_ck
 

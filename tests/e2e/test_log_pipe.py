@@ -18,7 +18,7 @@ import time
 import httpx
 
 from pdserve.services.up import free_port
-from tests.e2e.conftest import _env, metric, samples
+from tests.e2e.conftest import _env, samples
 
 REQUESTS = 1000
 COMPLETIONS = 100  # of them; the rest GET /v1/models

@@ -22,8 +22,8 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.services.grpc_util import channel
 from pdserve.services.convert import params_to_pb
+from pdserve.services.grpc_util import channel
 from pdserve.services.pb import gateway_pb2_grpc, worker_pb2
 from pdserve.services.up_process import UpProcess
 from tests.e2e.conftest import ROOT, served_as_ck, wait_until

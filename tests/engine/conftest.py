@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from pdserve.engine.tokenizer import Tokenizer
 

@@ -6,8 +6,17 @@ import pytest
 import torch
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.kv_sizing import (CPU_DEFAULT_KV_BYTES, KVSizingError, MemoryProfile, block_bytes_for,
-                                      graph_logits_bytes, heaviest_sampling, num_blocks, pool_blocks, swap_blocks)
+from pdserve.engine.kv_sizing import (
+    CPU_DEFAULT_KV_BYTES,
+    KVSizingError,
+    MemoryProfile,
+    block_bytes_for,
+    graph_logits_bytes,
+    heaviest_sampling,
+    num_blocks,
+    pool_blocks,
+    swap_blocks,
+)
 
 GIB = 1 << 30
 

@@ -20,10 +20,20 @@ from pdserve.engine import cpu_isa
 from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.engine.kernels import native_ops
 from pdserve.engine.model import Linear, can_pack
-from pdserve.engine.quant import (BATCH1_GEMV_ENV, BF16_WEIGHTS_ENV, DUAL_GEMV_MAX_ROWS, GEMV_COPY_MAX_ROWS,
-                                  GEMV_MAX_ROWS, DualLinear,
-                                  WeightOnlyLinear, batch1_gemv_wanted, choose_weight_storage, weights_label,
-                                  dequantize_int8, quantize_int8)
+from pdserve.engine.quant import (
+    BATCH1_GEMV_ENV,
+    BF16_WEIGHTS_ENV,
+    DUAL_GEMV_MAX_ROWS,
+    GEMV_COPY_MAX_ROWS,
+    GEMV_MAX_ROWS,
+    DualLinear,
+    WeightOnlyLinear,
+    batch1_gemv_wanted,
+    choose_weight_storage,
+    dequantize_int8,
+    quantize_int8,
+    weights_label,
+)
 from pdserve.engine.sampling_params import SamplingParams
 from tests.conftest import make_checkpoint
 

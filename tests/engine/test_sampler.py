@@ -9,7 +9,8 @@ import math
 
 import pytest
 import torch
-from hypothesis import example, given, settings, strategies as st
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from pdserve.engine import sampler as sampler_mod
 from pdserve.engine.sampler import select_best

@@ -139,6 +139,7 @@ def test_flags_reach_the_engine_config(tmp_path):
     """`--speculative/--num-speculative-tokens/--draft-model` on `pdserve worker` (and env PDSERVE_*) and on
     `pdserve generate` become EngineConfig fields."""
     import os
+
     from pdserve.cli import build_parser
     from pdserve.services.worker import engine_config_from_env
     args = build_parser().parse_args(["worker", "--speculative", "draft", "--num-speculative-tokens", "6",

@@ -69,6 +69,7 @@ def test_every_torch_name_the_package_uses_exists():
     """Run under each torch of the range (CI: 2.13; by hand: 2.11 and 2.14 builds, see docs/engine.md): a name
     added after 2.11 must be guarded, and would show up here on the older torch."""
     import importlib
+
     import torch.distributed as dist
     # names only some builds of a release have, used only where they exist (tp/comm.py: NCCL on CUDA)
     build_specific = {"torch.distributed.ProcessGroupNCCL": dist.is_nccl_available()}

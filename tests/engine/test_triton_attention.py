@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 
 # tests/conftest.py sets TRITON_INTERPRET=1 on hosts without a GPU, before anything imports triton.
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
 

@@ -9,8 +9,21 @@ import re
 import pytest
 import yaml
 
-from tests.helm._chart import (CHART, FULL, NAMESPACE, SCENARIOS, by_kind, container_env, helm,
-                               objects, parse_pdserve, pdserve_containers, pod_specs, pod_template, render)
+from tests.helm._chart import (
+    CHART,
+    FULL,
+    NAMESPACE,
+    SCENARIOS,
+    by_kind,
+    container_env,
+    helm,
+    objects,
+    parse_pdserve,
+    pdserve_containers,
+    pod_specs,
+    pod_template,
+    render,
+)
 
 kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate (pyproject test extra) bundles the "
                                                        "Kubernetes API JSON schemas")

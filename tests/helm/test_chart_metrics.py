@@ -9,8 +9,19 @@ import re
 import pytest
 import yaml
 
-from tests.helm._chart import (FULL, NAMESPACE, SCENARIOS, by_kind, container_env, helm, objects, parse_pdserve,
-                               pdserve_containers, pod_specs, render)
+from tests.helm._chart import (
+    FULL,
+    NAMESPACE,
+    SCENARIOS,
+    by_kind,
+    container_env,
+    helm,
+    objects,
+    parse_pdserve,
+    pdserve_containers,
+    pod_specs,
+    render,
+)
 
 
 def exported_metric_names() -> set[str]:

@@ -50,8 +50,8 @@ def test_sigterm_drains_within_grace_period(redis_url, tmp_path):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from pdserve.engine.sampling_params import SamplingParams
-    from pdserve.services.grpc_util import WORKER_SERVICE, channel
     from pdserve.services.convert import params_to_pb
+    from pdserve.services.grpc_util import WORKER_SERVICE, channel
     from pdserve.services.pb import worker_pb2, worker_pb2_grpc
 
     dep = by_kind(objects(VALUES), "Deployment")[f"{FULL}-worker"]

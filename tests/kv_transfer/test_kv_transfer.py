@@ -13,7 +13,6 @@ from pdserve.kv_transfer.lease import LeaseTable, reap_forever
 from tests.e2e.conftest import ROOT
 from tests.kv_transfer import _peer
 
-
 _PROCS: list = []  # the current test's peers (process, pipe)
 
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.engine.config import EngineConfig
 from pdserve.planner.loop import Planner, PlannerConfig
 from pdserve.planner.policy import Limits
 from pdserve.planner.scrape import Observation
 from pdserve.sim.cluster import Cluster, ClusterSpec
-from pdserve.engine.config import EngineConfig
 from pdserve.sim.costmodel import LinearCostModel
 from pdserve.sim.workload import SLO, LengthDist, synthetic
 

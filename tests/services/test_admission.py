@@ -12,9 +12,9 @@ import redis.asyncio as aioredis
 
 from pdserve.services.admission import Admission, AdmissionError, Capacity, OutputPredictor, ServiceRates, blocks_for
 from pdserve.services.gateway.ingress import IngressGate
-from pdserve.services.reservations import ReservationLedger
 from pdserve.services.gateway.params import APIError
 from pdserve.services.gateway.tenants import TenantDirectory
+from pdserve.services.reservations import ReservationLedger
 
 REDIS = "redis://127.0.0.1:6379/0"
 

@@ -179,7 +179,8 @@ def test_help_lists_defaults_and_env_names(monkeypatch, capsys):
 
 
 def test_engine_names_match_the_engine():
-    from pdserve.engine.config import DTYPES as ENGINE_DTYPES, POLICIES as ENGINE_POLICIES
+    from pdserve.engine.config import DTYPES as ENGINE_DTYPES
+    from pdserve.engine.config import POLICIES as ENGINE_POLICIES
     from pdserve.engine.config import PREEMPTION_MODES as ENGINE_PREEMPTION_MODES
     assert PREEMPTION_MODES == ENGINE_PREEMPTION_MODES
     assert POLICIES == ENGINE_POLICIES and set(DTYPES) == {"auto", *ENGINE_DTYPES} and "auto" in MODES

@@ -220,6 +220,7 @@ def test_the_sdks_own_assistant_message_goes_back_in():
     """What `resp.choices[0].message.model_dump(exclude_none=True)` gives for a tool call has no `content` key: it
     was a 500 (`KeyError: 'content'`); it renders (then no router behind this gateway: 503)."""
     from openai.types.chat import ChatCompletionMessage
+
     from tests.services.test_gateway_hostile import Gateway
     msg = ChatCompletionMessage.model_validate({"role": "assistant", "content": None, "tool_calls": [
         {"id": "call12345", "type": "function",

@@ -18,8 +18,8 @@ import pytest
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer.layout import KV_PROTOCOL_VERSION
-from pdserve.services.grpc_util import channel
 from pdserve.services.convert import params_to_pb
+from pdserve.services.grpc_util import channel
 from pdserve.services.pb import worker_pb2, worker_pb2_grpc
 from pdserve.services.ports import free_port
 from tests.services._workers import start_worker, wait_serving

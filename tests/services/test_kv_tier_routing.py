@@ -145,8 +145,8 @@ def test_real_worker_host_tier_events_and_metrics(tiny_llama):
     from pdserve.services.convert import params_to_pb
     from pdserve.services.grpc_util import channel
     from pdserve.services.pb import worker_pb2, worker_pb2_grpc
-    from pdserve.services.registry import Registry
     from pdserve.services.ports import free_port
+    from pdserve.services.registry import Registry
 
     root = Path(__file__).resolve().parents[2]
     model = f"test-{uuid.uuid4().hex[:8]}"

@@ -158,6 +158,7 @@ def test_a_stuck_sink_blocks_no_caller_and_counts_the_dropped_lines(capture, mon
 
 def test_stop_writes_every_queued_line_and_the_counter_is_exported(capture):
     from prometheus_client import generate_latest
+
     from pdserve.services.metrics.exposition import exposition
     from pdserve.services.metrics.router import ROUTER
     logs.setup("router", "text", stream=capture)

@@ -118,12 +118,12 @@ def test_redis_mirror_replicas_agree_restart_rebuilds_and_dead_worker_leaves():
 @pytest.mark.timeout(90)
 def test_real_worker_kv_events_reach_the_index_evictions_and_death(tiny_llama):
     """A worker process publishes stored/evicted events; the router index follows; SIGKILL -> gone."""
-    from pdserve.services.grpc_util import channel
-    from pdserve.services.convert import params_to_pb
-    from pdserve.services.pb import worker_pb2, worker_pb2_grpc
     from pdserve.engine.sampling_params import SamplingParams
-    from pdserve.services.registry import Registry
+    from pdserve.services.convert import params_to_pb
+    from pdserve.services.grpc_util import channel
+    from pdserve.services.pb import worker_pb2, worker_pb2_grpc
     from pdserve.services.ports import free_port
+    from pdserve.services.registry import Registry
 
     model = f"test-{uuid.uuid4().hex[:8]}"
     port = free_port()

@@ -16,9 +16,9 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.services.internal_security import ConfigError
+from pdserve.services.ports import free_port
 from pdserve.services.redis_conn import RedisAuth, connect
 from pdserve.services.registry import Registry, WorkerRecord
-from pdserve.services.ports import free_port
 from tests._tls import Pki
 
 ROOT = Path(__file__).resolve().parents[2]

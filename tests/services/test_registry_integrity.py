@@ -15,8 +15,8 @@ import uuid
 import pytest
 import redis
 
-from pdserve.services.metrics import common as M
 from pdserve.services.internal_security import InternalSecurity
+from pdserve.services.metrics import common as M
 from pdserve.services.pb import common_pb2
 from pdserve.services.registry import Registry, WorkerRecord, index_key, workers_key
 

@@ -1,6 +1,6 @@
 """`pdserve up` refuses tensor parallel sizes it cannot run, in one line, before starting anything."""
-from tests.services.test_cli import one_line, pdserve
 from pdserve.services.ports import free_port
+from tests.services.test_cli import one_line, pdserve
 
 
 def test_up_checks_each_pools_degree_in_disagg_mode(tiny_llama):

@@ -16,8 +16,8 @@ import grpc
 import pytest
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.services.grpc_util import channel
 from pdserve.services.convert import params_to_pb
+from pdserve.services.grpc_util import channel
 from pdserve.services.pb import worker_pb2, worker_pb2_grpc
 from tests.services._workers import start_worker, wait_serving
 

@@ -13,8 +13,8 @@ import redis.asyncio as aioredis
 
 from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.services.grpc_util import channel
 from pdserve.services.convert import params_to_pb
+from pdserve.services.grpc_util import channel
 from pdserve.services.pb import worker_pb2, worker_pb2_grpc
 from pdserve.services.registry import Registry, workers_key
 from tests.services._workers import start_worker, stop_worker, wait_serving

@@ -9,8 +9,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.services.grpc_util import channel
 from pdserve.services.convert import params_to_pb
+from pdserve.services.grpc_util import channel
 from pdserve.services.pb import worker_pb2, worker_pb2_grpc
 from tests.conftest import make_checkpoint
 from tests.services._workers import start_worker, wait_serving

@@ -6,9 +6,9 @@ import random
 import time
 from dataclasses import replace
 
+from pdserve.bench.workload import arrivals
 from pdserve.engine import block_manager as bm_mod
 from pdserve.engine import scheduler as sched_mod
-from pdserve.bench.workload import arrivals
 from pdserve.engine.config import EngineConfig
 from pdserve.services.router import policy as policy_mod
 from pdserve.sim.cluster import Cluster, ClusterSpec

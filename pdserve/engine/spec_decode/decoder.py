@@ -28,9 +28,8 @@ from pdserve.engine.request_state import RequestState as S
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pdserve.engine.sequence import Sequence
-from pdserve.engine.spec_decode.verify import verify
-
 from pdserve.engine.spec_decode.flags import METHODS  # noqa: F401 (re-export)
+from pdserve.engine.spec_decode.verify import verify
 
 
 @dataclass

@@ -36,7 +36,8 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank{a.rank} %(levelname)s %(message)s")
     from pdserve.engine.config import DTYPES, EngineConfig, ModelConfig
     from pdserve.engine.kv_cache import KVCache
-    from pdserve.engine.kv_sizing import block_bytes_for, num_blocks as kv_pool_blocks, swap_blocks
+    from pdserve.engine.kv_sizing import block_bytes_for, swap_blocks
+    from pdserve.engine.kv_sizing import num_blocks as kv_pool_blocks
     from pdserve.engine.loader import load_state_dict
     from pdserve.engine.model import LlamaModel
     from pdserve.engine.model_runner import ModelRunner

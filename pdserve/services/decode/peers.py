@@ -19,8 +19,8 @@ import grpc
 from pdserve.kv_transfer.agent import KVTransferError, TransferFailure
 from pdserve.kv_transfer.layout import KVLayout, KVRegion, check_compatible
 from pdserve.kv_transfer.tp_plan import check_ranks
-from pdserve.services.metrics import worker as M
 from pdserve.services.convert import layout_to_pb, region_from_pb
+from pdserve.services.metrics import worker as M
 from pdserve.services.pb import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("pdserve.decode.peers")

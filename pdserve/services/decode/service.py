@@ -28,12 +28,12 @@ from pdserve.engine.grammar_pool import CompileTimeout
 from pdserve.kv_transfer.agent import KVAgent, KVTransferError, TransferFailure
 from pdserve.kv_transfer.layout import KVLayoutMismatch
 from pdserve.kv_transfer.tp_pull import KvPuller
-from pdserve.services.metrics import worker as M
 from pdserve.services.convert import DeltaEncoder, first_tokens_from_pb, limits_from_pb, params_from_pb
 from pdserve.services.decode.peers import KvPeers
 from pdserve.services.grpc_util import abort_compile_timeout, channel, param_metadata
 from pdserve.services.kv_endpoint import KvEndpoint
 from pdserve.services.load_meter import LoadMeter
+from pdserve.services.metrics import worker as M
 from pdserve.services.pb import common_pb2, worker_pb2, worker_pb2_grpc
 from pdserve.services.tasks import OwnedTasks
 

@@ -13,34 +13,41 @@ from dataclasses import dataclass, field
 
 import grpc
 from fastapi import FastAPI, Request
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from pdserve.engine.checkpoint import resolve_model_dir, serving_limits
 from pdserve.engine.grammar_limits import GrammarLimits
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.services.gateway import responses
+from pdserve.services.gateway import http_metrics, openapi, responses
 from pdserve.services.gateway.core import Dispatcher
 from pdserve.services.gateway.errors import ErrorReply, reply_for
-from pdserve.services.gateway.handler import RequestHandler
-from pdserve.services.gateway.lifecycle import build_lifecycle
 from pdserve.services.gateway.fields import MAX_PRIORITY
-from pdserve.services.gateway.params import (DEFAULT_MAX_LOGPROB_ENTRIES, APIError, _num, check_guided,
-                                             check_logprob_volume, flag, guided_field, prompt_only,
-                                             to_sampling_params)
-from pdserve.services.gateway.guard import MAX_HEADER_BYTES, HttpGuard, fastapi_options  # noqa: I001 - out of order: fewer merge conflicts
+from pdserve.services.gateway.guard import MAX_HEADER_BYTES, HttpGuard, fastapi_options
+from pdserve.services.gateway.handler import RequestHandler
 from pdserve.services.gateway.ingress import IngressGate
+from pdserve.services.gateway.lifecycle import build_lifecycle
 from pdserve.services.gateway.origin import BrowserGuard, allowed_hosts
-from pdserve.services.gateway import http_metrics, openapi
+from pdserve.services.gateway.params import (
+    DEFAULT_MAX_LOGPROB_ENTRIES,
+    APIError,
+    _num,
+    check_guided,
+    check_logprob_volume,
+    flag,
+    guided_field,
+    prompt_only,
+    to_sampling_params,
+)
 from pdserve.services.gateway.parse import RequestParser
 from pdserve.services.gateway.responses import OpenAIForm
 from pdserve.services.gateway.schema import GenerateCall, RequestState
+from pdserve.services.gateway.tools.base import ToolCallParser
 from pdserve.services.gateway.tools.output import ToolOutput
 from pdserve.services.gateway.tools.registry import pick
 from pdserve.services.gateway.tools.request import ToolRequest, tool_request
-from pdserve.services.gateway.tools.base import ToolCallParser
 from pdserve.services.redis_conn import NO_AUTH, RedisAuth
 
 log = logging.getLogger("pdserve.gateway")

@@ -22,13 +22,12 @@ from typing import AsyncIterator
 import grpc
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.services.gateway.migration import (KV_TRANSFER, STALL_CHECK_S, UNAVAILABLE, Broken, Sent, broken_by,
-                                                watched)
+from pdserve.services.convert import params_to_pb
+from pdserve.services.gateway.migration import KV_TRANSFER, STALL_CHECK_S, UNAVAILABLE, Broken, Sent, broken_by, watched
 from pdserve.services.gateway.stages import StageTrace
 from pdserve.services.gateway.suspects import Suspects
-from pdserve.services.metrics import gateway as M
 from pdserve.services.grpc_util import channel, param_of
-from pdserve.services.convert import params_to_pb
+from pdserve.services.metrics import gateway as M
 from pdserve.services.pb import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdserve.services.tasks import OwnedTasks
 

@@ -22,12 +22,12 @@ import logging
 
 from pdserve.engine.grammar_limits import GrammarLimits
 from pdserve.services import logs
+from pdserve.services.convert import params_from_pb
 from pdserve.services.gateway.errors import RequestFailed, grpc_status
 from pdserve.services.gateway.handler import RequestHandler
 from pdserve.services.gateway.params import APIError, check_guided, validate
 from pdserve.services.gateway.parse import RequestParser
 from pdserve.services.gateway.schema import GenerateCall
-from pdserve.services.convert import params_from_pb
 from pdserve.services.pb import common_pb2, gateway_pb2_grpc
 
 log = logging.getLogger("pdserve.gateway")

@@ -15,15 +15,15 @@ import time
 from dataclasses import replace
 from typing import AsyncIterator, Awaitable, Callable
 
-from pdserve.services.metrics import gateway as M
+from pdserve.services import tracing
+from pdserve.services.convert import lifecycle_to_pb
 from pdserve.services.gateway.core import Dispatcher, new_id, split
 from pdserve.services.gateway.errors import ErrorReply, RequestFailed, reply_for
-from pdserve.services.convert import lifecycle_to_pb
 from pdserve.services.gateway.lifecycle import Lifecycle, RequestRecord
 from pdserve.services.gateway.schema import FINISH_REASONS, Degraded, Delta, GenerateCall, RequestState
 from pdserve.services.gateway.stages import StageTrace, emit_spans, pick, stage_times
-from pdserve.services import tracing  # noqa: I001 - own line: fewer merge conflicts
 from pdserve.services.gateway.timing import Timing
+from pdserve.services.metrics import gateway as M
 
 
 class RequestHandler:

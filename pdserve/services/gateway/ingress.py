@@ -16,9 +16,9 @@ import math
 import time
 from dataclasses import dataclass
 
-from pdserve.services.metrics import gateway as M
 from pdserve.services.gateway.params import APIError
 from pdserve.services.gateway.tenants import Tenant, TenantDirectory
+from pdserve.services.metrics import gateway as M
 
 log = logging.getLogger("pdserve.gateway")
 

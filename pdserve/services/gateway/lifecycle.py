@@ -27,14 +27,14 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from pdserve.services.metrics import gateway as M
+from pdserve.services import logs
 from pdserve.services.admission import Admission, Ticket
 from pdserve.services.gateway.billing import BillingRecord, BillingTimes
 from pdserve.services.gateway.ingress import IngressGate
 from pdserve.services.gateway.params import APIError
 from pdserve.services.gateway.tenants import DEFAULT_TENANT, Tenant
 from pdserve.services.gateway.usage_ledger import OpenUsage, UsageLedger
-from pdserve.services import logs
+from pdserve.services.metrics import gateway as M
 from pdserve.services.tasks import OwnedTasks
 
 billing_log = logging.getLogger("pdserve.billing")
@@ -261,8 +261,8 @@ class Lifecycle:
 def build_lifecycle(cfg) -> Lifecycle:
     """From GatewayConfig: Redis (optional), keys file, ingress gate, admission over the worker registry."""
     from pdserve.services.admission import Admission, RegistryCapacity
-    from pdserve.services.reservations import ReservationLedger
     from pdserve.services.gateway.tenants import TenantDirectory
+    from pdserve.services.reservations import ReservationLedger
     redis = None
     admission = None
     if cfg.redis_url:

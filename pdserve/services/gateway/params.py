@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 import math
 
-from pdserve.engine.grammar_limits import GrammarLimits, LimitExceeded, check as check_limits
+from pdserve.engine.grammar_limits import GrammarLimits, LimitExceeded
+from pdserve.engine.grammar_limits import check as check_limits
 from pdserve.engine.sampling_params import GuidedSpec, InvalidParameter, SamplingParams
 
 

@@ -9,10 +9,10 @@ import uvicorn
 from pdserve.engine.grammar_limits import limits_from_args
 from pdserve.services.gateway.app import GatewayConfig, create_app
 from pdserve.services.gateway.grpc_front import GatewayGrpc
-from pdserve.services.grpc_util import GATEWAY_SERVICE, make_server, security, set_serving
-from pdserve.services.redis_conn import RedisAuth
-from pdserve.services.pb import gateway_pb2_grpc
 from pdserve.services.gateway.protocol import guarded_h11  # noqa: E402,I001 - own line: fewer merge conflicts
+from pdserve.services.grpc_util import GATEWAY_SERVICE, make_server, security, set_serving
+from pdserve.services.pb import gateway_pb2_grpc
+from pdserve.services.redis_conn import RedisAuth
 
 log = logging.getLogger("pdserve.gateway")
 

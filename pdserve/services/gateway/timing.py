@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import time
 
-from pdserve.services.metrics import gateway as M
 from pdserve.services.gateway.lifecycle import RequestRecord
+from pdserve.services.metrics import gateway as M
 
 
 class Timing:

@@ -24,11 +24,17 @@ from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.grammar_pool import CompileTimeout
 from pdserve.kv_transfer.layout import KVLayout, KVLayoutMismatch, check_compatible
 from pdserve.kv_transfer.lease import Lease, LeaseTable, reap_forever
-from pdserve.services.metrics import worker as M
-from pdserve.services.convert import (DeltaEncoder, fill_times, full_response, layout_from_pb, limits_from_pb,
-                                      params_from_pb)
+from pdserve.services.convert import (
+    DeltaEncoder,
+    fill_times,
+    full_response,
+    layout_from_pb,
+    limits_from_pb,
+    params_from_pb,
+)
 from pdserve.services.grpc_util import abort_compile_timeout, param_metadata
 from pdserve.services.kv_endpoint import KvEndpoint
+from pdserve.services.metrics import worker as M
 from pdserve.services.pb import worker_pb2
 from pdserve.services.tasks import OwnedTasks
 

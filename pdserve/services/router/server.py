@@ -8,9 +8,9 @@ import logging
 
 import grpc
 
-from pdserve.services.metrics import router as M
 from pdserve.services.grpc_util import ROUTER_SERVICE, listen, make_server, set_serving
 from pdserve.services.internal_security import NONE, InternalSecurity
+from pdserve.services.metrics import router as M
 from pdserve.services.pb import router_pb2, router_pb2_grpc
 from pdserve.services.redis_conn import NO_AUTH, RedisAuth
 from pdserve.services.registry import Registry, WorkerRecord, record_to_pb
