@@ -25,6 +25,7 @@ import os
 import queue
 import re
 import sys
+import threading
 import time
 import uuid
 
@@ -206,23 +207,39 @@ def _sink(stream, terminator: str = "\n") -> logging.Handler:
 class QueuedStream(io.TextIOBase):
     """A text stream whose writes are queued for a listener thread like log lines (bounded, dropped and counted
     when full): `pdserve up` prints its announcements and its children's fate on stdout / stderr, and must not stop
-    supervising because nobody reads them."""
+    supervising because nobody reads them.
+
+    Whole lines only: `print(x)` writes `x` and the newline in two calls, and another thread's line queued between
+    them once glued a `PDSERVE_CHILD` announcement onto the end of a restart message, where `UpProcess` (which
+    reads lines that start with it) never saw it. Each thread's text is held until its newline (or `flush`)."""
 
     def __init__(self, stream):
         self._handler = DroppingQueueHandler(queue.Queue(QUEUE_LINES))
-        # the text is written as given (print() writes the newline itself)
+        # the text is written as given (it carries its own newlines)
         self._listener = Listener(self._handler.queue, _sink(stream, terminator=""))
         self._listener.start()
+        self._partial = threading.local()  # this thread's text after its last newline
         atexit.register(self.stop)
 
     def writable(self) -> bool:
         return True
 
     def write(self, text: str) -> int:
-        self._handler.enqueue(logging.makeLogRecord({"msg": text}))
+        held = getattr(self._partial, "text", "") + text
+        cut = held.rfind("\n") + 1
+        self._partial.text = held[cut:]
+        if cut:
+            self._handler.enqueue(logging.makeLogRecord({"msg": held[:cut]}))
         return len(text)
 
+    def flush(self) -> None:
+        held = getattr(self._partial, "text", "")
+        if held:
+            self._partial.text = ""
+            self._handler.enqueue(logging.makeLogRecord({"msg": held}))
+
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        self.flush()
         self._listener.stop(timeout)
 
 

@@ -7,6 +7,7 @@ import io
 import json
 import logging
 import os
+import re
 import threading
 import time
 
@@ -209,3 +210,32 @@ def test_a_library_configuring_logging_at_import_does_not_silence_the_process():
     assert r.returncode == 0, r.stderr
     lines = [x for x in r.stderr.splitlines() if " pdserve.t: " in x]
     assert [x.rsplit(": ", 1)[1] for x in lines] == ["before", "after import", "after dictConfig"], r.stderr
+
+
+def test_up_output_keeps_lines_whole_across_threads():
+    """print() writes its text and the newline in two calls; another thread's line between them once glued a
+    `PDSERVE_CHILD` announcement onto the end of a restart message, and `UpProcess` missed the restart."""
+    buf = io.StringIO()
+    out = logs.QueuedStream(buf)
+    go = threading.Barrier(2)
+
+    def printer():
+        go.wait()
+        for i in range(3000):
+            print(f"pdserve up: restarted w{i}", file=out, flush=True)
+
+    def announcer():
+        go.wait()
+        for i in range(3000):
+            out.write(f"PDSERVE_CHILD {i}\n")
+
+    threads = [threading.Thread(target=f) for f in (printer, announcer)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out.stop()
+    lines = buf.getvalue().splitlines()
+    assert len(lines) == 6000
+    glued = [x for x in lines if not re.fullmatch(r"pdserve up: restarted w\d+|PDSERVE_CHILD \d+", x)]
+    assert not glued, glued[:3]
