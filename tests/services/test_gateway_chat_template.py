@@ -22,14 +22,14 @@ REFUSE = "{% if messages | length > 1 %}{{ raise_exception('one message only') }
 def test_chat_template_failures_are_400(tmp_path, tiny_llama, template, status, words):
     import httpx
 
-    from pdserve.services.gateway.app import GatewayConfig, create_app
+    from pdserve.services.gateway.app import GatewayConfig, create_gateway
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tiny_llama, ckpt)
     (ckpt / "chat_template.jinja").write_text(template)  # as current transformers saves it
 
     async def main():
-        app = create_app(GatewayConfig(str(ckpt), "m", "127.0.0.1:1"))
+        app = create_gateway(GatewayConfig(str(ckpt), "m", "127.0.0.1:1")).app
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
             r = await c.post("/v1/chat/completions", json={"model": "m", "max_tokens": 2, "messages": [
                 {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})

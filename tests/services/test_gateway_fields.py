@@ -1,6 +1,6 @@
 """Strict parameters and strict types (issue 18, items 2 and 3): every field is supported or a 400 naming it.
 
-Against the real app (create_app behind an in-process ASGI client, router on a closed port): a body that passes
+Against the real app (create_gateway behind an in-process ASGI client, router on a closed port): a body that passes
 every check ends as 503 `no_workers`, so a 503 is the proof a field was accepted and a 400 the proof it was not.
 """
 from __future__ import annotations
@@ -143,8 +143,8 @@ def test_developer_role_is_accepted(gw):
 @pytest.mark.parametrize("chat,name", [(False, "max_tokens"), (True, "max_tokens"),
                                        (True, "max_completion_tokens")])
 def test_max_tokens_beyond_the_context_is_a_400(gw, chat, name):
-    max_len = gw.app.state.parser.max_len
-    prompt_len = len(gw.app.state.tokenizer.encode("hi"))
+    max_len = gw.gateway.parser.max_len
+    prompt_len = len(gw.gateway.tokenizer.encode("hi"))
     err = refused(gw, {name: max_len}, chat, name)
     assert err["code"] == "context_length_exceeded"
     if not chat:  # the exact boundary: prompt + max_tokens == context fits

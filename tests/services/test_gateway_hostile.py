@@ -1,6 +1,6 @@
 """Hostile request bodies against the real gateway app (issue 13, item 7) and what its errors reveal (item 9).
 
-The app is the real one (create_app: parser, params, lifecycle, the real Dispatcher) behind an in-process ASGI
+The app is the real one (create_gateway: parser, params, lifecycle, the real Dispatcher) behind an in-process ASGI
 client. Its router address is a closed port, so a body that passes every check ends as 503 `no_workers` at
 routing; everything below is about what happens before that.
 """
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdserve.services.gateway.app import GatewayConfig, _error_response, create_app
+from pdserve.services.gateway.app import GatewayConfig, _error_response, create_gateway
 from pdserve.services.gateway.core import NoWorkersError, UpstreamError
 from pdserve.services.gateway.redact import scrub
 
@@ -30,10 +30,10 @@ class Gateway:
         self.loop = asyncio.new_event_loop()
 
         async def make():
-            app = create_app(GatewayConfig(MODEL, MODEL, CLOSED, **cfg))
-            return app, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
+            g = create_gateway(GatewayConfig(MODEL, MODEL, CLOSED, **cfg))
+            return g, httpx.AsyncClient(transport=httpx.ASGITransport(app=g.app), base_url="http://gw")
 
-        self.app, self.client = self.loop.run_until_complete(make())
+        self.gateway, self.client = self.loop.run_until_complete(make())
 
     def post(self, path: str, raw: bytes, headers: dict | None = None) -> httpx.Response:
         return self.loop.run_until_complete(self.client.post(
@@ -138,7 +138,7 @@ def test_contentless_messages_are_refused_by_count_before_rendering(gw, monkeypa
     """61,000 `{"role": "user"}` (976 KB, no content) rendered on the event loop for ~0.85 s, then were a 400
     `context_length_exceeded`; now the count is refused before anything renders."""
     rendered = []
-    monkeypatch.setattr(gw.app.state.tokenizer, "apply_chat_template", lambda *a, **k: rendered.append(1) or "x")
+    monkeypatch.setattr(gw.gateway.tokenizer, "apply_chat_template", lambda *a, **k: rendered.append(1) or "x")
     raw = json.dumps({"messages": [{"role": "user"}] * 61_000}, separators=(",", ":")).encode()
     r = gw.post("/v1/chat/completions", raw)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
@@ -159,7 +159,7 @@ def test_chat_templates_render_off_the_event_loop(gw, monkeypatch):
     """Even a one-word message: the template's cost is its own, not the content's (a 10^8 loop in a checkpoint's
     template, or 2,048 empty messages, cost seconds whatever the content's length)."""
     import threading
-    tok = gw.app.state.tokenizer
+    tok = gw.gateway.tokenizer
     threads = []
 
     def spy(*a, **k):

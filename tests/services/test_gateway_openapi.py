@@ -87,4 +87,4 @@ def test_what_the_gateway_refuses_does_not_validate(gw, doc, chat, body):
 def test_models_carry_root_and_max_model_len(gw):
     for r in (gw.get("/v1/models").json()["data"][0], gw.get("/v1/models/builtin").json()):
         assert r["id"] == "builtin" and r["root"] == "builtin"
-        assert r["max_model_len"] == gw.app.state.parser.max_len > 0
+        assert r["max_model_len"] == gw.gateway.parser.max_len > 0

@@ -1,7 +1,7 @@
 """Browser-origin requests (issue 35, item 7; origin.py): a POST body must be JSON (415), a loopback gateway answers
 only loopback Host names (421: DNS rebinding) unless --allowed-hosts, and CORS is off unless --allowed-origins.
 
-The real app (create_app) behind an in-process ASGI client; its router is a closed port, so a request that passes
+The real app (create_gateway) behind an in-process ASGI client; its router is a closed port, so a request that passes
 these checks ends as 503 `no_workers`."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from pdserve.cli import build_parser
-from pdserve.services.gateway.app import GatewayConfig, create_app
+from pdserve.services.gateway.app import GatewayConfig, create_gateway
 from pdserve.services.gateway.origin import host_name
 from pdserve.services.up import LIFECYCLE_FLAGS, _flags
 
@@ -22,7 +22,7 @@ PAGE = "https://app.example"
 
 def _call(method: str, path: str, headers: dict, content: bytes | None = None, **cfg) -> httpx.Response:
     async def run():
-        app = create_app(GatewayConfig("builtin", "builtin", "127.0.0.1:1", **cfg))
+        app = create_gateway(GatewayConfig("builtin", "builtin", "127.0.0.1:1", **cfg)).app
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as c:
             return await c.request(method, path, content=content, headers=headers)
     return asyncio.run(run())

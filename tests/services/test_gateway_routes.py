@@ -8,8 +8,8 @@ import asyncio
 def _client(tiny_llama):
     import httpx
 
-    from pdserve.services.gateway.app import GatewayConfig, create_app
-    app = create_app(GatewayConfig(str(tiny_llama), "org/ck-1", "127.0.0.1:1"))
+    from pdserve.services.gateway.app import GatewayConfig, create_gateway
+    app = create_gateway(GatewayConfig(str(tiny_llama), "org/ck-1", "127.0.0.1:1")).app
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
 
 

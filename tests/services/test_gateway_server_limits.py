@@ -261,7 +261,7 @@ def test_an_unhandled_error_is_a_500_that_closes_the_connection():
     the connection in order (EOF, not a reset), so a keep-alive client does not send its next request into it."""
     import uvicorn
 
-    from pdserve.services.gateway.app import GatewayConfig, create_app
+    from pdserve.services.gateway.app import GatewayConfig, create_gateway
     from pdserve.services.gateway.server import listen_socket, uvicorn_config
 
     sock = listen_socket("127.0.0.1", 0)
@@ -270,13 +270,14 @@ def test_an_unhandled_error_is_a_500_that_closes_the_connection():
 
     def serve():
         async def main():
-            app = create_app(GatewayConfig("builtin", "builtin", "127.0.0.1:1"))
+            gw = create_gateway(GatewayConfig("builtin", "builtin", "127.0.0.1:1"))
+            app = gw.app
 
             @app.get("/boom")
             async def boom():
                 raise RuntimeError("worker decode-0 at 10.9.8.7:7100: /project/cpp/x.cc:12")
 
-            box["server"] = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, app.state.config))
+            box["server"] = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, gw.config))
             await box["server"].serve(sockets=[sock])
 
         asyncio.run(main())

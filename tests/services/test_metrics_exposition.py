@@ -56,7 +56,7 @@ def _count(endpoint: str, status: str) -> float:
 
 def test_http_metrics_label_routes_by_template_and_status():
     app = FastAPI()
-    http_metrics.install(app, "m", None)
+    registry = http_metrics.install(app, "m", None)
 
     @app.get("/v1/models/{model_id}")
     async def model(model_id: str):  # added after the middleware: still matched (the live route list)
@@ -74,5 +74,5 @@ def test_http_metrics_label_routes_by_template_and_status():
     assert _count("other", "404") - before[("other", "404")] == 1
     assert G.HTTP_IN_FLIGHT.labels("/v1/models/{model_id}")._value.get() == 0
     # what /metrics serves for this app carries the model label
-    text = generate_latest(app.state.metrics).decode()
+    text = generate_latest(registry).decode()
     assert 'pdserve_http_requests_total{endpoint="other",model="m",status="404"}' in text

@@ -115,7 +115,7 @@ def test_router_list_workers_and_gateway_503(tiny_llama):
     answers 503 (and /health 503)."""
     import httpx
 
-    from pdserve.services.gateway.app import GatewayConfig, create_app
+    from pdserve.services.gateway.app import GatewayConfig, create_gateway
 
     async def main():
         model = f"test-{uuid.uuid4().hex[:8]}"
@@ -125,7 +125,7 @@ def test_router_list_workers_and_gateway_503(tiny_llama):
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         try:
-            app = create_app(GatewayConfig(str(tiny_llama), model, f"127.0.0.1:{port}"))
+            app = create_gateway(GatewayConfig(str(tiny_llama), model, f"127.0.0.1:{port}")).app
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
                 r = await c.post("/v1/completions", json={"model": model, "prompt": "the fox", "max_tokens": 2})
                 assert r.status_code == 503 and r.json()["error"]["code"] == "no_workers"

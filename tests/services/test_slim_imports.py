@@ -15,11 +15,11 @@ PROBE = """
 import asyncio, json, sys
 import pdserve.services.gateway.server
 import pdserve.services.router.server
-from pdserve.services.gateway.app import GatewayConfig, create_app
+from pdserve.services.gateway.app import GatewayConfig, create_gateway
 
 async def main():
-    app = create_app(GatewayConfig("builtin", "builtin", "127.0.0.1:1"))
-    ids = app.state.tokenizer.encode("the quick brown fox")
+    gw = create_gateway(GatewayConfig("builtin", "builtin", "127.0.0.1:1"))
+    ids = gw.tokenizer.encode("the quick brown fox")
     return len(ids)
 
 n = asyncio.run(main())

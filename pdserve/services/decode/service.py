@@ -60,6 +60,15 @@ class _Pickup:
     ended: bool = False  # a terminal message went out or the call was refused: nothing left to cancel
 
 
+@dataclass
+class _Pulled:
+    """A pickup's READ: when it ran, what it moved, how it failed (None: it did not)."""
+    t0: float
+    t1: float = 0.0
+    nbytes: int = 0
+    failure: KVTransferError | None = None
+
+
 class DecodeSide:
     def __init__(self, host: AsyncEngine, endpoint: KvEndpoint, agent: KVAgent | None, tokenizer,
                  meter: LoadMeter | None, transfer_timeout_s: float, alloc_wait_s: float = 10.0, rank_agents=None):
@@ -135,16 +144,68 @@ class DecodeSide:
             self._cleanup(p, request.kv, request.request_id)
 
     async def _pickup(self, request: worker_pb2.GenerateFromPrefillRequest, context, p: _Pickup):
-        host = self.host
-        rid = request.request_id
-        kv = request.kv
+        """Allocate, pull, commit, stream. A refusal aborts the call; a failure of the prefill side (its peer,
+        the KV transfer) is a retryable FAILED message: the gateway places the request again, re-prefilled."""
+        host, rid, kv = self.host, request.request_id, request.kv
         # every branch continues here, forked over one copy of the prompt's KV, each from its own first token
         params = params_from_pb(request.params)
         firsts = first_tokens_from_pb(request.first_tokens)
         if FAULT_PULL_DELAY_S:
             await asyncio.sleep(FAULT_PULL_DELAY_S)
-        try:  # where the peer's blocks live: a handshake with the first hand-off from each peer incarnation
-            regions = await self.peers.region(kv.worker_address, kv.incarnation)
+        regions = await self._peer_regions(kv, context, p, rid)
+        if isinstance(regions, common_pb2.GenerateResponse):
+            yield regions
+            return
+        prompt = list(request.prompt_token_ids)
+        t_start = time.time()
+        lim = limits_from_pb(request.lifecycle)
+        lim.apply_share(host, request.namespace)
+        grammar = await self._grammar(params, lim.deadline, context, p)
+        budget = self.transfer_timeout_s + TRANSFER_GRACE_S
+
+        def add(e):
+            return e.add_prefilled_request(rid, prompt, firsts, params, namespace=request.namespace,
+                                           transfer_deadline=time.time() + budget, deadline=lim.deadline,
+                                           priority=lim.priority, grammar=grammar)
+
+        dst_blocks, cached = await self._allocate(add, context, p)  # 1. allocate
+        pulled = await self._pull(kv, regions, dst_blocks, cached, p)  # 2. pull what the prefix cache lacks
+        if pulled.failure is not None:
+            yield self._pull_failed(pulled.failure, kv, rid, p)
+            return
+        # 3. commit: the request joins the decode batch; its first output carries the first token
+        stream = host.attach(rid)  # before the commit, so the first output (the first token) is not missed
+        p.attached = True
+        if not await host.run(lambda e: e.commit_prefilled(rid)):
+            # the engine already gave the blocks back (transfer deadline): the KV that arrived has nowhere to go
+            M.TERMINAL.labels("FAILED").inc()
+            p.ended = True
+            yield common_pb2.GenerateResponse(request_id=rid, finished=True, state="FAILED",
+                                              error="KV transfer completed after its deadline")
+            return
+        if self.meter is not None:
+            self.meter.observe_transfer(pulled.nbytes, pulled.t1 - pulled.t0, time.time() - t_start)
+        async with contextlib.aclosing(stream):  # 4. stream
+            enc = DeltaEncoder(self.tokenizer)
+            first = True
+            async for out in stream:
+                msg = enc.encode(out)
+                if first:
+                    msg.times.kv_transfer_start, msg.times.kv_transfer_end = pulled.t0, pulled.t1
+                    first = False
+                if out.finished:
+                    p.ended = True
+                    M.TERMINAL.labels(out.state).inc()
+                yield msg
+                # the prefill side may free its copy now (the READ's notification says the same); sent after the
+                # first token went out, as starting the ReleaseKV call first delays it
+                self._release_once(p, kv, rid)
+
+    async def _peer_regions(self, kv: common_pb2.KvHandle, context, p: _Pickup, rid: str):
+        """Where the peer's blocks live (a handshake with the first hand-off from each peer incarnation); or the
+        retryable FAILED message when the peer cannot be reached. An incompatible peer aborts the call."""
+        try:
+            return await self.peers.region(kv.worker_address, kv.incarnation)
         except KVLayoutMismatch as e:
             M.REJECTIONS.labels("kv_layout_mismatch").inc()
             p.ended = True
@@ -158,17 +219,13 @@ class DecodeSide:
             self._release_once(p, kv, rid)
             M.TERMINAL.labels("FAILED").inc()
             log.warning("request %s: %s", rid, e)
-            # retryable: the prefill side failed, not the request; the gateway places it again (re-prefilled)
-            yield common_pb2.GenerateResponse(request_id=rid, finished=True, state="FAILED",
-                                              error=f"KV transfer failed: {e}", retryable=True)
-            return
-        prompt = list(request.prompt_token_ids)
-        t_start = time.time()
-        lim = limits_from_pb(request.lifecycle)
-        lim.apply_share(self.host, request.namespace)
-        budget = self.transfer_timeout_s + TRANSFER_GRACE_S
-        try:  # the constraint goes on here: compiled off the engine thread, before anything is allocated
-            grammar = await host.compile_grammar(params, lim.deadline)
+            return common_pb2.GenerateResponse(request_id=rid, finished=True, state="FAILED",
+                                               error=f"KV transfer failed: {e}", retryable=True)
+
+    async def _grammar(self, params, deadline: float | None, context, p: _Pickup):
+        """The constraint, compiled off the engine thread before anything is allocated (None: unconstrained)."""
+        try:
+            return await self.host.compile_grammar(params, deadline)
         except ValueError as e:
             p.ended = True
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e), trailing_metadata=param_metadata(e))
@@ -176,92 +233,66 @@ class DecodeSide:
             p.ended = True
             await abort_compile_timeout(context, e)
 
-        def add(e):
-            return e.add_prefilled_request(rid, prompt, firsts, params, namespace=request.namespace,
-                                           transfer_deadline=time.time() + budget, deadline=lim.deadline,
-                                           priority=lim.priority, grammar=grammar)
-
-        # 1. allocate (waiting a little for capacity: decode blocks free up as other requests finish)
+    async def _allocate(self, add, context, p: _Pickup) -> tuple[list[int], int]:
+        """The request's decode blocks and how many its local prefix cache already holds, waiting up to
+        `alloc_wait_s` for capacity (decode blocks free up as other requests finish)."""
         deadline = time.monotonic() + self.alloc_wait_s
         while True:
             p.added = True  # queued from here on: it runs even if this call is cancelled while awaiting it
             try:
-                alloc = await host.run(add)
+                alloc = await self.host.run(add)
             except ValueError as e:
                 p.added, p.ended = False, True  # refused: nothing of ours (a duplicate id is someone else's)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e), trailing_metadata=param_metadata(e))
             if alloc is not None:
-                break
+                return alloc
             p.added = False  # None: nothing was allocated or registered
             if time.monotonic() > deadline:
                 M.REJECTIONS.labels("decode_kv_full").inc()
                 p.ended = True
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no KV capacity on the decode worker")
             await asyncio.sleep(0.02)
-        dst_blocks, cached = alloc
-        # 2. pull the blocks the local prefix cache does not already hold: ONE batched READ per pair of pools
-        # (each local TP rank reads its heads from the peer's ranks that hold them: kv_transfer/tp_pull.py)
+
+    async def _pull(self, kv: common_pb2.KvHandle, regions, dst_blocks: list[int], cached: int,
+                    p: _Pickup) -> _Pulled:
+        """ONE batched READ per pair of pools of the blocks the local prefix cache does not hold (each local TP
+        rank reads its heads from the peer's ranks that hold them: kv_transfer/tp_pull.py)."""
         need = -(-kv.num_tokens // self.layout.block_size)
         src, dst = list(kv.block_ids[cached:need]), list(dst_blocks[cached:need])
-        t0 = time.time()
-        failure: KVTransferError | None = None
-        nbytes = 0
-        # The READ must give up before the prefill side's lease can free the source blocks (a READ
-        # racing the reaper would copy blocks that may already hold another request's KV).
+        out = _Pulled(t0=time.time())
+        # The READ must give up before the prefill side's lease can free the source blocks (a READ racing the
+        # reaper would copy blocks that may already hold another request's KV).
         timeout = self.transfer_timeout_s
         if kv.lease_expiry_unix:
             timeout = min(timeout, kv.lease_expiry_unix - time.time() - 0.5)
         if timeout <= 0:
-            failure = KVTransferError("KV lease expired before the transfer started", TransferFailure.LEASE_EXPIRED)
+            out.failure = KVTransferError("KV lease expired before the transfer started",
+                                          TransferFailure.LEASE_EXPIRED)
         elif src:
             p.xfer = self._tasks.spawn(asyncio.to_thread(
                 self.puller.read, regions, src, dst, kv.lease_id.encode(), timeout))
             try:
-                nbytes = await asyncio.shield(p.xfer)  # a cancel here leaves the READ to _cleanup
-                M.KV_TRANSFER_BYTES.inc(nbytes)
+                out.nbytes = await asyncio.shield(p.xfer)  # a cancel here leaves the READ to _cleanup
+                M.KV_TRANSFER_BYTES.inc(out.nbytes)
             except KVTransferError as e:
-                failure = e
+                out.failure = e
             except (KVLayoutMismatch, ValueError, RuntimeError) as e:  # NIXL's own exceptions are RuntimeErrors
-                failure = KVTransferError(str(e), TransferFailure.NIXL_ERROR)
-            if failure is not None:
+                out.failure = KVTransferError(str(e), TransferFailure.NIXL_ERROR)
+            if out.failure is not None:
                 for r in regions:  # a dead peer must be re-added if it comes back
                     self.puller.forget_remote(r.agent_name)
-        t1 = time.time()
-        M.KV_TRANSFER_SECONDS.observe(t1 - t0)
-        if failure is not None:
-            err = f"KV transfer failed: {failure}"
-            self._release_once(p, kv, rid)
-            M.KV_TRANSFER_FAILURES.labels(failure.kind.value).inc()
-            host.submit(lambda e: e.fail_prefilled(rid))
-            M.TERMINAL.labels("FAILED").inc()
-            p.ended = True
-            log.warning("request %s: %s", rid, err)
-            yield common_pb2.GenerateResponse(request_id=rid, finished=True, state="FAILED", error=err, retryable=True)
-            return
-        # 3. commit: the request joins the decode batch; its first output carries the first token
-        stream = host.attach(rid)  # before the commit, so the first output (the first token) is not missed
-        p.attached = True
-        if not await host.run(lambda e: e.commit_prefilled(rid)):
-            # the engine already gave the blocks back (transfer deadline): the KV that arrived has nowhere to go
-            M.TERMINAL.labels("FAILED").inc()
-            p.ended = True
-            yield common_pb2.GenerateResponse(request_id=rid, finished=True, state="FAILED",
-                                              error="KV transfer completed after its deadline")
-            return
-        if self.meter is not None:
-            self.meter.observe_transfer(nbytes, t1 - t0, time.time() - t_start)
-        async with contextlib.aclosing(stream):
-            enc = DeltaEncoder(self.tokenizer)
-            first = True
-            async for out in stream:
-                msg = enc.encode(out)
-                if first:
-                    msg.times.kv_transfer_start, msg.times.kv_transfer_end = t0, t1
-                    first = False
-                if out.finished:
-                    p.ended = True
-                    M.TERMINAL.labels(out.state).inc()
-                yield msg
-                # 4. the prefill side may free its copy now (the READ's notification says the same); sent after the
-                # first token went out, as starting the ReleaseKV call first delays it
-                self._release_once(p, kv, rid)
+        out.t1 = time.time()
+        M.KV_TRANSFER_SECONDS.observe(out.t1 - out.t0)
+        return out
+
+    def _pull_failed(self, failure: KVTransferError, kv: common_pb2.KvHandle, rid: str,
+                     p: _Pickup) -> common_pb2.GenerateResponse:
+        """A failed READ: the prefill side's copy goes, the engine's blocks too; retryable for the gateway."""
+        err = f"KV transfer failed: {failure}"
+        self._release_once(p, kv, rid)
+        M.KV_TRANSFER_FAILURES.labels(failure.kind.value).inc()
+        self.host.submit(lambda e: e.fail_prefilled(rid))
+        M.TERMINAL.labels("FAILED").inc()
+        p.ended = True
+        log.warning("request %s: %s", rid, err)
+        return common_pb2.GenerateResponse(request_id=rid, finished=True, state="FAILED", error=err, retryable=True)

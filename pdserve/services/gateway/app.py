@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
@@ -28,7 +28,7 @@ from pdserve.services.gateway.fields import MAX_PRIORITY
 from pdserve.services.gateway.guard import MAX_HEADER_BYTES, HttpGuard, fastapi_options
 from pdserve.services.gateway.handler import RequestHandler
 from pdserve.services.gateway.ingress import IngressGate
-from pdserve.services.gateway.lifecycle import build_lifecycle
+from pdserve.services.gateway.lifecycle import Lifecycle, build_lifecycle
 from pdserve.services.gateway.origin import BrowserGuard, allowed_hosts
 from pdserve.services.gateway.params import (
     DEFAULT_MAX_LOGPROB_ENTRIES,
@@ -177,14 +177,28 @@ class _OwnedStream(StreamingResponse):
             self._on_close()
 
 
-def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> FastAPI:
+@dataclass
+class Gateway:
+    """One gateway's parts, built once by `create_gateway`: the HTTP app, and what the gRPC front door, the metrics
+    port and shutdown (server.py) use besides it."""
+    app: FastAPI
+    config: GatewayConfig
+    dispatcher: Dispatcher
+    tokenizer: Tokenizer  # the `tokenizers` library and the torch-free chat template
+    lifecycle: Lifecycle
+    parser: RequestParser  # parse.py: strict, 400 naming the field
+    handler: RequestHandler  # the gRPC front door serves through the same one
+    tool_parser: ToolCallParser  # tools/registry.py
+    metrics: CollectorRegistry  # what /metrics and --metrics-port serve
+    vocab: int
+    max_len: int
+
+
+def create_gateway(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Gateway:
     model_dir = resolve_model_dir(cfg.model)
-    tok = Tokenizer(model_dir)  # the `tokenizers` library and the torch-free chat template
+    tok = Tokenizer(model_dir)
     limits = serving_limits(model_dir)  # config.json without torch: the gateway never imports the engine
-    vocab = limits.vocab_size
-    max_len = limits.max_model_len
-    disp = dispatcher or Dispatcher(cfg.router_address, cfg.served_model_name,
-                                    migration_limit=cfg.migration_limit)
+    disp = dispatcher or Dispatcher(cfg.router_address, cfg.served_model_name, migration_limit=cfg.migration_limit)
     app = FastAPI(title="pdserve gateway", **fastapi_options())
     app.openapi = lambda: openapi.document("pdserve gateway", _version())  # openapi.py: the real request schemas
     if cfg.allowed_origins:  # inside BrowserGuard: a preflight from a foreign Host is refused like any request
@@ -192,104 +206,22 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
                            allow_headers=["*"], expose_headers=["x-request-id"])
     app.add_middleware(BrowserGuard, hosts=allowed_hosts(cfg.host, cfg.allowed_hosts))
     app.add_middleware(HttpGuard, max_header_bytes=cfg.max_header_bytes)
-    http_metrics.install(app, cfg.served_model_name, cfg.metrics_compat)  # outermost: counts HttpGuard's refusals
-    app.state.dispatcher = disp
-    app.state.config = cfg
-    app.state.tokenizer = tok
+    registry = http_metrics.install(app, cfg.served_model_name, cfg.metrics_compat)  # outermost: counts HttpGuard's
     life = build_lifecycle(cfg)
-    app.state.lifecycle = life
-    parser = RequestParser(tok, vocab, max_len, cfg.served_model_name)  # parse.py: strict, 400 naming the field
-    app.state.parser = parser
-    handler = RequestHandler(life, disp, max_len)
-    tool_parser = pick_tool_parser(cfg.tool_call_parser, tok)  # tools/registry.py
-    app.state.handler = handler  # the gRPC front door serves through the same one (server.py)
+    g = Gateway(app, cfg, disp, tok, life, RequestParser(tok, limits.vocab_size, limits.max_model_len,
+                                                         cfg.served_model_name),
+                RequestHandler(life, disp, limits.max_model_len), pick_tool_parser(cfg.tool_call_parser, tok),
+                registry, limits.vocab_size, limits.max_model_len)
+    _error_handlers(app)
+    _generation_routes(g)
+    _info_routes(g)
+    return g
 
+
+def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
         return _error_response(exc)
-
-    async def _endpoint(request: Request, chat: bool):
-        rec = handler.new_record()
-        form = OpenAIForm(cfg.served_model_name, chat, tokenizer=tok)
-
-        async def parse() -> GenerateCall:
-            body = parser.body(raw, chat)
-            debug = debug_options(request.headers)
-            params = to_sampling_params(body, chat=chat, vocab_size=vocab)
-            treq = tool_request(body) if chat else None
-            if treq is not None:
-                form.tools = tool_output(treq, tool_parser, params)
-            check_guided(params, cfg.grammar_limits, guided_field(body, treq is not None and treq.constrained))
-            prompts = [await parser.chat_prompt(body, treq.tools if treq else None)] if chat \
-                else await parser.completion_prompts(body)
-            parser.check_room(prompts, params.max_tokens, body)
-            if params.max_tokens is None and cfg.default_max_tokens is not None:
-                # a bounded answer, and a bounded KV reservation while the tenant's predictor is cold
-                params.max_tokens = max(1, min(cfg.default_max_tokens, max_len - max(len(p) for p in prompts)))
-            check_logprob_volume(body, chat, prompts, params, prompt_only(body), max_len, cfg.max_logprob_entries)
-            form.return_token_ids = bool(body.get("return_token_ids", False))
-            if not chat and body.get("echo") is True:
-                form.echo_prompts = echo_texts(body["prompt"], prompts, tok)
-            form.include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
-            return GenerateCall("chatcmpl" if chat else "cmpl", prompts, params, timeout_s=body.get("timeout"),
-                                allow_degrade=body.get("allow_degrade", True) is not False,
-                                streamed=bool(body.get("stream", False)),
-                                debug_route="route" in debug,
-                                stage_times="stage-times" in debug or flag(body, "return_stage_times"),
-                                prompt_only=prompt_only(body),
-                                priority=_num(body, "priority", int, None, 0, MAX_PRIORITY))
-
-        try:
-            raw = await life.gate.read_body(request)  # stage one starts before parsing or tokenizing
-            st = await handler.open(rec, request.headers, parse)
-        except Exception as e:  # noqa: BLE001 - every refusal is a typed reply (errors.reply_for)
-            return _reply(await handler.fail(rec, e))
-        except BaseException as e:  # cancelled while admitted or waiting for the first message
-            await handler.fail(rec, e)
-            raise
-        abandon = _Abandon(handler, st)
-        if st.call.streamed:
-            abandon.body = responses.stream(handler, st, form)
-            return _OwnedStream(abandon.body, abandon, media_type="text/event-stream",
-                                headers={"Cache-Control": "no-cache", **st.headers})
-        task = asyncio.create_task(responses.collect(handler, st, form))
-        # a non-streaming client that disconnects must not keep the workers busy
-        while not task.done():
-            done, _ = await asyncio.wait({task}, timeout=0.25)
-            if not done and await request.is_disconnected():
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
-                abandon()
-                return Response(status_code=499)
-        try:
-            out = task.result()
-        except Exception as e:  # noqa: BLE001
-            return _reply(await handler.fail(rec, e))
-        return Response(out, media_type="application/json", headers=st.headers)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await _endpoint(request, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await _endpoint(request, chat=True)
-
-    def _model_card() -> dict:
-        return {"id": cfg.served_model_name, "object": "model", "created": 0, "owned_by": "pdserve",
-                "root": cfg.model, "parent": None, "max_model_len": max_len}
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [_model_card()]}
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str):
-        if model_id != cfg.served_model_name:
-            raise APIError(404, f"The model '{model_id}' does not exist", "invalid_request_error", "model",
-                           "model_not_found")
-        return _model_card()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, exc: StarletteHTTPException):
@@ -303,6 +235,101 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
         else:
             body = APIError(exc.status_code, str(exc.detail), "invalid_request_error").body()
         return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+
+def _generation_routes(g: Gateway) -> None:
+    """/v1/completions and /v1/chat/completions."""
+    @g.app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _endpoint(g, request, chat=False)
+
+    @g.app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _endpoint(g, request, chat=True)
+
+
+async def _parse_call(g: Gateway, request: Request, raw: bytes, chat: bool, form: OpenAIForm) -> GenerateCall:
+    """The body -> a checked GenerateCall (tokenized off the loop); `form` learns how the answer is presented."""
+    cfg, parser, tok, max_len = g.config, g.parser, g.tokenizer, g.max_len
+    body = parser.body(raw, chat)
+    debug = debug_options(request.headers)
+    params = to_sampling_params(body, chat=chat, vocab_size=g.vocab)
+    treq = tool_request(body) if chat else None
+    if treq is not None:
+        form.tools = tool_output(treq, g.tool_parser, params)
+    check_guided(params, cfg.grammar_limits, guided_field(body, treq is not None and treq.constrained))
+    prompts = [await parser.chat_prompt(body, treq.tools if treq else None)] if chat \
+        else await parser.completion_prompts(body)
+    parser.check_room(prompts, params.max_tokens, body)
+    if params.max_tokens is None and cfg.default_max_tokens is not None:
+        # a bounded answer, and a bounded KV reservation while the tenant's predictor is cold
+        params.max_tokens = max(1, min(cfg.default_max_tokens, max_len - max(len(p) for p in prompts)))
+    check_logprob_volume(body, chat, prompts, params, prompt_only(body), max_len, cfg.max_logprob_entries)
+    form.return_token_ids = bool(body.get("return_token_ids", False))
+    if not chat and body.get("echo") is True:
+        form.echo_prompts = echo_texts(body["prompt"], prompts, tok)
+    form.include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
+    return GenerateCall("chatcmpl" if chat else "cmpl", prompts, params, timeout_s=body.get("timeout"),
+                        allow_degrade=body.get("allow_degrade", True) is not False,
+                        streamed=bool(body.get("stream", False)),
+                        debug_route="route" in debug,
+                        stage_times="stage-times" in debug or flag(body, "return_stage_times"),
+                        prompt_only=prompt_only(body),
+                        priority=_num(body, "priority", int, None, 0, MAX_PRIORITY))
+
+
+async def _endpoint(g: Gateway, request: Request, chat: bool):
+    handler, life = g.handler, g.lifecycle
+    rec = handler.new_record()
+    form = OpenAIForm(g.config.served_model_name, chat, tokenizer=g.tokenizer)
+    try:
+        raw = await life.gate.read_body(request)  # stage one starts before parsing or tokenizing
+        st = await handler.open(rec, request.headers, lambda: _parse_call(g, request, raw, chat, form))
+    except Exception as e:  # noqa: BLE001 - every refusal is a typed reply (errors.reply_for)
+        return _reply(await handler.fail(rec, e))
+    except BaseException as e:  # cancelled while admitted or waiting for the first message
+        await handler.fail(rec, e)
+        raise
+    abandon = _Abandon(handler, st)
+    if st.call.streamed:
+        abandon.body = responses.stream(handler, st, form)
+        return _OwnedStream(abandon.body, abandon, media_type="text/event-stream",
+                            headers={"Cache-Control": "no-cache", **st.headers})
+    task = asyncio.create_task(responses.collect(handler, st, form))
+    # a non-streaming client that disconnects must not keep the workers busy
+    while not task.done():
+        done, _ = await asyncio.wait({task}, timeout=0.25)
+        if not done and await request.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            abandon()
+            return Response(status_code=499)
+    try:
+        out = task.result()
+    except Exception as e:  # noqa: BLE001
+        return _reply(await handler.fail(rec, e))
+    return Response(out, media_type="application/json", headers=st.headers)
+
+
+def _info_routes(g: Gateway) -> None:
+    """/v1/models, /health, /status, /metrics."""
+    app, cfg, disp, life = g.app, g.config, g.dispatcher, g.lifecycle
+
+    def _model_card() -> dict:
+        return {"id": cfg.served_model_name, "object": "model", "created": 0, "owned_by": "pdserve",
+                "root": cfg.model, "parent": None, "max_model_len": g.max_len}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [_model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != cfg.served_model_name:
+            raise APIError(404, f"The model '{model_id}' does not exist", "invalid_request_error", "model",
+                           "model_not_found")
+        return _model_card()
 
     @app.get("/health")
     async def health():
@@ -343,6 +370,4 @@ def create_app(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> Fast
         if not tenant.can("metrics"):
             return _error_response(APIError(403, "this API key may not read metrics", "permission_error",
                                             code="permission_denied"))
-        return PlainTextResponse(generate_latest(app.state.metrics).decode(), media_type=CONTENT_TYPE_LATEST)
-
-    return app
+        return PlainTextResponse(generate_latest(g.metrics).decode(), media_type=CONTENT_TYPE_LATEST)

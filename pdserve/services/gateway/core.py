@@ -13,6 +13,7 @@ Dispatcher owns, because the code path that notices is usually being cancelled i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -60,6 +61,14 @@ class SubRequest:
     @property
     def n_choices(self) -> int:
         return self.params.n
+
+
+@dataclass
+class _Attempt:
+    """One placement as its retry loop sees it: the worker whose RPC error would be the placement's, and whether
+    any message reached the client (then only migration, or the end, follows)."""
+    worker_id: str
+    emitted: bool = False
 
 
 class Dispatcher:
@@ -170,105 +179,122 @@ class Dispatcher:
                 trace.on_route(route.mode)
             if on_route is not None:
                 on_route(route)  # e.g. the latency histograms' mode label, the x-pdserve-route debug header
-            emitted = False
-            failed_worker = ""
+            colocated = route.mode == "colocated"
+            at = _Attempt(route.both.worker_id if colocated else route.prefill.worker_id)
+            if not colocated and resume is not None:
+                raise NoWorkersError("no worker can take the migrated request")
+            path = self._colocated(rid, sub, pp, namespace, route.both, trace, lifecycle, resume, at) if colocated \
+                else self._disaggregated(rid, sub, pp, namespace, route, trace, lifecycle, at)
             try:
-                if route.mode == "colocated":
-                    failed_worker = route.both.worker_id
-                    req = worker_pb2.GenerateRequest(
-                        request_id=rid, prompt_token_ids=sub.prompt_token_ids, params=pp, namespace=namespace,
-                        lifecycle=lifecycle)
-                    if resume is not None:
-                        req.resume.output_token_ids.extend(resume)
-                    call = self.stub(route.both.address).Generate(req)
-                    done = False
-                    try:
-                        async for m in watched(call, failed_worker, self._listed):
-                            emitted = True
-                            trace.on_stream(m.times)
-                            if resume is not None and m.finished:
-                                # recomputed: what the new worker prefilled again, less its prefix-cache hit
-                                done, c = True, m.usage.cached_tokens
-                                trace.recomputed_tokens += len(prompt) - c
-                                m.usage.cached_tokens = min(c, len(sub.prompt_token_ids))  # of the prompt
-                            yield m
-                    finally:
-                        call.cancel()
-                        if resume is not None and emitted and not done:
-                            trace.recomputed_tokens += len(prompt)  # it answered, then broke: no hit known
-                    return
-                if resume is not None:
-                    raise NoWorkersError("no worker can take the migrated request")
-                # disaggregated
-                failed_worker = route.prefill.worker_id
-                pcall = self.stub(route.prefill.address).Prefill(worker_pb2.PrefillRequest(
-                    request_id=rid, prompt_token_ids=sub.prompt_token_ids, params=pp, namespace=namespace,
-                    lifecycle=lifecycle))
-                handed_over = False  # the decode stream ended normally: its pull released the prefill side
-                pinned_on = route.prefill.address  # where KV may be pinned for rid from here on
-                try:
-                    try:
-                        pre = await pcall
-                    except grpc.aio.AioRpcError:
-                        handed_over = True  # the worker answered with an error: it pinned nothing
-                        raise
-                    finally:
-                        pcall.cancel()
-                    trace.on_prefill(pre.times)
-                    if pre.finished:
-                        handed_over = True  # the prefill worker ended it: nothing pinned
-                        emitted = True
-                        trace.on_prefill(pre.final.times)  # the prefill worker's engine finished it
-                        yield pre.final
-                        return
-                    skip = None
-                    if pre.HasField("first"):
-                        # The first token goes to the client now; the KV transfer and the decode worker's pickup
-                        # (~5 ms) run behind it, off the TTFT path. The decode stream repeats it: left out.
-                        emitted = True
-                        skip = _SkipFirst(pre.first)
-                        yield pre.first
-                    try:
-                        async for m in self._decode(rid, sub, pp, namespace, route, pre, lifecycle):
-                            trace.on_stream(m.times)
-                            if m.finished and (m.state or "FINISHED") == "FINISHED":
-                                handed_over = True
-                            if m.finished and m.state == "FAILED" and m.retryable:
-                                # the decode worker could not pull the KV: the prefill worker (or its
-                                # incarnation that pinned it) is gone; place the request again without it
-                                raise Broken(route.prefill.worker_id, KV_TRANSFER, m.error or "KV transfer failed")
-                            if skip is not None and not skip(m):
-                                continue
-                            emitted = True
-                            yield m
-                    except (UpstreamError, NoWorkersError) as e:
-                        if not emitted:
-                            raise
-                        # after the first token went out a refusal can only end the stream, as FAILED
-                        yield common_pb2.GenerateResponse(request_id=rid, finished=True, state="FAILED",
-                                                          error=f"decode failed: {e}")
-                    return
-                finally:
-                    if not handed_over:
-                        self._release_soon(pinned_on, rid)
+                async with contextlib.aclosing(path):  # closing this generator closes the path's (its cleanup)
+                    async for m in path:
+                        yield m
+                return
             except grpc.aio.AioRpcError as e:
-                retryable = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
-                if emitted and broken_by(e):  # the worker died mid-stream: migrate
-                    raise Broken(failed_worker, UNAVAILABLE, f"worker {failed_worker} failed: {e.code().name}: "
-                                                             f"{e.details()}") from None
-                if emitted or not retryable or attempt == self.max_attempts - 1:
-                    if e.code() == grpc.StatusCode.INVALID_ARGUMENT or not emitted and not retryable:
-                        raise UpstreamError(e.code(), e.details() or "", param_of(e)) from None
-                    # the stream broke after tokens went out, not by the worker's death: the request ends FAILED
-                    # (the client already has a partial output, spec §1.7)
-                    yield common_pb2.GenerateResponse(request_id=rid, finished=True, state="FAILED",
-                                                      error=f"worker {failed_worker} failed: {e.code().name}: "
-                                                            f"{e.details()}")
+                final = self._after_rpc_error(rid, e, at, last=attempt == self.max_attempts - 1)
+                if final is not None:
+                    yield final
                     return
-                log.warning("request %s: worker %s unavailable (%s), rerouting", rid, failed_worker, e.code().name)
-                if e.code() == grpc.StatusCode.UNAVAILABLE:
-                    self.suspects.add(failed_worker)
-                exclude.append(failed_worker)
+                exclude.append(at.worker_id)
+
+    def _after_rpc_error(self, rid: str, e: grpc.aio.AioRpcError, at: _Attempt,
+                         last: bool) -> common_pb2.GenerateResponse | None:
+        """What a worker's RPC error means for the placement: raises Broken (the worker died after tokens went
+        out: migrate) or UpstreamError (a refusal before any); returns the FAILED message that ends the stream;
+        or None: place it again elsewhere (the worker was unreachable, nothing was emitted)."""
+        retryable = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+        failed = at.worker_id
+        if at.emitted and broken_by(e):  # the worker died mid-stream: migrate
+            raise Broken(failed, UNAVAILABLE, f"worker {failed} failed: {e.code().name}: {e.details()}") from None
+        if at.emitted or not retryable or last:
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT or not at.emitted and not retryable:
+                raise UpstreamError(e.code(), e.details() or "", param_of(e)) from None
+            # the stream broke after tokens went out, not by the worker's death: the request ends FAILED (the
+            # client already has a partial output, spec §1.7)
+            return common_pb2.GenerateResponse(request_id=rid, finished=True, state="FAILED",
+                                               error=f"worker {failed} failed: {e.code().name}: {e.details()}")
+        log.warning("request %s: worker %s unavailable (%s), rerouting", rid, failed, e.code().name)
+        if e.code() == grpc.StatusCode.UNAVAILABLE:
+            self.suspects.add(failed)
+        return None
+
+    async def _colocated(self, rid: str, sub: SubRequest, pp, namespace: str, both, trace: StageTrace, lifecycle,
+                         resume: list[int] | None, at: _Attempt) -> AsyncIterator[common_pb2.GenerateResponse]:
+        """The whole request on one `both` worker (or a migrated one, resumed from the tokens sent)."""
+        req = worker_pb2.GenerateRequest(request_id=rid, prompt_token_ids=sub.prompt_token_ids, params=pp,
+                                         namespace=namespace, lifecycle=lifecycle)
+        if resume is not None:
+            req.resume.output_token_ids.extend(resume)
+        prompt_len = len(sub.prompt_token_ids) + len(resume or ())
+        call = self.stub(both.address).Generate(req)
+        done = False
+        try:
+            async for m in watched(call, at.worker_id, self._listed):
+                at.emitted = True
+                trace.on_stream(m.times)
+                if resume is not None and m.finished:
+                    # recomputed: what the new worker prefilled again, less its prefix-cache hit
+                    done, c = True, m.usage.cached_tokens
+                    trace.recomputed_tokens += prompt_len - c
+                    m.usage.cached_tokens = min(c, len(sub.prompt_token_ids))  # of the prompt
+                yield m
+        finally:
+            call.cancel()
+            if resume is not None and at.emitted and not done:
+                trace.recomputed_tokens += prompt_len  # it answered, then broke: no hit known
+
+    async def _disaggregated(self, rid: str, sub: SubRequest, pp, namespace: str, route, trace: StageTrace,
+                             lifecycle, at: _Attempt) -> AsyncIterator[common_pb2.GenerateResponse]:
+        """Prefill on the prefill worker, then the decode worker's stream. Whatever way this ends other than the
+        decode stream's normal end (or a prefill that pinned nothing), the prefill side's KV is released."""
+        pcall = self.stub(route.prefill.address).Prefill(worker_pb2.PrefillRequest(
+            request_id=rid, prompt_token_ids=sub.prompt_token_ids, params=pp, namespace=namespace,
+            lifecycle=lifecycle))
+        handed_over = False  # the decode stream ended normally: its pull released the prefill side
+        try:
+            try:
+                pre = await pcall
+            except grpc.aio.AioRpcError:
+                handed_over = True  # the worker answered with an error: it pinned nothing
+                raise
+            finally:
+                pcall.cancel()
+            trace.on_prefill(pre.times)
+            if pre.finished:
+                handed_over = True  # the prefill worker ended it: nothing pinned
+                at.emitted = True
+                trace.on_prefill(pre.final.times)  # the prefill worker's engine finished it
+                yield pre.final
+                return
+            skip = None
+            if pre.HasField("first"):
+                # The first token goes to the client now; the KV transfer and the decode worker's pickup (~5 ms)
+                # run behind it, off the TTFT path. The decode stream repeats it: left out.
+                at.emitted = True
+                skip = _SkipFirst(pre.first)
+                yield pre.first
+            try:
+                async for m in self._decode(rid, sub, pp, namespace, route, pre, lifecycle):
+                    trace.on_stream(m.times)
+                    if m.finished and (m.state or "FINISHED") == "FINISHED":
+                        handed_over = True
+                    if m.finished and m.state == "FAILED" and m.retryable:
+                        # the decode worker could not pull the KV: the prefill worker (or its incarnation that
+                        # pinned it) is gone; place the request again without it
+                        raise Broken(route.prefill.worker_id, KV_TRANSFER, m.error or "KV transfer failed")
+                    if skip is not None and not skip(m):
+                        continue
+                    at.emitted = True
+                    yield m
+            except (UpstreamError, NoWorkersError) as e:
+                if not at.emitted:
+                    raise
+                # after the first token went out a refusal can only end the stream, as FAILED
+                yield common_pb2.GenerateResponse(request_id=rid, finished=True, state="FAILED",
+                                                  error=f"decode failed: {e}")
+        finally:
+            if not handed_over:
+                self._release_soon(route.prefill.address, rid)
 
     async def _decode(self, rid, sub, pp, namespace, route, pre,
                       lifecycle: common_pb2.Lifecycle | None = None) -> AsyncIterator[common_pb2.GenerateResponse]:

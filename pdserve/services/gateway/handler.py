@@ -1,4 +1,4 @@
-"""The one request handler behind both front doors (HTTP `create_app`, gRPC `GatewayGrpc`).
+"""The one request handler behind both front doors (HTTP `create_gateway`, gRPC `GatewayGrpc`).
 
 A request's path: `authorize` (stage one: key -> tenant, quota, rate) -> the front door parses its wire format
 into a `GenerateCall` -> `start` (deadline, admission, dispatch, the first upstream message pulled so that a

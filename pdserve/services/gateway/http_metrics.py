@@ -54,7 +54,8 @@ class HttpMetrics:
             M.HTTP_REQUESTS.labels(endpoint, status).inc()
 
 
-def install(app: FastAPI, model: str, compat: str | None) -> None:
-    """Add the middleware (outermost) and the registry /metrics and --metrics-port serve (`app.state.metrics`)."""
-    app.state.metrics = exposition.exposition(M.GATEWAY, {"model": model}, compat)
+def install(app: FastAPI, model: str, compat: str | None):
+    """Add the middleware (outermost); returns the registry /metrics and --metrics-port serve."""
+    registry = exposition.exposition(M.GATEWAY, {"model": model}, compat)
     app.add_middleware(HttpMetrics, routes=app.router.routes)
+    return registry

@@ -7,7 +7,7 @@ import socket
 import uvicorn
 
 from pdserve.engine.grammar_limits import limits_from_args
-from pdserve.services.gateway.app import GatewayConfig, create_app
+from pdserve.services.gateway.app import GatewayConfig, create_gateway
 from pdserve.services.gateway.grpc_front import GatewayGrpc
 from pdserve.services.gateway.protocol import guarded_h11  # noqa: E402,I001 - own line: fewer merge conflicts
 from pdserve.services.grpc_util import GATEWAY_SERVICE, make_server, security, set_serving
@@ -65,7 +65,7 @@ class _Server(uvicorn.Server):
 
 
 async def serve(args) -> None:
-    app = create_app(GatewayConfig(
+    gw = create_gateway(GatewayConfig(
         args.model, args.served_model_name, args.router, redis_url=args.redis_url, api_keys_file=args.api_keys_file,
         max_body_bytes=args.max_body_bytes, default_timeout_s=args.default_timeout, max_timeout_s=args.max_timeout,
         admission_queue=args.admission_queue, max_queue_wait_s=args.max_queue_wait, kv_overcommit=args.kv_overcommit,
@@ -78,26 +78,26 @@ async def serve(args) -> None:
         allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins))
     if args.metrics_port:  # unauthenticated, for a scraper on the service network (docs/admission.md, Trust model)
         from pdserve.services.metrics.exposition import serve as serve_metrics
-        serve_metrics(app.state.metrics, args.metrics_port, args.metrics_host or args.host)
+        serve_metrics(gw.metrics, args.metrics_port, args.metrics_host or args.host)
     grpc_server = None
     if args.grpc_port:
         # the public front door: tenants authenticate by API key here, not by the internal token or certificate
         grpc_server, hs = make_server([GATEWAY_SERVICE], internal=False)
         gateway_pb2_grpc.add_GatewayServicer_to_server(
-            GatewayGrpc(app.state.handler, app.state.parser, app.state.config.grammar_limits), grpc_server)
+            GatewayGrpc(gw.handler, gw.parser, gw.config.grammar_limits), grpc_server)
         grpc_server.add_insecure_port(f"{args.host}:{args.grpc_port}")
         await grpc_server.start()
         await set_serving(hs, [GATEWAY_SERVICE], True)
-    cfg = uvicorn_config(app, args.host, args.port, app.state.config)
+    cfg = uvicorn_config(gw.app, args.host, args.port, gw.config)
     cfg.timeout_graceful_shutdown = min(cfg.timeout_graceful_shutdown, args.drain_timeout)
     server = _Server(cfg, args.drain_timeout)
-    app.state.lifecycle.start()  # a restarted gateway finalises its dead predecessor's records without waiting
+    gw.lifecycle.start()  # a restarted gateway finalises its dead predecessor's records without waiting
     from pdserve.services.procutil import freeze_startup_heap
     freeze_startup_heap("gateway")
     log.info("gateway on http://%s:%d (grpc %s), router %s", args.host, args.port, args.grpc_port, args.router)
     await server.serve(sockets=[listen_socket(args.host, args.port)])  # returns after SIGTERM/SIGINT, having drained open connections
     # terminal paths still running (billing records, reservation releases, ReleaseKV) complete before exit
-    await app.state.lifecycle.close()
-    await app.state.dispatcher.close()
+    await gw.lifecycle.close()
+    await gw.dispatcher.close()
     if grpc_server is not None:
         await grpc_server.stop(grace=2)
