@@ -154,16 +154,9 @@ def _guided(rf) -> GuidedSpec | None:
 
 
 def to_sampling_params(body: dict, *, chat: bool, vocab_size: int) -> SamplingParams:
+    """The body's sampling fields, each checked (a 400 naming it), then the whole (`validate`)."""
     p = SamplingParams()
-    p.n = _num(body, "n", int, 1, 1, MAX_N)
-    best_of = None if chat else _num(body, "best_of", int, None, 1, MAX_N)
-    if best_of is not None and best_of < p.n:
-        raise bad("best_of", f"must be >= n ({p.n})")
-    if best_of is not None and best_of > p.n:
-        # OpenAI's rule: the n best of best_of are known only at the end, so they cannot be streamed
-        if flag(body, "stream"):
-            raise bad("best_of", "best_of > n cannot be streamed")
-        p.best_of = best_of
+    _copies(body, chat, p)
     p.temperature = _num(body, "temperature", float, 1.0)
     p.top_p = _num(body, "top_p", float, 1.0)
     p.top_k = _num(body, "top_k", int, 0, -1)
@@ -174,47 +167,12 @@ def to_sampling_params(body: dict, *, chat: bool, vocab_size: int) -> SamplingPa
         raise bad("echo", "is a /v1/completions parameter")
     if echo and flag(body, "stream"):
         raise bad("echo", "is not supported with stream")
-    mt = _num(body, "max_completion_tokens", int, None, 1) if chat else None
-    if mt is None:
-        # with echo, max_tokens 0 asks for the prompt's log-probs only (lm-eval's loglikelihood): the engine
-        # samples one token, which the answer leaves out (prompt_only)
-        mt = _num(body, "max_tokens", int, None if chat else 16, 0 if echo else 1)
-    p.max_tokens = max(mt, 1) if mt is not None else None
-    p.min_tokens = _num(body, "min_tokens", int, 0, 0)
+    _length(body, chat, echo, p)
     p.presence_penalty = _num(body, "presence_penalty", float, 0.0)
     p.frequency_penalty = _num(body, "frequency_penalty", float, 0.0)
     p.repetition_penalty = _num(body, "repetition_penalty", float, 1.0)
-    stop = body.get("stop")
-    if stop is not None:
-        if isinstance(stop, str):
-            stop = [stop]
-        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 16:
-            raise bad("stop", "must be a string or a list of up to 16 strings")
-        p.stop = stop
-    p.ignore_eos = flag(body, "ignore_eos", p.ignore_eos)
-    lb = body.get("logit_bias")
-    if lb is not None:
-        if not isinstance(lb, dict):
-            raise bad("logit_bias", "must map token ids to biases")
-        bias = {}
-        for k, v in lb.items():
-            # a token id is a short decimal (int() of a 5,000-digit string raises, it does not return)
-            if not (k.isascii() and 0 < len(k) <= 12 and k.strip().lstrip("+-").isdigit()) or isinstance(v, bool) \
-                    or not isinstance(v, (int, float)):
-                raise bad("logit_bias", "keys must be token ids and values numbers")
-            if not math.isfinite(_float(v)):
-                raise bad("logit_bias", "values must be finite numbers")
-            bias[int(k)] = float(v)
-        p.logit_bias = bias
-    if chat:
-        if flag(body, "logprobs"):
-            p.logprobs = _num(body, "top_logprobs", int, 0, 0, 20)
-        elif body.get("top_logprobs") is not None:
-            raise bad("top_logprobs", "requires logprobs=true")
-    else:
-        p.logprobs = _num(body, "logprobs", int, None, 0, 20)
-        if echo and p.logprobs is not None:  # the echoed prompt's tokens get log-probs too
-            p.prompt_logprobs = p.logprobs
+    p.logit_bias = _logit_bias(body)
+    _logprobs(body, chat, echo, p)
     p.typical_p = _num(body, "typical_p", float, 1.0)
     p.beam_width = _num(body, "beam_width", int, None, 1, MAX_N)
     p.length_penalty = _num(body, "length_penalty", float, 1.0)
@@ -229,13 +187,6 @@ def to_sampling_params(body: dict, *, chat: bool, vocab_size: int) -> SamplingPa
     p.skip_special_tokens = flag(body, "skip_special_tokens", True)
     p.bad_words = _list(body, "bad_words", _is_text, "non-empty strings (up to 1024 characters)", 64) or []
     p.allowed_token_ids = _list(body, "allowed_token_ids", _is_id, "token ids", 1 << 20, 1)
-    plp = _num(body, "prompt_logprobs", int, None, 0, 20)
-    if plp is not None:
-        if flag(body, "stream"):
-            raise bad("prompt_logprobs", "is not supported with stream")
-        if echo:
-            raise bad("prompt_logprobs", "with echo, the prompt's log-probs come with `logprobs`")
-        p.prompt_logprobs = plp
     p.guided = _guided(body.get("response_format"))
     ext = _extension_guided(body)
     if ext is not None:
@@ -244,6 +195,76 @@ def to_sampling_params(body: dict, *, chat: bool, vocab_size: int) -> SamplingPa
         p.guided = ext[1]
     validate(p, vocab_size)
     return p
+
+
+def _copies(body: dict, chat: bool, p: SamplingParams) -> None:
+    """`n`, and `best_of` (completions): the n best of best_of are known only at the end (OpenAI: not streamed)."""
+    p.n = _num(body, "n", int, 1, 1, MAX_N)
+    best_of = None if chat else _num(body, "best_of", int, None, 1, MAX_N)
+    if best_of is not None and best_of < p.n:
+        raise bad("best_of", f"must be >= n ({p.n})")
+    if best_of is not None and best_of > p.n:
+        if flag(body, "stream"):
+            raise bad("best_of", "best_of > n cannot be streamed")
+        p.best_of = best_of
+
+
+def _length(body: dict, chat: bool, echo: bool, p: SamplingParams) -> None:
+    """max_completion_tokens / max_tokens, min_tokens, stop strings, ignore_eos."""
+    mt = _num(body, "max_completion_tokens", int, None, 1) if chat else None
+    if mt is None:
+        # with echo, max_tokens 0 asks for the prompt's log-probs only (lm-eval's loglikelihood): the engine
+        # samples one token, which the answer leaves out (prompt_only)
+        mt = _num(body, "max_tokens", int, None if chat else 16, 0 if echo else 1)
+    p.max_tokens = max(mt, 1) if mt is not None else None
+    p.min_tokens = _num(body, "min_tokens", int, 0, 0)
+    stop = body.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 16:
+            raise bad("stop", "must be a string or a list of up to 16 strings")
+        p.stop = stop
+    p.ignore_eos = flag(body, "ignore_eos", p.ignore_eos)
+
+
+def _logit_bias(body: dict) -> dict[int, float]:
+    lb = body.get("logit_bias")
+    if lb is None:
+        return {}
+    if not isinstance(lb, dict):
+        raise bad("logit_bias", "must map token ids to biases")
+    bias = {}
+    for k, v in lb.items():
+        # a token id is a short decimal (int() of a 5,000-digit string raises, it does not return)
+        if not (k.isascii() and 0 < len(k) <= 12 and k.strip().lstrip("+-").isdigit()) or isinstance(v, bool) \
+                or not isinstance(v, (int, float)):
+            raise bad("logit_bias", "keys must be token ids and values numbers")
+        if not math.isfinite(_float(v)):
+            raise bad("logit_bias", "values must be finite numbers")
+        bias[int(k)] = float(v)
+    return bias
+
+
+def _logprobs(body: dict, chat: bool, echo: bool, p: SamplingParams) -> None:
+    """Chat: logprobs (a flag) + top_logprobs; completions: logprobs (a count), which with echo covers the prompt
+    too; the prompt_logprobs extension (not with stream or echo)."""
+    if chat:
+        if flag(body, "logprobs"):
+            p.logprobs = _num(body, "top_logprobs", int, 0, 0, 20)
+        elif body.get("top_logprobs") is not None:
+            raise bad("top_logprobs", "requires logprobs=true")
+    else:
+        p.logprobs = _num(body, "logprobs", int, None, 0, 20)
+        if echo and p.logprobs is not None:  # the echoed prompt's tokens get log-probs too
+            p.prompt_logprobs = p.logprobs
+    plp = _num(body, "prompt_logprobs", int, None, 0, 20)
+    if plp is not None:
+        if flag(body, "stream"):
+            raise bad("prompt_logprobs", "is not supported with stream")
+        if echo:
+            raise bad("prompt_logprobs", "with echo, the prompt's log-probs come with `logprobs`")
+        p.prompt_logprobs = plp
 
 
 # The log-prob values one answer may carry (each returned token's own and its top alternatives, over the output and
