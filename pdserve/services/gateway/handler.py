@@ -118,7 +118,6 @@ class RequestHandler:
                 if m.finished and m.usage.generated_tokens > seen[i]:
                     # best_of > n: the worker sampled branches it did not return (its final usage says how many)
                     st.generated_tokens += m.usage.generated_tokens - seen[i]
-                rec.generated = st.generated_tokens
                 if st.call.prompt_only:
                     ntok = 0  # sampled, but not part of the answer
                 st.completion_tokens += ntok
@@ -147,7 +146,6 @@ class RequestHandler:
             # its service time from the emitted count instead (lifecycle._learn)
             rec.outputs_per_choice = list(st.tokens_per_choice)
         rec.committed = rec.emitted
-        rec.cached_tokens = st.cached_tokens
         await self.life.finish(rec, "FINISHED")
 
     async def fail(self, rec: RequestRecord, e: BaseException) -> ErrorReply:

@@ -71,11 +71,28 @@ class RequestState:
     routes: list[str] = field(default_factory=list)  # the router's decisions (x-pdserve-route)
     headers: dict[str, str] = field(default_factory=dict)  # response headers the handler decided
     completion_tokens: int = 0  # tokens in the answer (prompt_only: none)
-    generated_tokens: int = 0  # tokens the workers sampled
-    cached_tokens: int = 0
     tokens_per_choice: list[int] = field(default_factory=list)
     finish_reasons: list[str | None] = field(default_factory=list)
     prompt_logprobs: list[list] = field(default_factory=list)  # per choice: TokenLogprob of prompt tokens 1..
+
+    # The counts billing reads are the record's (lifecycle.RequestRecord): one owner, no copies to keep in step.
+    @property
+    def generated_tokens(self) -> int:
+        """Tokens the workers sampled (best_of > n: also the branches not returned)."""
+        return self.rec.generated
+
+    @generated_tokens.setter
+    def generated_tokens(self, n: int) -> None:
+        self.rec.generated = n
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the workers found in their prefix caches."""
+        return self.rec.cached_tokens
+
+    @cached_tokens.setter
+    def cached_tokens(self, n: int) -> None:
+        self.rec.cached_tokens = n
 
     @property
     def n_choices(self) -> int:
