@@ -14,6 +14,11 @@ import torch
 if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Workers of the tests' deployments start their grammar compiler processes at the first constrained request:
+# ~3 s of CPU each, two per worker, which most deployments here never use (tests/engine/test_grammar_pool.py and
+# test_hostile_neighbour start them both ways). Children inherit it; a test may set it otherwise.
+os.environ.setdefault("PDSERVE_GRAMMAR_START", "lazy")
+
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex every jolly "
          "vexing sphinx of black quartz judge my vow and pack my box with five dozen liquor jugs").split()
 

@@ -147,15 +147,22 @@ class GrammarPool:
         self.cache = _Cache(cache_bytes)
         self.observe = observe or (lambda outcome, seconds: None)
         self._idle: asyncio.Queue[_Child] | None = None
+        self._pending = 0  # processes not started yet (started lazily)
         self._all: set[_Child] = set()
         self._threads = ThreadPoolExecutor(self.processes, thread_name_prefix="pdserve-grammar",
                                            initializer=_lowest_priority)
         self.kills = 0
 
-    def start(self) -> None:
-        """Start the compiler processes (their start-up, ~3.5 s of imports, overlaps whatever the caller does)."""
+    def start(self, lazy: bool = False) -> None:
+        """Start the compiler processes (their start-up, ~3.5 s of imports, overlaps whatever the caller does);
+        `lazy`: at the first compile instead, which then waits for one to start (within its request's deadline)."""
         self._idle = asyncio.Queue()
-        for _ in range(self.processes):
+        self._pending = self.processes if lazy else 0
+        if not lazy:
+            self._spawn_pending(self.processes)
+
+    def _spawn_pending(self, n: int) -> None:
+        for _ in range(n):
             self._idle.put_nowait(self._spawn())
 
     def _spawn(self) -> _Child:
@@ -214,6 +221,9 @@ class GrammarPool:
             return float("inf") if deadline is None else deadline - time.time()
 
         cap = self.limits.grammar_compile_timeout
+        if self._pending:  # started lazily: the first compile starts them all
+            n, self._pending = self._pending, 0
+            self._spawn_pending(n)
         try:  # a free compiler: waiting is bounded by the request, and by one compile's cap
             child = await asyncio.wait_for(self._idle.get(), max(0.0, min(left(), cap)))
         except TimeoutError:

@@ -88,6 +88,8 @@ def _grammar_flags(args, worker: bool) -> list[str]:
             out += [flag, str(getattr(args, attr))]
     if worker and getattr(args, "grammar_processes", None) is not None:
         out += ["--grammar-processes", str(args.grammar_processes)]
+    if worker and getattr(args, "grammar_start", None) is not None:
+        out += ["--grammar-start", args.grammar_start]
     return out
 
 

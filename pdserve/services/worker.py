@@ -274,7 +274,7 @@ def _grammar_pool(engine: Engine, args) -> GrammarPool:
         M.GRAMMAR_CACHE_BYTES.set(pool.cache.bytes)
 
     pool.observe = observe
-    pool.start()
+    pool.start(lazy=getattr(args, "grammar_start", None) == "lazy")
     return pool
 
 

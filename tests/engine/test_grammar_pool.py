@@ -236,3 +236,21 @@ def test_a_slow_compile_does_not_stall_other_requests(tiny_llama):
     lat = run(main())
     assert len(lat) > 10  # they ran throughout the ~3 s compile
     assert max(lat) < 0.5, f"a request took {max(lat):.2f} s while another's grammar compiled"
+
+
+def test_lazy_start_spawns_no_process_until_the_first_compile(bpe_tokenizer):
+    """--grammar-start lazy: a worker that never sees a constraint starts no compiler process; the first compile
+    starts them all and waits for one within its deadline."""
+    async def main():
+        pool = GrammarPool(bpe_tokenizer, V, processes=2)
+        pool.start(lazy=True)
+        try:
+            before = len(pool._all)
+            g = await pool.compile(GuidedSpec(json_schema=json.dumps(SCHEMA)), deadline=time.time() + 60)
+            return before, len(pool._all), g
+        finally:
+            pool.close()
+
+    before, after, g = run(main())
+    assert before == 0 and after == 2
+    assert same_language(compile_guided(GuidedSpec(json_schema=json.dumps(SCHEMA)), bpe_tokenizer, V), g) > 3
