@@ -97,3 +97,14 @@ def native_kernels_built():
     wait on the build inside its start-up and could miss a readiness deadline)."""
     from pdserve.engine.kernels import native_ops
     native_ops()
+
+
+# Markers by where a test lives: `-m "not e2e"` skips the deployments (`pdserve up` in processes), `-m unit` runs
+# what needs no chart and no deployment (some unit tests still start a worker process or Redis of their own).
+_MARKERS = {"e2e": "e2e", "helm": "helm"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        parts = item.path.relative_to(config.rootpath).parts
+        item.add_marker(getattr(pytest.mark, _MARKERS.get(parts[1] if len(parts) > 2 else "", "unit")))

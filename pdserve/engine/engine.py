@@ -251,6 +251,8 @@ class Engine:
         return outputs
 
     def step(self) -> list[RequestOutput]:
+        """One scheduler step: schedule, one forward, sample (or verify, or beam-search) the rows that need a
+        token, commit them; the outputs of every request it touched (and of those that ended meanwhile)."""
         self._expire(time.time())
         outputs = self.drain_outputs()
         if self.spec is not None:
@@ -259,24 +261,45 @@ class Engine:
         if not sched.scheduled:
             beams.unstall([r.beam for r in self.requests.values() if r.beam is not None], self.scheduler)
             return outputs
-        if self.config.fault_step_delay_s:  # fault injection: a slow device (docs/reliability.md)
-            time.sleep(self.config.fault_step_delay_s)
-        self.num_steps += 1
-        self.batch_sizes.append((len(sched.scheduled), sched.num_batched_tokens))
-        now = time.time()
-        requests = self.requests
-        for item in sched.scheduled:
-            req = requests[item.seq.request_id]
-            if req.times.first_scheduled is None:
-                req.times = req.times.scheduled_at(now)
+        self._started(sched)
         want_prompt = {i for i, it in enumerate(sched.scheduled)
                        if it.seq.wants_prompt_logprobs and it.seq.num_output_tokens == 0}
         verifying = self.spec.begin(sched) if self.spec is not None else set()
         logits, owner = self.runner.execute(sched.scheduled, want_prompt | verifying)
         self.core.computed(sched)
-        # Rows to sample: a request's first sample forks its extra branches, which share the prompt's blocks.
+        rows, seqs, spec_rows, beam_rows = self._rows(sched, owner, logits, want_prompt, verifying)
+        # sampled where the logits are (the requests' generators live there too); the results cross in one copy
+        sampled = logits
+        if seqs and rows != list(range(logits.shape[0])):
+            sampled = logits.index_select(0, to_device(rows, logits.device, torch.long))
+        results = self.sampler.sample(sampled, [s.sampling for s in seqs]) if seqs else []
+        if (spec_rows or beam_rows) and logits.device.type != "cpu":
+            logits = logits.cpu()  # speculative verification and beam search choose their tokens on the host
+        touched = self._commit(sched, seqs, results, spec_rows, beam_rows, logits)
+        for req in touched.values():
+            if req.finished:
+                self._reclaim(req, S.FINISHED)
+            outputs.append(self._output(req))
+        return outputs
+
+    def _started(self, sched) -> None:
+        """Step statistics, and the first-scheduled time of the requests scheduled for the first time."""
+        if self.config.fault_step_delay_s:  # fault injection: a slow device (docs/reliability.md)
+            time.sleep(self.config.fault_step_delay_s)
+        self.num_steps += 1
+        self.batch_sizes.append((len(sched.scheduled), sched.num_batched_tokens))
+        now = time.time()
+        for item in sched.scheduled:
+            req = self.requests[item.seq.request_id]
+            if req.times.first_scheduled is None:
+                req.times = req.times.scheduled_at(now)
+
+    def _rows(self, sched, owner, logits, want_prompt: set[int], verifying: set[int]):
+        """Which logits row does what: (rows to sample, their sequences, verifying item -> its k + 1 rows, beam
+        request -> its (sequence, row)s). Prompt rows of a prompt-logprobs request are collected here. A request's
+        first sample forks its extra branches, which share the prompt's blocks (and the row)."""
         rows, seqs = [], []
-        spec_rows: dict[int, list[int]] = {}  # verifying item -> its k + 1 logits rows
+        spec_rows: dict[int, list[int]] = {}
         beam_rows: dict[str, list[tuple[Sequence, int]]] = {}  # beam search chooses its own tokens
         for row, (i, pos) in enumerate(owner):
             seq = sched.scheduled[i].seq
@@ -296,13 +319,11 @@ class Engine:
                 for child in self._fork(req, seq, join=True):
                     rows.append(row)
                     seqs.append(child)
-        # sampled where the logits are (the requests' generators live there too); the results cross in one copy
-        sampled = logits
-        if seqs and rows != list(range(logits.shape[0])):
-            sampled = logits.index_select(0, to_device(rows, logits.device, torch.long))
-        results = self.sampler.sample(sampled, [s.sampling for s in seqs]) if seqs else []
-        if (spec_rows or beam_rows) and logits.device.type != "cpu":
-            logits = logits.cpu()  # speculative verification and beam search choose their tokens on the host
+        return rows, seqs, spec_rows, beam_rows
+
+    def _commit(self, sched, seqs, results, spec_rows, beam_rows, logits) -> dict[str, Request]:
+        """Commit the sampled tokens, the speculative tokens verification accepted (rolling back the rest) and
+        the beams' choices; returns the requests this touched."""
         touched: dict[str, Request] = {}
         now = time.time()
         for seq, res in zip(seqs, results):
@@ -312,12 +333,12 @@ class Engine:
             if seq.sampling.params.logprobs is not None:
                 seq.logprobs.append(res)
             self.core.commit(seq, res.token_id, req.prefill_only)
-        for i, spec_row in spec_rows.items():  # speculative: verify, commit the accepted tokens, roll back
+        for i, spec_row in spec_rows.items():
             seq = sched.scheduled[i].seq
             req = touched[seq.request_id] = self.requests[seq.request_id]
-            results = self.spec.finish(sched.scheduled[i], logits[spec_row], req.prefill_only)
+            verified = self.spec.finish(sched.scheduled[i], logits[spec_row], req.prefill_only)
             if seq.sampling.params.logprobs is not None:
-                seq.logprobs.extend(results)
+                seq.logprobs.extend(verified)
         for rid, items in beam_rows.items():
             req = touched[rid] = self.requests[rid]
             req.times = req.times.first_token_at(now)
@@ -325,11 +346,7 @@ class Engine:
                               lambda: next(self._seq_ids))
             if live:
                 req.seqs = live
-        for req in touched.values():
-            if req.finished:
-                self._reclaim(req, S.FINISHED)
-            outputs.append(self._output(req))
-        return outputs
+        return touched
 
     def _collect_prompt_logits(self, seq: Sequence, row: torch.Tensor) -> None:
         """Prompt logprobs need logits at every prompt position, gathered over the prefill chunks."""

@@ -150,6 +150,12 @@ def close_by_default(args) -> Path | None:
 StartPlanner = Callable[[Any, Supervisor, Callable[[str], Child], dict], Any]
 
 
+ENGINE_FLAGS = ("num_gpu_blocks", "max_num_seqs", "device", "dtype", "quantization", "threads", "policy", "batching",
+                "kv_cache_bytes", "gpu_memory_utilization", "block_size", "max_num_batched_tokens", "max_model_len",
+                "kv_offload_bytes", "kv_offload_dir", "kv_offload_disk_bytes", "preemption_mode", "swap_space",
+                "speculative", "num_speculative_tokens", "draft_model")
+
+
 def up(args, start_planner: StartPlanner | None = None) -> int:
     # Everything that can be known wrong before a process starts ends here, in one line and well under a second,
     # rather than as a child's traceback seconds later.
@@ -174,39 +180,13 @@ def up(args, start_planner: StartPlanner | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        redis_url = args.redis_url
-        if not redis_url:
-            binary = shutil.which("redis-server")  # preflight made sure there is one
-            rport = free_port()
-            redis_cmd = [binary, "--port", str(rport), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                         "--loglevel", "warning"]
-            if args.redis_password_file:
-                # the private server takes the same password, through its stdin (`-`), not its command line
-                redis_cmd.insert(1, "-")
-            stdin_data = None
-            if args.redis_password_file:
-                pw = Path(args.redis_password_file).read_text().strip().replace("\\", "\\\\").replace('"', '\\"')
-                stdin_data = f'requirepass "{pw}"\n'.encode()
-            d.start("redis", redis_cmd, {"port": rport}, stdin_data=stdin_data)
-            if not _wait_tcp(rport, 10):
-                print("pdserve up: redis-server did not start", file=sys.stderr)
-                return 1
-            redis_url = f"redis://127.0.0.1:{rport}/0"
-        common = ["--model", args.model, "--served-model-name", args.served_model_name,
-                  "--log-format", args.log_format, *_flags(args, SECURITY_FLAGS)]
-        if args.metrics_compat:
-            common += ["--metrics-compat", args.metrics_compat]
-        if args.drain_timeout is not None:
-            common += ["--drain-timeout", str(args.drain_timeout)]
-        eng = []
-        for flag in ("num_gpu_blocks", "max_num_seqs", "device", "dtype", "quantization", "threads", "policy",
-                     "batching", "kv_cache_bytes",
-                     "gpu_memory_utilization", "block_size", "max_num_batched_tokens", "max_model_len",
-                     "kv_offload_bytes", "kv_offload_dir", "kv_offload_disk_bytes", "preemption_mode", "swap_space",
-                     "speculative", "num_speculative_tokens", "draft_model"):
-            v = getattr(args, flag)
-            if v:
-                eng += ["--" + flag.replace("_", "-"), str(v)]
+        redis_url = args.redis_url or _start_redis(d, args)
+        if redis_url is None:
+            print("pdserve up: redis-server did not start", file=sys.stderr)
+            return 1
+        common = _common_flags(args)
+        eng = [f for name in ENGINE_FLAGS if getattr(args, name)
+               for f in ("--" + name.replace("_", "-"), str(getattr(args, name)))]
         rt_port, rt_metrics = free_port(), free_port()
         d.start("router", [*pdserve, "router", *common, "--port", str(rt_port), "--redis-url", redis_url,
                              "--metrics-port", str(rt_metrics), "--heartbeat-ttl", str(args.heartbeat_ttl),
@@ -221,16 +201,7 @@ def up(args, start_planner: StartPlanner | None = None) -> int:
         if not args.threads:  # split the host's cores between the ranks rather than oversubscribe them
             eng += ["--threads", str(max(1, (os.cpu_count() or 1) // max(1, sum(tp[r] for r in roles))))]
         if (args.device or "cpu") == "cpu":
-            # Build the engine's native kernels once, here, rather than in every worker at the same time (they
-            # would serialize on the build lock inside their start-up); a no-op once cached. Bounded by
-            # PDSERVE_KERNEL_BUILD_TIMEOUT; when they are unavailable (said once, by the child) the workers skip
-            # them instead of each trying, and waiting, again. Already built (the usual start): no child, which
-            # would spend ~1 s importing torch to find that out.
-            from pdserve.engine.kernels import native_ready
-            if not native_ready() and subprocess.run(
-                    [sys.executable, "-c", "import sys; from pdserve.engine.kernels import native_ops; "
-                     "sys.exit(native_ops() is None)"], env=d.env, check=False).returncode != 0:
-                d.env["PDSERVE_NATIVE_KERNELS"] = "0"
+            _build_kernels_once(d)
         started = iter(range(1 << 30))
 
         def start_worker(role: str) -> Child:
@@ -253,27 +224,7 @@ def up(args, start_planner: StartPlanner | None = None) -> int:
                 {"port": args.port, "grpc_port": gport})
         reach = "127.0.0.1" if args.host in ("0.0.0.0", "", "::") else args.host
         base = f"http://{'[' + reach + ']' if ':' in reach else reach}:{args.port}"
-        end = time.monotonic() + args.ready_timeout
-        ready = False
-        while time.monotonic() < end and not stopping["flag"]:
-            d.poll()
-            dead = d.dead()
-            if dead:
-                print(f"pdserve up: {dead.name} exited with {describe_exit(dead.proc.returncode)}", file=sys.stderr)
-                return 1
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                    seen = json.loads(r.read()).get("workers", {})
-                    # ready when routing sees every worker this command started, not merely one of each role
-                    if r.status == 200 and all(seen.get(role, 0) >= roles.count(role) for role in set(roles)):
-                        ready = True
-                        break
-            except Exception:
-                pass
-            time.sleep(0.2)
-        if not ready:
-            if not stopping["flag"]:
-                print("pdserve up: not healthy before --ready-timeout", file=sys.stderr)
+        if not _wait_ready(d, base, roles, time.monotonic() + args.ready_timeout, stopping):
             return 1
         print(f"pdserve up: {args.mode} deployment of {args.served_model_name} ready at {base}/v1", flush=True)
         ready_info = {"base_url": base, "mode": args.mode, "redis_url": redis_url, "model": args.served_model_name,
@@ -289,19 +240,7 @@ def up(args, start_planner: StartPlanner | None = None) -> int:
         d.restart = not args.no_restart
         if planner is not None:
             planner.start()
-        while not stopping["flag"]:
-            if planner is not None:
-                planner.apply()  # its scaling requests: children are forked from this thread only (supervisor.py)
-            d.poll()
-            dead = d.dead()  # only with --no-restart
-            if dead and not any(c.info.get("role") and c.running for c in d.children.values()):
-                print(f"pdserve up: {dead.name} died; no workers left, stopping", file=sys.stderr)
-                return 1
-            if dead and any(n in ("gateway", "router", "redis") and not c.running for n, c in d.children.items()):
-                print(f"pdserve up: {dead.name} died; stopping", file=sys.stderr)
-                return 1
-            time.sleep(0.2)
-        return 0
+        return _supervise(d, planner, stopping)
     finally:
         if planner is not None:
             planner.stop()  # before the children stop: nothing is started or drained after this
@@ -311,3 +250,83 @@ def up(args, start_planner: StartPlanner | None = None) -> int:
         if generated is not None:  # after the children: a restarting one still reads them
             shutil.rmtree(generated, ignore_errors=True)
         print("pdserve up: stopped", flush=True)
+
+
+def _start_redis(d: Supervisor, args) -> str | None:
+    """up's private redis-server (nothing persisted: the registry is soft state); its URL, None if it did not
+    start. With a password file it takes the password through its stdin (`-`), not its command line."""
+    binary = shutil.which("redis-server")  # preflight made sure there is one
+    rport = free_port()
+    cmd = [binary, "--port", str(rport), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+           "--loglevel", "warning"]
+    stdin_data = None
+    if args.redis_password_file:
+        cmd.insert(1, "-")
+        pw = Path(args.redis_password_file).read_text().strip().replace("\\", "\\\\").replace('"', '\\"')
+        stdin_data = f'requirepass "{pw}"\n'.encode()
+    d.start("redis", cmd, {"port": rport}, stdin_data=stdin_data)
+    return f"redis://127.0.0.1:{rport}/0" if _wait_tcp(rport, 10) else None
+
+
+def _common_flags(args) -> list[str]:
+    """What every child gets: the model, the log format, the security files, metrics compat, drain timeout."""
+    common = ["--model", args.model, "--served-model-name", args.served_model_name,
+              "--log-format", args.log_format, *_flags(args, SECURITY_FLAGS)]
+    if args.metrics_compat:
+        common += ["--metrics-compat", args.metrics_compat]
+    if args.drain_timeout is not None:
+        common += ["--drain-timeout", str(args.drain_timeout)]
+    return common
+
+
+def _build_kernels_once(d: Supervisor) -> None:
+    """Build the engine's native kernels once, here, rather than in every worker at the same time (they would
+    serialize on the build lock inside their start-up); a no-op once cached. Bounded by
+    PDSERVE_KERNEL_BUILD_TIMEOUT; when they are unavailable (said once, by the child) the workers skip them
+    instead of each trying, and waiting, again. Already built (the usual start): no child, which would spend ~1 s
+    importing torch to find that out."""
+    from pdserve.engine.kernels import native_ready
+    if not native_ready() and subprocess.run(
+            [sys.executable, "-c", "import sys; from pdserve.engine.kernels import native_ops; "
+             "sys.exit(native_ops() is None)"], env=d.env, check=False).returncode != 0:
+        d.env["PDSERVE_NATIVE_KERNELS"] = "0"
+
+
+def _wait_ready(d: Supervisor, base: str, roles: list[str], end: float, stopping: dict) -> bool:
+    """Until the gateway's /health sees every worker this command started (not merely one of each role); False
+    when a child died, the deadline passed or a signal came (each said on stderr but the signal)."""
+    while time.monotonic() < end and not stopping["flag"]:
+        d.poll()
+        dead = d.dead()
+        if dead:
+            print(f"pdserve up: {dead.name} exited with {describe_exit(dead.proc.returncode)}", file=sys.stderr)
+            return False
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                seen = json.loads(r.read()).get("workers", {})
+                if r.status == 200 and all(seen.get(role, 0) >= roles.count(role) for role in set(roles)):
+                    return True
+        except Exception:  # noqa: BLE001 - not up yet
+            pass
+        time.sleep(0.2)
+    if not stopping["flag"]:
+        print("pdserve up: not healthy before --ready-timeout", file=sys.stderr)
+    return False
+
+
+def _supervise(d: Supervisor, planner, stopping: dict) -> int:
+    """Restart children as they exit (the Supervisor), apply the planner's scaling; until a signal (0), or,
+    with --no-restart, until the last worker or the gateway, router or Redis died (1)."""
+    while not stopping["flag"]:
+        if planner is not None:
+            planner.apply()  # its scaling requests: children are forked from this thread only (supervisor.py)
+        d.poll()
+        dead = d.dead()  # only with --no-restart
+        if dead and not any(c.info.get("role") and c.running for c in d.children.values()):
+            print(f"pdserve up: {dead.name} died; no workers left, stopping", file=sys.stderr)
+            return 1
+        if dead and any(n in ("gateway", "router", "redis") and not c.running for n, c in d.children.items()):
+            print(f"pdserve up: {dead.name} died; stopping", file=sys.stderr)
+            return 1
+        time.sleep(0.2)
+    return 0

@@ -62,23 +62,9 @@ class HttpGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        given = traceparent = tracestate = None
-        for k, v in scope["headers"]:
-            if k == b"x-request-id":
-                given = v
-            elif k == b"traceparent":
-                traceparent = v
-            elif k == b"tracestate":
-                tracestate = v
-        rid = logs.accept_request_id(given)
+        rid, carrier = _request_id(scope)
         token = redact.request_id.set(rid)
-        span = None
-        if tracing.enabled():
-            carrier = {k: v.decode("latin-1") for k, v in (("traceparent", traceparent), ("tracestate", tracestate))
-                       if v is not None}
-            span = tracing.start_server_span(f"{scope.get('method', 'GET')} {scope.get('path', '')}", carrier,
-                                             {"http.request.method": scope.get("method", ""),
-                                              "url.path": scope.get("path", ""), "pdserve.request_id": rid})
+        span = _server_span(scope, rid, carrier) if tracing.enabled() else None
         started = False
         status = 0
         t0 = time.perf_counter()
@@ -101,12 +87,9 @@ class HttpGuard:
             head = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") \
                 + sum(len(k) + len(v) + 4 for k, v in scope["headers"])
             if head > self.max_header_bytes:
-                start, body = error_response(431, f"request headers of {head} bytes exceed the limit of "
-                                                  f"{self.max_header_bytes} bytes", "invalid_request_error",
-                                             "request_header_fields_too_large")
-                start["headers"].append((b"connection", b"close"))
-                await guarded_send(start)
-                await guarded_send({"type": "http.response.body", "body": body})
+                await _send_error(guarded_send, 431, f"request headers of {head} bytes exceed the limit of "
+                                                     f"{self.max_header_bytes} bytes", "invalid_request_error",
+                                  "request_header_fields_too_large", close=True)
                 return
             await self.app(scope, receive, guarded_send)
         except Exception as e:
@@ -114,9 +97,8 @@ class HttpGuard:
             log.exception("request %s: unhandled error", rid)
             if started:
                 raise
-            start, body = error_response(500, redact.with_id("internal error"), "server_error", "internal_error")
-            await guarded_send(start)  # adds Connection: close
-            await guarded_send({"type": "http.response.body", "body": body})
+            await _send_error(guarded_send, 500, redact.with_id("internal error"), "server_error",
+                              "internal_error")  # guarded_send adds Connection: close
         except BaseException as e:  # cancelled (the server stopping): still ends the span and the access line
             error = e
             raise
@@ -128,3 +110,29 @@ class HttpGuard:
                 span[0].set_attribute("http.response.status_code", status)
                 tracing.end_server_span(span, error, f"HTTP {status}" if status >= 500 else None)
             redact.request_id.reset(token)
+
+
+def _request_id(scope) -> tuple[str, dict[str, str]]:
+    """The request's id (the client's `x-request-id` when acceptable, else a new one) and the trace context the
+    client sent (`traceparent`, `tracestate`)."""
+    given, carrier = None, {}
+    for k, v in scope["headers"]:
+        if k == b"x-request-id":
+            given = v
+        elif k in (b"traceparent", b"tracestate"):
+            carrier[k.decode()] = v.decode("latin-1")
+    return logs.accept_request_id(given), carrier
+
+
+def _server_span(scope, rid: str, carrier: dict[str, str]):
+    return tracing.start_server_span(f"{scope.get('method', 'GET')} {scope.get('path', '')}", carrier,
+                                     {"http.request.method": scope.get("method", ""),
+                                      "url.path": scope.get("path", ""), "pdserve.request_id": rid})
+
+
+async def _send_error(send, status: int, message: str, type_: str, code: str, close: bool = False) -> None:
+    start, body = error_response(status, message, type_, code)
+    if close:
+        start["headers"].append((b"connection", b"close"))
+    await send(start)
+    await send({"type": "http.response.body", "body": body})
