@@ -20,7 +20,7 @@ from dataclasses import dataclass
 # Here rather than in policy.py (which sizes by simulation: torch, the simulator): decision.py, and through it
 # `pdserve status` and `up`'s state file, need only these bounds, and importing policy cost them ~2 s a start.
 @dataclass(frozen=True)
-class Limits:
+class PoolLimits:
     min_prefill: int = 1
     max_prefill: int = 4
     min_decode: int = 1
@@ -44,7 +44,7 @@ class PoolVerdict:
 
 
 class Guard:
-    def __init__(self, limits: Limits, cooldown_s: float = 60.0):
+    def __init__(self, limits: PoolLimits, cooldown_s: float = 60.0):
         self.limits = limits
         self.cooldown_s = cooldown_s
         self.last_change: dict[str, float] = {}

@@ -17,7 +17,7 @@ from pdserve.planner import scrape
 from pdserve.planner.costs import live_costs
 from pdserve.planner.decision import Decision
 from pdserve.planner.guard import Guard
-from pdserve.planner.policy import Limits, Sizer
+from pdserve.planner.policy import PoolLimits, Sizer
 from pdserve.planner.predictor import TrendPredictor
 from pdserve.services import planner_record
 from pdserve.services.metrics import planner as M
@@ -33,7 +33,7 @@ class PlannerConfig:
     interval_s: float = 30.0
     slo_ttft: float = 0.5
     slo_tpot: float = 0.05
-    limits: Limits = Limits()
+    limits: PoolLimits = PoolLimits()
     cooldown_s: float = 60.0
     window: int = 6
     headroom: float = 1.2
@@ -49,7 +49,7 @@ class PlannerConfig:
     def from_args(cls, a, redis_url: str | None = None) -> "PlannerConfig":
         return cls(redis_url=redis_url or a.redis_url, model=a.served_model_name, interval_s=a.planner_interval,
                    slo_ttft=a.slo_ttft, slo_tpot=a.slo_tpot,
-                   limits=Limits(a.min_prefill, a.max_prefill, a.min_decode, a.max_decode),
+                   limits=PoolLimits(a.min_prefill, a.max_prefill, a.min_decode, a.max_decode),
                    cooldown_s=a.scale_down_cooldown if a.scale_down_cooldown is not None else 2 * a.planner_interval,
                    window=a.planner_window, headroom=a.headroom, attainment=a.attainment,
                    costs_file=getattr(a, "costs", None), dry_run=bool(getattr(a, "dry_run", False)),

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from pdserve.engine.config import EngineConfig
 from pdserve.planner.costs import LiveCosts
-from pdserve.planner.guard import Limits
+from pdserve.planner.guard import PoolLimits
 from pdserve.sim.cluster import ClusterSpec
 from pdserve.sim.plan import PlanInput, pool_rates, simulate, smallest_pd
 from pdserve.sim.workload import SLO, LengthDist, synthetic
@@ -41,7 +41,7 @@ class Sizing:
 
 
 class Sizer:
-    def __init__(self, slo: SLO, limits: Limits, headroom: float = 1.2, attainment: float = 0.9,
+    def __init__(self, slo: SLO, limits: PoolLimits, headroom: float = 1.2, attainment: float = 0.9,
                  requests: int = 200, sweep_requests: int = 100, seed: int = 0):
         self.slo, self.limits, self.headroom, self.attainment = slo, limits, headroom, attainment
         self.requests, self.sweep_requests, self.seed = requests, sweep_requests, seed

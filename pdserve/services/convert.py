@@ -109,7 +109,7 @@ def lifecycle_to_pb(deadline: float | None, priority: int | None, predicted: int
 
 
 @dataclass(frozen=True)
-class Limits:
+class RequestLimits:
     """A Lifecycle as the engine takes it (None / 0: the engine's defaults)."""
 
     deadline: float | None = None
@@ -125,8 +125,8 @@ class Limits:
             host.submit(lambda e: e.set_tenant_share(namespace, share))
 
 
-def limits_from_pb(m: common_pb2.Lifecycle) -> Limits:
-    return Limits(m.deadline_unix if m.HasField("deadline_unix") else None,
+def limits_from_pb(m: common_pb2.Lifecycle) -> RequestLimits:
+    return RequestLimits(m.deadline_unix if m.HasField("deadline_unix") else None,
                   m.priority if m.HasField("priority") else 0,
                   m.predicted_output_tokens if m.HasField("predicted_output_tokens") else None,
                   m.kv_share if m.HasField("kv_share") else None)

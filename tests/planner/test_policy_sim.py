@@ -11,7 +11,7 @@ import pytest
 
 from pdserve.engine.config import EngineConfig
 from pdserve.planner.loop import Planner, PlannerConfig
-from pdserve.planner.policy import Limits
+from pdserve.planner.policy import PoolLimits
 from pdserve.planner.scrape import Observation
 from pdserve.sim.cluster import Cluster, ClusterSpec
 from pdserve.sim.costmodel import LinearCostModel
@@ -51,7 +51,7 @@ def run(tmp_path_factory):
     costs_file = tmp_path_factory.mktemp("planner") / "costs.json"
     COST.save(costs_file)
     cfg = PlannerConfig(redis_url="redis://127.0.0.1:6379/0", model="m", interval_s=INTERVAL, slo_ttft=SLO_TTFT,
-                        slo_tpot=SLO_TPOT, limits=Limits(1, 4, 1, 4), cooldown_s=2 * INTERVAL, window=3,
+                        slo_tpot=SLO_TPOT, limits=PoolLimits(1, 4, 1, 4), cooldown_s=2 * INTERVAL, window=3,
                         costs_file=str(costs_file))
     pools = Pools()
     planner = Planner(cfg, pools, lambda: [])

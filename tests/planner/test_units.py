@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.planner.guard import Guard
-from pdserve.planner.policy import Limits
+from pdserve.planner.policy import PoolLimits
 from pdserve.planner.predictor import TrendPredictor
 from pdserve.planner.scrape import Observation, Snapshot, observe, parse, quantile
 
@@ -121,7 +121,7 @@ def test_predictor_lengths_request_weighted_and_kept_through_idle():
 
 
 def test_guard_rails():
-    g = Guard(Limits(min_prefill=1, max_prefill=3, min_decode=1, max_decode=4), cooldown_s=60)
+    g = Guard(PoolLimits(min_prefill=1, max_prefill=3, min_decode=1, max_decode=4), cooldown_s=60)
     # one step per interval without a violation
     v = g.decide("decode", 1, grow_to=4, shrink_to=4, violated=None, traffic=True, now=0)
     assert (v.desired, v.action) == (2, "up") and "one step" in v.reason
@@ -141,7 +141,7 @@ def test_guard_rails():
     v = g.decide("decode", 3, grow_to=1, shrink_to=3, violated=None, traffic=True, now=200)
     assert v.action == "hold"
     # never below one replica while serving traffic, even with min 0; idle may go to min
-    g0 = Guard(Limits(0, 2, 0, 2), cooldown_s=0)
+    g0 = Guard(PoolLimits(0, 2, 0, 2), cooldown_s=0)
     assert g0.decide("prefill", 1, 0, 0, None, traffic=True, now=0).desired == 1
     assert g0.decide("prefill", 1, 0, 0, None, traffic=False, now=0).desired == 0
 
@@ -154,7 +154,7 @@ def test_predictor_window_of_three_follows_a_step_without_overshoot():
 
 
 def test_guard_no_feedback_step_while_a_replica_is_starting():
-    g = Guard(Limits(1, 4, 1, 4), cooldown_s=0)
+    g = Guard(PoolLimits(1, 4, 1, 4), cooldown_s=0)
     # measured TPOT violated, model says 2 suffice, the pool has 2 counted of which 1 is still starting
     v = g.decide("decode", 2, grow_to=2, shrink_to=2, violated="TPOT p90 9 ms > SLO 5 ms", traffic=True, now=0,
                  starting=1)

@@ -40,11 +40,11 @@ def test_services_have_only_called_rpcs():
 
 
 def test_lifecycle_fields_round_trip_with_presence():
-    from pdserve.services.convert import Limits, lifecycle_to_pb, limits_from_pb
+    from pdserve.services.convert import RequestLimits, lifecycle_to_pb, limits_from_pb
     from pdserve.services.pb import worker_pb2
     req = worker_pb2.PrefillRequest(lifecycle=lifecycle_to_pb(1.7e9 + 0.25, 3, 120))
     back = worker_pb2.PrefillRequest.FromString(req.SerializeToString())
-    assert limits_from_pb(back.lifecycle) == Limits(1.7e9 + 0.25, 3, 120)
+    assert limits_from_pb(back.lifecycle) == RequestLimits(1.7e9 + 0.25, 3, 120)
     # absent stays absent (engine defaults), and 0 is a value, not "unset"
-    assert limits_from_pb(worker_pb2.PrefillRequest().lifecycle) == Limits(None, 0, None)
-    assert limits_from_pb(lifecycle_to_pb(0.0, None, 0)) == Limits(0.0, 0, 0)
+    assert limits_from_pb(worker_pb2.PrefillRequest().lifecycle) == RequestLimits(None, 0, None)
+    assert limits_from_pb(lifecycle_to_pb(0.0, None, 0)) == RequestLimits(0.0, 0, 0)

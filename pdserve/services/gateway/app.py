@@ -43,7 +43,7 @@ from pdserve.services.gateway.params import (
 )
 from pdserve.services.gateway.parse import RequestParser
 from pdserve.services.gateway.responses import OpenAIForm
-from pdserve.services.gateway.schema import GenerateCall, RequestState
+from pdserve.services.gateway.schema import ActiveRequest, GenerateCall
 from pdserve.services.gateway.tools.base import ToolCallParser
 from pdserve.services.gateway.tools.output import ToolOutput
 from pdserve.services.gateway.tools.registry import pick
@@ -150,7 +150,7 @@ class _Abandon:
     """The end of a response that did not complete: `RequestHandler.cancel`, once, however many of the paths
     that notice call it (the body's `finally`, the response's, a disconnect poll)."""
 
-    def __init__(self, handler: RequestHandler, st: RequestState, reason: str = "client disconnected"):
+    def __init__(self, handler: RequestHandler, st: ActiveRequest, reason: str = "client disconnected"):
         self.handler, self.st, self.reason = handler, st, reason
         self.body = None
         self.called = False

@@ -20,7 +20,7 @@ from pdserve.services.convert import lifecycle_to_pb
 from pdserve.services.gateway.core import Dispatcher, new_id, split
 from pdserve.services.gateway.errors import ErrorReply, RequestFailed, reply_for
 from pdserve.services.gateway.lifecycle import Lifecycle, RequestRecord
-from pdserve.services.gateway.schema import FINISH_REASONS, Degraded, Delta, GenerateCall, RequestState
+from pdserve.services.gateway.schema import FINISH_REASONS, ActiveRequest, Degraded, Delta, GenerateCall
 from pdserve.services.gateway.stages import StageTrace, emit_spans, pick, stage_times
 from pdserve.services.gateway.timing import Timing
 from pdserve.services.metrics import gateway as M
@@ -33,13 +33,13 @@ class RequestHandler:
     def new_record(self) -> RequestRecord:
         return self.life.new_record()
 
-    async def open(self, rec: RequestRecord, headers, parse: Callable[[], Awaitable[GenerateCall]]) -> RequestState:
+    async def open(self, rec: RequestRecord, headers, parse: Callable[[], Awaitable[GenerateCall]]) -> ActiveRequest:
         """Stage one (`headers`: HTTP headers or gRPC metadata; an HTTP body was read within its limits before),
         then `parse` (the front door's wire format -> GenerateCall), then `start`. Raises for `fail`."""
         await self.life.authorize(rec, headers)
         return await self.start(rec, await parse())
 
-    async def start(self, rec: RequestRecord, call: GenerateCall) -> RequestState:
+    async def start(self, rec: RequestRecord, call: GenerateCall) -> ActiveRequest:
         """Admit and dispatch; raises (for `fail`) if the request is refused before its first message."""
         params = call.params
         deadline = self.life.deadline_for(call.timeout_s, rec)
@@ -89,11 +89,11 @@ class RequestHandler:
         if call.debug_route and rec.tenant.can("debug_route"):
             headers["x-pdserve-route"] = " | ".join(routes)
         n = sum(s.n_choices for s in subs)
-        return RequestState(rid, int(time.time()), call, rec, subs, traces, timing, upstream, first, degraded,
+        return ActiveRequest(rid, int(time.time()), call, rec, subs, traces, timing, upstream, first, degraded,
                             routes, headers, tokens_per_choice=[0] * n, finish_reasons=[None] * n,
                             prompt_logprobs=[[] for _ in range(n)])
 
-    async def consume(self, st: RequestState, finish: bool = True) -> AsyncIterator[Delta]:
+    async def consume(self, st: ActiveRequest, finish: bool = True) -> AsyncIterator[Delta]:
         """The upstream messages, counted (tokens, finish reasons, emit times, the record's counts). Ends the
         request FINISHED after the last one (`finish=False`: the caller calls `finish` once it has built the
         answer, which the deadline covers too); a failure reported by a worker raises `RequestFailed`, a broken
@@ -136,7 +136,7 @@ class RequestHandler:
         if finish:
             await self.finish(st)
 
-    async def finish(self, st: RequestState) -> None:
+    async def finish(self, st: ActiveRequest) -> None:
         """The answer is complete: the request ends FINISHED."""
         rec = st.rec
         st.timing.done()
@@ -159,7 +159,7 @@ class RequestHandler:
             await self.life.finish(rec, reply.state, detail or reply.state)
         return reply
 
-    def cancel(self, st: RequestState | None, rec: RequestRecord, reason: str, *gens) -> None:
+    def cancel(self, st: ActiveRequest | None, rec: RequestRecord, reason: str, *gens) -> None:
         """The client left before the end: close `gens` (the front door's own generators) and the upstream calls
         (aborting the request on its workers, releasing pinned prefill KV), and end the request CANCELLED,
         billing what was streamed. Synchronous: it is called where the caller is being cancelled (an await there
@@ -176,7 +176,7 @@ class RequestHandler:
                 await self.life.finish(rec, "CANCELLED", reason)
         self.life.spawn(cleanup())
 
-    def stage_times(self, st: RequestState) -> dict | None:
+    def stage_times(self, st: ActiveRequest) -> dict | None:
         """The `usage.stage_times` extension (docs/services.md, "Stage times"), when the call asked for it and
         its tenant may see it (`debug_stage_times`): ~1 KB that most clients never read."""
         if not (st.call.stage_times and st.rec.tenant.can("debug_stage_times")):

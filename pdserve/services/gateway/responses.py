@@ -15,7 +15,7 @@ from typing import AsyncIterator
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.services.gateway.errors import RequestFailed
 from pdserve.services.gateway.handler import RequestHandler, timed_out
-from pdserve.services.gateway.schema import FINISH_REASONS, RequestState
+from pdserve.services.gateway.schema import FINISH_REASONS, ActiveRequest
 from pdserve.services.gateway.tools.output import ToolOutput
 
 
@@ -80,7 +80,7 @@ def prompt_logprobs(lps: list) -> list:
     return out
 
 
-def usage(handler: RequestHandler, st: RequestState) -> dict:
+def usage(handler: RequestHandler, st: ActiveRequest) -> dict:
     pt, ct = st.prompt_tokens, st.completion_tokens
     u = {"prompt_tokens": pt, "completion_tokens": ct, "total_tokens": pt + ct,
          "prompt_tokens_details": {"cached_tokens": st.cached_tokens}}
@@ -90,11 +90,11 @@ def usage(handler: RequestHandler, st: RequestState) -> dict:
     return u
 
 
-def _base(form: OpenAIForm, st: RequestState, obj: str) -> dict:
+def _base(form: OpenAIForm, st: ActiveRequest, obj: str) -> dict:
     return {"id": st.rid, "object": obj, "created": st.created, "model": form.model}
 
 
-async def collect(handler: RequestHandler, st: RequestState, form: OpenAIForm) -> bytes:
+async def collect(handler: RequestHandler, st: ActiveRequest, form: OpenAIForm) -> bytes:
     """The whole answer's JSON body. Raises what `consume` raises (the caller renders it with `fail`), and the
     deadline's TIMED_OUT while the body is still being built: a big answer (echo, log-probs; bounded by
     `--max-logprob-entries`) is built and serialized one choice at a time, yielding to the event loop between
@@ -133,7 +133,7 @@ async def _on_time(deadline: float | None) -> None:
         raise timed_out()
 
 
-def _choice(st: RequestState, form: OpenAIForm, i: int, t: str, ids: list[int], lps: list) -> dict:
+def _choice(st: ActiveRequest, form: OpenAIForm, i: int, t: str, ids: list[int], lps: list) -> dict:
     chat = form.chat
     want_lp = st.call.params.logprobs is not None
     per_prompt = st.n_choices // len(st.call.prompts)
@@ -160,7 +160,7 @@ def _choice(st: RequestState, form: OpenAIForm, i: int, t: str, ids: list[int], 
     return c
 
 
-async def stream(handler: RequestHandler, st: RequestState, form: OpenAIForm) -> AsyncIterator[bytes]:
+async def stream(handler: RequestHandler, st: ActiveRequest, form: OpenAIForm) -> AsyncIterator[bytes]:
     """Server-sent events, ending with `[DONE]` or, if the request fails on the way, with one error event.
     A client that leaves mid-stream leaves this generator unfinished: the caller's `cancel` ends the request."""
     chat = form.chat

@@ -1,6 +1,6 @@
 """The gateway's request and event types: what a front door hands the handler, and what the handler's one consumer
 of the upstream stream yields back. Front doors build a `GenerateCall` from their own wire format (an OpenAI JSON
-body, a gRPC `GenerateRequest`) and render `Delta`s and the final `RequestState` in it."""
+body, a gRPC `GenerateRequest`) and render `Delta`s and the final `ActiveRequest` in it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -56,7 +56,7 @@ class Delta:
 
 
 @dataclass
-class RequestState:
+class ActiveRequest:
     """Everything the handler knows about one admitted, dispatched request."""
     rid: str
     created: int
