@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 
 from pdserve.services.admission import Admission, AdmissionError, Capacity
 from pdserve.services.gateway.ingress import IngressGate
-from pdserve.services.gateway.lifecycle import Lifecycle
+from pdserve.services.gateway.lifecycle import RequestLifecycle
 from pdserve.services.gateway.params import APIError
 from pdserve.services.gateway.tenants import TenantDirectory
 from pdserve.services.reservations import ReservationLedger
@@ -21,7 +21,7 @@ from tests.services.test_admission import REDIS, _cleanup, _redis_up
 pytestmark = pytest.mark.skipif(not _redis_up(), reason="needs Redis on 127.0.0.1:6379")
 
 
-def _lifecycle(tmp_path, r, model: str) -> Lifecycle:
+def _lifecycle(tmp_path, r, model: str) -> RequestLifecycle:
     keys = tmp_path / "keys.yaml"
     keys.write_text("tenants:\n  slowco: {keys: [sk-slow], quota_tokens: 100, quota_window_s: 60}\n")
     cap = Capacity(blocks=64, seqs=8, block_size=16, max_worker_blocks=8)  # a prompt over 127 tokens never fits
@@ -30,7 +30,7 @@ def _lifecycle(tmp_path, r, model: str) -> Lifecycle:
         return cap
 
     adm = Admission(ReservationLedger(r, model, lease_s=5), capacity, max_queue=4, max_queue_wait_s=5)
-    return Lifecycle(IngressGate(TenantDirectory(str(keys)), r, model), adm, model)
+    return RequestLifecycle(IngressGate(TenantDirectory(str(keys)), r, model), adm, model)
 
 
 def _records(caplog) -> list[dict]:

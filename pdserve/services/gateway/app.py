@@ -28,7 +28,7 @@ from pdserve.services.gateway.fields import MAX_PRIORITY
 from pdserve.services.gateway.guard import MAX_HEADER_BYTES, HttpGuard, fastapi_options
 from pdserve.services.gateway.handler import RequestHandler
 from pdserve.services.gateway.ingress import IngressGate
-from pdserve.services.gateway.lifecycle import Lifecycle, build_lifecycle
+from pdserve.services.gateway.lifecycle import RequestLifecycle, build_lifecycle
 from pdserve.services.gateway.origin import BrowserGuard, allowed_hosts
 from pdserve.services.gateway.params import (
     DEFAULT_MAX_LOGPROB_ENTRIES,
@@ -185,7 +185,7 @@ class Gateway:
     config: GatewayConfig
     dispatcher: Dispatcher
     tokenizer: Tokenizer  # the `tokenizers` library and the torch-free chat template
-    lifecycle: Lifecycle
+    lifecycle: RequestLifecycle
     parser: RequestParser  # parse.py: strict, 400 naming the field
     handler: RequestHandler  # the gRPC front door serves through the same one
     tool_parser: ToolCallParser  # tools/registry.py

@@ -19,7 +19,7 @@ from pdserve.services import tracing
 from pdserve.services.convert import lifecycle_to_pb
 from pdserve.services.gateway.core import Dispatcher, new_id, split
 from pdserve.services.gateway.errors import ErrorReply, RequestFailed, reply_for
-from pdserve.services.gateway.lifecycle import Lifecycle, RequestRecord
+from pdserve.services.gateway.lifecycle import RequestLifecycle, RequestRecord
 from pdserve.services.gateway.schema import FINISH_REASONS, ActiveRequest, Degraded, Delta, GenerateCall
 from pdserve.services.gateway.stages import StageTrace, emit_spans, pick, stage_times
 from pdserve.services.gateway.timing import Timing
@@ -27,7 +27,7 @@ from pdserve.services.metrics import gateway as M
 
 
 class RequestHandler:
-    def __init__(self, life: Lifecycle, dispatcher: Dispatcher, max_model_len: int):
+    def __init__(self, life: RequestLifecycle, dispatcher: Dispatcher, max_model_len: int):
         self.life, self.disp, self.max_len = life, dispatcher, max_model_len
 
     def new_record(self) -> RequestRecord:
@@ -163,7 +163,7 @@ class RequestHandler:
         """The client left before the end: close `gens` (the front door's own generators) and the upstream calls
         (aborting the request on its workers, releasing pinned prefill KV), and end the request CANCELLED,
         billing what was streamed. Synchronous: it is called where the caller is being cancelled (an await there
-        would be interrupted); the work runs in a task the Lifecycle owns."""
+        would be interrupted); the work runs in a task the RequestLifecycle owns."""
         async def cleanup() -> None:
             try:
                 for gen in (*gens, st.upstream if st is not None else None):

@@ -6,12 +6,12 @@ are fanned out; in disagg mode each sub-request is an engine request on the pref
 decode worker), and each engine writes its own per-engine-request record (`pdserve.usage` logger: diagnostics,
 not billing). Only the gateway sees the client request whole, so it writes exactly one record per client request
 (`pdserve.billing` logger, JSON line) when the request ends, whichever way it ends — including REJECTED at the
-gateway. `Lifecycle.finish` is idempotent: a racing second terminal path (cancel vs timeout) is a no-op.
+gateway. `RequestLifecycle.finish` is idempotent: a racing second terminal path (cancel vs timeout) is a no-op.
 
 Cancellation safety: a client that goes away cancels the task serving it (Starlette cancels a streaming
 response's scope, and anyio re-delivers the cancellation at every later await in that scope), so the terminal
 work — reservation release, quota charge, the billing record, the terminal counter — never runs in the caller's
-task. `finish` marks the record terminal synchronously and runs that work in a task the Lifecycle owns
+task. `finish` marks the record terminal synchronously and runs that work in a task the RequestLifecycle owns
 (`spawn`); the caller only waits for it through `asyncio.shield`. `close()` drains the owned tasks at shutdown.
 
 Counts (spec §1.7): `generated_tokens` = tokens the workers sampled for it (their final usage; tokens seen when a
@@ -87,7 +87,7 @@ class RequestRecord:
             recomputed_tokens=sum(x.recomputed_tokens for x in self.traces))
 
 
-class Lifecycle:
+class RequestLifecycle:
     def __init__(self, gate: IngressGate, admission: Admission | None, model: str,
                  default_timeout_s: float = 60.0, max_timeout_s: float = 600.0):
         self.gate = gate
@@ -105,7 +105,7 @@ class Lifecycle:
             self.usage.start()
 
     def spawn(self, coro) -> asyncio.Task:
-        """Run `coro` in a task this Lifecycle owns: it outlives the cancellation of whoever started it, its
+        """Run `coro` in a task this RequestLifecycle owns: it outlives the cancellation of whoever started it, its
         errors are logged, and `close()` waits for it."""
         return self._tasks.spawn(coro)
 
@@ -258,7 +258,7 @@ class Lifecycle:
             logs.request_id.reset(token)
 
 
-def build_lifecycle(cfg) -> Lifecycle:
+def build_lifecycle(cfg) -> RequestLifecycle:
     """From GatewayConfig: Redis (optional), keys file, ingress gate, admission over the worker registry."""
     from pdserve.services.admission import Admission, RegistryCapacity
     from pdserve.services.gateway.tenants import TenantDirectory
@@ -276,7 +276,7 @@ def build_lifecycle(cfg) -> Lifecycle:
                               max_queue_wait_s=cfg.max_queue_wait_s)
     gate = IngressGate(TenantDirectory(cfg.api_keys_file), redis, cfg.served_model_name, cfg.max_body_bytes,
                        cfg.body_timeout_s)
-    life = Lifecycle(gate, admission, cfg.served_model_name, cfg.default_timeout_s, cfg.max_timeout_s)
+    life = RequestLifecycle(gate, admission, cfg.served_model_name, cfg.default_timeout_s, cfg.max_timeout_s)
     if redis is not None:
         life.usage = UsageLedger(redis, cfg.served_model_name, life.write_finalised)
     return life
