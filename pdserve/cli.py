@@ -12,8 +12,6 @@ import sys
 
 from pdserve.cli_args import (
     Parser,
-    context_len,
-    fraction,
     labels_arg,
     list_arg,
     nonneg_float,
@@ -24,13 +22,9 @@ from pdserve.cli_args import (
     print_error,
     weights_arg,
 )
+from pdserve.cli_flags import BATCHING, DTYPES, POLICIES, PREEMPTION_MODES, add_engine  # noqa: F401 - names tests use
 from pdserve.cli_flags import add_security as _add_security
-from pdserve.engine.spec_decode.flags import add_spec_flags
 
-# The same names the engine validates (pdserve/engine/config.py, which imports torch; the CLI must not).
-POLICIES = ("fcfs", "decode-priority", "prefill-priority", "priority", "shortest-predicted-first")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-BATCHING = ("continuous", "static")
 MODES = ("auto", "disagg", "colocated")
 # The router's placement policies a deployment may select (services/router/policy_registry.py names(); not
 # imported: it pulls in the services package).
@@ -38,7 +32,6 @@ PLACEMENTS = ("cache-aware", "round-robin", "least-loaded")
 PLACEMENT_HELP = ("placement policy by name (docs/routing.md, Placement policies): cache-aware predicts completion "
                   "time from prefix hits and load; round-robin and least-loaded are baselines that place on "
                   "colocated (both) workers only")
-PREEMPTION_MODES = ("recompute", "swap")
 LOG_FORMATS = ("text", "json")  # pdserve/services/logs.py FORMATS (not imported: it pulls in the services package)
 
 
@@ -54,47 +47,6 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="also export the metrics under vLLM's names (docs/metrics.md)")
     p.add_argument("--log-format", choices=LOG_FORMATS, default="text",
                    help="text lines, or one JSON object a line with the request id (docs/observability.md)")
-
-
-def _add_engine(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--num-gpu-blocks", type=positive_int, help="KV blocks (default: from the KV memory budget)")
-    p.add_argument("--kv-cache-bytes", type=positive_int,
-                   help="KV pool bytes when --num-gpu-blocks is unset (default: CUDA: --gpu-memory-utilization; "
-                        "CPU: 256 MiB)")
-    p.add_argument("--gpu-memory-utilization", type=fraction,
-                   help="fraction of the GPU's memory for weights + activations + KV pool; the pool takes what "
-                        "is left after loading and a profiling forward (default: 0.9)")
-    p.add_argument("--block-size", type=positive_int, help="tokens per KV block (default: 16)")
-    p.add_argument("--max-num-seqs", type=positive_int, help="sequences per batch (default: the engine's)")
-    p.add_argument("--max-num-batched-tokens", type=positive_int, help="tokens per step (default: 2048)")
-    p.add_argument("--max-model-len", type=context_len,
-                   help="context limit in tokens, prompt + output (default: the checkpoint's)")
-    p.add_argument("--preemption-mode", choices=PREEMPTION_MODES,
-                   help="when KV blocks run out, a running sequence's KV is dropped and recomputed, or swapped to "
-                        "host memory (needs --swap-space) (default: recompute)")
-    p.add_argument("--swap-space", type=nonneg_float,
-                   help="GiB of host memory (pinned on CUDA) for swapped-out KV, per worker (default: 0)")
-    p.add_argument("--device", help="cpu | cuda | cuda:N (default: cpu)")
-    p.add_argument("--dtype", choices=DTYPES, help="weights and KV dtype (default: the checkpoint's)")
-    p.add_argument("--quantization", choices=("none", "int8"),
-                   help="weight-only int8 projections and lm_head, per-channel scales; CPU only (default: none; "
-                        "docs/engine.md, Weight-only int8)")
-    p.add_argument("--policy", choices=POLICIES, help="scheduling policy (default: fcfs)")
-    p.add_argument("--batching", choices=BATCHING,
-                   help="continuous (iteration-level refill) or static (a batch runs until all its members finish; "
-                        "the baseline, docs/engine.md) (default: continuous)")
-    p.add_argument("--threads", type=positive_int,
-                   help="torch intra-op threads (default: all cores; `up` splits the cores between workers)")
-    p.add_argument("--kv-offload-bytes", type=nonneg_int,
-                   help="host memory (bytes, per worker) keeping prefix-cache blocks evicted from the KV pool, "
-                        "recalled on a prefix hit instead of recomputed (pinned on CUDA; docs/engine.md, Host KV "
-                        "tier); 0: off")
-    p.add_argument("--kv-offload-dir", help="spill the host KV tier's LRU victims to files under this directory")
-    p.add_argument("--kv-offload-disk-bytes", type=nonneg_int,
-                   help="disk KV tier capacity (default: 4 x --kv-offload-bytes)")
-    p.add_argument("--tensor-parallel-size", type=positive_int,
-                   help="ranks of tensor parallelism per worker, one process each (default: 1; docs/engine.md)")
-    add_spec_flags(p)
 
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # pdserve/services/gateway/tools/registry.py
@@ -163,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", env=True, help="start a whole local deployment (redis, router, workers, gateway)")
     _add_common(up)
-    _add_engine(up)
+    add_engine(up)
     up.add_argument("--mode", choices=MODES, default="auto",
                     help="auto: prefill + decode pools, the router disaggregates a request only when that is "
                          "predicted faster (docs/routing.md); disagg: always; colocated: `both` workers only")
@@ -234,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     wk = sub.add_parser("worker", env=True, help="engine worker: --role prefill|decode|both")
     _add_common(wk)
-    _add_engine(wk)
+    add_engine(wk)
     wk.add_argument("--role", choices=["prefill", "decode", "both"], default="both")
     wk.add_argument("--port", type=port, default=7100)
     wk.add_argument("--advertise-host", help="address peers use (default --host)")

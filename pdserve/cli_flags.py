@@ -2,13 +2,21 @@
 (up, gateway, router, worker, planner) and the planner's (`pdserve planner`, `pdserve up --planner`).
 
 Here rather than in `cli.py` or `planner/cli.py` so that the command modules and `services/preflight.py` share them
-without importing each other (tests/test_import_graph.py). Imports nothing of pdserve but `cli_args`.
+without importing each other (tests/test_import_graph.py). Imports nothing of pdserve but `cli_args` and the
+speculative-decoding flags (argparse only). Also the engine's flags, declared once: `add_engine`, `ENGINE_FLAGS`.
 """
 from __future__ import annotations
 
 import argparse
 
-from pdserve.cli_args import nonneg_float, positive_float, positive_int
+from pdserve.cli_args import context_len, fraction, nonneg_float, nonneg_int, positive_float, positive_int
+from pdserve.engine.spec_decode.flags import add_spec_flags
+
+# The same names the engine validates (pdserve/engine/config.py, which imports torch; the CLI must not).
+POLICIES = ("fcfs", "decode-priority", "prefill-priority", "priority", "shortest-predicted-first")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+BATCHING = ("continuous", "static")
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 def add_security(p: argparse.ArgumentParser) -> None:
@@ -65,3 +73,74 @@ def check_up_planner(a) -> str | None:
     if a.mode == "colocated":
         return "--planner sizes prefill and decode pools: use --mode auto or disagg"
     return check_limits(a)
+
+
+def add_engine(p: argparse.ArgumentParser) -> None:
+    """The engine's flags (`up` and `worker`): every one defaults to None, the engine's own default."""
+    p.add_argument("--num-gpu-blocks", type=positive_int, help="KV blocks (default: from the KV memory budget)")
+    p.add_argument("--kv-cache-bytes", type=positive_int,
+                   help="KV pool bytes when --num-gpu-blocks is unset (default: CUDA: --gpu-memory-utilization; "
+                        "CPU: 256 MiB)")
+    p.add_argument("--gpu-memory-utilization", type=fraction,
+                   help="fraction of the GPU's memory for weights + activations + KV pool; the pool takes what "
+                        "is left after loading and a profiling forward (default: 0.9)")
+    p.add_argument("--block-size", type=positive_int, help="tokens per KV block (default: 16)")
+    p.add_argument("--max-num-seqs", type=positive_int, help="sequences per batch (default: the engine's)")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, help="tokens per step (default: 2048)")
+    p.add_argument("--max-model-len", type=context_len,
+                   help="context limit in tokens, prompt + output (default: the checkpoint's)")
+    p.add_argument("--preemption-mode", choices=PREEMPTION_MODES,
+                   help="when KV blocks run out, a running sequence's KV is dropped and recomputed, or swapped to "
+                        "host memory (needs --swap-space) (default: recompute)")
+    p.add_argument("--swap-space", type=nonneg_float,
+                   help="GiB of host memory (pinned on CUDA) for swapped-out KV, per worker (default: 0)")
+    p.add_argument("--device", help="cpu | cuda | cuda:N (default: cpu)")
+    p.add_argument("--dtype", choices=DTYPES, help="weights and KV dtype (default: the checkpoint's)")
+    p.add_argument("--quantization", choices=("none", "int8"),
+                   help="weight-only int8 projections and lm_head, per-channel scales; CPU only (default: none; "
+                        "docs/engine.md, Weight-only int8)")
+    p.add_argument("--policy", choices=POLICIES, help="scheduling policy (default: fcfs)")
+    p.add_argument("--batching", choices=BATCHING,
+                   help="continuous (iteration-level refill) or static (a batch runs until all its members finish; "
+                        "the baseline, docs/engine.md) (default: continuous)")
+    p.add_argument("--threads", type=positive_int,
+                   help="torch intra-op threads (default: all cores; `up` splits the cores between workers)")
+    p.add_argument("--kv-offload-bytes", type=nonneg_int,
+                   help="host memory (bytes, per worker) keeping prefix-cache blocks evicted from the KV pool, "
+                        "recalled on a prefix hit instead of recomputed (pinned on CUDA; docs/engine.md, Host KV "
+                        "tier); 0: off")
+    p.add_argument("--kv-offload-dir", help="spill the host KV tier's LRU victims to files under this directory")
+    p.add_argument("--kv-offload-disk-bytes", type=nonneg_int,
+                   help="disk KV tier capacity (default: 4 x --kv-offload-bytes)")
+    p.add_argument("--tensor-parallel-size", type=positive_int,
+                   help="ranks of tensor parallelism per worker, one process each (default: 1; docs/engine.md)")
+    add_spec_flags(p)
+
+
+def _dests(add) -> tuple[str, ...]:
+    p = argparse.ArgumentParser(add_help=False)
+    add(p)
+    return tuple(a.dest for a in p._actions)
+
+
+# The one list of engine options: what `add_engine` declares. `up` forwards each one given (services/up.py), the
+# worker builds its EngineConfig from them (services/worker.py engine_config_from_args), by these names.
+ENGINE_FLAGS = _dests(add_engine)
+SPEC_FLAGS = _dests(add_spec_flags)  # EngineConfig fields of their own (spec_decode/flags.py spec_config)
+ENGINE_FIELD = {"threads": "num_threads"}  # flag dest -> EngineConfig field, where they differ
+
+
+def engine_kwargs(args) -> dict:
+    """EngineConfig fields from the engine flags that were given (None: the engine's default)."""
+    return {ENGINE_FIELD.get(d, d): getattr(args, d) for d in ENGINE_FLAGS
+            if d not in SPEC_FLAGS and getattr(args, d, None) is not None}
+
+
+def engine_argv(args, skip: tuple[str, ...] = ()) -> list[str]:
+    """The engine flags that were given, as a command line (`up` -> its workers)."""
+    out = []
+    for d in ENGINE_FLAGS:
+        v = getattr(args, d, None)
+        if v is not None and d not in skip:
+            out += ["--" + d.replace("_", "-"), str(v)]
+    return out

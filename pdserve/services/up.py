@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlparse
 
+from pdserve.cli_flags import engine_argv
 from pdserve.services.ports import free_port, hand_out
 from pdserve.services.supervisor import Child, Supervisor, describe_exit
 
@@ -150,12 +151,6 @@ def close_by_default(args) -> Path | None:
 StartPlanner = Callable[[Any, Supervisor, Callable[[str], Child], dict], Any]
 
 
-ENGINE_FLAGS = ("num_gpu_blocks", "max_num_seqs", "device", "dtype", "quantization", "threads", "policy", "batching",
-                "kv_cache_bytes", "gpu_memory_utilization", "block_size", "max_num_batched_tokens", "max_model_len",
-                "kv_offload_bytes", "kv_offload_dir", "kv_offload_disk_bytes", "preemption_mode", "swap_space",
-                "speculative", "num_speculative_tokens", "draft_model")
-
-
 def up(args, start_planner: StartPlanner | None = None) -> int:
     # Everything that can be known wrong before a process starts ends here, in one line and well under a second,
     # rather than as a child's traceback seconds later.
@@ -185,8 +180,8 @@ def up(args, start_planner: StartPlanner | None = None) -> int:
             print("pdserve up: redis-server did not start", file=sys.stderr)
             return 1
         common = _common_flags(args)
-        eng = [f for name in ENGINE_FLAGS if getattr(args, name)
-               for f in ("--" + name.replace("_", "-"), str(getattr(args, name)))]
+        # every engine flag given, as given (cli_flags.ENGINE_FLAGS); the TP degree is per role, below
+        eng = engine_argv(args, skip=("tensor_parallel_size",))
         rt_port, rt_metrics = free_port(), free_port()
         d.start("router", [*pdserve, "router", *common, "--port", str(rt_port), "--redis-url", redis_url,
                              "--metrics-port", str(rt_metrics), "--heartbeat-ttl", str(args.heartbeat_ttl),

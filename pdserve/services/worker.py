@@ -20,6 +20,7 @@ import uuid
 
 import grpc
 
+from pdserve.cli_flags import engine_kwargs
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.engine.grammar_limits import limits_from_args
@@ -231,34 +232,10 @@ async def _heartbeat_loop(w: Worker, registry: Registry | None, interval_s: floa
         await asyncio.sleep(wait)
 
 
-ENGINE_SIZE_FLAGS = ("kv_cache_bytes", "gpu_memory_utilization", "block_size", "max_num_batched_tokens",
-                     "max_model_len", "kv_offload_bytes", "kv_offload_dir", "kv_offload_disk_bytes",
-                     "preemption_mode", "swap_space")
-
-
-def engine_config_from_env(args) -> EngineConfig:
-    kw = {}
-    if getattr(args, "num_gpu_blocks", None):
-        kw["num_gpu_blocks"] = args.num_gpu_blocks
-    if getattr(args, "max_num_seqs", None):
-        kw["max_num_seqs"] = args.max_num_seqs
-    if getattr(args, "device", None):
-        kw["device"] = args.device
-    if getattr(args, "dtype", None):
-        kw["dtype"] = args.dtype
-    if getattr(args, "quantization", None):
-        kw["quantization"] = args.quantization
-    if getattr(args, "policy", None):
-        kw["policy"] = args.policy
-    if getattr(args, "batching", None):
-        kw["batching"] = args.batching
-    if getattr(args, "threads", None):
-        kw["num_threads"] = args.threads
-    if getattr(args, "tensor_parallel_size", None):
-        kw["tensor_parallel_size"] = args.tensor_parallel_size
-    for name in ENGINE_SIZE_FLAGS:  # KV pool and batch sizes (kv_sizing.py)
-        if getattr(args, name, None) is not None:
-            kw[name] = getattr(args, name)
+def engine_config_from_args(args) -> EngineConfig:
+    """The worker's EngineConfig: the engine flags given (cli_flags.ENGINE_FLAGS, the one list), speculative
+    decoding's, and the fault-injection knob."""
+    kw = engine_kwargs(args)
     if os.environ.get("PDSERVE_FAULT_STEP_DELAY_S"):  # fault injection only (EngineConfig.fault_step_delay_s)
         kw["fault_step_delay_s"] = float(os.environ["PDSERVE_FAULT_STEP_DELAY_S"])
     kw.update(spec_config(args))
@@ -286,7 +263,7 @@ async def serve(args) -> None:
                                                args.metrics_compat), args.metrics_port, args.host)
     host = args.advertise_host or "127.0.0.1"
     worker_id = args.worker_id or f"{args.role}-{socket.gethostname()}-{args.port}"
-    config = engine_config_from_env(args)
+    config = engine_config_from_args(args)
     started = M.process_start_time() or time.time()
     engine = Engine.from_pretrained(args.model, config)
     M.set_engine_info(engine.info)

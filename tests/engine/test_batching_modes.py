@@ -104,10 +104,10 @@ def test_static_preempted_member_rejoins(tiny_llama):
 
 def test_worker_flag_and_env_reach_the_engine(monkeypatch):
     from pdserve.cli import build_parser
-    from pdserve.services.worker import engine_config_from_env
-    assert engine_config_from_env(build_parser().parse_args(["worker"])).batching == "continuous"
-    assert engine_config_from_env(build_parser().parse_args(["worker", "--batching", "static"])).batching == "static"
+    from pdserve.services.worker import engine_config_from_args
+    assert engine_config_from_args(build_parser().parse_args(["worker"])).batching == "continuous"
+    assert engine_config_from_args(build_parser().parse_args(["worker", "--batching", "static"])).batching == "static"
     monkeypatch.setenv("PDSERVE_BATCHING", "static")
-    assert engine_config_from_env(build_parser().parse_args(["worker"])).batching == "static"
+    assert engine_config_from_args(build_parser().parse_args(["worker"])).batching == "static"
     with pytest.raises(ValueError):
         EngineConfig(batching="sometimes").validate()

@@ -111,20 +111,20 @@ def test_engine_config_rejects(kw):
 
 def test_worker_flags_and_env_reach_the_engine_config(monkeypatch):
     from pdserve.cli import build_parser
-    from pdserve.services.worker import engine_config_from_env
+    from pdserve.services.worker import engine_config_from_args
     monkeypatch.setenv("PDSERVE_GPU_MEMORY_UTILIZATION", "0.8")
     monkeypatch.setenv("PDSERVE_MAX_NUM_BATCHED_TOKENS", "4096")
     monkeypatch.setenv("PDSERVE_SWAP_SPACE", "2.5")
     args = build_parser().parse_args(["worker", "--role", "both", "--kv-cache-bytes", "1048576", "--block-size",
                                       "32", "--max-model-len", "8192", "--max-num-seqs", "128",
                                       "--dtype", "bfloat16", "--preemption-mode", "swap"])
-    cfg = engine_config_from_env(args)
+    cfg = engine_config_from_args(args)
     assert (cfg.gpu_memory_utilization, cfg.max_num_batched_tokens, cfg.kv_cache_bytes, cfg.block_size,
             cfg.max_model_len, cfg.max_num_seqs, cfg.dtype) == (0.8, 4096, 1 << 20, 32, 8192, 128, "bfloat16")
     assert (cfg.preemption_mode, cfg.swap_space) == ("swap", 2.5)
     cfg.validate()
     monkeypatch.delenv("PDSERVE_SWAP_SPACE")
-    unset = engine_config_from_env(build_parser().parse_args(["worker", "--role", "both"]))
+    unset = engine_config_from_args(build_parser().parse_args(["worker", "--role", "both"]))
     assert unset.kv_cache_bytes is None and unset.block_size == 16 and unset.max_model_len is None
     assert (unset.preemption_mode, unset.swap_space) == ("recompute", 0.0)
 

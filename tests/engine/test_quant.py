@@ -382,13 +382,13 @@ def test_dual_storage_yields_to_host_memory(tmp_path, monkeypatch, caplog):
 
 def test_worker_and_up_flags_reach_the_engine(monkeypatch):
     from pdserve.cli import build_parser
-    from pdserve.services.worker import engine_config_from_env
+    from pdserve.services.worker import engine_config_from_args
     parse = build_parser().parse_args
-    assert engine_config_from_env(parse(["worker"])).quantization == "none"
-    assert engine_config_from_env(parse(["worker", "--quantization", "int8"])).quantization == "int8"
+    assert engine_config_from_args(parse(["worker"])).quantization == "none"
+    assert engine_config_from_args(parse(["worker", "--quantization", "int8"])).quantization == "int8"
     assert parse(["up", "--quantization", "int8"]).quantization == "int8"
     monkeypatch.setenv("PDSERVE_QUANTIZATION", "int8")
-    assert engine_config_from_env(parse(["worker"])).quantization == "int8"
+    assert engine_config_from_args(parse(["worker"])).quantization == "int8"
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(quantization="int8", tensor_parallel_size=2).validate()
 

@@ -141,14 +141,14 @@ def test_flags_reach_the_engine_config(tmp_path):
     import os
 
     from pdserve.cli import build_parser
-    from pdserve.services.worker import engine_config_from_env
+    from pdserve.services.worker import engine_config_from_args
     args = build_parser().parse_args(["worker", "--speculative", "draft", "--num-speculative-tokens", "6",
                                       "--draft-model", str(tmp_path)])
-    cfg = engine_config_from_env(args)
+    cfg = engine_config_from_args(args)
     assert (cfg.speculative, cfg.num_speculative_tokens, cfg.draft_model) == ("draft", 6, str(tmp_path))
     os.environ["PDSERVE_SPECULATIVE"] = "ngram"
     try:
-        cfg = engine_config_from_env(build_parser().parse_args(["worker"]))
+        cfg = engine_config_from_args(build_parser().parse_args(["worker"]))
     finally:
         del os.environ["PDSERVE_SPECULATIVE"]
     assert cfg.speculative == "ngram" and cfg.draft_model is None

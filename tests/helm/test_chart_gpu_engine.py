@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pdserve.services.worker import engine_config_from_env
+from pdserve.services.worker import engine_config_from_args
 from tests.helm._chart import FULL, by_kind, helm, objects, parse_pdserve, pdserve_containers, pod_template, render
 
 FLAGS = ("--block-size", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--kv-cache-bytes",
@@ -20,7 +20,7 @@ def worker_configs(vals, monkeypatch) -> dict[str, tuple]:
         args = parse_pdserve(c, monkeypatch)
         if args.command != "worker":
             continue
-        cfg = engine_config_from_env(args)
+        cfg = engine_config_from_args(args)
         cfg.validate()
         res = c["resources"]
         out[args.role] = (cfg, res["requests"].get("nvidia.com/gpu"), res["limits"].get("nvidia.com/gpu"), c["args"])

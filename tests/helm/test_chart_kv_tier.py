@@ -2,7 +2,7 @@
 pdserve's own parser (a large byte count must not turn into a float on the way)."""
 from __future__ import annotations
 
-from pdserve.services.worker import engine_config_from_env
+from pdserve.services.worker import engine_config_from_args
 from tests.helm._chart import objects, parse_pdserve, pdserve_containers
 
 
@@ -16,10 +16,10 @@ def test_kv_tier_values_reach_the_worker_pools(monkeypatch):
         args = parse_pdserve(c, monkeypatch)
         if args.command != "worker":
             continue
-        cfg = engine_config_from_env(args)
+        cfg = engine_config_from_args(args)
         seen[args.role] = (cfg.kv_offload_bytes, cfg.kv_offload_dir, cfg.kv_offload_disk_bytes)
     assert seen == {"decode": (64 * 2**30, "/kvtier", 512 * 2**30), "prefill": (8 * 2**30, None, None)}
     for o, c in pdserve_containers(objects({})):  # unset: the tier is off
         args = parse_pdserve(c, monkeypatch)
         if args.command == "worker":
-            assert engine_config_from_env(args).kv_offload_bytes == 0
+            assert engine_config_from_args(args).kv_offload_bytes == 0

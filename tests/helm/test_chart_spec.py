@@ -5,10 +5,10 @@ from tests.helm._chart import FULL, by_kind, objects, parse_pdserve, pod_templat
 
 
 def _engine_config(values, pool, monkeypatch):
-    from pdserve.services.worker import engine_config_from_env
+    from pdserve.services.worker import engine_config_from_args
     objs = objects(values)
     ws = {**by_kind(objs, "Deployment"), **by_kind(objs, "StatefulSet")}
-    return engine_config_from_env(parse_pdserve(pod_template(ws[f"{FULL}-{pool}"])["containers"][0], monkeypatch))
+    return engine_config_from_args(parse_pdserve(pod_template(ws[f"{FULL}-{pool}"])["containers"][0], monkeypatch))
 
 
 def test_decode_pool_speculates_when_set(monkeypatch):

@@ -207,3 +207,23 @@ def test_runtime_errors_are_one_line_and_v_adds_the_traceback():
     for verbose in (["-v", *argv], [*argv[:2], "--verbose", *argv[2:]]):
         rc, _, err, _ = pdserve(*verbose)
         assert rc == 1 and err.startswith("Traceback") and err.strip().splitlines()[-1].startswith("pdserve bench: error:")
+
+
+def test_engine_flags_are_one_table_up_forwards_and_the_worker_reads():
+    """cli_flags.ENGINE_FLAGS is what `add_engine` declares; `up` forwards each one given (a 0 too: the truthiness
+    test it had dropped `--swap-space 0`), and the worker's EngineConfig gets each under its field name."""
+    import dataclasses
+
+    from pdserve.cli_flags import ENGINE_FIELD, ENGINE_FLAGS, SPEC_FLAGS, engine_argv, engine_kwargs
+    from pdserve.engine.config import EngineConfig
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    assert {ENGINE_FIELD.get(d, d) for d in ENGINE_FLAGS} <= fields  # every flag lands on a real field
+    up = build_parser().parse_args(["up", "--swap-space", "0", "--kv-offload-bytes", "0", "--num-gpu-blocks", "64",
+                                    "--threads", "3", "--speculative", "ngram", "--tensor-parallel-size", "2"])
+    argv = engine_argv(up, skip=("tensor_parallel_size",))
+    assert argv[argv.index("--swap-space") + 1] == "0.0" and argv[argv.index("--kv-offload-bytes") + 1] == "0"
+    assert "--tensor-parallel-size" not in argv  # per role, by up itself
+    wk = build_parser().parse_args(["worker", *argv])
+    kw = engine_kwargs(wk)
+    assert kw == {"swap_space": 0.0, "kv_offload_bytes": 0, "num_gpu_blocks": 64, "num_threads": 3}
+    assert not set(SPEC_FLAGS) & set(kw) and wk.speculative == "ngram"  # spec_config's own
