@@ -65,7 +65,10 @@ def test_a_deployment_whose_output_nobody_reads_keeps_serving():
             codes = list(pool.map(lambda i: _request(client, i), range(REQUESTS)))
         took = time.monotonic() - t0
         assert codes.count(200) == REQUESTS, {c: codes.count(c) for c in set(codes)}
-        assert _buffered(r) >= 60 << 10  # the pipe really is full (before: the requests hung from here on)
+        # the pipe really is full (before: the requests hung from here on). Linux counts a pipe in 16 pages of
+        # 4 KiB and appends a write to the last page only when all of it fits, so a full pipe holds up to one line
+        # less per page: 61,095 bytes in one CI run
+        assert _buffered(r) >= 48 << 10  # lines here are under 1 KiB
         dropped = samples(httpx.get(base + "/metrics", timeout=10).text, "pdserve_log_lines_dropped_total")
         assert dropped and dropped[0] > 0, dropped  # the gateway dropped lines rather than wait for the pipe
         print(f"{REQUESTS} requests in {took:.2f} s with the output pipe full; gateway dropped {dropped[0]:.0f} "
