@@ -112,61 +112,85 @@ def build_parser() -> argparse.ArgumentParser:
     checked like the flag when the command line is parsed (pdserve/cli_args.py)."""
     ap = Parser(prog="pdserve", description="prefill/decode disaggregated LLM serving")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_up(sub)
+    _add_gateway(sub)
+    _add_router(sub)
+    _add_worker(sub)
+    from pdserve.bench.cli import add_bench_parser
+    from pdserve.engine.cli_generate import add_generate_parser
+    from pdserve.planner.cli import add_planner_parser, add_status_parser
+    from pdserve.sim.cli import add_sim_parser
+    add_generate_parser(sub)
+    add_bench_parser(sub)
+    add_sim_parser(sub)
+    add_planner_parser(sub)
+    add_status_parser(sub)
+    return ap
 
-    up = sub.add_parser("up", env=True, help="start a whole local deployment (redis, router, workers, gateway)")
-    _add_common(up)
-    add_engine(up)
-    up.add_argument("--mode", choices=MODES, default="auto",
-                    help="auto: prefill + decode pools, the router disaggregates a request only when that is "
-                         "predicted faster (docs/routing.md); disagg: always; colocated: `both` workers only")
-    up.add_argument("--placement", choices=PLACEMENTS, default="cache-aware", help=PLACEMENT_HELP)
-    up.add_argument("--prefill", type=nonneg_int, default=1, help="prefill workers (auto/disagg)")
-    up.add_argument("--decode", type=nonneg_int, default=1, help="decode workers (auto/disagg)")
-    up.add_argument("--workers", type=nonneg_int, default=1, help="'both' workers (colocated)")
-    up.add_argument("--prefill-tp", type=positive_int, help="tensor parallel size of prefill workers "
-                    "(default: --tensor-parallel-size)")
-    up.add_argument("--decode-tp", type=positive_int, help="tensor parallel size of decode workers "
-                    "(default: --tensor-parallel-size)")
-    up.add_argument("--port", type=port, default=8000, help="gateway HTTP port")
-    up.add_argument("--grpc-port", type=port, default=0, help="gateway gRPC port (0: a free one)")
-    up.add_argument("--redis-url", help="an existing Redis (default: start a private redis-server)")
-    up.add_argument("--lease-ttl", type=positive_float, default=30.0)
-    up.add_argument("--heartbeat-ttl", type=positive_float, default=3.0)
-    up.add_argument("--ready-timeout", type=positive_float, default=180.0)
-    up.add_argument("--no-restart", action="store_true", default=None,  # None: help prints no "default: False"
-                    help="do not restart a child that exits (default: restart with backoff, docs/reliability.md)")
-    up.add_argument("--drain-timeout", type=nonneg_float, default=None,
-                    help="passed to every child (default: each its own)")
-    _add_lifecycle(up, redis_url=False)
-    _add_grammar(up, worker=True)
-    _add_browser(up)
-    _add_security(up)
+
+def _add_up(sub) -> None:
+    """`up` has ~75 flags: --help shows them in groups, in the order a user reads them."""
+    up = sub.add_parser("up", env=True, help="start a whole local deployment (redis, router, workers, gateway)",
+                        usage="%(prog)s [FLAG ...]  (the flags, grouped, below)")
+    _add_common(up.add_argument_group("model and listening"))
+    d = up.add_argument_group("deployment")
+    d.add_argument("--mode", choices=MODES, default="auto",
+                   help="auto: prefill + decode pools, the router disaggregates a request only when that is "
+                        "predicted faster (docs/routing.md); disagg: always; colocated: `both` workers only")
+    d.add_argument("--placement", choices=PLACEMENTS, default="cache-aware", help=PLACEMENT_HELP)
+    d.add_argument("--prefill", type=nonneg_int, default=1, help="prefill workers (auto/disagg)")
+    d.add_argument("--decode", type=nonneg_int, default=1, help="decode workers (auto/disagg)")
+    d.add_argument("--workers", type=nonneg_int, default=1, help="'both' workers (colocated)")
+    d.add_argument("--prefill-tp", type=positive_int, help="tensor parallel size of prefill workers "
+                   "(default: --tensor-parallel-size)")
+    d.add_argument("--decode-tp", type=positive_int, help="tensor parallel size of decode workers "
+                   "(default: --tensor-parallel-size)")
+    d.add_argument("--port", type=port, default=8000, help="gateway HTTP port")
+    d.add_argument("--grpc-port", type=port, default=0, help="gateway gRPC port (0: a free one)")
+    d.add_argument("--redis-url", help="an existing Redis (default: start a private redis-server)")
+    d.add_argument("--lease-ttl", type=positive_float, default=30.0)
+    d.add_argument("--heartbeat-ttl", type=positive_float, default=3.0)
+    d.add_argument("--ready-timeout", type=positive_float, default=180.0)
+    d.add_argument("--no-restart", action="store_true", default=None,  # None: help prints no "default: False"
+                   help="do not restart a child that exits (default: restart with backoff, docs/reliability.md)")
+    d.add_argument("--drain-timeout", type=nonneg_float, default=None,
+                   help="passed to every child (default: each its own)")
+    add_engine(up.add_argument_group("engine (every worker)"))
+    _add_lifecycle(up.add_argument_group("admission and limits (gateway)"), redis_url=False)
+    _add_grammar(up.add_argument_group("guided output"), worker=True)
+    _add_browser(up.add_argument_group("browsers"))
+    _add_security(up.add_argument_group("internal security"))
     from pdserve.cli_flags import add_up_flags
-    add_up_flags(up)  # --planner and its flags (docs/planner.md)
+    add_up_flags(up.add_argument_group("planner (docs/planner.md)"))
 
+
+def _add_gateway(sub) -> None:
     gw = sub.add_parser("gateway", env=True, help="OpenAI HTTP API + gRPC front door")
     _add_common(gw)
     gw.add_argument("--port", type=port, default=8000)
     gw.add_argument("--grpc-port", type=port, default=0)
     gw.add_argument("--router", default="127.0.0.1:7000", help="router gRPC address")
-    _add_lifecycle(gw)
-    _add_grammar(gw, worker=False)
-    _add_browser(gw)
-    _add_security(gw)
+    _add_lifecycle(gw.add_argument_group("admission and limits"))
+    _add_grammar(gw.add_argument_group("guided output"), worker=False)
+    _add_browser(gw.add_argument_group("browsers"))
+    _add_security(gw.add_argument_group("internal security"))
     # slow clients, big heads, who reads /metrics (docs/reliability.md "Hostile input", docs/admission.md)
-    gw.add_argument("--header-timeout", type=positive_float, default=10.0,
-                    help="seconds for a request head to arrive (connection open or keep-alive reuse -> headers)")
-    gw.add_argument("--body-timeout", type=positive_float, default=30.0,
-                    help="seconds for a request body to arrive after its head (408 then)")
-    gw.add_argument("--max-header-bytes", type=positive_int, default=16 << 10,
-                    help="request line + headers; larger: 431")
-    gw.add_argument("--metrics-port", type=port, default=0,
-                    help="also serve /metrics here without a key (for an in-cluster scraper; 0: off)")
-    gw.add_argument("--metrics-host", default=None, help="address for --metrics-port "
-                    "(default --host)")
-    gw.add_argument("--drain-timeout", type=nonneg_float, default=5.0,
-                    help="SIGTERM: seconds open requests may finish; the process is gone 3 s later at most")
+    c = gw.add_argument_group("connections")
+    c.add_argument("--header-timeout", type=positive_float, default=10.0,
+                   help="seconds for a request head to arrive (connection open or keep-alive reuse -> headers)")
+    c.add_argument("--body-timeout", type=positive_float, default=30.0,
+                   help="seconds for a request body to arrive after its head (408 then)")
+    c.add_argument("--max-header-bytes", type=positive_int, default=16 << 10,
+                   help="request line + headers; larger: 431")
+    c.add_argument("--metrics-port", type=port, default=0,
+                   help="also serve /metrics here without a key (for an in-cluster scraper; 0: off)")
+    c.add_argument("--metrics-host", default=None, help="address for --metrics-port "
+                   "(default --host)")
+    c.add_argument("--drain-timeout", type=nonneg_float, default=5.0,
+                   help="SIGTERM: seconds open requests may finish; the process is gone 3 s later at most")
 
+
+def _add_router(sub) -> None:
     rt = sub.add_parser("router", env=True, help="placement service over the Redis registry")
     _add_common(rt)
     rt.add_argument("--port", type=port, default=7000)
@@ -182,11 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--weights", type=weights_arg, default=None, metavar="K=V,...",
                     help="spread/price/fairness weights, e.g. zone=0.05,node=0.02,price=0,fairness=0 "
                          "(docs/routing.md, 'Failure domains, price and fairness')")
-    _add_security(rt)
+    _add_security(rt.add_argument_group("internal security"))
 
+
+def _add_worker(sub) -> None:
     wk = sub.add_parser("worker", env=True, help="engine worker: --role prefill|decode|both")
     _add_common(wk)
-    add_engine(wk)
     wk.add_argument("--role", choices=["prefill", "decode", "both"], default="both")
     wk.add_argument("--port", type=port, default=7100)
     wk.add_argument("--advertise-host", help="address peers use (default --host)")
@@ -200,20 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--drain-timeout", type=nonneg_float, default=30.0)
     wk.add_argument("--labels", type=labels_arg, default={}, metavar="K=V,...",
                     help="failure domains and price for the router, e.g. zone=a,node=n1,price=2 (docs/routing.md)")
-    _add_grammar(wk, worker=True)
-    _add_security(wk)
-
-    # ---- lead's subcommands -----------------------------------------------------------------------------------
-    from pdserve.bench.cli import add_bench_parser
-    from pdserve.engine.cli_generate import add_generate_parser
-    from pdserve.sim.cli import add_sim_parser
-    add_generate_parser(sub)
-    add_bench_parser(sub)
-    add_sim_parser(sub)
-    from pdserve.planner.cli import add_planner_parser, add_status_parser
-    add_planner_parser(sub)
-    add_status_parser(sub)
-    return ap
+    add_engine(wk.add_argument_group("engine"))
+    _add_grammar(wk.add_argument_group("guided output"), worker=True)
+    _add_security(wk.add_argument_group("internal security"))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -227,3 +227,15 @@ def test_engine_flags_are_one_table_up_forwards_and_the_worker_reads():
     kw = engine_kwargs(wk)
     assert kw == {"swap_space": 0.0, "kv_offload_bytes": 0, "num_gpu_blocks": 64, "num_threads": 3}
     assert not set(SPEC_FLAGS) & set(kw) and wk.speculative == "ngram"  # spec_config's own
+
+
+def test_up_help_shows_every_flag_in_a_named_group():
+    """`up` has ~75 flags: each sits in a group (deployment, engine, admission, ...), none loose under "options"."""
+    up = build_parser()._subparsers._group_actions[0].choices["up"]
+    loose = [a.option_strings[-1] for a in up._optionals._group_actions if a.dest not in ("help", "verbose")]
+    assert loose == []
+    groups = {g.title: [a.dest for a in g._group_actions] for g in up._action_groups}
+    assert "max_num_seqs" in groups["engine (every worker)"] and "mode" in groups["deployment"]
+    assert "planner" in groups["planner (docs/planner.md)"]
+    text = up.format_help()
+    assert text.index("deployment:") < text.index("engine (every worker):") < text.index("planner (docs/planner.md):")
