@@ -14,10 +14,11 @@ AVX-512 machine.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from pdserve import env_knobs
 
 if TYPE_CHECKING:  # torch is imported where it is used: kernels.cache_key reads the level without loading it
     import torch
@@ -120,7 +121,7 @@ def detected_level() -> str:
     """This CPU's level (under PDSERVE_CPU_ISA's cap); read once per process."""
     flags = cpu_flags()
     level = level_from_flags(flags) if flags else _torch_level()
-    return cap_level(level, os.environ.get(ISA_ENV, "").strip().lower() or None)
+    return cap_level(level, env_knobs.get(ISA_ENV).strip().lower() or None)
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,11 @@ the same per-op native kernels (norms, rope, SwiGLU, attention) and torch for th
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
+from pdserve import env_knobs
 from pdserve.engine.attention import AttentionMetadata
 
 STACK_ENV = "PDSERVE_DECODER_STACK"  # "0": always the Python layer loop (comparisons, debugging)
@@ -70,7 +70,7 @@ class DecoderStacks:
         self.model = model
         self.native_ops = native_ops
         self.enabled = (native_ops is not None and hasattr(native_ops, "DecoderStack") and model.comm is None
-                        and all(layer.stackable for layer in model.layers) and os.environ.get(STACK_ENV, "1") != "0")
+                        and all(layer.stackable for layer in model.layers) and env_knobs.enabled(STACK_ENV))
         self._by_rows: dict[int, object] = {}
 
     def applies(self, meta: AttentionMetadata, rows: int, kv: torch.Tensor, x: torch.Tensor) -> bool:

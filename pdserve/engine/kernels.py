@@ -36,6 +36,8 @@ import threading
 import time
 from pathlib import Path
 
+from pdserve import env_knobs
+
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _module = None
@@ -79,7 +81,7 @@ def cflags() -> tuple[str, ...]:
     """CFLAGS plus the ISA cap's flags when PDSERVE_CPU_ISA is set (part of the cache key: its own build)."""
     from pdserve.engine.cpu_isa import ISA_ENV, cpu_vendor, detected_level
     vendor = ("-DPDSERVE_CPU_AMD",) if cpu_vendor() == "AuthenticAMD" else ()  # weight_gemv.cpp's batch-1 shape
-    return CFLAGS + vendor + (ISA_CAP_FLAGS[detected_level()] if os.environ.get(ISA_ENV, "").strip() else ())
+    return CFLAGS + vendor + (ISA_CAP_FLAGS[detected_level()] if env_knobs.get(ISA_ENV).strip() else ())
 
 
 def compiler() -> str:
@@ -123,7 +125,7 @@ def cache_dir(key: str | None = None) -> Path:
 
 
 def build_timeout_s() -> float:
-    raw = os.environ.get("PDSERVE_KERNEL_BUILD_TIMEOUT", "")
+    raw = env_knobs.get("PDSERVE_KERNEL_BUILD_TIMEOUT")
     try:
         return float(raw) if raw else DEFAULT_BUILD_TIMEOUT_S
     except ValueError:
@@ -231,7 +233,7 @@ def native_ops():
     with _lock:
         if _module is not None or _failed is not None:
             return _module
-        if os.environ.get("PDSERVE_NATIVE_KERNELS", "1") == "0":
+        if not env_knobs.enabled("PDSERVE_NATIVE_KERNELS"):
             _failed = "disabled by PDSERVE_NATIVE_KERNELS=0"
             return None
         try:
@@ -258,7 +260,7 @@ def native_ops():
 
 def native_ready() -> bool:
     """Whether this process would import built kernels without building (and without importing torch to tell)."""
-    if os.environ.get("PDSERVE_NATIVE_KERNELS", "1") == "0":
+    if not env_knobs.enabled("PDSERVE_NATIVE_KERNELS"):
         return False
     return (cache_dir() / READY).exists()
 

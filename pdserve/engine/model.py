@@ -3,12 +3,12 @@ paged attention."""
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve import env_knobs
 from pdserve.engine.attention import AttentionMetadata, paged_attention
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.cpu_isa import FP32_PACK_ENV, cpu_vendor, pack_fp32
@@ -75,7 +75,7 @@ def can_pack(weight: torch.Tensor) -> bool:
         return False
     if weight.dtype == torch.bfloat16:
         return torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return weight.dtype == torch.float32 and pack_fp32(cpu_vendor(), os.environ.get(FP32_PACK_ENV))
+    return weight.dtype == torch.float32 and pack_fp32(cpu_vendor(), env_knobs.get(FP32_PACK_ENV) or None)
 
 
 class Linear(nn.Linear):

@@ -24,11 +24,12 @@ than not quantizing at all: logged once, at load).
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pdserve import env_knobs
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +175,7 @@ def keep_batch1_gemv(model: nn.Module, level: str, compute_dtype: torch.dtype, d
                      reserve_bytes: int) -> bool:
     """batch1_gemv_wanted under PDSERVE_BATCH1_GEMV, except where the plain copies (2 bytes a projection weight)
     would not fit beside `reserve_bytes` (dual_fits): then oneDNN alone, with a warning."""
-    if not batch1_gemv_wanted(level, compute_dtype, device, native, os.environ.get(BATCH1_GEMV_ENV)):
+    if not batch1_gemv_wanted(level, compute_dtype, device, native, env_knobs.get(BATCH1_GEMV_ENV) or None):
         return False
     if not dual_fits(model, reserve_bytes, mem_available_bytes()):
         log.warning("not keeping plain copies of the projections for batch-1 GEMVs: they would not fit in this "
@@ -207,7 +208,7 @@ def auto_weight_storage(model: nn.Module, level: str, checkpoint_dtype: torch.dt
     """`dtype=auto`'s storage (choose_weight_storage under PDSERVE_BF16_WEIGHTS), except that dual storage yields to
     fp32 alone, with a warning, where its bf16 copies would not fit beside `reserve_bytes` (dual_fits)."""
     storage = choose_weight_storage(level, checkpoint_dtype, compute_dtype, device, native,
-                                    os.environ.get(BF16_WEIGHTS_ENV))
+                                    env_knobs.get(BF16_WEIGHTS_ENV) or None)
     if storage == "dual" and not dual_fits(model, reserve_bytes, mem_available_bytes()):
         log.warning("not holding bf16 copies of the projections (the faster decode GEMVs): they would not fit in "
                     "this host's available memory beside the KV pool; fp32 alone. %s=1 holds bf16 alone (less "

@@ -14,6 +14,8 @@ import os
 
 import torch
 
+from pdserve import env_knobs
+
 MADV_HUGEPAGE = 14
 MADV_COLLAPSE = 25
 HUGE = 2 << 20
@@ -32,7 +34,7 @@ def _madvise(addr: int, length: int, advice: int) -> bool:
 
 def enabled() -> bool:
     """PDSERVE_KV_HUGEPAGES=0 turns it off (e.g. a very large pool whose collapse would slow start-up)."""
-    return os.environ.get("PDSERVE_KV_HUGEPAGES", "1").lower() not in ("0", "false", "no", "off")
+    return env_knobs.enabled("PDSERVE_KV_HUGEPAGES")
 
 
 def use_huge_pages(t: torch.Tensor) -> int:

@@ -22,12 +22,12 @@ pulls are released by the decode side's ReleaseKV call, sent after every READ fi
 """
 from __future__ import annotations
 
-import os
 from concurrent.futures import Future
 
 import numpy as np
 import torch
 
+from pdserve import env_knobs
 from pdserve.kv_transfer.agent import KVAgent
 from pdserve.kv_transfer.layout import KVRegion
 from pdserve.kv_transfer.tp_plan import descs, plan_reads, whole
@@ -88,7 +88,7 @@ def _read(agent: KVAgent, regions: list[KVRegion], slices: list, staged: list, s
 
 def staging_mode() -> str:
     """`exact` | `always` | `off` (PDSERVE_KV_TP_STAGING; 0/false/no mean off)."""
-    v = os.environ.get("PDSERVE_KV_TP_STAGING", "exact").lower()
+    v = env_knobs.get("PDSERVE_KV_TP_STAGING").lower()
     if v in ("0", "false", "no", "off"):
         return "off"
     return "always" if v == "always" else "exact"

@@ -29,6 +29,7 @@ import threading
 import time
 import uuid
 
+from pdserve import env_knobs
 from pdserve.services import tracing
 from pdserve.services.metrics.common import LOG_LINES_DROPPED
 
@@ -271,7 +272,7 @@ def setup(process: str, fmt: str = "text", worker_role: str | None = None, strea
     global _listener
     stop()  # the previous listener writes what it holds before its stream is replaced
     sink = _sink(stream if stream is not None else sys.stderr)
-    handler = DroppingQueueHandler(queue.Queue(int(os.environ.get("PDSERVE_LOG_QUEUE_LINES", QUEUE_LINES))))
+    handler = DroppingQueueHandler(queue.Queue(int(env_knobs.get("PDSERVE_LOG_QUEUE_LINES") or QUEUE_LINES)))
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter(process))
     # on the handler, not a logger: records of every logger (uvicorn's, grpc's, libraries') pass through it
     handler.addFilter(ContextFilter(process, worker_role))
@@ -281,4 +282,4 @@ def setup(process: str, fmt: str = "text", worker_role: str | None = None, strea
     root.addHandler(handler)
     _listener = Listener(handler.queue, sink)
     _listener.start()
-    root.setLevel(os.environ.get("PDSERVE_LOG_LEVEL", "INFO").upper())
+    root.setLevel(env_knobs.get("PDSERVE_LOG_LEVEL").upper())

@@ -24,6 +24,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from pdserve import env_knobs
 from pdserve.services import planner_record
 
 log = logging.getLogger("pdserve.status")
@@ -31,7 +32,7 @@ POOL_ORDER = ("prefill", "decode", "both")
 
 
 def state_dir() -> Path:
-    return Path(os.environ.get("PDSERVE_STATE_DIR") or Path.home() / ".cache" / "pdserve")
+    return Path(env_knobs.get("PDSERVE_STATE_DIR") or Path.home() / ".cache" / "pdserve")
 
 
 def remember_local(info: dict) -> Path | None:
@@ -160,7 +161,7 @@ def gather(a) -> dict | None:
     from pdserve.services.internal_security import InternalSecurity
     from pdserve.services.redis_conn import RedisAuth
     if a.url:
-        return _from_url(a.url, a.api_key or os.environ.get("PDSERVE_API_KEY"))
+        return _from_url(a.url, a.api_key or os.environ.get("PDSERVE_API_KEY"))  # as the planner's --api-key
     url, model, token_file, password_file = a.redis_url, a.model, a.internal_token_file, a.redis_password_file
     if url is None:
         local = find_local()

@@ -13,13 +13,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import socket
 import time
 import uuid
 
 import grpc
 
+from pdserve import env_knobs
 from pdserve.cli_flags import engine_kwargs
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import Engine, EngineConfig
@@ -88,7 +88,7 @@ class Worker(worker_pb2_grpc.WorkerServicer):
             # this process, as KvHandles name it: a decode worker re-does the KV handshake when it changes
             incarnation=uuid.uuid4().hex,
             # PDSERVE_FAULT_KV_PROTOCOL_VERSION: fault injection only (a worker of another release, in tests)
-            protocol_version=int(os.environ.get("PDSERVE_FAULT_KV_PROTOCOL_VERSION") or KV_PROTOCOL_VERSION),
+            protocol_version=int(env_knobs.get("PDSERVE_FAULT_KV_PROTOCOL_VERSION") or KV_PROTOCOL_VERSION),
             layout=self.layout,
             region=region_to_pb(regions[0]) if regions else common_pb2.KvRegion(),
             tp_regions=[region_to_pb(r) for r in regions] if len(regions) > 1 else [])
@@ -236,8 +236,8 @@ def engine_config_from_args(args) -> EngineConfig:
     """The worker's EngineConfig: the engine flags given (cli_flags.ENGINE_FLAGS, the one list), speculative
     decoding's, and the fault-injection knob."""
     kw = engine_kwargs(args)
-    if os.environ.get("PDSERVE_FAULT_STEP_DELAY_S"):  # fault injection only (EngineConfig.fault_step_delay_s)
-        kw["fault_step_delay_s"] = float(os.environ["PDSERVE_FAULT_STEP_DELAY_S"])
+    if env_knobs.get("PDSERVE_FAULT_STEP_DELAY_S"):  # fault injection only (EngineConfig.fault_step_delay_s)
+        kw["fault_step_delay_s"] = float(env_knobs.get("PDSERVE_FAULT_STEP_DELAY_S"))
     kw.update(spec_config(args))
     return EngineConfig(**kw)
 

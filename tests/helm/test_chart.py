@@ -626,3 +626,24 @@ def test_hf_init_container_downloads_the_snapshot(tmp_path):
         r = run()
         assert r.returncode != 0 and not (tmp_path / "other" / "config.json").exists()
 
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_every_pdserve_variable_is_a_flag_or_a_knob(scenario):
+    """The chart speaks to pdserve through PDSERVE_* variables: each one a pod sets is a flag of the command it runs
+    (PDSERVE_<FLAG>, parsed like the flag) or a declared environment-only setting (pdserve/env_knobs.py). A value
+    under a name nothing reads (a renamed flag) would otherwise be ignored in silence."""
+    from pdserve.cli import build_parser
+    from pdserve.cli_args import env_name
+    from pdserve.env_knobs import KNOBS
+
+    commands = build_parser()._subparsers._group_actions[0].choices
+    seen = 0
+    for o, c in pdserve_containers(objects(SCENARIOS[scenario])):
+        cmd = commands[str(c["args"][0])]
+        flags = {env_name(a.dest) for a in cmd._actions if a.option_strings}
+        for k in container_env(c):
+            if k.startswith("PDSERVE_"):
+                seen += 1
+                assert k in flags or k in KNOBS, (o["metadata"]["name"], c["args"][0], k)
+    assert seen >= 10

@@ -17,12 +17,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from dataclasses import dataclass
 
 import grpc
 
+from pdserve import env_knobs
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.grammar_pool import CompileTimeout
 from pdserve.kv_transfer.agent import KVAgent, KVTransferError, TransferFailure
@@ -42,7 +42,7 @@ log = logging.getLogger("pdserve.decode")
 
 # Fault injection only (tests/e2e/test_migration.py): a pause before each pull, a window in which a test kills the
 # prefill worker holding the KV.
-FAULT_PULL_DELAY_S = float(os.environ.get("PDSERVE_FAULT_PULL_DELAY_S") or 0)
+FAULT_PULL_DELAY_S = float(env_knobs.get("PDSERVE_FAULT_PULL_DELAY_S") or 0)
 
 # The engine's backstop for a pickup left neither committed nor failed: this long past the READ's own timeout
 # (the allocation and commit are engine commands, queued behind at most a step or two).
