@@ -116,17 +116,9 @@ class Sampler:
                 filtered.append(i)
             else:
                 direct.append(i)
-
         if greedy:
-            if len(greedy) == B:  # the common all-greedy batch: no row gather (a copy of every logit)
-                # torch.argmax (every device) and the kernel return the first maximal index
-                tokens = argmax.clone() if argmax is not None and z is raw else z.argmax(-1)
-            else:
-                g = to_device(greedy, dev, torch.long)
-                tokens[g] = z[g].argmax(-1)
-            for i in greedy:
-                if want_proc[i]:
-                    proc_rows[i] = torch.log_softmax(z[i], -1)
+            # the common all-greedy batch takes the kernel's argmax (both return the first maximal index)
+            tokens = self._greedy(z, greedy, tokens, argmax if z is raw else None, proc_rows, want_proc)
         if direct:
             self._sample_direct(z, direct, states, tokens, proc_rows, want_proc)
         if filtered:
@@ -138,24 +130,41 @@ class Sampler:
         if lse is None:
             lse = torch.logsumexp(raw, dim=-1)
         raw_chosen = raw.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse
+        return self._logprob_rows(raw, tokens, dead, raw_chosen, states, proc_rows, want_proc)
+
+    @staticmethod
+    def _greedy(z, greedy, tokens, argmax, proc_rows, want_proc) -> Tensor:
+        if len(greedy) == z.shape[0]:  # all greedy: no row gather (a copy of every logit)
+            tokens = argmax.clone() if argmax is not None else z.argmax(-1)
+        else:
+            g = to_device(greedy, z.device, torch.long)
+            tokens[g] = z[g].argmax(-1)
+        for i in greedy:
+            if want_proc[i]:
+                proc_rows[i] = torch.log_softmax(z[i], -1)
+        return tokens
+
+    @staticmethod
+    def _logprob_rows(raw, tokens, dead, raw_chosen, states, proc_rows, want_proc) -> DeviceSample:
+        """The chosen token's and the top-n log-probs of the rows that asked, raw or processed."""
+        dev = raw.device
         lp_rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
         n_max = max([states[i].params.logprobs for i in lp_rows], default=0)
-        if lp_rows:
-            rows = []
-            for i in lp_rows:
-                if want_proc[i]:  # a dead row sampled from nothing: its processed distribution is all -inf
-                    rows.append(proc_rows[i].masked_fill(dead[i], _NEG_INF))
-                else:
-                    rows.append(torch.log_softmax(raw[i], -1))
-            lpm = torch.stack(rows)
-            chosen = lpm.gather(-1, tokens[to_device(lp_rows, dev, torch.long)].unsqueeze(-1)).squeeze(-1)
-            if n_max > 0:
-                top_vals, top_ids = lp.topk_exact(lpm, n_max)
+        if not lp_rows:
+            empty = torch.zeros((0, 0), dtype=torch.long, device=dev)
+            return DeviceSample(tokens, dead, raw_chosen, lp_rows, raw_chosen[:0], raw[:0, :0], empty)
+        rows = []
+        for i in lp_rows:
+            if want_proc[i]:  # a dead row sampled from nothing: its processed distribution is all -inf
+                rows.append(proc_rows[i].masked_fill(dead[i], _NEG_INF))
             else:
-                top_vals, top_ids = lpm[:, :0], torch.zeros((len(lp_rows), 0), dtype=torch.long, device=dev)
+                rows.append(torch.log_softmax(raw[i], -1))
+        lpm = torch.stack(rows)
+        chosen = lpm.gather(-1, tokens[to_device(lp_rows, dev, torch.long)].unsqueeze(-1)).squeeze(-1)
+        if n_max > 0:
+            top_vals, top_ids = lp.topk_exact(lpm, n_max)
         else:
-            chosen = raw_chosen[:0]
-            top_vals, top_ids = raw[:0, :0], torch.zeros((0, 0), dtype=torch.long, device=dev)
+            top_vals, top_ids = lpm[:, :0], torch.zeros((len(lp_rows), 0), dtype=torch.long, device=dev)
         return DeviceSample(tokens, dead, raw_chosen, lp_rows, chosen, top_vals, top_ids)
 
     def finish(self, d: DeviceSample, states: list[SamplingState]) -> list[SampleResult]:
@@ -298,33 +307,58 @@ class Sampler:
         active = [_active(p, V) for p in params]
         full = K >= V
         if not full:
-            # Reduction is exact only if the first active filter bounds the support by a rule on
-            # sorted position (top_k <= K, top_p / min_p verified below); typical_p first is not.
-            first = [next(f for f in self.filter_order if a[f]) for a in active]
-            ok = [f != "typical_p" and (f != "top_k" or p.top_k <= K) for f, p in zip(first, params)]
-            if not all(ok):
-                later = [i for i, o in zip(rows, ok) if not o]
-                rows = [i for i, o in zip(rows, ok) if o]
+            later = self._not_reducible(rows, params, active, K)
+            if later:
+                rows = [i for i in rows if i not in later]
                 if not rows:
                     return later
                 return self._filtered_pass(z, rows, K, states, tokens, dense_proc, want_proc) + later
-            kmax = max([p.top_k for p, a in zip(params, active) if a["top_k"]], default=0)
-            K = max(K, kmax)
+            K = max(K, max([p.top_k for p, a in zip(params, active) if a["top_k"]], default=0))
         idx = to_device(rows, dev, torch.long)
         zr = z[idx]
         vals, ids = lp.sort_desc(zr) if full else lp.topk_exact(zr, K)
-        W = vals.shape[1]
         T = to_device([p.temperature for p in params], dev, torch.float64).unsqueeze(-1)
         v64 = vals.double()
         w = ((v64 - v64[:, :1]) / T).exp()  # weights relative to the row max (first column)
-        keep = torch.isfinite(vals)
-        # weight of supported tokens outside the candidates, until a filter provably removes them
-        outside = torch.zeros(len(rows), dtype=torch.float64, device=dev)
+        outside = self._outside_weight(zr, w, T, active, full)
+        keep, fits = self._apply_filters(w, torch.isfinite(vals), outside, params, active, full)
+        w = w * keep
+        cdf = w.cumsum(-1)
+        # full pass: every row fits, nothing to read; candidate pass (CPU only): the flags are host memory
+        done = list(range(len(rows))) if full else [j for j, f in enumerate(fits.tolist()) if f]
+        if done:
+            self._draw(states, rows, done, idx, cdf, ids, tokens)
+        for j in done:
+            i = rows[j]
+            if want_proc[i]:
+                row = torch.full((V,), _NEG_INF, dtype=torch.float32, device=dev)
+                row[ids[j]] = (w[j] / cdf[j, -1]).log().float()
+                dense_proc[i] = row
+        done_set = set(done)
+        return [rows[j] for j in range(len(rows)) if j not in done_set]
+
+    def _not_reducible(self, rows, params, active, K) -> list[int]:
+        """Rows whose support the K best tokens cannot bound. Reduction is exact only if the first active filter
+        bounds the support by a rule on sorted position (top_k <= K, top_p / min_p verified after filtering);
+        typical_p first is not."""
+        first = [next(f for f in self.filter_order if a[f]) for a in active]
+        return [i for i, f, p in zip(rows, first, params) if f == "typical_p" or (f == "top_k" and p.top_k > K)]
+
+    def _outside_weight(self, zr, w, T, active, full):
+        """Weight of supported tokens outside the candidates, until a filter provably removes them (0 when every
+        row's first filter is top_k, or all tokens are candidates)."""
+        outside = torch.zeros(w.shape[0], dtype=torch.float64, device=w.device)
         if not full and not all(a["top_k"] and self.filter_order.index("top_k") == min(
                 self.filter_order.index(f) for f in a if a[f]) for a in active):
             allw = ((zr - zr.max(-1, keepdim=True).values) / T.float()).exp().sum(-1, dtype=torch.float64)
             outside = (allw - w.sum(-1)).clamp_(min=0.0)
-        fits = torch.ones(len(rows), dtype=torch.bool, device=dev)
+        return outside
+
+    def _apply_filters(self, w, keep, outside, params, active, full):
+        """The filters in the spec's order over the candidate weights: (keep mask, rows whose boundary provably
+        lies inside the candidates)."""
+        dev, W = w.device, w.shape[1]
+        fits = torch.ones(w.shape[0], dtype=torch.bool, device=dev)
         for name in self.filter_order:
             on = [a[name] for a in active]
             if not any(on):
@@ -348,25 +382,16 @@ class Sampler:
             else:
                 keep = lp.typical_keep(w, keep, to_device([p.typical_p for p in params], dev, torch.float64))
             outside = torch.where(on_t, torch.zeros_like(outside), outside)
-        w = w * keep
-        cdf = w.cumsum(-1)
-        # full pass: every row fits, nothing to read; candidate pass (CPU only): the flags are host memory
-        done = list(range(len(rows))) if full else [j for j, f in enumerate(fits.tolist()) if f]
-        if done:
-            all_done = len(done) == len(rows)
-            d = None if all_done else to_device(done, dev, torch.long)
-            cdf_d, ids_d = (cdf, ids) if all_done else (cdf[d], ids[d])
-            u = self._uniforms(states, [rows[j] for j in done], dev).unsqueeze(-1)
-            pick = torch.searchsorted(cdf_d, u * cdf_d[:, -1:], right=True).clamp_(max=W - 1)
-            tokens[idx if all_done else idx[d]] = ids_d.gather(-1, pick).squeeze(-1)
-        for j in done:
-            i = rows[j]
-            if want_proc[i]:
-                row = torch.full((V,), _NEG_INF, dtype=torch.float32, device=dev)
-                row[ids[j]] = (w[j] / cdf[j, -1]).log().float()
-                dense_proc[i] = row
-        done_set = set(done)
-        return [rows[j] for j in range(len(rows)) if j not in done_set]
+        return keep, fits
+
+    def _draw(self, states, rows, done, idx, cdf, ids, tokens) -> None:
+        """Inverse-CDF draw for the rows `done` (positions in `rows`) from each one's own generator."""
+        all_done = len(done) == len(rows)
+        d = None if all_done else to_device(done, cdf.device, torch.long)
+        cdf_d, ids_d = (cdf, ids) if all_done else (cdf[d], ids[d])
+        u = self._uniforms(states, [rows[j] for j in done], cdf.device).unsqueeze(-1)
+        pick = torch.searchsorted(cdf_d, u * cdf_d[:, -1:], right=True).clamp_(max=cdf.shape[1] - 1)
+        tokens[idx if all_done else idx[d]] = ids_d.gather(-1, pick).squeeze(-1)
 
     @staticmethod
     def _top(row: Tensor, n: int) -> list[tuple[int, float]]:
