@@ -31,6 +31,10 @@ class InvalidParameter(ValueError):
         self.param, self.why = param, why
 
 
+def _bad(name: str, why: str) -> None:
+    raise InvalidParameter(name, why)
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -67,11 +71,14 @@ class SamplingParams:
     early_stopping: bool | str = False
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ValueError naming the offending field."""
+        """Raise ValueError naming the offending field (the first, in this order)."""
+        self._validate_counts()
+        self._validate_filters(vocab_size)
+        self._validate_penalties_and_logprobs()
+        self._validate_ids_and_strings(vocab_size)
 
-        def bad(name: str, why: str) -> None:
-            raise InvalidParameter(name, why)
-
+    def _validate_counts(self) -> None:
+        bad = _bad
         if self.n < 1:
             bad("n", "must be >= 1")
         if self.n > MAX_N:
@@ -80,6 +87,13 @@ class SamplingParams:
             bad("best_of", "must be >= n")
         if self.best_of is not None and self.best_of > MAX_N:
             bad("best_of", f"must be <= {MAX_N}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad("max_tokens", "must be >= 1")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            bad("min_tokens", "must be in [0, max_tokens]")
+
+    def _validate_filters(self, vocab_size: int | None) -> None:
+        bad = _bad
         if not (0.0 <= self.temperature < float("inf")):  # also rejects NaN
             bad("temperature", "must be a finite number >= 0 (0 means greedy)")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
@@ -94,10 +108,9 @@ class SamplingParams:
             bad("min_p", "must be in [0, 1]")
         if not (0.0 < self.typical_p <= 1.0):
             bad("typical_p", "must be in (0, 1]")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            bad("max_tokens", "must be >= 1")
-        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
-            bad("min_tokens", "must be in [0, max_tokens]")
+
+    def _validate_penalties_and_logprobs(self) -> None:
+        bad = _bad
         if not (0.0 < self.repetition_penalty < float("inf")):
             bad("repetition_penalty", "must be > 0")
         if not (-2.0 <= self.frequency_penalty <= 2.0):
@@ -112,6 +125,9 @@ class SamplingParams:
             bad("prompt_logprobs", "must be in [0, 20]")
         if self.logprobs_mode not in ("raw", "processed"):
             bad("logprobs_mode", "must be 'raw' or 'processed'")
+
+    def _validate_ids_and_strings(self, vocab_size: int | None) -> None:
+        bad = _bad
         if vocab_size is not None:
             for name, ids in (
                 ("logit_bias", list(self.logit_bias)),
@@ -134,7 +150,7 @@ class SamplingParams:
             if n_set != 1 and not wrapped:
                 bad("guided", "exactly one of json_schema, json_object, regex, grammar must be set")
         if self.beam_width is not None:
-            self._validate_beam(bad)
+            self._validate_beam(_bad)
         for v in self.logit_bias.values():
             if not (-100.0 <= v <= 100.0):
                 bad("logit_bias", "values must be in [-100, 100]")
