@@ -37,6 +37,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -75,6 +76,7 @@ class Child:
     cmd: list[str]
     info: dict                      # what `PDSERVE_UP` publishes about it (ports, role, ...); pid kept current
     stdin_data: bytes | None = None  # written to its stdin at every start (redis-server reads its password so)
+    relay: bool = False             # its stdout/stderr go through up's own (queued, never blocking) log
     proc: subprocess.Popen | None = None
     restarts: int = 0
     started: float = 0.0             # monotonic, of the current incarnation
@@ -103,18 +105,25 @@ class Supervisor:
 
     # ---- starting and stopping ----------------------------------------------------------------------------------
     def start(self, name: str, cmd: list[str], info: dict | None = None,
-              stdin_data: bytes | None = None) -> Child:
-        """Start a new child called `name` (unique). Also how a worker is added to a running deployment."""
+              stdin_data: bytes | None = None, relay: bool = False) -> Child:
+        """Start a new child called `name` (unique). Also how a worker is added to a running deployment.
+        `relay`: for a program that writes its output in blocking writes (redis-server): its lines reach up's own
+        log, whose queue drops rather than waits, so a sink nobody reads cannot hold the child (at exit, too)."""
         if name in self.children:
             raise ValueError(f"a child called {name!r} exists")
-        c = Child(name, list(cmd), {"name": name, **(info or {})}, stdin_data)
+        c = Child(name, list(cmd), {"name": name, **(info or {})}, stdin_data, relay=relay)
         self.children[name] = c
         self._spawn(c)
         return c
 
     def _spawn(self, c: Child) -> None:
+        out = subprocess.PIPE if c.relay else None
         c.proc = subprocess.Popen(c.cmd, env=self.env, start_new_session=True, preexec_fn=_tie_to_parent(os.getpid()),
-                                  stdin=subprocess.PIPE if c.stdin_data is not None else None)
+                                  stdin=subprocess.PIPE if c.stdin_data is not None else None, stdout=out,
+                                  stderr=subprocess.STDOUT if c.relay else None)
+        if c.relay:  # ends at the pipe's EOF: when this incarnation exits
+            threading.Thread(target=self._relay, args=(c.name, c.proc.stdout), name=f"relay-{c.name}",
+                             daemon=True).start()
         if c.stdin_data is not None:
             c.proc.stdin.write(c.stdin_data)
             c.proc.stdin.close()
@@ -122,6 +131,11 @@ class Supervisor:
         c.restart_at = None
         c.info["pid"] = c.proc.pid
         c.info["restarts"] = c.restarts
+
+    def _relay(self, name: str, stream) -> None:
+        with stream:
+            for raw in stream:
+                self._log(f"{name}: " + raw.decode(errors="replace").rstrip())
 
     def stop(self, name: str, grace: float = 15.0) -> int | None:
         """SIGTERM (the child drains), SIGKILL after `grace` s; never restarted afterwards. Its exit code."""

@@ -259,7 +259,7 @@ def _start_redis(d: Supervisor, args) -> str | None:
         cmd.insert(1, "-")
         pw = Path(args.redis_password_file).read_text().strip().replace("\\", "\\\\").replace('"', '\\"')
         stdin_data = f'requirepass "{pw}"\n'.encode()
-    d.start("redis", cmd, {"port": rport}, stdin_data=stdin_data)
+    d.start("redis", cmd, {"port": rport}, stdin_data=stdin_data, relay=True)
     return f"redis://127.0.0.1:{rport}/0" if _wait_tcp(rport, 10) else None
 
 
