@@ -118,11 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_worker(sub)
     from pdserve.bench.cli import add_bench_parser
     from pdserve.engine.cli_generate import add_generate_parser
+    from pdserve.lab.cli import add_lab_parser
     from pdserve.planner.cli import add_planner_parser, add_status_parser
     from pdserve.sim.cli import add_sim_parser
     add_generate_parser(sub)
     add_bench_parser(sub)
     add_sim_parser(sub)
+    add_lab_parser(sub)
     add_planner_parser(sub)
     add_status_parser(sub)
     return ap

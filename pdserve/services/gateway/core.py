@@ -289,9 +289,11 @@ class Dispatcher:
             except (UpstreamError, NoWorkersError) as e:
                 if not at.emitted:
                     raise
-                # after the first token went out a refusal can only end the stream, as FAILED
+                # after the first token went out a refusal can only end the stream, as FAILED; no decode worker
+                # left is the deployment's state, not the request's: marked retryable (503 where nothing was sent)
                 yield common_pb2.GenerateResponse(request_id=rid, finished=True, state="FAILED",
-                                                  error=f"decode failed: {e}")
+                                                  error=f"decode failed: {e}",
+                                                  retryable=isinstance(e, NoWorkersError))
         finally:
             if not handed_over:
                 self._release_soon(route.prefill.address, rid)

@@ -85,6 +85,9 @@ def reply_for(e: BaseException) -> ErrorReply:
         msg = redact.failure_message(e.state, e.detail)  # the worker's text is logged, not sent
         if e.state == "TIMED_OUT":  # the request's deadline passed (queued, preempted or running)
             return ErrorReply(504, msg, "timeout_error", "timeout", state=e.state)
+        if e.msg is not None and e.msg.retryable:  # no worker left to finish it (a decode host gone): not a 500
+            return ErrorReply(503, msg, "service_unavailable_error", "no_workers", headers={"Retry-After": "1"},
+                              state=e.state)
         return ErrorReply(500, msg, "server_error", "failed", state=e.state)
     rid = redact.request_id.get()
     if isinstance(e, NoWorkersError):

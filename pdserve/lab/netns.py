@@ -1,0 +1,185 @@
+"""Emulated hosts on one machine: each a Linux network namespace joined to one bridge by a veth pair, each link
+shaped with `tc`.
+
+The root namespace is the "client" host: it owns the bridge and its first address, so a test or a person on the
+machine reaches every host's services over the bridge. Two hosts talk only through their veth pairs and the bridge:
+real TCP over real interfaces. (They still share the kernel, /dev/shm and process ids: what crosses between them is
+what their programs send over the network, which is why the lab also tells UCX to use TCP only; cluster.py.)
+
+Shaping (`Link`): a token bucket (`tbf`) caps the rate on both ends of a host's veth pair, so traffic to and from the
+host is held to the link's rate. Delay, jitter and loss need the `netem` queueing discipline; a kernel without it
+(`sch_netem` not built) cannot emulate them, and a `Link` asking for them is refused with that reason, never
+silently unshaped.
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+
+
+class LabUnavailable(RuntimeError):
+    """This machine cannot run the lab (not root, no `ip`/`tc`, no network namespaces, no netem): the reason."""
+
+
+@dataclass(frozen=True)
+class Link:
+    """A host's link to the bridge. rate: bit/s (0: not capped); delay/jitter: ms; loss: percent."""
+
+    rate_bps: int = 0
+    delay_ms: float = 0.0
+    jitter_ms: float = 0.0
+    loss_pct: float = 0.0
+
+    @property
+    def needs_netem(self) -> bool:
+        return bool(self.delay_ms or self.jitter_ms or self.loss_pct)
+
+    @classmethod
+    def parse(cls, text: str) -> Link:
+        """`10gbit`, `100mbit,delay=2ms,loss=0.1%` (empty: unshaped)."""
+        kw: dict = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, eq, val = part.partition("=")
+            if not eq:
+                kw["rate_bps"] = _rate(part)
+            elif key in ("delay", "jitter"):
+                kw[f"{key}_ms"] = float(val.removesuffix("ms"))
+            elif key == "loss":
+                kw["loss_pct"] = float(val.removesuffix("%"))
+            else:
+                raise ValueError(f"unknown link setting {key!r} (rate, delay=, jitter=, loss=)")
+        return cls(**kw)
+
+
+_UNITS = {"gbit": 10**9, "mbit": 10**6, "kbit": 10**3, "bit": 1}
+
+
+def _rate(text: str) -> int:
+    for unit, mult in _UNITS.items():
+        if text.lower().endswith(unit):
+            return int(float(text[: -len(unit)]) * mult)
+    raise ValueError(f"{text!r} is not a rate (e.g. 10gbit, 100mbit)")
+
+
+@dataclass
+class Host:
+    name: str
+    ns: str      # network namespace
+    ip: str
+    veth: str    # the interface inside the namespace
+    peer: str    # its other end, on the bridge
+    link: Link = field(default_factory=Link)
+
+    def exec_prefix(self) -> list[str]:
+        """Run a command on this host."""
+        return ["ip", "netns", "exec", self.ns]
+
+
+def _run(*cmd: str) -> None:
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise LabUnavailable(f"`{' '.join(cmd)}` failed: {(r.stderr or r.stdout).strip()}")
+
+
+def check_available() -> None:
+    """Raise LabUnavailable naming what is missing."""
+    if os.geteuid() != 0:
+        raise LabUnavailable("the lab needs root (network namespaces, veth pairs, tc)")
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            raise LabUnavailable(f"`{tool}` (iproute2) is not installed")
+
+
+def netem_available() -> bool:
+    """Whether this kernel has the netem queueing discipline (delay, jitter, loss)."""
+    name = f"pdnm{os.getpid() % 100000}"
+    if subprocess.run(["ip", "link", "add", name, "type", "dummy"], capture_output=True).returncode != 0:
+        return False
+    try:
+        return subprocess.run(["tc", "qdisc", "add", "dev", name, "root", "netem", "delay", "1ms"],
+                              capture_output=True).returncode == 0
+    finally:
+        subprocess.run(["ip", "link", "del", name], capture_output=True)
+
+
+class Network:
+    """One bridge, its hosts; `close` removes everything it made (idempotent; also after a partial start)."""
+
+    def __init__(self, tag: str | None = None, subnet: str = "10.213.0.0/24"):
+        check_available()
+        self.tag = tag or f"{os.getpid() % 10000}"
+        self.bridge = f"pdl{self.tag}"
+        self.net = ipaddress.ip_network(subnet)
+        self._addrs = self.net.hosts()
+        self.gateway_ip = str(next(self._addrs))  # the bridge: the root namespace's address
+        self.hosts: dict[str, Host] = {}
+        self._made: list[tuple[str, str]] = []  # ("link" | "netns", name) to remove, newest last
+        _run("ip", "link", "add", self.bridge, "type", "bridge")
+        self._made.append(("link", self.bridge))
+        _run("ip", "addr", "add", f"{self.gateway_ip}/{self.net.prefixlen}", "dev", self.bridge)
+        _run("ip", "link", "set", self.bridge, "up")
+
+    def add_host(self, name: str, link: Link = Link()) -> Host:
+        if link.needs_netem and not netem_available():
+            raise LabUnavailable("delay, jitter and loss need the netem qdisc, which this kernel does not have "
+                                 "(sch_netem); rate caps (tbf) work without it")
+        i = len(self.hosts)
+        h = Host(name, f"{self.bridge}-{name}", str(next(self._addrs)), f"eth-{self.tag}-{i}"[:15],
+                 f"br-{self.tag}-{i}"[:15], link)
+        _run("ip", "netns", "add", h.ns)
+        self._made.append(("netns", h.ns))
+        _run("ip", "link", "add", h.peer, "type", "veth", "peer", "name", h.veth)
+        self._made.append(("link", h.peer))
+        _run("ip", "link", "set", h.veth, "netns", h.ns)
+        _run("ip", "link", "set", h.peer, "master", self.bridge)
+        _run("ip", "link", "set", h.peer, "up")
+        inside = h.exec_prefix()
+        _run(*inside, "ip", "addr", "add", f"{h.ip}/{self.net.prefixlen}", "dev", h.veth)
+        _run(*inside, "ip", "link", "set", h.veth, "up")
+        _run(*inside, "ip", "link", "set", "lo", "up")
+        _run(*inside, "ip", "route", "add", "default", "via", self.gateway_ip)
+        self.shape(h, link)
+        self.hosts[name] = h
+        return h
+
+    def shape(self, h: Host, link: Link) -> None:
+        """(Re)apply `link` to both ends of the host's veth pair: egress from the host, and egress from the bridge
+        toward it."""
+        for prefix, dev in ((h.exec_prefix(), h.veth), ([], h.peer)):
+            subprocess.run([*prefix, "tc", "qdisc", "del", "dev", dev, "root"], capture_output=True)
+            if link.needs_netem:
+                cmd = [*prefix, "tc", "qdisc", "add", "dev", dev, "root", "netem"]
+                if link.delay_ms or link.jitter_ms:
+                    cmd += ["delay", f"{link.delay_ms}ms"] + ([f"{link.jitter_ms}ms"] if link.jitter_ms else [])
+                if link.loss_pct:
+                    cmd += ["loss", f"{link.loss_pct}%"]
+                if link.rate_bps:
+                    cmd += ["rate", f"{link.rate_bps}bit"]
+                _run(*cmd)
+            elif link.rate_bps:
+                # burst: at least one 10 ms of the rate (and 64 KiB), so the bucket itself is not the limit
+                burst = max(64 << 10, link.rate_bps // 8 // 100)
+                _run(*prefix, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{link.rate_bps}bit",
+                     "burst", str(burst), "latency", "50ms")
+        h.link = link
+
+    def set_down(self, h: Host, down: bool = True) -> None:
+        """Cut the host off the bridge (its link down) or bring it back."""
+        _run("ip", "link", "set", h.peer, "down" if down else "up")
+
+    def close(self) -> None:
+        while self._made:
+            kind, name = self._made.pop()
+            if kind == "netns":
+                subprocess.run(["ip", "netns", "del", name], capture_output=True)
+            else:
+                subprocess.run(["ip", "link", "del", name], capture_output=True)
+
+    def __enter__(self) -> Network:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
