@@ -342,12 +342,15 @@ class Admission:
                 await self.renew_once()
 
     async def renew_once(self) -> None:
-        held = dict(self.held)
-        await self.ledger.renew(held, dict(self.held_tenant), dict(self.held_pins))
+        held, pins = dict(self.held), dict(self.held_pins)
+        await self.ledger.renew(held, dict(self.held_tenant), pins)
         # The renew script re-adds what it is given (that is how the ledger recovers after a Redis restart), so
-        # a reservation released while the call was in flight came back: release it again.
+        # a reservation released while the call was in flight came back: release it again; likewise pins
+        # given up meanwhile (a lost hit), with the blocks the request now holds as its own.
         for rid in [r for r in held if r not in self.held]:
             await self.ledger.release(rid)
+        for rid in [r for r in pins if r in self.held and r not in self.held_pins]:
+            await self.ledger.unpin(rid, self.held[rid])
         blocks, reqs = await self.ledger.usage()
         M.RESERVED_BLOCKS.set(blocks)
         M.RESERVED_REQUESTS.set(reqs)

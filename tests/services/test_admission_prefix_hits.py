@@ -175,3 +175,31 @@ def test_pin_keys_follow_worker_namespace_and_every_token_before():
     assert PrefixHit("w1", "other", tuple(range(40)), 40).pins(BS)[0] != a[0]
     changed = (99,) + tuple(range(1, 40))
     assert PrefixHit("w1", "ns", changed, 40).pins(BS)[1] != a[1]  # a key depends on every token before it
+
+
+@pytest.mark.skipif(not _redis_up(), reason="needs Redis on 127.0.0.1:6379")
+def test_a_hit_lost_during_a_renew_does_not_come_back():
+    """The renew script re-adds the pins it is handed (its recovery after a Redis restart): pins given up while a
+    renew call is in flight must not stay counted beside the blocks that replaced them."""
+    model = f"t-{uuid.uuid4().hex[:8]}"
+
+    async def main():
+        r, adm = await _make(REDIS, model)
+        adm.capacity_fn = _big
+        ledger = adm.ledger
+        try:
+            await adm.admit("a", "t", 168, 16, 1, 4096, time.time() + 30, hit=_hit(0))
+            real_renew = ledger.renew
+
+            async def renew_racing_a_lost_hit(*args):
+                await adm.lose_hit("a")  # placed elsewhere between the snapshot and the script
+                await real_renew(*args)
+
+            ledger.renew = renew_racing_a_lost_hit
+            await adm.renew_once()
+            assert await ledger.usage() == (12, 1)  # its whole prompt as its own, no pin beside it
+            assert await r.hlen(ledger.pkey) == 0
+        finally:
+            await _cleanup(r, model)
+
+    asyncio.run(main())
