@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import time
 
 import httpx
 import openai
@@ -246,9 +247,12 @@ def check_worker_refusal_names_the_field(up):
                 "engine_terminal": nan0(worker_sum("pdserve_engine_requests_terminal_total", '{state="REJECTED"}')),
                 "engine_entries": nan0(worker_sum("pdserve_request_state_entries_total", '{state="REJECTED"}'))}
     before = counts()
-    r = httpx.post(up.base_url + "/v1/completions", timeout=30, json={
+    # the worker's answer took 20-31 s on a loaded 2-core box (its grammar compile of this schema), so no 30 s cap
+    t0 = time.monotonic()
+    r = httpx.post(up.base_url + "/v1/completions", timeout=120, json={
         "model": "ck", "prompt": "x", "max_tokens": 2,
         "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}})
+    print(f"refused schema answered in {time.monotonic() - t0:.2f} s")
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert (err["param"], err["code"]) == ("response_format", "invalid_parameter"), err
