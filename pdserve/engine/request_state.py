@@ -58,6 +58,15 @@ INITIAL = frozenset({S.QUEUED, S.REJECTED})
 ENTERED: dict[str, int] = {s.value: 0 for s in RequestState}
 
 
+def enter_rejected() -> RequestState:
+    """A request refused before the engine held anything for it (invalid parameters, a schema that does not
+    compile, a prompt that can never fit): the NEW -> REJECTED move, counted like any other entry. It never gets
+    a Sequence (nothing of it exists to carry one), so this is its whole life in the machine."""
+    check_transition(None, S.REJECTED)
+    ENTERED[S.REJECTED.value] += 1
+    return S.REJECTED
+
+
 def check_transition(old: RequestState | None, new: RequestState) -> None:
     allowed = INITIAL if old is None else TRANSITIONS[old]
     if new not in allowed:

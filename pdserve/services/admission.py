@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from pdserve.services.kv_shares import NO_SHARE, KVShare
 from pdserve.services.metrics import gateway as M
+from pdserve.services.prefix_pins import PrefixHit
 from pdserve.services.reservations import Plan, ReservationLedger
 
 log = logging.getLogger("pdserve.admission")
@@ -300,6 +301,7 @@ class Admission:
         self.poll_s = poll_s
         self.held: dict[str, int] = {}  # this replica's live reservations (renewed)
         self.held_tenant: dict[str, str] = {}  # ... and their tenants (the ledger's per-tenant shares)
+        self.held_pins: dict[str, tuple[str, ...]] = {}  # ... and the prefix-cache hits they hold (prefix_pins.py)
         # backstop: a request whose terminal path never ran (a bug, a response never started) stops being renewed
         # `orphan_grace_s` after its deadline, so its reservation expires like a crashed gateway's
         self.held_until: dict[str, float] = {}
@@ -340,29 +342,35 @@ class Admission:
                 await self.renew_once()
 
     async def renew_once(self) -> None:
-        held = dict(self.held)
-        await self.ledger.renew(held, dict(self.held_tenant))
+        held, pins = dict(self.held), dict(self.held_pins)
+        await self.ledger.renew(held, dict(self.held_tenant), pins)
         # The renew script re-adds what it is given (that is how the ledger recovers after a Redis restart), so
-        # a reservation released while the call was in flight came back: release it again.
+        # a reservation released while the call was in flight came back: release it again; likewise pins
+        # given up meanwhile (a lost hit), with the blocks the request now holds as its own.
         for rid in [r for r in held if r not in self.held]:
             await self.ledger.release(rid)
+        for rid in [r for r in pins if r in self.held and r not in self.held_pins]:
+            await self.ledger.unpin(rid, self.held[rid])
         blocks, reqs = await self.ledger.usage()
         M.RESERVED_BLOCKS.set(blocks)
         M.RESERVED_REQUESTS.set(reqs)
 
     async def admit(self, rid: str, tenant: str, prompt_tokens: int, max_tokens: int | None, n: int,
-                    context_len: int, deadline: float, cached_tokens: int = 0,
+                    context_len: int, deadline: float, hit: PrefixHit | None = None,
                     allow_degrade: bool = True, share: KVShare | None = None) -> Ticket:
-        """`share`: the tenant's KV share (reservations.py, "Tenant shares"); None: no guarantee, no cap."""
+        """`share`: the tenant's KV share (reservations.py, "Tenant shares"); None: no guarantee, no cap.
+        `hit`: the placed worker's prefix-cache hit (prefix_pins.py): its blocks are pinned, not reserved anew."""
         share = share if share is not None else KVShare(tenant, 0.0, 1.0, NO_SHARE.idle_s)
         cap = await self.capacity_fn()
+        pins = hit.pins(cap.block_size) if hit is not None and cap is not None else ()
+        cached_tokens = len(pins) * cap.block_size if pins else 0
         pred, plan = prepare(self.predictor, tenant, prompt_tokens, max_tokens, n, context_len, cap,
                              cached_tokens, allow_degrade)
         # without max_tokens and before this tenant has a history, the output length is a guess (the whole
         # context left): judging the deadline by it would turn away requests that end early
         judge = max_tokens is not None or self.predictor.p90(tenant) is not None
         t0 = time.monotonic()
-        ticket, late = await self._try(rid, prompt_tokens, pred, plan, cap, deadline, judge, share)
+        ticket, late = await self._try(rid, prompt_tokens, pred, plan, cap, deadline, judge, share, pins)
         if ticket is not None:
             self.held_until[rid] = deadline + self.orphan_grace_s
             return ticket
@@ -380,7 +388,7 @@ class Admission:
                 cap = await self.capacity_fn() or cap  # the pool may have changed while waiting
                 pred, plan = prepare(self.predictor, tenant, prompt_tokens, max_tokens, n, context_len, cap,
                                      cached_tokens, allow_degrade)
-                ticket, late = await self._try(rid, prompt_tokens, pred, plan, cap, deadline, judge, share)
+                ticket, late = await self._try(rid, prompt_tokens, pred, plan, cap, deadline, judge, share, pins)
                 if ticket is not None:
                     self.held_until[rid] = deadline + self.orphan_grace_s
                     ticket.queued_s = time.monotonic() - t0
@@ -397,7 +405,8 @@ class Admission:
                              "timeout", "TIMED_OUT")
 
     async def _try(self, rid: str, prompt_tokens: int, pred: int, plan: Plan, cap: Capacity, deadline: float,
-                   judge: bool, share: KVShare = NO_SHARE) -> tuple[Ticket | None, tuple[str, float] | None]:
+                   judge: bool, share: KVShare = NO_SHARE, pins: tuple[str, ...] = ()
+                   ) -> tuple[Ticket | None, tuple[str, float] | None]:
         """One reservation attempt. Returns (ticket, None) when admitted; (None, (why, retry after s)) when a
         deadline is what stands in the way; (None, None) when capacity is (or nothing could be judged)."""
         rates = cap.rates
@@ -417,11 +426,13 @@ class Admission:
         others = min(self.limits.values(), default=math.inf)
         limit = min(own if own is not None else math.inf, others)
         seq_limit = cap.seqs if limit >= cap.seqs else int(math.floor(limit))
-        k, used, seqs = await self.ledger.reserve_plan(rid, plan, cap, seq_limit, share)
+        k, used, seqs = await self.ledger.reserve_plan(rid, plan, cap, seq_limit, share, pins)
         self.in_flight.set(seqs)
         if k > 0:
             self.held[rid] = plan.blocks(k)
             self.held_tenant[rid] = share.tenant
+            if pins:
+                self.held_pins[rid] = pins
             t = make_ticket(rid, k, plan.n, plan.blocks(k), pred)
             t.rates, t.prompt_tokens, t.in_flight, t.life_mark = rates, prompt_tokens, seqs, self.in_flight.mark()
             if own is not None:
@@ -453,11 +464,22 @@ class Admission:
         est = ticket.estimated_s(output_tokens, mean)
         self.calibration.observe(est, service_s)
 
+    async def lose_hit(self, rid: str) -> None:
+        """The request was placed elsewhere than where its hit is (a reroute before its prefill): it prefills
+        the whole prompt, so its pins become blocks of its own, kept whatever the load (it is admitted and
+        the engine preempts if memory really runs out). Idempotent; nothing to do without pins."""
+        pins = self.held_pins.pop(rid, None)
+        if not pins or rid not in self.held:
+            return
+        self.held[rid] += len(pins)
+        await self.ledger.unpin(rid, self.held[rid])
+
     async def release(self, rid: str) -> None:
         """Idempotent: the reservation goes back whichever terminal path runs first."""
         self.held_until.pop(rid, None)
         self.limits.pop(rid, None)
         self.held_tenant.pop(rid, None)
+        self.held_pins.pop(rid, None)
         if self.held.pop(rid, None) is None:
             return
         self.in_flight.set(self.in_flight.n - 1)

@@ -37,7 +37,6 @@ from pdserve.services.grpc_util import (
     abort_compile_timeout,
     listen,
     make_server,
-    param_metadata,
     security,
     set_serving,
 )
@@ -47,6 +46,7 @@ from pdserve.services.load_meter import LoadMeter
 from pdserve.services.metrics import worker as M
 from pdserve.services.pb import common_pb2, worker_pb2, worker_pb2_grpc
 from pdserve.services.prefill.service import PrefillSide
+from pdserve.services.refusal import refuse_invalid
 from pdserve.services.registry import Registry, WorkerRecord
 
 log = logging.getLogger("pdserve.worker")
@@ -165,9 +165,8 @@ class Worker(worker_pb2_grpc.WorkerServicer):
                             M.TERMINAL.labels(out.state).inc()
                         yield enc.encode(out)
             except ValueError as e:
-                M.REJECTIONS.labels("invalid_request").inc()
                 finished = True
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e), trailing_metadata=param_metadata(e))
+                await refuse_invalid(context, e)
             except CompileTimeout as e:
                 finished = True
                 await abort_compile_timeout(context, e)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import time
 
 import httpx
 import openai
@@ -232,12 +233,35 @@ def check_worker_refusal_names_the_field(up):
     """A schema only the worker's grammar compiler can refuse: 400 naming `response_format`, carried typed from
     the worker (its `pdserve-param` trailing metadata), not parsed out of the message."""
     schema = {"type": "object", "properties": {"a": {"$ref": "#/definitions/nope"}}}
-    r = httpx.post(up.base_url + "/v1/completions", timeout=30, json={
+
+    def counts() -> dict:
+        def nan0(v):
+            return 0.0 if v != v else v
+
+        def worker_sum(name, labels):
+            return sum(nan0(metric(w["metrics_port"], name, labels)) for w in _live_workers(up))
+        return {"gw_terminal": nan0(metric(up.port, "pdserve_requests_terminal_total", '{state="REJECTED"}')),
+                "gw_failed": nan0(metric(up.port, "pdserve_requests_terminal_total", '{state="FAILED"}')),
+                "records": nan0(metric(up.port, "pdserve_usage_records_total", '{state="REJECTED"}')),
+                "billed_prompt": nan0(metric(up.port, "pdserve_usage_tokens_total", '{kind="prompt"}')),
+                "engine_terminal": nan0(worker_sum("pdserve_engine_requests_terminal_total", '{state="REJECTED"}')),
+                "engine_entries": nan0(worker_sum("pdserve_request_state_entries_total", '{state="REJECTED"}'))}
+    before = counts()
+    # the worker's answer took 20-31 s on a loaded 2-core box (its grammar compile of this schema), so no 30 s cap
+    t0 = time.monotonic()
+    r = httpx.post(up.base_url + "/v1/completions", timeout=120, json={
         "model": "ck", "prompt": "x", "max_tokens": 2,
         "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}})
+    print(f"refused schema answered in {time.monotonic() - t0:.2f} s")
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert (err["param"], err["code"]) == ("response_format", "invalid_parameter"), err
+    # REJECTED, not FAILED, and not billed: the same end as a refusal at the gateway, on both sides' metrics
+    want = {"gw_terminal": 1, "gw_failed": 0, "records": 1, "billed_prompt": 0, "engine_terminal": 1,
+            "engine_entries": 1}
+    got: dict = {}
+    assert wait_until(lambda: (got.update({k: v - before[k] for k, v in counts().items()}) or got) == want,
+                      timeout=10), got
 
 
 N_PROMPT = "seven wizards quietly hex every jolly sphinx of black quartz " * 6  # ~23 KV blocks

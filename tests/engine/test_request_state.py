@@ -125,3 +125,14 @@ def test_prefill_only_pins_until_released(engine):
     engine.release_pinned("p")
     engine.release_pinned("p")  # idempotent
     assert engine.block_manager.blocks_in_use == 0
+
+
+def test_a_refused_request_enters_rejected_and_is_counted():
+    """A worker's refusal (invalid parameters, a schema that does not compile) is the NEW -> REJECTED move: legal
+    from nothing, terminal, counted among the state entries the workers export."""
+    from pdserve.engine.request_state import ENTERED, enter_rejected
+    before = dict(ENTERED)
+    assert enter_rejected() is RequestState.REJECTED and RequestState.REJECTED.terminal
+    assert {k: ENTERED[k] - before[k] for k in ENTERED if ENTERED[k] != before[k]} == {"REJECTED": 1}
+    with pytest.raises(IllegalTransition):
+        check_transition(RequestState.QUEUED, RequestState.REJECTED)  # only a request never admitted is REJECTED

@@ -30,11 +30,12 @@ from pdserve.kv_transfer.layout import KVLayoutMismatch
 from pdserve.kv_transfer.tp_pull import KvPuller
 from pdserve.services.convert import DeltaEncoder, first_tokens_from_pb, limits_from_pb, params_from_pb
 from pdserve.services.decode.peers import KvPeers
-from pdserve.services.grpc_util import abort_compile_timeout, channel, param_metadata
+from pdserve.services.grpc_util import abort_compile_timeout, channel
 from pdserve.services.kv_endpoint import KvEndpoint
 from pdserve.services.load_meter import LoadMeter
 from pdserve.services.metrics import worker as M
 from pdserve.services.pb import common_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.services.refusal import refuse_invalid
 from pdserve.services.tasks import OwnedTasks
 
 log = logging.getLogger("pdserve.decode")
@@ -228,7 +229,7 @@ class DecodeSide:
             return await self.host.compile_grammar(params, deadline)
         except ValueError as e:
             p.ended = True
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e), trailing_metadata=param_metadata(e))
+            await refuse_invalid(context, e)
         except CompileTimeout as e:
             p.ended = True
             await abort_compile_timeout(context, e)
@@ -243,7 +244,7 @@ class DecodeSide:
                 alloc = await self.host.run(add)
             except ValueError as e:
                 p.added, p.ended = False, True  # refused: nothing of ours (a duplicate id is someone else's)
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e), trailing_metadata=param_metadata(e))
+                await refuse_invalid(context, e)
             if alloc is not None:
                 return alloc
             p.added = False  # None: nothing was allocated or registered

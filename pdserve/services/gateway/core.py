@@ -114,21 +114,24 @@ class Dispatcher:
         raise NoWorkersError(err.details() or str(err.code())) from None
 
     async def generate(self, rid: str, sub: SubRequest, namespace: str = "", on_route=None,
-                       trace: StageTrace | None = None, lifecycle: common_pb2.Lifecycle | None = None
+                       trace: StageTrace | None = None, lifecycle: common_pb2.Lifecycle | None = None,
+                       first_route: router_pb2.RouteResponse | None = None
                        ) -> AsyncIterator[common_pb2.GenerateResponse]:
         """One engine request, all its branches on one worker (or one prefill + one decode worker). Retries
         placement while nothing was emitted and the failure was a worker being unreachable; after tokens went
         out, a worker that dies (or whose prefill peer died) is replaced by migration (migration.py), up to
         `migration_limit` times. `trace` collects the route time, the workers' stage timestamps
         (usage.stage_times) and the migrations. `lifecycle` (deadline, priority, predicted output) goes to every
-        worker in its request message."""
+        worker in its request message. `first_route`: the placement admission was sized by (its prefix-cache
+        hit), tried first instead of asking the router again."""
         trace = trace if trace is not None else StageTrace()
         sent = Sent()
         exclude: list[str] = []
         resume: list[int] | None = None  # None: a fresh placement
         while True:
             try:
-                async for m in self._place(rid, sub, namespace, on_route, trace, lifecycle, exclude, resume):
+                first, first_route = first_route, None
+                async for m in self._place(rid, sub, namespace, on_route, trace, lifecycle, exclude, resume, first):
                     sent.add(m)
                     yield m
                 return
@@ -161,8 +164,8 @@ class Dispatcher:
         return self._listed_ids is None or worker_id in self._listed_ids
 
     async def _place(self, rid: str, sub: SubRequest, namespace: str, on_route, trace: StageTrace,
-                     lifecycle, exclude: list[str], resume: list[int] | None
-                     ) -> AsyncIterator[common_pb2.GenerateResponse]:
+                     lifecycle, exclude: list[str], resume: list[int] | None,
+                     first: router_pb2.RouteResponse | None = None) -> AsyncIterator[common_pb2.GenerateResponse]:
         """One placement of the sub-request (several while nothing was emitted and workers were unreachable).
         `resume`: the tokens a migrated request's client has; it then runs on one worker that prefills prompt + them
         (a `both` worker, or a decode worker prefilling locally). Raises Broken where a worker failed it after
@@ -173,8 +176,9 @@ class Dispatcher:
         for attempt in range(self.max_attempts):
             # beam search runs whole on one `both` worker (engine/beam.py; none: the prefill worker says 400); a
             # migrated request on one worker that prefills prompt + the tokens sent (a `both` or a decode worker)
-            route = await self.route(rid, len(prompt), namespace, exclude, prompt, max_tokens,
-                                     prefer="colocated" if sub.params.beam else "local" if resume is not None else "")
+            route = first if attempt == 0 and first is not None and resume is None else \
+                await self.route(rid, len(prompt), namespace, exclude, prompt, max_tokens,
+                                 prefer="colocated" if sub.params.beam else "local" if resume is not None else "")
             if resume is None:
                 trace.on_route(route.mode)
             if on_route is not None:
@@ -359,13 +363,14 @@ class Dispatcher:
 
     async def generate_many(self, rid: str, subs: list[SubRequest], namespace: str = "", on_route=None,
                             traces: list[StageTrace] | None = None,
-                            lifecycle: common_pb2.Lifecycle | None = None
+                            lifecycle: common_pb2.Lifecycle | None = None,
+                            first_route: router_pb2.RouteResponse | None = None
                             ) -> AsyncIterator[tuple[int, common_pb2.GenerateResponse]]:
         """Several sub-requests (one per prompt) merged into one stream; yields (sub index, message) with each
         message's choice indexes already shifted to the response's numbering. `traces[i]` is sub-request i's."""
         traces = traces if traces is not None else [StageTrace() for _ in subs]
         if len(subs) == 1:
-            async for m in self.generate(rid, subs[0], namespace, on_route, traces[0], lifecycle):
+            async for m in self.generate(rid, subs[0], namespace, on_route, traces[0], lifecycle, first_route):
                 _shift(m, subs[0].index_base)
                 yield 0, m
             return

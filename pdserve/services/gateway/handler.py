@@ -24,6 +24,8 @@ from pdserve.services.gateway.schema import FINISH_REASONS, ActiveRequest, Degra
 from pdserve.services.gateway.stages import StageTrace, emit_spans, pick, stage_times
 from pdserve.services.gateway.timing import Timing
 from pdserve.services.metrics import gateway as M
+from pdserve.services.pb import router_pb2
+from pdserve.services.prefix_pins import PrefixHit
 
 
 class RequestHandler:
@@ -49,8 +51,12 @@ class RequestHandler:
         # stage two: reserve KV for prompt + predicted output of every branch (best_of of them, when asked: the
         # worker runs them all); may queue, degrade the branch count, or reject
         # (never a narrower beam: that would change the answer, not only its count)
+        rec.request_id, rec.prompt_tokens = rid, sum(len(p) for p in call.prompts)  # billed if placing fails
+        first_route, hit = await self._placement(rec, rid, call)
         ticket = await self.life.admit(rec, rid, call.prompts, params.max_tokens, params.num_branches,
-                                       self.max_len, allow_degrade=call.allow_degrade and not params.beam)
+                                       self.max_len, allow_degrade=call.allow_degrade and not params.beam, hit=hit)
+        if ticket is not None and ticket.queued_s:
+            first_route = None  # placed before it waited: the load has moved, ask again (the hit may stay)
         degraded = None
         headers: dict[str, str] = {}
         if ticket is not None and ticket.degraded:
@@ -72,13 +78,15 @@ class RequestHandler:
         def on_route(r) -> None:
             timing.mode = r.mode
             routes.append(r.debug)
+            if hit is not None and not (r.mode == "colocated" and r.both.worker_id == hit.worker_id):
+                self.life.spawn(self.life.admission.lose_hit(rid))  # prefilled elsewhere: its pins are its own
 
         # the limits every worker obeys travel as a field of its request (metadata carries only tracing headers)
         lifecycle = lifecycle_to_pb(deadline, call.priority_for(rec.tenant.priority),
                                     ticket.predicted_output if ticket is not None else None,
                                     rec.tenant.kv_share)  # 0 too: a share lowered in the keys file is lifted
         upstream = self.disp.generate_many(rid, subs, rec.tenant.namespace, on_route=on_route, traces=traces,
-                                           lifecycle=lifecycle)
+                                           lifecycle=lifecycle, first_route=first_route)
         try:
             first = await _next_by(deadline, upstream)
         except StopAsyncIteration:
@@ -92,6 +100,21 @@ class RequestHandler:
         return ActiveRequest(rid, int(time.time()), call, rec, subs, traces, timing, upstream, first, degraded,
                             routes, headers, tokens_per_choice=[0] * n, finish_reasons=[None] * n,
                             prompt_logprobs=[[] for _ in range(n)])
+
+    async def _placement(self, rec: RequestRecord, rid: str, call: GenerateCall
+                         ) -> tuple[router_pb2.RouteResponse | None, PrefixHit | None]:
+        """Where the request will run, asked before admission (spec §0.1: the cache lookup comes before the
+        reservation): the route the dispatcher takes first, and the placed worker's prefix-cache hit that
+        admission pins instead of reserving anew. Only with admission and one prompt (several are placed one by
+        one, each where it fits); disaggregated, the hit is the prefill worker's, whose KV is not reserved."""
+        if self.life.admission is None or len(call.prompts) != 1:
+            return None, None
+        prompt, params = call.prompts[0], call.params
+        route = await self.disp.route(rid, len(prompt), rec.tenant.namespace, [], prompt, params.max_tokens or 0,
+                                      prefer="colocated" if params.beam else "")
+        if route.mode != "colocated" or route.cached_tokens <= 0:
+            return route, None
+        return route, PrefixHit(route.both.worker_id, rec.tenant.namespace, tuple(prompt), route.cached_tokens)
 
     async def consume(self, st: ActiveRequest, finish: bool = True) -> AsyncIterator[Delta]:
         """The upstream messages, counted (tokens, finish reasons, emit times, the record's counts). Ends the

@@ -35,6 +35,7 @@ from pdserve.services.gateway.params import APIError
 from pdserve.services.gateway.tenants import DEFAULT_TENANT, Tenant
 from pdserve.services.gateway.usage_ledger import OpenUsage, UsageLedger
 from pdserve.services.metrics import gateway as M
+from pdserve.services.prefix_pins import PrefixHit
 from pdserve.services.tasks import OwnedTasks
 
 billing_log = logging.getLogger("pdserve.billing")
@@ -135,8 +136,9 @@ class RequestLifecycle:
         return rec.deadline
 
     async def admit(self, rec: RequestRecord, rid: str, prompts: list[list[int]], max_tokens: int | None, n: int,
-                    context_len: int, allow_degrade: bool = True) -> Ticket | None:
-        """Stage two: reserve KV for prompt + predicted output. Returns the ticket (n may be lowered)."""
+                    context_len: int, allow_degrade: bool = True, hit: PrefixHit | None = None) -> Ticket | None:
+        """Stage two: reserve KV for prompt + predicted output, less the placed worker's prefix-cache `hit`
+        (pinned instead, prefix_pins.py). Returns the ticket (n may be lowered)."""
         rec.request_id = rid
         rec.prompt_tokens = sum(len(p) for p in prompts)
         if self.usage is not None:
@@ -157,7 +159,7 @@ class RequestLifecycle:
         ticket = await self.admission.admit(rid, rec.tenant.name, longest, max_tokens, n * len(prompts),
                                             context_len, rec.deadline or (time.time() + self.default_timeout_s),
                                             allow_degrade=allow_degrade and len(prompts) == 1,
-                                            share=rec.tenant.kv)
+                                            share=rec.tenant.kv, hit=hit if len(prompts) == 1 else None)
         rec.ticket = ticket
         rec.admitted_at = time.time()
         if ticket.queued_s:

@@ -32,10 +32,11 @@ from pdserve.services.convert import (
     limits_from_pb,
     params_from_pb,
 )
-from pdserve.services.grpc_util import abort_compile_timeout, param_metadata
+from pdserve.services.grpc_util import abort_compile_timeout
 from pdserve.services.kv_endpoint import KvEndpoint
 from pdserve.services.metrics import worker as M
 from pdserve.services.pb import worker_pb2
+from pdserve.services.refusal import refuse_invalid
 from pdserve.services.tasks import OwnedTasks
 
 if TYPE_CHECKING:
@@ -138,8 +139,7 @@ class PrefillSide:
             return resp
         except ValueError as e:  # refused by the engine (a duplicate id there is someone else's)
             owned = False
-            M.REJECTIONS.labels("invalid_request").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e), trailing_metadata=param_metadata(e))
+            await refuse_invalid(context, e)
         except CompileTimeout as e:  # nothing was added to the engine
             owned = False
             await abort_compile_timeout(context, e)
