@@ -76,6 +76,9 @@ def _add_lifecycle(p: argparse.ArgumentParser, redis_url: bool = True) -> None:
     p.add_argument("--migration-limit", type=nonneg_int, default=2,
                    help="times a request may move to another worker after its worker died mid-stream (0: never; "
                         "docs/reliability.md, Mid-stream migration)")
+    p.add_argument("--require-disagg", action="store_true", default=None,  # None: no "(default: False)"
+                   help="answer 503 disagg_unavailable, naming the router's reason, instead of prefilling a request "
+                        "on the worker that decodes it (docs/routing.md, Which path served a request)")
     p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                    help="the model's tool call format (docs/api.md, Tool calling); unset: the one the chat template "
                         "writes, else hermes")

@@ -57,7 +57,8 @@ def _env() -> dict:
 
 LIFECYCLE_FLAGS = ("api_keys_file", "max_body_bytes", "default_timeout", "max_timeout", "admission_queue",
                    "max_queue_wait", "kv_overcommit", "reservation_lease", "tool_call_parser",
-                   "default_max_tokens", "max_logprob_entries", "migration_limit", "allowed_hosts", "allowed_origins")
+                   "default_max_tokens", "max_logprob_entries", "migration_limit", "allowed_hosts", "allowed_origins",
+                   "require_disagg")
 
 
 # Paths only: the secrets stay in their files (a child's command line is visible to every local user).
@@ -71,7 +72,9 @@ def _flags(args, names) -> list[str]:
         v = getattr(args, name, None)
         if isinstance(v, tuple):  # a list flag (--allowed-hosts): as it was given, or not at all when empty
             v = ",".join(v) or None
-        if v is not None:
+        if isinstance(v, bool):  # a switch (--require-disagg): present or not
+            out += ["--" + name.replace("_", "-")] if v else []
+        elif v is not None:
             out += ["--" + name.replace("_", "-"), str(v)]
     return out
 

@@ -46,7 +46,9 @@ def test_kv_crosses_the_shaped_link(lab):
     client.completions.create(model="builtin", prompt="hi", max_tokens=2)  # the handshake and a first pull
     b0 = _metric(lab, "decode-0", "pdserve_kv_transfer_bytes_total")
     s0 = _metric(lab, "decode-0", "pdserve_kv_transfer_seconds_sum")
-    r = client.completions.create(model="builtin", prompt="hello " * 400, max_tokens=4)
+    raw = client.completions.with_raw_response.create(model="builtin", prompt="hello " * 400, max_tokens=4)
+    assert raw.headers["x-pdserve-path"] == "disagg; reason=disagg_forced"  # the deployment's mode is disagg
+    r = raw.parse()
     moved = _metric(lab, "decode-0", "pdserve_kv_transfer_bytes_total") - b0
     took = _metric(lab, "decode-0", "pdserve_kv_transfer_seconds_sum") - s0
     blocks = math.floor(r.usage.prompt_tokens / BLOCK_TOKENS)
@@ -56,6 +58,9 @@ def test_kv_crosses_the_shaped_link(lab):
     assert r.choices[0].text and blocks > 20 and block_bytes > 0
     assert moved * 8 / took <= RATE_BPS * 1.15, "faster than the link: the KV did not cross it"
     assert took >= moved * 8 / RATE_BPS * 0.7
+    by_path = samples(httpx.get(lab.metrics_url("gateway"), timeout=10).text, "pdserve_requests_by_path_total",
+                      '{path="disagg",reason="disagg_forced"}')
+    assert by_path and by_path[0] >= 2
 
 
 def test_a_host_cut_off_fails_within_the_deadline_and_serves_when_back(lab):

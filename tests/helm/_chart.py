@@ -78,7 +78,7 @@ SCENARIOS: dict[str, dict] = {
     },
     "auto": {
         "mode": "auto",
-        "gateway": {"replicas": 2, "apiKeys": {"enabled": True, "tenants": {
+        "gateway": {"replicas": 2, "requireDisagg": True, "apiKeys": {"enabled": True, "tenants": {
             "acme": {"keys": ["sk-acme"], "rate_rps": 5, "burst": 10, "quota_tokens": 200000, "priority": 0}}}},
     },
     "extras_hf_podmonitor": {

@@ -171,6 +171,7 @@ def test_every_command_is_one_pdserve_accepts(scenario, monkeypatch):
             # PDSERVE_MIGRATION_LIMIT, read by the gateway's own parser (docs/reliability.md)
             assert a.migration_limit == vals.get("gateway", {}).get("migrationLimit", 2)
             assert a.max_logprob_entries == vals.get("gateway", {}).get("maxLogprobEntries", 500_000)
+            assert bool(a.require_disagg) == vals.get("gateway", {}).get("requireDisagg", False)
         if a.command in ("gateway", "worker"):  # guidedOutput: the same limits on both (grammar_limits.py)
             g = vals.get("guidedOutput", {})
             assert a.max_enum_values == g.get("maxEnumValues", 1000) and a.max_schema_depth == 64

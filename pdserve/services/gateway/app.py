@@ -80,6 +80,7 @@ class GatewayConfig:
     default_max_tokens: int | None = None  # a body without max_tokens: at most this many (None: the context left)
     max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES  # an answer's log-prob values at most (params.py)
     migration_limit: int = 2  # moves per request after its worker died mid-stream (gateway/migration.py)
+    require_disagg: bool = False  # refuse (503) what the router would prefill on the decoding worker (path.py)
     grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)  # guided output (grammar_limits.py)
     # browsers (origin.py): the address the gateway listens on (None: not its own listener, no Host check), the
     # Host names and the CORS origins allowed besides
@@ -198,7 +199,8 @@ def create_gateway(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> 
     model_dir = resolve_model_dir(cfg.model)
     tok = Tokenizer(model_dir)
     limits = serving_limits(model_dir)  # config.json without torch: the gateway never imports the engine
-    disp = dispatcher or Dispatcher(cfg.router_address, cfg.served_model_name, migration_limit=cfg.migration_limit)
+    disp = dispatcher or Dispatcher(cfg.router_address, cfg.served_model_name, migration_limit=cfg.migration_limit,
+                                     require_disagg=cfg.require_disagg)
     app = FastAPI(title="pdserve gateway", **fastapi_options())
     app.openapi = lambda: openapi.document("pdserve gateway", _version())  # openapi.py: the real request schemas
     if cfg.allowed_origins:  # inside BrowserGuard: a preflight from a foreign Host is refused like any request

@@ -72,10 +72,12 @@ class _Attempt:
 
 
 class Dispatcher:
-    def __init__(self, router_address: str, model: str, max_attempts: int = 3, migration_limit: int = 2):
+    def __init__(self, router_address: str, model: str, max_attempts: int = 3, migration_limit: int = 2,
+                 require_disagg: bool = False):
         self.model = model
         self.max_attempts = max_attempts
         self.migration_limit = migration_limit  # moves per sub-request after a worker died (migration.py)
+        self.require_disagg = require_disagg  # a fresh placement on one worker is refused (gateway/path.py)
         self._listed_ids: set[str] | None = None  # the router's last worker list (None: unknown)
         self._listed_at = float("-inf")
         self._router = router_pb2_grpc.RouterStub(channel(router_address))
@@ -184,6 +186,9 @@ class Dispatcher:
             if on_route is not None:
                 on_route(route)  # e.g. the latency histograms' mode label, the x-pdserve-route debug header
             colocated = route.mode == "colocated"
+            if colocated and resume is None and self.require_disagg:
+                from pdserve.services.gateway.path import DisaggUnavailable
+                raise DisaggUnavailable(route.reason)
             at = _Attempt(route.both.worker_id if colocated else route.prefill.worker_id)
             if not colocated and resume is not None:
                 raise NoWorkersError("no worker can take the migrated request")

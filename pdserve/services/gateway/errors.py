@@ -18,6 +18,7 @@ from pdserve.services.gateway import redact
 from pdserve.services.gateway.core import NoWorkersError, UpstreamError
 from pdserve.services.gateway.ingress import retry_after
 from pdserve.services.gateway.params import APIError
+from pdserve.services.gateway.path import DisaggUnavailable
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -90,6 +91,9 @@ def reply_for(e: BaseException) -> ErrorReply:
                               state=e.state)
         return ErrorReply(500, msg, "server_error", "failed", state=e.state)
     rid = redact.request_id.get()
+    if isinstance(e, DisaggUnavailable):  # --require-disagg: refused before any worker ran it
+        return ErrorReply(503, redact.with_id(str(e)), "service_unavailable_error", "disagg_unavailable",
+                          headers={"Retry-After": "1"}, rejection="disagg_unavailable")
     if isinstance(e, NoWorkersError):
         log.warning("request %s: no workers: %s", rid, e)
         return ErrorReply(503, redact.with_id("no workers available"), "service_unavailable_error", "no_workers",

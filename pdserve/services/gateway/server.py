@@ -74,7 +74,7 @@ async def serve(args) -> None:
         redis_auth=RedisAuth.from_args(args), registry_key=security().registry_key(),
         tool_call_parser=args.tool_call_parser, default_max_tokens=args.default_max_tokens,
         max_logprob_entries=args.max_logprob_entries,
-        migration_limit=args.migration_limit, grammar_limits=limits_from_args(args), host=args.host,
+        migration_limit=args.migration_limit, require_disagg=bool(args.require_disagg), grammar_limits=limits_from_args(args), host=args.host,
         allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins))
     if args.metrics_port:  # unauthenticated, for a scraper on the service network (docs/admission.md, Trust model)
         from pdserve.services.metrics.exposition import serve as serve_metrics

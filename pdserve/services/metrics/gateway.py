@@ -36,6 +36,10 @@ MIGRATIONS = Counter("pdserve_migrations_total", "Sub-requests moved to another 
                      "(docs/reliability.md, Mid-stream migration), by reason: unavailable (stream broke), "
                      "worker_lost (silent and out of the registry), kv_transfer (the prompt's KV could not be pulled)",
                      ["reason"], registry=GATEWAY)
+REQUESTS_BY_PATH = Counter("pdserve_requests_by_path_total", "Client (sub-)requests by the path that served them: "
+                           "disagg, local (prefilled where it decodes, by the router's choice) or fallback "
+                           "(disaggregation wanted and impossible), with the router's reason (gateway/path.py)",
+                           ["path", "reason"], registry=GATEWAY)
 CLIENT_DISCONNECTS = Counter("pdserve_client_disconnects_total", "Client requests ended because the client went "
                              "away before the answer was complete", registry=GATEWAY)
 
