@@ -38,7 +38,7 @@ def post(gw, body: dict):
 def test_translation_is_the_chat_body_it_means():
     t = to_chat({"model": "m", "instructions": "be brief", "temperature": 0.5, "top_p": 0.9, "stream": True,
                  "max_output_tokens": 20, "parallel_tool_calls": False, "tools": [TOOL],
-                 "tool_choice": {"type": "function", "name": "get_weather"},
+                 "tool_choice": "auto",
                  "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"},
                                      "strict": True}},
                  "input": [{"role": "user", "content": "hi"},
@@ -58,7 +58,7 @@ def test_translation_is_the_chat_body_it_means():
         "stream_options": {"include_usage": True}, "max_completion_tokens": 20,
         "tools": [{"type": "function", "function": {"name": "get_weather", "description": "weather",
                                                     "parameters": TOOL["parameters"], "strict": True}}],
-        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "tool_choice": "auto",
         "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"},
                                                                    "strict": True}},
         "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
@@ -69,6 +69,16 @@ def test_translation_is_the_chat_body_it_means():
                      {"role": "developer", "content": "more"}]}
     assert t.where == ["instructions", "input[0]", "input[1]", "input[4]", "input[5]", "input[6]", "input[7]"]
     assert to_chat({"input": "hello"}).chat == {"messages": [{"role": "user", "content": "hello"}]}
+    # a forced call is the answer: the text format has nothing to shape, and chat refuses the two together
+    fmt = {"format": {"type": "json_object"}}
+    forced = to_chat({"input": "x", "tools": [TOOL], "tool_choice": {"type": "function", "name": "get_weather"},
+                      "text": fmt}).chat
+    assert forced["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    assert "response_format" not in forced
+    assert "response_format" not in to_chat({"input": "x", "tools": [TOOL], "tool_choice": "required",
+                                             "text": fmt}).chat
+    assert to_chat({"input": "x", "tools": [TOOL], "tool_choice": "none", "text": fmt}).chat["response_format"] \
+        == {"type": "json_object"}
 
 
 def test_a_valid_body_is_accepted(gw):
@@ -208,5 +218,5 @@ def test_openapi_document_and_docs_list_the_table(gw):
     assert not v.is_valid({"input": "hi", "frobnicate": 1}) and not v.is_valid({"input": 3})
     text = DOCS.read_text()
     section = text[text.index("## Responses API"):]
-    listed = set(re.findall(r"^\| `([a-z_]+)` \|", section, re.M))
+    listed = set(re.findall(r"^\| (?:takes|refuses) \| `([a-z_]+)` \|", section, re.M))
     assert listed == {f.name for f in FIELDS} | set(UNSUPPORTED), listed ^ ({f.name for f in FIELDS} | set(UNSUPPORTED))
