@@ -105,7 +105,7 @@ def _input(items, out: Translated) -> None:
         if not isinstance(item, dict):
             raise bad(where, "must be an object")
         kind = item.get("type", "message")
-        if kind not in _ITEM_KEYS:
+        if not isinstance(kind, str) or kind not in _ITEM_KEYS:
             why = "refers to a stored item; nothing is stored" if kind == "item_reference" else \
                 "is not supported (message, function_call, function_call_output)"
             raise bad(f"{where}.type", f"{str(kind)[:40]!r} {why}")
