@@ -187,3 +187,22 @@ def test_agents_sdk_agent_calls_a_tool_and_uses_its_result(up):
     # the turn with the forced call sent the output type too: the call, not the format, shaped that answer
     assert bodies[0]["tool_choice"] == FORCED and bodies[0]["text"]["format"]["type"] == "json_schema"
     assert bodies[1].get("tool_choice") in (None, "auto")
+
+
+def test_a_client_that_leaves_mid_stream_cancels_the_request(up):
+    """The stream is the chat path's, wrapped: closing it reaches the engine (CANCELLED) and frees the KV."""
+    from tests.e2e.conftest import metric, wait_until
+    body = {"model": "tk", "input": "Weather in Rome?", "max_output_tokens": 1500, "temperature": 0,
+            "stream": True}
+    with httpx.stream("POST", up.base_url + "/v1/responses", json=body, timeout=60) as r:
+        n = 0
+        for line in r.iter_lines():
+            if line.startswith("data: ") and '"response.output_text.delta"' in line:
+                n += 1
+                if n == 3:
+                    break  # leaving the context manager closes the connection mid-stream
+    assert n == 3
+    (w,) = up.workers()
+    assert wait_until(lambda: metric(w["metrics_port"], "pdserve_engine_requests_terminal_total",
+                                     '{state="CANCELLED"}') >= 1, 15)
+    assert wait_until(lambda: metric(w["metrics_port"], "pdserve_kv_blocks_in_use") == 0, 15)

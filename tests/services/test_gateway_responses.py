@@ -221,3 +221,24 @@ def test_openapi_document_and_docs_list_the_table(gw):
     section = text[text.index("## Responses API"):]
     listed = set(re.findall(r"^\| (?:takes|refuses) \| `([a-z_]+)` \|", section, re.M))
     assert listed == {f.name for f in FIELDS} | set(UNSUPPORTED), listed ^ ({f.name for f in FIELDS} | set(UNSUPPORTED))
+
+
+def test_closing_the_event_stream_closes_the_chat_stream():
+    """A client that leaves: the front door closes the outer stream, which must close the chat stream it reads
+    (whose closing aborts the upstream calls)."""
+    closed = []
+
+    async def gen():
+        try:
+            for c in _chunks(_choice({"content": "a"}), _choice({"content": "b"})):
+                yield c
+        finally:
+            closed.append(True)
+
+    async def main():
+        out = events(gen(), EventWriter("chatcmpl-x", 1, "m", {}))
+        got = [await out.__anext__() for _ in range(4)]  # created, in_progress, item added, part added
+        await out.aclose()
+        return got
+    got = asyncio.run(main())
+    assert b"response.content_part.added" in got[-1] and closed == [True]
