@@ -85,7 +85,8 @@ def test_a_valid_body_is_accepted(gw):
     r = post(gw, {"input": "hi", "instructions": "x", "tools": [TOOL], "tool_choice": "required", "store": False,
                   "include": [], "metadata": {"k": "v"}, "truncation": "disabled", "user": "u", "temperature": 0,
                   "max_output_tokens": 5, "text": {"format": {"type": "text"}}, "reasoning": None,
-                  "previous_response_id": None, "service_tier": "auto"})
+                  "previous_response_id": None, "service_tier": "auto", "safety_identifier": "s",
+                  "stream_options": {"include_obfuscation": False}})
     assert r.status_code == 503 and r.json()["error"]["code"] == "no_workers", r.text
 
 
@@ -119,6 +120,10 @@ BAD = [({"input": 5}, "input"), ({"input": []}, "input"), ({}, "input"),
        ({"input": "x", "background": True}, "background"),
        ({"input": "x", "include": ["message.output_text.logprobs"]}, "include"),
        ({"input": "x", "truncation": "auto"}, "truncation"),
+       ({"input": "x", "stream_options": {"include_usage": True}}, "stream_options.include_usage"),
+       ({"input": "x", "stream_options": {"include_obfuscation": 1}}, "stream_options.include_obfuscation"),
+       ({"input": "x", "safety_identifier": 1}, "safety_identifier"),
+       ({"input": "x", "metadata": {"k": 1}}, "metadata.k"),
        ({"input": "x", "messages": []}, "messages"),
        ({"input": "x", "max_tokens": 3}, "max_tokens"),
        ({"input": "x", "model": "other"}, "model")]

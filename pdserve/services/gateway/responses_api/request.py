@@ -70,6 +70,15 @@ def _envelope(body: dict) -> None:
         raise bad("store", "must be true or false")
     if body.get("truncation") not in (None, "disabled"):
         raise bad("truncation", "only 'disabled' is supported: an input too long for the context is a 400")
+    so = body.get("stream_options")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise bad("stream_options", "must be an object")
+        for k, v in so.items():
+            if k != "include_obfuscation":
+                raise bad(f"stream_options.{k[:60]}", "unknown parameter")
+            if v is not None and not isinstance(v, bool):
+                raise bad("stream_options.include_obfuscation", "must be true or false")
     if body.get("safety_identifier") is not None and not isinstance(body["safety_identifier"], str):
         raise bad("safety_identifier", "must be a string")
     inc = body.get("include")
