@@ -239,8 +239,8 @@ def _error_handlers(app: FastAPI) -> None:
 
 
 def _generation_routes(g: Gateway) -> None:
-    """/v1/completions, /v1/chat/completions, and /v1/responses (a chat completion in the Responses API's form,
-responses_api/)."""
+    """/v1/completions, /v1/chat/completions, and /v1/responses (a chat completion in the Responses API's
+    form, responses_api/)."""
     @g.app.post("/v1/completions")
     async def completions(request: Request):
         return await _endpoint(g, request, chat=False)
