@@ -247,3 +247,12 @@ def test_closing_the_event_stream_closes_the_chat_stream():
         return got
     got = asyncio.run(main())
     assert b"response.content_part.added" in got[-1] and closed == [True]
+
+
+def test_every_field_the_installed_openai_sdk_sends_is_classified():
+    """A field the Responses API defines is served or refused with a reason, never an unknown parameter."""
+    from openai.types.responses import response_create_params as p
+
+    from pdserve.services.gateway.responses_api.fields import BY_NAME
+    sdk = set(p.ResponseCreateParamsBase.__annotations__) | {"stream"}
+    assert sdk - set(BY_NAME) - set(UNSUPPORTED) == set()

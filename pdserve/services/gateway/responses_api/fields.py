@@ -92,6 +92,11 @@ UNSUPPORTED: dict[str, tuple[str, tuple]] = {
     "prompt_cache_key": ("prompt cache keys are not supported on /v1/responses", ()),
     "prompt_cache_retention": ("prompt cache retention is not supported", ()),
     "context_management": ("context management is not supported", ()),
+    "prompt_cache_options": ("prompt cache options are not supported", ()),
+    "background_options": ("background responses are not supported", ()),
+    "moderation": ("moderation is not supported", ()),
+    "image": ("image options are not supported (text only)", ()),
+    "access_programs": ("access programs are not supported", ()),
 }
 
 BY_NAME = {f.name: f for f in FIELDS}
