@@ -143,7 +143,29 @@ def test_bad_input_is_a_400_naming_the_field(up):
     assert r.status_code == 400 and r.json()["error"]["param"] == "input[1].call_id", r.text
     r = httpx.post(up.base_url + "/v1/responses", timeout=30, json={"input": "x", "previous_response_id": "resp_1"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
-    assert "not stored" in r.json()["error"]["message"]
+
+
+def test_previous_response_id_continues_the_stored_conversation(up, client):
+    """The stored conversation (input and output items, not the instructions) comes before the new input: the
+    prompt has the tokens of transformers' rendering of the whole history; streamed answers are stored too;
+    `store: false` stores nothing."""
+    kw = dict(model="tk", temperature=0, max_output_tokens=4)
+    r1 = client.responses.create(input="My name is Ada.", instructions="Be brief.", **kw)
+    assert r1.store is True
+    with client.responses.stream(input="And yours?", previous_response_id=r1.id, **kw) as s:
+        events = list(s)
+    r2 = events[-1].response
+    assert r2.previous_response_id == r1.id and r2.store is True
+    r3 = client.responses.create(input="What is my name?", previous_response_id=r2.id, **kw)
+    history = [{"role": "user", "content": "My name is Ada."}, {"role": "assistant", "content": r1.output_text},
+               {"role": "user", "content": "And yours?"}, {"role": "assistant", "content": r2.output_text},
+               {"role": "user", "content": "What is my name?"}]
+    assert r3.usage.input_tokens == len(reference_ids(up.model_dir, history))
+    r4 = client.responses.create(input="x", store=False, **kw)
+    assert r4.store is False
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(input="y", previous_response_id=r4.id, **kw)
+    assert e.value.body["param"] == "previous_response_id"
 
 
 def test_agents_sdk_agent_calls_a_tool_and_uses_its_result(up):

@@ -44,6 +44,7 @@ from pdserve.services.gateway.params import (
 from pdserve.services.gateway.parse import RequestParser
 from pdserve.services.gateway.responses import OpenAIForm
 from pdserve.services.gateway.responses_api.call import ResponsesCall
+from pdserve.services.gateway.responses_api.store import ResponseStore
 from pdserve.services.gateway.schema import ActiveRequest, GenerateCall
 from pdserve.services.gateway.tools.base import ToolCallParser
 from pdserve.services.gateway.tools.output import ToolOutput
@@ -249,9 +250,12 @@ def _generation_routes(g: Gateway) -> None:
     async def chat_completions(request: Request):
         return await _endpoint(g, request, chat=True)
 
+    redis = g.lifecycle.gate.redis
+    store = ResponseStore(redis, g.config.served_model_name) if redis is not None else None
+
     @g.app.post("/v1/responses")
     async def responses_create(request: Request):
-        return await _endpoint(g, request, chat=True, api=ResponsesCall(g.config.served_model_name))
+        return await _endpoint(g, request, chat=True, api=ResponsesCall(g.config.served_model_name, store))
 
 
 async def _parse_call(g: Gateway, request: Request, raw: bytes, chat: bool, form: OpenAIForm,
@@ -259,7 +263,7 @@ async def _parse_call(g: Gateway, request: Request, raw: bytes, chat: bool, form
     """The body -> a checked GenerateCall (tokenized off the loop); `form` learns how the answer is presented.
     With `api`, the body is a Responses one, checked and translated into the chat body it means first."""
     cfg, parser, tok, max_len = g.config, g.parser, g.tokenizer, g.max_len
-    body = parser.body(raw, chat) if api is None else parser.envelope(api.chat_body(parser.decode(raw)), chat)
+    body = parser.body(raw, chat) if api is None else parser.envelope(await api.chat_body(parser.decode(raw)), chat)
     debug = debug_options(request.headers)
     params = to_sampling_params(body, chat=chat, vocab_size=g.vocab)
     treq = tool_request(body) if chat else None
@@ -291,6 +295,8 @@ async def _endpoint(g: Gateway, request: Request, chat: bool, api: ResponsesCall
     handler, life = g.handler, g.lifecycle
     rec = handler.new_record()
     form = OpenAIForm(g.config.served_model_name, chat, tokenizer=g.tokenizer)
+    if api is not None:
+        api.rec = rec  # its tenant scopes the stored responses
     try:
         raw = await life.gate.read_body(request)  # stage one starts before parsing or tokenizing
         parse = lambda: _parse_call(g, request, raw, chat, form, api)  # noqa: E731

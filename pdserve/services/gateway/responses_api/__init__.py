@@ -3,6 +3,7 @@
 A Responses body is checked (fields.py) and turned into the chat body it means (request.py); from there it takes
 the one request path every chat completion takes (admission, billing, deadlines, cancellation, both serving modes:
 app.py's `_endpoint` and handler.py). The answer comes back as chat completion JSON or chunks and is rewritten as a
-Response object (output.py) or the Responses API's typed events (events.py). Nothing is stored: `store` is
-accepted and answered as false, and `previous_response_id` is a 400 that says so.
+Response object (output.py) or the Responses API's typed events (events.py). Unless `store: false`, the
+conversation a response ends is kept in Redis for `previous_response_id` (store.py: tenant-scoped, expiring,
+bounded).
 """

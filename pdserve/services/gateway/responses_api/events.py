@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
 
 from pdserve.services.gateway.responses_api.output import (
     call_item,
@@ -112,11 +112,15 @@ class EventWriter:
         return out
 
     def end(self) -> list[bytes]:
+        """The last item's closing events; the Response is finished (`final` sends it)."""
         # an empty answer is an empty message, as in the non-streamed one
         out = self._open_message() if not self.resp["output"] else []
         out += self.close()
-        resp = finished(self.resp, self.finish_reason, self.usage)
-        return out + [self._event(f"response.{resp['status']}", response=resp)]
+        finished(self.resp, self.finish_reason, self.usage)
+        return out
+
+    def final(self) -> bytes:
+        return self._event(f"response.{self.resp['status']}", response=self.resp)
 
     def failed(self, error: dict) -> list[bytes]:
         out = self.close()
@@ -125,9 +129,11 @@ class EventWriter:
         return out + [self._event("response.failed", response=self.resp)]
 
 
-async def events(chunks: AsyncIterator[bytes], w: EventWriter) -> AsyncIterator[bytes]:
+async def events(chunks: AsyncIterator[bytes], w: EventWriter,
+                 keep: Callable[[dict], Awaitable[None]] | None = None) -> AsyncIterator[bytes]:
     """The chat stream's server-sent events (`responses.stream`: one `data:` event per item, `[DONE]` or an
-    error event last) rewritten. Closing this closes `chunks`."""
+    error event last) rewritten; `keep` stores the finished Response before its last event. Closing this closes
+    `chunks`."""
     async with contextlib.aclosing(chunks):
         for e in w.start():
             yield e
@@ -143,3 +149,6 @@ async def events(chunks: AsyncIterator[bytes], w: EventWriter) -> AsyncIterator[
                 return
         for e in w.end():
             yield e
+        if keep is not None:
+            await keep(w.resp)
+        yield w.final()

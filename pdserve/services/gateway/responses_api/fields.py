@@ -60,7 +60,11 @@ FIELDS: list[Field] = [
     Field("stream_options", {"type": "object", "properties": {"include_obfuscation": _BOOL},
                              "additionalProperties": False},
           "`include_obfuscation` accepted: nothing is padded (the usage is always in the last event)", (RESPONSES,)),
-    Field("store", _BOOL, "accepted; nothing is stored (the answer says `store: false`)", (RESPONSES,)),
+    Field("store", _BOOL, "default true: the conversation is kept for `previous_response_id` (an hour, for this "
+                          "tenant; needs Redis)", (RESPONSES,)),
+    Field("previous_response_id", {"type": "string", "pattern": "^resp_[0-9a-f]{24}$"},
+          "continue a stored response: its conversation comes before `input` (not its `instructions`)",
+          (RESPONSES,)),
     Field("include", {"type": "array", "items": _STR}, "accepted; no includable item is produced", (RESPONSES,)),
     Field("metadata", {"type": "object", "additionalProperties": _STR, "maxProperties": 16},
           "echoed in the answer", (RESPONSES,)),
@@ -81,7 +85,6 @@ FIELDS: list[Field] = [
 
 # Responses fields pdserve does not serve -> (why, the values that change nothing and are let through)
 UNSUPPORTED: dict[str, tuple[str, tuple]] = {
-    "previous_response_id": ("responses are not stored (store: false): send the whole conversation as input", ()),
     "conversation": ("conversations are not stored: send the whole conversation as input", ()),
     "background": ("background responses are not supported", (False,)),
     "prompt": ("stored prompt templates are not supported", ()),

@@ -22,8 +22,8 @@ def echo(body: dict) -> dict:
     out = {k: body[k] if body.get(k) is not None else v for k, v in _ECHOED.items()}
     text = body.get("text") or {}
     out["text"] = {"format": text.get("format") or {"type": "text"}, "verbosity": "medium"}
-    return {**out, "store": False, "truncation": "disabled", "previous_response_id": None, "reasoning": None,
-            "background": False, "service_tier": "default"}
+    return {**out, "store": False, "truncation": "disabled", "previous_response_id": body.get("previous_response_id"),
+            "reasoning": None, "background": False, "service_tier": "default"}
 
 
 def skeleton(rid: str, created: int, model: str, settings: dict, status: str = "in_progress") -> dict:

@@ -33,7 +33,13 @@ class Translated:
     where: list[str] = field(default_factory=list)  # the Responses path of each chat message
 
 
-def to_chat(body: dict) -> Translated:
+def input_items(items) -> list[dict]:
+    """The input as items (a string is one user message)."""
+    return [{"role": "user", "content": items}] if isinstance(items, str) else list(items)
+
+
+def to_chat(body: dict, earlier: list[dict] | None = None) -> Translated:
+    """`earlier`: the stored conversation `previous_response_id` names (store.py), before this input."""
     check_known(body)
     out = Translated({k: body[k] for k in _SAME if body.get(k) is not None})
     _envelope(body)
@@ -42,6 +48,8 @@ def to_chat(body: dict) -> Translated:
         if not isinstance(instructions, str):
             raise bad("instructions", "must be a string")
         _append(out, {"role": "system", "content": instructions}, "instructions")
+    if earlier:
+        _input(earlier, out, "previous_response_id")
     _input(body.get("input"), out)
     if body.get("max_output_tokens") is not None:
         out.chat["max_completion_tokens"] = body["max_output_tokens"]
@@ -101,7 +109,7 @@ def _append(out: Translated, msg: dict, where: str) -> None:
     out.where.append(where)
 
 
-def _input(items, out: Translated) -> None:
+def _input(items, out: Translated, base: str = "input") -> None:
     if isinstance(items, str):
         _append(out, {"role": "user", "content": items}, "input")
         return
@@ -110,7 +118,7 @@ def _input(items, out: Translated) -> None:
     if len(items) > MAX_MESSAGES:
         raise bad("input", f"at most {MAX_MESSAGES} items per request (got {len(items)})")
     for i, item in enumerate(items):
-        where = f"input[{i}]"
+        where = f"{base}[{i}]"
         if not isinstance(item, dict):
             raise bad(where, "must be an object")
         kind = item.get("type", "message")
