@@ -51,7 +51,7 @@ def test_a_stored_conversation_comes_back_for_its_tenant_only(redis_port):
     async def body(st, r):
         assert await st.save("alice", RID, ITEMS)
         assert await st.load("alice", RID) == ITEMS
-        ttl = await r.ttl(f"pdserve:m:responses:alice:{RID}")
+        ttl = await r.ttl(f"pdserve:m:responses:entry:alice:{RID}")
         assert S.TTL_S - 5 <= ttl <= S.TTL_S
         with pytest.raises(APIError) as e:
             await st.load("bob", RID)
@@ -69,9 +69,9 @@ def test_bounded_per_tenant_and_per_entry(redis_port, monkeypatch):
             assert await st.save("alice", rid, ITEMS)
             await asyncio.sleep(0.01)  # distinct scores: the order of saving
         assert await st.save("bob", ids[0], ITEMS)  # another tenant's count is its own
-        kept = [rid for rid in ids if await r.exists(f"pdserve:m:responses:alice:{rid}")]
+        kept = [rid for rid in ids if await r.exists(f"pdserve:m:responses:entry:alice:{rid}")]
         assert kept == ids[2:]  # the oldest went first
-        assert await r.zcard("pdserve:m:responses:alice") == 3
+        assert await r.zcard("pdserve:m:responses:index:alice") == 3
         assert await st.load("bob", ids[0]) == ITEMS
         assert not await st.save("alice", "resp_" + "b" * 24, [{"role": "user", "content": "x" * 300}])
     _run(redis_port, body)

@@ -32,15 +32,19 @@ class ResponseStore:
         self.r = redis  # redis.asyncio client (its socket timeout bounds every call)
         self.prefix = f"pdserve:{model}:responses"
 
+    # entries and indexes under different words: no tenant name (the operator's, free text) makes one the other
     def _key(self, tenant: str, rid: str) -> str:
-        return f"{self.prefix}:{tenant}:{rid}"
+        return f"{self.prefix}:entry:{tenant}:{rid}"
+
+    def _index(self, tenant: str) -> str:
+        return f"{self.prefix}:index:{tenant}"
 
     async def save(self, tenant: str, rid: str, items: list[dict]) -> bool:
         """Store the conversation `rid` ends; False when it was not (too big, or Redis failed)."""
         blob = json.dumps(items, ensure_ascii=False)
         if len(blob.encode()) > MAX_BYTES:
             return False
-        index, now = f"{self.prefix}:{tenant}", time.time()
+        index, now = self._index(tenant), time.time()
         try:
             async with self.r.pipeline(transaction=True) as p:
                 p.set(self._key(tenant, rid), blob, ex=TTL_S)
