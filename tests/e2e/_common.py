@@ -53,6 +53,14 @@ def check_openai_client(up):
             usage = ch.usage
     assert "".join(parts) == chat_text
     assert usage is not None and usage.completion_tokens == r.usage.completion_tokens
+    # the Responses API is the same chat completion (gateway/responses_api/), in this serving mode too
+    resp = c.responses.create(model="ck", input="judge my vow", max_output_tokens=6, temperature=0)
+    assert resp.output_text == chat_text and resp.usage.output_tokens == r.usage.completion_tokens
+    events = list(c.responses.create(model="ck", input="judge my vow", max_output_tokens=6, temperature=0,
+                                     stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == chat_text
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    assert events[-1].response.usage.input_tokens == r.usage.prompt_tokens
     # logprobs, both APIs
     r = c.completions.create(model="ck", prompt="the quick brown fox", max_tokens=4, temperature=0, logprobs=2)
     lp = r.choices[0].logprobs

@@ -52,13 +52,14 @@ def _check(case) -> int:
 
 def test_the_document_has_the_generation_endpoints(up):
     labels = {op.label for op in _operations(up)}
-    assert {"POST /v1/completions", "POST /v1/chat/completions"} <= labels, labels
+    assert {"POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses"} <= labels, labels
 
 
 # The hypothesis strategies of schemathesis, driven here (its pytest plugin does not run under pytest 9).
 POS, NEG = GenerationMode.POSITIVE, GenerationMode.NEGATIVE
 CASES = [("POST /v1/completions", POS), ("POST /v1/completions", NEG), ("POST /v1/chat/completions", POS),
-         ("POST /v1/chat/completions", NEG), ("GET /v1/models/{model_id}", POS)]  # the others take no input
+         ("POST /v1/chat/completions", NEG), ("POST /v1/responses", POS), ("POST /v1/responses", NEG),
+         ("GET /v1/models/{model_id}", POS)]  # the others take no input
 
 
 @pytest.mark.parametrize("label,mode", CASES, ids=[f"{c[0]}-{c[1].value}" for c in CASES])

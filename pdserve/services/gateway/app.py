@@ -43,6 +43,8 @@ from pdserve.services.gateway.params import (
 )
 from pdserve.services.gateway.parse import RequestParser
 from pdserve.services.gateway.responses import OpenAIForm
+from pdserve.services.gateway.responses_api.call import ResponsesCall
+from pdserve.services.gateway.responses_api.store import ResponseStore
 from pdserve.services.gateway.schema import ActiveRequest, GenerateCall
 from pdserve.services.gateway.tools.base import ToolCallParser
 from pdserve.services.gateway.tools.output import ToolOutput
@@ -240,7 +242,8 @@ def _error_handlers(app: FastAPI) -> None:
 
 
 def _generation_routes(g: Gateway) -> None:
-    """/v1/completions and /v1/chat/completions."""
+    """/v1/completions, /v1/chat/completions, and /v1/responses (a chat completion in the Responses API's
+    form, responses_api/)."""
     @g.app.post("/v1/completions")
     async def completions(request: Request):
         return await _endpoint(g, request, chat=False)
@@ -249,11 +252,20 @@ def _generation_routes(g: Gateway) -> None:
     async def chat_completions(request: Request):
         return await _endpoint(g, request, chat=True)
 
+    redis = g.lifecycle.gate.redis
+    store = ResponseStore(redis, g.config.served_model_name) if redis is not None else None
 
-async def _parse_call(g: Gateway, request: Request, raw: bytes, chat: bool, form: OpenAIForm) -> GenerateCall:
-    """The body -> a checked GenerateCall (tokenized off the loop); `form` learns how the answer is presented."""
+    @g.app.post("/v1/responses")
+    async def responses_create(request: Request):
+        return await _endpoint(g, request, chat=True, api=ResponsesCall(g.config.served_model_name, store))
+
+
+async def _parse_call(g: Gateway, request: Request, raw: bytes, chat: bool, form: OpenAIForm,
+                      api: ResponsesCall | None = None) -> GenerateCall:
+    """The body -> a checked GenerateCall (tokenized off the loop); `form` learns how the answer is presented.
+    With `api`, the body is a Responses one, checked and translated into the chat body it means first."""
     cfg, parser, tok, max_len = g.config, g.parser, g.tokenizer, g.max_len
-    body = parser.body(raw, chat)
+    body = parser.body(raw, chat) if api is None else parser.envelope(await api.chat_body(parser.decode(raw)), chat)
     debug = debug_options(request.headers)
     params = to_sampling_params(body, chat=chat, vocab_size=g.vocab)
     treq = tool_request(body) if chat else None
@@ -280,13 +292,17 @@ async def _parse_call(g: Gateway, request: Request, raw: bytes, chat: bool, form
                         priority=_num(body, "priority", int, None, 0, MAX_PRIORITY))
 
 
-async def _endpoint(g: Gateway, request: Request, chat: bool):
+async def _endpoint(g: Gateway, request: Request, chat: bool, api: ResponsesCall | None = None):
+    """One request, whichever form: with `api`, a Responses request whose answer it rewrites."""
     handler, life = g.handler, g.lifecycle
     rec = handler.new_record()
     form = OpenAIForm(g.config.served_model_name, chat, tokenizer=g.tokenizer)
+    if api is not None:
+        api.rec = rec  # its tenant scopes the stored responses
     try:
         raw = await life.gate.read_body(request)  # stage one starts before parsing or tokenizing
-        st = await handler.open(rec, request.headers, lambda: _parse_call(g, request, raw, chat, form))
+        parse = lambda: _parse_call(g, request, raw, chat, form, api)  # noqa: E731
+        st = await handler.open(rec, request.headers, api.renaming(parse) if api is not None else parse)
     except Exception as e:  # noqa: BLE001 - every refusal is a typed reply (errors.reply_for)
         return _reply(await handler.fail(rec, e))
     except BaseException as e:  # cancelled while admitted or waiting for the first message
@@ -295,9 +311,12 @@ async def _endpoint(g: Gateway, request: Request, chat: bool):
     abandon = _Abandon(handler, st)
     if st.call.streamed:
         abandon.body = responses.stream(handler, st, form)
+        if api is not None:
+            abandon.body = api.stream(abandon.body, st)
         return _OwnedStream(abandon.body, abandon, media_type="text/event-stream",
                             headers={"Cache-Control": "no-cache", **st.headers})
-    task = asyncio.create_task(responses.collect(handler, st, form))
+    answer = responses.collect(handler, st, form)
+    task = asyncio.create_task(api.collect(answer) if api is not None else answer)
     # a non-streaming client that disconnects must not keep the workers busy
     while not task.done():
         done, _ = await asyncio.wait({task}, timeout=0.25)

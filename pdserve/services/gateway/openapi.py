@@ -8,6 +8,7 @@ and the error body. Clients and fuzzers (schemathesis) can generate requests fro
 from __future__ import annotations
 
 from pdserve.services.gateway.fields import UNSUPPORTED, fields_for
+from pdserve.services.gateway.responses_api import openapi as responses_openapi
 from pdserve.services.gateway.tools.request import MAX_TOOLS
 
 _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
@@ -88,6 +89,7 @@ def document(title: str, version: str) -> dict:
         "paths": {
             "/v1/completions": _endpoint("text completion", False),
             "/v1/chat/completions": _endpoint("chat completion (tools: docs/api.md, Tool calling)", True),
+            "/v1/responses": responses_openapi.path_item(),
             "/v1/models": {"get": {"summary": "the served model", "operationId": "listModels", "responses": {
                 "200": {"description": "list", "content": {"application/json": {"schema": {
                     "type": "object", "properties": {"object": {"const": "list"},
@@ -102,5 +104,6 @@ def document(title: str, version: str) -> dict:
                                               "503": {"description": "not ready"}}}},
         },
         "components": {"schemas": {"CompletionRequest": request_schema(False),
-                                   "ChatCompletionRequest": request_schema(True), "Error": _ERROR}},
+                                   "ChatCompletionRequest": request_schema(True), "Error": _ERROR,
+                                   **responses_openapi.schemas()}},
     }

@@ -77,6 +77,11 @@ class RequestParser:
 
     def body(self, raw: bytes, chat: bool | None = None) -> dict:
         """The JSON body, its envelope fields checked; with `chat` given, also every field's name (fields.py)."""
+        return self.envelope(self.decode(raw), chat)
+
+    @staticmethod
+    def decode(raw: bytes) -> dict:
+        """Strict JSON (UTF-8, no NaN, no lone surrogates) that is an object; nothing about its fields."""
         try:
             text = raw.decode("utf-8")  # strict: bytes of a surrogate are refused too
         except UnicodeDecodeError:
@@ -95,6 +100,11 @@ class RequestParser:
             if where is not None:  # the path is made of the client's keys: bounded in the answer
                 raise bad(where if len(where) <= 200 else where[:199] + "…",
                           "contains a lone UTF-16 surrogate (not encodable as UTF-8)")
+        return body
+
+    def envelope(self, body: dict, chat: bool | None = None) -> dict:
+        """A decoded body's envelope fields checked (model, flags, stream_options, timeout, user); with `chat`
+        given, also every field's name (fields.py)."""
         if chat is not None:
             check_known(body, chat)
         model = body.get("model")
