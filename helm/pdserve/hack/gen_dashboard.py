@@ -45,6 +45,8 @@ PANELS = [
       (rate("pdserve_client_disconnects_total"), "disconnects/s")]),
     ("Mid-stream migrations by reason", "reqps",
      [(rate("pdserve_migrations_total", "reason"), "{{reason}}")]),
+    ("Requests by path (disagg / local / fallback) and reason", "reqps",
+     [(rate("pdserve_requests_by_path_total", "path, reason"), "{{path}} {{reason}}")]),
     ("Token throughput (gateway)", "short",
      [(rate("pdserve_prompt_tokens_total"), "prompt tokens/s"),
       (rate("pdserve_generation_tokens_total"), "generated tokens/s")]),
