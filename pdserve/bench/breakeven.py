@@ -47,10 +47,18 @@ def add_args(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--ready-timeout", type=float, default=180.0)
+    p.add_argument("--link", action="append", default=[], metavar="RATE[,delay=MS,...]",
+                   help="the link axis: run the disaggregated deployment on emulated hosts (`pdserve lab`, root) "
+                        "over this link, once per --link given (e.g. --link 10gbit --link 1gbit --link 100mbit); "
+                        "colocated runs once, on one host. Unset: every mode on one host")
     p.add_argument("--out", default="bench-breakeven")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--replot", default=None, metavar="BREAKEVEN_JSON",
                    help="re-render the comparison, heat map and HTML from an earlier breakeven.json (no runs)")
+
+
+def _slug(run: str) -> str:
+    return "".join(ch if ch.isalnum() else "_" for ch in run)
 
 
 def _csv(s: str, kind=float) -> list:
@@ -86,6 +94,34 @@ class Deployment(UpProcess):
         super().__init__(["--model", model, "--mode", mode, *extra], env, ready_timeout)
 
 
+class LabDeployment:
+    """The disaggregated deployment on emulated hosts (pdserve/lab), with the surface `run_mode` uses."""
+
+    def __init__(self, model: str, link: str, extra: list[str], ready_timeout: float):
+        from pdserve.lab.cluster import LabCluster, LabSpec
+        from pdserve.lab.netns import Link
+        env = {"PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+               "PDSERVE_LOG_LEVEL": os.environ.get("PDSERVE_LOG_LEVEL", "WARNING")}
+        self.lab = LabCluster(LabSpec(model=model, link=Link.parse(link), engine_args=(*extra, "--threads", "1"),
+                                      env=env))
+        self.cmd = ["pdserve", "lab", "--link", link, *extra]
+        try:
+            self.lab.start(ready_timeout)
+        except BaseException:
+            self.lab.close()
+            raise
+        self.base_url = self.lab.base_url
+
+    def workers(self) -> list[dict]:
+        return [p for p in self.lab.processes() if p["role"]]
+
+    def metrics_urls(self) -> list[str]:
+        return [self.lab.metrics_url("gateway")] + [self.lab.metrics_url(w["name"]) for w in self.workers()]
+
+    def stop(self) -> None:
+        self.lab.close()
+
+
 def start_mode(a, mode: str) -> tuple[Deployment, dict]:
     cores = _csv(a.cores, int)
     extra = []
@@ -93,7 +129,12 @@ def start_mode(a, mode: str) -> tuple[Deployment, dict]:
         extra += ["--num-gpu-blocks", str(a.num_gpu_blocks)]
     if a.max_num_seqs:
         extra += ["--max-num-seqs", str(a.max_num_seqs)]
-    if mode == "disagg":
+    if mode.startswith("disagg@"):  # the link axis: P and D on emulated hosts over the link
+        link = mode.split("@", 1)[1]
+        d = LabDeployment(a.model, link, extra, a.ready_timeout)
+        plan = {w["name"]: {cores[0]} if w["role"] == "prefill" else {cores[1]} for w in d.workers()}
+        layout = f"1 prefill host (core {cores[0]}) + 1 decode host (core {cores[1]}) over {link}, 1 thread each"
+    elif mode == "disagg":
         d = Deployment(a.model, "disagg", 1, extra + ["--prefill", "1", "--decode", "1"], a.ready_timeout)
         plan = {w["name"]: {cores[0]} if w["role"] == "prefill" else {cores[1]} for w in d.workers()}
         layout = f"1 prefill (core {cores[0]}) + 1 decode (core {cores[1]}), 1 thread each"
@@ -196,17 +237,19 @@ def within_noise(n_slo_c: int, n_slo_d: int, n: int) -> bool:
     return abs(pd - pc) < 2 * se
 
 
-def compare(results: dict, grid) -> list[dict]:
+def compare(results: dict, grid, disagg: str = "disagg") -> list[dict]:
+    """Colocated against the disaggregated run `disagg` ("disagg" on one host, "disagg@LINK" over a link)."""
     rows = []
+    link = disagg.split("@", 1)[1] if "@" in disagg else "same host"
     for plen, olen, rate in grid:
         k = f"{plen}x{olen}x{rate:g}"
         c = results.get("colocated", {}).get("cells", {}).get(k)
-        g = results.get("disagg", {}).get("cells", {}).get(k)
+        g = results.get(disagg, {}).get("cells", {}).get(k)
         if not c or not g:
             continue
         gc, gd = c["goodput_req_per_s"], g["goodput_req_per_s"]
         noise = within_noise(c["n_slo"], g["n_slo"], g["n"])
-        rows.append({"prompt_len": plen, "output_len": olen, "rate_req_per_s": rate,
+        rows.append({"link": link, "prompt_len": plen, "output_len": olen, "rate_req_per_s": rate,
                      "goodput_colocated_req_per_s": gc, "goodput_disagg_req_per_s": gd,
                      "goodput_delta_req_per_s": gd - gc,
                      "goodput_ratio_disagg_over_colocated": (gd / gc) if gc else (math.inf if gd else None),
@@ -269,7 +312,8 @@ def plot_detail(results: dict, grid, path: Path) -> Path | None:
     if plt is None:
         return None
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for mode, style in (("colocated", "o-"), ("disagg", "s--")):
+    for mode in sorted(results, key=lambda m: m != "colocated"):
+        style = "o-" if mode == "colocated" else "s--"
         cells = results.get(mode, {}).get("cells", {})
         for plen, olen in sorted({(p, o) for p, o, _ in grid}):
             rs = sorted(r for p, o, r in grid if p == plen and o == olen and f"{p}x{o}x{r:g}" in cells)
@@ -279,7 +323,7 @@ def plot_detail(results: dict, grid, path: Path) -> Path | None:
             lab = f"{mode} P={plen} O={olen}"
             axes[0].plot(rs, [(c["ttft_p99_s"] or float("nan")) * 1e3 for c in cs], style, label=lab)
             axes[1].plot(rs, [(c["itl_p99_s"] or float("nan")) * 1e3 for c in cs], style, label=lab)
-            if mode == "disagg":
+            if mode.startswith("disagg"):
                 axes[2].plot(rs, [(c["kv_transfer_mean_s"] or float("nan")) * 1e3 for c in cs], style, label=lab)
     for ax, t in zip(axes, ("TTFT p99 (ms)", "ITL p99 (ms): interference shows here", "KV transfer mean (ms), disagg")):
         ax.set_title(t, fontsize=10)
@@ -299,7 +343,8 @@ def verdict(rows: list[dict]) -> list[str]:
     for r in rows:
         ratio = r["goodput_ratio_disagg_over_colocated"]
         rt = "n/a (both 0)" if ratio is None else ("inf" if ratio == math.inf else f"{ratio:.2f}x")
-        out.append(f"P={r['prompt_len']} O={r['output_len']} rate={r['rate_req_per_s']:g}: "
+        out.append(f"link {r.get('link', 'same host')}: P={r['prompt_len']} O={r['output_len']} "
+                   f"rate={r['rate_req_per_s']:g}: "
                    f"{r['winner'].upper()}"
                    f" (goodput D {r['goodput_disagg_req_per_s']:.2f} vs C {r['goodput_colocated_req_per_s']:.2f} req/s,"
                    f" N_SLO D {r['n_slo_disagg']} vs C {r['n_slo_colocated']} of {r['n']},"
@@ -317,6 +362,8 @@ def run_breakeven(a) -> int:
     out.mkdir(parents=True, exist_ok=True)
     grid = [(p, o, r) for o in _csv(a.output_lens, int) for p in _csv(a.prompt_lens, int) for r in _csv(a.rates)]
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    if a.link:  # the link axis: disaggregated once per link, on emulated hosts
+        modes = [m for m in modes if m != "disagg"] + [f"disagg@{link}" for link in a.link]
     slo = MX.SLO(a.slo_ttft, a.slo_tpot)
     results: dict = {}
     meta = {"kind": "breakeven", "argv": sys.argv[1:], "grid": {"prompt_lens": a.prompt_lens,
@@ -349,11 +396,19 @@ def run_breakeven(a) -> int:
                 interrupted = True
                 print("interrupted: reporting what was measured so far", file=sys.stderr)
                 break
-    rows = compare(results, grid)
+    runs = [m for m in results if m.startswith("disagg")]
+    by_run = {m: compare(results, grid, m) for m in runs}
+    rows = [r for m in runs for r in by_run[m]]
     result = {"meta": meta, "results": results, "comparison": rows, "interrupted": interrupted,
               "wall_s": time.perf_counter() - t0}
     files = {"json": write_json(result, out / "breakeven.json")}
-    hm = plot_heatmap(rows, out / "breakeven_heatmap.png", slo)
+    hm = None
+    for m in runs:  # one heat map per link (the first is the headline)
+        name = "breakeven_heatmap.png" if m == "disagg" else f"breakeven_heatmap_{_slug(m)}.png"
+        png = plot_heatmap(by_run[m], out / name, slo)
+        if png:
+            files[f"heatmap_png_{_slug(m)}"] = png
+            hm = hm or png
     dt = plot_detail(results, grid, out / "breakeven_detail.png")
     lines = verdict(rows)
     deps = "".join(f"<li><b>{m}</b>: {H.escape(r['deployment']['layout'])}; startup "
@@ -368,8 +423,6 @@ def run_breakeven(a) -> int:
                 ("Latency, interference and KV transfer", _img(dt) if dt else ""),
                 ("All cells", table)]
     files["html"] = write_html(out / "breakeven.html", "pdserve bench breakeven", sections, _clean(meta))
-    if hm:
-        files["heatmap_png"] = hm
     if dt:
         files["detail_png"] = dt
     for x in lines:

@@ -123,6 +123,14 @@ class LabCluster:
             time.sleep(0.3)
         raise TimeoutError(f"lab: not ready with {want} workers")
 
+    def processes(self) -> list[dict]:
+        """Each component: name, role (workers), pid, host, ip (what `pdserve up`'s PDSERVE_UP record lists)."""
+        out = []
+        for name, c in (self.sup.children.items() if self.sup else ()):
+            role = name.split("-")[0] if name in self.workers else None
+            out.append({**c.info, "name": name, "role": role, "pid": c.proc.pid if c.proc else None})
+        return out
+
     def close(self) -> None:
         if self.sup is not None:
             self.sup.restart = False
