@@ -1,10 +1,10 @@
-"""Prefill and decode on emulated hosts (pdserve/lab): each component in a network namespace of its own, the worker
-hosts behind a rate-capped link, KV over NIXL/UCX's TCP transport.
+"""Prefill and decode on emulated hosts (pdserve/lab): gateway, router, Redis and 2 prefill + 2 decode workers each
+in a network namespace of its own, the worker hosts behind rate-capped links, KV over NIXL/UCX's TCP transport.
 
-What is shown: the KV of a disaggregated request really crosses the decode host's link (its transfer takes the
-link's time: a path through shared memory would not), requests are served over the links with the openai client,
-and a worker host cut off the network fails requests within their deadline, leaks nothing, and serves again once
-it is back. Skipped, with the reason, where the machine cannot make namespaces (not root, no iproute2).
+What is shown: the KV of a disaggregated request really crosses the links (its transfer takes the link's time: a
+path through shared memory would not), concurrent requests from the openai client are served over both pairs, each
+saying its path, and worker hosts cut off the network fail requests within their deadline, leak nothing, and serve
+again once they are back. Skipped, with the reason, where the machine cannot make namespaces (not root, no iproute2).
 """
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ BLOCK_TOKENS = 16
 @pytest.fixture(scope="module")
 def lab():
     try:
-        c = LabCluster(LabSpec(link=Link(rate_bps=RATE_BPS), engine_args=("--num-gpu-blocks", "256"),
+        c = LabCluster(LabSpec(prefill=2, decode=2, link=Link(rate_bps=RATE_BPS),
+                               engine_args=("--num-gpu-blocks", "256", "--threads", "1"),
                                env={k: v for k, v in _env().items() if k == "PYTHONPATH"}))
     except LabUnavailable as e:
         pytest.skip(f"no emulated hosts here: {e}")
@@ -41,16 +42,30 @@ def _metric(c: LabCluster, host: str, name: str) -> float:
     return sum(samples(httpx.get(c.metrics_url(host), timeout=10).text, name))
 
 
+def _decode_sum(c: LabCluster, name: str) -> float:
+    return sum(_metric(c, h, name) for h in ("decode-0", "decode-1"))
+
+
+def _blocks_left(c: LabCluster) -> dict:
+    """KV blocks still allocated on each worker, once the cut requests' cleanup ran (at most 15 s)."""
+    end = time.monotonic() + 15
+    while True:
+        left = {h: _metric(c, h, "pdserve_kv_blocks_in_use") for h in c.workers}
+        if not any(left.values()) or time.monotonic() > end:
+            return left
+        time.sleep(0.5)
+
+
 def test_kv_crosses_the_shaped_link(lab):
     client = openai.OpenAI(base_url=lab.base_url + "/v1", api_key="none", max_retries=0)
     client.completions.create(model="builtin", prompt="hi", max_tokens=2)  # the handshake and a first pull
-    b0 = _metric(lab, "decode-0", "pdserve_kv_transfer_bytes_total")
-    s0 = _metric(lab, "decode-0", "pdserve_kv_transfer_seconds_sum")
+    b0 = _decode_sum(lab, "pdserve_kv_transfer_bytes_total")
+    s0 = _decode_sum(lab, "pdserve_kv_transfer_seconds_sum")
     raw = client.completions.with_raw_response.create(model="builtin", prompt="hello " * 400, max_tokens=4)
     assert raw.headers["x-pdserve-path"] == "disagg; reason=disagg_forced"  # the deployment's mode is disagg
     r = raw.parse()
-    moved = _metric(lab, "decode-0", "pdserve_kv_transfer_bytes_total") - b0
-    took = _metric(lab, "decode-0", "pdserve_kv_transfer_seconds_sum") - s0
+    moved = _decode_sum(lab, "pdserve_kv_transfer_bytes_total") - b0
+    took = _decode_sum(lab, "pdserve_kv_transfer_seconds_sum") - s0
     blocks = math.floor(r.usage.prompt_tokens / BLOCK_TOKENS)
     block_bytes = moved / max(1, math.ceil(r.usage.prompt_tokens / BLOCK_TOKENS))
     print(f"{r.usage.prompt_tokens} prompt tokens: {moved / 1e6:.2f} MB pulled in {took:.3f} s = "
@@ -63,11 +78,37 @@ def test_kv_crosses_the_shaped_link(lab):
     assert by_path and by_path[0] >= 2
 
 
-def test_a_host_cut_off_fails_within_the_deadline_and_serves_when_back(lab):
+def test_concurrent_requests_use_both_pairs(lab):
+    import concurrent.futures as cf
+
+    client = openai.OpenAI(base_url=lab.base_url + "/v1", api_key="none", max_retries=0, timeout=60)
+    def work(h: str) -> float:  # prefills on a prefill host, KV bytes pulled on a decode host
+        return _metric(lab, h, "pdserve_prefill_time_seconds_count" if h.startswith("prefill") else
+                       "pdserve_kv_transfer_bytes_total")
+
+    before = {h: work(h) for h in lab.workers}
+
+    def one(i: int):
+        raw = client.completions.with_raw_response.create(model="builtin", prompt=f"{i} spread " + "x " * 60,
+                                                          max_tokens=8)
+        return raw.headers["x-pdserve-path"], raw.parse().choices[0].text
+
+    with cf.ThreadPoolExecutor(6) as pool:
+        out = list(pool.map(one, range(12)))
+    assert all(path.startswith("disagg") and text for path, text in out), out
+    busy = {h for h in lab.workers if work(h) > before[h]}
+    print("workers that served:", sorted(busy))
+    assert busy == set(lab.workers), busy  # the router spread them over both prefill and both decode hosts
+
+
+def test_the_decode_hosts_cut_off_fail_within_the_deadline_and_serve_when_back(lab):
+    """Both decode hosts' links down after the prefill: no decode worker can take the KV. Before: 500 `failed`."""
     body = {"model": "builtin", "prompt": "hello " * 40, "max_tokens": 4, "timeout": 4}
+    decoders = [lab.workers["decode-0"], lab.workers["decode-1"]]
     with httpx.Client(base_url=lab.base_url, timeout=30) as c:
         assert c.post("/v1/completions", json=body).status_code == 200
-        lab.net.set_down(lab.workers["decode-0"])
+        for h in decoders:
+            lab.net.set_down(h)
         try:
             t0 = time.monotonic()
             r = c.post("/v1/completions", json=body)
@@ -75,31 +116,28 @@ def test_a_host_cut_off_fails_within_the_deadline_and_serves_when_back(lab):
             assert r.status_code in (503, 504), r.text  # a typed error, not a hang or a 500
             assert waited < 4 + 2, waited
         finally:
-            lab.net.set_down(lab.workers["decode-0"], down=False)
+            for h in decoders:
+                lab.net.set_down(h, down=False)
         end, code = time.monotonic() + 30, None
         while time.monotonic() < end:
             code = c.post("/v1/completions", json=body).status_code
             if code == 200:
                 break
             time.sleep(0.5)
-        assert code == 200, "not serving again 30 s after the link came back"
-    end = time.monotonic() + 15  # the cut request's blocks (prefill's pinned, decode's) are all released
-    while time.monotonic() < end:
-        left = {h: _metric(lab, h, "pdserve_kv_blocks_in_use") for h in ("prefill-0", "decode-0")}
-        if not any(left.values()):
-            break
-        time.sleep(0.5)
+        assert code == 200, "not serving again 30 s after the links came back"
+    left = _blocks_left(lab)
     assert not any(left.values()), left
 
 
 def test_the_prefill_host_cut_off_mid_transfer(lab):
-    """The prefill host's link goes down while the decode host pulls a long prompt's KV from it (~0.7 s over the
+    """The prefill hosts' links go down while a decode host pulls a long prompt's KV from one (~0.7 s over the
     40 Mbit/s link), and comes back 3 s later. The request ends by its deadline or is served (the pull retried or
     the request placed again), never hangs; nothing stays allocated; the deployment serves afterwards."""
     import threading
 
     body = {"model": "builtin", "prompt": "cut " + "world " * 400, "max_tokens": 4, "timeout": 8}  # not cached
-    cut = threading.Timer(0.35, lab.net.set_down, (lab.workers["prefill-0"],))
+    prefills = [lab.workers["prefill-0"], lab.workers["prefill-1"]]
+    cut = threading.Timer(0.35, lambda: [lab.net.set_down(h) for h in prefills])
     with httpx.Client(base_url=lab.base_url, timeout=30) as c:
         t0 = time.monotonic()
         cut.start()
@@ -109,7 +147,8 @@ def test_the_prefill_host_cut_off_mid_transfer(lab):
         finally:
             cut.join()
             time.sleep(max(0.0, 3.35 - (time.monotonic() - t0)))
-            lab.net.set_down(lab.workers["prefill-0"], down=False)
+            for h in prefills:
+                lab.net.set_down(h, down=False)
         print(f"cut mid-transfer: {r.status_code} after {waited:.2f} s: {r.text[:160]}")
         assert r.status_code in (200, 503, 504), r.text
         assert waited < 8 + 2, waited
@@ -120,10 +159,5 @@ def test_the_prefill_host_cut_off_mid_transfer(lab):
                 break
             time.sleep(0.5)
         assert code == 200, "not serving again 30 s after the link came back"
-    end = time.monotonic() + 15
-    while time.monotonic() < end:
-        left = {h: _metric(lab, h, "pdserve_kv_blocks_in_use") for h in ("prefill-0", "decode-0")}
-        if not any(left.values()):
-            break
-        time.sleep(0.5)
+    left = _blocks_left(lab)
     assert not any(left.values()), left
