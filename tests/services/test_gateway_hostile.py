@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdserve.services.gateway.app import GatewayConfig, _error_response, create_gateway
-from pdserve.services.gateway.core import NoWorkersError, UpstreamError
+from pdserve.services.gateway.dispatch import NoWorkersError, UpstreamError
 from pdserve.services.gateway.redact import scrub
 
 MODEL = "builtin"

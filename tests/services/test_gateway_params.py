@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from pdserve.services.gateway.core import split
+from pdserve.services.gateway.dispatch import split
 from pdserve.services.gateway.params import APIError, to_sampling_params
 
 
@@ -81,7 +81,7 @@ def test_engine_refusals_name_their_parameter_typed():
     worker's refusal (its pdserve-param trailing metadata) names the client's field."""
     import grpc
 
-    from pdserve.services.gateway.core import UpstreamError
+    from pdserve.services.gateway.dispatch import UpstreamError
     from pdserve.services.gateway.errors import reply_for
     with pytest.raises(APIError) as e:
         sp({"logit_bias": {"999": 1}})

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.services.gateway.core import Dispatcher, split
+from pdserve.services.gateway.dispatch import Dispatcher, split
 from pdserve.services.gateway.errors import reply_for
 from pdserve.services.gateway.path import DisaggUnavailable, header, path_of
 from pdserve.services.pb import common_pb2, router_pb2

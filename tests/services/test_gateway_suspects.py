@@ -5,7 +5,7 @@ import uuid
 
 import grpc
 
-from pdserve.services.gateway.core import Dispatcher
+from pdserve.services.gateway.dispatch import Dispatcher
 from pdserve.services.gateway.suspects import Suspects
 from pdserve.services.pb import common_pb2, router_pb2_grpc
 from pdserve.services.registry import Registry, WorkerRecord

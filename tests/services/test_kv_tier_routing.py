@@ -10,8 +10,8 @@ import redis.asyncio as aioredis
 from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.services.kv_events import KvEventPublisher, blocks_key
+from pdserve.services.router.cache_aware import Policy, RouteInput
 from pdserve.services.router.cost import WorkerCost
-from pdserve.services.router.policy import Policy, RouteInput
 from pdserve.services.router.prefix_index import IndexSync, PrefixIndex, chain_hashes
 from tests.services._workers import drop_model_keys, wait_registered
 from tests.services.test_routing import BS, FP, _rec

@@ -14,8 +14,8 @@ from pdserve.services.grpc_util import channel
 from pdserve.services.pb import common_pb2, router_pb2, router_pb2_grpc
 from pdserve.services.registry import Registry, WorkerRecord
 from pdserve.services.router import policy_registry
+from pdserve.services.router.cache_aware import Policy
 from pdserve.services.router.placement import Placement, PolicyContext, RouteInput
-from pdserve.services.router.policy import Policy
 from pdserve.services.router.server import RouterService
 from pdserve.sim.cluster import Cluster, ClusterSpec
 from pdserve.sim.costmodel import LinearCostModel

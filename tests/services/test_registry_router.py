@@ -8,7 +8,7 @@ import pytest
 from pdserve.services.grpc_util import channel
 from pdserve.services.pb import common_pb2, router_pb2, router_pb2_grpc
 from pdserve.services.registry import Registry, WorkerRecord
-from pdserve.services.router.policy import NoWorkers, Policy
+from pdserve.services.router.cache_aware import NoWorkers, Policy
 from pdserve.services.router.server import RouterService
 from tests.services._workers import drop_model_keys
 

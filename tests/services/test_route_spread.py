@@ -9,7 +9,7 @@ import pytest
 from pdserve.cli_args import labels_arg, weights_arg
 from pdserve.services.pb import common_pb2
 from pdserve.services.registry import WorkerRecord, record_from_pb, record_to_pb
-from pdserve.services.router.policy import Policy, RouteInput
+from pdserve.services.router.cache_aware import Policy, RouteInput
 from pdserve.services.router.prefix_index import PrefixIndex, chain_hashes
 from pdserve.services.router.spread import RouteWeights
 

@@ -1,8 +1,8 @@
 """The router prices a hand-off from a TP worker by the replica's bytes: its registry layout is rank 0's pool
 (a share of the KV heads), so the block bytes it reports are scaled to the model's heads."""
 from pdserve.services.pb import common_pb2
+from pdserve.services.router.cache_aware import Policy
 from pdserve.services.router.cost import WorkerCost, replica_block_bytes
-from pdserve.services.router.policy import Policy
 from tests.services.test_routing import BS, _rec
 
 MIB = 1024 * 1024

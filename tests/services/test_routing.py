@@ -11,7 +11,7 @@ import redis.asyncio as aioredis
 from pdserve.services.metrics import router as M
 from pdserve.services.pb import common_pb2
 from pdserve.services.registry import WorkerRecord
-from pdserve.services.router.policy import NoWorkers, Policy, RouteInput
+from pdserve.services.router.cache_aware import NoWorkers, Policy, RouteInput
 from pdserve.services.router.prefix_index import IndexSync, PrefixIndex, chain_hashes
 from pdserve.sim.chats import ChatWorkload
 from pdserve.sim.cluster import Cluster, ClusterSpec

@@ -70,7 +70,7 @@ async def _one(i: int, rng: random.Random, ps, ds, stats: dict) -> None:
     if kind == "prefill_cancel":  # the gateway gave up on the Prefill (client left mid-prefill)
         await asyncio.sleep(rng.choice([0, rng.uniform(0, 0.01)]))
         pre_call.cancel()
-        # What the gateway does after abandoning a Prefill (core.py, `_release_soon`): a reply the worker had
+        # What the gateway does after abandoning a Prefill (dispatch.py, `_release_soon`): a reply the worker had
         # already sent when the cancel arrived completed on its side, so only the caller knows it was dropped.
         await ps.ReleaseKV(worker_pb2.ReleaseKVRequest(request_id=rid))
         return

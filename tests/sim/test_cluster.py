@@ -10,7 +10,7 @@ from pdserve.bench.workload import arrivals
 from pdserve.engine import block_manager as bm_mod
 from pdserve.engine import scheduler as sched_mod
 from pdserve.engine.config import EngineConfig
-from pdserve.services.router import policy as policy_mod
+from pdserve.services.router import cache_aware as policy_mod
 from pdserve.sim.cluster import Cluster, ClusterSpec
 from pdserve.sim.costmodel import LinearCostModel
 from pdserve.sim.plan import PlanInput, plan

@@ -22,7 +22,7 @@ from pdserve.engine.checkpoint import resolve_model_dir, serving_limits
 from pdserve.engine.grammar_limits import GrammarLimits
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.services.gateway import http_metrics, openapi, responses
-from pdserve.services.gateway.core import Dispatcher
+from pdserve.services.gateway.dispatch import Dispatcher
 from pdserve.services.gateway.errors import ErrorReply, reply_for
 from pdserve.services.gateway.fields import MAX_PRIORITY
 from pdserve.services.gateway.guard import MAX_HEADER_BYTES, HttpGuard, fastapi_options

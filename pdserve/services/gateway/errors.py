@@ -15,7 +15,7 @@ import grpc
 
 from pdserve.services.admission import AdmissionError
 from pdserve.services.gateway import redact
-from pdserve.services.gateway.core import NoWorkersError, UpstreamError
+from pdserve.services.gateway.dispatch import NoWorkersError, UpstreamError
 from pdserve.services.gateway.ingress import retry_after
 from pdserve.services.gateway.params import APIError
 from pdserve.services.gateway.path import DisaggUnavailable

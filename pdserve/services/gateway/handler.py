@@ -17,7 +17,7 @@ from typing import AsyncIterator, Awaitable, Callable
 
 from pdserve.services import tracing
 from pdserve.services.convert import lifecycle_to_pb
-from pdserve.services.gateway.core import Dispatcher, new_id, split
+from pdserve.services.gateway.dispatch import Dispatcher, new_id, split
 from pdserve.services.gateway.errors import ErrorReply, RequestFailed, reply_for
 from pdserve.services.gateway.lifecycle import RequestLifecycle, RequestRecord
 from pdserve.services.gateway.path import header as path_header

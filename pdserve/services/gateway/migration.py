@@ -3,7 +3,7 @@
 A sub-request's stream that breaks after tokens went out - its decode or `both` worker died (the stream ends
 UNAVAILABLE), stopped answering and left the registry (its heartbeats stopped: `watched`), or a decode worker could
 not pull the prompt's KV from a prefill worker that died (a FAILED message marked `retryable`) - continues on
-another worker instead of ending FAILED: the dispatcher (core.py) raises `Broken` where it used to end the stream,
+another worker instead of ending FAILED: the dispatcher (dispatch.py) raises `Broken` where it used to end the stream,
 and places the request again with the tokens the client already has (`Sent`) as a `Resume`: the new worker
 prefills prompt + those tokens and replays them through its sampling state (engine/resume.py), so the client's
 stream goes on with the next token, neither repeated nor missing.

@@ -6,12 +6,12 @@
 - `fallback`: disaggregation was wanted and could not be done (the prefill pool unavailable: the router's
   `degraded_*` reasons), so the decode worker prefilled it itself.
 
-The reason is the router's (router/policy.py `_decide`: disagg_faster, local_faster, disagg_forced, ...).
+The reason is the router's (router/cache_aware.py `_decide`: disagg_faster, local_faster, disagg_forced, ...).
 `--require-disagg` turns a fallback into a 503 naming the reason instead of serving it locally.
 """
 from __future__ import annotations
 
-from pdserve.services.gateway.core import NoWorkersError
+from pdserve.services.gateway.dispatch import NoWorkersError
 
 
 class DisaggUnavailable(NoWorkersError):

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.services.gateway.core import SubRequest
+from pdserve.services.gateway.dispatch import SubRequest
 from pdserve.services.gateway.lifecycle import RequestRecord
 from pdserve.services.gateway.stages import StageTrace
 from pdserve.services.gateway.timing import Timing

@@ -1,4 +1,4 @@
-"""The cache-aware policy's first step: which placements a request may take, by mode (policy.py scores them).
+"""The cache-aware policy's first step: which placements a request may take, by mode (cache_aware.py scores them).
 
 - local: one worker prefills and decodes: every `both` worker, and in `auto` (and `local`) every `decode` worker
   (it prefills the prompt itself; every role answers Generate - services/worker.py);

@@ -1,7 +1,7 @@
 """Placement policies by name: a deployment (`pdserve router --placement NAME`) and the simulator
 (`RouterSpec.policy`, `pdserve sim run --router-policy NAME`) select one from this table.
 
-Built in: `cache-aware` (policy.py, the router's cost model; the default), and the baselines it is measured
+Built in: `cache-aware` (cache_aware.py, the router's cost model; the default), and the baselines it is measured
 against, `round-robin` and `least-loaded` (baselines.py). The simulator adds `oracle` (sim/baselines.py), which
 reads the replicas' exact cache state and so cannot run in a deployment (`sim_only`).
 
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from pdserve.services.router.baselines import LeastLoaded, RoundRobin
+from pdserve.services.router.cache_aware import Policy
 from pdserve.services.router.placement import PlacementPolicy, PolicyContext
-from pdserve.services.router.policy import Policy
 
 Factory = Callable[[PolicyContext], PlacementPolicy]
 
