@@ -1,4 +1,4 @@
-"""The fault matrix (issue 19, item 5): faults injected into a live `pdserve up` under open-loop load, and what each
+"""The fault matrix: faults injected into a live `pdserve up` under open-loop load, and what each
 left behind. Driven by `bench/chaos.py` (every case, figures in docs/reliability.md) and, CI-sized, by
 `tests/e2e/test_chaos.py`.
 

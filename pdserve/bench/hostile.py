@@ -1,5 +1,5 @@
 """Hostile neighbours: a normal client's latency while attackers take turns (docs/reliability.md, "Hostile
-neighbours"; issue 35).
+neighbours").
 
     python -m pdserve.bench.hostile --base-url http://127.0.0.1:8000 --phase-s 10
 

@@ -1,4 +1,4 @@
-"""Goodput under overload (issue 13 item 5): capacity closed loop, then open loop at a multiple of it with a
+"""Goodput under overload: capacity closed loop, then open loop at a multiple of it with a
 per-request `timeout`, every request's outcome classified.
 
     python -m pdserve.bench.overload --base-url http://127.0.0.1:8000 --factor 3 --duration 60 --timeout 10

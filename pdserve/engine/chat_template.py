@@ -17,7 +17,7 @@ compares the two on real Llama-3, Qwen2.5, Mistral and SmolLM2 templates):
 Every failure of a template (a `raise_exception`, a sandbox refusal, a template that does not fit the messages) is
 a `ChatTemplateError`, a `ValueError`, which the gateway answers with a 400 naming `messages`.
 
-A template is also bounded in what it costs (issue 35, item 8): the sandbox keeps it from escaping, not from
+A template is also bounded in what it costs: the sandbox keeps it from escaping, not from
 looping 10^8 times (4.5 s) or writing `'a' * 10**8`. `render` streams the output and stops past `max_chars`; a
 trace function on the rendering thread's template frames stops it past `budget_s` (a loop with an empty body
 writes nothing, so counting output alone would not); `*` and `**` are checked before they build a huge string,

@@ -2,7 +2,7 @@
 
 The choice is a pure function of the CPU's feature flags and the checkpoint's dtype (`choose_dtype`), so each
 ISA profile is unit-tested without that CPU. bf16 GEMMs are native only with AVX512-BF16 (`vdpbf16ps`) or AMX;
-elsewhere oneDNN/ATen emulate them by widening every tile, ~3x slower than fp32 (issue 15: an AVX2 EPYC
+elsewhere oneDNN/ATen emulate them by widening every tile, ~3x slower than fp32 (an AVX2 EPYC
 prefilled 107 tok/s in bf16 vs 554 in fp32). So a half-precision checkpoint is computed in fp32 there, and
 kept in bf16 where bf16 is native (half the bytes for the bandwidth-bound decode GEMVs). fp16 checkpoints are
 computed in fp32 on every CPU: torch has no packed fp16 linear on CPU (AMX-FP16 included, as of torch 2.13).

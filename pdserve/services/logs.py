@@ -11,7 +11,7 @@ Nothing that logs waits for the sink. A record is formatted by the caller (its r
 caller's) and put on a bounded queue; one listener thread per process writes the lines to the stream. A sink that
 stops reading (a supervisor that never reads the pipe, a stalled log collector) fills the queue, and further lines
 are dropped and counted in `pdserve_log_lines_dropped_total` rather than blocking the caller: an event loop that
-blocked in `write` once froze the whole gateway (issue 35, item 4).
+blocked in `write` once froze the whole gateway.
 """
 from __future__ import annotations
 

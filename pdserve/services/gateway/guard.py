@@ -1,4 +1,4 @@
-"""The gateway's outermost HTTP layer (issue 13, items 7-9): a request id, a header size limit, and the
+"""The gateway's outermost HTTP layer: a request id, a header size limit, and the
 catch-all for errors.
 
 * Every request gets an id (`x-request-id` response header, `redact.request_id` while it is served): the handle

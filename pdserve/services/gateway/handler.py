@@ -48,7 +48,7 @@ class RequestHandler:
         params = call.params
         deadline = self.life.deadline_for(call.timeout_s, rec)
         # Always the gateway's own: reservations, leases, ReleaseKV and billing are keyed by it, so a caller's id
-        # (another tenant's, repeated, huge) can touch nothing but the label echoed back (issue 35, item 5).
+        # (another tenant's, repeated, huge) can touch nothing but the label echoed back.
         rid = new_id(call.id_prefix)
         # stage two: reserve KV for prompt + predicted output of every branch (best_of of them, when asked: the
         # worker runs them all); may queue, degrade the branch count, or reject

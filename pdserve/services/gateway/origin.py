@@ -1,4 +1,4 @@
-"""What a web page can make the gateway do (issue 35, item 7; docs/api.md, Browsers).
+"""What a web page can make the gateway do (docs/api.md, Browsers).
 
 A page in the user's browser can send requests to a gateway on the user's machine. Two checks keep it out:
 * POST bodies must be `application/json` (else 415). A page may POST `text/plain` or a form to any origin without

@@ -1,4 +1,4 @@
-"""uvicorn's h11 connection protocol plus the header read timeout it lacks (issue 13, item 8).
+"""uvicorn's h11 connection protocol plus the header read timeout it lacks.
 
 uvicorn times a connection out only while it is idle between requests (`timeout_keep_alive`, armed when a response
 completes) and every byte received disarms that timer. A client that opens a connection and sends nothing, or

@@ -1,4 +1,4 @@
-"""What a client may see of an error that happened behind the gateway (issue 13, item 9).
+"""What a client may see of an error that happened behind the gateway.
 
 Worker and router errors carry internals: worker ids and addresses ("ipv4:10.0.3.7:7100: Connection refused"),
 and the build paths of the libraries they come from ("[16:48:31] /project/cpp/json_schema_converter.cc:5088:

@@ -1,4 +1,4 @@
-"""Tool calling on /v1/chat/completions (issue 18, item 1; docs/api.md, "Tool calling").
+"""Tool calling on /v1/chat/completions (docs/api.md, "Tool calling").
 
 `request.py` reads `tools`, `tool_choice`, `parallel_tool_calls` and the tool history; one parser per model output
 format (`hermes.py`, `llama3.py`, `mistral.py`, behind the small interface in `base.py`, chosen in `registry.py`)
