@@ -150,6 +150,9 @@ def _add_up(sub) -> None:
                    "(default: --tensor-parallel-size)")
     d.add_argument("--decode-tp", type=positive_int, help="tensor parallel size of decode workers "
                    "(default: --tensor-parallel-size)")
+    d.add_argument("--routers", type=positive_int, default=1,
+                   help="routers, active-active: each rebuilds its view from Redis, the gateway fails over between "
+                        "them within a request (docs/reliability.md, Routers)")
     d.add_argument("--port", type=port, default=8000, help="gateway HTTP port")
     d.add_argument("--grpc-port", type=port, default=0, help="gateway gRPC port (0: a free one)")
     d.add_argument("--redis-url", help="an existing Redis (default: start a private redis-server)")
@@ -174,7 +177,8 @@ def _add_gateway(sub) -> None:
     _add_common(gw)
     gw.add_argument("--port", type=port, default=8000)
     gw.add_argument("--grpc-port", type=port, default=0)
-    gw.add_argument("--router", default="127.0.0.1:7000", help="router gRPC address")
+    gw.add_argument("--router", default="127.0.0.1:7000", help="router gRPC address; several, comma-separated: "
+                    "the gateway fails over between them (active-active routers)")
     _add_lifecycle(gw.add_argument_group("admission and limits"))
     _add_grammar(gw.add_argument_group("guided output"), worker=False)
     _add_browser(gw.add_argument_group("browsers"))

@@ -185,11 +185,15 @@ def up(args, start_planner: StartPlanner | None = None) -> int:
         common = _common_flags(args)
         # every engine flag given, as given (cli_flags.ENGINE_FLAGS); the TP degree is per role, below
         eng = engine_argv(args, skip=("tensor_parallel_size",))
-        rt_port, rt_metrics = free_port(), free_port()
-        d.start("router", [*pdserve, "router", *common, "--port", str(rt_port), "--redis-url", redis_url,
-                             "--metrics-port", str(rt_metrics), "--heartbeat-ttl", str(args.heartbeat_ttl),
-                             "--mode", args.mode, "--placement", args.placement],
-                  {"port": rt_port, "metrics_port": rt_metrics})
+        routers = []  # active-active: each reads the registry and the KV events itself; the gateway fails over
+        for i in range(args.routers):
+            rt_port, rt_metrics = free_port(), free_port()
+            d.start("router" if i == 0 else f"router-{i}",
+                    [*pdserve, "router", *common, "--port", str(rt_port), "--redis-url", redis_url,
+                     "--metrics-port", str(rt_metrics), "--heartbeat-ttl", str(args.heartbeat_ttl),
+                     "--mode", args.mode, "--placement", args.placement],
+                    {"port": rt_port, "metrics_port": rt_metrics})
+            routers.append(f"127.0.0.1:{rt_port}")
         # auto and disagg deploy the same two pools; the router's policy differs (a decode worker also
         # answers Generate, so in auto it prefills short prompts itself)
         roles = (["prefill"] * args.prefill + ["decode"] * args.decode) if args.mode in ("auto", "disagg") \
@@ -217,7 +221,7 @@ def up(args, start_planner: StartPlanner | None = None) -> int:
         gport = args.grpc_port or free_port()
         # the gateway is the one process clients reach: it listens on --host (the rest stay on loopback)
         d.start("gateway", [*pdserve, "gateway", *common, "--host", args.host, "--port", str(args.port),
-                              "--grpc-port", str(gport), "--router", f"127.0.0.1:{rt_port}", "--redis-url", redis_url,
+                              "--grpc-port", str(gport), "--router", ",".join(routers), "--redis-url", redis_url,
                               *_lifecycle_flags(args), *_grammar_flags(args, worker=False)],
                 {"port": args.port, "grpc_port": gport})
         reach = "127.0.0.1" if args.host in ("0.0.0.0", "", "::") else args.host
@@ -323,7 +327,9 @@ def _supervise(d: Supervisor, planner, stopping: dict) -> int:
         if dead and not any(c.info.get("role") and c.running for c in d.children.values()):
             print(f"pdserve up: {dead.name} died; no workers left, stopping", file=sys.stderr)
             return 1
-        if dead and any(n in ("gateway", "router", "redis") and not c.running for n, c in d.children.items()):
+        routers_up = any(n.startswith("router") and c.running for n, c in d.children.items())
+        if dead and (not routers_up or any(n in ("gateway", "redis") and not c.running
+                                           for n, c in d.children.items())):
             print(f"pdserve up: {dead.name} died; stopping", file=sys.stderr)
             return 1
         time.sleep(0.2)

@@ -80,7 +80,11 @@ class Dispatcher:
         self.require_disagg = require_disagg  # a fresh placement on one worker is refused (gateway/path.py)
         self._listed_ids: set[str] | None = None  # the router's last worker list (None: unknown)
         self._listed_at = float("-inf")
-        self._router = router_pb2_grpc.RouterStub(channel(router_address))
+        # active-active routers (`--router a,b`): calls go to the last one that answered; one that cannot be
+        # reached, or hangs, is replaced by the next within the same call
+        self._routers = [router_pb2_grpc.RouterStub(channel(a.strip())) for a in router_address.split(",")
+                         if a.strip()]
+        self._primary = 0
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._tasks = OwnedTasks()  # ReleaseKV calls that outlive their request
         self.suspects = Suspects()  # workers a call just found dead: skipped until the registry drops them
@@ -95,8 +99,25 @@ class Dispatcher:
             ch = self._channels[address] = channel(address, relay=True)
         return worker_pb2_grpc.WorkerStub(ch)
 
+    async def _ask(self, method: str, request, timeout: float = 5.0):
+        """One router RPC, failing over: UNAVAILABLE (down, or its own "no placement", which the next one then
+        repeats) or DEADLINE_EXCEEDED (hung) moves on to the next router; the last error is raised."""
+        err = None
+        for k in range(len(self._routers)):
+            i = (self._primary + k) % len(self._routers)
+            try:
+                reply = await getattr(self._routers[i], method)(request, timeout=timeout)
+            except grpc.aio.AioRpcError as e:
+                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+                err = e
+                continue
+            self._primary = i
+            return reply
+        raise err
+
     async def list_workers(self) -> router_pb2.ListWorkersResponse:
-        return await self._router.ListWorkers(router_pb2.ListWorkersRequest(model=self.model), timeout=5)
+        return await self._ask("ListWorkers", router_pb2.ListWorkersRequest(model=self.model))
 
     async def route(self, rid: str, n_prompt: int, namespace: str, exclude: list[str],
                     prompt: list[int] | None = None, max_tokens: int = 0, prefer: str = "") -> router_pb2.RouteResponse:
@@ -104,10 +125,10 @@ class Dispatcher:
         for excluded in ([wide, exclude] if len(wide) > len(exclude) else [exclude]):
             try:
                 # the token ids let the router look the prompt's prefix up in its index (docs/routing.md)
-                return await self._router.Route(router_pb2.RouteRequest(
+                return await self._ask("Route", router_pb2.RouteRequest(
                     request_id=rid, num_prompt_tokens=n_prompt, namespace=namespace, model=self.model,
                     exclude_worker_ids=excluded, prompt_token_ids=prompt or [], max_tokens=max_tokens or 0,
-                    prefer=prefer), timeout=5)
+                    prefer=prefer))
             except grpc.aio.AioRpcError as e:
                 err = e
                 if e.code() != grpc.StatusCode.UNAVAILABLE:  # a router that hangs is not asked twice
