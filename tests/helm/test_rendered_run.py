@@ -57,7 +57,7 @@ def test_rendered_commands_parse_and_connect(mode, tmp_path, monkeypatch):
     comp = _by_component(pods)
     [redis] = comp["redis"]
     redis_url = f"redis://127.0.0.1:{redis.port('redis')}/0"
-    assert len(comp["gateway"]) == 2 and len(comp["router"]) == 1
+    assert len(comp["gateway"]) == 2 and len(comp["router"]) == 2  # routers: active-active, 2 by default
     pools = ["worker"] if mode == "colocated" else ["prefill", "decode"]
     parsed = {}
     for p in pods:
@@ -79,8 +79,7 @@ def test_rendered_commands_parse_and_connect(mode, tmp_path, monkeypatch):
             assert os.path.samefile(a.model, ckpt) and a.worker_id == p.name and a.advertise_host == "127.0.0.1"
             assert a.device == "cpu" and a.threads == 1
         else:
-            [router] = comp["router"]
-            assert a.router == f"127.0.0.1:{router.port('grpc')}"
+            assert a.router in {f"127.0.0.1:{r.port('grpc')}" for r in comp["router"]}  # the Service's pods
             assert os.path.samefile(a.model, ckpt)
             d = TenantDirectory(a.api_keys_file)
             assert d.authenticate("sk-acme").name == "acme" and d.authenticate("sk-acme").priority == 0
@@ -232,6 +231,7 @@ def test_secured_variant_serves_and_refuses_unauthenticated_callers(tiny_llama, 
     leaf = pki.leaf("internal")
     values = variant("disagg")
     values["gateway"] = {"replicas": 1, "readinessRequiresWorkers": True}
+    values["router"] = {"replicas": 1}  # one of each process started here
     values["security"] = {"internalToken": {"enabled": True}, "tls": {"enabled": True, "secretName": "mtls"}}
     values["redis"] = {"auth": {"enabled": True}}
     objs = objects(values)
