@@ -52,7 +52,7 @@ def run(tmp_path_factory):
     COST.save(costs_file)
     cfg = PlannerConfig(redis_url="redis://127.0.0.1:6379/0", model="m", interval_s=INTERVAL, slo_ttft=SLO_TTFT,
                         slo_tpot=SLO_TPOT, limits=PoolLimits(1, 4, 1, 4), cooldown_s=2 * INTERVAL, window=3,
-                        costs_file=str(costs_file))
+                        costs_file=str(costs_file), background=False)
     pools = Pools()
     planner = Planner(cfg, pools, lambda: [])
     from pdserve.planner.costs import LiveCosts
