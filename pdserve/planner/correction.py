@@ -24,7 +24,7 @@ from dataclasses import dataclass
 @dataclass
 class Factor:
     """One SLO component's correction."""
-    alpha: float = 0.3
+    alpha: float = 0.4
     bound: float = 8.0
     deadband: float = 0.05
     min_samples: int = 3
@@ -59,10 +59,12 @@ class Correction:
     tpot: Factor
     min_requests: float = 8.0
     checked: int = 0                # intervals learned from since the serving counts last changed
+    idle: bool = False              # the last interval had too few requests to compare anything on
 
     def checked_at_current(self) -> bool:
-        """The model was compared with these counts in enough intervals (`Factor.min_samples`) to act on it."""
-        return self.checked >= self.tpot.min_samples
+        """The model was compared with these counts in enough intervals (`Factor.min_samples`) to act on it - or
+        there is no load to compare it on (then nothing is at stake in a shrink: a pool idles down)."""
+        return self.idle or self.checked >= self.tpot.min_samples
 
     @classmethod
     def default(cls) -> "Correction":
@@ -74,6 +76,7 @@ class Correction:
         replica starting, the same serving counts through the interval. True when an applied factor moved."""
         if not steady:
             self.checked = 0
+        self.idle = requests < self.min_requests or observed == (None, None)
         if not steady or requests < self.min_requests:
             return False
         self.checked += 1

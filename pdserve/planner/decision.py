@@ -47,6 +47,7 @@ class Decision:
     decode_capacity: float | None = None
     model_stale: bool = False            # sized on the last capacities while the current ones are computed
     observed_requests: float = 0.0       # requests finished in the interval (what the p90s are over)
+    correction_checked: int = 0          # intervals the correction learned from at the counts in place
     decide_s: float | None = None        # the interval's step up to the decision (scrape, simulate, size)
 
     @property
@@ -92,7 +93,8 @@ class Decision:
                 f"{sim(self.simulated_ttft_p90, self.correction_ttft)}; TPOT SLO {ms(self.slo_tpot)}: p90 observed "
                 f"{ms(self.observed_tpot_p90)}{margin(self.slo_tpot, self.observed_tpot_p90)}, simulated "
                 f"{sim(self.simulated_tpot_p90, self.correction_tpot)} (at the current counts, "
-                f"{self.observed_requests:.0f} requests){cap}{took}"
+                f"{self.observed_requests:.0f} requests; correction checked in {self.correction_checked} intervals at "
+                f"these counts){cap}{took}"
                 + ("" if self.feasible else f"; INFEASIBLE: {self.note}"))
 
     def export(self) -> None:

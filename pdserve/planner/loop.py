@@ -182,7 +182,7 @@ class Planner:
                         simulated_tpot_p90=sim[1], feasible=grow.feasible, note=grow.note, pools=verdicts,
                         correction_ttft=c.ttft.applied, correction_tpot=c.tpot.applied,
                         prefill_capacity=grow.prefill_capacity, decode_capacity=grow.decode_capacity,
-                        model_stale=grow.stale, observed_requests=obs.requests)
+                        model_stale=grow.stale, observed_requests=obs.requests, correction_checked=c.checked)
 
     async def run(self, stop: threading.Event) -> None:
         log.info("planner: every %g s, SLO TTFT %g s / TPOT %g s, pools prefill %d..%d decode %d..%d, connector %s%s",

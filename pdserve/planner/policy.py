@@ -10,7 +10,7 @@ Two kinds of simulation, kept apart because they cost very differently:
   so) instead of running late. The sweep is capped at a power of two >= 4 x the peak rate it was asked for; a
   capacity at the cap means "at least the cap" and is recomputed with a higher cap once the peak reaches half.
 - **The current pools** (`simulate_current`): the counts in place, at the observed rate and lengths: one cluster
-  simulation, memoised at ~5% of the rate. Its p90s are what the correction factors compare with the observed
+  simulation (100 requests), memoised at ~5% of the rate. Its p90s are what the correction factors compare with the observed
   ones (correction.py).
 
 Counts for a rate R: ceil(R x headroom / capacity) per pool, bounded by the pool's min/max (whether a pool may move
@@ -80,8 +80,10 @@ class Workload:
 
 class Sizer:
     def __init__(self, limits: PoolLimits, headroom: float = 1.2, attainment: float = 0.9,
-                 requests: int = 200, sweep_requests: int = 100, seed: int = 0, background: bool = True):
-        """`background`: capacities computed in the sizer's own thread (the loop); False: inline (tests)."""
+                 requests: int = 100, sweep_requests: int = 100, seed: int = 0, background: bool = True):
+        """`requests`: simulated requests of the current pools (its p90 is smoothed by the correction's EWMA, and
+        it runs on the loop's time: ~0.3 s at 100 on a 2-core EPYC); `background`: capacities computed in the
+        sizer's own thread (the loop); False: inline (tests)."""
         self.limits, self.headroom, self.attainment = limits, headroom, attainment
         self.requests, self.sweep_requests, self.seed = requests, sweep_requests, seed
         self._caps: dict[tuple, Capacity] = {}
@@ -90,26 +92,41 @@ class Sizer:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="planner-sizer") if background else None
         self._pending: dict[tuple, Future] = {}
         self._lock = threading.Lock()
+        self._closed = threading.Event()
 
     def close(self) -> None:
+        """Stop: a sweep in progress ends at its next simulation (its workload raises), not at its end."""
+        self._closed.set()
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
 
+    def _workload(self, wl: Workload):
+        def make(rate: float, n: int, seed: int):
+            if self._closed.is_set():
+                raise _Closed()
+            return wl.requests(rate, n, seed)
+        return make
+
     def _input(self, rate: float, wl: Workload, costs: LiveCosts, slo: SLO) -> PlanInput:
-        return PlanInput(rate=rate, slo=slo, workload=lambda r, n, seed: wl.requests(r, n, seed), cost=costs.model,
+        return PlanInput(rate=rate, slo=slo, workload=self._workload(wl), cost=costs.model,
                          num_blocks=costs.num_blocks, engine=EngineConfig(max_num_seqs=costs.max_num_seqs),
                          attainment=self.attainment, peak_factor=self.headroom, redundancy=0,
                          requests=self.requests, sweep_requests=self.sweep_requests, modes=("disagg",),
                          seed=self.seed)
 
-    def _sweep(self, key: tuple, cap: float, wl: Workload, costs: LiveCosts, slo: SLO) -> Capacity:
+    def _sweep(self, key: tuple, cap: float, wl: Workload, costs: LiveCosts, slo: SLO) -> Capacity | None:
         t0 = time.monotonic()
-        # the sweep starts at cap / 64 (PlanInput.rate / 64) and doubles up to the cap
-        p, d = pool_rates(self._input(cap, wl, costs, slo), cap=cap)
+        try:
+            # the sweep starts at cap / 64 (PlanInput.rate / 64) and doubles up to the cap
+            p, d = pool_rates(self._input(cap, wl, costs, slo), cap=cap)
+        except _Closed:
+            return None
+        finally:
+            with self._lock:
+                self._pending.pop(key, None)
         c = Capacity(p, d, cap, time.monotonic() - t0)
         with self._lock:
             self._caps[key] = self._latest = c
-            self._pending.pop(key, None)
             if len(self._caps) > 64:
                 self._caps.pop(next(iter(self._caps)))
         log.debug("planner: capacities prefill %.3g req/s, decode %.3g req/s (cap %g) in %.1f s", p, d, cap,
@@ -118,8 +135,10 @@ class Sizer:
 
     def capacity(self, peak: float, wl: Workload, costs: LiveCosts, slo: SLO) -> tuple[Capacity | None, bool]:
         """The capacities for these inputs; (the last ones computed, True) while they are being computed."""
-        key = (_q(wl.prompt), _q(wl.output), _q(slo.ttft), _q(slo.tpot), costs.num_blocks, costs.max_num_seqs,
-               tuple(_q(v) for v in vars(costs.model).values() if isinstance(v, float)))
+        # ~5% resolution: the correction (5% dead band) and the smoothed costs (10%) move in steps about that size,
+        # and a sweep per small move would keep the capacities forever a step behind
+        key = (_q(wl.prompt), _q(wl.output), _q(slo.ttft, 1.05), _q(slo.tpot, 1.05), costs.num_blocks,
+               costs.max_num_seqs, tuple(_q(v, 1.05) for v in vars(costs.model).values() if isinstance(v, float)))
         with self._lock:
             hit = self._caps.get(key)
             if hit is not None and (2 * peak <= hit.cap or not (hit.capped(hit.prefill) or hit.capped(hit.decode))):
@@ -167,6 +186,10 @@ class Sizer:
             if len(self._sims) > 256:
                 self._sims.pop(next(iter(self._sims)))
         return hit
+
+
+class _Closed(Exception):
+    """The sizer was closed while a sweep ran."""
 
 
 def _q(x: float | None, base: float = 1.02) -> float | None:

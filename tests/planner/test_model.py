@@ -167,21 +167,24 @@ def test_correction_learns_only_from_steady_well_populated_intervals():
     c = Correction.default()
     assert not c.observe(100, (0.1, 0.02), (0.05, 0.01), steady=False)  # the counts changed in the interval
     assert not c.observe(3, (0.1, 0.02), (0.05, 0.01), steady=True)     # too few requests
-    assert c.tpot.samples == 0 and not c.checked_at_current()
+    assert c.tpot.samples == 0 and c.checked_at_current()   # nothing to check it on: a shrink is not blocked
     # x2, x2, then x2: applied once three intervals agree (a running mean of the logs: exactly 2)
     assert not c.observe(100, (0.1, 0.02), (0.05, 0.01), steady=True)
+    assert not c.checked_at_current()                         # under load, one interval is not a check
     assert not c.observe(100, (0.1, 0.02), (0.05, 0.01), steady=True)
     assert c.observe(100, (0.1, 0.02), (0.05, 0.01), steady=True)
     assert c.tpot.applied == pytest.approx(2.0) and c.ttft.applied == pytest.approx(2.0)
     assert c.checked_at_current()
     c.observe(100, (0.4, 0.08), (0.05, 0.01), steady=False)             # a change: ignored, and unchecked
     assert c.tpot.applied == pytest.approx(2.0) and not c.checked_at_current()
+    c.observe(0, (None, None), (None, None), steady=True)               # no load: nothing to check it on
+    assert c.checked_at_current() and c.checked == 0
     # past 1/alpha samples an EWMA in log space: x8 once moves log2 by alpha x (3 - 1)
-    for _ in range(3):
+    for _ in range(3):  # past 1/alpha samples
         c.observe(100, (0.1, 0.02), (0.05, 0.01), steady=True)
     before = math.log2(c.tpot.smoothed)
     c.observe(100, (0.4, 0.08), (0.05, 0.01), steady=True)
-    assert math.log2(c.tpot.smoothed) == pytest.approx(before + 0.3 * (3 - before))
+    assert math.log2(c.tpot.smoothed) == pytest.approx(before + c.tpot.alpha * (3 - before))
     assert c.slo(0.5, 0.05) == pytest.approx((0.5 / c.ttft.applied, 0.05 / c.tpot.applied))
 
 
@@ -261,3 +264,22 @@ def test_loop_keeps_its_schedule_and_exports_its_time(monkeypatch):
     gaps = [b - a for a, b in zip(starts, starts[1:])]
     assert len(starts) >= 5 and all(abs(g - 0.2) < 0.06 for g in gaps), gaps   # not interval + step time
     assert M.STEP_SECONDS is not None and M.OVERRUNS is not None
+
+
+def test_closing_the_sizer_ends_a_running_sweep_at_its_next_simulation(monkeypatch):
+    started = threading.Event()
+
+    def endless_pool_rates(pi, cap):   # a sweep of many simulations, each asking for its workload
+        while True:
+            pi.workload(1.0, 10, 0)
+            started.set()
+            time.sleep(0.05)
+
+    monkeypatch.setattr(policy, "pool_rates", endless_pool_rates)
+    sz = Sizer(PoolLimits(1, 4, 1, 4), background=True)
+    from pdserve.sim.workload import SLO
+    assert sz.size(2.0, Workload.of(32, 96, 0.0), COSTS, SLO(ttft=0.5, tpot=0.05)) is None
+    assert started.wait(5)
+    t0 = time.monotonic()
+    sz.close()
+    assert time.monotonic() - t0 < 1.0
