@@ -66,8 +66,13 @@ def run(phases: list[tuple[float, float]], interval: float = 5.0, out: Path | No
             "decisions": [decisions[t] for t in sorted(decisions)], "log": up.lines}
 
 
+def _seen(d: dict, slo: str) -> float | None:
+    """The observed p90 the model was compared with (pooled over the intervals at the same counts)."""
+    return d.get(f"compared_{slo}_p90", d.get(f"observed_{slo}_p90"))
+
+
 def _ratio(d: dict, slo: str) -> float | None:
-    obs, cor = d.get(f"observed_{slo}_p90"), d.get(f"corrected_{slo}_p90")
+    obs, cor = _seen(d, slo), d.get(f"corrected_{slo}_p90")
     return cor / obs if obs and cor else None
 
 
@@ -87,8 +92,8 @@ def summarize(res: dict) -> dict:
         # a shrink waits for: correction.py) - the band is what the model answers for once it acts on it
         late = [d for d in mine if d.get("correction_checked", 0) >= 3]
         band = {slo: [r for r in (_ratio(d, slo) for d in late) if r is not None] for slo in ("ttft", "tpot")}
-        raw = {slo: [d[f"simulated_{slo}_p90"] / d[f"observed_{slo}_p90"] for d in late
-                     if d.get(f"simulated_{slo}_p90") and d.get(f"observed_{slo}_p90")] for slo in ("ttft", "tpot")}
+        raw = {slo: [d[f"simulated_{slo}_p90"] / _seen(d, slo) for d in late
+                     if d.get(f"simulated_{slo}_p90") and _seen(d, slo)] for slo in ("ttft", "tpot")}
         sized = next((d for d in ds if d["time"] >= t0 and d["forecast_rate"] >= 0.75 * rate), None)
         changed = next((d for d in ds if d["time"] >= t0 and any(p["action"] != "hold" for p in d["pools"])), None)
         phases.append({

@@ -1,8 +1,10 @@
 """One interval's decision: what was seen, forecast and simulated, what each pool was told, and why.
 
-`simulated_*_p90` is the simulator's p90 for the pools as they were during the interval (the serving counts at the
-observed rate and lengths), raw; `correction_*` the factor the sizing applied (observed / simulated, smoothed:
-correction.py), so `simulated x correction` is what the corrected model predicts for the pools in place.
+`observed_*_p90` is the last interval's (the measured-violation rule acts on it); `compared_*_p90` the observation
+the model is set against: pooled over the last `compared_intervals` intervals served by the same counts (up to 3);
+`simulated_*_p90` the simulator's p90 for those counts at that observation's rate and the window's lengths, raw;
+`correction_*` the factor the sizing applied (observed / simulated, smoothed: correction.py), so `simulated x
+correction` is what the corrected model predicts for the pools in place, to compare with `compared_*_p90`.
 
 Each decision is exported (services/metrics/planner.py), logged as one line with its reason, and stored in Redis for
 `pdserve status` (signed; the keys and the record's form: services/planner_record.py).
@@ -46,7 +48,10 @@ class Decision:
     prefill_capacity: float | None = None   # req/s one replica meets its (corrected) SLO component at
     decode_capacity: float | None = None
     model_stale: bool = False            # sized on the last capacities while the current ones are computed
-    observed_requests: float = 0.0       # requests finished in the interval (what the p90s are over)
+    observed_requests: float = 0.0       # requests finished in the compared observation (what its p90s are over)
+    compared_ttft_p90: float | None = None
+    compared_tpot_p90: float | None = None
+    compared_intervals: int = 1
     correction_checked: int = 0          # intervals the correction learned from at the counts in place
     decide_s: float | None = None        # the interval's step up to the decision (scrape, simulate, size)
 
@@ -75,8 +80,8 @@ class Decision:
         def margin(slo, x):
             return "" if x is None else f" (margin {(slo - x) * 1000:+.0f} ms)"
 
-        def sim(x, k):
-            return "-" if x is None else f"{ms(x)} x correction {k:.2f} = {ms(x * k)}"
+        def sim(x, k, seen):
+            return "-" if x is None else f"{ms(x)} x correction {k:.2f} = {ms(x * k)} vs {ms(seen)} observed"
 
         cap = ("" if self.decode_capacity is None else
                f"; one replica serves {self.prefill_capacity:.3g} (prefill) / {self.decode_capacity:.3g} (decode) "
@@ -90,10 +95,10 @@ class Decision:
                 f"{self.hold_rate:.2f}), prompt {self.prompt_mean:.0f} tok, output {self.output_mean:.0f} tok, "
                 f"prefix hit {self.prefix_hit:.0%}, {self.queued:.0f} queued; TTFT SLO {ms(self.slo_ttft)}: p90 "
                 f"observed {ms(self.observed_ttft_p90)}{margin(self.slo_ttft, self.observed_ttft_p90)}, simulated "
-                f"{sim(self.simulated_ttft_p90, self.correction_ttft)}; TPOT SLO {ms(self.slo_tpot)}: p90 observed "
+                f"{sim(self.simulated_ttft_p90, self.correction_ttft, self.compared_ttft_p90)}; TPOT SLO {ms(self.slo_tpot)}: p90 observed "
                 f"{ms(self.observed_tpot_p90)}{margin(self.slo_tpot, self.observed_tpot_p90)}, simulated "
-                f"{sim(self.simulated_tpot_p90, self.correction_tpot)} (at the current counts, "
-                f"{self.observed_requests:.0f} requests; correction checked in {self.correction_checked} intervals at "
+                f"{sim(self.simulated_tpot_p90, self.correction_tpot, self.compared_tpot_p90)} (at the current counts, "
+                f"{self.observed_requests:.0f} requests over {self.compared_intervals} interval(s); correction checked in {self.correction_checked} intervals at "
                 f"these counts){cap}{took}"
                 + ("" if self.feasible else f"; INFEASIBLE: {self.note}"))
 

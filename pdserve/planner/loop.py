@@ -13,6 +13,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -34,6 +35,9 @@ log = logging.getLogger("pdserve.planner")
 # add a replica and take it away again. 25% is about twice the spread of one 5 s interval's rate at 8 req/s
 # (Poisson: 1/sqrt(40) = 16%, halved by the window max's bias to the high side).
 SHRINK_MARGIN = 1.25
+# The model is compared with the observation pooled over up to this many intervals served by the same counts (the
+# histogram increments between their ends): a p90 of one 5 s interval at 2 req/s is the largest of ~10 requests.
+POOL_INTERVALS = 3
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,8 @@ class Planner:
         self.smoother = CostSmoother()
         self.guard = Guard(cfg.limits, cfg.cooldown_s, confirm=cfg.grow_confirm)
         self._serving: dict[str, int] | None = None  # the pools' serving counts at the last decision
+        self._steady_run = 0                          # consecutive intervals served by the same counts
+        self.snaps: deque[scrape.Snapshot] = deque(maxlen=POOL_INTERVALS + 1)  # at the last decisions' scrapes
         self.prev: scrape.Snapshot | None = None
         self.registry = None
         self.last: Decision | None = None
@@ -103,8 +109,11 @@ class Planner:
             snap = await asyncio.to_thread(scrape.fetch, self.metrics_urls())
             if self.prev is None:
                 self.prev = snap
+                self.snaps.append(snap)
                 return None
             obs, self.prev = scrape.observe(self.prev, snap), snap
+            self.snaps.append(snap)
+            snaps = list(self.snaps)
             stage = "registry"
             reg = await self._registry()
             workers = await reg.live_workers()
@@ -115,7 +124,8 @@ class Planner:
             stage = "size"
             serving = {pool: sum(1 for w in workers if w.role == pool) for pool in ("prefill", "decode")}
             costs = self.smoother.smooth(live_costs(workers, self.base_cost))
-            d = await asyncio.to_thread(self.decide, obs, costs, current, time.monotonic(), serving)
+            d = await asyncio.to_thread(self.decide, obs, costs, current, time.monotonic(), serving,
+                                        lambda k: scrape.observe(snaps[-1 - k], snaps[-1]) if k < len(snaps) else None)
             d.decide_s = time.monotonic() - t0
             if not self.cfg.dry_run:
                 stage = "connector"
@@ -141,9 +151,11 @@ class Planner:
             return None
 
     def decide(self, obs: scrape.Observation, costs, current: dict[str, int], now: float,
-               serving: dict[str, int] | None = None) -> Decision:
+               serving: dict[str, int] | None = None,
+               pooled: Callable[[int], scrape.Observation | None] | None = None) -> Decision:
         """One interval's decision from its observation (no I/O): forecast, simulate the pools as they are, correct
-        the model by the observation, size, guard. `serving`: registered workers per pool (None: all serve)."""
+        the model by the observation, size, guard. `serving`: registered workers per pool (None: all serve);
+        `pooled(k)`: the observation over the last k intervals (None: only this interval's)."""
         pools = ("prefill", "decode")
         self.predictor.add(obs)
         fc = self.predictor.forecast()
@@ -153,8 +165,11 @@ class Planner:
         # the interval was served by these counts throughout: none starting, none registered or left since the last
         steady = not any(starting.values()) and serving == self._serving
         self._serving = dict(serving)
-        sim = self.sizer.simulate_current(serving["prefill"], serving["decode"], obs.rate, wl, costs)
-        self.correction.observe(obs.requests, (obs.ttft_p90, obs.tpot_p90), sim, steady)
+        self._steady_run = self._steady_run + 1 if steady else 0
+        span = max(1, min(POOL_INTERVALS, self._steady_run))
+        cmp = (pooled(span) if pooled is not None and span > 1 else None) or obs
+        sim = self.sizer.simulate_current(serving["prefill"], serving["decode"], cmp.rate, wl, costs)
+        self.correction.observe(cmp.requests, (cmp.ttft_p90, cmp.tpot_p90), sim, steady)
         slo_ttft, slo_tpot = self.correction.slo(self.cfg.slo_ttft, self.cfg.slo_tpot)
         slo = SLO(ttft=slo_ttft, tpot=slo_tpot)
         grow = self.sizer.size(fc.rate, wl, costs, slo)
@@ -182,7 +197,9 @@ class Planner:
                         simulated_tpot_p90=sim[1], feasible=grow.feasible, note=grow.note, pools=verdicts,
                         correction_ttft=c.ttft.applied, correction_tpot=c.tpot.applied,
                         prefill_capacity=grow.prefill_capacity, decode_capacity=grow.decode_capacity,
-                        model_stale=grow.stale, observed_requests=obs.requests, correction_checked=c.checked)
+                        model_stale=grow.stale, observed_requests=cmp.requests, correction_checked=c.checked,
+                        compared_ttft_p90=cmp.ttft_p90, compared_tpot_p90=cmp.tpot_p90,
+                        compared_intervals=span if cmp is not obs else 1)
 
     async def run(self, stop: threading.Event) -> None:
         log.info("planner: every %g s, SLO TTFT %g s / TPOT %g s, pools prefill %d..%d decode %d..%d, connector %s%s",

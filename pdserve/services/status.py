@@ -209,7 +209,8 @@ def _p90_line(d: dict, slo: str) -> str:
     def ms(x):
         return "-" if x is None else f"{x * 1000:.0f} ms"
     k = d.get(f"correction_{slo}")
-    return (f"{slo.upper()} p90 observed {ms(d.get(f'observed_{slo}_p90'))}, simulated "
+    seen = d.get(f"compared_{slo}_p90", d.get(f"observed_{slo}_p90"))
+    return (f"{slo.upper()} p90 observed {ms(seen)} (over {d.get('compared_intervals', 1)} interval(s)), simulated "
             f"{ms(d.get(f'simulated_{slo}_p90'))} x correction {'-' if k is None else f'{k:.2f}'} = "
             f"{ms(d.get(f'corrected_{slo}_p90'))} (SLO {ms(d.get(f'slo_{slo}'))})")
 

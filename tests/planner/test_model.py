@@ -283,3 +283,35 @@ def test_closing_the_sizer_ends_a_running_sweep_at_its_next_simulation(monkeypat
     t0 = time.monotonic()
     sz.close()
     assert time.monotonic() - t0 < 1.0
+
+
+def test_model_is_compared_with_the_observation_pooled_over_steady_intervals():
+    p, pools = planner()
+    asked = []
+
+    def pooled(k):
+        asked.append(k)
+        return Observation(window_s=k * INTERVAL, rate=8.0, requests=40 * k, prompt_mean=32, output_mean=96,
+                           prefix_hit=0.0, ttft_p90=0.1, tpot_p90=0.07, queued=0)
+
+    one = Observation(window_s=INTERVAL, rate=8.0, requests=40, prompt_mean=32, output_mean=96, prefix_hit=0.0,
+                      ttft_p90=0.05, tpot_p90=0.02, queued=0)
+    spans, seen = [], []
+    for i in range(6):
+        counts = {"prefill": 1, "decode": 1 if i < 4 else 2}   # a change before interval 4
+        d = p.decide(one, COSTS, counts, i * INTERVAL, pooled=pooled)
+        spans.append(d.compared_intervals)
+        seen.append(d.compared_tpot_p90)
+    # the first interval has no predecessor and the one after the change mixes two deployments: 1 interval; then
+    # the pool grows with the run of intervals at the same counts, up to 3
+    assert spans == [1, 1, 2, 3, 1, 1] and asked == [2, 3]
+    assert seen == [0.02, 0.02, 0.07, 0.07, 0.02, 0.02]
+    # and the correction learned from what was compared, in every steady interval (not the one after the change):
+    # the running mean of log(observed / simulated) - 0.02 and 0.07 against A + B x 8, then 0.02 against A + B x 4
+    assert p.correction.tpot.samples == 4
+    r1, r7, r2 = 0.02 / (A + B * 8), 0.07 / (A + B * 8), 0.02 / (A + B * 4)
+    x = math.log(r1)
+    for n, r in ((2, r7), (3, r7), (4, r2)):
+        w = max(p.correction.tpot.alpha, 1 / n)
+        x = (1 - w) * x + w * math.log(r)
+    assert p.correction.tpot.smoothed == pytest.approx(math.exp(x))
