@@ -58,7 +58,7 @@ def run(phases: list[tuple[float, float]], interval: float = 5.0, out: Path | No
                 if last:
                     decisions[last["time"]] = last
                 time.sleep(0.5)
-            benches.append({"rate": rate, "seconds": seconds, "rc": proc.returncode,
+            benches.append({"rate": rate, "seconds": seconds, "rc": proc.returncode, "end": time.time(),
                             "output": proc.stdout.read()[-2000:]})
     finally:
         up.stop()
@@ -78,7 +78,7 @@ def _ratio(d: dict, slo: str) -> float | None:
 
 def summarize(res: dict) -> dict:
     iv, starts, ds = res["interval_s"], res["starts"], res["decisions"]
-    ends = starts[1:] + [float("inf")]
+    ends = [b["end"] for b in res["benches"]]   # a phase's decisions: up to its load's end
     gaps = [b["time"] - a["time"] for a, b in zip(ds, ds[1:])]
     phases = []
     for (rate, _), t0, t1 in zip(res["phases"], starts, ends):

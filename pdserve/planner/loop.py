@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import statistics
 import threading
 import time
 from collections import deque
@@ -88,6 +89,7 @@ class Planner:
         self.guard = Guard(cfg.limits, cfg.cooldown_s, confirm=cfg.grow_confirm)
         self._serving: dict[str, int] | None = None  # the pools' serving counts at the last decision
         self._steady_run = 0                          # consecutive intervals served by the same counts
+        self._sims: deque[tuple] = deque(maxlen=POOL_INTERVALS)  # simulated p90s of those intervals
         self.snaps: deque[scrape.Snapshot] = deque(maxlen=POOL_INTERVALS + 1)  # at the last decisions' scrapes
         self.prev: scrape.Snapshot | None = None
         self.registry = None
@@ -168,7 +170,8 @@ class Planner:
         self._steady_run = self._steady_run + 1 if steady else 0
         span = max(1, min(POOL_INTERVALS, self._steady_run))
         cmp = (pooled(span) if pooled is not None and span > 1 else None) or obs
-        sim = self.sizer.simulate_current(serving["prefill"], serving["decode"], cmp.rate, wl, costs)
+        sim = self._robust_sim(self.sizer.simulate_current(serving["prefill"], serving["decode"], cmp.rate, wl, costs),
+                               span)
         self.correction.observe(cmp.requests, (cmp.ttft_p90, cmp.tpot_p90), sim, steady)
         slo_ttft, slo_tpot = self.correction.slo(self.cfg.slo_ttft, self.cfg.slo_tpot)
         slo = SLO(ttft=slo_ttft, tpot=slo_tpot)
@@ -200,6 +203,19 @@ class Planner:
                         model_stale=grow.stale, observed_requests=cmp.requests, correction_checked=c.checked,
                         compared_ttft_p90=cmp.ttft_p90, compared_tpot_p90=cmp.tpot_p90,
                         compared_intervals=span if cmp is not obs else 1)
+
+    def _robust_sim(self, sim: tuple, span: int) -> tuple:
+        """The median of the simulated p90s over the same intervals as the pooled observation: near its saturation
+        a 100-request simulation's p90 jumps by 10x between neighbouring rates, and one jump must not move the
+        correction more than one noisy observation does."""
+        if span <= 1:
+            self._sims.clear()
+        self._sims.append(sim)
+        out = []
+        for i in range(len(sim)):
+            xs = [s[i] for s in self._sims if s[i] is not None]
+            out.append(statistics.median(xs) if xs else None)
+        return tuple(out)
 
     async def run(self, stop: threading.Event) -> None:
         log.info("planner: every %g s, SLO TTFT %g s / TPOT %g s, pools prefill %d..%d decode %d..%d, connector %s%s",
