@@ -80,7 +80,7 @@ def summarize(res: dict) -> dict:
     iv, starts, ds = res["interval_s"], res["starts"], res["decisions"]
     ends = [b["end"] for b in res["benches"]]   # a phase's decisions: up to its load's end
     gaps = [b["time"] - a["time"] for a, b in zip(ds, ds[1:])]
-    phases = []
+    phases, checked = [], []
     for (rate, _), t0, t1 in zip(res["phases"], starts, ends):
         # decisions whose whole interval lies in the phase
         mine = [d for d in ds if t0 + iv <= d["time"] < t1]
@@ -91,6 +91,7 @@ def summarize(res: dict) -> dict:
         # where the model was checked against the counts in place (3 learned intervals since they changed, what
         # a shrink waits for: correction.py) - the band is what the model answers for once it acts on it
         late = [d for d in mine if d.get("correction_checked", 0) >= 3]
+        checked += late
         band = {slo: [r for r in (_ratio(d, slo) for d in late) if r is not None] for slo in ("ttft", "tpot")}
         raw = {slo: [d[f"simulated_{slo}_p90"] / _seen(d, slo) for d in late
                      if d.get(f"simulated_{slo}_p90") and _seen(d, slo)] for slo in ("ttft", "tpot")}
@@ -106,7 +107,10 @@ def summarize(res: dict) -> dict:
             "first_change_after_intervals": None if changed is None else round((changed["time"] - t0) / iv, 1),
             "decide_s_max": max((d.get("decide_s") or 0.0 for d in mine), default=None),
             "stale_decisions": sum(bool(d.get("model_stale")) for d in mine)})
+    every = {slo: [r for r in (_ratio(d, slo) for d in checked) if r is not None] for slo in ("ttft", "tpot")}
     return {"interval_s": iv, "decisions": len(ds), "gap_s_max": max(gaps, default=None),
+            "checked_decisions": len(checked),
+            "corrected_over_observed_median": {k: statistics.median(v) if v else None for k, v in every.items()},
             "gap_s_median": statistics.median(gaps) if gaps else None, "phases": phases,
             "benches_ok": all(b["rc"] == 0 for b in res["benches"])}
 
