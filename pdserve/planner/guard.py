@@ -12,8 +12,9 @@ In order:
 3. min/max of the pool, and never below one replica while the deployment serves traffic;
 4. at most one step per interval, unless the pool's SLO is violated (then straight to the model's count);
 5. no shrink on a model not yet checked against the counts in place (the correction learned from fewer than its
-   minimum of intervals since they last changed: correction.py), and none within `cooldown_s` of the pool's last
-   change (either way).
+   minimum of intervals since they last changed: correction.py), nor on capacities computed for older inputs
+   (the corrected SLO or the costs moved since; policy.py), nor within `cooldown_s` of the pool's last change
+   (either way). Growing on them is allowed: too many replicas for a while cost less than too few.
 """
 from __future__ import annotations
 
@@ -56,11 +57,12 @@ class Guard:
         self.violations: dict[str, int] = {}  # consecutive intervals whose measured SLO component was violated
 
     def decide(self, pool: str, current: int, grow_to: int, shrink_to: int, violated: str | None, traffic: bool,
-               now: float, starting: int = 0, checked: bool = True) -> PoolVerdict:
+               now: float, starting: int = 0, checked: bool = True, stale: bool = False) -> PoolVerdict:
         """`grow_to`: count for the forecast rate; `shrink_to`: count for the window's largest rate; `violated`:
         a description of the measured SLO violation of this pool, or None; `starting`: replicas counted but not
         serving yet; `checked`: the model was compared with the counts in place (correction.py) - no shrink on a
-        model not yet checked against them."""
+        model not yet checked against them; `stale`: the shrink count came from capacities of older inputs (the
+        current ones are being computed) - no shrink on those either."""
         if violated and starting > 0:
             violated, waiting = None, f"{violated}, but {starting} replica(s) still starting"
         else:
@@ -97,6 +99,8 @@ class Guard:
             want, why = current - 1, why + "; one step per interval"
         if want < current and not checked:
             want, why = current, why + "; the model is not yet checked against these counts"
+        elif want < current and stale:
+            want, why = current, why + "; no shrink on the last capacities (the current ones are being computed)"
         if want < current:
             since = now - self.last_change.get(pool, -1e18)
             if since < self.cooldown_s:

@@ -190,7 +190,7 @@ class Planner:
             M.MODEL.labels(pool).set(getattr(grow, pool))
         verdicts = [self.guard.decide(pool, current[pool], getattr(grow, pool), getattr(hold, pool),
                                       violated[pool], traffic, now, starting[pool],
-                                      self.correction.checked_at_current()) for pool in pools]
+                                      self.correction.checked_at_current(), hold.stale) for pool in pools]
         c = self.correction
         return Decision(time=time.time(), dry_run=self.cfg.dry_run, connector=self.connector.name,
                         observed_rate=obs.rate, forecast_rate=fc.rate, hold_rate=fc.hold_rate, trend=fc.trend,

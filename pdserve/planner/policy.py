@@ -5,13 +5,13 @@ Two kinds of simulation, kept apart because they cost very differently:
 - **Capacities** (`Capacity`): one replica's highest rate under its SLO component, from simulated load sweeps
   (`pool_rates`: prefill vs TTFT with decode plentiful, decode vs TPOT with prefill plentiful): ~25 simulations,
   seconds to tens of seconds on a small CPU. They do not depend on the rate, only on the cost model, the lengths
-  and the (corrected) SLO, so they are memoised on those (~2% resolution) and, in the loop, computed in the
+  and the (corrected) SLO, so they are memoised on those (~5% resolution) and, in the loop, computed in the
   sizer's own background thread: an interval whose capacities are not ready uses the last ones (the decision says
   so) instead of running late. The sweep is capped at a power of two >= 4 x the peak rate it was asked for; a
   capacity at the cap means "at least the cap" and is recomputed with a higher cap once the peak reaches half.
 - **The current pools** (`simulate_current`): the counts in place, at the observed rate and lengths: one cluster
-  simulation (100 requests), memoised at ~5% of the rate. Its p90s are what the correction factors compare with the observed
-  ones (correction.py).
+  simulation (100 requests), memoised at ~5% of the rate. Its p90s are what the correction factors compare with
+  the observed ones (correction.py).
 
 Counts for a rate R: ceil(R x headroom / capacity) per pool, bounded by the pool's min/max (whether a pool may move
 that far this interval is the guard's). A rate of 0 needs the minimum. One replica that cannot meet its SLO
