@@ -58,8 +58,13 @@ def run(phases: list[tuple[float, float]], interval: float = 5.0, out: Path | No
                 if last:
                     decisions[last["time"]] = last
                 time.sleep(0.5)
-            benches.append({"rate": rate, "seconds": seconds, "rc": proc.returncode, "end": time.time(),
-                            "output": proc.stdout.read()[-2000:]})
+            end = time.time()
+            try:  # the open loop's own start: bench's start-up and its two cold-start requests come before it
+                start = end - json.loads((out / f"b{i}" / "results.json").read_text())["points"][0]["wall_s"]
+            except (OSError, KeyError, IndexError, ValueError):
+                start = starts[-1]
+            benches.append({"rate": rate, "seconds": seconds, "rc": proc.returncode, "start": max(start, starts[-1]),
+                            "end": end, "output": proc.stdout.read()[-2000:]})
     finally:
         up.stop()
     return {"interval_s": interval, "phases": phases, "starts": starts, "benches": benches,
@@ -77,7 +82,8 @@ def _ratio(d: dict, slo: str) -> float | None:
 
 
 def summarize(res: dict) -> dict:
-    iv, starts, ds = res["interval_s"], res["starts"], res["decisions"]
+    iv, ds = res["interval_s"], res["decisions"]
+    starts = [b.get("start", t) for b, t in zip(res["benches"], res["starts"])]
     ends = [b["end"] for b in res["benches"]]   # a phase's decisions: up to its load's end
     gaps = [b["time"] - a["time"] for a, b in zip(ds, ds[1:])]
     phases, checked = [], []
