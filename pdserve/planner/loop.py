@@ -81,7 +81,6 @@ class Planner:
         self.cfg, self.connector, self.metrics_urls = cfg, connector, metrics_urls
         self.key = InternalSecurity.from_files(cfg.internal_token_file).registry_key()
         self.base_cost = load_cost_model(cfg.costs_file) if cfg.costs_file else LinearCostModel()
-        self.slo = SLO(ttft=cfg.slo_ttft, tpot=cfg.slo_tpot)
         self.predictor = TrendPredictor(window=cfg.window)
         self.sizer = Sizer(cfg.limits, headroom=cfg.headroom, attainment=cfg.attainment, background=cfg.background)
         self.correction = Correction.default()
