@@ -80,8 +80,9 @@ class Decision:
         def margin(slo, x):
             return "" if x is None else f" (margin {(slo - x) * 1000:+.0f} ms)"
 
-        def sim(x, k, seen):
-            return "-" if x is None else f"{ms(x)} x correction {k:.2f} = {ms(x * k)} vs {ms(seen)} observed"
+        def sim(x, k, seen):  # the correction is stated even with nothing simulated (no arrivals, a pool empty)
+            return (f"- (nothing to simulate) x correction {k:.2f}" if x is None else
+                    f"{ms(x)} x correction {k:.2f} = {ms(x * k)} vs {ms(seen)} observed")
 
         cap = ("" if self.decode_capacity is None else
                f"; one replica serves {self.prefill_capacity:.3g} (prefill) / {self.decode_capacity:.3g} (decode) "

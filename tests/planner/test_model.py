@@ -315,3 +315,11 @@ def test_model_is_compared_with_the_observation_pooled_over_steady_intervals():
         w = max(p.correction.tpot.alpha, 1 / n)
         x = (1 - w) * x + w * math.log(r)
     assert p.correction.tpot.smoothed == pytest.approx(math.exp(x))
+
+
+def test_every_line_states_the_correction_even_with_nothing_simulated():
+    p, pools = planner()
+    idle = Observation(window_s=INTERVAL, rate=0.0, requests=0, prompt_mean=None, output_mean=None, prefix_hit=0.0,
+                       ttft_p90=None, tpot_p90=None, queued=0)
+    line = p.decide(idle, COSTS, pools.replicas(), 0.0).line()
+    assert line.count("x correction 1.00") == 2 and "p90 observed -" in line
