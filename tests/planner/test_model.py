@@ -46,6 +46,8 @@ class AnalyticSizer:
         self.limits, self.headroom = limits, headroom
 
     def simulate_current(self, prefill, decode, rate, wl, costs):
+        if rate <= 0:  # as the Sizer: no arrivals, nothing to simulate
+            return None, None
         return TA + TB * rate / prefill, A + B * rate / decode
 
     def size(self, rate, wl, costs, slo):
@@ -322,4 +324,4 @@ def test_every_line_states_the_correction_even_with_nothing_simulated():
     idle = Observation(window_s=INTERVAL, rate=0.0, requests=0, prompt_mean=None, output_mean=None, prefix_hit=0.0,
                        ttft_p90=None, tpot_p90=None, queued=0)
     line = p.decide(idle, COSTS, pools.replicas(), 0.0).line()
-    assert line.count("x correction 1.00") == 2 and "p90 observed -" in line
+    assert line.count("(nothing to simulate) x correction 1.00") == 2 and "p90 observed -" in line
