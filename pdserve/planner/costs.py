@@ -8,11 +8,18 @@ b = 1 / prefill tokens per s, c = per-sequence decode cost, a = decode step - c 
 link bandwidth and hand-off from the decode side. A field nobody measured yet (no traffic since start) keeps the
 base model's value: `--costs FILE` (a `pdserve sim profile`), else LinearCostModel's defaults. Medians over the
 workers of a pool (one slow outlier does not move the plan).
+
+`CostSmoother` steadies them over time: each field is the median of its last `window` intervals' values (a single
+slow step lifts a worker's averages for about one heartbeat: one interval out of five, which the median drops),
+and the value the sizing uses moves only when that median is more than `deadband` away from it, so a steady
+deployment keeps one cost model - and the sizing its memo.
 """
 from __future__ import annotations
 
 import statistics
+from collections import deque
 from dataclasses import dataclass, replace
+from dataclasses import fields as dc_fields
 
 from pdserve.services.registry import WorkerRecord
 from pdserve.sim.costmodel import LinearCostModel
@@ -45,8 +52,8 @@ def live_costs(workers: list[WorkerRecord], base: LinearCostModel, num_blocks: i
         fields["c"] = per_seq
         live.append("c")
     step0 = _med([ld.decode_step_s - (per_seq or 0.0) * ld.num_running for ld in dec if ld.decode_step_s > 0])
-    if step0 is not None:
-        fields["a"] = step0
+    if step0 is not None:  # a per-sequence slope fitted over a narrow batch range can exceed the step: keep a > 0
+        fields["a"] = max(step0, 0.1 * min(ld.decode_step_s for ld in dec if ld.decode_step_s > 0))
         live.append("a")
     bw = _med([ld.kv_bytes_per_s for ld in dec])
     if bw:
@@ -60,3 +67,27 @@ def live_costs(workers: list[WorkerRecord], base: LinearCostModel, num_blocks: i
     seqs = _med([float(w.load.max_num_seqs) for w in workers])
     return LiveCosts(replace(base, **fields), int(blocks) if blocks else num_blocks,
                      int(seqs) if seqs else max_num_seqs, tuple(live))
+
+
+class CostSmoother:
+    """Window median + dead band over the live cost fields (see the module's docstring)."""
+
+    def __init__(self, window: int = 5, deadband: float = 0.1):
+        self.window, self.deadband = window, deadband
+        self.hist: dict[str, deque[float]] = {}
+        self.used: dict[str, float] = {}
+
+    def smooth(self, lc: LiveCosts) -> LiveCosts:
+        out = {}
+        for f in dc_fields(lc.model):
+            v = getattr(lc.model, f.name)
+            if f.name not in lc.live or not isinstance(v, float):
+                continue
+            h = self.hist.setdefault(f.name, deque(maxlen=self.window))
+            h.append(v)
+            m = statistics.median(h)
+            old = self.used.get(f.name)
+            if old is None or abs(m - old) > self.deadband * abs(old):
+                self.used[f.name] = old = m
+            out[f.name] = old
+        return replace(lc, model=replace(lc.model, **out))

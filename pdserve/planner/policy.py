@@ -1,29 +1,53 @@
-"""Prefill and decode replica counts meeting the SLOs at the least GPU count: `pdserve sim plan`'s code
-(pdserve/sim/plan.py, spec Q19) run on the forecast load with the live cost model.
+"""Prefill and decode replica counts meeting the SLOs, from the simulator (`pdserve sim plan`'s code, spec Q19)
+run with the live cost model, and the simulated latency of the pools as they are.
 
-For a rate R: one replica's capacity per pool under its SLO component from a simulated load sweep (`pool_rates`:
-prefill vs TTFT, decode vs TPOT), the lower bound ceil(R x headroom / capacity) per pool, then the whole
-disaggregated cluster simulated at R x headroom and grown / shrunk to the smallest that meets the target
-attainment (`smallest_pd`). No N+1 here (`redundancy` 0): the planner reacts instead of provisioning for a failure
-in advance. The simulated workload: Poisson arrivals at R, prompt lengths uniform over +-50% of the forecast mean
-reduced by the measured prefix-hit ratio (the cached part costs no prefill), outputs likewise around their mean.
+Two kinds of simulation, kept apart because they cost very differently:
+- **Capacities** (`Capacity`): one replica's highest rate under its SLO component, from simulated load sweeps
+  (`pool_rates`: prefill vs TTFT with decode plentiful, decode vs TPOT with prefill plentiful): ~25 simulations,
+  seconds to tens of seconds on a small CPU. They do not depend on the rate, only on the cost model, the lengths
+  and the (corrected) SLO, so they are memoised on those (~5% resolution) and, in the loop, computed in the
+  sizer's own background thread: an interval whose capacities are not ready uses the last ones (the decision says
+  so) instead of running late. The sweep is capped at a power of two >= 4 x the peak rate it was asked for; a
+  capacity at the cap means "at least the cap" and is recomputed with a higher cap once the peak reaches half.
+- **The current pools** (`simulate_current`): the counts in place, at the observed rate and lengths: one cluster
+  simulation (100 requests), memoised at ~5% of the rate. Its p90s are what the correction factors compare with
+  the observed ones (correction.py).
 
-The count is bounded by the pool's min/max here; whether a pool may move that far this interval is the guard's.
-A rate of 0 needs the minimum. If even the maximum cannot meet the SLO at R (or one replica cannot meet it at
-any rate: the SLO is below one request's unloaded latency), the result says `feasible=False` and asks for the
-maximum of the pool that fails: the best that can be done.
+Counts for a rate R: ceil(R x headroom / capacity) per pool, bounded by the pool's min/max (whether a pool may move
+that far this interval is the guard's). A rate of 0 needs the minimum. One replica that cannot meet its SLO
+component at any rate (the SLO is below one request's unloaded latency, as corrected) makes the result
+`feasible=False` and asks for the pool's maximum: the best that can be done. The simulated workload: Poisson at
+R, prompt lengths uniform over +-50% of the mean reduced by the measured prefix-hit ratio (the cached part costs
+no prefill), outputs likewise around their mean.
 """
 from __future__ import annotations
 
+import logging
 import math
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from pdserve.engine.config import EngineConfig
 from pdserve.planner.costs import LiveCosts
 from pdserve.planner.guard import PoolLimits
 from pdserve.sim.cluster import ClusterSpec
-from pdserve.sim.plan import PlanInput, pool_rates, simulate, smallest_pd
+from pdserve.sim.plan import PlanInput, pool_rates, simulate
 from pdserve.sim.workload import SLO, LengthDist, synthetic
+
+log = logging.getLogger("pdserve.planner")
+
+
+@dataclass(frozen=True)
+class Capacity:
+    prefill: float              # req/s one prefill replica meets the TTFT SLO at (0: at no rate)
+    decode: float
+    cap: float                  # the sweep's ceiling: a capacity near it means "at least"
+    seconds: float              # what the sweep cost
+
+    def capped(self, x: float) -> bool:
+        return x >= 0.95 * self.cap
 
 
 @dataclass(frozen=True)
@@ -32,74 +56,144 @@ class Sizing:
     decode: int
     rate: float
     feasible: bool
-    ttft_p90: float | None = None      # simulated at rate x headroom with these counts
-    tpot_p90: float | None = None
-    attainment: float | None = None
-    prefill_capacity: float | None = None   # req/s one replica meets its SLO component at (capped at 2 x peak)
+    prefill_capacity: float | None = None
     decode_capacity: float | None = None
+    stale: bool = False          # the capacities of older inputs (the current ones are being computed)
     note: str = ""
 
 
-class Sizer:
-    def __init__(self, slo: SLO, limits: PoolLimits, headroom: float = 1.2, attainment: float = 0.9,
-                 requests: int = 200, sweep_requests: int = 100, seed: int = 0):
-        self.slo, self.limits, self.headroom, self.attainment = slo, limits, headroom, attainment
-        self.requests, self.sweep_requests, self.seed = requests, sweep_requests, seed
-        self._memo: dict[tuple, Sizing] = {}
+@dataclass(frozen=True)
+class Workload:
+    """The lengths the simulations use (the prompt already reduced by the prefix-hit ratio)."""
+    prompt: float
+    output: float
 
-    def size(self, rate: float, prompt_mean: float, output_mean: float, prefix_hit: float,
-             costs: LiveCosts) -> Sizing:
+    @classmethod
+    def of(cls, prompt_mean: float, output_mean: float, prefix_hit: float) -> "Workload":
+        return cls(max(1.0, prompt_mean * (1.0 - prefix_hit)), max(1.0, output_mean))
+
+    def requests(self, rate: float, n: int, seed: int):
+        pl = LengthDist("uniform", max(1, round(self.prompt * 0.5)), max(1, round(self.prompt * 1.5)))
+        ol = LengthDist("uniform", max(1, round(self.output * 0.5)), max(1, round(self.output * 1.5)))
+        return synthetic(n, rate, pl, ol, seed=seed)
+
+
+class Sizer:
+    def __init__(self, limits: PoolLimits, headroom: float = 1.2, attainment: float = 0.9,
+                 requests: int = 100, sweep_requests: int = 100, seed: int = 0, background: bool = True):
+        """`requests`: simulated requests of the current pools (its p90 is smoothed by the correction's EWMA, and
+        it runs on the loop's time: ~0.3 s at 100 on a 2-core EPYC); `background`: capacities computed in the
+        sizer's own thread (the loop); False: inline (tests)."""
+        self.limits, self.headroom, self.attainment = limits, headroom, attainment
+        self.requests, self.sweep_requests, self.seed = requests, sweep_requests, seed
+        self._caps: dict[tuple, Capacity] = {}
+        self._latest: Capacity | None = None
+        self._sims: dict[tuple, tuple[float | None, float | None]] = {}
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="planner-sizer") if background else None
+        self._pending: dict[tuple, Future] = {}
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+
+    def close(self) -> None:
+        """Stop: a sweep in progress ends at its next simulation (its workload raises), not at its end."""
+        self._closed.set()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _workload(self, wl: Workload):
+        def make(rate: float, n: int, seed: int):
+            if self._closed.is_set():
+                raise _Closed()
+            return wl.requests(rate, n, seed)
+        return make
+
+    def _input(self, rate: float, wl: Workload, costs: LiveCosts, slo: SLO) -> PlanInput:
+        return PlanInput(rate=rate, slo=slo, workload=self._workload(wl), cost=costs.model,
+                         num_blocks=costs.num_blocks, engine=EngineConfig(max_num_seqs=costs.max_num_seqs),
+                         attainment=self.attainment, peak_factor=self.headroom, redundancy=0,
+                         requests=self.requests, sweep_requests=self.sweep_requests, modes=("disagg",),
+                         seed=self.seed)
+
+    def _sweep(self, key: tuple, cap: float, wl: Workload, costs: LiveCosts, slo: SLO) -> Capacity | None:
+        t0 = time.monotonic()
+        try:
+            # the sweep starts at cap / 64 (PlanInput.rate / 64) and doubles up to the cap
+            p, d = pool_rates(self._input(cap, wl, costs, slo), cap=cap)
+        except _Closed:
+            return None
+        finally:
+            with self._lock:
+                self._pending.pop(key, None)
+        c = Capacity(p, d, cap, time.monotonic() - t0)
+        with self._lock:
+            self._caps[key] = self._latest = c
+            if len(self._caps) > 64:
+                self._caps.pop(next(iter(self._caps)))
+        log.debug("planner: capacities prefill %.3g req/s, decode %.3g req/s (cap %g) in %.1f s", p, d, cap,
+                  c.seconds)
+        return c
+
+    def capacity(self, peak: float, wl: Workload, costs: LiveCosts, slo: SLO) -> tuple[Capacity | None, bool]:
+        """The capacities for these inputs; (the last ones computed, True) while they are being computed."""
+        # ~5% resolution: the correction (5% dead band) and the smoothed costs (10%) move in steps about that size,
+        # and a sweep per small move would keep the capacities forever a step behind
+        key = (_q(wl.prompt), _q(wl.output), _q(slo.ttft, 1.05), _q(slo.tpot, 1.05), costs.num_blocks,
+               costs.max_num_seqs, tuple(_q(v, 1.05) for v in vars(costs.model).values() if isinstance(v, float)))
+        with self._lock:
+            hit = self._caps.get(key)
+            if hit is not None and (2 * peak <= hit.cap or not (hit.capped(hit.prefill) or hit.capped(hit.decode))):
+                return hit, False
+            cap = 2.0 ** math.ceil(math.log2(max(8.0, 4 * peak)))
+            if self._pool is not None:
+                if key not in self._pending:
+                    self._pending[key] = self._pool.submit(self._sweep, key, cap, wl, costs, slo)
+                return self._latest, True
+        return self._sweep(key, cap, wl, costs, slo), False
+
+    def size(self, rate: float, wl: Workload, costs: LiveCosts, slo: SLO) -> Sizing | None:
+        """Counts for `rate` x headroom; None when no capacities were computed yet."""
         lim = self.limits
         if rate <= 0:
             return Sizing(lim.min_prefill, lim.min_decode, 0.0, True, note="no load")
-        prompt = max(1.0, prompt_mean * (1.0 - prefix_hit))
-        # a cache key at ~2% resolution: the forecast moves a little every interval, the answer rarely does
-        key = (_q(rate), _q(prompt), _q(output_mean), tuple(_q(v) for v in vars(costs.model).values()
-                                                             if isinstance(v, float)), costs.num_blocks)
-        hit = self._memo.get(key)
+        peak = rate * self.headroom
+        cap, stale = self.capacity(peak, wl, costs, slo)
+        if cap is None:
+            return None
+        counts, bad = {}, []
+        for pool, c in (("prefill", cap.prefill), ("decode", cap.decode)):
+            if c <= 0:
+                counts[pool] = getattr(lim, f"max_{pool}")
+                bad.append("TTFT" if pool == "prefill" else "TPOT")
+            elif cap.capped(c) and peak <= cap.cap:
+                counts[pool] = lim.clamp(pool, 1)
+            else:
+                counts[pool] = lim.clamp(pool, math.ceil(peak / c - 1e-9))
+        note = f"one replica cannot meet the {' and '.join(bad)} SLO at any rate in simulation" if bad else ""
+        return Sizing(counts["prefill"], counts["decode"], rate, not bad, cap.prefill, cap.decode, stale, note)
+
+    def simulate_current(self, prefill: int, decode: int, rate: float, wl: Workload,
+                         costs: LiveCosts) -> tuple[float | None, float | None]:
+        """Simulated (TTFT p90, TPOT p90) of these counts at `rate` (memoised at ~5% of the rate)."""
+        if rate <= 0 or prefill < 1 or decode < 1:
+            return None, None
+        key = (prefill, decode, _q(rate, 1.05), _q(wl.prompt), _q(wl.output), costs.num_blocks,
+               tuple(_q(v) for v in vars(costs.model).values() if isinstance(v, float)))
+        hit = self._sims.get(key)
         if hit is None:
-            hit = self._memo[key] = self._size(rate, prompt, max(1.0, output_mean), costs)
-            if len(self._memo) > 256:
-                self._memo.pop(next(iter(self._memo)))
+            pi = self._input(rate, wl, costs, SLO())
+            lat = simulate(pi, ClusterSpec(prefill=prefill, decode=decode), rate, self.requests, SLO())["latency"]
+            hit = self._sims[key] = (lat["ttft_s"].get("p90"), lat["tpot_s"].get("p90"))
+            if len(self._sims) > 256:
+                self._sims.pop(next(iter(self._sims)))
         return hit
 
-    def _size(self, rate: float, prompt: float, output: float, costs: LiveCosts) -> Sizing:
-        lim, slo = self.limits, self.slo
-        pl = LengthDist("uniform", max(1, round(prompt * 0.5)), max(1, round(prompt * 1.5)))
-        ol = LengthDist("uniform", max(1, round(output * 0.5)), max(1, round(output * 1.5)))
 
-        def workload(r, n, seed):
-            return synthetic(n, r, pl, ol, seed=seed)
-
-        pi = PlanInput(rate=rate, slo=slo, workload=workload, cost=costs.model, num_blocks=costs.num_blocks,
-                       engine=EngineConfig(max_num_seqs=costs.max_num_seqs), attainment=self.attainment,
-                       peak_factor=self.headroom, redundancy=0, requests=self.requests,
-                       sweep_requests=self.sweep_requests, modes=("disagg",), seed=self.seed)
-        peak = rate * self.headroom
-        # capacities beyond 2 x peak all mean "one replica is enough": the sweep stops there
-        p_rate, d_rate = pool_rates(pi, cap=2 * peak)
-        if p_rate <= 0 or d_rate <= 0:
-            p = lim.max_prefill if p_rate <= 0 else lim.clamp("prefill", math.ceil(peak / p_rate))
-            d = lim.max_decode if d_rate <= 0 else lim.clamp("decode", math.ceil(peak / d_rate))
-            which = " and ".join(n for n, r in (("TTFT", p_rate), ("TPOT", d_rate)) if r <= 0)
-            return Sizing(p, d, rate, False, prefill_capacity=p_rate, decode_capacity=d_rate,
-                          note=f"one replica cannot meet the {which} SLO at any rate in simulation")
-        p, d = max(1, math.ceil(peak / p_rate)), max(1, math.ceil(peak / d_rate))
-        (p, d), s = smallest_pd(pi, p, d, peak, self.requests, lambda *_: None,
-                                limit=lim.max_prefill + lim.max_decode + 1)
-        pc, dc = lim.clamp("prefill", p), lim.clamp("decode", d)
-        if (pc, dc) != (p, d):
-            s = simulate(pi, ClusterSpec(prefill=pc, decode=dc), peak, self.requests, slo)
-        att = s["slo"]["attainment_ratio"]
-        lat = s["latency"]
-        return Sizing(pc, dc, rate, att >= self.attainment, ttft_p90=lat["ttft_s"].get("p90"),
-                      tpot_p90=lat["tpot_s"].get("p90"), attainment=att, prefill_capacity=p_rate,
-                      decode_capacity=d_rate,
-                      note="" if att >= self.attainment else f"the pool maxima meet the SLOs for {att:.0%} only")
+class _Closed(Exception):
+    """The sizer was closed while a sweep ran."""
 
 
-def _q(x: float) -> float:
-    """Round to ~2% (two significant digits in log scale)."""
-    if x <= 0:
-        return 0.0
-    return round(math.log(x) / math.log(1.02))
+def _q(x: float | None, base: float = 1.02) -> float | None:
+    """Round to ~2% (log scale)."""
+    if x is None or x <= 0:
+        return None if x is None else 0.0
+    return round(math.log(x) / math.log(base))

@@ -1,7 +1,9 @@
 """The next interval's load from the last `window` observations: a moving window with a robust trend.
 
 - Rate to grow for (`Forecast.rate`): level + max(0, trend) x horizon, where level = the last observed rate and
-  trend = the (low) MEDIAN of the window's successive differences (per interval). A ramp is led by its slope; a
+  trend = the (low) MEDIAN of the window's successive differences (per interval), counted only when at least 2/3
+  of them are rises (a steady Poisson load's noise has positive median differences half the time, and
+  extrapolating them adds a replica at a constant load). A ramp is led by its slope; a
   single step (one large difference among flat ones, or one of two: the low median of two is the smaller) has a
   median difference of 0, so it is followed at once without the overshoot a least-squares line fitted across the
   step would predict (which would add a replica and take it away again at a constant load: a flap).
@@ -49,6 +51,8 @@ class TrendPredictor:
         rates = [o.rate for o in self.obs]
         diffs = [b - a for a, b in zip(rates, rates[1:])]
         trend = statistics.median_low(diffs) if diffs else 0.0
+        if sum(x > 0 for x in diffs) * 3 < 2 * len(diffs):  # a rise in fewer than 2/3 of the steps is noise
+            trend = min(trend, 0.0)
         weighted = [o for o in self.obs if o.requests > 0 and o.prompt_mean is not None]
         w = sum(o.requests for o in weighted)
         if w > 0:  # lengths seen last stay the estimate through idle intervals

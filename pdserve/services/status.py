@@ -205,6 +205,17 @@ def _empty_load():
     return common_pb2.LoadReport()
 
 
+def _p90_line(d: dict, slo: str) -> str:
+    """Observed vs simulated p90 at the counts in place, and the correction applied (older records: '-')."""
+    def ms(x):
+        return "-" if x is None else f"{x * 1000:.0f} ms"
+    k = d.get(f"correction_{slo}")
+    seen = d.get(f"compared_{slo}_p90", d.get(f"observed_{slo}_p90"))
+    return (f"{slo.upper()} p90 observed {ms(seen)} (over {d.get('compared_intervals', 1)} interval(s)), simulated "
+            f"{ms(d.get(f'simulated_{slo}_p90'))} x correction {'-' if k is None else f'{k:.2f}'} = "
+            f"{ms(d.get(f'corrected_{slo}_p90'))} (SLO {ms(d.get(f'slo_{slo}'))})")
+
+
 def format_text(st: dict) -> str:
     lines = [f"model {st['model']} ({st['source']})",
              "pools: " + (", ".join(f"{k} {v['healthy']}/{v['replicas']} healthy"
@@ -223,6 +234,7 @@ def format_text(st: dict) -> str:
                           for p in d["pools"])
         lines.append(f"planner ({d['connector']}{', dry run' if d['dry_run'] else ''}), {age:.0f} s ago: {pools}; "
                      f"forecast {d['forecast_rate']:.2f} req/s (observed {d['observed_rate']:.2f})")
+        lines.append("  " + "; ".join(_p90_line(d, slo) for slo in ("ttft", "tpot")))
     else:
         lines.append("planner: no decision recorded")
     return "\n".join(lines)

@@ -52,7 +52,7 @@ def run(tmp_path_factory):
     COST.save(costs_file)
     cfg = PlannerConfig(redis_url="redis://127.0.0.1:6379/0", model="m", interval_s=INTERVAL, slo_ttft=SLO_TTFT,
                         slo_tpot=SLO_TPOT, limits=PoolLimits(1, 4, 1, 4), cooldown_s=2 * INTERVAL, window=3,
-                        costs_file=str(costs_file))
+                        costs_file=str(costs_file), background=False)
     pools = Pools()
     planner = Planner(cfg, pools, lambda: [])
     from pdserve.planner.costs import LiveCosts
@@ -74,8 +74,10 @@ def run(tmp_path_factory):
 
 def test_step_up_scales_out_and_meets_the_slo_in_simulation(run):
     high = [(n, d) for rate, n, d in run if rate == HIGH]
-    first, settled = high[0][0], high[-1][0]
-    assert first["prefill"] + first["decode"] > 2, "the step was not acted on in its first interval"
+    second, settled = high[1][0], high[-1][0]
+    # a grow is confirmed by a second interval (guard.py): the step is acted on in its second
+    assert high[0][0] == {"prefill": 1, "decode": 1}
+    assert second["prefill"] + second["decode"] > 2, "the step was not acted on in its second interval"
     assert settled["prefill"] + settled["decode"] >= 3
     assert all(d.feasible for _, d in high)
     # the counts the planner settled on meet the SLOs at the step's rate in an independent simulation ...

@@ -166,3 +166,16 @@ def test_guard_no_feedback_step_while_a_replica_is_starting():
     # once it serves, the violation counts again
     v = g.decide("decode", 2, grow_to=2, shrink_to=2, violated="TPOT p90 9 ms > SLO 5 ms", traffic=True, now=0)
     assert v.desired == 3
+
+
+def test_guard_no_shrink_on_an_unchecked_model_or_stale_capacities():
+    g = Guard(PoolLimits(1, 4, 1, 4), cooldown_s=0)
+    v = g.decide("decode", 2, grow_to=1, shrink_to=1, violated=None, traffic=True, now=100, checked=False)
+    assert v.action == "hold" and "not yet checked" in v.reason
+    v = g.decide("decode", 2, grow_to=1, shrink_to=1, violated=None, traffic=True, now=100, stale=True)
+    assert v.action == "hold" and "last capacities" in v.reason
+    # growing on stale capacities is allowed (once confirmed, as always)
+    g2 = Guard(PoolLimits(1, 4, 1, 4), cooldown_s=0, confirm=2)
+    assert g2.decide("decode", 1, 2, 2, None, True, 0, stale=True).action == "hold"
+    assert g2.decide("decode", 1, 2, 2, None, True, 5, stale=True).action == "up"
+    assert g.decide("decode", 2, 1, 1, None, traffic=True, now=100).action == "down"
