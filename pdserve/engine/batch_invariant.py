@@ -1,0 +1,68 @@
+"""Deterministic mode (EngineConfig.deterministic, `--deterministic`): every row of a step is computed by the same
+kernels in the same reduction order whatever else the step holds.
+
+Without it a row's result depends on its batch mates: the projections pick their kernel by the step's row count
+(the native GEMV up to a few rows, oneDNN's or torch's GEMM above, each GEMM blocking its reduction by the shape),
+a prompt's attention runs through SDPA or the prefill kernel whose key blocking depends on the chunk, and small
+all-decode steps run as one fused decoder call. Any of these changes the float rounding of a row, and a greedy
+argmax that is nearly tied then flips. The mode fixes the shape each kernel sees:
+
+- projections and the LM head (`RowTiled`): the rows go through the wrapped module in tiles of exactly
+  ROW_TILE rows, the last one padded with zeros, so the kernel and its blocking are chosen for one shape only,
+  and a row's output does not depend on the rows beside it (tests/engine/test_batch_invariant.py checks each
+  backend row by row);
+- attention: every query row, prompt or decode, is a single-query attention over its own context read from the
+  pool by the decode kernel (model_runner: prefill tokens become decode rows of context position + 1), so a
+  prompt token's keys are reduced in the same order whether it was computed alone, in a chunk, or after a
+  prefix-cache hit; the torch fallback attends each row alone over a width fixed by its context length;
+- the fused decoder stack and CUDA graphs are off (their shapes follow the batch);
+- sampling runs row by row (each row its own one-row batch: the same reductions over the vocabulary).
+Norms, rotary embedding, SwiGLU and residuals are per row already (no reduction across rows).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# Rows per projection call. 1 would make every call a GEMV (the same kernel for every row by construction) but
+# would read the weights once per prompt token; a tile of 8 keeps prefill within a few times the
+# default's cost (bench/deterministic.py) and was checked row-invariant on every backend the engine uses.
+ROW_TILE = 8
+
+
+class RowTiled(nn.Module):
+    """A projection called on fixed-size row tiles: `inner` only ever sees [ROW_TILE, in] inputs."""
+
+    def __init__(self, inner: nn.Module, tile: int = ROW_TILE):
+        super().__init__()
+        self.inner = inner
+        self.tile = tile
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        tile = self.tile
+        if rows == 0:  # a step that samples nothing: no tile to fill
+            return self.inner(x)
+        padded = -(-rows // tile) * tile
+        if padded != rows:
+            x = torch.cat([x, x.new_zeros(padded - rows, *x.shape[1:])])
+        x = x.contiguous()
+        outs = [self.inner(x[i:i + tile]) for i in range(0, padded, tile)]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return out[:rows]
+
+
+def is_projection(m: nn.Module) -> bool:
+    from pdserve.engine.quant import DualLinear, WeightOnlyLinear
+    return isinstance(m, (nn.Linear, WeightOnlyLinear, DualLinear))
+
+
+def tile_projections(model: nn.Module, tile: int = ROW_TILE) -> int:
+    """Wrap every projection of `model` (attention, MLP, experts, LM head) in RowTiled, in place; return how many.
+    After the weights have taken their final form (quantized, packed): the wrapper calls whatever is there."""
+    # DualLinear's own gemv/gemm halves are left alone: the DualLinear around them is wrapped
+    targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+               if is_projection(child) and not is_projection(parent) and not isinstance(parent, RowTiled)]
+    for parent, name, child in targets:
+        setattr(parent, name, RowTiled(child, tile))
+    return len(targets)
