@@ -1,6 +1,6 @@
 """The cost of deterministic mode (`--deterministic`): engine throughput with and without it, side by side.
 
-    python bench/deterministic.py [--model builtin] [--requests 16] [--rounds 2] [--threads N]
+    python bench/deterministic.py [--model builtin] [--requests 16] [--rounds 2] [--threads N] [--tiles 16,32]
 
 One process, the same model, threads and workload for both configurations, run alternately (default,
 deterministic, default, ...) so that load drifting on a shared machine hits both alike; the best round of each
@@ -21,14 +21,16 @@ from pdserve.engine.sampling_params import SamplingParams
 
 
 def cpu_name() -> str:
+    """The model name with its family and model numbers (a VM's name can be as bare as "AMD EPYC")."""
+    fields = {}
     try:
         for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
     except OSError:
-        pass
-    import platform
-    return platform.processor() or platform.machine()
+        import platform
+        return platform.processor() or platform.machine()
+    return f"{fields.get('model name', '?')} (family {fields.get('cpu family', '?')} model {fields.get('model', '?')})"
 
 
 def workload(n: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -67,6 +69,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--tiles", default="", help="also deterministic engines at these row tiles (comma-separated; "
+                                                "the shipped one is batch_invariant.ROW_TILE)")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -75,9 +79,17 @@ def main() -> None:
         from pdserve.builtin import builtin_model_dir
         model = builtin_model_dir()
     # no prefix caching: each round must compute the same prompts again
-    engines = {name: Engine.from_pretrained(model, EngineConfig(max_num_seqs=a.requests, enable_prefix_caching=False,
-                                                                deterministic=det))
-               for name, det in (("default", False), ("deterministic", True))}
+    from pdserve.engine import batch_invariant
+    shipped = batch_invariant.ROW_TILE
+    tiles = [shipped] + [int(t) for t in a.tiles.split(",") if t and int(t) != shipped]
+    engines = {"default": Engine.from_pretrained(model, EngineConfig(max_num_seqs=a.requests,
+                                                                     enable_prefix_caching=False))}
+    for t in tiles:
+        batch_invariant.ROW_TILE = t
+        name = "deterministic" if t == shipped else f"det. tile {t}"
+        engines[name] = Engine.from_pretrained(model, EngineConfig(max_num_seqs=a.requests, deterministic=True,
+                                                                   enable_prefix_caching=False))
+    batch_invariant.ROW_TILE = shipped
     first = engines["default"]
     print(f"CPU: {cpu_name()} ({torch.get_num_threads()} threads); model {a.model}")
     print(first.info.line())
@@ -91,14 +103,14 @@ def main() -> None:
             b["prefill"] = min(b["prefill"], prefill_s(eng, prompt))
             b["decode"] = max(b["decode"], decode_tps(eng, prompt))
             print(f"  round {r + 1} {name}: done", flush=True)
-    d, x = best["default"], best["deterministic"]
-    print(f"{'':34}{'default':>12}{'deterministic':>15}{'ratio':>8}")
-    print(f"{f'{a.requests} concurrent greedy, output tok/s':34}{d['tput']:12.1f}{x['tput']:15.1f}"
-          f"{x['tput'] / d['tput']:8.2f}")
-    print(f"{'prefill of 128 tokens, ms':34}{d['prefill'] * 1e3:12.1f}{x['prefill'] * 1e3:15.1f}"
-          f"{x['prefill'] / d['prefill']:8.2f}")
-    print(f"{'batch-1 decode, tok/s':34}{d['decode']:12.1f}{x['decode']:15.1f}{x['decode'] / d['decode']:8.2f}")
-
+    d = best["default"]
+    names = list(engines)
+    print(f"{'':36}" + "".join(f"{n:>16}" for n in names) + "  (ratio to default)")
+    rows = (("tput", f"{a.requests} concurrent greedy, out tok/s", 1.0), ("prefill", "prefill of 128 tokens, ms", 1e3),
+            ("decode", "batch-1 decode, tok/s", 1.0))
+    for key, label, scale in rows:
+        cells = "".join(f"{best[n][key] * scale:9.1f} ({best[n][key] / d[key]:4.2f})" for n in names)
+        print(f"{label:36}{cells}")
 
 if __name__ == "__main__":
     main()

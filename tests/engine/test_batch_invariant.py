@@ -41,7 +41,7 @@ def test_row_tiles_give_each_row_the_same_bits_in_any_batch(dtype):
     projections alone pick a kernel by row count: GEMV up to a few rows, a GEMM above), and it is the right
     product (float64 reference)."""
     for name, m in _projections(dtype).items():
-        tiled = RowTiled(m)
+        tiled = RowTiled(m, ROW_TILE)
         x = torch.randn(3 * ROW_TILE + 3, 64).to(dtype)
         alone = torch.stack([tiled(x[i:i + 1])[0] for i in range(x.shape[0])])
         for rows in (2, ROW_TILE - 1, ROW_TILE, ROW_TILE + 1, x.shape[0]):
@@ -77,11 +77,11 @@ def reference(model, prompts, params, **cfg):
     return [trace(eng.generate([p], [sp])[0]) for p, sp in zip(prompts, params)]
 
 
-def served_together(model, prompts, params, deterministic=True, **cfg):
+def served_together(model, prompts, params, **cfg):
     """The first prompt alone first (it leaves the shared prefix cached), then all of them at once with a step
     budget that chunks every prompt, so the batch mixes prefix hits, chunks and decodes."""
     eng = Engine.from_pretrained(model, EngineConfig(block_size=4, num_gpu_blocks=128, max_num_seqs=len(prompts),
-                                                     max_num_batched_tokens=6, deterministic=deterministic, **cfg))
+                                                     max_num_batched_tokens=6, deterministic=True, **cfg))
     eng.generate([prompts[0]], [params[0]])
     hits = eng.block_manager.hit_tokens
     outs = [trace(o) for o in eng.generate(prompts, params)]
@@ -97,6 +97,29 @@ def test_concurrent_requests_equal_each_served_alone(tiny_llama, kind):
     params = [greedy() if kind == "greedy" else seeded(seed=7 + i) for i in range(len(prompts))]
     ref = reference(tiny_llama, prompts, params)
     assert served_together(tiny_llama, prompts, params) == ref
+
+
+@pytest.mark.parametrize("variant,cfg", [
+    (dict(arch="llama"), dict(native_kernels=False)),  # the torch path: each row attended alone
+    (dict(arch="mistral", sliding_window=6), {}),  # a window shorter than the prompt
+    (dict(arch="qwen3"), {}),  # q/k norms over strided head views
+    (dict(arch="qwen3_moe"), {}),  # experts: their row groups follow the routing, tiled like any projection
+    (dict(arch="llama", dtype=torch.bfloat16), dict(dtype="bfloat16")),  # bf16 compute (packed bf16, GEMV copies)
+    (dict(arch="llama"), dict(attention="triton")),  # the CUDA path's kernels (interpreted on CPU without a GPU)
+], ids=["torch-path", "sliding-window", "qk-norm", "moe", "bf16", "triton"])
+def test_concurrent_greedy_equals_alone_on_other_paths(tmp_path, variant, cfg):
+    from tests.conftest import make_checkpoint
+    if cfg.get("attention") == "triton":
+        import os
+        ta = pytest.importorskip("pdserve.engine.triton_attention")
+        if ta.IMPORT_ERROR or (os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available()):
+            pytest.skip("Triton kernels not runnable here")
+        if torch.cuda.is_available():
+            cfg = {**cfg, "device": "cuda"}
+    model = make_checkpoint(tmp_path, **variant)
+    prompts = [PREFIX + s for s in SUFFIXES[:3]]
+    params = [greedy(10)] * len(prompts)
+    assert served_together(model, prompts, params, **cfg) == reference(model, prompts, params, **cfg)
 
 
 def test_builtin_model_concurrent_greedy_equals_alone():
