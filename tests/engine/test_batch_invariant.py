@@ -74,7 +74,10 @@ def reference(model, prompts, params, **cfg):
     """Each prompt served alone: no prefix cache, the whole prompt in one step."""
     eng = Engine.from_pretrained(model, EngineConfig(block_size=4, num_gpu_blocks=128, deterministic=True,
                                                      enable_prefix_caching=False, **cfg))
-    return [trace(eng.generate([p], [sp])[0]) for p, sp in zip(prompts, params)]
+    try:
+        return [trace(eng.generate([p], [sp])[0]) for p, sp in zip(prompts, params)]
+    finally:
+        eng.close()  # tensor parallelism: the other ranks' processes
 
 
 def served_together(model, prompts, params, **cfg):
@@ -82,9 +85,12 @@ def served_together(model, prompts, params, **cfg):
     budget that chunks every prompt, so the batch mixes prefix hits, chunks and decodes."""
     eng = Engine.from_pretrained(model, EngineConfig(block_size=4, num_gpu_blocks=128, max_num_seqs=len(prompts),
                                                      max_num_batched_tokens=6, deterministic=True, **cfg))
-    eng.generate([prompts[0]], [params[0]])
-    hits = eng.block_manager.hit_tokens
-    outs = [trace(o) for o in eng.generate(prompts, params)]
+    try:
+        eng.generate([prompts[0]], [params[0]])
+        hits = eng.block_manager.hit_tokens
+        outs = [trace(o) for o in eng.generate(prompts, params)]
+    finally:
+        eng.close()
     assert eng.block_manager.hit_tokens - hits >= len(PREFIX) * (len(prompts) - 1)  # the prefix was a hit
     assert max(tokens for _, tokens in eng.batch_sizes) <= 6 < len(PREFIX)  # every prompt was chunked
     assert max(seqs for seqs, _ in eng.batch_sizes) > 1  # and rows were batched together
@@ -106,7 +112,8 @@ def test_concurrent_requests_equal_each_served_alone(tiny_llama, kind):
     (dict(arch="qwen3_moe"), {}),  # experts: their row groups follow the routing, tiled like any projection
     (dict(arch="llama", dtype=torch.bfloat16), dict(dtype="bfloat16")),  # bf16 compute (packed bf16, GEMV copies)
     (dict(arch="llama"), dict(attention="triton")),  # the CUDA path's kernels (interpreted on CPU without a GPU)
-], ids=["torch-path", "sliding-window", "qk-norm", "moe", "bf16", "triton"])
+    (dict(arch="llama"), dict(tensor_parallel_size=2, num_threads=1)),  # two ranks, each its heads, all-reduced
+], ids=["torch-path", "sliding-window", "qk-norm", "moe", "bf16", "triton", "tp2"])
 def test_concurrent_greedy_equals_alone_on_other_paths(tmp_path, variant, cfg):
     from tests.conftest import make_checkpoint
     if cfg.get("attention") == "triton":
@@ -118,7 +125,7 @@ def test_concurrent_greedy_equals_alone_on_other_paths(tmp_path, variant, cfg):
             cfg = {**cfg, "device": "cuda"}
     model = make_checkpoint(tmp_path, **variant)
     prompts = [PREFIX + s for s in SUFFIXES[:3]]
-    params = [greedy(10)] * len(prompts)
+    params = [greedy(6)] * len(prompts)
     assert served_together(model, prompts, params, **cfg) == reference(model, prompts, params, **cfg)
 
 
