@@ -124,7 +124,7 @@ def test_concurrent_greedy_equals_alone_on_other_paths(tmp_path, variant, cfg):
         if torch.cuda.is_available():
             cfg = {**cfg, "device": "cuda"}
     model = make_checkpoint(tmp_path, **variant)
-    prompts = [PREFIX + s for s in SUFFIXES[:3]]
+    prompts = [PREFIX + s for s in SUFFIXES[:2]]
     params = [greedy(6)] * len(prompts)
     assert served_together(model, prompts, params, **cfg) == reference(model, prompts, params, **cfg)
 
