@@ -112,6 +112,10 @@ def add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-offload-dir", help="spill the host KV tier's LRU victims to files under this directory")
     p.add_argument("--kv-offload-disk-bytes", type=nonneg_int,
                    help="disk KV tier capacity (default: 4 x --kv-offload-bytes)")
+    p.add_argument("--deterministic", action="store_true", default=None,  # None: help prints no default
+                   help="batch-invariant steps: each row computed by the same kernels in the same reduction order "
+                        "whatever the batch, chunking or prefix-cache hit, so greedy and seeded output is "
+                        "reproducible (slower; docs/engine.md, Deterministic mode)")
     p.add_argument("--tensor-parallel-size", type=positive_int,
                    help="ranks of tensor parallelism per worker, one process each (default: 1; docs/engine.md)")
     add_spec_flags(p)
@@ -141,6 +145,8 @@ def engine_argv(args, skip: tuple[str, ...] = ()) -> list[str]:
     out = []
     for d in ENGINE_FLAGS:
         v = getattr(args, d, None)
-        if v is not None and d not in skip:
-            out += ["--" + d.replace("_", "-"), str(v)]
+        if v is None or d in skip:
+            continue
+        flag = "--" + d.replace("_", "-")
+        out += [flag] if v is True else [flag, str(v)]  # a switch (store_true) takes no value
     return out

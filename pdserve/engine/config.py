@@ -204,6 +204,9 @@ class EngineConfig:
     # Fault injection for tests and drills: every step that runs a forward first sleeps this long (a slow or
     # stalled device), e.g. to show that heartbeats do not wait for the engine thread. 0 in production.
     fault_step_delay_s: float = 0.0
+    # Batch-invariant steps (batch_invariant.py): every row of a step is computed by the same kernels in the same
+    # reduction order whatever the batch size, chunking or prefix-cache hit (docs/engine.md, Deterministic mode).
+    deterministic: bool = False
     # Ranks of tensor parallelism inside this engine (engine/tp/): one process each, rank 0 schedules.
     tensor_parallel_size: int = 1
     # Speculative decoding (spec_decode/): None | ngram (prompt lookup) | draft (`draft_model`, same tokenizer);
@@ -251,6 +254,9 @@ class EngineConfig:
             raise ValueError(f"unknown speculative method {self.speculative!r} (ngram, draft)")
         if self.speculative and self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
+        if self.deterministic and self.speculative:
+            raise ValueError("deterministic mode does not support speculative decoding (its verify steps are "
+                             "not covered by the batch-invariant path)")
         if self.speculative == "draft" and not self.draft_model:
             raise ValueError("speculative='draft' needs a draft model (--draft-model DIR)")
         if self.dtype != "auto" and self.dtype not in DTYPES:

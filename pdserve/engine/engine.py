@@ -101,8 +101,9 @@ class Engine:
             self.block_manager.offload = self.scheduler.recall = self.kv_offload
         self.core = EngineCore(self.scheduler, self.block_manager, self.max_model_len)  # shared with the simulator
         self.runner = ModelRunner(model, self.kv_cache, native=config.native_kernels, attention=config.attention,
-                                  cuda_graph_max_batch=config.max_num_seqs if config.cuda_graphs else 0)
-        self.sampler = Sampler(model_config.vocab_size)
+                                  cuda_graph_max_batch=config.max_num_seqs if config.cuda_graphs else 0,
+                                  deterministic=config.deterministic)
+        self.sampler = Sampler(model_config.vocab_size, row_by_row=config.deterministic)
         self.sampler.native_ops = self.runner.native_ops
         self.info = EngineInfo(
             isa=detected_level() if self.runner.device.type == "cpu" else self.runner.device.type,

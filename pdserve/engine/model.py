@@ -54,6 +54,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class RMSNorm(nn.Module):
     native_ops = None  # the compiled CPU kernels, set by LlamaModel.use_native_ops
+    # Deterministic mode (batch_invariant.py): strided inputs (Qwen3's q/k heads, a view into the fused qkv) are
+    # copied to take the native kernel too. Otherwise they take torch's, except at one row, where the view is
+    # contiguous: a decode alone and in a batch would be normalised by different kernels.
+    contiguous_first = False
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -61,6 +65,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native_ops is not None and self.contiguous_first:
+            x = x.contiguous()
         if self.native_ops is not None and x.is_contiguous():  # one pass instead of ~8 small ops
             out = torch.empty_like(x)
             self.native_ops.rms_norm(out, x, self.weight, self.eps)

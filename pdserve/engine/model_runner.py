@@ -16,6 +16,7 @@ from pdserve.engine.attention import (
     causal_mask,
     decode_bias,
 )
+from pdserve.engine.batch_invariant import RowTiled, tile_projections
 from pdserve.engine.cuda_graphs import DecodeGraphs, DecodeInputs, capture_sizes
 from pdserve.engine.host_copy import to_device
 from pdserve.engine.kernels import native_ops
@@ -65,13 +66,15 @@ def padded_tables(tables: list[list[int]], device=None) -> torch.Tensor:
 class ModelRunner:
     DECODE_GROUP = 16  # decode sequences per padded attention group
     def __init__(self, model: LlamaModel, kv: KVCache, native: bool = True, attention: str = "auto",
-                 cuda_graph_max_batch: int = 0):
+                 cuda_graph_max_batch: int = 0, deterministic: bool = False):
         """With tensor parallelism (model.comm set) rank 0's runner broadcasts each step's plan (tp/plan.py)
         and the other ranks run `execute_plan` on what they receive."""
         """attention: auto = the compiled CPU kernels on CPU, Triton on CUDA; native / triton / torch force one
         (triton runs on CPU only under TRITON_INTERPRET=1, which is how the tests drive it).
         cuda_graph_max_batch > 0: on CUDA with the Triton kernels, decode steps up to that many sequences replay
-        CUDA graphs captured here (cuda_graphs.py)."""
+        CUDA graphs captured here (cuda_graphs.py).
+        deterministic: batch-invariant steps (batch_invariant.py): projections in fixed row tiles, every query row
+        through the single-query attention, no fused decoder stack, no CUDA graphs."""
         if attention not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention backend {attention!r} (choose from {', '.join(ATTENTION_BACKENDS)})")
         self.model = model
@@ -82,6 +85,11 @@ class ModelRunner:
         # Norms, rope, SwiGLU and decode attention in place over the pool (kernels.py) on CPU.
         self.native_ops = native_ops() if native and self.device.type == "cpu" else None
         model.use_native_ops(self.native_ops)
+        self.deterministic = deterministic
+        if deterministic:
+            model.stacks = None  # one fused call whose kernels follow the row count
+            if not any(isinstance(m, RowTiled) for m in model.modules()):
+                tile_projections(model)
         # The attention kernels that read the pool in place: the CPU module, or Triton on CUDA; None -> torch.
         use_triton = native and (attention == "triton" or (attention == "auto" and self.device.type == "cuda"))
         if attention == "torch":
@@ -90,6 +98,8 @@ class ModelRunner:
             self.attention_ops = triton_attention(self.device)
         else:
             self.attention_ops = self.native_ops
+        if deterministic and self.attention_ops is not None and hasattr(self.attention_ops, "decode_splits_override"):
+            self.attention_ops.decode_splits_override = 1  # Triton: one pass over the keys, not split by batch size
         # Prefill attention over the pool where that kernel exists (Triton; on CPU bf16 with AVX512-BF16); SDPA
         # otherwise.
         if self.attention_ops is not None and self.attention_ops is not self.native_ops:
@@ -99,7 +109,8 @@ class ModelRunner:
                 kv.data, model.shard.num_heads))
         self.graphs: DecodeGraphs | None = None
         # (not with tensor parallelism: the captured graphs would have to hold the collectives too)
-        if cuda_graph_max_batch > 0 and self.device.type == "cuda" and self.native_prefill and self.comm is None:
+        if (cuda_graph_max_batch > 0 and self.device.type == "cuda" and self.native_prefill and self.comm is None
+                and not deterministic):
             with device_scope(self.device):
                 self.graphs = DecodeGraphs(model, kv.data, self.attention_ops, capture_sizes(cuda_graph_max_batch),
                                            width=-(-model.cfg.max_model_len // kv.block_size),
@@ -150,6 +161,10 @@ class ModelRunner:
                 decode_rows.append(start)
                 decode_tables.append(table)
                 decode_lens.append(ctx)
+            elif self.deterministic:  # each prompt token a single-query row over its own context (module doc)
+                decode_rows.extend(range(start, start + n))
+                decode_tables.extend([table] * n)
+                decode_lens.extend(range(first + 1, ctx + 1))
             elif self.native_prefill:
                 native_spans.append((start, n, ctx, table))
             else:
@@ -199,13 +214,18 @@ class ModelRunner:
         order = sorted(range(len(rows)), key=lambda k: lens[k])
         groups: list[DecodeGroup] = []
         bs = self.kv.block_size
-        for g in range(0, len(order), self.DECODE_GROUP):
-            idx = order[g:g + self.DECODE_GROUP]
+        size = 1 if self.deterministic else self.DECODE_GROUP
+        for g in range(0, len(order), size):
+            idx = order[g:g + size]
             width = len(tables[idx[-1]])  # sorted: the last is the longest
+            group_tables = [tables[k] for k in idx]
+            if self.deterministic:  # alone, over a width its context length fixes (its table may be longer)
+                width = -(-lens[idx[0]] // bs)
+                group_tables = [group_tables[0][:width]]
             glens = torch.tensor([lens[k] for k in idx], dtype=torch.long, device=self.device)
             groups.append(DecodeGroup(
                 rows=torch.tensor([rows[k] for k in idx], dtype=torch.long, device=self.device),
-                block_tables=padded_tables([tables[k] for k in idx], self.device),
+                block_tables=padded_tables(group_tables, self.device),
                 bias=decode_bias(glens, width * bs, self.sliding_window)))
         return groups
 

@@ -27,6 +27,7 @@ CHECKPOINT_NAMES = {
 
 class SparseMoE(nn.Module):
     native_ops = None  # the compiled CPU kernels (silu(gate) * up), set by LlamaModel.use_native_ops
+    row_tile: int | None = None  # deterministic mode: the router's GEMM in fixed row tiles (batch_invariant.py)
 
     def __init__(self, cfg: ModelConfig, linear: type[nn.Linear]):
         """`linear`: the model's projection class, so packing and weight-only quantization reach the experts."""
@@ -42,7 +43,12 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from pdserve.engine.model import swiglu
-        probs = torch.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float32)
+        if self.row_tile:
+            from pdserve.engine.batch_invariant import in_tiles
+            scores = in_tiles(lambda t: F.linear(t, self.router), x, self.row_tile)
+        else:
+            scores = F.linear(x, self.router)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
         weights, chosen = probs.topk(self.top_k, dim=-1)  # [T, k] each
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)

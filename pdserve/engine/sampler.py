@@ -75,15 +75,21 @@ class DeviceSample:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, filter_order: tuple[str, ...] = DEFAULT_FILTER_ORDER):
+    def __init__(self, vocab_size: int, filter_order: tuple[str, ...] = DEFAULT_FILTER_ORDER,
+                 row_by_row: bool = False):
+        """row_by_row (deterministic mode): each row sampled as a batch of its own, so its reductions over the
+        vocabulary never depend on the batch's size or mix of sampling kinds."""
         if sorted(filter_order) != sorted(lp.FILTERS):
             raise ValueError(f"filter_order must be a permutation of {lp.FILTERS}, got {filter_order}")
         self.vocab_size = vocab_size
         self.filter_order = tuple(filter_order)
         self.native_ops = None  # compiled CPU kernels (engine/kernels.py): fused argmax + logsumexp
+        self.row_by_row = row_by_row
 
     # ------------------------------------------------------------------------------------------
     def sample(self, logits: Tensor, states: list[SamplingState]) -> list[SampleResult]:
+        if self.row_by_row and len(states) > 1:
+            return [r for i, s in enumerate(states) for r in self.sample(logits[i:i + 1], [s])]
         return self.finish(self.sample_on_device(logits, states), states)
 
     def sample_on_device(self, logits: Tensor, states: list[SamplingState]) -> DeviceSample:

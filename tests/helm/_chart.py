@@ -48,7 +48,7 @@ SCENARIOS: dict[str, dict] = {
     },
     "colocated": {
         "mode": "colocated",
-        "workers": {"device": "cpu", "quantization": "int8"},  # CPU workers with weight-only int8
+        "workers": {"device": "cpu", "quantization": "int8", "deterministic": True},  # CPU, int8, batch-invariant
         "worker": {"replicas": 2, "autoscaling": {"enabled": True, "maxReplicas": 4}},
         "model": {"source": "pvc", "pvc": {"claimName": "llama-weights"}, "subPath": "Llama-3.1-8B-Instruct"},
         "networkPolicy": {"enabled": True},

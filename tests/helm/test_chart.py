@@ -155,6 +155,7 @@ def test_every_command_is_one_pdserve_accepts(scenario, monkeypatch):
         assert a.command in ("gateway", "router", "worker", "planner") and a.host == "0.0.0.0"
         if a.command == "worker":  # workers.quantization reaches the engine flag (None when unset)
             assert a.quantization == (vals.get("workers", {}).get("quantization") or None)
+            assert a.deterministic == (True if vals.get("workers", {}).get("deterministic") else None)
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         # the model path is mounted (or the builtin model needs nothing)
         mounts = {m["mountPath"] for m in c.get("volumeMounts", [])}

@@ -227,6 +227,12 @@ def test_engine_flags_are_one_table_up_forwards_and_the_worker_reads():
     kw = engine_kwargs(wk)
     assert kw == {"swap_space": 0.0, "kv_offload_bytes": 0, "num_gpu_blocks": 64, "num_threads": 3}
     assert not set(SPEC_FLAGS) & set(kw) and wk.speculative == "ngram"  # spec_config's own
+    # a switch is forwarded as itself, no value after it (`--deterministic True` would not parse)
+    up = build_parser().parse_args(["up", "--deterministic", "--block-size", "8"])
+    argv = engine_argv(up)
+    assert argv == ["--block-size", "8", "--deterministic"] or argv == ["--deterministic", "--block-size", "8"]
+    assert engine_kwargs(build_parser().parse_args(["worker", *argv])) == {"block_size": 8, "deterministic": True}
+    assert "deterministic" not in engine_kwargs(build_parser().parse_args(["worker"]))
 
 
 def test_up_help_shows_every_flag_in_a_named_group():

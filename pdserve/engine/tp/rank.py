@@ -67,7 +67,8 @@ def main(argv: list[str]) -> int:
     num_blocks = comm.min_int(kv_pool_blocks(config, net, device, per_block))
     kv = KVCache(mcfg, num_blocks, config.block_size, dtype, str(device), swap_blocks(config, per_block), "",
                  num_kv_heads=net.shard.num_kv_heads, shard=net.shard)
-    runner = ModelRunner(net, kv, native=config.native_kernels, attention=config.attention)
+    runner = ModelRunner(net, kv, native=config.native_kernels, attention=config.attention,
+                         deterministic=config.deterministic)  # the same per-row path as rank 0
     if a.side_fd >= 0:  # rank 0's requests beside the steps: this pool's NIXL agent (kv_transfer/tp_ranks.py)
         import socket
 
