@@ -100,8 +100,9 @@ class LabDeployment:
     def __init__(self, model: str, link: str, extra: list[str], ready_timeout: float):
         from pdserve.lab.cluster import LabCluster, LabSpec
         from pdserve.lab.netns import Link
-        env = {"PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-               "PDSERVE_LOG_LEVEL": os.environ.get("PDSERVE_LOG_LEVEL", "WARNING")}
+        env = {"PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        if "PDSERVE_LOG_LEVEL" not in os.environ:  # quiet unless asked (as the one-host deployments)
+            env["PDSERVE_LOG_LEVEL"] = "WARNING"
         self.lab = LabCluster(LabSpec(model=model, link=Link.parse(link), engine_args=(*extra, "--threads", "1"),
                                       env=env))
         self.cmd = ["pdserve", "lab", "--link", link, *extra]
