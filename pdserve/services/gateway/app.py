@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from dataclasses import dataclass, field
 
@@ -20,6 +21,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from pdserve.engine.checkpoint import resolve_model_dir, serving_limits
 from pdserve.engine.grammar_limits import GrammarLimits
+from pdserve.engine.sampling_params import GuidedSpec
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.services.gateway import http_metrics, openapi, responses
 from pdserve.services.gateway.core import Dispatcher
@@ -126,15 +128,18 @@ def tool_output(treq: ToolRequest, parser: ToolCallParser, params) -> ToolOutput
     function constrain the sampling to the parser's call syntax, the arguments to the function's schema."""
     if treq.choice == "none":
         return None
-    if treq.constrained:
-        if params.guided is not None:
-            raise APIError(400, "invalid parameter 'tool_choice': a required or named tool choice cannot be "
-                                "combined with response_format or guided_* (both constrain the output)",
-                           param="tool_choice", code="invalid_parameter")
-        params.guided = parser.constraint(treq.allowed(), treq.parallel and treq.named is None)
+    if treq.constrained and params.guided is not None:
+        raise APIError(400, "invalid parameter 'tool_choice': a required or named tool choice cannot be "
+                            "combined with response_format or guided_* (both constrain the output)",
+                       param="tool_choice", code="invalid_parameter")
     if not parser.skip_special_tokens:
         params.skip_special_tokens = False  # the call marker is a special token: the parser must see it
-    return ToolOutput(parser, treq.parallel and treq.named is None)
+    if treq.named is not None:  # the call is begun in the prompt (tools/output.py): only its arguments are sampled
+        params.guided = GuidedSpec(json_schema=json.dumps(treq.allowed()[0].get("parameters") or {"type": "object"}))
+        return ToolOutput(parser, False, parser.forced_call(treq.named))
+    if treq.constrained:
+        params.guided = parser.constraint(treq.allowed(), treq.parallel)
+    return ToolOutput(parser, treq.parallel)
 
 
 def _error_response(e: BaseException) -> JSONResponse:
@@ -258,7 +263,8 @@ async def _parse_call(g: Gateway, request: Request, raw: bytes, chat: bool, form
     if treq is not None:
         form.tools = tool_output(treq, g.tool_parser, params)
     check_guided(params, cfg.grammar_limits, guided_field(body, treq is not None and treq.constrained))
-    prompts = [await parser.chat_prompt(body, treq.tools if treq else None)] if chat \
+    forced = form.tools.forced[0] if form.tools is not None and form.tools.forced else ""
+    prompts = [await parser.chat_prompt(body, treq.tools if treq else None, forced)] if chat \
         else await parser.completion_prompts(body)
     parser.check_room(prompts, params.max_tokens, body)
     if params.max_tokens is None and cfg.default_max_tokens is not None:

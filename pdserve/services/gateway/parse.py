@@ -223,15 +223,17 @@ class RequestParser:
         except (ValueError, TypeError, LookupError, jinja2.TemplateError, RecursionError) as e:
             raise bad("messages", scrub(str(e))) from None
 
-    def _render_and_encode(self, msgs: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """Chat template -> token ids; called inline or on the pool."""
-        text = self.render(msgs, tools)
+    def _render_and_encode(self, msgs: list[dict], tools: list[dict] | None = None, answer_head: str = "") -> list[int]:
+        """Chat template -> token ids; called inline or on the pool. `answer_head`: the start of the assistant's
+        answer, already written (a named tool call's head)."""
+        text = self.render(msgs, tools) + answer_head
         # a template that writes BOS itself must not get a second one from the tokenizer
         special = not (self.tok.bos_token and text.startswith(self.tok.bos_token))
         return self.tok.encode_many([text], add_special_tokens=special)[0]
 
-    async def chat_prompt(self, body: dict, tools: list[dict] | None = None) -> list[int]:
+    async def chat_prompt(self, body: dict, tools: list[dict] | None = None, answer_head: str = "") -> list[int]:
         """`tools`: the tool definitions the template renders (transformers' `tools` argument)."""
         msgs = self.messages(body)
-        ids = await asyncio.get_running_loop().run_in_executor(self._pool, self._render_and_encode, msgs, tools)
+        ids = await asyncio.get_running_loop().run_in_executor(self._pool, self._render_and_encode, msgs, tools,
+                                                               answer_head)
         return self.check(ids, "messages")
