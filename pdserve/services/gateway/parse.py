@@ -110,15 +110,16 @@ class RequestParser:
         if so is not None:
             if not isinstance(so, dict):
                 raise bad("stream_options", "must be an object")
-            if so.get("include_usage") is not None and not isinstance(so["include_usage"], bool):
-                raise bad("stream_options.include_usage", "must be true or false")
             for k in so:
-                if k != "include_usage":
+                if k not in ("include_usage", "include_obfuscation"):  # obfuscation: nothing is padded, a no-op
                     raise bad(f"stream_options.{k[:100]}", "unknown parameter")
+                if so[k] is not None and not isinstance(so[k], bool):
+                    raise bad(f"stream_options.{k}", "must be true or false")
         if body.get("timeout") is not None and _num(body, "timeout", float) <= 0:
             raise bad("timeout", "must be a positive number of seconds")
-        if body.get("user") is not None and not isinstance(body["user"], str):
-            raise bad("user", "must be a string")
+        for name in ("user", "safety_identifier", "prompt_cache_key"):
+            if body.get(name) is not None and not isinstance(body[name], str):
+                raise bad(name, "must be a string")
         return body
 
     # ---- prompts ----
