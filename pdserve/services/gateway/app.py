@@ -23,7 +23,7 @@ from pdserve.engine.checkpoint import resolve_model_dir, serving_limits
 from pdserve.engine.grammar_limits import GrammarLimits
 from pdserve.engine.sampling_params import GuidedSpec
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.services.gateway import http_metrics, openapi, responses
+from pdserve.services.gateway import http_metrics, openapi, responses, tokenize
 from pdserve.services.gateway.core import Dispatcher
 from pdserve.services.gateway.errors import ErrorReply, reply_for
 from pdserve.services.gateway.fields import MAX_PRIORITY
@@ -220,6 +220,7 @@ def create_gateway(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> 
     _error_handlers(app)
     _generation_routes(g)
     _info_routes(g)
+    tokenize.install(app, life.gate, g.parser, limits.max_model_len)
     return g
 
 

@@ -158,6 +158,10 @@ class RequestParser:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, self.tok.encode_many, texts, add_special_tokens)
 
+    async def run_off_loop(self, fn, *args):
+        """`fn(*args)` on the tokenizing pool: for work sized by the client (rendering, encoding, decoding)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
     async def completion_prompts(self, body: dict) -> list[list[int]]:
         p = body.get("prompt")
         if isinstance(p, str):
@@ -217,10 +221,10 @@ class RequestParser:
             norm.append({**m, "role": role, "content": c})
         return norm
 
-    def render(self, msgs: list[dict], tools: list[dict] | None = None) -> str:
+    def render(self, msgs: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True) -> str:
         """The prompt text of checked messages (`_messages`). Template errors are the messages' fault."""
         try:
-            return self.tok.apply_chat_template(msgs, add_generation_prompt=True, tools=tools)
+            return self.tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tools=tools)
         except (ValueError, TypeError, LookupError, jinja2.TemplateError, RecursionError) as e:
             raise bad("messages", scrub(str(e))) from None
 
