@@ -39,9 +39,14 @@ def _operations(up) -> list:
     return [r.ok() for r in s.get_all_operations()]
 
 
+REFUSALS: Counter = Counter()  # the current test's 4xx answers, by the parameter they name
+
+
 def _check(case) -> int:
     r = case.call(timeout=60)
     STATUSES.append(r.status_code)
+    if 400 <= r.status_code < 500:
+        REFUSALS[(r.status_code, (r.json().get("error") or {}).get("param"))] += 1
     if r.status_code < 500:
         return r.status_code
     err = r.json().get("error", {})  # a 5xx must still be a typed error body, not a traceback or a reset
@@ -75,8 +80,9 @@ def test_no_generated_request_gets_a_server_error(up, label, mode):
         _check(case)
 
     STATUSES.clear()
+    REFUSALS.clear()
     run()
-    print(label, mode.value, sorted(Counter(STATUSES).items()))  # the answers' spread, for the run's log
+    print(label, mode.value, sorted(Counter(STATUSES).items()), REFUSALS.most_common(8))  # for the run's log
     assert calls  # the strategy produced requests: the property was checked, not skipped
     if (label, mode) == ("POST /v1/completions", POS):
         assert 200 in STATUSES  # generated bodies reach the engine, not only the validation

@@ -205,7 +205,9 @@ def create_gateway(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> 
     limits = serving_limits(model_dir)  # config.json without torch: the gateway never imports the engine
     disp = dispatcher or Dispatcher(cfg.router_address, cfg.served_model_name, migration_limit=cfg.migration_limit)
     app = FastAPI(title="pdserve gateway", **fastapi_options())
-    app.openapi = lambda: openapi.document("pdserve gateway", _version())  # openapi.py: the real request schemas
+    # openapi.py: the real request schemas, with this checkpoint's vocabulary and context
+    app.openapi = lambda: openapi.document("pdserve gateway", _version(), limits.vocab_size, limits.max_model_len,
+                                          cfg.served_model_name)
     if cfg.allowed_origins:  # inside BrowserGuard: a preflight from a foreign Host is refused like any request
         app.add_middleware(CORSMiddleware, allow_origins=list(cfg.allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["*"], expose_headers=["x-request-id"])
