@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.engine.sampling_params import MAX_REPETITION_PENALTY
 from pdserve.services.gateway.params import INT32_MAX, MAX_N, bad
 
 COMPLETIONS, CHAT = "completions", "chat"
@@ -82,7 +83,8 @@ FIELDS: list[Field] = [
     Field("min_p", {**_NUM, "minimum": 0, "maximum": 1}, "", extension=True),
     Field("typical_p", {**_NUM, "exclusiveMinimum": 0, "maximum": 1}, "locally typical sampling; 1: off",
           extension=True),
-    Field("repetition_penalty", {**_NUM, "exclusiveMinimum": 0}, "1: off", extension=True),
+    Field("repetition_penalty", {**_NUM, "exclusiveMinimum": 0, "maximum": MAX_REPETITION_PENALTY}, "1: off",
+          extension=True),
     Field("no_repeat_ngram_size", {**_INT, "minimum": 0, "maximum": INT32_MAX}, "0: off", extension=True),
     Field("min_tokens", {**_INT, "minimum": 0}, "EOS and stop tokens masked until then; <= max_tokens",
           extension=True),

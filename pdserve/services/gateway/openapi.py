@@ -52,9 +52,10 @@ _TOOL_CHOICE = {"oneOf": [{"enum": ["none", "auto", "required"]}, {
         "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}]}
 
 
-def _given(name: str, schema: dict | None = None) -> dict:
-    """`name` is present and not null (and matches `schema`)."""
-    return {"required": [name], "properties": {name: {"not": {"type": "null"}, **(schema or {})}}}
+def _given(name: str, schema: dict) -> dict:
+    """`name` is present with a value matching `schema` (a positive schema, null excluded: generators handle
+    those where `not` multiplies their branches)."""
+    return {"required": [name], "properties": {name: schema}}
 
 
 def _server_detail(chat: bool, vocab: int, max_len: int, model: str) -> dict:
@@ -84,6 +85,7 @@ def _server_detail(chat: bool, vocab: int, max_len: int, model: str) -> dict:
                           "items": {"type": "string", "minLength": 1, "maxLength": 1024}}
     d["guided_regex"] = {"type": "string", "minLength": 1, "format": "regex"}
     d["guided_grammar"] = {"type": "string", "minLength": 1}
+    d["guided_json"] = {"type": "object"}  # (its JSON text is taken too: a string no generator makes valid)
     d["bad_words"] = {"type": "array", "maxItems": 64, "items": {"type": "string", "minLength": 1, "maxLength": 1024}}
     d["response_format"] = {"oneOf": [
         {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
@@ -102,39 +104,45 @@ _BEAM_OFF = {"best_of": (), "top_p": (1,), "top_k": (0, -1), "min_p": (0,), "typ
              "prompt_logprobs": (), "guided_json": (), "guided_regex": (), "guided_grammar": (), "guided_choice": ()}
 
 
-def _constraint_given(name: str) -> dict:
-    if name == "response_format":  # `text` constrains nothing
-        return _given(name, {"properties": {"type": {"not": {"const": "text"}}}})
-    return _given(name)
+_NULL = {"type": "null"}
+_NOT_TRUE = {"enum": [False, None]}
+
+
+def _is(**props) -> dict:
+    """The body's fields that are present match these schemas (an absent field matches anything)."""
+    return {"properties": props}
+
+
+def _unconstrained(name: str) -> dict:
+    return {"anyOf": [_NULL, _is(type={"const": "text"})]} if name == "response_format" else _NULL
 
 
 def _beam_rule(chat: bool) -> dict:
-    props = {k: {"anyOf": [{"type": "null"}, *({"const": v} for v in offs)]} for k, offs in _BEAM_OFF.items()
+    props = {k: {"anyOf": [_NULL, *({"const": v} for v in offs)]} for k, offs in _BEAM_OFF.items()
              if k in fields_for(chat)}
-    props["logprobs"] = {"anyOf": [{"type": "null"}, {"const": False}]} if chat else {"type": "null"}
-    props["response_format"] = {"anyOf": [{"type": "null"}, {"properties": {"type": {"const": "text"}}}]}
-    then = {"properties": props}
+    props["logprobs"] = {"enum": [False, None]} if chat else _NULL
+    props["response_format"] = _unconstrained("response_format")
     if chat:  # a required or named tool choice is a grammar too
-        then["properties"]["tool_choice"] = {"anyOf": [{"type": "null"}, {"enum": ["none", "auto"]}]}
-    return {"if": _given("beam_width"), "then": then}
+        props["tool_choice"] = {"enum": ["none", "auto", None]}
+    return {"anyOf": [_is(beam_width=_NULL), _is(**props)]}
 
 
 def _rules(chat: bool) -> list[dict]:
-    """What one field's value asks of another (params.py refuses the rest), as if/then."""
-    not_true = {"not": {"const": True}}
-    rules = [{"if": _given("prompt_logprobs"), "then": {"properties": {"stream": not_true, "echo": not_true}}},
-             _beam_rule(chat)]
-    rules += [{"not": {"allOf": [_constraint_given(a), _constraint_given(b)]}}
-              for i, a in enumerate(_CONSTRAINTS) for b in _CONSTRAINTS[i + 1:]]
+    """What one field's value asks of another (params.py refuses the rest). Each is "A is off, or B holds" as an
+    anyOf of positive schemas: schemathesis' generator gives up on several if/then or `not` rules together."""
+    # (one constraint per request is left to the server: as this anyOf it has six branches, and the generator
+    # declines the product of all the rules' branches past some 64)
+    rules = [{"anyOf": [_is(prompt_logprobs=_NULL), _is(stream=_NOT_TRUE, echo=_NOT_TRUE)]}, _beam_rule(chat)]
     if chat:
-        rules += [{"if": _given("top_logprobs"), "then": _given("logprobs", {"const": True})},
-                  {"if": _given("tool_choice", {"not": {"const": "none"}}), "then": _given("tools")},
+        rules += [{"anyOf": [_is(top_logprobs=_NULL), _given("logprobs", {"const": True})]},
+                  {"anyOf": [_is(tool_choice={"enum": ["none", None]}), _given("tools", {"type": "array"})]},
                   # a required or named choice is a grammar: not with another constraint
-                  *({"not": {"allOf": [_given("tool_choice", {"not": {"enum": ["none", "auto"]}}),
-                                       _constraint_given(c)]}} for c in _CONSTRAINTS)]
+                  {"anyOf": [_is(tool_choice={"enum": ["none", "auto", None]}),
+                             _is(**{c: _unconstrained(c) for c in _CONSTRAINTS})]}]
     else:
-        rules += [{"if": _given("max_tokens", {"const": 0}), "then": _given("echo", {"const": True})},
-                  {"if": _given("echo", {"const": True}), "then": {"properties": {"stream": not_true}}}]
+        rules += [{"anyOf": [_is(max_tokens={"anyOf": [_NULL, {"type": "integer", "minimum": 1}]}),
+                             _given("echo", {"const": True})]},
+                  {"anyOf": [_is(echo=_NOT_TRUE), _is(stream=_NOT_TRUE)]}]
     return rules
 
 
@@ -152,6 +160,9 @@ def request_schema(chat: bool, vocab: int, max_len: int, model: str) -> dict:
             {"description": f.doc} if f.doc else {}), **({"x-pdserve-extension": True} if f.extension else {})}
         if f.required:
             required.append(f.name)
+    for name, (why, noop) in UNSUPPORTED.items():  # refused, except for the values that change nothing
+        props[name] = {"anyOf": [*({"const": v} for v in noop), {"type": "null"}],
+                       "description": f"not supported: {why}"}
     return {"type": "object", "properties": props, "required": required, "additionalProperties": False,
             "allOf": _rules(chat), "x-pdserve-refused": {k: v[0] for k, v in UNSUPPORTED.items()}}
 
@@ -175,7 +186,7 @@ def _endpoint(summary: str, chat: bool) -> dict:
             "504": {"description": "the request's deadline passed", **err}}}}
 
 
-def document(title: str, version: str, vocab: int, max_len: int, model: str) -> dict:
+def document(title: str, version: str, vocab: int, max_len: int, served: str) -> dict:
     """The document of a server with this vocabulary size, context length (token ids, lengths) and model."""
     model = {"type": "object", "properties": {
         "id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
@@ -200,6 +211,6 @@ def document(title: str, version: str, vocab: int, max_len: int, model: str) -> 
                                 "responses": {"200": {"description": "ready"},
                                               "503": {"description": "not ready"}}}},
         },
-        "components": {"schemas": {"CompletionRequest": request_schema(False, vocab, max_len, model),
-                                   "ChatCompletionRequest": request_schema(True, vocab, max_len, model), "Error": _ERROR}},
+        "components": {"schemas": {"CompletionRequest": request_schema(False, vocab, max_len, served),
+                                   "ChatCompletionRequest": request_schema(True, vocab, max_len, served), "Error": _ERROR}},
     }

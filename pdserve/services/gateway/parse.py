@@ -21,7 +21,7 @@ import jinja2
 
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.services.gateway.fields import check_known
-from pdserve.services.gateway.params import APIError, _num, bad, flag
+from pdserve.services.gateway.params import APIError, _num, bad, flag, integrals
 from pdserve.services.gateway.redact import scrub
 from pdserve.services.gateway.tools.request import history_message
 
@@ -163,7 +163,7 @@ class RequestParser:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def completion_prompts(self, body: dict) -> list[list[int]]:
-        p = body.get("prompt")
+        p = integrals(body.get("prompt"))
         if isinstance(p, str):
             return [self.check(x) for x in await self._encode([p])]
         if isinstance(p, list) and p:

@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from pdserve.services.gateway.ingress import IngressGate
-from pdserve.services.gateway.params import bad, flag
+from pdserve.services.gateway.params import bad, flag, integrals
 from pdserve.services.gateway.parse import RequestParser
 from pdserve.services.gateway.tools.request import tool_request
 
@@ -90,7 +90,7 @@ class TokenizeService:
 
     async def detokenize(self, body: dict) -> dict:
         _check_names(body, {"model", "tokens"})
-        ids = body.get("tokens")
+        ids = integrals(body.get("tokens"))
         vocab = self.parser.vocab
         if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < vocab for t in ids):  # noqa: E721
             raise bad("tokens", f"must be a list of token ids (integers in [0, {vocab}))")
