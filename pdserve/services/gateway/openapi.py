@@ -186,6 +186,32 @@ def _endpoint(summary: str, chat: bool) -> dict:
             "504": {"description": "the request's deadline passed", **err}}}}
 
 
+def _tokenizer_paths(vocab: int, max_len: int, served: str) -> dict:
+    """/tokenize and /detokenize (tokenize.py), vLLM's shapes."""
+    model = {"anyOf": [{"enum": [served]}, _NULL]}
+    flag = {"anyOf": [{"type": "boolean"}, _NULL]}
+    completion = {"type": "object", "required": ["prompt"], "additionalProperties": False, "properties": {
+        "model": model, "prompt": {"type": "string"}, "add_special_tokens": flag, "return_token_strs": flag}}
+    chat = {"type": "object", "required": ["messages"], "additionalProperties": False, "properties": {
+        "model": model, "messages": {"type": "array", "minItems": 1, "maxItems": MAX_MESSAGES, "items": _MESSAGE},
+        "add_generation_prompt": flag, "continue_final_message": {"enum": [False, None]},
+        "add_special_tokens": flag, "return_token_strs": flag,
+        "tools": {"anyOf": [{"type": "array", "minItems": 1, "maxItems": MAX_TOOLS, "items": _TOOL}, _NULL]}}}
+    detok = {"type": "object", "required": ["tokens"], "additionalProperties": False, "properties": {
+        "model": model, "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": vocab - 1}}}}
+    err = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+
+    def op(op_id: str, schema: dict, answer: str) -> dict:
+        return {"post": {"summary": answer, "operationId": op_id, "requestBody": {"required": True, "content": {
+            "application/json": {"schema": schema}}}, "responses": {
+            "200": {"description": answer, "content": {"application/json": {"schema": {"type": "object"}}}},
+            "400": {"description": "invalid request", **err}, "401": {"description": "missing or invalid API key",
+                                                                      **err}}}}
+    return {"/tokenize": op("tokenize", {"oneOf": [completion, chat]},
+                            f"{{count, max_model_len ({max_len}), tokens, token_strs}}"),
+            "/detokenize": op("detokenize", detok, "{prompt}")}
+
+
 def document(title: str, version: str, vocab: int, max_len: int, served: str) -> dict:
     """The document of a server with this vocabulary size, context length (token ids, lengths) and model."""
     model = {"type": "object", "properties": {
@@ -207,10 +233,12 @@ def document(title: str, version: str, vocab: int, max_len: int, served: str) ->
                 "parameters": [{"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}],
                 "responses": {"200": {"description": "the model", "content": {"application/json": {
                     "schema": model}}}, "404": {"description": "unknown model"}}}},
+            **_tokenizer_paths(vocab, max_len, served),
             "/health": {"get": {"summary": "200 when workers can serve", "operationId": "health",
                                 "responses": {"200": {"description": "ready"},
                                               "503": {"description": "not ready"}}}},
         },
         "components": {"schemas": {"CompletionRequest": request_schema(False, vocab, max_len, served),
-                                   "ChatCompletionRequest": request_schema(True, vocab, max_len, served), "Error": _ERROR}},
+                                   "ChatCompletionRequest": request_schema(True, vocab, max_len, served),
+                                   "Error": _ERROR}},
     }
