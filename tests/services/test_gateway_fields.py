@@ -313,3 +313,11 @@ def test_fields_current_sdks_send_are_served(gw, chat):
         assert "verbosity setting" in err["message"]
     refused(gw, {"prompt_cache_key": 3}, chat, "prompt_cache_key")
     refused(gw, {"stream_options": {"include_obfuscation": "yes"}}, chat, "stream_options.include_obfuscation")
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_repetition_penalty_past_float32_is_a_400(gw, chat):
+    """3.2e307 passed the checks and became inf in the sampler's float32 tensor: the worker failed (a 500)."""
+    err = refused(gw, {"repetition_penalty": 3.2e307}, chat, "repetition_penalty")
+    assert "10000" in err["message"]
+    accepted(gw, {"repetition_penalty": 1e4}, chat)
