@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+MAX_REPETITION_PENALTY = 1e4  # far past any useful value (1.0 is off, 1.1-1.3 typical)
 
 @dataclass
 class GuidedSpec:
@@ -111,8 +112,9 @@ class SamplingParams:
 
     def _validate_penalties_and_logprobs(self) -> None:
         bad = _bad
-        if not (0.0 < self.repetition_penalty < float("inf")):
-            bad("repetition_penalty", "must be > 0")
+        # bounded: the sampler scales logits by it in float32, where 3e38 is already infinite (and 0 * inf, NaN)
+        if not (0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY):
+            bad("repetition_penalty", f"must be > 0 and <= {MAX_REPETITION_PENALTY:g}")
         if not (-2.0 <= self.frequency_penalty <= 2.0):
             bad("frequency_penalty", "must be in [-2, 2]")
         if not (-2.0 <= self.presence_penalty <= 2.0):

@@ -46,7 +46,7 @@ def test_guided_choice_regex_and_json(up):
     c = ok(up, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 30, "temperature": 0,
                 "guided_json": {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
                                 "additionalProperties": False}}, chat=True)
-    assert c["message"]["content"] in ('{"ok": true}', '{"ok": false}')
+    assert c["message"]["content"] in ('{"ok":true}', '{"ok":false}')  # compact: no whitespace between tokens
 
 
 def test_token_level_extensions(up):

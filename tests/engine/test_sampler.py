@@ -441,6 +441,7 @@ def test_prompt_logprobs():
         (dict(top_k=100), "top_k"), (dict(min_p=1.5), "min_p"), (dict(typical_p=0.0), "typical_p"),
         (dict(n=0), "n"), (dict(n=3, best_of=2), "best_of"), (dict(max_tokens=0), "max_tokens"),
         (dict(min_tokens=20, max_tokens=10), "min_tokens"), (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(repetition_penalty=1e5), "repetition_penalty"),
         (dict(frequency_penalty=3.0), "frequency_penalty"), (dict(presence_penalty=-3.0), "presence_penalty"),
         (dict(logit_bias={99: 1.0}), "logit_bias"), (dict(logit_bias={1: 200.0}), "logit_bias"),
         (dict(stop_token_ids=[99]), "stop_token_ids"), (dict(allowed_token_ids=[]), "allowed_token_ids"),

@@ -274,3 +274,50 @@ def test_priority_may_only_lower_urgency(gw):
     accepted(gw, {"priority": 7}, False)
     for v in (-1, 1001, "1", True, 1.5):
         refused(gw, {"priority": v}, True, "priority")
+
+
+# ---- every field the OpenAI API defines is classified: served, or refused with a reason ----
+
+def _openai_fields(chat: bool) -> set[str]:
+    """The request fields of the installed openai SDK's `create` (its TypedDicts, streaming variant included)."""
+    import typing
+    if chat:
+        from openai.types.chat import completion_create_params as m
+    else:
+        from openai.types import completion_create_params as m
+    return set(typing.get_type_hints(m.CompletionCreateParamsBase)) | \
+        set(typing.get_type_hints(m.CompletionCreateParamsStreaming))
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_every_openai_field_is_classified_and_documented(chat):
+    from pdserve.services.gateway.fields import fields_for
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `([a-z_]+)` \|.*$", DOCS.read_text(), re.MULTILINE)}
+    names = _openai_fields(chat)
+    assert {"model", "stream", "max_tokens"} <= names  # the types were read
+    unclassified = sorted(n for n in names if n not in fields_for(chat) and n not in UNSUPPORTED)
+    assert not unclassified, f"OpenAI fields neither served nor refused with a reason: {unclassified}"
+    assert not [n for n in names if n not in rows], "docs/api.md lacks rows"
+    from openai.types.chat.chat_completion_stream_options_param import ChatCompletionStreamOptionsParam
+    served = next(f for f in FIELDS if f.name == "stream_options").schema["properties"]
+    assert set(ChatCompletionStreamOptionsParam.__annotations__) <= set(served)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_fields_current_sdks_send_are_served(gw, chat):
+    accepted(gw, {"safety_identifier": "u-1", "prompt_cache_key": "conv-7",
+                  "stream": True, "stream_options": {"include_usage": True, "include_obfuscation": True}}, chat)
+    if chat:
+        accepted(gw, {"verbosity": "medium", "prompt_cache_retention": "in_memory"}, chat)
+        err = refused(gw, {"verbosity": "high"}, chat, "verbosity")
+        assert "verbosity setting" in err["message"]
+    refused(gw, {"prompt_cache_key": 3}, chat, "prompt_cache_key")
+    refused(gw, {"stream_options": {"include_obfuscation": "yes"}}, chat, "stream_options.include_obfuscation")
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_repetition_penalty_past_float32_is_a_400(gw, chat):
+    """3.2e307 passed the checks and became inf in the sampler's float32 tensor: the worker failed (a 500)."""
+    err = refused(gw, {"repetition_penalty": 3.2e307}, chat, "repetition_penalty")
+    assert "10000" in err["message"]
+    accepted(gw, {"repetition_penalty": 1e4}, chat)

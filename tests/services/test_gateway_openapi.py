@@ -6,7 +6,7 @@ from __future__ import annotations
 import jsonschema
 import pytest
 
-from pdserve.services.gateway.fields import FIELDS
+from pdserve.services.gateway.fields import FIELDS, UNSUPPORTED
 from tests.services import test_gateway_fields as F
 from tests.services.test_gateway_hostile import Gateway
 from tests.services.test_gateway_tools import TOOLS
@@ -41,7 +41,7 @@ def test_document_shape(doc):
     chat = doc["components"]["schemas"]["ChatCompletionRequest"]
     assert chat["additionalProperties"] is False and chat["required"] == ["messages"]
     names = {f.name for f in FIELDS if "chat" in f.endpoints}
-    assert set(chat["properties"]) == names
+    assert set(chat["properties"]) == names | set(UNSUPPORTED)
     assert chat["properties"]["guided_regex"]["x-pdserve-extension"] is True
     assert "suffix" in chat["x-pdserve-refused"]
 
@@ -58,6 +58,13 @@ ACCEPTED = [
                          {"role": "tool", "tool_call_id": "c1", "content": "ok"}], "temperature": 0.5}),
     (False, {"prompt": "hi", "typical_p": 0.9, "stop_token_ids": [2], "guided_choice": ["a", "b"],
              "allowed_token_ids": [5], "prompt_logprobs": 1, "timeout": 5}),
+    (False, {"prompt": "hi", "max_tokens": 0, "echo": True, "logprobs": 1, "top_k": 50}),
+    (False, {"prompt": [5.0, 6], "stop_token_ids": [7.0], "model": "builtin"}),
+    (False, {"prompt": "hi", "beam_width": 2, "top_p": 1, "top_k": -1, "stop": [], "store": False}),
+    (True, {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "not json"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"}], "safety_identifier": "s", "verbosity": "medium",
+        "prompt_cache_key": "k", "stream_options": {"include_obfuscation": False}, "stream": True}),
 ]
 
 
@@ -73,14 +80,23 @@ REFUSED = [(False, {"temprature": 1}), (True, {"stream": "false"}), (False, {"ig
            (True, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}),
            (False, {"n": 0}), (False, {"top_p": 0}), (False, {"typical_p": 2}), (True, {"prompt": "x"}),
            (True, {"tool_choice": "always", "tools": TOOLS}), (True, {"tools": [{"type": "code"}]}),
-           (False, {"suffix": "x"}), (False, {"stop_token_ids": [True]})]
+           (False, {"suffix": "x"}), (False, {"stop_token_ids": [True]}),
+           # what a schema-valid body was refused for: the schema now says it too
+           (True, {"messages": [{"role": "user", "content": "x", "tool_call_id": "c1"}]}),
+           (True, {"messages": [{"role": "user"}]}), (True, {"messages": [{"role": "tool", "content": "x"}]}),
+           (True, {"messages": [{"role": "assistant", "content": None}]}),
+           (False, {"top_k": 10 ** 6}), (True, {"top_logprobs": 2}), (True, {"top_logprobs": 2, "logprobs": False}),
+           (False, {"max_tokens": 0}), (False, {"echo": True, "stream": True}), (True, {"max_tokens": 0}),
+           (False, {"prompt": [10 ** 6]}), (False, {"model": "another"}), (True, {"tool_choice": "required"}),
+           (False, {"beam_width": 2, "top_p": 0.5}), (True, {"logprobs": 2}), (False, {"logprobs": True}),
+           (False, {"max_tokens": 10 ** 6}), (False, {"prompt_logprobs": 1, "echo": True})]
 
 
 @pytest.mark.parametrize("chat,body", REFUSED)
 def test_what_the_gateway_refuses_does_not_validate(gw, doc, chat, body):
     full = {**(F.CHAT if chat else F.CMPL), **body}
     r = F.post(gw, full, chat)
-    assert r.status_code == 400, r.text
+    assert r.status_code == (404 if "model" in body else 400), r.text
     assert not validator(doc, chat).is_valid(full), body
 
 

@@ -92,9 +92,10 @@ def accepts(compiler, spec, text: str) -> bool:
     return m.accept_string(text) and m.is_completed()
 
 
-CALL = {"hermes": lambda n, a: f'<tool_call>\n{{"name": "{n}", "arguments": {a}}}\n</tool_call>',
-        "llama3_json": lambda n, a: f'{{"name": "{n}", "parameters": {a}}}',
-        "mistral": lambda n, a: f'[TOOL_CALLS][{{"name": "{n}", "arguments": {a}}}]'}
+# the grammars' JSON is compact: no whitespace between its tokens (engine/grammar.py)
+CALL = {"hermes": lambda n, a: f'<tool_call>\n{{"name":"{n}","arguments":{a}}}\n</tool_call>',
+        "llama3_json": lambda n, a: f'{{"name":"{n}","parameters":{a}}}',
+        "mistral": lambda n, a: f'[TOOL_CALLS][{{"name":"{n}","arguments":{a}}}]'}
 JOIN = {"hermes": "\n", "llama3_json": "; "}
 
 
@@ -102,20 +103,21 @@ JOIN = {"hermes": "\n", "llama3_json": "; "}
 def test_constraint_grammar(compiler, name):
     p, call = PARSERS[name](), CALL[name]
     spec = p.constraint([WEATHER, TIME], parallel=False)
-    good = call("get_weather", '{"city": "Köln"}')
+    good = call("get_weather", '{"city":"Köln"}')
     assert accepts(compiler, spec, good)
+    assert not accepts(compiler, spec, call("get_weather", '{"city": "Köln"}'))  # no free whitespace
     assert p.parse(good).calls[0].name == "get_weather"  # what the grammar makes, the parser reads
-    assert accepts(compiler, spec, call("get_time", '{"tz": "UTC", "h24": false}'))
-    assert not accepts(compiler, spec, call("get_weather", '{"city": 5}'))  # argument type
+    assert accepts(compiler, spec, call("get_time", '{"tz":"UTC","h24":false}'))
+    assert not accepts(compiler, spec, call("get_weather", '{"city":5}'))  # argument type
     assert not accepts(compiler, spec, call("get_weather", '{}'))  # required argument missing
-    assert not accepts(compiler, spec, call("get_time", '{"tz": "UTC"}'))
-    assert not accepts(compiler, spec, call("get_news", '{"city": "Köln"}'))  # no such function
+    assert not accepts(compiler, spec, call("get_time", '{"tz":"UTC"}'))
+    assert not accepts(compiler, spec, call("get_news", '{"city":"Köln"}'))  # no such function
     assert not accepts(compiler, spec, "Sure! " + good)  # nothing but the call
     named = p.constraint([TIME], parallel=False)
-    assert not accepts(compiler, named, good) and accepts(compiler, named, call("get_time", '{"tz": "a", "h24": true}'))
-    two = call("get_weather", '{"city": "A"}'), call("get_time", '{"tz": "B", "h24": true}')
+    assert not accepts(compiler, named, good) and accepts(compiler, named, call("get_time", '{"tz":"a","h24":true}'))
+    two = call("get_weather", '{"city":"A"}'), call("get_time", '{"tz":"B","h24":true}')
     if name == "mistral":
-        pair = two[0][:-1] + ", " + two[1][len("[TOOL_CALLS]["):]
+        pair = two[0][:-1] + "," + two[1][len("[TOOL_CALLS]["):]
     else:
         pair = JOIN[name].join(two)
     assert not accepts(compiler, spec, pair)  # parallel=False: one call
@@ -241,9 +243,6 @@ def test_the_sdks_own_assistant_message_goes_back_in():
     ({"role": "user", "content": "x", "tool_calls": []}, "messages[1].tool_calls"),
     ({"role": "assistant", "tool_calls": [{"id": "a", "type": "function", "function": {"name": "f"}}]},
      "messages[1].tool_calls[0].function"),
-    ({"role": "assistant", "tool_calls": [{"id": "a", "type": "function",
-                                           "function": {"name": "f", "arguments": "[1]"}}]},
-     "messages[1].tool_calls[0].function.arguments"),
     ({"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]},
      "messages[1].tool_calls[0]"),
 ])
@@ -262,9 +261,12 @@ def test_hermes_streams_name_then_argument_fragments():
     content, deltas = s.feed(text[:head_end - 3])
     assert content == "Let me check.\n" and deltas == []  # the head is not complete yet
     _, deltas = s.feed(text[head_end - 3:head_end])
-    assert len(deltas) == 1 and deltas[0]["function"] == {"name": "get_weather", "arguments": ""} and deltas[0]["id"]
-    fragments = []
-    for ch in text[head_end:first_end]:  # one character at a time: fragments before the call ends
+    assert deltas == []  # the space before the arguments must not be their first fragment (SDKs parse them)
+    _, deltas = s.feed("{")
+    assert len(deltas) == 2 and deltas[0]["function"] == {"name": "get_weather", "arguments": ""} and deltas[0]["id"]
+    assert deltas[1]["function"]["arguments"] == "{"
+    fragments = ["{"]
+    for ch in text[head_end + 1:first_end]:  # one character at a time: fragments before the call ends
         _, ds = s.feed(ch)
         assert all("id" not in d and d["index"] == 0 for d in ds)
         fragments += [d["function"]["arguments"] for d in ds]
@@ -298,3 +300,61 @@ def test_hermes_call_not_in_the_usual_key_order_goes_out_whole():
     assert len(ds) == 2
     rest, more = s.finish()
     assert more == [] and rest == "<tool_call>\nnot json\n</tool_call>" and s.called
+
+
+# ---- a whole choice and its stream say the same, cut by max_tokens or not ----
+
+def streamed_message(out: ToolOutput, text: str, step: int, finish_reason: str) -> tuple[str, list[dict]]:
+    r = out.streamer()
+    content, deltas = "", []
+    for i in range(0, len(text), step):
+        c, ds = r.feed(text[i:i + step])
+        content, deltas = content + c, deltas + ds
+    c, ds = r.finish(finish_reason)
+    return content + c, deltas + ds
+
+
+def _calls(msg: dict) -> list:
+    return [(c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls") or []]
+
+
+@pytest.mark.parametrize("name", sorted(OUTPUTS))
+def test_whole_and_streamed_choices_agree_when_cut(name):
+    from pdserve.services.gateway.tools.output import assemble
+    text = OUTPUTS[name]
+    for cut in range(1, len(text) + 1, 5):
+        part, fr = text[:cut], "length" if cut < len(text) else "stop"
+        for parallel in (True, False):
+            out = ToolOutput(PARSERS[name](), parallel)
+            msg, called = out.message(part, fr)
+            for step in (1, 4, 1000):
+                content, deltas = streamed_message(out, part, step, fr)
+                assert _calls({"tool_calls": assemble(deltas)}) == _calls(msg), (cut, step)
+                assert (content.strip() or None) == (msg["content"].strip() or None if msg["content"] else None)
+                assert called == bool(deltas)
+    # complete calls stay calls when the next one is cut (Hermes: the cut one too, with the arguments it has)
+    if name == "hermes":
+        cut_in_second = text[:text.rindex('"h24"')]
+        msg, _ = ToolOutput(HermesParser()).message(cut_in_second, "length")
+        assert [c[0] for c in _calls(msg)] == ["get_weather", "get_time"]
+        assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"city": "Köln"}
+        assert msg["tool_calls"][1]["function"]["arguments"] == '{"tz": "CET", '
+
+
+@pytest.mark.parametrize("name", sorted(OUTPUTS))
+def test_a_named_choice_samples_only_the_arguments(name):
+    p = PARSERS[name]()
+    head, tail = p.forced_call("get_weather")
+    # the head, the arguments and the tail are one call in the parser's own format
+    assert p.parse(head + '{"city":"Köln"}' + tail).calls[0].name == "get_weather"
+    out = ToolOutput(p, False, (head, tail))
+    msg, called = out.message('{"city":"Köln"}', "stop")
+    assert called and [(n, json.loads(a)) for n, a in _calls(msg)] == [("get_weather", {"city": "Köln"})]
+    assert msg["content"] is None
+    for step in (1, 3):
+        content, deltas = streamed_message(out, '{"city":"Köln"}', step, "stop")
+        assert content == "" and deltas[0]["function"]["name"] == "get_weather"
+        first_args = next(d["function"]["arguments"] for d in deltas if d["function"]["arguments"])
+        assert first_args.startswith("{")  # what an incremental JSON parser can start on
+        from pdserve.services.gateway.tools.output import assemble
+        assert _calls({"tool_calls": assemble(deltas)}) == _calls(msg)

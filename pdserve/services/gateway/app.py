@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from dataclasses import dataclass, field
 
@@ -20,8 +21,9 @@ from starlette.middleware.cors import CORSMiddleware
 
 from pdserve.engine.checkpoint import resolve_model_dir, serving_limits
 from pdserve.engine.grammar_limits import GrammarLimits
+from pdserve.engine.sampling_params import GuidedSpec
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.services.gateway import http_metrics, openapi, responses
+from pdserve.services.gateway import http_metrics, openapi, responses, tokenize
 from pdserve.services.gateway.dispatch import Dispatcher
 from pdserve.services.gateway.errors import ErrorReply, reply_for
 from pdserve.services.gateway.fields import MAX_PRIORITY
@@ -129,15 +131,18 @@ def tool_output(treq: ToolRequest, parser: ToolCallParser, params) -> ToolOutput
     function constrain the sampling to the parser's call syntax, the arguments to the function's schema."""
     if treq.choice == "none":
         return None
-    if treq.constrained:
-        if params.guided is not None:
-            raise APIError(400, "invalid parameter 'tool_choice': a required or named tool choice cannot be "
-                                "combined with response_format or guided_* (both constrain the output)",
-                           param="tool_choice", code="invalid_parameter")
-        params.guided = parser.constraint(treq.allowed(), treq.parallel and treq.named is None)
+    if treq.constrained and params.guided is not None:
+        raise APIError(400, "invalid parameter 'tool_choice': a required or named tool choice cannot be "
+                            "combined with response_format or guided_* (both constrain the output)",
+                       param="tool_choice", code="invalid_parameter")
     if not parser.skip_special_tokens:
         params.skip_special_tokens = False  # the call marker is a special token: the parser must see it
-    return ToolOutput(parser, treq.parallel and treq.named is None)
+    if treq.named is not None:  # the call is begun in the prompt (tools/output.py): only its arguments are sampled
+        params.guided = GuidedSpec(json_schema=json.dumps(treq.allowed()[0].get("parameters") or {"type": "object"}))
+        return ToolOutput(parser, False, parser.forced_call(treq.named))
+    if treq.constrained:
+        params.guided = parser.constraint(treq.allowed(), treq.parallel)
+    return ToolOutput(parser, treq.parallel)
 
 
 def _error_response(e: BaseException) -> JSONResponse:
@@ -204,7 +209,9 @@ def create_gateway(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> 
     disp = dispatcher or Dispatcher(cfg.router_address, cfg.served_model_name, migration_limit=cfg.migration_limit,
                                      require_disagg=cfg.require_disagg)
     app = FastAPI(title="pdserve gateway", **fastapi_options())
-    app.openapi = lambda: openapi.document("pdserve gateway", _version())  # openapi.py: the real request schemas
+    # openapi.py: the real request schemas, with this checkpoint's vocabulary and context
+    app.openapi = lambda: openapi.document("pdserve gateway", _version(), limits.vocab_size, limits.max_model_len,
+                                          cfg.served_model_name)
     if cfg.allowed_origins:  # inside BrowserGuard: a preflight from a foreign Host is refused like any request
         app.add_middleware(CORSMiddleware, allow_origins=list(cfg.allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["*"], expose_headers=["x-request-id"])
@@ -219,6 +226,7 @@ def create_gateway(cfg: GatewayConfig, dispatcher: Dispatcher | None = None) -> 
     _error_handlers(app)
     _generation_routes(g)
     _info_routes(g)
+    tokenize.install(app, life.gate, g.parser, limits.max_model_len)
     return g
 
 
@@ -272,7 +280,8 @@ async def _parse_call(g: Gateway, request: Request, raw: bytes, chat: bool, form
     if treq is not None:
         form.tools = tool_output(treq, g.tool_parser, params)
     check_guided(params, cfg.grammar_limits, guided_field(body, treq is not None and treq.constrained))
-    prompts = [await parser.chat_prompt(body, treq.tools if treq else None)] if chat \
+    forced = form.tools.forced[0] if form.tools is not None and form.tools.forced else ""
+    prompts = [await parser.chat_prompt(body, treq.tools if treq else None, forced)] if chat \
         else await parser.completion_prompts(body)
     parser.check_room(prompts, params.max_tokens, body)
     if params.max_tokens is None and cfg.default_max_tokens is not None:

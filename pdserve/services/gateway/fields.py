@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.engine.sampling_params import MAX_REPETITION_PENALTY
 from pdserve.services.gateway.params import INT32_MAX, MAX_N, bad
 
 COMPLETIONS, CHAT = "completions", "chat"
@@ -43,8 +44,9 @@ FIELDS: list[Field] = [
     Field("messages", {"type": "array", "items": {"type": "object"}},
           "roles system, developer, user, assistant, tool; content a string or text parts", (CHAT,), required=True),
     Field("stream", _BOOL, "server-sent events"),
-    Field("stream_options", {"type": "object", "properties": {"include_usage": _BOOL},
-                             "additionalProperties": False}, "`include_usage`: a last chunk with usage"),
+    Field("stream_options", {"type": "object", "properties": {"include_usage": _BOOL, "include_obfuscation": _BOOL},
+                             "additionalProperties": False},
+          "`include_usage`: a last chunk with usage; `include_obfuscation`: accepted, nothing is padded"),
     Field("n", {**_INT, "minimum": 1, "maximum": MAX_N}, "choices per prompt"),
     Field("best_of", {**_INT, "minimum": 1, "maximum": MAX_N},
           ">= n; above n: the n of highest cumulative log-prob, returned at the end (400 with stream)",
@@ -67,6 +69,9 @@ FIELDS: list[Field] = [
     Field("top_logprobs", {**_INT, "minimum": 0, "maximum": 20}, "with logprobs: true", (CHAT,)),
     Field("response_format", {"type": "object"}, "`text`, `json_object`, `json_schema`"),
     Field("user", _STR, "accepted and not used"),
+    Field("safety_identifier", _STR, "as `user`: accepted and not used"),
+    Field("prompt_cache_key", _STR, "accepted; requests sharing a prompt prefix already go where it is cached (the "
+                                    "router's prefix index), so the key adds nothing"),
     Field("tools", {"type": "array", "items": {"type": "object"}, "minItems": 1, "maxItems": 128},
           "function tools (`{type: function, function: {name, description, parameters}}`), given to the chat "
           "template", (CHAT,)),
@@ -78,7 +83,8 @@ FIELDS: list[Field] = [
     Field("min_p", {**_NUM, "minimum": 0, "maximum": 1}, "", extension=True),
     Field("typical_p", {**_NUM, "exclusiveMinimum": 0, "maximum": 1}, "locally typical sampling; 1: off",
           extension=True),
-    Field("repetition_penalty", {**_NUM, "exclusiveMinimum": 0}, "1: off", extension=True),
+    Field("repetition_penalty", {**_NUM, "exclusiveMinimum": 0, "maximum": MAX_REPETITION_PENALTY}, "1: off",
+          extension=True),
     Field("no_repeat_ngram_size", {**_INT, "minimum": 0, "maximum": INT32_MAX}, "0: off", extension=True),
     Field("min_tokens", {**_INT, "minimum": 0}, "EOS and stop tokens masked until then; <= max_tokens",
           extension=True),
@@ -126,6 +132,10 @@ UNSUPPORTED: dict[str, tuple[str, tuple]] = {
     "service_tier": ("service tiers are not supported", ("auto", "default")),
     "reasoning_effort": ("this model has no reasoning effort setting", ()),
     "web_search_options": ("web search is not supported", ()),
+    "verbosity": ("this model has no verbosity setting", ("medium",)),
+    "prompt_cache_retention": ("prompt caches live in the workers' memory only", ("in_memory",)),
+    "prompt_cache_options": ("prompt caching is implicit (the prefix cache); it has no options", ()),
+    "moderation": ("moderation is not supported", ()),
 }
 
 _BY_ENDPOINT = {ep: {f.name: f for f in FIELDS if ep in f.endpoints} for ep in BOTH}

@@ -98,9 +98,26 @@ def _list(body: dict, name: str, item, what: str, max_items: int, min_items: int
     v = body.get(name)
     if v is None:
         return None
+    if item is _is_id:
+        v = integrals(v)
     if not isinstance(v, list) or not min_items <= len(v) <= max_items or not all(item(x) for x in v):
         raise bad(name, f"must be a list of {min_items}..{max_items} {what}")
     return list(v)
+
+
+def integral(x):
+    """A JSON number with no fraction as the integer it is (`5.0` is the integer 5 in JSON Schema, and an
+    integer field takes it); anything else unchanged. Never a bool."""
+    if isinstance(x, float) and math.isfinite(x) and x.is_integer():
+        return int(x)
+    return x
+
+
+def integrals(v):
+    """`integral` of a list's items (and of its lists' items): token ids as a JSON Schema validator reads them."""
+    if not isinstance(v, list):
+        return v
+    return [integrals(x) if isinstance(x, list) else integral(x) for x in v]
 
 
 def _is_id(x) -> bool:

@@ -21,7 +21,7 @@ import jinja2
 
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.services.gateway.fields import check_known
-from pdserve.services.gateway.params import APIError, _num, bad, flag
+from pdserve.services.gateway.params import APIError, _num, bad, flag, integrals
 from pdserve.services.gateway.redact import scrub
 from pdserve.services.gateway.tools.request import history_message
 
@@ -120,15 +120,16 @@ class RequestParser:
         if so is not None:
             if not isinstance(so, dict):
                 raise bad("stream_options", "must be an object")
-            if so.get("include_usage") is not None and not isinstance(so["include_usage"], bool):
-                raise bad("stream_options.include_usage", "must be true or false")
             for k in so:
-                if k != "include_usage":
+                if k not in ("include_usage", "include_obfuscation"):  # obfuscation: nothing is padded, a no-op
                     raise bad(f"stream_options.{k[:100]}", "unknown parameter")
+                if so[k] is not None and not isinstance(so[k], bool):
+                    raise bad(f"stream_options.{k}", "must be true or false")
         if body.get("timeout") is not None and _num(body, "timeout", float) <= 0:
             raise bad("timeout", "must be a positive number of seconds")
-        if body.get("user") is not None and not isinstance(body["user"], str):
-            raise bad("user", "must be a string")
+        for name in ("user", "safety_identifier", "prompt_cache_key"):
+            if body.get(name) is not None and not isinstance(body[name], str):
+                raise bad(name, "must be a string")
         return body
 
     # ---- prompts ----
@@ -167,8 +168,12 @@ class RequestParser:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, self.tok.encode_many, texts, add_special_tokens)
 
+    async def run_off_loop(self, fn, *args):
+        """`fn(*args)` on the tokenizing pool: for work sized by the client (rendering, encoding, decoding)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
     async def completion_prompts(self, body: dict) -> list[list[int]]:
-        p = body.get("prompt")
+        p = integrals(body.get("prompt"))
         if isinstance(p, str):
             return [self.check(x) for x in await self._encode([p])]
         if isinstance(p, list) and p:
@@ -226,22 +231,24 @@ class RequestParser:
             norm.append({**m, "role": role, "content": c})
         return norm
 
-    def render(self, msgs: list[dict], tools: list[dict] | None = None) -> str:
+    def render(self, msgs: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True) -> str:
         """The prompt text of checked messages (`_messages`). Template errors are the messages' fault."""
         try:
-            return self.tok.apply_chat_template(msgs, add_generation_prompt=True, tools=tools)
+            return self.tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tools=tools)
         except (ValueError, TypeError, LookupError, jinja2.TemplateError, RecursionError) as e:
             raise bad("messages", scrub(str(e))) from None
 
-    def _render_and_encode(self, msgs: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """Chat template -> token ids; called inline or on the pool."""
-        text = self.render(msgs, tools)
+    def _render_and_encode(self, msgs: list[dict], tools: list[dict] | None = None, answer_head: str = "") -> list[int]:
+        """Chat template -> token ids; called inline or on the pool. `answer_head`: the start of the assistant's
+        answer, already written (a named tool call's head)."""
+        text = self.render(msgs, tools) + answer_head
         # a template that writes BOS itself must not get a second one from the tokenizer
         special = not (self.tok.bos_token and text.startswith(self.tok.bos_token))
         return self.tok.encode_many([text], add_special_tokens=special)[0]
 
-    async def chat_prompt(self, body: dict, tools: list[dict] | None = None) -> list[int]:
+    async def chat_prompt(self, body: dict, tools: list[dict] | None = None, answer_head: str = "") -> list[int]:
         """`tools`: the tool definitions the template renders (transformers' `tools` argument)."""
         msgs = self.messages(body)
-        ids = await asyncio.get_running_loop().run_in_executor(self._pool, self._render_and_encode, msgs, tools)
+        ids = await asyncio.get_running_loop().run_in_executor(self._pool, self._render_and_encode, msgs, tools,
+                                                               answer_head)
         return self.check(ids, "messages")

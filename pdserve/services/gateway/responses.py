@@ -146,7 +146,7 @@ def _choice(st: ActiveRequest, form: OpenAIForm, i: int, t: str, ids: list[int],
                                           form.tokenizer)
         t = echoed + t
     if chat and form.tools is not None:
-        c["message"], called = form.tools.message(t)
+        c["message"], called = form.tools.message(t, c["finish_reason"])
         if called and c["finish_reason"] == "stop":
             c["finish_reason"] = "tool_calls"
     elif chat:
@@ -171,11 +171,11 @@ async def stream(handler: RequestHandler, st: ActiveRequest, form: OpenAIForm) -
     try:
         if st.degraded is not None:
             yield sse({**base, "choices": [], "pdserve": {"degraded": st.degraded.to_json()}})
-        if chat:
-            yield sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                            "logprobs": None, "finish_reason": None} for i in range(st.n_choices)]})
+        if chat:  # one choice per chunk, as OpenAI streams `n` > 1
+            for i in range(st.n_choices):
+                yield sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None}]})
         async for d in handler.consume(st):
-            choices = []
             for o in d.msg.outputs:
                 fr = FINISH_REASONS.get(o.finish_reason, "stop") if o.finish_reason else None
                 if not o.text and not o.token_ids and fr is None:
@@ -187,7 +187,7 @@ async def stream(handler: RequestHandler, st: ActiveRequest, form: OpenAIForm) -
                 if streamers is not None:  # content up to a call, then the calls as tool_calls deltas
                     text, calls = streamers[o.index].feed(o.text)
                     if fr is not None:
-                        rest, more = streamers[o.index].finish()
+                        rest, more = streamers[o.index].finish(fr)
                         text, calls = text + rest, calls + more
                         fr = "tool_calls" if streamers[o.index].called and fr == "stop" else fr
                         c["finish_reason"] = fr
@@ -205,9 +205,7 @@ async def stream(handler: RequestHandler, st: ActiveRequest, form: OpenAIForm) -
                     c["delta"] = {"content": o.text} if o.text or fr is None else {}
                 else:
                     c["text"] = o.text
-                choices.append(c)
-            if choices:
-                yield sse({**base, "choices": choices})
+                yield sse({**base, "choices": [c]})
     except Exception as e:  # noqa: BLE001 - every failure ends the stream with its error event
         reply = await handler.fail(st.rec, e)
         body = reply.body()

@@ -76,6 +76,12 @@ class ToolCallParser(ABC):
         """A grammar whose language is one call (`parallel`: one or more) to `functions`, in this format, each
         call's arguments following its function's JSON schema."""
 
+    @abstractmethod
+    def forced_call(self, name: str) -> tuple[str, str]:
+        """A call to `name` in this format, around its arguments: (the text before them, the text after). A named
+        tool choice writes the text before into the prompt (the model continues a call already begun) and
+        samples only the arguments, which is what a client's token budget pays for."""
+
     @staticmethod
     def detect(template: str) -> bool:
         return False

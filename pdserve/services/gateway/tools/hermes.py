@@ -20,7 +20,10 @@ class HermesParser(ToolCallParser):
     name = "hermes"
     markers = ("<tool_call>",)
     call_end = "</tool_call>"
-    call_head = re.compile(r'\s*<tool_call>\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*"arguments"\s*:\s*')
+    # the head is complete once the arguments' `{` arrived: matched earlier, the whitespace before it would be the
+    # first argument fragment (" "), which incremental JSON parsers (the openai SDK's) refuse
+    call_head = re.compile(r'\s*<tool_call>\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,'
+                           r'\s*"arguments"\s*:\s*(?=\{)')
 
     def parse(self, text: str) -> ParsedOutput:
         start = text.find("<tool_call>")
@@ -42,6 +45,9 @@ class HermesParser(ToolCallParser):
         call = f'{lit("<tool_call>" + chr(10))} json_root {lit(chr(10) + "</tool_call>")}'
         root = f"root ::= call ({lit(chr(10))} call)*" if parallel else "root ::= call"
         return GuidedSpec(json_schema=json.dumps(call_schema(functions)), grammar=f"{root}\ncall ::= {call}")
+
+    def forced_call(self, name: str) -> tuple[str, str]:
+        return f'<tool_call>\n{{"name": {lit(name)}, "arguments": ', "}\n</tool_call>"
 
     @staticmethod
     def detect(template: str) -> bool:

@@ -46,6 +46,9 @@ class Llama3JsonParser(ToolCallParser):
         root = f"root ::= json_root ({lit('; ')} json_root)*" if parallel else "root ::= json_root"
         return GuidedSpec(json_schema=json.dumps(call_schema(functions, "parameters")), grammar=root)
 
+    def forced_call(self, name: str) -> tuple[str, str]:
+        return f'{{"name": {lit(name)}, "parameters": ', "}"
+
     @staticmethod
     def detect(template: str) -> bool:
         return "<|python_tag|>" in template or "ipython" in template

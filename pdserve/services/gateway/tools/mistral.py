@@ -41,6 +41,9 @@ class MistralParser(ToolCallParser):
             schema["maxItems"] = 1
         return GuidedSpec(json_schema=json.dumps(schema), grammar=f"root ::= {lit(_MARK)} json_root")
 
+    def forced_call(self, name: str) -> tuple[str, str]:
+        return f'{_MARK}[{{"name": {lit(name)}, "arguments": ', "}]"
+
     @staticmethod
     def detect(template: str) -> bool:
         return "[TOOL_CALLS]" in template

@@ -113,7 +113,7 @@ def history_message(m: dict, i: int) -> dict:
             args = json.loads(f["arguments"])
         except (ValueError, RecursionError):
             args = None
-        if not isinstance(args, dict):
-            raise bad(f"{where}.function.arguments", "must be the JSON text of an object")
+        if not isinstance(args, dict):  # as OpenAI takes them: any text; the template gets it as written
+            args = f["arguments"]
         out.append({"id": c["id"], "type": "function", "function": {"name": f["name"], "arguments": args}})
     return {**m, "tool_calls": out}
