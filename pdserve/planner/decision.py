@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict, dataclass, field
 
-from pdserve.planner.guard import PoolVerdict
+from pdserve.planner.guard_rails import PoolVerdict
 from pdserve.services.metrics import planner as M
 
 log = logging.getLogger("pdserve.planner")

@@ -22,9 +22,9 @@ from pdserve.planner import scrape
 from pdserve.planner.correction import Correction
 from pdserve.planner.costs import CostSmoother, live_costs
 from pdserve.planner.decision import Decision
-from pdserve.planner.guard import Guard
-from pdserve.planner.policy import PoolLimits, Sizer, Sizing, Workload
+from pdserve.planner.guard_rails import Guard
 from pdserve.planner.predictor import TrendPredictor
+from pdserve.planner.sizing import PoolLimits, Sizer, Sizing, Workload
 from pdserve.services import planner_record
 from pdserve.services.metrics import planner as M
 from pdserve.sim.workload import SLO
@@ -59,7 +59,7 @@ class PlannerConfig:
     internal_token_file: str | None = None
     redis_password_file: str | None = None
     redis_ca_file: str | None = None
-    grow_confirm: int = 2               # consecutive intervals the model must ask for more (guard.py)
+    grow_confirm: int = 2               # consecutive intervals the model must ask for more (guard_rails.py)
     background: bool = True             # capacities in the sizer's thread (False: inline, deterministic tests)
 
     @classmethod

@@ -98,7 +98,7 @@ def _fail_side(s: dict, slo: SLO) -> str:
 def pool_rates(pi: PlanInput, cap: float = math.inf) -> tuple[float, float]:
     """Q19 step 1 for disaggregated pools: the highest rate (req/s) ONE prefill replica meets the TTFT SLO at (decode
     plentiful), and ONE decode replica the TPOT SLO (prefill plentiful). Also the planner's per-replica capacity
-    (pdserve/planner/policy.py), which passes `cap`: rates beyond it need not be told apart."""
+    (pdserve/planner/sizing.py), which passes `cap`: rates beyond it need not be told apart."""
     p_rate, _ = replica_goodput(pi, ClusterSpec(prefill=1, decode=4), SLO(ttft=pi.slo.ttft), cap=cap)
     # the decode replica is fed by a prefill pool 8x one replica's capacity; rates beyond that measure the
     # prefill pool, so the sweep stops there

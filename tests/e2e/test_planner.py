@@ -4,7 +4,7 @@ and a decode worker, the registry and the router take them (the decode one serve
 change.
 
 The TTFT and TPOT SLOs are set below what this box reaches under any load (1 ms, 2 ms), so the decision to grow
-is certain (the measured violation: guard.py rule 2, or the model itself finding one replica short); which count
+is certain (the measured violation: guard_rails.py rule 2, or the model itself finding one replica short); which count
 the model picks for a given load is tests/planner/test_policy_sim.py's subject. Polling uses the status code in-process
 (`status.gather`, what the CLI runs); the CLI itself is run at the two states the test waits for.
 """

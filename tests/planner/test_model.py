@@ -17,13 +17,13 @@ import time
 
 import pytest
 
-from pdserve.planner import policy
+from pdserve.planner import sizing
 from pdserve.planner.correction import Correction, Factor
 from pdserve.planner.costs import CostSmoother, LiveCosts
-from pdserve.planner.guard import PoolLimits
+from pdserve.planner.guard_rails import PoolLimits
 from pdserve.planner.loop import Planner, PlannerConfig
-from pdserve.planner.policy import Sizer, Sizing, Workload
 from pdserve.planner.scrape import Observation
+from pdserve.planner.sizing import Sizer, Sizing, Workload
 from pdserve.sim.costmodel import LinearCostModel
 
 A, B = 0.004, 0.0015        # simulated TPOT p90 of one decode replica at x req/s: A + B x
@@ -228,7 +228,7 @@ def test_background_sizer_keeps_the_decision_on_time(monkeypatch):
         release.wait(10)
         return 4.0, 3.0
 
-    monkeypatch.setattr(policy, "pool_rates", slow_pool_rates)
+    monkeypatch.setattr(sizing, "pool_rates", slow_pool_rates)
     sz = Sizer(PoolLimits(1, 4, 1, 4), background=True)
     from pdserve.sim.workload import SLO
     wl, slo = Workload.of(32, 96, 0.0), SLO(ttft=0.5, tpot=0.05)
@@ -277,7 +277,7 @@ def test_closing_the_sizer_ends_a_running_sweep_at_its_next_simulation(monkeypat
             started.set()
             time.sleep(0.05)
 
-    monkeypatch.setattr(policy, "pool_rates", endless_pool_rates)
+    monkeypatch.setattr(sizing, "pool_rates", endless_pool_rates)
     sz = Sizer(PoolLimits(1, 4, 1, 4), background=True)
     from pdserve.sim.workload import SLO
     assert sz.size(2.0, Workload.of(32, 96, 0.0), COSTS, SLO(ttft=0.5, tpot=0.05)) is None

@@ -11,8 +11,8 @@ import pytest
 
 from pdserve.engine.config import EngineConfig
 from pdserve.planner.loop import Planner, PlannerConfig
-from pdserve.planner.policy import PoolLimits
 from pdserve.planner.scrape import Observation
+from pdserve.planner.sizing import PoolLimits
 from pdserve.sim.cluster import Cluster, ClusterSpec
 from pdserve.sim.costmodel import LinearCostModel
 from pdserve.sim.workload import SLO, LengthDist, synthetic
@@ -75,7 +75,7 @@ def run(tmp_path_factory):
 def test_step_up_scales_out_and_meets_the_slo_in_simulation(run):
     high = [(n, d) for rate, n, d in run if rate == HIGH]
     second, settled = high[1][0], high[-1][0]
-    # a grow is confirmed by a second interval (guard.py): the step is acted on in its second
+    # a grow is confirmed by a second interval (guard_rails.py): the step is acted on in its second
     assert high[0][0] == {"prefill": 1, "decode": 1}
     assert second["prefill"] + second["decode"] > 2, "the step was not acted on in its second interval"
     assert settled["prefill"] + settled["decode"] >= 3

@@ -11,7 +11,7 @@ import uuid
 import pytest
 
 from pdserve.planner.decision import Decision
-from pdserve.planner.guard import PoolVerdict
+from pdserve.planner.guard_rails import PoolVerdict
 from pdserve.services import planner_record
 from pdserve.services.internal_security import InternalSecurity
 from pdserve.services.pb import common_pb2

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.planner.guard import Guard
-from pdserve.planner.policy import PoolLimits
+from pdserve.planner.guard_rails import Guard
 from pdserve.planner.predictor import TrendPredictor
 from pdserve.planner.scrape import Observation, Snapshot, observe, parse, quantile
+from pdserve.planner.sizing import PoolLimits
 
 PAGE_1 = """\
 # TYPE pdserve_requests_terminal_total counter

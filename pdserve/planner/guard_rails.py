@@ -13,7 +13,7 @@ In order:
 4. at most one step per interval, unless the pool's SLO is violated (then straight to the model's count);
 5. no shrink on a model not yet checked against the counts in place (the correction learned from fewer than its
    minimum of intervals since they last changed: correction.py), nor on capacities computed for older inputs
-   (the corrected SLO or the costs moved since; policy.py), nor within `cooldown_s` of the pool's last change
+   (the corrected SLO or the costs moved since; sizing.py), nor within `cooldown_s` of the pool's last change
    (either way). Growing on them is allowed: too many replicas for a while cost less than too few.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-# Here rather than in policy.py (which sizes by simulation: torch, the simulator): decision.py, and through it
+# Here rather than in sizing.py (which sizes by simulation: torch, the simulator): decision.py, and through it
 # `pdserve status` and `up`'s state file, need only these bounds, and importing policy cost them ~2 s a start.
 @dataclass(frozen=True)
 class PoolLimits:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from pdserve.engine.config import EngineConfig
 from pdserve.planner.costs import LiveCosts
-from pdserve.planner.guard import PoolLimits
+from pdserve.planner.guard_rails import PoolLimits
 from pdserve.sim.cluster import ClusterSpec
 from pdserve.sim.plan import PlanInput, pool_rates, simulate
 from pdserve.sim.workload import SLO, LengthDist, synthetic
