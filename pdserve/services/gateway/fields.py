@@ -1,4 +1,4 @@
-"""Every request field the OpenAI endpoints accept, in one table (issue 18, items 2 and 4).
+"""Every request field the OpenAI endpoints accept, in one table.
 
 A field not in the table is a 400 naming it (OpenAI's own answer to an unknown argument); an OpenAI field pdserve
 does not implement is in `UNSUPPORTED` and is a 400 saying so, unless its value is the one that changes nothing.

@@ -1,4 +1,4 @@
-"""`/openapi.json`: the request bodies as the gateway really checks them (issue 18, item 4).
+"""`/openapi.json`: the request bodies as the gateway really checks them.
 
 The endpoints read their bodies themselves (parse.py, params.py), so FastAPI's generated document would show no
 body at all. This one is built from the field table (fields.py): each endpoint's fields with their types and

@@ -24,7 +24,7 @@ def bad(param: str, why: str) -> APIError:
 
 
 # The proto's integer fields are int32 (common.proto SamplingParams): a larger value passed every check here and
-# then failed to serialize after admission, a 500 (issue 13, item 7). Each integer gets its own range up front.
+# then failed to serialize after admission, a 500. Each integer gets its own range up front.
 INT32_MAX = 2**31 - 1
 MAX_N = 128  # OpenAI's cap on `n`: n (x prompts) requests fan out from one body
 

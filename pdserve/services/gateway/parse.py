@@ -1,4 +1,4 @@
-"""Request bodies, parsed strictly before anything acts on them (issue 13, items 7 and 8).
+"""Request bodies, parsed strictly before anything acts on them.
 
 Every value the gateway reads is checked for its JSON type and range here or in params.py, so bad input is a
 400 naming the field, never an exception further in (a 500). Found by a fuzzer: `stream_options` not an object,
@@ -7,7 +7,7 @@ booleans as token ids (`True` is an `int` in Python), a content part whose text 
 
 Tokenization of a large prompt runs on a small thread pool, not on the event loop: a 1 MB prompt takes ~1 s to
 tokenize, and on the loop it stalled every other request for that long. The pool's threads call the tokenizer's
-batch API, which releases the GIL while it works. Chat-template rendering always runs there (issue 35, item 2):
+batch API, which releases the GIL while it works. Chat-template rendering always runs there:
 its cost is the template's, not the content's (61,000 `{"role": "user"}` messages, 976 KB with no content at
 all, rendered for ~0.85 s on the loop), and the template's own bounds (chat_template.py) stop it there.
 """
