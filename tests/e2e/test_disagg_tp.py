@@ -2,7 +2,7 @@
 TP=2 side runs two ranks, each holding one of the tiny Llama's two KV heads; a decode rank pulls the head slices it
 owns from the prefill rank(s) holding them (kv_transfer/tp_pull.py). Greedy output equals the offline engine's, and a
 dropped stream leaves no blocks in use. 2 -> 2 and a replicated head are covered worker to worker in
-tests/services/test_disagg_tp.py."""
+tests/services/worker/test_disagg_tp.py."""
 import pytest
 
 from tests.e2e import _common

@@ -23,7 +23,7 @@ from pdserve.services.up_process import UpProcess
 from tests.conftest import make_checkpoint
 from tests.e2e.conftest import _env
 from tests.engine.test_chat_template import TEMPLATES, TOOL_HISTORY
-from tests.services.test_gateway_tools import OPENAI_HISTORY
+from tests.services.gateway.test_tools import OPENAI_HISTORY
 
 WEATHER = {"name": "get_weather", "description": "current weather",
            "parameters": {"type": "object", "properties": {

@@ -100,7 +100,7 @@ def test_signed_decision_round_trip_and_tamper():
 
 
 def test_gateway_status_needs_the_metrics_permission(tmp_path):
-    from tests.services.test_gateway_hostile import KEYS, Gateway
+    from tests.services.gateway.test_hostile import KEYS, Gateway
     keys = tmp_path / "keys.yaml"
     keys.write_text(KEYS)
     g = Gateway(api_keys_file=str(keys))  # no router behind it

@@ -3,7 +3,7 @@
 A field not in the table is a 400 naming it (OpenAI's own answer to an unknown argument); an OpenAI field pdserve
 does not implement is in `UNSUPPORTED` and is a 400 saying so, unless its value is the one that changes nothing.
 The same table is the request schema of `/openapi.json` (openapi.py) and is documented in docs/api.md
-(tests/services/test_gateway_fields.py keeps the two in step). The values themselves are checked in parse.py
+(tests/services/gateway/test_fields.py keeps the two in step). The values themselves are checked in parse.py
 and params.py.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A field not in the table is a 400 naming it; an OpenAI Responses field pdserve does not serve is in `UNSUPPORTED`
 and is a 400 saying why, unless its value is one that changes nothing. docs/api.md lists the same table
-(tests/services/test_gateway_responses.py keeps the two in step).
+(tests/services/gateway/test_responses.py keeps the two in step).
 """
 from __future__ import annotations
 

@@ -7,9 +7,9 @@ import jsonschema
 import pytest
 
 from pdserve.services.gateway.fields import FIELDS, UNSUPPORTED
-from tests.services import test_gateway_fields as F
-from tests.services.test_gateway_hostile import Gateway
-from tests.services.test_gateway_tools import TOOLS
+from tests.services.gateway import test_fields as F
+from tests.services.gateway.test_hostile import Gateway
+from tests.services.gateway.test_tools import TOOLS
 
 
 @pytest.fixture(scope="module")

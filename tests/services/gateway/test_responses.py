@@ -17,9 +17,9 @@ import pytest
 from pdserve.services.gateway.responses_api.events import EventWriter, events
 from pdserve.services.gateway.responses_api.fields import FIELDS, UNSUPPORTED
 from pdserve.services.gateway.responses_api.request import to_chat
-from tests.services.test_gateway_hostile import Gateway
+from tests.services.gateway.test_hostile import Gateway
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "api.md"
+DOCS = Path(__file__).resolve().parents[3] / "docs" / "api.md"
 TOOL = {"type": "function", "name": "get_weather", "description": "weather",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}, "strict": True}
 

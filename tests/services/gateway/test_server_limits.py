@@ -23,7 +23,7 @@ import pytest
 
 from pdserve.services.ports import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 HEADER_TIMEOUT = 1.0
 BODY_TIMEOUT = 1.0
 KEYS = "tenants:\n  plain: {keys: [sk-plain]}\n"

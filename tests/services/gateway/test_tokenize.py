@@ -9,7 +9,7 @@ import json
 import pytest
 
 from pdserve.builtin import builtin_model_dir
-from tests.services.test_gateway_hostile import KEYS, Gateway
+from tests.services.gateway.test_hostile import KEYS, Gateway
 
 CONFIG = builtin_model_dir() / "tokenizer_config.json"
 MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a fortune."}]

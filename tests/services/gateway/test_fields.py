@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 from pdserve.services.gateway.fields import FIELDS, UNSUPPORTED
 from pdserve.services.gateway.params import APIError, choice_grammar, to_sampling_params
-from tests.services.test_gateway_hostile import Gateway
+from tests.services.gateway.test_hostile import Gateway
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "api.md"
+DOCS = Path(__file__).resolve().parents[3] / "docs" / "api.md"
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 CMPL = {"prompt": "hi"}
 

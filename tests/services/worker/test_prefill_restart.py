@@ -16,7 +16,7 @@ from pdserve.services.grpc_util import channel
 from pdserve.services.pb import worker_pb2, worker_pb2_grpc
 from pdserve.services.ports import free_port
 from tests.services._workers import start_worker, wait_serving
-from tests.services.test_kv_handshake import _handoff, _handshakes, _stop
+from tests.services.worker.test_kv_handshake import _handoff, _handshakes, _stop
 
 PARAMS = params_to_pb(SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
 TRANSFER_TIMEOUT_S = 8.0

@@ -21,7 +21,7 @@ from pdserve.services.gateway.errors import RequestFailed
 from pdserve.services.gateway.params import DEFAULT_MAX_LOGPROB_ENTRIES, logprob_entries
 from pdserve.services.gateway.schema import Delta
 from pdserve.services.pb import common_pb2
-from tests.services.test_gateway_hostile import Gateway
+from tests.services.gateway.test_hostile import Gateway
 
 
 def test_logprob_entries_by_hand():

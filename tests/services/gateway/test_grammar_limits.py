@@ -7,7 +7,7 @@ import json
 import pytest
 
 from pdserve.engine.grammar_limits import GrammarLimits
-from tests.services.test_gateway_hostile import Gateway
+from tests.services.gateway.test_hostile import Gateway
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from pdserve.services.router.prefix_index import IndexSync, PrefixIndex, chain_h
 from tests.services._workers import drop_model_keys, wait_registered
 
 REDIS = "redis://127.0.0.1:6379/0"
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_block_hash_is_fixed_bytes():

@@ -14,7 +14,7 @@ from pdserve.services.router.cache_aware import Policy, RouteInput
 from pdserve.services.router.cost import WorkerCost
 from pdserve.services.router.prefix_index import IndexSync, PrefixIndex, chain_hashes
 from tests.services._workers import drop_model_keys, wait_registered
-from tests.services.test_routing import BS, FP, _rec
+from tests.services.router.test_routing import BS, FP, _rec
 
 REDIS = "redis://127.0.0.1:6379/0"
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -148,7 +148,7 @@ def test_real_worker_host_tier_events_and_metrics(tiny_llama):
     from pdserve.services.ports import free_port
     from pdserve.services.registry import Registry
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     model = f"test-{uuid.uuid4().hex[:8]}"
     port, mport = free_port(), free_port()
     env = dict(os.environ, PYTHONPATH=str(root), PDSERVE_LOG_LEVEL="WARNING",

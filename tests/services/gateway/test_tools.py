@@ -223,7 +223,7 @@ def test_the_sdks_own_assistant_message_goes_back_in():
     was a 500 (`KeyError: 'content'`); it renders (then no router behind this gateway: 503)."""
     from openai.types.chat import ChatCompletionMessage
 
-    from tests.services.test_gateway_hostile import Gateway
+    from tests.services.gateway.test_hostile import Gateway
     msg = ChatCompletionMessage.model_validate({"role": "assistant", "content": None, "tool_calls": [
         {"id": "call12345", "type": "function",
          "function": {"name": "get_weather", "arguments": "{\"city\": \"München\"}"}}]}).model_dump(exclude_none=True)

@@ -3,7 +3,7 @@
 from pdserve.services.pb import common_pb2
 from pdserve.services.router.cache_aware import Policy
 from pdserve.services.router.cost import WorkerCost, replica_block_bytes
-from tests.services.test_routing import BS, _rec
+from tests.services.router.test_routing import BS, _rec
 
 MIB = 1024 * 1024
 
