@@ -242,5 +242,5 @@ def document(title: str, version: str, vocab: int, max_len: int, served: str) ->
         },
         "components": {"schemas": {"CompletionRequest": request_schema(False, vocab, max_len, served),
                                    "ChatCompletionRequest": request_schema(True, vocab, max_len, served),
-                                   "Error": _ERROR, **responses_openapi.schemas()}},
+                                   "Error": _ERROR, **responses_openapi.schemas(served)}},
     }

@@ -15,19 +15,22 @@ _STR = {"type": "string"}
 _BOOL = {"type": "boolean"}
 _NUM = {"type": "number"}
 _INT = {"type": "integer"}
-_TEXT_PART = {"type": "object", "required": ["type", "text"], "properties": {
-    "type": {"enum": ["input_text", "output_text", "text"]}, "text": _STR}}
-_MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
+_CLOSED = {"additionalProperties": False}  # the keys request.py accepts, no more (an extra one is a 400 there)
+_ECHOED = {"id": _STR, "status": _STR}  # what an SDK copies back from an earlier output item
+_TEXT_PART = {"type": "object", "required": ["type", "text"], **_CLOSED, "properties": {
+    "type": {"enum": ["input_text", "output_text", "text"]}, "text": _STR, "annotations": {"type": "array"},
+    "logprobs": {"type": "array"}}}
+_MESSAGE = {"type": "object", "required": ["role", "content"], **_CLOSED, "properties": {
     "type": {"const": "message"}, "role": {"enum": ["user", "system", "developer", "assistant"]},
-    "content": {"oneOf": [_STR, {"type": "array", "items": _TEXT_PART}]}}}
-_CALL = {"type": "object", "required": ["type", "call_id", "name", "arguments"], "properties": {
-    "type": {"const": "function_call"}, "call_id": _STR, "name": _STR, "arguments": _STR}}
-_CALL_OUTPUT = {"type": "object", "required": ["type", "call_id", "output"], "properties": {
+    "content": {"oneOf": [_STR, {"type": "array", "items": _TEXT_PART}]}, **_ECHOED}}
+_CALL = {"type": "object", "required": ["type", "call_id", "name", "arguments"], **_CLOSED, "properties": {
+    "type": {"const": "function_call"}, "call_id": _STR, "name": _STR, "arguments": _STR, **_ECHOED}}
+_CALL_OUTPUT = {"type": "object", "required": ["type", "call_id", "output"], **_CLOSED, "properties": {
     "type": {"const": "function_call_output"}, "call_id": _STR,
-    "output": {"oneOf": [_STR, {"type": "array", "items": _TEXT_PART}]}}}
+    "output": {"oneOf": [_STR, {"type": "array", "items": _TEXT_PART}]}, **_ECHOED}}
 INPUT = {"oneOf": [{**_STR, "minLength": 1},
                    {"type": "array", "minItems": 1, "items": {"oneOf": [_MESSAGE, _CALL, _CALL_OUTPUT]}}]}
-TOOL = {"type": "object", "required": ["type", "name"], "properties": {
+TOOL = {"type": "object", "required": ["type", "name"], **_CLOSED, "properties": {
     "type": {"const": "function"}, "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
     "description": _STR, "parameters": {"type": "object"}, "strict": _BOOL}}
 TOOL_CHOICE = {"oneOf": [{"enum": ["none", "auto", "required"]}, {
@@ -118,13 +121,20 @@ def check_known(body: dict) -> None:
         raise bad(name[:100] or '""', "unknown parameter")
 
 
-def request_schema() -> dict:
-    """The JSON schema of a Responses body (`/openapi.json`), from the table."""
+def request_schema(served: str | None = None) -> dict:
+    """The JSON schema of a Responses body (`/openapi.json`), from the table; `served`: the one model name this
+    gateway answers (another is a 404)."""
     props = {}
     for f in FIELDS:
         s = {**f.schema, **({"description": f.doc} if f.doc else {})}
         if f.extension:
             s["x-pdserve-extension"] = True
+        if f.name == "model" and served is not None:
+            s = {**s, "enum": [served]}
         props[f.name] = s if f.required else {"anyOf": [s, {"type": "null"}]}
+    # a tool_choice other than "none" needs tools (tools/request.py), as one positive anyOf (see gateway/openapi.py)
+    needs_tools = {"anyOf": [{"properties": {"tool_choice": {"enum": ["none", None]}}},
+                             {"required": ["tools"], "properties": {"tools": {"type": "array"}}}]}
     return {"type": "object", "properties": props, "required": [f.name for f in FIELDS if f.required],
-            "additionalProperties": False, "x-pdserve-refused": {k: v[0] for k, v in UNSUPPORTED.items()}}
+            "additionalProperties": False, "allOf": [needs_tools],
+            "x-pdserve-refused": {k: v[0] for k, v in UNSUPPORTED.items()}}

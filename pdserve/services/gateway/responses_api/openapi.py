@@ -26,5 +26,5 @@ def path_item() -> dict:
             "504": {"description": "the request's deadline passed", **err}}}}
 
 
-def schemas() -> dict:
-    return {NAME: request_schema()}
+def schemas(served: str | None = None) -> dict:
+    return {NAME: request_schema(served)}
