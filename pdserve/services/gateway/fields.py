@@ -148,16 +148,22 @@ def fields_for(chat: bool) -> dict[str, Field]:
 
 def check_known(body: dict, chat: bool) -> None:
     """400 for a field this endpoint does not take: unknown, the other endpoint's, or not implemented."""
-    known = fields_for(chat)
+    other = "/v1/completions" if chat else "/v1/chat/completions"
+    check_fields(body, fields_for(chat), UNSUPPORTED, (_ALL, other))
+
+
+def check_fields(body: dict, known, unsupported: dict, elsewhere: tuple[set, str] | None = None) -> None:
+    """An endpoint's field check: each key of `body` is `known`, or refused with its reason unless it carries a
+    value that changes nothing (`unsupported`: name -> (reason, no-op values)), or another endpoint's
+    (`elsewhere`: its names and path), or unknown."""
     for name, v in body.items():
         if name in known:
             continue
-        if name in UNSUPPORTED:
-            why, noop = UNSUPPORTED[name]
+        if name in unsupported:
+            why, noop = unsupported[name]
             if v is None or any(type(v) is type(x) and v == x for x in noop):
                 continue
             raise bad(name, why)
-        if name in _ALL:
-            other = "/v1/completions" if chat else "/v1/chat/completions"
-            raise bad(name, f"is a {other} parameter")
+        if elsewhere is not None and name in elsewhere[0]:
+            raise bad(name, f"is a {elsewhere[1]} parameter")
         raise bad(name[:100] or '""', "unknown parameter")

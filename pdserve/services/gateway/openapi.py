@@ -168,15 +168,16 @@ def request_schema(chat: bool, vocab: int, max_len: int, model: str) -> dict:
             "allOf": _rules(chat), "x-pdserve-refused": {k: v[0] for k, v in UNSUPPORTED.items()}}
 
 
-def _endpoint(summary: str, chat: bool) -> dict:
-    name = "ChatCompletionRequest" if chat else "CompletionRequest"
+def _endpoint(summary: str, schema: str, operation: str,
+              answer: str = "the answer (JSON), or server-sent events with `stream: true`") -> dict:
+    """A generation endpoint: its request schema by name, the answer and every error the gateway gives."""
     err = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
     return {"post": {
-        "summary": summary, "operationId": "createChatCompletion" if chat else "createCompletion",
+        "summary": summary, "operationId": operation,
         "requestBody": {"required": True, "content": {"application/json": {
-            "schema": {"$ref": f"#/components/schemas/{name}"}}}},
+            "schema": {"$ref": f"#/components/schemas/{schema}"}}}},
         "responses": {
-            "200": {"description": "the answer (JSON), or server-sent events with `stream: true`",
+            "200": {"description": answer,
                     "content": {"application/json": {"schema": {"type": "object"}},
                                 "text/event-stream": {"schema": {"type": "string"}}}},
             "400": {"description": "invalid request; `error.param` names the field", **err},
@@ -223,9 +224,11 @@ def document(title: str, version: str, vocab: int, max_len: int, served: str) ->
         "info": {"title": title, "version": version,
                  "description": "OpenAI-compatible API; fields and extensions: docs/api.md"},
         "paths": {
-            "/v1/completions": _endpoint("text completion", False),
-            "/v1/chat/completions": _endpoint("chat completion (tools: docs/api.md, Tool calling)", True),
-            "/v1/responses": responses_openapi.path_item(),
+            "/v1/completions": _endpoint("text completion", "CompletionRequest", "createCompletion"),
+            "/v1/chat/completions": _endpoint("chat completion (tools: docs/api.md, Tool calling)",
+                                              "ChatCompletionRequest", "createChatCompletion"),
+            "/v1/responses": _endpoint(responses_openapi.SUMMARY, responses_openapi.NAME, "createResponse",
+                                       responses_openapi.ANSWER),
             "/v1/models": {"get": {"summary": "the served model", "operationId": "listModels", "responses": {
                 "200": {"description": "list", "content": {"application/json": {"schema": {
                     "type": "object", "properties": {"object": {"const": "list"},

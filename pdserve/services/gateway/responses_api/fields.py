@@ -6,8 +6,8 @@ and is a 400 saying why, unless its value is one that changes nothing. docs/api.
 """
 from __future__ import annotations
 
-from pdserve.services.gateway.fields import MAX_PRIORITY, Field
-from pdserve.services.gateway.params import INT32_MAX, bad
+from pdserve.services.gateway.fields import MAX_PRIORITY, Field, check_fields
+from pdserve.services.gateway.params import INT32_MAX
 
 RESPONSES = "responses"
 
@@ -110,15 +110,7 @@ BY_NAME = {f.name: f for f in FIELDS}
 
 def check_known(body: dict) -> None:
     """400 for a field /v1/responses does not take: unknown, or not served (with the reason)."""
-    for name, v in body.items():
-        if name in BY_NAME:
-            continue
-        if name in UNSUPPORTED:
-            why, noop = UNSUPPORTED[name]
-            if v is None or any(type(v) is type(x) and v == x for x in noop):
-                continue
-            raise bad(name, why)
-        raise bad(name[:100] or '""', "unknown parameter")
+    check_fields(body, BY_NAME, UNSUPPORTED)
 
 
 def request_schema(served: str | None = None) -> dict:
