@@ -13,7 +13,12 @@ from pdserve.services.grpc_context import ContextChannel, ContextServerIntercept
 from pdserve.services.internal_security import NONE, InternalSecurity
 
 # Streams carry small token deltas but Prefill responses carry NIXL agent metadata (a few KB to MB).
-OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+# A peer that restarts (a router, a worker) is back in seconds: reconnect attempts at most 1 s apart, not gRPC's
+# default backoff (1 s growing to 120 s), during which calls on the channel fail at once with UNAVAILABLE (with two
+# routers, the one a gateway fails over to may be one that restarted a while ago).
+OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20),
+           ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+           ("grpc.max_reconnect_backoff_ms", 1000)]
 
 # A peer that stops answering (SIGSTOPped, wedged host, blackholed port) while a call is open: the connection
 # stays up and the call would wait for the caller's deadline. An HTTP/2 PING every KEEPALIVE_MS while calls are

@@ -44,8 +44,26 @@ def _kill_under_load(up, name: str) -> list[int]:
         time.sleep(3.0)  # longer than the ~2.5 s one router took to come back
         stop.set()
         codes = [c for r in runs for c in r.result()]
-    up.wait_restart(name, pid)  # the supervisor restarts it
+    info = up.wait_restart(name, pid)  # the supervisor restarts it
+    _wait_serving(info["port"])  # back: serving again (the next kill must find it there)
     return codes
+
+
+def _wait_serving(port: int, timeout: float = 30.0) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    end = time.monotonic() + timeout
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < end:
+            try:
+                r = stub.Check(health_pb2.HealthCheckRequest(service="pdserve.v1.Router"), timeout=1)
+                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise AssertionError(f"the restarted router on {port} is not serving")
 
 
 def test_killing_one_router_then_the_other_fails_no_request(up):
@@ -53,4 +71,6 @@ def test_killing_one_router_then_the_other_fails_no_request(up):
     for name in ("router", "router-1"):
         codes = _kill_under_load(up, name)
         print(f"{name} killed: {len(codes)} requests, codes {sorted(set(codes))}")
+        if set(codes) != {200}:
+            print("".join(x for x in up.lines if "WARNING" in x and "gateway" in x)[-3000:])
         assert len(codes) > 10 and set(codes) == {200}, {c: codes.count(c) for c in set(codes)}

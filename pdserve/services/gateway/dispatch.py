@@ -102,9 +102,9 @@ class Dispatcher:
     async def _ask(self, method: str, request, timeout: float = 5.0):
         """One router RPC, failing over: UNAVAILABLE (down, or its own "no placement", which the next one then
         repeats) or DEADLINE_EXCEEDED (hung) moves on to the next router; the last error is raised."""
-        err = None
+        err, first = None, self._primary  # read once: concurrent calls move it while this one waits
         for k in range(len(self._routers)):
-            i = (self._primary + k) % len(self._routers)
+            i = (first + k) % len(self._routers)
             try:
                 reply = await getattr(self._routers[i], method)(request, timeout=timeout)
             except grpc.aio.AioRpcError as e:
