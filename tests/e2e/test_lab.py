@@ -46,6 +46,16 @@ def _decode_sum(c: LabCluster, name: str) -> float:
     return sum(_metric(c, h, name) for h in ("decode-0", "decode-1"))
 
 
+def _serves_again(c: httpx.Client, body: dict, timeout: float = 30) -> bool:
+    """Whether the deployment answers `body` with a 200 within `timeout` s (retried every 0.5 s)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if c.post("/v1/completions", json=body).status_code == 200:
+            return True
+        time.sleep(0.5)
+    return False
+
+
 def _blocks_left(c: LabCluster) -> dict:
     """KV blocks still allocated on each worker, once the cut requests' cleanup ran (at most 15 s)."""
     end = time.monotonic() + 15
@@ -120,13 +130,7 @@ def test_the_decode_hosts_cut_off_fail_within_the_deadline_and_serve_when_back(l
         finally:
             for h in decoders:
                 lab.net.set_down(h, down=False)
-        end, code = time.monotonic() + 30, None
-        while time.monotonic() < end:
-            code = c.post("/v1/completions", json=body).status_code
-            if code == 200:
-                break
-            time.sleep(0.5)
-        assert code == 200, "not serving again 30 s after the links came back"
+        assert _serves_again(c, body), "not serving again 30 s after the links came back"
     left = _blocks_left(lab)
     assert not any(left.values()), left
 
@@ -154,12 +158,6 @@ def test_the_prefill_host_cut_off_mid_transfer(lab):
         print(f"cut mid-transfer: {r.status_code} after {waited:.2f} s: {r.text[:160]}")
         assert r.status_code in (200, 503, 504), r.text
         assert waited < 8 + 2, waited
-        end, code = time.monotonic() + 30, None
-        while time.monotonic() < end:
-            code = c.post("/v1/completions", json={**body, "prompt": "hi"}).status_code
-            if code == 200:
-                break
-            time.sleep(0.5)
-        assert code == 200, "not serving again 30 s after the link came back"
+        assert _serves_again(c, {**body, "prompt": "hi"}), "not serving again 30 s after the link came back"
     left = _blocks_left(lab)
     assert not any(left.values()), left
