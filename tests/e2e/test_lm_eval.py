@@ -53,7 +53,7 @@ def _write_tasks(root: Path) -> None:
         gen.append({"context": " ".join(words[:cut]), "ending": " " + ending})
     for name, docs in (("mc", mc), ("gen", gen)):
         (root / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
-    common = f"dataset_path: json\ntest_split: test\n"
+    common = "dataset_path: json\ntest_split: test\n"
     (root / "fortunes_mc.yaml").write_text(
         f"task: fortunes_mc\n{common}dataset_kwargs:\n  data_files:\n    test: {root / 'mc.jsonl'}\n"
         "output_type: multiple_choice\ndoc_to_text: '{{context}}'\ndoc_to_choice: '{{choices}}'\n"
