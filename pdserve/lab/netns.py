@@ -105,6 +105,9 @@ def netem_available() -> bool:
         subprocess.run(["ip", "link", "del", name], capture_output=True)
 
 
+NOWHERE_MAC = "02:00:5e:00:53:01"  # locally administered; no interface of the lab has it
+
+
 class Network:
     """One bridge, its hosts; `close` removes everything it made (idempotent; also after a partial start)."""
 
@@ -165,6 +168,18 @@ class Network:
                 _run(*prefix, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{link.rate_bps}bit",
                      "burst", str(burst), "latency", "50ms")
         h.link = link
+
+    def cut(self, src: Host, dst: Host, cut: bool = True) -> None:
+        """Silently drop every packet `src` sends to `dst`, or stop dropping them; `dst` -> `src` is untouched.
+
+        No packet filter is needed (these kernels have none): a permanent neighbour entry in `src`'s namespace
+        points `dst`'s address at a MAC no interface has, so the bridge floods those frames and every host
+        ignores them, as a one-way partition looks from both ends (timeouts, not connection errors)."""
+        if cut:
+            _run(*src.exec_prefix(), "ip", "neigh", "replace", dst.ip, "lladdr", NOWHERE_MAC, "nud", "permanent",
+                 "dev", src.veth)
+        else:
+            subprocess.run([*src.exec_prefix(), "ip", "neigh", "del", dst.ip, "dev", src.veth], capture_output=True)
 
     def set_down(self, h: Host, down: bool = True) -> None:
         """Cut the host off the bridge (its link down) or bring it back."""

@@ -161,3 +161,115 @@ def test_the_prefill_host_cut_off_mid_transfer(lab):
         assert _serves_again(c, {**body, "prompt": "hi"}), "not serving again 30 s after the link came back"
     left = _blocks_left(lab)
     assert not any(left.values()), left
+
+
+def _statuses_while(c: httpx.Client, body: dict, seconds: float) -> list[tuple[int, float, str]]:
+    """(status, seconds taken, body head) of back-to-back requests for `seconds`."""
+    out, end = [], time.monotonic() + seconds
+    while time.monotonic() < end:
+        t0 = time.monotonic()
+        r = c.post("/v1/completions", json=body)
+        out.append((r.status_code, time.monotonic() - t0, r.headers.get("x-pdserve-path", "") + " " + r.text[:120]))
+    return out
+
+
+def _disagg_again(c: httpx.Client, body: dict, timeout: float = 40) -> bool:
+    """Whether a request is served disaggregated again within `timeout` s (the router re-admits the pool)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        r = c.post("/v1/completions", json=body)
+        if r.status_code == 200 and r.headers["x-pdserve-path"].startswith("disagg"):
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def test_an_asymmetric_partition_decode_cannot_reach_prefill(lab):
+    """Every packet a decode host sends to a prefill host is dropped; prefill -> decode still flows. No decode
+    worker can reach the pinned KV: each request is still answered by its deadline (a decode worker prefills it
+    itself once the handshake fails, or a typed error), the prefill side's pinned KV is released, and the
+    deployment serves disaggregated again once healed."""
+    body = {"model": "builtin", "prompt": "asym " + "x " * 40, "max_tokens": 4, "timeout": 4}
+    pairs = [(lab.workers[d], lab.workers[p]) for d in ("decode-0", "decode-1") for p in ("prefill-0", "prefill-1")]
+    with httpx.Client(base_url=lab.base_url, timeout=30) as c:
+        for d, p in pairs:
+            lab.net.cut(d, p)
+        try:
+            got = _statuses_while(c, body, 5)
+        finally:
+            for d, p in pairs:
+                lab.net.cut(d, p, cut=False)
+        print("asymmetric partition:", [(s, round(t, 2), b[:50]) for s, t, b in got])
+        assert got and all(s in (200, 503, 504) and t < 4 + 2 for s, t, _ in got), got
+        assert _disagg_again(c, body), "not disaggregated again 40 s after the partition healed"
+    left = _blocks_left(lab)
+    assert not any(left.values()), left
+
+
+def test_the_router_cut_off_from_redis(lab):
+    """The router's host and Redis's cannot reach each other for 6 s. The router places from the view it holds
+    (registry and prefix events already read): requests keep being served or fail in time with a reason; once
+    healed it reads Redis again and serves."""
+    body = {"model": "builtin", "prompt": "redis gone " + "y " * 30, "max_tokens": 4, "timeout": 4}
+    router, redis_host = lab.net.hosts["router"], lab.net.hosts["redis"]
+    with httpx.Client(base_url=lab.base_url, timeout=30) as c:
+        lab.net.cut(router, redis_host)
+        lab.net.cut(redis_host, router)
+        try:
+            got = _statuses_while(c, body, 6)
+        finally:
+            lab.net.cut(router, redis_host, cut=False)
+            lab.net.cut(redis_host, router, cut=False)
+        print("router cut off from Redis:", [(s, round(t, 2)) for s, t, _ in got])
+        assert got and all((s == 200 or s in (503, 504)) and t < 4 + 2 for s, t, _ in got), got
+        assert _serves_again(c, body), "not serving again 30 s after the router reached Redis again"
+    left = _blocks_left(lab)
+    assert not any(left.values()), left
+
+
+def test_a_decode_host_cut_off_with_streams_in_flight_and_back_10s_later(lab):
+    """A decode host loses its link while it runs streams, and comes back 10 s later. Streams on the other one
+    finish; those on the cut host are moved (migration resumes them from the tokens sent) or end with a reason
+    by their deadline; none hangs. Once it is back, the deployment serves and nothing stays allocated."""
+    import concurrent.futures as cf
+
+    client = openai.OpenAI(base_url=lab.base_url + "/v1", api_key="none", max_retries=0, timeout=40)
+    started = cf.ThreadPoolExecutor(6)
+
+    def stream(i: int):
+        t0, text, finish = time.monotonic(), "", None
+        try:
+            for ch in client.completions.create(model="builtin", prompt=f"{i} stream away " + "z " * 30,
+                                                max_tokens=200, stream=True, extra_body={"timeout": 12,
+                                                                                        "ignore_eos": True}):
+                text += ch.choices[0].text
+                finish = ch.choices[0].finish_reason or finish
+            return "done", finish, time.monotonic() - t0
+        except openai.APIError as e:
+            return "error", str(e)[:80], time.monotonic() - t0
+
+    moved0 = _metric(lab, "gateway", "pdserve_migrations_total")
+    futs = [started.submit(stream, i) for i in range(6)]
+    busy, end = [], time.monotonic() + 5  # cut a decode host once it runs streams
+    while not busy and time.monotonic() < end:
+        busy = [d for d in ("decode-0", "decode-1") if _metric(lab, d, "pdserve_num_running") > 0]
+    assert busy, "no decode host ran the streams"
+    h = lab.workers[busy[0]]
+    cut_at = time.monotonic()
+    lab.net.set_down(h)
+    try:
+        out = [f.result(timeout=30) for f in futs]
+    finally:
+        time.sleep(max(0.0, 10 - (time.monotonic() - cut_at)))
+        lab.net.set_down(h, down=False)
+        started.shutdown()
+    print("decode host cut with streams in flight:", out)
+    assert all(took < 12 + 3 for _, _, took in out), out
+    assert all(kind == "done" and finish == "length" for kind, finish, _ in out if kind == "done")
+    assert sum(kind == "done" for kind, _, _ in out) >= 3, out  # decode-1's at least, and the moved ones
+    assert _metric(lab, "gateway", "pdserve_migrations_total") > moved0  # the cut hit streams in flight
+    body = {"model": "builtin", "prompt": "after the cut", "max_tokens": 4}
+    with httpx.Client(base_url=lab.base_url, timeout=30) as c:
+        assert _serves_again(c, body)
+    left = _blocks_left(lab)
+    assert not any(left.values()), left
