@@ -73,12 +73,16 @@ class Worker(worker_pb2_grpc.WorkerServicer):
         self.exporter = M.EngineStatsExporter([st.value for st in RequestState if not st.terminal])
         self.layout = KVLayout.from_dict(engine.kv_cache.layout())
         self.agent = None
+        self.transport = None  # kv_transfer/transport.py: what the KV moves over (configured), P/D roles only
         self.rank_agents = None  # the other TP ranks' agents (each rank reads/serves its own pool's heads)
         regions = []
         if role in ("prefill", "decode"):
+            from pdserve.kv_transfer import transport
             from pdserve.kv_transfer.agent import KVAgent
             self.agent = KVAgent(worker_id, engine.kv_cache.data, self.layout)
             regions = [self.agent.region()]
+            self.transport = transport.configured()
+            M.set_transport_info(self.transport)
             if engine.tp_group is not None:
                 from pdserve.kv_transfer.tp_ranks import RankAgents
                 self.rank_agents = RankAgents(engine.tp_group.side)
@@ -103,7 +107,7 @@ class Worker(worker_pb2_grpc.WorkerServicer):
     def record(self) -> WorkerRecord:
         return WorkerRecord(self.worker_id, self.role, self.address, self.agent.name if self.agent else "",
                             self.engine.kv_cache.num_blocks, layout_to_pb(self.layout.to_dict()), self.load(),
-                            labels=dict(self.labels))
+                            labels=dict(self.labels), kv_transport=self.transport.line() if self.transport else "")
 
     def load(self) -> common_pb2.LoadReport:
         s = self.last_stats

@@ -140,3 +140,39 @@ def test_worker_refusal_names_the_field(up):
 
 def test_n_branches_share_one_prefill(up, tiny_llama):
     _common.check_n_branches(up, tiny_llama)
+
+
+def test_each_answer_says_the_kv_it_moved(up):
+    """The KV a request pulled, on the answer (x-pdserve-kv-bytes / -transfer-ms on a whole answer, usage.kv_transfer
+    on both forms), equals what the decode workers counted for that request, per prefill peer too."""
+    import json
+    decs, pw = up.workers("decode"), up.workers("prefill")[0]
+
+    def pulled() -> float:
+        got = []
+        for w in decs:
+            try:
+                got.append(metric(w["metrics_port"], "pdserve_kv_pair_transfer_bytes_sum",
+                                  f'{{peer="{pw["worker_id"]}"}}'))
+            except OSError:  # the worker test_kill_decode_worker_mid_stream killed (no restart here)
+                pass
+        return sum(x for x in got if x == x)  # NaN: a decode worker that has not pulled yet
+
+    b0 = pulled()
+    body = {"model": "ck", "prompt": "sphinx of black quartz " * 8, "max_tokens": 3, "temperature": 0}
+    r = httpx.post(up.base_url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200 and r.headers["x-pdserve-path"].startswith("disagg"), r.text
+    moved = pulled() - b0
+    assert int(r.headers["x-pdserve-kv-bytes"]) == moved > 0
+    kv = r.json()["usage"]["kv_transfer"]
+    assert kv["bytes"] == moved and kv["pulls"] == 1
+    assert abs(float(r.headers["x-pdserve-kv-transfer-ms"]) - kv["seconds"] * 1e3) < 0.01
+    b1, usage = pulled(), None
+    with httpx.stream("POST", up.base_url + "/v1/completions", timeout=30, json={
+            **body, "prompt": "how vexingly quick daft zebras jump " * 6, "stream": True,
+            "stream_options": {"include_usage": True}}) as s:
+        assert "x-pdserve-kv-bytes" not in s.headers  # sent before the pull: the usage chunk says it
+        for line in s.iter_lines():
+            if line.startswith("data: {") and json.loads(line[6:]).get("usage"):
+                usage = json.loads(line[6:])["usage"]
+    assert usage["kv_transfer"]["bytes"] == pulled() - b1 > 0

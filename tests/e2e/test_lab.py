@@ -83,6 +83,15 @@ def test_kv_crosses_the_shaped_link(lab):
     assert r.choices[0].text and blocks > 20 and block_bytes > 0
     assert moved * 8 / took <= RATE_BPS * 1.15, "faster than the link: the KV did not cross it"
     assert took >= moved * 8 / RATE_BPS * 0.7
+    # the answer's own figures (its pull's bytes and time, carried back from the decode host) are link-bound too;
+    # each worker host says the transport it was configured with
+    kv_bytes, kv_s = int(raw.headers["x-pdserve-kv-bytes"]), float(raw.headers["x-pdserve-kv-transfer-ms"]) / 1e3
+    assert kv_bytes == r.usage.model_extra["kv_transfer"]["bytes"] and kv_bytes <= moved  # the window may hold more
+    assert kv_bytes * 8 / kv_s <= RATE_BPS * 1.15 and kv_s >= kv_bytes * 8 / RATE_BPS * 0.7 and kv_bytes > blocks
+    for h in lab.workers:
+        assert _metric(lab, h, "pdserve_kv_transport_info") == 1
+        assert samples(httpx.get(lab.metrics_url(h), timeout=10).text, "pdserve_kv_transport_info",
+                       '{backend="UCX",transport="tcp",source="configured"}') == [1.0], h
     by_path = samples(httpx.get(lab.metrics_url("gateway"), timeout=10).text, "pdserve_requests_by_path_total",
                       '{path="disagg",reason="disagg_forced"}')
     assert by_path and by_path[0] >= 2

@@ -10,6 +10,7 @@ import uuid
 
 import pytest
 
+from pdserve.kv_transfer import transport
 from pdserve.planner.decision import Decision
 from pdserve.planner.guard_rails import PoolVerdict
 from pdserve.services import planner_record
@@ -41,7 +42,8 @@ def deployment(tmp_path):
         reg = Registry(URL, model, ttl_s=30, key=key)
         for wid, role, running in (("p-0", "prefill", 1), ("d-0", "decode", 3), ("d-1", "decode", 0)):
             await reg.heartbeat(WorkerRecord(wid, role, f"10.0.0.1:{len(wid)}", load=common_pb2.LoadReport(
-                worker_id=wid, num_running=running, kv_blocks_in_use=16, kv_blocks_total=64)))
+                worker_id=wid, num_running=running, kv_blocks_in_use=16, kv_blocks_total=64),
+                kv_transport=transport.configured({"UCX_TLS": "tcp"} if wid == "d-0" else {}).line()))
         forged = Registry(URL, model, ttl_s=30, key=b"not the key")  # a writer without the token
         await forged.heartbeat(WorkerRecord("evil", "decode", "6.6.6.6:1"))
         d = _decision(2.0)
@@ -79,6 +81,11 @@ def test_status_json_from_the_registry(deployment):
     assert last["pools"][1] == {"pool": "decode", "current": 1, "desired": 2, "reason": "forecast needs 2",
                                 "action": "up"}
     assert len(st["planner"]["changes"]) == 1
+    assert [w["kv_transport"] for w in st["workers"]] == ["UCX/auto (default)", "UCX/tcp (configured)",
+                                                          "UCX/auto (default)"]
+    out = subprocess.run([sys.executable, "-m", "pdserve", "status", "--redis-url", URL, "--model", model,
+                          "--internal-token-file", str(token)], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "KV over UCX/tcp (configured)" in out.stdout, out.stdout + out.stderr
     # text form, and a wrong token: the forged-looking decision is not shown
     other = token.parent / "other"
     other.write_text("ffffffffffffffffffffffffffffffff")
@@ -86,6 +93,11 @@ def test_status_json_from_the_registry(deployment):
                           "--internal-token-file", str(other)], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "planner: no decision recorded" in out.stdout and "pools: no workers" in out.stdout
+
+
+def test_the_transport_is_what_ucx_tls_configures():
+    assert transport.configured({}) == transport.Transport("UCX", "auto", "default")
+    assert transport.configured({"UCX_TLS": " rc, tcp ,"}).line() == "UCX/rc,tcp (configured)"
 
 
 def test_signed_decision_round_trip_and_tamper():

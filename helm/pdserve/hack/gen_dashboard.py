@@ -95,6 +95,20 @@ PANELS = [
      [(f"sum by (reason) (increase(pdserve_kv_transfer_failures_total{{{POOL}}}[$__rate_interval]))",
        "failed {{reason}}"),
       (f"sum (increase(pdserve_kv_leases_expired_total{{{POOL}}}[$__rate_interval]))", "leases expired")]),
+    # per worker pair, on the decode pods (peer: the prefill worker pulled from; docs/metrics.md)
+    ("KV pull rate per pair (decode pod <- prefill peer)", "Bps",
+     [(f"sum by (pod, peer) (rate(pdserve_kv_pair_transfer_bytes_sum{{{POOL}}}[$__rate_interval])) / "
+       f"sum by (pod, peer) (rate(pdserve_kv_pair_transfer_seconds_sum{{{POOL}}}[$__rate_interval]))",
+       "{{pod}} <- {{peer}}")]),
+    ("KV pull failures / expired leases per pair", "short",
+     [(f"sum by (pod, peer, reason) (increase(pdserve_kv_pair_failures_total{{{POOL}}}[$__rate_interval]))",
+       "{{pod}} <- {{peer}} {{reason}}"),
+      (f"sum by (pod, peer) (increase(pdserve_kv_pair_leases_expired_total{{{POOL}}}[$__rate_interval]))",
+       "{{pod}} <- {{peer}} lease expired")]),
+    # configured, not chosen by UCX (kv_transfer/transport.py): auto on one host means shared memory
+    ("KV transport per pod (configured)", "short",
+     [(f"max by (pod, backend, transport, source) (pdserve_kv_transport_info{{{POOL}}})",
+       "{{pod}} {{backend}}/{{transport}} ({{source}})")]),
     # what dtype=auto chose on each pod's CPU (docs/engine.md): a pool on mixed node types shows it here
     ("Engine path per pod (ISA, dtype, weights, kernels)", "short",
      [(f"max by (pod, isa, dtype, weights, kernels) (pdserve_engine_info{{{POOL}}})",

@@ -29,6 +29,7 @@ from pdserve.kv_transfer.agent import KVAgent, KVTransferError, TransferFailure
 from pdserve.kv_transfer.layout import KVLayoutMismatch
 from pdserve.kv_transfer.tp_pull import KvPuller
 from pdserve.services.convert import DeltaEncoder, first_tokens_from_pb, limits_from_pb, params_from_pb
+from pdserve.services.decode.pair_metrics import PairMetrics
 from pdserve.services.decode.peers import KvPeers
 from pdserve.services.grpc_util import abort_compile_timeout, channel
 from pdserve.services.kv_endpoint import KvEndpoint
@@ -86,6 +87,7 @@ class DecodeSide:
         # every task this side starts (ReleaseKV calls, aborts waiting for a READ, the READs themselves): owned,
         # so none is collected mid-flight, and close() waits for them, then cancels what is left
         self._tasks = OwnedTasks()
+        self.pairs = PairMetrics()  # per prefill peer: bytes, seconds, failures, expired leases
         self.peers = KvPeers(self._stub, endpoint.layout, endpoint.protocol_version,
                              self.puller.forget_remote if agent is not None else (lambda name: None))
 
@@ -193,6 +195,7 @@ class DecodeSide:
                 msg = enc.encode(out)
                 if first:
                     msg.times.kv_transfer_start, msg.times.kv_transfer_end = pulled.t0, pulled.t1
+                    msg.times.kv_bytes = pulled.nbytes
                     first = False
                 if out.finished:
                     p.ended = True
@@ -213,6 +216,7 @@ class DecodeSide:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except KVTransferError as e:
             M.KV_TRANSFER_FAILURES.labels(e.kind.value).inc()
+            self.pairs.failed(kv.worker_id, e.kind)
             p.ended = True
             if e.kind is TransferFailure.INCOMPATIBLE:  # the gateway fails it like a broken prefill peer
                 M.REJECTIONS.labels("kv_incompatible_peer").inc()
@@ -269,17 +273,20 @@ class DecodeSide:
         if timeout <= 0:
             out.failure = KVTransferError("KV lease expired before the transfer started",
                                           TransferFailure.LEASE_EXPIRED)
+            self.pairs.failed(kv.worker_id, out.failure.kind)
         elif src:
             p.xfer = self._tasks.spawn(asyncio.to_thread(
                 self.puller.read, regions, src, dst, kv.lease_id.encode(), timeout))
             try:
                 out.nbytes = await asyncio.shield(p.xfer)  # a cancel here leaves the READ to _cleanup
                 M.KV_TRANSFER_BYTES.inc(out.nbytes)
+                self.pairs.pulled(kv.worker_id, out.nbytes, time.time() - out.t0)
             except KVTransferError as e:
                 out.failure = e
             except (KVLayoutMismatch, ValueError, RuntimeError) as e:  # NIXL's own exceptions are RuntimeErrors
                 out.failure = KVTransferError(str(e), TransferFailure.NIXL_ERROR)
             if out.failure is not None:
+                self.pairs.failed(kv.worker_id, out.failure.kind)
                 for r in regions:  # a dead peer must be re-added if it comes back
                     self.puller.forget_remote(r.agent_name)
         out.t1 = time.time()

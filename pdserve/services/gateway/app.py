@@ -48,6 +48,7 @@ from pdserve.services.gateway.responses import OpenAIForm
 from pdserve.services.gateway.responses_api.call import ResponsesCall
 from pdserve.services.gateway.responses_api.store import ResponseStore
 from pdserve.services.gateway.schema import ActiveRequest, GenerateCall
+from pdserve.services.gateway.stages import kv_moved
 from pdserve.services.gateway.tools.base import ToolCallParser
 from pdserve.services.gateway.tools.output import ToolOutput
 from pdserve.services.gateway.tools.registry import pick
@@ -339,7 +340,8 @@ async def _endpoint(g: Gateway, request: Request, chat: bool, api: ResponsesCall
         out = task.result()
     except Exception as e:  # noqa: BLE001
         return _reply(await handler.fail(rec, e))
-    return Response(out, media_type="application/json", headers=st.headers)
+    kv = kv_moved(st.traces)  # known once the answer is whole (a stream's header went out before the pull)
+    return Response(out, media_type="application/json", headers={**st.headers, **(kv.headers() if kv else {})})
 
 
 def _info_routes(g: Gateway) -> None:

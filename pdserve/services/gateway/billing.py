@@ -47,6 +47,9 @@ class BillingRecord:
     # over (prompt + tokens already sent, less prefix-cache hits), apart from the billed counts
     migrations: int = 0
     recomputed_tokens: int = 0
+    # disaggregated: the KV bytes the decode workers pulled and the pulls' time (stages.kv_moved)
+    kv_bytes: int = 0
+    kv_transfer_s: float = 0.0
     finalised_by: str | None = field(default=None)  # the replica that wrote it for a dead one (usage_ledger.py)
 
     @property

@@ -32,6 +32,7 @@ from pdserve.services.admission import Admission, Ticket
 from pdserve.services.gateway.billing import BillingRecord, BillingTimes
 from pdserve.services.gateway.ingress import IngressGate
 from pdserve.services.gateway.params import APIError
+from pdserve.services.gateway.stages import kv_moved
 from pdserve.services.gateway.tenants import DEFAULT_TENANT, Tenant
 from pdserve.services.gateway.usage_ledger import OpenUsage, UsageLedger
 from pdserve.services.metrics import gateway as M
@@ -74,6 +75,7 @@ class RequestRecord:
     def billing(self) -> BillingRecord:
         """Its billing record, now that it ended (`state` set)."""
         t = self.ticket
+        kv = kv_moved(self.traces)
         return BillingRecord(
             request_id=self.request_id, tenant=self.tenant.name, model=self.model, state=self.state,
             times=BillingTimes(arrival=self.arrival, finished=time.time(), admitted=self.admitted_at,
@@ -85,7 +87,8 @@ class RequestRecord:
             predicted_output_tokens=t.predicted_output if t else None, reserved_blocks=t.blocks if t else 0,
             admission=tuple(t.states) if t else (), error=self.error,
             migrations=sum(x.migrations for x in self.traces),
-            recomputed_tokens=sum(x.recomputed_tokens for x in self.traces))
+            recomputed_tokens=sum(x.recomputed_tokens for x in self.traces),
+            kv_bytes=kv.nbytes if kv else 0, kv_transfer_s=round(kv.seconds, 6) if kv else 0.0)
 
 
 class RequestLifecycle:

@@ -16,6 +16,7 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.services.gateway.errors import RequestFailed
 from pdserve.services.gateway.handler import RequestHandler, timed_out
 from pdserve.services.gateway.schema import FINISH_REASONS, ActiveRequest
+from pdserve.services.gateway.stages import kv_moved
 from pdserve.services.gateway.tools.output import ToolOutput
 
 
@@ -84,6 +85,9 @@ def usage(handler: RequestHandler, st: ActiveRequest) -> dict:
     pt, ct = st.prompt_tokens, st.completion_tokens
     u = {"prompt_tokens": pt, "completion_tokens": ct, "total_tokens": pt + ct,
          "prompt_tokens_details": {"cached_tokens": st.cached_tokens}}
+    kv = kv_moved(st.traces)
+    if kv is not None:  # disaggregated: the KV it moved (docs/routing.md, "Proof of the path")
+        u["kv_transfer"] = kv.usage()
     times = handler.stage_times(st)
     if times is not None:
         u["stage_times"] = times

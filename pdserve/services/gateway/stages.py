@@ -31,6 +31,7 @@ class EngineTimes:
     finished: float | None = None
     kv_transfer_start: float | None = None
     kv_transfer_end: float | None = None
+    kv_bytes: int | None = None  # the KV bytes the decode worker pulled (its pickup's first message)
 
     def merge(self, times) -> None:
         # later messages repeat the engine's times and add `finished`; the KV pull times are on the first only
@@ -114,6 +115,29 @@ def stage_times(arrival: float, admitted: float | None, t: StageTrace, index: in
     return {**ts, "durations": dur, "mode": "disagg" if t.disagg else "colocated",
             "kv_on_ttft_path": late,
             "sub_request": index, "sub_requests": count}
+
+
+@dataclass(frozen=True)
+class KvMoved:
+    """The KV a request moved between workers, over all its sub-requests' pulls (the attempts that served them)."""
+    nbytes: int
+    seconds: float
+    pulls: int
+
+    def usage(self) -> dict:
+        return {"bytes": self.nbytes, "seconds": round(self.seconds, 6), "pulls": self.pulls}
+
+    def headers(self) -> dict[str, str]:
+        return {"x-pdserve-kv-bytes": str(self.nbytes), "x-pdserve-kv-transfer-ms": f"{self.seconds * 1e3:.3f}"}
+
+
+def kv_moved(traces: list[StageTrace]) -> KvMoved | None:
+    """None when no sub-request was served disaggregated (nothing was pulled)."""
+    done = [t.decode for t in traces if t.disagg and t.decode.kv_transfer_end is not None]
+    if not done:
+        return None
+    return KvMoved(sum(d.kv_bytes or 0 for d in done),
+                   sum(d.kv_transfer_end - (d.kv_transfer_start or d.kv_transfer_end) for d in done), len(done))
 
 
 def pick(traces: list[StageTrace]) -> int:

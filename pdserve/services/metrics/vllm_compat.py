@@ -37,6 +37,10 @@ ALIASES = (
     Alias("vllm:kv_cache_usage_perc", "pdserve_kv_usage_fraction"),
     Alias("vllm:prefix_cache_queries", "pdserve_prefix_cache_queries"),
     Alias("vllm:prefix_cache_hits", "pdserve_prefix_cache_hits"),
+    # decode workers: the KV pulls (vLLM's NixlConnector families; `peer` stays: the prefill worker pulled from)
+    Alias("vllm:nixl_xfer_time_seconds", "pdserve_kv_pair_transfer_seconds"),
+    Alias("vllm:nixl_bytes_transferred", "pdserve_kv_pair_transfer_bytes"),
+    Alias("vllm:nixl_num_failed_transfers", "pdserve_kv_pair_failures"),
 )
 _BY_NATIVE: dict[str, list[Alias]] = {}
 for _a in ALIASES:

@@ -27,6 +27,21 @@ KV_TRANSFER_FAILURES = Counter("pdserve_kv_transfer_failures_total", "Failed or 
                                registry=WORKER)
 LEASES_EXPIRED = Counter("pdserve_kv_leases_expired_total", "Pinned KV freed by lease expiry (nobody pulled)",
                          registry=WORKER)
+# Per worker pair, on the decode worker (it pulls; the scrape target is the other end of the pair): `peer` is the
+# prefill worker's id, capped at decode/pair_metrics.MAX_PEERS distinct ids (later ones count as "other").
+KV_PAIR_BYTES = Histogram("pdserve_kv_pair_transfer_bytes", "Bytes of one KV pull from the peer prefill worker",
+                          ["peer"], buckets=(2**14, 2**16, 2**18, 2**20, 2**22, 2**24, 2**26, 2**28, 2**30, 2**32),
+                          registry=WORKER)
+KV_PAIR_SECONDS = Histogram("pdserve_kv_pair_transfer_seconds", "Duration of one KV pull from the peer prefill "
+                            "worker (the batched NIXL READ, post to completion)", ["peer"], buckets=LAT,
+                            registry=WORKER)
+KV_PAIR_FAILURES = Counter("pdserve_kv_pair_failures_total", "Failed KV pulls from the peer prefill worker",
+                           ["peer", "reason"], registry=WORKER)
+KV_PAIR_LEASES_EXPIRED = Counter("pdserve_kv_pair_leases_expired_total", "KV pulls from the peer refused because "
+                                 "the peer's lease on the blocks ran out first", ["peer"], registry=WORKER)
+KV_TRANSPORT_INFO = Gauge("pdserve_kv_transport_info", "1, labelled with the KV transfer's backend and transport "
+                          "(transport: UCX_TLS's transports, or auto; source: configured when UCX_TLS is set, default "
+                          "when UCX picks per peer: kv_transfer/transport.py)", ["backend", "transport", "source"], registry=WORKER)
 KV_HANDSHAKES = Counter("pdserve_kv_handshakes_total", "KV handshakes between a decode and a prefill worker "
                         "(side: initiated on the decode worker, served on the prefill worker)", ["side"],
                         registry=WORKER)
@@ -109,6 +124,12 @@ def set_engine_info(info) -> None:
     """One sample for this process's engine (engine.cpu_isa.EngineInfo), set once at start."""
     ENGINE_INFO.clear()
     ENGINE_INFO.labels(info.isa, info.dtype, info.weights or info.dtype, info.kernels).set(1)
+
+
+def set_transport_info(t) -> None:
+    """One sample for this worker's KV transport (kv_transfer/transport.Transport), set once at start."""
+    KV_TRANSPORT_INFO.clear()
+    KV_TRANSPORT_INFO.labels(t.backend, t.transport, t.source).set(1)
 
 
 def observe_engine_times(out: RequestOutput | None) -> None:

@@ -14,7 +14,9 @@ from pdserve.services.admission import Admission, AdmissionError, Capacity
 from pdserve.services.gateway.ingress import IngressGate
 from pdserve.services.gateway.lifecycle import RequestLifecycle
 from pdserve.services.gateway.params import APIError
+from pdserve.services.gateway.stages import StageTrace, kv_moved
 from pdserve.services.gateway.tenants import TenantDirectory
+from pdserve.services.pb import common_pb2
 from pdserve.services.reservations import ReservationLedger
 from tests.services.test_admission import REDIS, _cleanup, _redis_up
 
@@ -59,6 +61,8 @@ def test_rejected_after_tokenizing_bills_and_charges_nothing(tmp_path, caplog):
         await life.authorize(done, {"authorization": "Bearer sk-slow"})
         await life.admit(done, "req-ok", [list(range(90))], 16, 1, 4096)
         done.generated = done.emitted = done.committed = 12
+        done.traces = [_trace("disagg", 100.0, 100.25, 3 << 20), _trace("colocated"),
+                       _trace("disagg", 101.0, 101.5, 1 << 20)]  # n=3 sub-requests: two pulled, one prefilled locally
         await life.finish(done, "FINISHED")
         with pytest.raises(APIError) as q:
             await life.gate.check_limits(done.tenant)  # 102 > 100
@@ -72,3 +76,20 @@ def test_rejected_after_tokenizing_bills_and_charges_nothing(tmp_path, caplog):
     assert rejected["times"]["arrival"] <= rejected["times"]["finished"] and rejected["admission"] == []
     assert (finished["state"], finished["billed_tokens"], finished["committed_tokens"]) == ("FINISHED", 102, 12)
     assert finished["n_granted"] == 1 and finished["reserved_blocks"] >= 7 and finished["finalised_by"] is None
+    assert (finished["kv_bytes"], finished["kv_transfer_s"]) == (4 << 20, 0.75)
+    assert (rejected["kv_bytes"], rejected["kv_transfer_s"]) == (0, 0.0)
+
+
+def _trace(mode: str, start: float = 0.0, end: float = 0.0, nbytes: int = 0) -> StageTrace:
+    """A sub-request's trace as the dispatcher fills it: routed, then the decode worker's first message."""
+    t = StageTrace()
+    t.on_route(mode)
+    t.on_stream(common_pb2.StageTimes(arrival=start, kv_transfer_start=start, kv_transfer_end=end, kv_bytes=nbytes))
+    return t
+
+
+def test_the_kv_moved_is_the_pulls_of_the_disaggregated_sub_requests():
+    assert kv_moved([_trace("colocated")]) is None and kv_moved([]) is None
+    kv = kv_moved([_trace("disagg", 10.0, 10.002, 65536), _trace("colocated")])
+    assert kv.usage() == {"bytes": 65536, "seconds": 0.002, "pulls": 1}
+    assert kv.headers() == {"x-pdserve-kv-bytes": "65536", "x-pdserve-kv-transfer-ms": "2.000"}

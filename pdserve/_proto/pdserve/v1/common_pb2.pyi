@@ -218,20 +218,22 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., verified_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., kv_growth_tokens: _Optional[int] = ...) -> None: ...
 
 class StageTimes(_message.Message):
-    __slots__ = ("arrival", "first_scheduled", "first_token", "finished", "kv_transfer_start", "kv_transfer_end")
+    __slots__ = ("arrival", "first_scheduled", "first_token", "finished", "kv_transfer_start", "kv_transfer_end", "kv_bytes")
     ARRIVAL_FIELD_NUMBER: _ClassVar[int]
     FIRST_SCHEDULED_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_START_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_END_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     arrival: float
     first_scheduled: float
     first_token: float
     finished: float
     kv_transfer_start: float
     kv_transfer_end: float
-    def __init__(self, arrival: _Optional[float] = ..., first_scheduled: _Optional[float] = ..., first_token: _Optional[float] = ..., finished: _Optional[float] = ..., kv_transfer_start: _Optional[float] = ..., kv_transfer_end: _Optional[float] = ...) -> None: ...
+    kv_bytes: int
+    def __init__(self, arrival: _Optional[float] = ..., first_scheduled: _Optional[float] = ..., first_token: _Optional[float] = ..., finished: _Optional[float] = ..., kv_transfer_start: _Optional[float] = ..., kv_transfer_end: _Optional[float] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "outputs", "finished", "state", "usage", "error", "times", "prompt_logprobs", "retryable")
@@ -256,7 +258,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[CompletionDelta, _Mapping]]] = ..., finished: _Optional[bool] = ..., state: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[str] = ..., times: _Optional[_Union[StageTimes, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., retryable: _Optional[bool] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "model", "agent_name", "capacity_blocks", "layout", "labels")
+    __slots__ = ("worker_id", "role", "address", "model", "agent_name", "capacity_blocks", "layout", "labels", "kv_transport")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -272,6 +274,7 @@ class WorkerInfo(_message.Message):
     CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     address: str
@@ -280,7 +283,8 @@ class WorkerInfo(_message.Message):
     capacity_blocks: int
     layout: KvLayout
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., agent_name: _Optional[str] = ..., capacity_blocks: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    kv_transport: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., agent_name: _Optional[str] = ..., capacity_blocks: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., kv_transport: _Optional[str] = ...) -> None: ...
 
 class LoadReport(_message.Message):
     __slots__ = ("worker_id", "num_running", "num_waiting", "kv_blocks_in_use", "kv_blocks_total", "pinned_blocks", "prefix_hit_ratio", "prefill_tokens_per_s", "prefill_overhead_s", "decode_step_s", "decode_step_per_seq_s", "pending_prefill_tokens", "kv_bytes_per_s", "handoff_overhead_s", "report_time", "max_num_seqs", "tensor_parallel_size", "decode_step0_s")

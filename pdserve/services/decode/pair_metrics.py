@@ -1,0 +1,45 @@
+"""Per worker pair KV transfer figures on the decode worker: bytes and seconds of each pull, failures, expired
+leases, labelled by the prefill peer (`peer`, its worker id; the decode worker is the scrape target).
+
+Cardinality is bounded: the first MAX_PEERS distinct peers keep their own label, later ones share "other". A
+restarted prefill worker keeps its worker id (and so its label), so the bound is only reached by a pool that
+really has that many prefill workers, or one whose ids change on every restart (set `--worker-id`).
+"""
+from __future__ import annotations
+
+from pdserve.kv_transfer.agent import TransferFailure
+from pdserve.services.metrics import worker as M
+
+MAX_PEERS = 64
+OTHER = "other"
+
+
+class PeerLabels:
+    def __init__(self, cap: int = MAX_PEERS):
+        self.cap = cap
+        self._seen: set[str] = set()
+
+    def __call__(self, peer: str) -> str:
+        peer = peer or "unknown"
+        if peer in self._seen:
+            return peer
+        if len(self._seen) < self.cap:
+            self._seen.add(peer)
+            return peer
+        return OTHER
+
+
+class PairMetrics:
+    def __init__(self, cap: int = MAX_PEERS):
+        self.label = PeerLabels(cap)
+
+    def pulled(self, peer: str, nbytes: int, seconds: float) -> None:
+        lbl = self.label(peer)
+        M.KV_PAIR_BYTES.labels(lbl).observe(nbytes)
+        M.KV_PAIR_SECONDS.labels(lbl).observe(seconds)
+
+    def failed(self, peer: str, kind: TransferFailure) -> None:
+        lbl = self.label(peer)
+        M.KV_PAIR_FAILURES.labels(lbl, kind.value).inc()
+        if kind is TransferFailure.LEASE_EXPIRED:
+            M.KV_PAIR_LEASES_EXPIRED.labels(lbl).inc()
