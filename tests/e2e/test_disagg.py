@@ -39,6 +39,60 @@ def test_greedy_matches_offline_engine(up, offline_greedy):
     assert all(h == 1 for h in hs if h == h) and served == sum(h for h in hs if h == h) >= 1, (hs, served)
 
 
+def _pulls(up) -> tuple[float, float, float]:
+    """Summed over the decode workers: (bytes pulled, blocks pulled, blocks their prefix caches supplied)."""
+    ws = up.workers("decode")
+    return tuple(sum(metric(w["metrics_port"], name) for w in ws)
+                 for name in ("pdserve_kv_transfer_bytes_total", "pdserve_kv_pull_blocks_total",
+                              "pdserve_kv_pull_reused_blocks_total"))
+
+
+def test_next_turn_pulls_only_the_missing_blocks(up, tiny_llama):
+    """A chat's next turn: the decode worker already holds the last turn (prompt + answer) in its prefix cache, so it
+    pulls only the blocks after it, and the tokens are still the offline engine's."""
+    from pdserve.engine.engine import Engine, EngineConfig
+    from pdserve.engine.sampling_params import SamplingParams
+    bs = 16  # the engine's default block size (EngineConfig)
+    turn1 = [(13 * i) % 250 + 3 for i in range(70)]
+
+    def ask(prompt):
+        r = httpx.post(up.base_url + "/v1/completions", timeout=30, json={
+            "model": "ck", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    # turn 1 until both decode workers served it (the router breaks near-equal ties at random), so the next turn
+    # finds it cached whichever decode worker it is placed on
+    per_worker = lambda: [metric(w["metrics_port"], "pdserve_kv_pull_blocks_total") for w in up.workers("decode")]  # noqa: E731
+    start, answers, cold = per_worker(), set(), None
+    for _ in range(16):
+        b0 = _pulls(up)
+        answers.add(tuple(ask(turn1)))
+        b1 = _pulls(up)
+        if b1[2] == b0[2]:  # a pull with no reuse: the cold cost of turn 1, bytes per block
+            cold = (b1[0] - b0[0], b1[1] - b0[1])
+        if all(a > b for a, b in zip(per_worker(), start)):
+            break
+    assert all(a > b for a, b in zip(per_worker(), start)) and len(answers) == 1
+    assert cold is not None and cold[1] == -(-len(turn1) // bs), cold
+    per_block = cold[0] / cold[1]
+    turn2 = turn1 + list(answers.pop()) + [(7 * i) % 250 + 3 for i in range(30)]
+    b0 = _pulls(up)
+    got = ask(turn2)
+    b1 = _pulls(up)
+    # what the decode worker holds: turn 1's prompt and its answer but the last token (sampled, never fed back),
+    # in full blocks; a hit never covers the block with the prompt's last token
+    held = (len(turn1) + 12 - 1) // bs
+    reused = min(held, (len(turn2) - 1) // bs)
+    pulled = -(-len(turn2) // bs) - reused
+    assert (b1[2] - b0[2], b1[1] - b0[1]) == (reused, pulled) and reused == 5, (b0, b1)
+    assert b1[0] - b0[0] == pulled * per_block < cold[0] * len(turn2) / len(turn1)
+    eng = Engine.from_pretrained(str(tiny_llama), EngineConfig(num_gpu_blocks=64))
+    want = eng.generate([turn2], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    assert got == list(want.token_ids)
+
+
 def test_seeded_sampling_matches_offline_engine(up, offline_seeded):
     assert _common.seeded_ids(up) == offline_seeded
 
