@@ -44,6 +44,7 @@ class Placement:
     both: WorkerRecord | None = None
     reason: str = ""
     cached_tokens: int = 0
+    decode_cached_tokens: int = 0  # disagg: the decode worker's device-tier hit (it pulls only the rest)
     ttft_s: float = 0.0
     e2e_s: float = 0.0
     alternative_s: float = 0.0  # best cost of the kind not chosen (0: none)

@@ -27,12 +27,15 @@ def test_decode_worker_holding_the_last_turn_is_chosen():
     req = RouteInput("r", turn2, max_tokens=16)
     for holder in ("d0", "d1"):
         pol = Policy("disagg", index=_index_with(turn1, holder), rng=random.Random(0), inflight_ttl_s=0)
-        # 50 MB/s: each block is 42 ms on the link, the 50 cached blocks 2.1 s
+        # 50 MB/s: each block is 42 ms on the link, the 49 cached blocks 2.1 s
         ws = [_rec("p0", "prefill"), _rec("d0", "decode", bw=50e6), _rec("d1", "decode", bw=50e6)]
         picks = {pol.place(ws, req=req).decode.worker_id for _ in range(20)}
         assert picks == {holder}
-        # the prefill side holds nothing: it still computes the whole prompt (cached_tokens is its hit)
-        assert pol.place(ws, req=req).cached_tokens == 0
+        # the prefill side holds nothing: it still computes the whole prompt (cached_tokens is its hit); the
+        # decode worker's hit goes to the gateway for admission: the index holds turn 1's blocks but the one with
+        # its last token, (800 - 1) // 16 = 49 blocks
+        pl = pol.place(ws, req=req)
+        assert (pl.cached_tokens, pl.decode_cached_tokens) == (0, 49 * BS)
     # without the index the two decode workers tie and share the requests
     pol = Policy("disagg", rng=random.Random(0), inflight_ttl_s=0)
     ws = [_rec("p0", "prefill"), _rec("d0", "decode", bw=50e6), _rec("d1", "decode", bw=50e6)]
