@@ -36,6 +36,7 @@ def test_decode_worker_holding_the_last_turn_is_chosen():
         # its last token, (800 - 1) // 16 = 49 blocks
         pl = pol.place(ws, req=req)
         assert (pl.cached_tokens, pl.decode_cached_tokens) == (0, 49 * BS)
+        assert pl.header().endswith(f";decode_cached_tokens={49 * BS}")
     # without the index the two decode workers tie and share the requests
     pol = Policy("disagg", rng=random.Random(0), inflight_ttl_s=0)
     ws = [_rec("p0", "prefill"), _rec("d0", "decode", bw=50e6), _rec("d1", "decode", bw=50e6)]
