@@ -4,7 +4,9 @@ Two disaggregated deployments of the built-in model (1 prefill + 1 decode worker
 shipped, one with `--no-decode-prefix-reuse` (every prompt block pulled). The same chats go to both, turn by turn,
 alternating which deployment goes first. Each turn is a streamed /v1/chat/completions call carrying the whole
 conversation so far (a system prompt, then user and assistant messages); TTFT is the time to the first content
-chunk; bytes and blocks are the decode worker's pdserve_kv_transfer_bytes_total / pdserve_kv_pull_blocks_total /
+chunk (in disaggregated serving the prefill worker's first token goes out ahead of the pull, so the pull shows
+in the time to the second chunk and in the decode worker's pdserve_kv_transfer_seconds); bytes and blocks are the
+decode worker's pdserve_kv_transfer_bytes_total / pdserve_kv_pull_blocks_total /
 pdserve_kv_pull_reused_blocks_total deltas around the call (calls are sequential). docs/kv_transfer.md.
 
     python bench/multiturn_reuse.py [--chats 4] [--turns 5] [--link 40mbit]
@@ -32,7 +34,8 @@ from tests.e2e.conftest import samples  # noqa: E402
 
 WORDS = ("river stone maple copper lantern harbor meadow signal orbit velvet cedar prism falcon ember quartz "
          "willow beacon summit canyon thistle").split()
-COUNTERS = ("pdserve_kv_transfer_bytes_total", "pdserve_kv_pull_blocks_total", "pdserve_kv_pull_reused_blocks_total")
+COUNTERS = ("pdserve_kv_transfer_bytes_total", "pdserve_kv_pull_blocks_total", "pdserve_kv_pull_reused_blocks_total",
+            "pdserve_kv_transfer_seconds_sum")
 ENGINE = ["--threads", "1", "--num-gpu-blocks", "512"]
 
 
@@ -80,7 +83,7 @@ def turn(dep, messages: list[dict], max_tokens: int) -> dict:
     before = counters(dep)
     body = {"model": "builtin", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True}
-    t0, ttft, parts = time.perf_counter(), None, []
+    t0, stamps, parts = time.perf_counter(), [], []
     with httpx.stream("POST", dep.base_url + "/v1/chat/completions", json=body, timeout=120) as r:
         r.raise_for_status()
         for line in r.iter_lines():
@@ -88,12 +91,13 @@ def turn(dep, messages: list[dict], max_tokens: int) -> dict:
                 continue
             for ch in json.loads(line[6:]).get("choices", []):
                 if ch.get("delta", {}).get("content"):
-                    ttft = ttft if ttft is not None else time.perf_counter() - t0
+                    stamps.append(time.perf_counter() - t0)
                     parts.append(ch["delta"]["content"])
     time.sleep(0.05)  # the counters move when the pull ends, before the first token: already there
     after = counters(dep)
     d = [a - b for a, b in zip(after, before)]
-    return {"text": "".join(parts), "ttft": ttft, "bytes": d[0], "pulled": d[1], "reused": d[2]}
+    return {"text": "".join(parts), "ttft": stamps[0], "t2": stamps[1], "bytes": d[0], "pulled": d[1],
+            "reused": d[2], "pull_s": d[3]}
 
 
 def run(deps: dict, chats: int, turns: int, max_tokens: int) -> dict:
@@ -114,12 +118,14 @@ def report(rows: dict, chats: int, turns: int, label: str) -> None:
     differ = [sum(a["text"] != b["text"] for a, b in zip(rows["on"][t], rows["off"][t])) for t in range(turns)]
     print(f"CPU: {platform.processor() or platform.machine()}, {_cpu_model()}, {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.1f}; {label}; {chats} chats x {turns} turns")
-    print("| turn | KV bytes pulled, reuse off | reuse on | blocks reused (on) | TTFT median, off | on |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| turn | KV pulled, reuse off | on | blocks reused (on) | KV pull, off | on | TTFT, off | on "
+          "| 2nd token, off | on |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for t in range(turns):
         off, on = rows["off"][t], rows["on"][t]
         print(f"| {t + 1} | {_mean(off, 'bytes') / 1024:.0f} KiB | {_mean(on, 'bytes') / 1024:.0f} KiB | "
-              f"{_mean(on, 'reused'):.1f} | {_med(off) * 1000:.1f} ms | {_med(on) * 1000:.1f} ms |")
+              f"{_mean(on, 'reused'):.1f} | " + " | ".join(f"{_med(rs, k) * 1000:.1f} ms" for k in
+                                                         ("pull_s", "ttft", "t2") for rs in (off, on)) + " |")
     tot = {n: sum(r["bytes"] for tr in rows[n] for r in tr) for n in rows}
     print(f"total KV bytes pulled: off {tot['off'] / 2**20:.2f} MiB, on {tot['on'] / 2**20:.2f} MiB "
           f"({tot['on'] / max(1.0, tot['off']):.2f}x); chats whose answers differ (on vs off), per turn: "
@@ -130,8 +136,8 @@ def _mean(rs: list[dict], k: str) -> float:
     return statistics.fmean(r[k] for r in rs)
 
 
-def _med(rs: list[dict]) -> float:
-    return statistics.median(r["ttft"] for r in rs)
+def _med(rs: list[dict], k: str) -> float:
+    return statistics.median(r[k] for r in rs)
 
 
 def _cpu_model() -> str:
