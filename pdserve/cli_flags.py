@@ -116,6 +116,9 @@ def add_engine(p: argparse.ArgumentParser) -> None:
                    help="batch-invariant steps: each row computed by the same kernels in the same reduction order "
                         "whatever the batch, chunking or prefix-cache hit, so greedy and seeded output is "
                         "reproducible (slower; docs/engine.md, Deterministic mode)")
+    p.add_argument("--no-decode-prefix-reuse", action="store_true", default=None,  # None: no default printed
+                   help="decode workers pull every prompt block from the prefill worker, even the prefix their own "
+                        "prefix cache holds (the next turn of a chat); for comparison (docs/kv_transfer.md)")
     p.add_argument("--tensor-parallel-size", type=positive_int,
                    help="ranks of tensor parallelism per worker, one process each (default: 1; docs/engine.md)")
     add_spec_flags(p)

@@ -175,6 +175,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    # Decode side of a disaggregated request: True pulls every prompt block from the prefill worker even where this
+    # worker's prefix cache holds a prefix (the next turn of a chat); for comparison (docs/kv_transfer.md)
+    no_decode_prefix_reuse: bool = False
     policy: str = "fcfs"  # fcfs | decode-priority | prefill-priority | priority | shortest-predicted-first
     # priority / shortest-predicted-first: a queued request older than this goes first regardless (no starvation)
     starvation_age_s: float = 10.0

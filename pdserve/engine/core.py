@@ -94,11 +94,14 @@ class EngineCore:
         return sum(len(b) for b, _ in self.pinned.values())
 
     # ---- the decode side of a handoff -------------------------------------------------------------------------
-    def allocate_prefilled(self, seq: Sequence) -> int | None:
+    def allocate_prefilled(self, seq: Sequence, reuse: bool = True) -> int | None:
         """Blocks for a prompt prefilled elsewhere: returns how many leading blocks the local prefix cache
-        already holds (not to be transferred), or None when the blocks cannot be had now."""
+        already holds (not to be transferred), or None when the blocks cannot be had now. The lookup and the
+        allocation are one step, so a hit counted here is held (referenced) until the request ends: a prefix
+        evicted before this point is simply no hit, and its blocks are pulled. `reuse=False`: no lookup, every
+        block is fresh and pulled."""
         bm = self.block_manager
-        hits = bm.lookup(seq)
+        hits = bm.lookup(seq) if reuse else []
         n = seq.num_prompt_tokens - len(hits) * bm.block_size
         if not bm.can_allocate(seq, n, hits):
             return None

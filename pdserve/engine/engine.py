@@ -518,7 +518,7 @@ class Engine:
         req = self._new_request(request_id, prompt_token_ids, params, namespace, arrival_time, grammar)
         self._lifecycle(req, deadline, priority, None)
         seq = req.seqs[0]
-        hits = self.core.allocate_prefilled(seq)
+        hits = self.core.allocate_prefilled(seq, reuse=not self.config.no_decode_prefix_reuse)
         if hits is None:
             return None
         req.first_tokens = list(first_tokens)

@@ -35,3 +35,15 @@ class PrefixHit:
                                 digest_size=16).digest()
             out.append(h.hex())  # the worker is in the chain: no separator to escape in the ledger
         return tuple(out)
+
+
+def kv_holder(route) -> str:
+    """The worker whose KV blocks a placement (a RouteResponse) holds for the request: the one decoding."""
+    return route.both.worker_id if route.mode == "colocated" else route.decode.worker_id
+
+
+def hit_of(route, namespace: str, prompt) -> PrefixHit | None:
+    """The placement's hit on that worker: colocated, its prefix-cache hit; disaggregated, the decode worker's own
+    (it pulls only the blocks after it, decode/pull_plan.py); the prefill worker's KV is not reserved."""
+    n = route.cached_tokens if route.mode == "colocated" else route.decode_cached_tokens
+    return PrefixHit(kv_holder(route), namespace, tuple(prompt), n) if n > 0 else None

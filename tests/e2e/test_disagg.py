@@ -39,6 +39,56 @@ def test_greedy_matches_offline_engine(up, offline_greedy):
     assert all(h == 1 for h in hs if h == h) and served == sum(h for h in hs if h == h) >= 1, (hs, served)
 
 
+def _pulls(up) -> tuple[float, float, float]:
+    """Summed over the decode workers: (bytes pulled, blocks pulled, blocks their prefix caches supplied)."""
+    ws = up.workers("decode")
+    return tuple(sum(metric(w["metrics_port"], name) for w in ws)
+                 for name in ("pdserve_kv_transfer_bytes_total", "pdserve_kv_pull_blocks_total",
+                              "pdserve_kv_pull_reused_blocks_total"))
+
+
+def test_next_turn_pulls_only_the_missing_blocks(up, tiny_llama):
+    """A chat's next turn: the decode worker already holds the last turn (prompt + answer) in its prefix cache, so it
+    pulls only the blocks after it, and the tokens are still the offline engine's."""
+    from pdserve.engine.engine import Engine, EngineConfig
+    from pdserve.engine.sampling_params import SamplingParams
+    bs = 16  # the engine's default block size (EngineConfig)
+    turn1 = [(13 * i) % 250 + 3 for i in range(70)]
+
+    def ask(prompt):
+        r = httpx.post(up.base_url + "/v1/completions", timeout=30, json={
+            "model": "ck", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    b0 = _pulls(up)
+    answer = ask(turn1)
+    b1 = _pulls(up)
+    cold = (b1[0] - b0[0], b1[1] - b0[1], b1[2] - b0[2])  # a new prompt: every block pulled
+    assert cold[1:] == (-(-len(turn1) // bs), 0), cold
+    per_block = cold[0] / cold[1]
+    # The next turn (a new message each try). Its decode worker holds turn 1's prompt and answer but the last
+    # answer token (sampled, never fed back): 81 tokens, 5 full blocks; a hit never covers the block with the
+    # prompt's last token. The other decode worker (the router breaks near-equal ties at random, and over this
+    # memcpy link a few blocks are a near-tie) holds nothing of it, until a try lands there: it then holds the
+    # pulled prompt, which shares the same 5 blocks with the next try, so at most two tries are needed.
+    held = (len(turn1) + len(answer) - 1) // bs
+    eng = Engine.from_pretrained(str(tiny_llama), EngineConfig(num_gpu_blocks=64))
+    for k in range(2):
+        turn2 = turn1 + answer + [(7 * i + k) % 250 + 3 for i in range(30)]
+        b0 = _pulls(up)
+        got = ask(turn2)
+        b1 = _pulls(up)
+        reused, pulled = b1[2] - b0[2], b1[1] - b0[1]
+        want = eng.generate([turn2], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+        assert got == list(want.token_ids)
+        assert reused + pulled == -(-len(turn2) // bs) == 7 and b1[0] - b0[0] == pulled * per_block
+        if reused:
+            break
+    assert (reused, pulled) == (min(held, (len(turn2) - 1) // bs), 2) == (5, 2), (b0, b1)
+
+
 def test_seeded_sampling_matches_offline_engine(up, offline_seeded):
     assert _common.seeded_ids(up) == offline_seeded
 

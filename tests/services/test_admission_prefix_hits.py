@@ -203,3 +203,49 @@ def test_a_hit_lost_during_a_renew_does_not_come_back():
             await _cleanup(r, model)
 
     asyncio.run(main())
+
+
+def _route(mode: str, cached: int = 0, decode_cached: int = 0):
+    from pdserve.services.pb import router_pb2
+    r = router_pb2.RouteResponse(mode=mode, cached_tokens=cached, decode_cached_tokens=decode_cached)
+    if mode == "colocated":
+        r.both.worker_id = "both-1"
+    else:
+        r.prefill.worker_id, r.decode.worker_id = "prefill-1", "decode-1"
+    return r
+
+
+def test_disaggregated_hit_is_the_decode_workers():
+    """Disaggregated, the blocks reserved are the decode worker's, which pulls only what its prefix cache lacks:
+    its hit is pinned (the prefill worker's hit, `cached_tokens`, reserves nothing there)."""
+    from pdserve.services.prefix_pins import hit_of, kv_holder
+    p = _prompt(0)
+    assert hit_of(_route("disagg", cached=160, decode_cached=0), "tenant:t", p) is None
+    h = hit_of(_route("disagg", cached=0, decode_cached=160), "tenant:t", p)
+    assert (h.worker_id, h.cached_tokens, len(h.pins(BS))) == ("decode-1", 160, 10)
+    assert kv_holder(_route("disagg")) == "decode-1" and kv_holder(_route("colocated")) == "both-1"
+    # a colocated request on the same worker behind the same prefix shares the pins
+    assert h.pins(BS) == _hit(0, worker="decode-1").pins(BS)
+    assert hit_of(_route("colocated", cached=160, decode_cached=999), "tenant:t", p).cached_tokens == 160
+
+
+@pytest.mark.parametrize("name,url", list(_ledgers()))
+def test_disaggregated_next_turns_admitted_together(name, url):
+    """N next turns of chats placed on the decode worker that holds their shared prefix fit the budget of one
+    uncached copy plus N - 1 suffixes (the whole prompt reserved for each: 1 of N)."""
+    from pdserve.services.prefix_pins import hit_of
+    model = f"t-{uuid.uuid4().hex[:8]}"
+
+    async def main():
+        r, adm = await _make(url, model)
+        far = time.time() + 30
+        try:
+            for i in range(N):
+                hit = hit_of(_route("disagg", decode_cached=160), "tenant:t", _prompt(i))
+                t = await adm.admit(f"d{i}", "t", 168, 16, 1, 4096, far, hit=hit)
+                assert t.states == []
+            assert await adm.ledger.usage() == (BUDGET, N)
+        finally:
+            await _cleanup(r, model)
+
+    asyncio.run(main())

@@ -31,6 +31,7 @@ from pdserve.kv_transfer.tp_pull import KvPuller
 from pdserve.services.convert import DeltaEncoder, first_tokens_from_pb, limits_from_pb, params_from_pb
 from pdserve.services.decode.pair_metrics import PairMetrics
 from pdserve.services.decode.peers import KvPeers
+from pdserve.services.decode.pull_plan import pull_plan
 from pdserve.services.grpc_util import abort_compile_timeout, channel
 from pdserve.services.kv_endpoint import KvEndpoint
 from pdserve.services.load_meter import LoadMeter
@@ -260,11 +261,15 @@ class DecodeSide:
 
     async def _pull(self, kv: common_pb2.KvHandle, regions, dst_blocks: list[int], cached: int,
                     p: _Pickup) -> _Pulled:
-        """ONE batched READ per pair of pools of the blocks the local prefix cache does not hold (each local TP
-        rank reads its heads from the peer's ranks that hold them: kv_transfer/tp_pull.py)."""
-        need = -(-kv.num_tokens // self.layout.block_size)
-        src, dst = list(kv.block_ids[cached:need]), list(dst_blocks[cached:need])
+        """ONE batched READ per pair of pools of the blocks the local prefix cache does not hold (pull_plan.py;
+        each local TP rank reads its heads from the peer's ranks that hold them: kv_transfer/tp_pull.py)."""
         out = _Pulled(t0=time.time())
+        try:
+            plan = pull_plan(list(kv.block_ids), dst_blocks, cached, kv.num_tokens, self.layout.block_size)
+        except ValueError as e:  # a handle that does not cover its own tokens: nothing to read from
+            out.failure, out.t1 = KVTransferError(str(e), TransferFailure.INCOMPATIBLE), time.time()
+            return out
+        src, dst = plan.src, plan.dst
         # The READ must give up before the prefill side's lease can free the source blocks (a READ racing the
         # reaper would copy blocks that may already hold another request's KV).
         timeout = self.transfer_timeout_s
@@ -281,6 +286,8 @@ class DecodeSide:
                 out.nbytes = await asyncio.shield(p.xfer)  # a cancel here leaves the READ to _cleanup
                 M.KV_TRANSFER_BYTES.inc(out.nbytes)
                 self.pairs.pulled(kv.worker_id, out.nbytes, time.time() - out.t0)
+                M.KV_PULL_BLOCKS.inc(len(src))
+                M.KV_PULL_REUSED_BLOCKS.inc(plan.reused)
             except KVTransferError as e:
                 out.failure = e
             except (KVLayoutMismatch, ValueError, RuntimeError) as e:  # NIXL's own exceptions are RuntimeErrors

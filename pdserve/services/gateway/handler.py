@@ -27,7 +27,7 @@ from pdserve.services.gateway.stages import StageTrace, emit_spans, pick, stage_
 from pdserve.services.gateway.timing import Timing
 from pdserve.services.metrics import gateway as M
 from pdserve.services.pb import router_pb2
-from pdserve.services.prefix_pins import PrefixHit
+from pdserve.services.prefix_pins import PrefixHit, hit_of, kv_holder
 
 
 class RequestHandler:
@@ -83,8 +83,8 @@ class RequestHandler:
                 M.REQUESTS_BY_PATH.labels(path_of(r.mode, r.reason), r.reason or "unknown").inc()
                 headers.setdefault("x-pdserve-path", path_header(r.mode, r.reason))
             routes.append(r.debug)
-            if hit is not None and not (r.mode == "colocated" and r.both.worker_id == hit.worker_id):
-                self.life.spawn(self.life.admission.lose_hit(rid))  # prefilled elsewhere: its pins are its own
+            if hit is not None and kv_holder(r) != hit.worker_id:
+                self.life.spawn(self.life.admission.lose_hit(rid))  # its KV is elsewhere: its pins are its own
 
         # the limits every worker obeys travel as a field of its request (metadata carries only tracing headers)
         lifecycle = lifecycle_to_pb(deadline, call.priority_for(rec.tenant.priority),
@@ -110,16 +110,14 @@ class RequestHandler:
                          ) -> tuple[router_pb2.RouteResponse | None, PrefixHit | None]:
         """Where the request will run, asked before admission (spec §0.1: the cache lookup comes before the
         reservation): the route the dispatcher takes first, and the placed worker's prefix-cache hit that
-        admission pins instead of reserving anew. Only with admission and one prompt (several are placed one by
-        one, each where it fits); disaggregated, the hit is the prefill worker's, whose KV is not reserved."""
+        admission pins instead of reserving anew (prefix_pins.hit_of: disaggregated, the decode worker's hit). Only
+        with admission and one prompt (several are placed one by one, each where it fits)."""
         if self.life.admission is None or len(call.prompts) != 1:
             return None, None
         prompt, params = call.prompts[0], call.params
         route = await self.disp.route(rid, len(prompt), rec.tenant.namespace, [], prompt, params.max_tokens or 0,
                                       prefer="colocated" if params.beam else "")
-        if route.mode != "colocated" or route.cached_tokens <= 0:
-            return route, None
-        return route, PrefixHit(route.both.worker_id, rec.tenant.namespace, tuple(prompt), route.cached_tokens)
+        return route, hit_of(route, rec.tenant.namespace, prompt)
 
     async def consume(self, st: ActiveRequest, finish: bool = True) -> AsyncIterator[Delta]:
         """The upstream messages, counted (tokens, finish reasons, emit times, the record's counts). Ends the

@@ -23,6 +23,13 @@ PREFILL_TIME = Histogram("pdserve_prefill_time_seconds", "First scheduled -> fir
 KV_TRANSFER_SECONDS = Histogram("pdserve_kv_transfer_seconds", "One batched NIXL READ of a request's blocks",
                                 buckets=FAST, registry=WORKER)
 KV_TRANSFER_BYTES = Counter("pdserve_kv_transfer_bytes_total", "Bytes pulled over NIXL", registry=WORKER)
+# Decode-side prefix reuse (decode/pull_plan.py): per disaggregated request, the prompt blocks this worker's own
+# prefix cache already held (not pulled) and the blocks it pulled
+KV_PULL_REUSED_BLOCKS = Counter("pdserve_kv_pull_reused_blocks_total",
+                                "Prompt blocks a decode worker's prefix cache supplied instead of a pull",
+                                registry=WORKER)
+KV_PULL_BLOCKS = Counter("pdserve_kv_pull_blocks_total", "Prompt blocks a decode worker pulled from a prefill worker",
+                         registry=WORKER)
 KV_TRANSFER_FAILURES = Counter("pdserve_kv_transfer_failures_total", "Failed or timed-out KV pulls", ["reason"],
                                registry=WORKER)
 LEASES_EXPIRED = Counter("pdserve_kv_leases_expired_total", "Pinned KV freed by lease expiry (nobody pulled)",

@@ -48,6 +48,7 @@ class Scored:
     pairs: list[Estimate]
     terms: dict[int, Terms]  # id(estimate) -> its spread terms; empty when no term is weighted
     keys: list[tuple]  # the request's spread keys (spread.py), recorded against the chosen worker
+    device: dict[str, int]  # worker id -> its device-tier hit in tokens (a decode worker's side of a pair)
 
 
 class Policy:
@@ -127,7 +128,7 @@ class Policy:
                                   recall[p.rec.worker_id])
                  for p, d in cands.pairs]
         keys = self.spread.keys(req.namespace, req.prompt_token_ids)
-        return Scored(local, pairs, self._spread_terms(req, live, local + pairs, keys, out), keys)
+        return Scored(local, pairs, self._spread_terms(req, live, local + pairs, keys, out), keys, device)
 
     def _spread_terms(self, req: RouteInput, live: list[WorkerRecord], ests: list[Estimate], keys: list[tuple],
                       out: int) -> dict[int, Terms]:
@@ -178,7 +179,8 @@ class Policy:
         else:
             self._note(chosen.prefill.rec.worker_id, n - chosen.cached_tokens, 0, 0)
             self._note(chosen.decode.rec.worker_id, 0, 1, blocks)
-            pl = Placement("disagg", prefill=chosen.prefill.rec, decode=chosen.decode.rec)
+            pl = Placement("disagg", prefill=chosen.prefill.rec, decode=chosen.decode.rec,
+                           decode_cached_tokens=scored.device[chosen.decode.rec.worker_id])
         pl.reason, pl.cached_tokens, pl.ttft_s, pl.e2e_s = reason, chosen.cached_tokens, chosen.ttft_s, chosen.e2e_s
         pl.alternative_s, pl.n_candidates = alt, len(scored.local) + len(scored.pairs)
         pl.terms = scored.terms.get(id(chosen)) or Terms(zone=zone_of(chosen.decode.rec))

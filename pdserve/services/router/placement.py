@@ -44,6 +44,7 @@ class Placement:
     both: WorkerRecord | None = None
     reason: str = ""
     cached_tokens: int = 0
+    decode_cached_tokens: int = 0  # disagg: the decode worker's device-tier hit (it pulls only the rest)
     ttft_s: float = 0.0
     e2e_s: float = 0.0
     alternative_s: float = 0.0  # best cost of the kind not chosen (0: none)
@@ -57,7 +58,8 @@ class Placement:
         return (f"mode={self.mode};reason={self.reason};{ws};cached_tokens={self.cached_tokens};"
                 f"ttft_s={self.ttft_s:.4f};e2e_s={self.e2e_s:.4f};alt_s={self.alternative_s:.4f};"
                 f"candidates={self.n_candidates};zone={self.terms.zone};fd_s={self.terms.fd_s:.4f};"
-                f"price_s={self.terms.price_s:.4f};fair_s={self.terms.fair_s:.4f}")
+                f"price_s={self.terms.price_s:.4f};fair_s={self.terms.fair_s:.4f}"
+                + (f";decode_cached_tokens={self.decode_cached_tokens}" if self.mode == "disagg" else ""))
 
 
 class PlacementPolicy(Protocol):

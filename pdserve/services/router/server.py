@@ -68,6 +68,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         M.ROUTED.labels(p.mode).inc()
         resp = router_pb2.RouteResponse(mode=p.mode, reason=p.reason, cached_tokens=p.cached_tokens,
+                                        decode_cached_tokens=p.decode_cached_tokens,
                                         predicted_ttft_s=p.ttft_s, predicted_e2e_s=p.e2e_s, debug=p.header())
         for name in ("prefill", "decode", "both"):
             rec = getattr(p, name)

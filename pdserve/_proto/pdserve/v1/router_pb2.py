@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve._proto.pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/router.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xb9\x01\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\x05\x12\x11\n\tnamespace\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x1a\n\x12\x65xclude_worker_ids\x18\x05 \x03(\t\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\x05\x12\x12\n\nmax_tokens\x18\x07 \x01(\x05\x12\x0e\n\x06prefer\x18\x08 \x01(\t\"\xfd\x01\n\rRouteResponse\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\'\n\x07prefill\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.WorkerInfo\x12&\n\x06\x64\x65\x63ode\x18\x03 \x01(\x0b\x32\x16.pdserve.v1.WorkerInfo\x12$\n\x04\x62oth\x18\x04 \x01(\x0b\x32\x16.pdserve.v1.WorkerInfo\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x15\n\rcached_tokens\x18\x06 \x01(\x05\x12\x18\n\x10predicted_ttft_s\x18\x07 \x01(\x01\x12\x17\n\x0fpredicted_e2e_s\x18\x08 \x01(\x01\x12\r\n\x05\x64\x65\x62ug\x18\t \x01(\t\"#\n\x12ListWorkersRequest\x12\r\n\x05model\x18\x01 \x01(\t\"e\n\x13ListWorkersResponse\x12\'\n\x07workers\x18\x01 \x03(\x0b\x32\x16.pdserve.v1.WorkerInfo\x12%\n\x05loads\x18\x02 \x03(\x0b\x32\x16.pdserve.v1.LoadReport2\x96\x01\n\x06Router\x12<\n\x05Route\x12\x18.pdserve.v1.RouteRequest\x1a\x19.pdserve.v1.RouteResponse\x12N\n\x0bListWorkers\x12\x1e.pdserve.v1.ListWorkersRequest\x1a\x1f.pdserve.v1.ListWorkersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/router.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xb9\x01\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\x05\x12\x11\n\tnamespace\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x1a\n\x12\x65xclude_worker_ids\x18\x05 \x03(\t\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\x05\x12\x12\n\nmax_tokens\x18\x07 \x01(\x05\x12\x0e\n\x06prefer\x18\x08 \x01(\t\"\x9b\x02\n\rRouteResponse\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\'\n\x07prefill\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.WorkerInfo\x12&\n\x06\x64\x65\x63ode\x18\x03 \x01(\x0b\x32\x16.pdserve.v1.WorkerInfo\x12$\n\x04\x62oth\x18\x04 \x01(\x0b\x32\x16.pdserve.v1.WorkerInfo\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x15\n\rcached_tokens\x18\x06 \x01(\x05\x12\x18\n\x10predicted_ttft_s\x18\x07 \x01(\x01\x12\x17\n\x0fpredicted_e2e_s\x18\x08 \x01(\x01\x12\r\n\x05\x64\x65\x62ug\x18\t \x01(\t\x12\x1c\n\x14\x64\x65\x63ode_cached_tokens\x18\n \x01(\x05\"#\n\x12ListWorkersRequest\x12\r\n\x05model\x18\x01 \x01(\t\"e\n\x13ListWorkersResponse\x12\'\n\x07workers\x18\x01 \x03(\x0b\x32\x16.pdserve.v1.WorkerInfo\x12%\n\x05loads\x18\x02 \x03(\x0b\x32\x16.pdserve.v1.LoadReport2\x96\x01\n\x06Router\x12<\n\x05Route\x12\x18.pdserve.v1.RouteRequest\x1a\x19.pdserve.v1.RouteResponse\x12N\n\x0bListWorkers\x12\x1e.pdserve.v1.ListWorkersRequest\x1a\x1f.pdserve.v1.ListWorkersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,11 +35,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROUTEREQUEST']._serialized_start=65
   _globals['_ROUTEREQUEST']._serialized_end=250
   _globals['_ROUTERESPONSE']._serialized_start=253
-  _globals['_ROUTERESPONSE']._serialized_end=506
-  _globals['_LISTWORKERSREQUEST']._serialized_start=508
-  _globals['_LISTWORKERSREQUEST']._serialized_end=543
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=545
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=646
-  _globals['_ROUTER']._serialized_start=649
-  _globals['_ROUTER']._serialized_end=799
+  _globals['_ROUTERESPONSE']._serialized_end=536
+  _globals['_LISTWORKERSREQUEST']._serialized_start=538
+  _globals['_LISTWORKERSREQUEST']._serialized_end=573
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=575
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=676
+  _globals['_ROUTER']._serialized_start=679
+  _globals['_ROUTER']._serialized_end=829
 # @@protoc_insertion_point(module_scope)

@@ -28,7 +28,7 @@ class RouteRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., namespace: _Optional[str] = ..., model: _Optional[str] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., prefer: _Optional[str] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("mode", "prefill", "decode", "both", "reason", "cached_tokens", "predicted_ttft_s", "predicted_e2e_s", "debug")
+    __slots__ = ("mode", "prefill", "decode", "both", "reason", "cached_tokens", "predicted_ttft_s", "predicted_e2e_s", "debug", "decode_cached_tokens")
     MODE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class RouteResponse(_message.Message):
     PREDICTED_TTFT_S_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_E2E_S_FIELD_NUMBER: _ClassVar[int]
     DEBUG_FIELD_NUMBER: _ClassVar[int]
+    DECODE_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     mode: str
     prefill: _common_pb2.WorkerInfo
     decode: _common_pb2.WorkerInfo
@@ -47,7 +48,8 @@ class RouteResponse(_message.Message):
     predicted_ttft_s: float
     predicted_e2e_s: float
     debug: str
-    def __init__(self, mode: _Optional[str] = ..., prefill: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., decode: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., both: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., predicted_ttft_s: _Optional[float] = ..., predicted_e2e_s: _Optional[float] = ..., debug: _Optional[str] = ...) -> None: ...
+    decode_cached_tokens: int
+    def __init__(self, mode: _Optional[str] = ..., prefill: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., decode: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., both: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., predicted_ttft_s: _Optional[float] = ..., predicted_e2e_s: _Optional[float] = ..., debug: _Optional[str] = ..., decode_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ("model",)
