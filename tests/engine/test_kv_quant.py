@@ -181,3 +181,18 @@ def test_sdpa_reference_sanity():  # the float64 reference agrees with torch's S
     got = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                          attn_mask=A.causal_mask(3, 5, None, "cpu"), scale=0.3, enable_gqa=True)
     assert (got[0].transpose(0, 1).double() - ref).abs().max() < 1e-5
+
+
+def test_triton_and_native_backends_fall_back_to_the_torch_path_over_fp8(tiny_llama):
+    """The compiled CPU kernels and Triton read the compute dtype only: asked for either over an fp8 pool, the
+    runner takes the torch path, and greedy output equals attention='torch' over the same pool."""
+    from pdserve.engine.engine import Engine, EngineConfig
+    from pdserve.engine.sampling_params import SamplingParams
+    outs = []
+    for attention in ("triton", "native", "torch"):
+        eng = Engine.from_pretrained(tiny_llama, EngineConfig(num_gpu_blocks=32, block_size=4, attention=attention,
+                                                              kv_cache_dtype="fp8_e4m3", max_num_batched_tokens=8))
+        assert eng.runner.attention_ops is None and eng.runner.graphs is None
+        outs.append([o.outputs[0].token_ids for o in eng.generate(
+            [[5, 6, 7, 8, 9, 10, 11, 12, 13], [3, 4]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))])
+    assert outs[0] == outs[1] == outs[2]
