@@ -99,6 +99,11 @@ def add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", choices=("none", "int8"),
                    help="weight-only int8 projections and lm_head, per-channel scales; CPU only (default: none; "
                         "docs/engine.md, Weight-only int8)")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3"),
+                   help="KV pool storage: auto (the compute dtype) or fp8_e4m3 (one byte per value, no scales: 2x "
+                        "the tokens of a bf16 pool, 4x fp32, and half the bytes moved prefill -> decode; prefill "
+                        "and decode workers must agree; attention on the torch path; docs/engine.md, KV-cache "
+                        "quantization) (default: auto)")
     p.add_argument("--policy", choices=POLICIES, help="scheduling policy (default: fcfs)")
     p.add_argument("--batching", choices=BATCHING,
                    help="continuous (iteration-level refill) or static (a batch runs until all its members finish; "

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pdserve.engine.kv_quant import is_quantized, quantize, raw
+
 
 @dataclass
 class PrefillSpan:
@@ -106,10 +108,10 @@ def write_kv(kv: torch.Tensor, layer: int, slot_blocks: torch.Tensor, slot_offse
         native_write(kv, layer, slot_blocks, slot_offsets, k, v)
         return
     n, layers, _, bs = kv.shape[:4]
-    rows = kv.view(n * layers * 2 * bs, -1)
+    rows = raw(kv).view(n * layers * 2 * bs, -1)
     k_rows = slot_blocks * (layers * 2 * bs) + (layer * 2 * bs) + slot_offsets
-    rows.index_copy_(0, k_rows, k.reshape(k.shape[0], -1).to(kv.dtype))
-    rows.index_copy_(0, k_rows + bs, v.reshape(v.shape[0], -1).to(kv.dtype))
+    rows.index_copy_(0, k_rows, raw(quantize(k.reshape(k.shape[0], -1), kv.dtype)))
+    rows.index_copy_(0, k_rows + bs, raw(quantize(v.reshape(v.shape[0], -1), kv.dtype)))
 
 
 def paged_attention(
@@ -153,6 +155,8 @@ def paged_attention(
         b, h, d = grp.rows.numel(), q.shape[1], q.shape[2]
         kd = gather_blocks(kv, layer, grp.block_tables, 0).flatten(1, 2)  # [B, S, KVH, D]
         vd = gather_blocks(kv, layer, grp.block_tables, 1).flatten(1, 2)
+        if is_quantized(kd.dtype):  # no matmul in fp8 on CPU: dequantize the gathered context
+            kd, vd = kd.to(q.dtype), vd.to(q.dtype)
         qd = q[grp.rows].to(kd.dtype).view(b, n_kv, h // n_kv, d)  # query heads grouped by KV head
         scores = torch.matmul(qd, kd.permute(0, 2, 3, 1)).float() * scale + grp.bias  # [B, KVH, group, S]
         probs = torch.softmax(scores, dim=-1).to(vd.dtype)

@@ -191,6 +191,8 @@ class EngineConfig:
     # continuous: iteration-level refill (spec §5.3); static: a batch formed on an idle tick runs until all its
     # members finish, no request joins it mid-way (§5.2) -- the baseline D04 compares against
     batching: str = "continuous"
+    # KV pool storage (kv_quant.py): auto = the compute dtype | fp8_e4m3 (one byte per element, no scales).
+    kv_cache_dtype: str = "auto"
     dtype: str = "auto"  # auto (the fastest for this device and checkpoint: cpu_isa.py) | float32 | bfloat16 | float16
     device: str = "cpu"
     max_model_len: int | None = None
@@ -262,5 +264,10 @@ class EngineConfig:
                              "not covered by the batch-invariant path)")
         if self.speculative == "draft" and not self.draft_model:
             raise ValueError("speculative='draft' needs a draft model (--draft-model DIR)")
+        from pdserve.engine.kv_quant import KV_CACHE_DTYPES
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r} (one of {', '.join(KV_CACHE_DTYPES)})")
+        if self.kv_cache_dtype != "auto" and self.tensor_parallel_size > 1:  # the other ranks size their own pools
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported with tensor_parallel_size > 1")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}")

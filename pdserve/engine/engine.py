@@ -32,6 +32,7 @@ from pdserve.engine.host_copy import to_device
 from pdserve.engine.kernels import native_ops
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.kv_offload import KVOffload
+from pdserve.engine.kv_quant import storage_dtype as kv_storage_dtype
 from pdserve.engine.kv_sizing import CPU_DEFAULT_KV_BYTES, block_bytes_for, swap_blocks
 from pdserve.engine.kv_sizing import num_blocks as kv_pool_blocks
 from pdserve.engine.loader import load_state_dict
@@ -77,19 +78,20 @@ class Engine:
         self.fingerprint = fingerprint
         self.max_model_len = min(config.max_model_len or model_config.max_model_len, model_config.max_model_len)
         dtype = next(model.parameters()).dtype
+        kv_dtype = kv_storage_dtype(config.kv_cache_dtype, dtype)  # the compute dtype unless quantized
         # With tensor parallelism (model.comm) each rank's pool holds its KV heads for the same block ids: the
         # sizes below are one rank's; every rank sizes its own pool the same way (on CUDA the profiling forward
         # runs on all ranks at once: it has collectives) and all take the smallest count.
         per_block = block_bytes_for(model_config.num_layers, config.block_size, model.shard.num_kv_heads,
-                                    model_config.head_dim, dtype)
+                                    model_config.head_dim, kv_dtype)
         num_blocks = kv_pool_blocks(config, model, torch.device(config.device), per_block)
         if model.comm is not None:
             num_blocks = model.comm.min_int(num_blocks)
         # preemption by swap: the host pool, sized like the device pool per rank (every rank holds the same blocks)
         num_cpu_blocks = swap_blocks(config, per_block)
         self.kv_cache = (KVCache if model.comm is None else RecordingKVCache)(
-            model_config, num_blocks, config.block_size, dtype, config.device, num_cpu_blocks, fingerprint,
-            num_kv_heads=model.shard.num_kv_heads, shard=model.shard)
+            model_config, num_blocks, config.block_size, kv_dtype, config.device, num_cpu_blocks, fingerprint,
+            num_kv_heads=model.shard.num_kv_heads, shard=model.shard, kv_cache_dtype=config.kv_cache_dtype)
         self.tp_group = None  # engine/tp/group.py: the other ranks' processes (set by from_pretrained)
         self.block_manager = BlockManager(num_blocks, config.block_size, fingerprint, config.enable_prefix_caching,
                                           num_cpu_blocks, kv=self.kv_cache)
@@ -160,6 +162,8 @@ class Engine:
             net, detected_level(), dtype, config.device, ops is not None, reserve))
         # int8 weights compute different KV: never shared with (or prefix-hit by) an unquantized deployment's.
         quant = "" if config.quantization == "none" else ":" + config.quantization
+        # so does a quantized KV pool (other bytes for the same tokens): its own prefix-cache and disk-tier keys
+        quant += "" if config.kv_cache_dtype == "auto" else ":kv-" + config.kv_cache_dtype
         engine = cls(mcfg, config, net, tokenizer, mcfg.fingerprint(digest + quant, dtype))
         engine.tp_group = group
         return engine

@@ -8,9 +8,11 @@ from pdserve.engine.config import ModelConfig
 
 class KVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: str,
-                 num_cpu_blocks: int, fingerprint: str, num_kv_heads: int | None = None, shard=None):
+                 num_cpu_blocks: int, fingerprint: str, num_kv_heads: int | None = None, shard=None,
+                 kv_cache_dtype: str = "auto"):
         """`num_kv_heads`: the heads this pool holds (a TP rank's share, tp/shard.py); default all of them.
-        `shard` (tp/shard.TPShard): which rank and heads, for the layout KV transfer peers read."""
+        `shard` (tp/shard.TPShard): which rank and heads, for the layout KV transfer peers read.
+        `kv_cache_dtype`: the --kv-cache-dtype that chose `dtype` (kv_quant.py), told to peers in the layout."""
         self.num_kv_heads = num_kv_heads or (shard.num_kv_heads if shard is not None else cfg.num_kv_heads)
         self.shard = shard
         shape = (cfg.num_layers, 2, block_size, self.num_kv_heads, cfg.head_dim)
@@ -20,6 +22,7 @@ class KVCache:
         self.cfg = cfg
         self.block_size = block_size
         self.fingerprint = fingerprint
+        self.kv_cache_dtype = kv_cache_dtype
 
     @property
     def num_blocks(self) -> int:
@@ -42,6 +45,7 @@ class KVCache:
             "tp_rank": self.shard.rank if self.shard is not None else 0,
             "kv_head_start": self.shard.kv_heads.start if self.shard is not None else 0,
             "total_kv_heads": self.cfg.num_kv_heads,
+            "kv_cache_dtype": self.kv_cache_dtype,
         }
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

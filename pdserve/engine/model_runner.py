@@ -21,6 +21,7 @@ from pdserve.engine.cuda_graphs import DecodeGraphs, DecodeInputs, capture_sizes
 from pdserve.engine.host_copy import to_device
 from pdserve.engine.kernels import native_ops
 from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.kv_quant import is_quantized
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.scheduler import ScheduledSeq
 from pdserve.engine.tp.plan import KvOp, StepPlan, plan_of
@@ -93,6 +94,12 @@ class ModelRunner:
         # The attention kernels that read the pool in place: the CPU module, or Triton on CUDA; None -> torch.
         use_triton = native and (attention == "triton" or (attention == "auto" and self.device.type == "cuda"))
         if attention == "torch":
+            self.attention_ops = None
+        elif is_quantized(kv.data.dtype):
+            # The compiled CPU kernels, the fused decoder stack and Triton read the pool in the compute dtype
+            # only: a quantized pool goes through the torch path (gather, dequantize, SDPA / two matmuls).
+            log.info("KV pool in %s: attention on the torch path (the native and Triton kernels read the "
+                     "compute dtype only)", kv.data.dtype)
             self.attention_ops = None
         elif use_triton:
             self.attention_ops = triton_attention(self.device)

@@ -18,7 +18,7 @@ KV_PROTOCOL_VERSION = 2
 
 # Fields that must match for a head's KV copied byte-for-byte to mean the same thing on the other side (the
 # head count is the model's, total_kv_heads; each pool's own share may differ between TP degrees).
-COMPAT_FIELDS = ("fingerprint", "block_size", "dtype", "num_layers", "total_kv_heads", "head_dim")
+COMPAT_FIELDS = ("kv_cache_dtype", "fingerprint", "block_size", "dtype", "num_layers", "total_kv_heads", "head_dim")
 
 
 class KVLayoutMismatch(ValueError):
@@ -27,7 +27,9 @@ class KVLayoutMismatch(ValueError):
     def __init__(self, mismatches: dict[str, tuple[object, object]]):
         self.mismatches = mismatches
         parts = [f"{k}: local={a!r} remote={b!r}" for k, (a, b) in mismatches.items()]
-        super().__init__("KV layout mismatch between workers (" + "; ".join(parts) + ")")
+        hint = "; start prefill and decode workers with the same --kv-cache-dtype" if "kv_cache_dtype" in mismatches \
+            else ""
+        super().__init__("KV layout mismatch between workers (" + "; ".join(parts) + ")" + hint)
 
 
 @dataclass(frozen=True)
@@ -43,12 +45,16 @@ class KVLayout:
     tp_rank: int = 0
     kv_head_start: int = 0
     total_kv_heads: int = 0  # the model's KV heads; 0 (a layout from before TP) = num_kv_heads
+    # --kv-cache-dtype (engine/kv_quant.py): how the K/V values were stored; "" (a peer from before) = "auto"
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):  # proto3 zeros (a peer from before TP) mean "no tensor parallelism"
         if not self.tp_size:
             object.__setattr__(self, "tp_size", 1)
         if not self.total_kv_heads:
             object.__setattr__(self, "total_kv_heads", self.num_kv_heads)
+        if not self.kv_cache_dtype:
+            object.__setattr__(self, "kv_cache_dtype", "auto")
 
     @property
     def heads(self) -> range:

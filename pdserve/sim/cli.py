@@ -26,7 +26,7 @@ def _cost(a):
         return cm, a.num_blocks or 4096, 1, {"kind": "calibrated linear (prediction for the profiled machine)",
                                               "file": a.costs, **{k: getattr(cm, k) for k in "abcd"}}
     from pdserve.sim.roofline import RooflineCostModel, get_gpu, get_model, min_tp
-    m, g = get_model(a.model), get_gpu(a.gpu)
+    m, g = get_model(a.model).with_kv_cache_dtype(a.kv_cache_dtype), get_gpu(a.gpu)
     tp = a.tp or min_tp(m, g)
     cm = RooflineCostModel(m, g, tp, a.link)
     return cm, a.num_blocks or cm.kv_blocks(a.block_size), tp, cm.describe()
@@ -51,6 +51,8 @@ def _common(p, model_default="llama-3-8b"):
     p.add_argument("--gpu", default="H100", help="roofline GPU: H100 | H200 | A100")
     p.add_argument("--model", default=model_default, help="roofline model: llama-3-8b | llama-3-70b | qwen2.5-7b")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel GPUs per replica (default: least that fits)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto",
+                   help="roofline KV storage: auto (the weights' bf16) or fp8_e4m3 (1 byte per value)")
     p.add_argument("--link", choices=["ib", "nvlink"], default="ib", help="what carries KV between replicas")
     p.add_argument("--costs", default=None, help="calibrated cost model JSON (from `pdserve sim profile`) "
                                                  "instead of the roofline")
@@ -79,12 +81,15 @@ def add_sim_parser(sub) -> None:
     pr.add_argument("--out", default="sim-costs.json")
     pr.add_argument("--threads", type=int, default=1, help="torch threads (match the deployment you predict)")
     pr.add_argument("--repeats", type=int, default=1)
+    pr.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto",
+                    help="the KV pool the profiled steps run over (and its bytes per token for the transfer term)")
     pr.set_defaults(func=cmd_profile)
 
     rf = ss.add_parser("roofline", help="print the roofline bound numbers for a GPU and model")
     rf.add_argument("--gpu", default="H100")
     rf.add_argument("--model", default="llama-3-8b")
     rf.add_argument("--tp", type=int, default=None)
+    rf.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto")
     rf.add_argument("--context", type=int, default=1024)
     rf.set_defaults(func=cmd_roofline)
 
@@ -139,7 +144,8 @@ def add_sim_parser(sub) -> None:
 def cmd_profile(a) -> int:
     from pdserve.sim.costmodel import profile
     t = time.time()
-    cm = profile(a.model, threads=a.threads, repeats=a.repeats, log=lambda m: print(m, file=sys.stderr))
+    cm = profile(a.model, threads=a.threads, repeats=a.repeats, log=lambda m: print(m, file=sys.stderr),
+                 kv_cache_dtype=a.kv_cache_dtype)
     cm.save(a.out)
     print(f"step_time = {cm.a:.4g} + {cm.e:.4g}*[prefill] + {cm.b:.4g}*prefill_tokens + {cm.c:.4g}*decode_seqs + "
           f"{cm.d:.4g}*sum_context + {cm.f:.4g}*prefill_pairs s, + {cm.wake_s * 1e3:.2g} ms after idle "
@@ -152,7 +158,7 @@ def cmd_profile(a) -> int:
 def cmd_roofline(a) -> int:
     from pdserve.sim.costmodel import StepShape
     from pdserve.sim.roofline import RooflineCostModel, get_gpu, get_model, min_tp
-    m, g = get_model(a.model), get_gpu(a.gpu)
+    m, g = get_model(a.model).with_kv_cache_dtype(a.kv_cache_dtype), get_gpu(a.gpu)
     cm = RooflineCostModel(m, g, a.tp or min_tp(m, g))
     d = cm.describe()
     for b in (1, 8, 64, 256):

@@ -211,8 +211,11 @@ DEFAULT_GRID = {
 
 
 def profile(model: str = "builtin", *, threads: int | None = 1, repeats: int = 1, grid: dict | None = None,
-            num_gpu_blocks: int = 4096, max_num_batched_tokens: int = 2048, log=None) -> LinearCostModel:
-    """Run the real engine over a grid of prefill sizes, decode batches and contexts; fit the linear model."""
+            num_gpu_blocks: int = 4096, max_num_batched_tokens: int = 2048, log=None,
+            kv_cache_dtype: str = "auto") -> LinearCostModel:
+    """Run the real engine over a grid of prefill sizes, decode batches and contexts; fit the linear model.
+    `kv_cache_dtype`: the pool the steps run over; the model's kv_bytes_per_token (the transfer term) is the
+    pool's element size, apart from the weights'."""
     import platform
 
     import torch
@@ -224,7 +227,7 @@ def profile(model: str = "builtin", *, threads: int | None = 1, repeats: int = 1
         torch.set_num_threads(threads)
     grid = grid or DEFAULT_GRID
     cfg = EngineConfig(num_gpu_blocks=num_gpu_blocks, max_num_batched_tokens=max_num_batched_tokens,
-                       enable_prefix_caching=False, max_num_seqs=256)
+                       enable_prefix_caching=False, max_num_seqs=256, kv_cache_dtype=kv_cache_dtype)
     eng = Engine.from_pretrained(model, cfg)
     shapes = capture_shapes(eng)
     vocab = eng.model_config.vocab_size

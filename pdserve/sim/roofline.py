@@ -9,7 +9,11 @@ bytes  = weight_bytes                                 (every linear weight read 
                                                        lookups read a few rows and are not counted)
        + kv_bytes_per_token * (sum_context - tokens)  (cached KV read once per sequence per step)
        + kv_bytes_per_token * tokens                  (new KV written)
-kv_bytes_per_token = 2 * layers * kv_heads * head_dim * bytes_per_element
+kv_bytes_per_token = 2 * layers * kv_heads * head_dim * kv_bytes_per_element
+
+Weight bytes and KV bytes are counted apart: the weights at `bytes_per_param` (bf16: 2), the KV at its own
+element size (`--kv-cache-dtype`: auto = the weights' dtype, fp8_e4m3 = 1 byte), so a quantized KV cache halves
+the KV term, the KV transfer time and the bytes per block without touching the weight term.
 
 With tp > 1 the engine's sharding rules apply (engine/tp/shard.py, spec D08): a degree the heads cannot be
 split by is refused, and with fewer KV heads than ranks each rank holds (and reads) one replicated KV head, so
@@ -26,7 +30,7 @@ bandwidth (SXM parts), NVLink per direction, InfiniBand one NIC per GPU.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pdserve.engine.tp.shard import check_tp
 from pdserve.sim.costmodel import StepShape
@@ -61,6 +65,7 @@ class ModelSpec:
     vocab: int
     tied: bool = False
     bytes_per_param: int = 2  # bf16
+    kv_bytes_per_element: int = 0  # 0: bytes_per_param (the engine's --kv-cache-dtype auto); fp8_e4m3: 1
 
     @property
     def layer_params(self) -> int:
@@ -90,8 +95,19 @@ class ModelSpec:
         return self.total_params * self.bytes_per_param
 
     @property
+    def kv_element_bytes(self) -> int:
+        return self.kv_bytes_per_element or self.bytes_per_param
+
+    @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.bytes_per_param
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.kv_element_bytes
+
+    def with_kv_cache_dtype(self, kv_cache_dtype: str) -> "ModelSpec":
+        """This model with its KV stored as `--kv-cache-dtype` stores it (engine/kv_quant.py)."""
+        sizes = {"auto": 0, "fp8_e4m3": 1}
+        if kv_cache_dtype not in sizes:
+            raise ValueError(f"unknown kv cache dtype {kv_cache_dtype!r}; known: {', '.join(sizes)}")
+        return replace(self, kv_bytes_per_element=sizes[kv_cache_dtype])
 
 
 MODELS = {
@@ -151,7 +167,7 @@ class RooflineCostModel:
     @property
     def kv_bytes_per_token_per_rank(self) -> int:
         m = self.model
-        return 2 * m.layers * self.kv_heads_per_rank * m.head_dim * m.bytes_per_param
+        return 2 * m.layers * self.kv_heads_per_rank * m.head_dim * m.kv_element_bytes
 
     def flops(self, s: StepShape) -> float:
         m = self.model
@@ -160,9 +176,11 @@ class RooflineCostModel:
 
     def bytes(self, s: StepShape) -> float:
         """Bytes the whole replica moves: every rank's weight share and its KV heads (replicas included)."""
-        m = self.model
-        return float(m.weight_bytes_read_per_step
-                     + self.kv_bytes_per_token_per_rank * self.tp * s.sum_context)  # (ctx-T) read + T written
+        return float(self.model.weight_bytes_read_per_step + self.kv_bytes(s))
+
+    def kv_bytes(self, s: StepShape) -> float:
+        """The KV part of `bytes`, at the KV's own element size: (ctx-T) read + T written."""
+        return float(self.kv_bytes_per_token_per_rank * self.tp * s.sum_context)
 
     def compute_s(self, s: StepShape) -> float:
         return self.flops(s) / (self.gpu.peak_flops * self.tp)
@@ -196,5 +214,6 @@ class RooflineCostModel:
         m = self.model
         return {"kind": "roofline (lower bound, not a prediction)", "gpu": self.gpu.name, "model": m.name,
                 "tp": self.tp, "params": m.total_params, "weight_bytes": m.weight_bytes,
-                "kv_bytes_per_token": m.kv_bytes_per_token, "link": self.link,
+                "kv_bytes_per_token": m.kv_bytes_per_token, "kv_bytes_per_element": m.kv_element_bytes,
+                "link": self.link,
                 "link_bytes_per_s": self.link_bytes_per_s, "ridge_flop_per_byte": self.ridge_point()}

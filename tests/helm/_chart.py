@@ -42,6 +42,7 @@ SCENARIOS: dict[str, dict] = {
     },
     "disagg_keda": {
         "autoscaling": {"provider": "keda"},
+        "workers": {"kvCacheDtype": "fp8_e4m3"},  # both pools get the same quantized KV (the handshake checks it)
         "prefill": {"autoscaling": {"enabled": True}},
         "decode": {"autoscaling": {"enabled": True}},
         "metrics": {"serviceMonitor": {"enabled": True}},

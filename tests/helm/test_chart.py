@@ -156,6 +156,7 @@ def test_every_command_is_one_pdserve_accepts(scenario, monkeypatch):
         if a.command == "worker":  # workers.quantization reaches the engine flag (None when unset)
             assert a.quantization == (vals.get("workers", {}).get("quantization") or None)
             assert a.deterministic == (True if vals.get("workers", {}).get("deterministic") else None)
+            assert a.kv_cache_dtype == (vals.get("workers", {}).get("kvCacheDtype") or None)
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         # the model path is mounted (or the builtin model needs nothing)
         mounts = {m["mountPath"] for m in c.get("volumeMounts", [])}

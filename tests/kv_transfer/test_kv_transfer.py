@@ -112,13 +112,24 @@ def test_layout_mismatch_names_each_field(peer, owned):
 
 
 @pytest.mark.parametrize("field,val", [("fingerprint", "x"), ("block_size", 32), ("dtype", "bfloat16"),
-                                       ("num_layers", 3), ("num_kv_heads", 1), ("head_dim", 64)])
+                                       ("num_layers", 3), ("num_kv_heads", 1), ("head_dim", 64),
+                                       ("kv_cache_dtype", "fp8_e4m3")])
 def test_check_compatible_each_field(field, val):
     a = KVLayout.from_dict(_peer.layout())
     b = KVLayout.from_dict({**_peer.layout(), field: val})
     check_compatible(a, a)
     with pytest.raises(KVLayoutMismatch, match=field):
         check_compatible(a, b)
+
+
+def test_kv_cache_dtype_mismatch_is_refused_across_processes(peer, owned):
+    """A prefill peer with a quantized pool and an unquantized decode side: the real READ path refuses before any
+    byte moves, naming the field and the flag to fix."""
+    region, _ = peer("prefill-fp8", seed=3, kv_cache_dtype="fp8_e4m3")
+    agent = owned(KVAgent("decode-fp8-chk", torch.zeros(_peer.SHAPE), _peer.layout()))
+    with pytest.raises(KVLayoutMismatch) as e:
+        agent.read_blocks(region, [0], [0])
+    assert "kv_cache_dtype: local='auto' remote='fp8_e4m3'" in str(e.value) and "--kv-cache-dtype" in str(e.value)
 
 
 def test_torch_dtype_spelling_is_normalised():

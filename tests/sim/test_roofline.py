@@ -58,3 +58,21 @@ def test_transfer_capacity_and_tp():
     s = StepShape(decode_seqs=8, sum_context=8 * 512, attn_pairs=8 * 512, samples=8)
     h200 = RooflineCostModel(m, get_gpu("H200"))
     assert h200.step_time(s) == pytest.approx(cm.step_time(s) * 3.35 / 4.8)
+
+
+def test_fp8_kv_halves_kv_bytes_not_weight_bytes():
+    """Llama-3-8B: 32 layers x 8 KV heads x 128 x 2 (K, V) = 65536 values per token: 131072 bytes in bf16, 65536 in
+    fp8; the weight term is the same; the KV term of a decode step halves, its blocks double."""
+    m = get_model("llama-3-8b")
+    q = m.with_kv_cache_dtype("fp8_e4m3")
+    assert (m.kv_bytes_per_token, q.kv_bytes_per_token) == (131072, 65536)
+    assert q.weight_bytes == m.weight_bytes and q.weight_bytes_read_per_step == m.weight_bytes_read_per_step
+    g = get_gpu("H100")
+    a, b = RooflineCostModel(m, g, 1), RooflineCostModel(q, g, 1)
+    s = StepShape.decode(64, 64 * 4096)
+    assert b.kv_bytes(s) * 2 == a.kv_bytes(s) == 131072 * 64 * 4096
+    assert a.bytes(s) - a.kv_bytes(s) == b.bytes(s) - b.kv_bytes(s) == m.weight_bytes_read_per_step
+    assert b.transfer_time(1000) * 2 == pytest.approx(a.transfer_time(1000))
+    assert b.kv_blocks(16) in (2 * a.kv_blocks(16), 2 * a.kv_blocks(16) + 1)
+    with pytest.raises(ValueError, match="kv cache dtype"):
+        m.with_kv_cache_dtype("int3")
