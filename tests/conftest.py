@@ -73,14 +73,26 @@ def make_checkpoint(out: Path, arch: str = "llama", *, vocab_size: int = 320, hi
         cfg = tf.MixtralConfig(**common, **{"num_local_experts": 4, "num_experts_per_tok": 2,
                                             "sliding_window": sliding_window, **arch_fields})
         cls = tf.MixtralForCausalLM
+    elif arch == "gpt_oss":
+        # YaRN over a short original context so that positions of the tests' prompts are really rescaled
+        rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
+        cfg = tf.GptOssConfig(**common, **{"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16,
+                                           "sliding_window": sliding_window or 6, "rope_parameters": rope,
+                                           # gpt-oss clamps at 7; this small model's gates rarely reach it
+                                           "swiglu_limit": 0.6,
+                                           **arch_fields})
+        cls = tf.GptOssForCausalLM
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
     model = cls(cfg).to(dtype)
     with torch.no_grad():  # random init is near-uniform; scale up so greedy choices are decisive
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() >= 2:  # transformers holds an MoE layer's experts as one [experts, out, in] tensor
                 p.normal_(0, 0.08)
+            elif arch == "gpt_oss" and not name.endswith("norm.weight"):  # biases and sinks init to 0: exercise them
+                p.normal_(0, 0.5)
     model.save_pretrained(out, safe_serialization=True, max_shard_size="100KB" if sharded else "10GB")
     make_tokenizer(out)
     return out

@@ -3,5 +3,6 @@ before it starts anything (pdserve/services/preflight.py)."""
 
 DENSE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # Sparse mixture-of-experts MLPs (engine/moe.py); their experts are not sharded for tensor parallelism yet.
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+# GptOssForCausalLM adds attention sinks and alternating sliding-window / full layers (engine/model.py).
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
 SUPPORTED_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES

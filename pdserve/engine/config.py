@@ -49,6 +49,15 @@ class ModelConfig:
     # Qwen3-MoE rounds the routing weights to the activations' dtype before scaling the experts' outputs; Mixtral
     # scales in fp32 and rounds the product (the two differ in bf16 only).
     round_router_weights: bool = False
+    # gpt-oss: the router has a bias and takes the top k of its logits before a softmax over those k (in the
+    # activations' dtype); experts carry biases and the clamped gate `(up + 1) * gate * sigmoid(alpha * gate)`.
+    moe_kind: str = "swiglu"  # swiglu | gpt_oss
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    # gpt-oss: one learned logit per query head joins each softmax's denominator (the "sink"), and `layer_windows`
+    # gives each layer its own window (None: full attention); empty: every layer uses `sliding_window`.
+    attention_sinks: bool = False
+    layer_windows: tuple[int | None, ...] = ()
 
     @property
     def max_model_len(self) -> int:
@@ -77,6 +86,9 @@ class ModelConfig:
             sliding = cfg.get("sliding_window")
             if arch.startswith("Qwen") and not cfg.get("use_sliding_window", False):
                 sliding = None
+            windows = _layer_windows(path, cfg, arch, sliding)
+            if windows:
+                sliding = None  # per layer instead (layer_windows)
             if arch.startswith("Qwen3") and sliding:  # windows on the layers past max_window_layers only
                 raise CheckpointError(f"{path}: use_sliding_window is not supported for {arch} (per-layer windows)")
             dtype_name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
@@ -105,6 +117,8 @@ class ModelConfig:
                 eos_token_ids=[int(e) for e in eos_ids],
                 bos_token_id=gen.get("bos_token_id", cfg.get("bos_token_id")),
                 qk_norm=arch.startswith("Qwen3"),
+                attention_sinks=arch == "GptOssForCausalLM",
+                layer_windows=windows,
                 **_moe_fields(path, cfg, arch),
             )
         except (KeyError, TypeError, ValueError) as e:
@@ -119,6 +133,20 @@ class ModelConfig:
         return h.hexdigest()
 
 
+def _layer_windows(path: Path, cfg: dict, arch: str, sliding) -> tuple[int | None, ...]:
+    """gpt-oss's `layer_types`: "sliding_attention" layers see the last `sliding_window` keys, the others all."""
+    if arch != "GptOssForCausalLM":
+        return ()
+    layers = need_int(path, cfg, "num_hidden_layers")
+    types = cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise CheckpointError(f"{path}: layer_types must name {layers} layers, each sliding_attention or "
+                              f"full_attention (got {types!r})")
+    if "sliding_attention" in types and not sliding:
+        raise CheckpointError(f"{path}: sliding_attention layers need a sliding_window")
+    return tuple(int(sliding) if t == "sliding_attention" else None for t in types)
+
+
 def _moe_fields(path: Path, cfg: dict, arch: str) -> dict:
     """The MoE fields of ModelConfig for a sparse architecture, read as transformers' config classes read them."""
     if arch not in MOE_ARCHITECTURES:
@@ -126,6 +154,11 @@ def _moe_fields(path: Path, cfg: dict, arch: str) -> dict:
     # Qwen3MoeConfig saves `num_experts` (older files) or `num_local_experts` (transformers >= 5), Mixtral the latter
     experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
     layers = need_int(path, cfg, "num_hidden_layers")
+    if arch == "GptOssForCausalLM":
+        return dict(num_experts=experts, num_experts_per_tok=need_int(path, cfg, "num_experts_per_tok"),
+                    moe_intermediate_size=need_int(path, cfg, "intermediate_size"), moe_layers=tuple(range(layers)),
+                    moe_kind="gpt_oss", swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+                    swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
     if arch == "MixtralForCausalLM":
         return dict(num_experts=experts, num_experts_per_tok=need_int(path, cfg, "num_experts_per_tok"),
                     moe_intermediate_size=need_int(path, cfg, "intermediate_size"), moe_layers=tuple(range(layers)),

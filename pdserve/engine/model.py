@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral) over a flat batch of tokens with
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, gpt-oss) over a flat batch of tokens with
 paged attention."""
 from __future__ import annotations
 
@@ -41,7 +41,51 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled).float()
-    raise CheckpointError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+    if kind == "yarn":
+        return yarn_inv_freq(inv_freq, dim, cfg.rope_theta, scaling, cfg.max_position_embeddings)
+    raise CheckpointError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, yarn)")
+
+
+def yarn_factor(scaling: dict, max_pos: int) -> float:
+    factor = scaling.get("factor")
+    return float(factor) if factor is not None else max_pos / float(scaling["original_max_position_embeddings"])
+
+
+def yarn_inv_freq(inv_freq: torch.Tensor, dim: int, base: float, scaling: dict, max_pos: int) -> torch.Tensor:
+    """YaRN (gpt-oss): low frequencies interpolated by `factor`, high ones kept, a linear ramp between the
+    dimensions that turn `beta_fast` and `beta_slow` times over the original context (transformers' formula)."""
+    factor = yarn_factor(scaling, max_pos)
+    old_len = float(scaling["original_max_position_embeddings"])
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(float(scaling.get("beta_fast") or 32)), correction_dim(float(scaling.get("beta_slow") or 1))
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # the share of the original (extrapolated) frequency
+    return (inv_freq / factor * (1 - keep) + inv_freq * keep).float()
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """The scale YaRN puts on cos and sin (1 for every other rope type)."""
+    scaling = cfg.rope_scaling or {}
+    if (scaling.get("rope_type") or scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor = yarn_factor(scaling, cfg.max_position_embeddings)
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(factor, float(scaling["mscale"])) / mscale(factor, float(scaling["mscale_all_dim"]))
+    return mscale(factor)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -129,10 +173,11 @@ def swiglu(gate_up: torch.Tensor, native_ops=None) -> torch.Tensor:
 class DecoderLayer(nn.Module):
     """With tensor parallelism (`shard` of N > 1 ranks, `comm` its group): qkv and gate/up are column-parallel
     (this rank's heads and intermediate slice), o and down row-parallel, each followed by one all-reduce.
-    `sparse`: the MLP is a mixture of experts (moe.py) instead of gate_up/down."""
+    `sparse`: the MLP is a mixture of experts (moe.py) instead of gate_up/down. `index`: this layer's place in
+    the stack, which picks its window where the model gives each layer its own (gpt-oss)."""
     native_ops = None  # the compiled CPU kernels, set by LlamaModel.use_native_ops
 
-    def __init__(self, cfg: ModelConfig, shard: TPShard, comm=None, sparse: bool = False):
+    def __init__(self, cfg: ModelConfig, shard: TPShard, comm=None, sparse: bool = False, index: int = 0):
         super().__init__()
         self.cfg = cfg
         self.comm = comm
@@ -147,6 +192,9 @@ class DecoderLayer(nn.Module):
         # q/k norms have one weight over head_dim, the same on every rank: tensor parallelism needs no slicing.
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # gpt-oss: a learned per-head logit in every softmax's denominator; MoE refuses TP, so all heads are here
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if cfg.attention_sinks else None
+        self.window = cfg.layer_windows[index] if cfg.layer_windows else "model"
         self.moe = SparseMoE(cfg, Linear) if sparse else None
         self.gate_up = None if sparse else Linear(h, 2 * inter, bias=cfg.mlp_bias)
         self.down = None if sparse else Linear(inter, h, bias=cfg.mlp_bias)
@@ -155,7 +203,7 @@ class DecoderLayer(nn.Module):
     def stackable(self) -> bool:
         """Whether the native decoder stack (csrc/decoder_stack.cpp) computes this layer: it knows neither q/k norms
         nor experts."""
-        return self.q_norm is None and self.moe is None
+        return self.q_norm is None and self.moe is None and self.sinks is None
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.comm is None else self.comm.all_reduce(x)
@@ -176,7 +224,8 @@ class DecoderLayer(nn.Module):
         if self.native_ops is None:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.view(t, self.num_kv_heads, cfg.head_dim)
-        attn = paged_attention(q, k, v, kv, layer, meta, scale=cfg.head_dim ** -0.5)
+        attn = paged_attention(q, k, v, kv, layer, meta, scale=cfg.head_dim ** -0.5, sinks=self.sinks,
+                               window=self.window)
         x = x + self._reduce(self.o(attn.reshape(t, self.q_size)))
         if self.moe is not None:  # refused with tensor parallelism (tp/shard.py): the experts are whole here
             return x + self.moe(self.post_norm(x))
@@ -192,11 +241,12 @@ class LlamaModel(nn.Module):
         self.shard = shard or shard_for(cfg)
         self.comm = comm
         self.embed = nn.Embedding(len(self.shard.vocab), cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.shard, comm, i in cfg.moe_layers)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.shard, comm, i in cfg.moe_layers, i)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, len(self.shard.vocab), bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.rope_scale = rope_attention_factor(cfg)
         self.weight_bytes = 0  # weight bytes held (set on load and by quantize; packing adds only kept GEMV copies)
         self.packed = False  # projections prepacked for oneDNN (pack_weights)
         self.dual_bytes = (0, 0)  # the bf16 and the fp32 copies' bytes of DualLinear projections (quant.py)
@@ -273,7 +323,10 @@ class LlamaModel(nn.Module):
         parallelism: gathered on rank 0, None on the other ranks)."""
         freqs = (positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)).unsqueeze(1)  # [T, 1, D/2]
         x = self._embed(input_ids)
-        cos, sin = freqs.cos().to(x.dtype), freqs.sin().to(x.dtype)
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.rope_scale != 1.0:  # YaRN: scaled in fp32 before the cast, as transformers does
+            cos, sin = cos * self.rope_scale, sin * self.rope_scale
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         t = input_ids.shape[0]
         stack = self.stacks.get(t, x.dtype) if self.stacks and self.stacks.applies(meta, t, kv, x) else None
         if stack is not None:
@@ -329,6 +382,8 @@ class LlamaModel(nn.Module):
             put(layer.o.weight, take(tensors, p + "self_attn.o_proj.weight", (h, cfg.num_heads * hd))[:, heads])
             if cfg.o_bias:
                 row_bias(layer.o.bias, take(tensors, p + "self_attn.o_proj.bias"))
+            if layer.sinks is not None:
+                put(layer.sinks, take(tensors, p + "self_attn.sinks", (cfg.num_heads,))[sh.heads.start:sh.heads.stop])
             if cfg.qk_norm:
                 put(layer.q_norm.weight, take(tensors, p + "self_attn.q_norm.weight", (hd,)))
                 put(layer.k_norm.weight, take(tensors, p + "self_attn.k_norm.weight", (hd,)))

@@ -92,7 +92,9 @@ class ModelRunner:
                 tile_projections(model)
         # The attention kernels that read the pool in place: the CPU module, or Triton on CUDA; None -> torch.
         use_triton = native and (attention == "triton" or (attention == "auto" and self.device.type == "cuda"))
-        if attention == "torch":
+        # Attention sinks and per-layer windows (gpt-oss) exist in the torch path only: neither the CPU kernels
+        # nor Triton's take them.
+        if attention == "torch" or model.cfg.attention_sinks or model.cfg.layer_windows:
             self.attention_ops = None
         elif use_triton:
             self.attention_ops = triton_attention(self.device)
@@ -226,7 +228,7 @@ class ModelRunner:
             groups.append(DecodeGroup(
                 rows=torch.tensor([rows[k] for k in idx], dtype=torch.long, device=self.device),
                 block_tables=padded_tables(group_tables, self.device),
-                bias=decode_bias(glens, width * bs, self.sliding_window)))
+                bias=decode_bias(glens, width * bs, self.sliding_window), context_lens=glens))
         return groups
 
     def execute(self, batch: list[ScheduledSeq], prompt_logits: set[int] = frozenset()):

@@ -1,8 +1,13 @@
-"""The sparse mixture-of-experts MLP of Qwen3-MoE and Mixtral, computed as transformers computes it.
+"""The sparse mixture-of-experts MLP of Qwen3-MoE, Mixtral and gpt-oss, computed as transformers computes it.
 
 A router scores every expert per token; the softmax (fp32) of those scores picks the top k, whose weights are
 renormalised to sum to 1 where the model says so (`norm_topk_prob`; always for Mixtral). Each expert is a SwiGLU
 MLP (fused gate/up, then down) and a token's output is the weighted sum of its k experts' outputs.
+
+gpt-oss differs in three places: the router has a bias and its softmax runs over the k chosen logits only (in the
+activations' dtype); every expert projection has a bias; the gate is clamped, `(up + 1) * gate * sigmoid(alpha *
+gate)` with gate <= limit and |up| <= limit. Its checkpoint holds each layer's experts as stacked tensors, gate
+and up interleaved column by column: they are split into the fused [gate | up] layout here at load.
 
 Cost: the experts run one after another, each over the rows that chose it (a gather, two GEMMs, a scatter-add),
 so a step pays one Python iteration and two small GEMMs per expert hit, and a decode step of a few tokens reads
@@ -25,6 +30,14 @@ CHECKPOINT_NAMES = {
 }
 
 
+def clamped_glu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert activation over the fused [gate | up] projection."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 class SparseMoE(nn.Module):
     native_ops = None  # the compiled CPU kernels (silu(gate) * up), set by LlamaModel.use_native_ops
     row_tile: int | None = None  # deterministic mode: the router's GEMM in fixed row tiles (batch_invariant.py)
@@ -38,32 +51,49 @@ class SparseMoE(nn.Module):
         self.round_router_weights = cfg.round_router_weights
         # A plain weight, not a `linear`: quantizing the router would change which experts tokens reach.
         self.router = nn.Parameter(torch.empty(cfg.num_experts, h))
-        self.gate_up = nn.ModuleList(linear(h, 2 * inter, bias=False) for _ in range(cfg.num_experts))
-        self.down = nn.ModuleList(linear(inter, h, bias=False) for _ in range(cfg.num_experts))
+        self.gpt_oss = cfg.moe_kind == "gpt_oss"
+        self.router_bias = nn.Parameter(torch.zeros(cfg.num_experts)) if self.gpt_oss else None
+        self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
+        bias = self.gpt_oss
+        self.gate_up = nn.ModuleList(linear(h, 2 * inter, bias=bias) for _ in range(cfg.num_experts))
+        self.down = nn.ModuleList(linear(inter, h, bias=bias) for _ in range(cfg.num_experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from pdserve.engine.model import swiglu
         if self.row_tile:
             from pdserve.engine.batch_invariant import in_tiles
-            scores = in_tiles(lambda t: F.linear(t, self.router), x, self.row_tile)
+            scores = in_tiles(lambda t: F.linear(t, self.router, self.router_bias), x, self.row_tile)
         else:
-            scores = F.linear(x, self.router)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
-        weights, chosen = probs.topk(self.top_k, dim=-1)  # [T, k] each
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        if self.round_router_weights:
-            weights = weights.to(x.dtype)
+            scores = F.linear(x, self.router, self.router_bias)
+        weights, chosen = self._route(scores, x.dtype)  # [T, k] each
         out = torch.zeros_like(x)
         hits = torch.bincount(chosen.flatten(), minlength=len(self.gate_up))
         for e in hits.nonzero().flatten().tolist():
             rows, slot = torch.where(chosen == e)
-            y = self.down[e](swiglu(self.gate_up[e](x[rows]), self.native_ops))
+            gate_up = self.gate_up[e](x[rows])
+            act = clamped_glu(gate_up, self.alpha, self.limit) if self.gpt_oss else swiglu(gate_up, self.native_ops)
+            y = self.down[e](act)
             out.index_add_(0, rows, (y * weights[rows, slot, None]).to(out.dtype))
         return out
 
+    def _route(self, scores: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, chosen experts) per token."""
+        if self.gpt_oss:  # top k of the logits, softmax over those k in the activations' dtype
+            top, chosen = scores.topk(self.top_k, dim=-1)
+            return torch.softmax(top, dim=-1, dtype=top.dtype), chosen
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.round_router_weights:
+            weights = weights.to(dtype)
+        return weights, chosen
+
     def load(self, tensors: dict[str, torch.Tensor], layer: str, arch: str, put) -> None:
         """Copy layer `layer`'s ("model.layers.{i}.") router and experts in, fusing each expert's gate and up."""
+        if self.gpt_oss:
+            self._load_stacked(tensors, f"{layer}mlp.", put)
+            return
         block, router, gate, up, down = CHECKPOINT_NAMES[arch]
         p = f"{layer}{block}."
         h = self.router.shape[1]
@@ -74,3 +104,19 @@ class SparseMoE(nn.Module):
             u = take(tensors, f"{p}experts.{e}.{up}.weight", (inter, h))
             put(gate_up.weight, torch.cat([g, u]))
             put(down_proj.weight, take(tensors, f"{p}experts.{e}.{down}.weight", (h, inter)))
+
+    def _load_stacked(self, tensors: dict[str, torch.Tensor], p: str, put) -> None:
+        """gpt-oss: router weight and bias; experts as [E, h, 2I] (gate, up interleaved) and [E, I, h], biases."""
+        n, h = self.router.shape
+        inter = self.down[0].in_features
+        put(self.router, take(tensors, f"{p}router.weight", (n, h)))
+        put(self.router_bias, take(tensors, f"{p}router.bias", (n,)))
+        gate_up = take(tensors, f"{p}experts.gate_up_proj", (n, h, 2 * inter))
+        gate_up_bias = take(tensors, f"{p}experts.gate_up_proj_bias", (n, 2 * inter))
+        down = take(tensors, f"{p}experts.down_proj", (n, inter, h))
+        down_bias = take(tensors, f"{p}experts.down_proj_bias", (n, h))
+        for e in range(n):
+            put(self.gate_up[e].weight, torch.cat([gate_up[e][:, 0::2].t(), gate_up[e][:, 1::2].t()]))
+            put(self.gate_up[e].bias, torch.cat([gate_up_bias[e][0::2], gate_up_bias[e][1::2]]))
+            put(self.down[e].weight, down[e].t())
+            put(self.down[e].bias, down_bias[e])

@@ -23,6 +23,7 @@ ARCHS = {
     "qwen3": dict(arch="qwen3", head_dim=32),
     "qwen3-moe": dict(arch="qwen3_moe", norm_topk_prob=True, mlp_only_layers=[1]),
     "mixtral": dict(arch="mixtral"),
+    "gpt-oss": dict(arch="gpt_oss"),  # layer 0 windowed (6 tokens, shorter than most prompts), layer 1 full
 }
 
 
@@ -95,3 +96,35 @@ def test_preflight_accepts_new_architectures_and_names_unsupported(checkpoint, t
     problem = check_model(str(bad))
     assert "unsupported architecture 'DeepseekV3ForCausalLM'" in problem.what
     assert "Qwen3MoeForCausalLM" in problem.fix and "MixtralForCausalLM" in problem.fix
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("gpt-oss-features"), "gpt_oss", layers=4)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_gpt_oss_preemption_keeps_greedy_tokens(gpt_oss, mode):
+    """A pool too small for all six prompts at once: sequences are preempted and resumed (recomputed or swapped
+    back), and each layer's window and sinks still see the same keys."""
+    reference, _ = run(gpt_oss)
+    small, eng = run(gpt_oss, num_gpu_blocks=24, preemption_mode=mode, num_cpu_blocks=64 if mode == "swap" else 0)
+    assert eng.scheduler.num_preemptions[mode] > 0
+    assert small == reference
+
+
+@pytest.mark.parametrize("extra", [dict(speculative="ngram", num_speculative_tokens=3), dict(deterministic=True)],
+                         ids=["ngram-speculation", "deterministic"])
+def test_gpt_oss_speculation_and_deterministic_mode_keep_greedy_tokens(gpt_oss, extra):
+    """Verify steps (several query rows per sequence over the windowed layers) and deterministic mode (every row
+    a single-query attention) give the tokens of plain decoding."""
+    reference, _ = run(gpt_oss)
+    assert run(gpt_oss, **extra)[0] == reference
+
+
+def test_gpt_oss_n_copies_share_the_prompt(gpt_oss):
+    """n=3 greedy copies fork one prefill (copy-on-write blocks) and all equal the single greedy answer."""
+    reference, _ = run(gpt_oss, prompts=PROMPTS[:2])
+    eng = Engine.from_pretrained(gpt_oss, EngineConfig(block_size=4, num_gpu_blocks=128))
+    outs = eng.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=3))
+    assert [[c.token_ids for c in o.outputs] for o in outs] == [[r] * 3 for r in reference]
