@@ -58,6 +58,23 @@ class ModelConfig:
     # gives each layer its own window (None: full attention); empty: every layer uses `sliding_window`.
     attention_sinks: bool = False
     layer_windows: tuple[int | None, ...] = ()
+    # DeepSeek-V3: shared experts (`n_shared_experts` x moe_intermediate_size, always on) beside the routed ones,
+    # chosen by sigmoid scores plus a correction bias within the best `topk_group` of `n_group` groups.
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+    # KV layout kind: "mha" (per-head K and V) or "mla" (DeepSeek's latent attention, engine/mla.py). For "mla" the
+    # pool's num_kv_heads is 1 and head_dim is half of kv_lora_rank + qk_rope_head_dim: a token's K|V pair of one
+    # layer holds its compressed latent and its rotated shared key, nothing per head.
+    kv_layout: str = "mha"
+    q_lora_rank: int = 0  # 0: q projected directly
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # the rotary dimensions come as interleaved pairs (DeepSeek)
+    rope_dim: int = 0  # the rotated dimensions per head; 0: head_dim
 
     @property
     def max_model_len(self) -> int:
@@ -89,13 +106,17 @@ class ModelConfig:
             windows = _layer_windows(path, cfg, arch, sliding)
             if windows:
                 sliding = None  # per layer instead (layer_windows)
+            partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
+            if partial != 1.0:  # Phi-4-mini's 0.75: RoPE on part of each head, which the kernels do not take
+                raise CheckpointError(f"{path}: partial_rotary_factor={partial} is not supported (RoPE over the whole "
+                                      f"head only)")
             if arch.startswith("Qwen3") and sliding:  # windows on the layers past max_window_layers only
                 raise CheckpointError(f"{path}: use_sliding_window is not supported for {arch} (per-layer windows)")
             dtype_name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
             gen = _generation_config(model_dir)
             eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
             eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-            return cls(
+            base = dict(
                 architecture=arch,
                 vocab_size=need("vocab_size"),
                 hidden_size=hidden,
@@ -119,8 +140,8 @@ class ModelConfig:
                 qk_norm=arch.startswith("Qwen3"),
                 attention_sinks=arch == "GptOssForCausalLM",
                 layer_windows=windows,
-                **_moe_fields(path, cfg, arch),
             )
+            return cls(**{**base, **_moe_fields(path, cfg, arch), **_mla_fields(path, cfg, arch)})
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{path}: missing or invalid field {e}") from e
 
@@ -147,6 +168,21 @@ def _layer_windows(path: Path, cfg: dict, arch: str, sliding) -> tuple[int | Non
     return tuple(int(sliding) if t == "sliding_attention" else None for t in types)
 
 
+def _mla_fields(path: Path, cfg: dict, arch: str) -> dict:
+    """DeepSeek-V3's latent attention: the pool's shape (one latent per token, split over the K|V pair) and the
+    projections' dimensions. Multi-token-prediction layers (`num_nextn_predict_layers`, stored past the last
+    decoder layer) are not loaded, as transformers does not load them."""
+    if arch != "DeepseekV3ForCausalLM":
+        return {}
+    rank, rope = need_int(path, cfg, "kv_lora_rank"), need_int(path, cfg, "qk_rope_head_dim")
+    if (rank + rope) % 2:
+        raise CheckpointError(f"{path}: kv_lora_rank + qk_rope_head_dim must be even (the latent fills a K|V pair)")
+    return dict(kv_layout="mla", num_kv_heads=1, head_dim=(rank + rope) // 2, q_lora_rank=int(cfg.get("q_lora_rank") or 0),
+                kv_lora_rank=rank, qk_nope_head_dim=need_int(path, cfg, "qk_nope_head_dim"), qk_rope_head_dim=rope,
+                v_head_dim=need_int(path, cfg, "v_head_dim"), rope_interleave=bool(cfg.get("rope_interleave", True)),
+                rope_dim=rope, qkv_bias=False, o_bias=bool(cfg.get("attention_bias", False)))
+
+
 def _moe_fields(path: Path, cfg: dict, arch: str) -> dict:
     """The MoE fields of ModelConfig for a sparse architecture, read as transformers' config classes read them."""
     if arch not in MOE_ARCHITECTURES:
@@ -159,6 +195,15 @@ def _moe_fields(path: Path, cfg: dict, arch: str) -> dict:
                     moe_intermediate_size=need_int(path, cfg, "intermediate_size"), moe_layers=tuple(range(layers)),
                     moe_kind="gpt_oss", swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
                     swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
+    if arch == "DeepseekV3ForCausalLM":  # DeepseekV3DecoderLayer: dense below first_k_dense_replace
+        first = int(cfg.get("first_k_dense_replace") or 0)
+        return dict(num_experts=int(cfg.get("n_routed_experts") or experts),
+                    num_experts_per_tok=need_int(path, cfg, "num_experts_per_tok"),
+                    moe_intermediate_size=need_int(path, cfg, "moe_intermediate_size"),
+                    moe_layers=tuple(range(first, layers)), norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                    moe_kind="deepseek", n_group=int(cfg.get("n_group") or 1), topk_group=int(cfg.get("topk_group") or 1),
+                    routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+                    n_shared_experts=int(cfg.get("n_shared_experts") or 0))
     if arch == "MixtralForCausalLM":
         return dict(num_experts=experts, num_experts_per_tok=need_int(path, cfg, "num_experts_per_tok"),
                     moe_intermediate_size=need_int(path, cfg, "intermediate_size"), moe_layers=tuple(range(layers)),

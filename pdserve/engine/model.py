@@ -15,13 +15,14 @@ from pdserve.engine.cpu_isa import FP32_PACK_ENV, cpu_vendor, pack_fp32
 from pdserve.engine.decoder_stack import DecoderStacks
 from pdserve.engine.errors import CheckpointError
 from pdserve.engine.loader import take
+from pdserve.engine.mla import LatentAttention
 from pdserve.engine.moe import SparseMoE
 from pdserve.engine.quant import GEMV_COPY_MAX_ROWS
 from pdserve.engine.tp.shard import TPShard, shard_for
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    dim = cfg.head_dim
+    dim = cfg.rope_dim or cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     scaling = cfg.rope_scaling
     if not scaling:
@@ -186,8 +187,11 @@ class DecoderLayer(nn.Module):
         self.q_size, self.kv_size = self.num_heads * hd, self.num_kv_heads * hd
         inter = len(shard.inter)
         self.input_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.qkv = Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)  # q, k, v fused: one GEMM
-        self.o = Linear(self.q_size, h, bias=cfg.o_bias)
+        # DeepSeek's latent attention (mla.py) in place of the fused qkv and o
+        self.mla = LatentAttention(cfg, Linear, RMSNorm) if cfg.kv_layout == "mla" else None
+        mha = self.mla is None
+        self.qkv = Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias) if mha else None  # one GEMM
+        self.o = Linear(self.q_size, h, bias=cfg.o_bias) if mha else None
         self.post_norm = RMSNorm(h, cfg.rms_norm_eps)
         # q/k norms have one weight over head_dim, the same on every rank: tensor parallelism needs no slicing.
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -203,12 +207,21 @@ class DecoderLayer(nn.Module):
     def stackable(self) -> bool:
         """Whether the native decoder stack (csrc/decoder_stack.cpp) computes this layer: it knows neither q/k norms
         nor experts."""
-        return self.q_norm is None and self.moe is None and self.sinks is None
+        return self.q_norm is None and self.moe is None and self.sinks is None and self.mla is None
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.comm is None else self.comm.all_reduce(x)
 
     def forward(self, x, cos, sin, kv, layer: int, meta: AttentionMetadata) -> torch.Tensor:
+        if self.mla is not None:
+            x = x + self.mla(self.input_norm(x), cos, sin, kv, layer, meta)
+        else:
+            x = x + self._attention(x, cos, sin, kv, layer, meta)
+        if self.moe is not None:  # refused with tensor parallelism (tp/shard.py): the experts are whole here
+            return x + self.moe(self.post_norm(x))
+        return x + self._reduce(self.down(swiglu(self.gate_up(self.post_norm(x)), self.native_ops)))
+
+    def _attention(self, x, cos, sin, kv, layer: int, meta: AttentionMetadata) -> torch.Tensor:
         cfg = self.cfg
         t = x.shape[0]
         qkv = self.qkv(self.input_norm(x))
@@ -226,10 +239,7 @@ class DecoderLayer(nn.Module):
         v = v.view(t, self.num_kv_heads, cfg.head_dim)
         attn = paged_attention(q, k, v, kv, layer, meta, scale=cfg.head_dim ** -0.5, sinks=self.sinks,
                                window=self.window)
-        x = x + self._reduce(self.o(attn.reshape(t, self.q_size)))
-        if self.moe is not None:  # refused with tensor parallelism (tp/shard.py): the experts are whole here
-            return x + self.moe(self.post_norm(x))
-        return x + self._reduce(self.down(swiglu(self.gate_up(self.post_norm(x)), self.native_ops)))
+        return self._reduce(self.o(attn.reshape(t, self.q_size)))
 
 
 class LlamaModel(nn.Module):
@@ -347,10 +357,10 @@ class LlamaModel(nn.Module):
         """Copy HF-named tensors in, fusing q/k/v and gate/up; every expected tensor must be present. Each rank
         takes its slice (`self.shard`); a row-parallel bias is added once, so only rank 0 holds it."""
         cfg, sh = self.cfg, self.shard
-        h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+        h, inter = cfg.hidden_size, cfg.intermediate_size
         dt = self.embed.weight.dtype
-        heads = slice(sh.heads.start * hd, sh.heads.stop * hd)
-        kv_heads = slice(sh.kv_heads.start * hd, sh.kv_heads.stop * hd)
+        if cfg.architecture == "Phi3ForCausalLM":
+            tensors = split_fused(cfg, tensors)
         cols = slice(sh.inter.start, sh.inter.stop)
 
         def put(param: torch.Tensor, value: torch.Tensor) -> None:
@@ -372,23 +382,12 @@ class LlamaModel(nn.Module):
             put_vocab(self.lm_head.weight, take(tensors, "lm_head.weight", (cfg.vocab_size, h)))
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            qw = take(tensors, p + "self_attn.q_proj.weight", (cfg.num_heads * hd, h))
-            kw = take(tensors, p + "self_attn.k_proj.weight", (cfg.num_kv_heads * hd, h))
-            vw = take(tensors, p + "self_attn.v_proj.weight", (cfg.num_kv_heads * hd, h))
-            put(layer.qkv.weight, torch.cat([qw[heads], kw[kv_heads], vw[kv_heads]]))
-            if cfg.qkv_bias:
-                qb, kb, vb = (take(tensors, p + f"self_attn.{n}_proj.bias") for n in "qkv")
-                put(layer.qkv.bias, torch.cat([qb[heads], kb[kv_heads], vb[kv_heads]]))
-            put(layer.o.weight, take(tensors, p + "self_attn.o_proj.weight", (h, cfg.num_heads * hd))[:, heads])
-            if cfg.o_bias:
-                row_bias(layer.o.bias, take(tensors, p + "self_attn.o_proj.bias"))
-            if layer.sinks is not None:
-                put(layer.sinks, take(tensors, p + "self_attn.sinks", (cfg.num_heads,))[sh.heads.start:sh.heads.stop])
-            if cfg.qk_norm:
-                put(layer.q_norm.weight, take(tensors, p + "self_attn.q_norm.weight", (hd,)))
-                put(layer.k_norm.weight, take(tensors, p + "self_attn.k_norm.weight", (hd,)))
             put(layer.input_norm.weight, take(tensors, p + "input_layernorm.weight", (h,)))
             put(layer.post_norm.weight, take(tensors, p + "post_attention_layernorm.weight", (h,)))
+            if layer.mla is not None:
+                layer.mla.load(tensors, p + "self_attn.", put)
+            else:
+                self._load_attention(tensors, layer, p, put, row_bias)
             if layer.moe is not None:
                 layer.moe.load(tensors, p, cfg.architecture, put)
                 continue
@@ -401,3 +400,40 @@ class LlamaModel(nn.Module):
                                                    take(tensors, p + "mlp.up_proj.bias")[cols]]))
                 row_bias(layer.down.bias, take(tensors, p + "mlp.down_proj.bias"))
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.parameters())
+
+    def _load_attention(self, tensors: dict[str, torch.Tensor], layer: DecoderLayer, p: str, put, row_bias) -> None:
+        """q/k/v fused into qkv (this rank's heads), o, and what each architecture adds (biases, sinks, q/k norms)."""
+        cfg, sh = self.cfg, self.shard
+        h, hd = cfg.hidden_size, cfg.head_dim
+        heads = slice(sh.heads.start * hd, sh.heads.stop * hd)
+        kv_heads = slice(sh.kv_heads.start * hd, sh.kv_heads.stop * hd)
+        qw = take(tensors, p + "self_attn.q_proj.weight", (cfg.num_heads * hd, h))
+        kw = take(tensors, p + "self_attn.k_proj.weight", (cfg.num_kv_heads * hd, h))
+        vw = take(tensors, p + "self_attn.v_proj.weight", (cfg.num_kv_heads * hd, h))
+        put(layer.qkv.weight, torch.cat([qw[heads], kw[kv_heads], vw[kv_heads]]))
+        if cfg.qkv_bias:
+            qb, kb, vb = (take(tensors, p + f"self_attn.{n}_proj.bias") for n in "qkv")
+            put(layer.qkv.bias, torch.cat([qb[heads], kb[kv_heads], vb[kv_heads]]))
+        put(layer.o.weight, take(tensors, p + "self_attn.o_proj.weight", (h, cfg.num_heads * hd))[:, heads])
+        if cfg.o_bias:
+            row_bias(layer.o.bias, take(tensors, p + "self_attn.o_proj.bias"))
+        if layer.sinks is not None:
+            put(layer.sinks, take(tensors, p + "self_attn.sinks", (cfg.num_heads,))[sh.heads.start:sh.heads.stop])
+        if cfg.qk_norm:
+            put(layer.q_norm.weight, take(tensors, p + "self_attn.q_norm.weight", (hd,)))
+            put(layer.k_norm.weight, take(tensors, p + "self_attn.k_norm.weight", (hd,)))
+
+
+def split_fused(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Phi-3 stores each layer's q/k/v as one `qkv_proj` ([q | k | v] rows) and gate/up as one `gate_up_proj`
+    ([gate | up] rows): split into Llama's names so each rank slices its heads and columns as for Llama."""
+    out = dict(tensors)
+    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        qkv = take(tensors, p + "self_attn.qkv_proj.weight", (q + 2 * kv, cfg.hidden_size))
+        for name, part in zip(("q", "k", "v"), qkv.split([q, kv, kv])):
+            out[f"{p}self_attn.{name}_proj.weight"] = part
+        gate_up = take(tensors, p + "mlp.gate_up_proj.weight", (2 * inter, cfg.hidden_size))
+        out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate_up.split([inter, inter])
+    return out

@@ -92,9 +92,10 @@ class ModelRunner:
                 tile_projections(model)
         # The attention kernels that read the pool in place: the CPU module, or Triton on CUDA; None -> torch.
         use_triton = native and (attention == "triton" or (attention == "auto" and self.device.type == "cuda"))
-        # Attention sinks and per-layer windows (gpt-oss) exist in the torch path only: neither the CPU kernels
-        # nor Triton's take them.
-        if attention == "torch" or model.cfg.attention_sinks or model.cfg.layer_windows:
+        # Attention sinks and per-layer windows (gpt-oss) and latent attention (mla.py) exist in the torch path
+        # only: neither the CPU kernels nor Triton's take them.
+        cfg = model.cfg
+        if attention == "torch" or cfg.attention_sinks or cfg.layer_windows or cfg.kv_layout == "mla":
             self.attention_ops = None
         elif use_triton:
             self.attention_ops = triton_attention(self.device)

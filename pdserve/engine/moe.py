@@ -27,6 +27,7 @@ from pdserve.engine.loader import take
 CHECKPOINT_NAMES = {
     "Qwen3MoeForCausalLM": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
     "MixtralForCausalLM": ("block_sparse_moe", "gate", "w1", "w3", "w2"),
+    "DeepseekV3ForCausalLM": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
 }
 
 
@@ -52,7 +53,14 @@ class SparseMoE(nn.Module):
         # A plain weight, not a `linear`: quantizing the router would change which experts tokens reach.
         self.router = nn.Parameter(torch.empty(cfg.num_experts, h))
         self.gpt_oss = cfg.moe_kind == "gpt_oss"
+        self.deepseek = cfg.moe_kind == "deepseek"
         self.router_bias = nn.Parameter(torch.zeros(cfg.num_experts)) if self.gpt_oss else None
+        # DeepSeek: added to the sigmoid scores for choosing only (not to the weights); groups of experts
+        self.score_bias = nn.Parameter(torch.zeros(cfg.num_experts)) if self.deepseek else None
+        self.n_group, self.topk_group, self.scaling = cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor
+        shared = cfg.moe_intermediate_size * cfg.n_shared_experts
+        self.shared_gate_up = linear(h, 2 * shared, bias=False) if shared else None
+        self.shared_down = linear(shared, h, bias=False) if shared else None
         self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
         bias = self.gpt_oss
         self.gate_up = nn.ModuleList(linear(h, 2 * inter, bias=bias) for _ in range(cfg.num_experts))
@@ -60,11 +68,14 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from pdserve.engine.model import swiglu
+        weight, bias, inp = self.router, self.router_bias, x
+        if self.deepseek:  # its router computes in fp32 whatever the model's dtype
+            weight, inp = weight.float(), x.float()
         if self.row_tile:
             from pdserve.engine.batch_invariant import in_tiles
-            scores = in_tiles(lambda t: F.linear(t, self.router, self.router_bias), x, self.row_tile)
+            scores = in_tiles(lambda t: F.linear(t, weight, bias), inp, self.row_tile)
         else:
-            scores = F.linear(x, self.router, self.router_bias)
+            scores = F.linear(inp, weight, bias)
         weights, chosen = self._route(scores, x.dtype)  # [T, k] each
         out = torch.zeros_like(x)
         hits = torch.bincount(chosen.flatten(), minlength=len(self.gate_up))
@@ -74,6 +85,8 @@ class SparseMoE(nn.Module):
             act = clamped_glu(gate_up, self.alpha, self.limit) if self.gpt_oss else swiglu(gate_up, self.native_ops)
             y = self.down[e](act)
             out.index_add_(0, rows, (y * weights[rows, slot, None]).to(out.dtype))
+        if self.shared_gate_up is not None:  # DeepSeek's shared experts: one dense SwiGLU MLP every token takes
+            out = out + self.shared_down(swiglu(self.shared_gate_up(x), self.native_ops))
         return out
 
     def _route(self, scores: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,6 +94,8 @@ class SparseMoE(nn.Module):
         if self.gpt_oss:  # top k of the logits, softmax over those k in the activations' dtype
             top, chosen = scores.topk(self.top_k, dim=-1)
             return torch.softmax(top, dim=-1, dtype=top.dtype), chosen
+        if self.deepseek:
+            return self._route_grouped(scores)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
         weights, chosen = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -88,6 +103,23 @@ class SparseMoE(nn.Module):
         if self.round_router_weights:
             weights = weights.to(dtype)
         return weights, chosen
+
+    def _route_grouped(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek-V3 (noaux_tc): sigmoid scores; the experts are split into n_group groups ranked by the sum of
+        their two best bias-corrected scores; the top k experts of the best topk_group groups are chosen; their
+        uncorrected scores, renormalised (norm_topk_prob) and times routed_scaling_factor, are the weights."""
+        scores = logits.sigmoid()
+        choice = scores + self.score_bias.float()
+        t, n = choice.shape
+        group_scores = choice.view(t, self.n_group, n // self.n_group).topk(2, dim=-1)[0].sum(dim=-1)
+        groups = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores).scatter_(1, groups, 1).bool()
+        keep = keep.unsqueeze(-1).expand(-1, -1, n // self.n_group).reshape(t, n)
+        chosen = choice.masked_fill(~keep, float("-inf")).topk(self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, chosen)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, chosen
 
     def load(self, tensors: dict[str, torch.Tensor], layer: str, arch: str, put) -> None:
         """Copy layer `layer`'s ("model.layers.{i}.") router and experts in, fusing each expert's gate and up."""
@@ -104,6 +136,15 @@ class SparseMoE(nn.Module):
             u = take(tensors, f"{p}experts.{e}.{up}.weight", (inter, h))
             put(gate_up.weight, torch.cat([g, u]))
             put(down_proj.weight, take(tensors, f"{p}experts.{e}.{down}.weight", (h, inter)))
+        if self.deepseek:  # router and correction kept in fp32 whatever the model's dtype, as transformers keeps them
+            self.router.data = take(tensors, f"{p}{router}.weight", tuple(self.router.shape)).float()
+            self.score_bias.data = take(tensors, f"{p}{router}.e_score_correction_bias", (len(self.gate_up),)).float()
+        if self.shared_gate_up is not None:
+            shared = self.shared_down.in_features
+            g = take(tensors, f"{p}shared_experts.gate_proj.weight", (shared, h))
+            u = take(tensors, f"{p}shared_experts.up_proj.weight", (shared, h))
+            put(self.shared_gate_up.weight, torch.cat([g, u]))
+            put(self.shared_down.weight, take(tensors, f"{p}shared_experts.down_proj.weight", (h, shared)))
 
     def _load_stacked(self, tensors: dict[str, torch.Tensor], p: str, put) -> None:
         """gpt-oss: router weight and bias; experts as [E, h, 2I] (gate, up interleaved) and [E, I, h], biases."""

@@ -193,7 +193,7 @@ def check_tp_degrees(args) -> Problem | None:
         try:
             _, cfg, _ = read_config(resolve_model_dir(args.model))
             heads = int(cfg["num_attention_heads"])
-            experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+            experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0)
             check_tp(heads, int(cfg.get("num_key_value_heads") or heads), int(cfg["intermediate_size"]), n, experts)
         except CheckpointError as e:
             return Problem(f"{flag} {n}: {e}", "choose a size the model's heads divide by (spec D08), 1 for an MoE "

@@ -4,19 +4,22 @@ official `openai` client equal transformers' `generate` on the same weights. One
 a few prompts of a few tokens each (the engine-level checks of each are in tests/engine/)."""
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 import torch
 import transformers as tf
 
 from tests.conftest import make_checkpoint
-from tests.e2e.conftest import Up
+from tests.e2e.conftest import Up, metric
 
 # Prompts as token ids: the comparison does not depend on how the gateway tokenizes text. Longer than the
 # checkpoints' sliding windows (6 tokens), so the windowed layers drop keys on both sides of the hand-off.
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [40, 41, 42], list(range(60, 75))]
 MAX_TOKENS = 8
-ARCHS = {"gpt-oss": dict(arch="gpt_oss")}
+BLOCK_SIZE = 16  # pdserve up's default --block-size
+ARCHS = {"gpt-oss": dict(arch="gpt_oss"), "deepseek-v3": dict(arch="deepseek_v3"), "phi3": dict(arch="phi3")}
 
 
 @pytest.fixture(scope="module", params=list(ARCHS))
@@ -43,3 +46,11 @@ def test_greedy_through_disagg_equals_transformers(served):
         r = raw.parse()
         assert r.choices[0].model_extra["token_ids"] == ref, (prompt, r.choices[0])
         assert r.usage.completion_tokens == MAX_TOKENS
+    # what the decode worker pulled is whole blocks of the pool's layout: for DeepSeek, latents (kv_lora_rank +
+    # qk_rope_head_dim per token and layer), not per-head K/V
+    cfg = json.loads((served.model_dir / "config.json").read_text())
+    if "kv_lora_rank" in cfg:
+        per_token = cfg["num_hidden_layers"] * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4  # fp32 pool
+        blocks = sum(-(-len(p) // BLOCK_SIZE) for p in PROMPTS)
+        moved = metric(served.workers("decode")[0]["metrics_port"], "pdserve_kv_transfer_bytes_total")
+        assert moved == blocks * BLOCK_SIZE * per_token, (moved, blocks, per_token)

@@ -33,6 +33,11 @@ VARIANTS = {
     # attention sinks, windowed layers 0 and 2 (window 6) and full layers 1 and 3, YaRN rope, biased router and
     # experts with the clamped gate
     "gpt-oss": dict(arch="gpt_oss", layers=4),
+    # fused qkv_proj and gate_up_proj in the checkpoint; with Mistral's one window for every layer
+    "phi3": dict(arch="phi3"),
+    "phi3-sliding-window-8": dict(arch="phi3", sliding_window=8),
+    # latent attention with interleaved rope, a dense layer then 2 MoE layers (grouped router, shared expert)
+    "deepseek-v3": dict(arch="deepseek_v3", layers=3),
 }
 
 
