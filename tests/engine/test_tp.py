@@ -23,6 +23,7 @@ VARIANTS = {
     "qwen2-qkv-bias": dict(arch="qwen2", kv_heads=2),
     "llama-tied-odd-vocab": dict(arch="llama", tie=True, vocab_size=321),  # vocab split unevenly (padded)
     "qwen3-qk-norm": dict(arch="qwen3", kv_heads=2, head_dim=32),  # the q/k norm weights held whole by each rank
+    "phi3-fused": dict(arch="phi3", kv_heads=2),  # fused qkv_proj / gate_up_proj split, then sliced per rank
 }
 
 
