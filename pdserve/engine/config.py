@@ -287,6 +287,9 @@ class EngineConfig:
     deterministic: bool = False
     # Ranks of tensor parallelism inside this engine (engine/tp/): one process each, rank 0 schedules.
     tensor_parallel_size: int = 1
+    # Expert parallelism: a mixture-of-experts model's routed experts split whole over the tensor-parallel ranks
+    # (attention stays tensor parallel); 1 or tensor_parallel_size.
+    expert_parallel_size: int = 1
     # Speculative decoding (spec_decode/): None | ngram (prompt lookup) | draft (`draft_model`, same tokenizer);
     # up to `num_speculative_tokens` candidates verified per decode step.
     speculative: str | None = None
@@ -328,6 +331,9 @@ class EngineConfig:
             raise ValueError(f"quantization={self.quantization!r} is not supported with tensor_parallel_size > 1")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.expert_parallel_size not in (1, self.tensor_parallel_size):
+            raise ValueError(f"expert_parallel_size={self.expert_parallel_size} must be 1 or tensor_parallel_size="
+                             f"{self.tensor_parallel_size}: experts are split over the tensor-parallel ranks")
         if self.speculative not in (None, "ngram", "draft"):
             raise ValueError(f"unknown speculative method {self.speculative!r} (ngram, draft)")
         if self.speculative and self.num_speculative_tokens < 1:

@@ -136,7 +136,7 @@ class Engine:
         dtype = auto_dtype(mcfg.checkpoint_dtype, config.device) if config.dtype == "auto" else DTYPES[config.dtype]
         torch.manual_seed(config.seed)
         config.validate()
-        shard = shard_for(mcfg, 0, config.tensor_parallel_size)  # spec D08: refused before any rank starts
+        shard = shard_for(mcfg, 0, config.tensor_parallel_size, config.expert_parallel_size > 1)  # spec D08: refused before any rank starts
         group = None
         if config.tensor_parallel_size > 1:
             from pdserve.engine.tp.group import RankGroup

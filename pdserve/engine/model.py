@@ -199,7 +199,7 @@ class DecoderLayer(nn.Module):
         # gpt-oss: a learned per-head logit in every softmax's denominator; MoE refuses TP, so all heads are here
         self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if cfg.attention_sinks else None
         self.window = cfg.layer_windows[index] if cfg.layer_windows else "model"
-        self.moe = SparseMoE(cfg, Linear) if sparse else None
+        self.moe = SparseMoE(cfg, Linear, shard.experts, shard.rank) if sparse else None
         self.gate_up = None if sparse else Linear(h, 2 * inter, bias=cfg.mlp_bias)
         self.down = None if sparse else Linear(inter, h, bias=cfg.mlp_bias)
 
@@ -217,8 +217,8 @@ class DecoderLayer(nn.Module):
             x = x + self.mla(self.input_norm(x), cos, sin, kv, layer, meta)
         else:
             x = x + self._attention(x, cos, sin, kv, layer, meta)
-        if self.moe is not None:  # refused with tensor parallelism (tp/shard.py): the experts are whole here
-            return x + self.moe(self.post_norm(x))
+        if self.moe is not None:  # with tensor parallelism: expert parallel, this rank's experts' share summed
+            return x + self._reduce(self.moe(self.post_norm(x)))
         return x + self._reduce(self.down(swiglu(self.gate_up(self.post_norm(x)), self.native_ops)))
 
     def _attention(self, x, cos, sin, kv, layer: int, meta: AttentionMetadata) -> torch.Tensor:

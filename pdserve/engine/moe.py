@@ -12,7 +12,7 @@ and up interleaved column by column: they are split into the fused [gate | up] l
 Cost: the experts run one after another, each over the rows that chose it (a gather, two GEMMs, a scatter-add),
 so a step pays one Python iteration and two small GEMMs per expert hit, and a decode step of a few tokens reads
 only the experts those tokens chose. That is correct and simple, not fast: a grouped GEMM over all experts in one
-native call is what a fast path would add. All experts live in this process (no expert parallelism).
+native call is what a fast path would add. With expert parallelism a rank holds a range of the experts (tp/shard.py).
 """
 from __future__ import annotations
 
@@ -43,9 +43,12 @@ class SparseMoE(nn.Module):
     native_ops = None  # the compiled CPU kernels (silu(gate) * up), set by LlamaModel.use_native_ops
     row_tile: int | None = None  # deterministic mode: the router's GEMM in fixed row tiles (batch_invariant.py)
 
-    def __init__(self, cfg: ModelConfig, linear: type[nn.Linear]):
-        """`linear`: the model's projection class, so packing and weight-only quantization reach the experts."""
+    def __init__(self, cfg: ModelConfig, linear: type[nn.Linear], experts: range | None = None, rank: int = 0):
+        """`linear`: the model's projection class, so packing and weight-only quantization reach the experts.
+        `experts`: the routed experts this rank holds (expert parallelism; default all); its output is then this
+        rank's share, summed over the ranks by the layer's all-reduce. The shared experts run on rank 0 only."""
         super().__init__()
+        self.experts = experts if experts is not None else range(cfg.num_experts)
         h, inter = cfg.hidden_size, cfg.moe_intermediate_size
         self.top_k = cfg.num_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob
@@ -58,13 +61,13 @@ class SparseMoE(nn.Module):
         # DeepSeek: added to the sigmoid scores for choosing only (not to the weights); groups of experts
         self.score_bias = nn.Parameter(torch.zeros(cfg.num_experts)) if self.deepseek else None
         self.n_group, self.topk_group, self.scaling = cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor
-        shared = cfg.moe_intermediate_size * cfg.n_shared_experts
+        shared = cfg.moe_intermediate_size * cfg.n_shared_experts if rank == 0 else 0
         self.shared_gate_up = linear(h, 2 * shared, bias=False) if shared else None
         self.shared_down = linear(shared, h, bias=False) if shared else None
         self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
         bias = self.gpt_oss
-        self.gate_up = nn.ModuleList(linear(h, 2 * inter, bias=bias) for _ in range(cfg.num_experts))
-        self.down = nn.ModuleList(linear(inter, h, bias=bias) for _ in range(cfg.num_experts))
+        self.gate_up = nn.ModuleList(linear(h, 2 * inter, bias=bias) for _ in self.experts)
+        self.down = nn.ModuleList(linear(inter, h, bias=bias) for _ in self.experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from pdserve.engine.model import swiglu
@@ -78,9 +81,11 @@ class SparseMoE(nn.Module):
             scores = F.linear(inp, weight, bias)
         weights, chosen = self._route(scores, x.dtype)  # [T, k] each
         out = torch.zeros_like(x)
-        hits = torch.bincount(chosen.flatten(), minlength=len(self.gate_up))
-        for e in hits.nonzero().flatten().tolist():
-            rows, slot = torch.where(chosen == e)
+        first, held = self.experts.start, len(self.experts)
+        ids = chosen.flatten()
+        mine = ids[(ids >= first) & (ids < first + held)] - first  # the chosen experts this rank holds
+        for e in torch.bincount(mine, minlength=held).nonzero().flatten().tolist():
+            rows, slot = torch.where(chosen == first + e)
             gate_up = self.gate_up[e](x[rows])
             act = clamped_glu(gate_up, self.alpha, self.limit) if self.gpt_oss else swiglu(gate_up, self.native_ops)
             y = self.down[e](act)
@@ -128,17 +133,18 @@ class SparseMoE(nn.Module):
             return
         block, router, gate, up, down = CHECKPOINT_NAMES[arch]
         p = f"{layer}{block}."
+        n_all = self.router.shape[0]
         h = self.router.shape[1]
         inter = self.down[0].in_features
         put(self.router, take(tensors, f"{p}{router}.weight", tuple(self.router.shape)))
-        for e, (gate_up, down_proj) in enumerate(zip(self.gate_up, self.down)):
+        for e, gate_up, down_proj in zip(self.experts, self.gate_up, self.down):
             g = take(tensors, f"{p}experts.{e}.{gate}.weight", (inter, h))
             u = take(tensors, f"{p}experts.{e}.{up}.weight", (inter, h))
             put(gate_up.weight, torch.cat([g, u]))
             put(down_proj.weight, take(tensors, f"{p}experts.{e}.{down}.weight", (h, inter)))
         if self.deepseek:  # router and correction kept in fp32 whatever the model's dtype, as transformers keeps them
             self.router.data = take(tensors, f"{p}{router}.weight", tuple(self.router.shape)).float()
-            self.score_bias.data = take(tensors, f"{p}{router}.e_score_correction_bias", (len(self.gate_up),)).float()
+            self.score_bias.data = take(tensors, f"{p}{router}.e_score_correction_bias", (n_all,)).float()
         if self.shared_gate_up is not None:
             shared = self.shared_down.in_features
             g = take(tensors, f"{p}shared_experts.gate_proj.weight", (shared, h))
@@ -156,8 +162,8 @@ class SparseMoE(nn.Module):
         gate_up_bias = take(tensors, f"{p}experts.gate_up_proj_bias", (n, 2 * inter))
         down = take(tensors, f"{p}experts.down_proj", (n, inter, h))
         down_bias = take(tensors, f"{p}experts.down_proj_bias", (n, h))
-        for e in range(n):
-            put(self.gate_up[e].weight, torch.cat([gate_up[e][:, 0::2].t(), gate_up[e][:, 1::2].t()]))
-            put(self.gate_up[e].bias, torch.cat([gate_up_bias[e][0::2], gate_up_bias[e][1::2]]))
-            put(self.down[e].weight, down[e].t())
-            put(self.down[e].bias, down_bias[e])
+        for i, e in enumerate(self.experts):
+            put(self.gate_up[i].weight, torch.cat([gate_up[e][:, 0::2].t(), gate_up[e][:, 1::2].t()]))
+            put(self.gate_up[i].bias, torch.cat([gate_up_bias[e][0::2], gate_up_bias[e][1::2]]))
+            put(self.down[i].weight, down[e].t())
+            put(self.down[i].bias, down_bias[e])

@@ -183,6 +183,12 @@ def check_tp_degrees(args) -> Problem | None:
                    "--decode-tp": getattr(args, "decode_tp", None) or base}
     else:
         degrees = {"--tensor-parallel-size": base}
+    ep = getattr(args, "expert_parallel_size", None) or 1
+    if ep > 1 and any(v != ep for v in degrees.values()):
+        given = ", ".join(f"{k} {v}" for k, v in degrees.items())
+        return Problem(f"--expert-parallel-size {ep} with {given}: experts are split over a worker's tensor-parallel "
+                       f"ranks, so each pool's degree must equal it", f"give every pool {ep} ranks, or leave out "
+                       f"--expert-parallel-size")
     degrees = {k: v for k, v in degrees.items() if v > 1}
     if not degrees:
         return None
@@ -194,7 +200,8 @@ def check_tp_degrees(args) -> Problem | None:
             _, cfg, _ = read_config(resolve_model_dir(args.model))
             heads = int(cfg["num_attention_heads"])
             experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0)
-            check_tp(heads, int(cfg.get("num_key_value_heads") or heads), int(cfg["intermediate_size"]), n, experts)
+            check_tp(heads, int(cfg.get("num_key_value_heads") or heads), int(cfg["intermediate_size"]), n, experts,
+                     ep > 1)
         except CheckpointError as e:
             return Problem(f"{flag} {n}: {e}", "choose a size the model's heads divide by (spec D08), 1 for an MoE "
                            "model")
