@@ -103,6 +103,7 @@ class Engine:
         self.runner = ModelRunner(model, self.kv_cache, native=config.native_kernels, attention=config.attention,
                                   cuda_graph_max_batch=config.max_num_seqs if config.cuda_graphs else 0,
                                   deterministic=config.deterministic)
+        model.reset_expert_tokens()  # the pool sizing's profiling forward routed no request's tokens
         self.sampler = Sampler(model_config.vocab_size, row_by_row=config.deterministic)
         self.sampler.native_ops = self.runner.native_ops
         self.info = EngineInfo(
@@ -620,4 +621,5 @@ class Engine:
             preemptions=MappingProxyType(dict(self.scheduler.num_preemptions)),
             terminal=MappingProxyType(dict(self.terminal_counts)),
             tier=self.kv_offload.stats() if self.kv_offload is not None else None,
-            spec=self.spec.stats.snapshot() if self.spec is not None else None)
+            spec=self.spec.stats.snapshot() if self.spec is not None else None,
+            expert_tokens=self.runner.model.expert_tokens())

@@ -279,6 +279,17 @@ class LlamaModel(nn.Module):
                 m.native_ops = ops
         self.stacks = DecoderStacks(self, ops) if ops is not None else None
 
+    def expert_tokens(self) -> list[list[int]] | None:
+        """Tokens routed to each expert of each MoE layer since start (or the last reset), one row per MoE layer;
+        None for a dense model."""
+        rows = [layer.moe.routed for layer in self.layers if layer.moe is not None]
+        return torch.stack(rows).tolist() if rows else None
+
+    def reset_expert_tokens(self) -> None:
+        for layer in self.layers:
+            if layer.moe is not None:
+                layer.moe.routed.zero_()
+
     def _forget_stacks(self) -> None:
         """The projections changed form: plans built over the old tensors would still compute with them."""
         if self.stacks is not None:

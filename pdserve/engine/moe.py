@@ -49,6 +49,9 @@ class SparseMoE(nn.Module):
         rank's share, summed over the ranks by the layer's all-reduce. The shared experts run on rank 0 only."""
         super().__init__()
         self.experts = experts if experts is not None else range(cfg.num_experts)
+        # Tokens routed to each expert (all experts, held here or not: the router sees every token on every rank),
+        # since start: the load balance the worker exports. A scatter-add, no host sync (CUDA-graph safe).
+        self.register_buffer("routed", torch.zeros(cfg.num_experts, dtype=torch.long), persistent=False)
         h, inter = cfg.hidden_size, cfg.moe_intermediate_size
         self.top_k = cfg.num_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob
@@ -83,6 +86,7 @@ class SparseMoE(nn.Module):
         out = torch.zeros_like(x)
         first, held = self.experts.start, len(self.experts)
         ids = chosen.flatten()
+        self.routed.scatter_add_(0, ids, torch.ones_like(ids))
         mine = ids[(ids >= first) & (ids < first + held)] - first  # the chosen experts this rank holds
         for e in torch.bincount(mine, minlength=held).nonzero().flatten().tolist():
             rows, slot = torch.where(chosen == first + e)

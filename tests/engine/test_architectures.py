@@ -169,3 +169,22 @@ def test_phi_rope_forms_not_run_are_refused_by_name(tmp_path, rope, error):
     (ckpt / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=error):
         Engine.from_pretrained(ckpt, EngineConfig(block_size=4, num_gpu_blocks=16))
+
+
+def test_expert_tokens_count_what_transformers_router_chooses(tmp_path):
+    """The engine's per-expert counts after one prompt equal the top-k choices of transformers' own router logits
+    (Mixtral: top 2 of 4 per token and layer) on the same prompt; warm-up forwards are not counted."""
+    from pdserve.engine.warmup import warm_up
+    ckpt = make_checkpoint(tmp_path / "mx", "mixtral")
+    eng = Engine.from_pretrained(ckpt, EngineConfig(block_size=4, num_gpu_blocks=64))
+    warm_up(eng)
+    assert eng.stats().expert_tokens == [[0] * 4, [0] * 4]
+    prompt = PROMPTS[4]
+    eng.generate([prompt], SamplingParams(temperature=0, max_tokens=1))  # one prefill, no decode step
+    hf = tf.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt]), output_router_logits=True).router_logits
+    want = [torch.bincount(lg.reshape(len(prompt), -1).topk(2, dim=-1).indices.flatten(), minlength=4).tolist()
+            for lg in logits]
+    assert eng.stats().expert_tokens == want
+    assert all(sum(row) == 2 * len(prompt) for row in want)
