@@ -43,6 +43,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled).float()
     if kind == "yarn":
+        if "original_max_position_embeddings" not in scaling:
+            raise CheckpointError("yarn rope scaling needs original_max_position_embeddings")
         return yarn_inv_freq(inv_freq, dim, cfg.rope_theta, scaling, cfg.max_position_embeddings)
     raise CheckpointError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, yarn)")
 

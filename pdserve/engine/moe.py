@@ -1,4 +1,5 @@
-"""The sparse mixture-of-experts MLP of Qwen3-MoE, Mixtral and gpt-oss, computed as transformers computes it.
+"""The sparse mixture-of-experts MLP of Qwen3-MoE, Mixtral, gpt-oss and DeepSeek-V3, computed as transformers
+computes it.
 
 A router scores every expert per token; the softmax (fp32) of those scores picks the top k, whose weights are
 renormalised to sum to 1 where the model says so (`norm_topk_prob`; always for Mixtral). Each expert is a SwiGLU
@@ -8,6 +9,9 @@ gpt-oss differs in three places: the router has a bias and its softmax runs over
 activations' dtype); every expert projection has a bias; the gate is clamped, `(up + 1) * gate * sigmoid(alpha *
 gate)` with gate <= limit and |up| <= limit. Its checkpoint holds each layer's experts as stacked tensors, gate
 and up interleaved column by column: they are split into the fused [gate | up] layout here at load.
+
+DeepSeek-V3 routes by sigmoid scores in fp32 within the best groups of experts (`_route_grouped`) and adds shared
+experts every token takes.
 
 Cost: the experts run one after another, each over the rows that chose it (a gather, two GEMMs, a scatter-add),
 so a step pays one Python iteration and two small GEMMs per expert hit, and a decode step of a few tokens reads
