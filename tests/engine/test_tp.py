@@ -204,5 +204,8 @@ def test_expert_parallel_needs_the_tensor_parallel_degree(tmp_path):
     args = Namespace(mode="disagg", model=str(ck), tensor_parallel_size=1, prefill_tp=2, decode_tp=1,
                      expert_parallel_size=2)
     problem = check_tp_degrees(args)
-    assert problem is not None and "--expert-parallel-size 2 with --prefill-tp 2, --decode-tp 1" in problem.what
+    assert problem is not None and "--decode-ep 2 with --decode-tp 1" in problem.what
     assert check_tp_degrees(Namespace(**{**vars(args), "decode_tp": 2})) is None
+    assert check_tp_degrees(Namespace(**{**vars(args), "expert_parallel_size": None, "prefill_ep": 2})) is None
+    problem = check_tp_degrees(Namespace(**{**vars(args), "expert_parallel_size": None}))
+    assert problem is not None and "--prefill-tp 2" in problem.what and "not sharded" in problem.what
