@@ -188,3 +188,20 @@ def test_expert_tokens_count_what_transformers_router_chooses(tmp_path):
             for lg in logits]
     assert eng.stats().expert_tokens == want
     assert all(sum(row) == 2 * len(prompt) for row in want)
+
+
+def test_sink_attention_in_query_tiles_equals_float64(monkeypatch):
+    """sink_attention takes queries a tile at a time (memory); with tiles of 3 over 10 queries (a chunk after 4
+    cached tokens, GQA 4:2) it equals the softmax-with-sink computed whole in float64."""
+    from pdserve.engine import attention as A
+    monkeypatch.setattr(A, "SINK_QUERY_TILE", 3)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, n, t, 8, generator=g) for n, t in ((4, 10), (2, 14), (2, 14)))
+    sinks = torch.randn(4, generator=g)
+    mask = A.causal_mask(10, 14, None, "cpu")
+    got = A.sink_attention(q, k, v, mask, sinks, 0.3)
+    kk, vv = k.double().repeat_interleave(2, 1), v.double().repeat_interleave(2, 1)
+    s = (q.double() @ kk.transpose(-1, -2) * 0.3).masked_fill(~mask, float("-inf"))
+    e = torch.exp(s - s.amax(-1, keepdim=True))
+    ref = (e @ vv) / (e.sum(-1, keepdim=True) + torch.exp(sinks.double().view(1, 4, 1, 1) - s.amax(-1, keepdim=True)))
+    assert (got.double() - ref).abs().max() < 1e-5
