@@ -73,14 +73,40 @@ def make_checkpoint(out: Path, arch: str = "llama", *, vocab_size: int = 320, hi
         cfg = tf.MixtralConfig(**common, **{"num_local_experts": 4, "num_experts_per_tok": 2,
                                             "sliding_window": sliding_window, **arch_fields})
         cls = tf.MixtralForCausalLM
+    elif arch == "gpt_oss":
+        # YaRN over a short original context so that positions of the tests' prompts are really rescaled
+        rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
+        cfg = tf.GptOssConfig(**common, **{"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16,
+                                           "sliding_window": sliding_window or 6, "rope_parameters": rope,
+                                           # gpt-oss clamps at 7; this small model's gates rarely reach it
+                                           "swiglu_limit": 0.6,
+                                           **arch_fields})
+        cls = tf.GptOssForCausalLM
+    elif arch == "phi3":
+        cfg = tf.Phi3Config(**common, sliding_window=sliding_window, pad_token_id=0, **arch_fields)
+        cls = tf.Phi3ForCausalLM
+    elif arch == "deepseek_v3":
+        # MLA (q through its own low rank, a latent of 32 + 16 rope dims, values of 24), layer 0 dense, the rest
+        # 8 routed experts in 4 groups (best 2 groups, top 2 experts) plus one shared expert
+        cfg = tf.DeepseekV3Config(**{**common, "num_key_value_heads": heads}, **{
+            "moe_intermediate_size": 24, "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
+            "n_group": 4, "topk_group": 2, "first_k_dense_replace": 1, "kv_lora_rank": 32, "q_lora_rank": 48,
+            "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 24, **arch_fields})
+        cls = tf.DeepseekV3ForCausalLM
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
     model = cls(cfg).to(dtype)
     with torch.no_grad():  # random init is near-uniform; scale up so greedy choices are decisive
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() >= 2:  # transformers holds an MoE layer's experts as one [experts, out, in] tensor
                 p.normal_(0, 0.08)
+            elif arch == "gpt_oss" and not name.endswith("norm.weight"):  # biases and sinks init to 0: exercise them
+                p.normal_(0, 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek's router correction, zeros at init
+                b.normal_(0, 0.3)
     model.save_pretrained(out, safe_serialization=True, max_shard_size="100KB" if sharded else "10GB")
     make_tokenizer(out)
     return out

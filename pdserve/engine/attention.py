@@ -6,7 +6,7 @@ the strided view `kv[:, layer, 0|1]`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,7 @@ class DecodeGroup:
     rows: torch.Tensor  # [D] rows of the flat batch that are single-token decodes
     block_tables: torch.Tensor  # [D, max_blocks] (padded with block 0)
     bias: torch.Tensor  # [D, 1, 1, max_blocks * block_size] float: 0 = attend, -inf = masked
+    context_lens: torch.Tensor | None = None  # [D]: a layer with its own window builds its bias from them
 
 
 @dataclass
@@ -59,6 +60,8 @@ class AttentionMetadata:
     # CUDA, triton_attention.TritonAttention (the same two entry points).
     native_ops: object = None
     sliding_window: int | None = None
+    # Masks of layers with their own window (gpt-oss), built by the first such layer of a step, reused by the rest
+    layer_masks: dict = field(default_factory=dict)
 
 
 def causal_mask(q_len: int, context_len: int, sliding_window: int | None, device) -> torch.Tensor | None:
@@ -122,7 +125,10 @@ def paged_attention(
     layer: int,
     meta: AttentionMetadata,
     scale: float,
+    sinks: torch.Tensor | None = None,  # [H] a logit per query head in every softmax's denominator (gpt-oss)
+    window: int | None | str = "model",  # this layer's own window (None: full); "model": meta.sliding_window
 ) -> torch.Tensor:
+    """Sinks and per-layer windows take the torch path only (the runner builds no native metadata for them)."""
     # Write first: a token attends to its own key, and chunks attend to earlier chunks through the cache.
     write_kv(kv, layer, meta.slot_blocks, meta.slot_offsets, k, v, meta.native_ops)
     out = torch.empty_like(q)
@@ -141,15 +147,18 @@ def paged_attention(
             vs = gather_blocks(kv, layer, span.block_table, 1).flatten(0, 1)[:span.context_len]
         ks = ks.to(q.dtype).transpose(0, 1).unsqueeze(0)
         vs = vs.to(q.dtype).transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=span.mask, is_causal=span.mask is None, scale=scale,
-            enable_gqa=n_kv != q.shape[1])
+        mask = span.mask if window == "model" else _span_mask(meta, span, window)
+        if sinks is not None:
+            o = sink_attention(qs, ks, vs, mask, sinks, scale)
+        else:
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                               enable_gqa=n_kv != q.shape[1])
         out[span.start:span.start + span.q_len] = o.squeeze(0).transpose(0, 1)
     if meta.native_decode is not None:
         nd = meta.native_decode
         meta.native_ops.paged_decode_attention(out, q, kv, layer, nd.rows, nd.block_tables, nd.context_lens,
                                                scale, meta.sliding_window or 0)
-    for grp in meta.decodes:
+    for g, grp in enumerate(meta.decodes):
         # Single-query attention as two batched matmuls in the cache dtype (scores and softmax in fp32): on CPU
         # this is ~2.5x faster than SDPA, whose kernels tile for long queries and want the K/V converted.
         b, h, d = grp.rows.numel(), q.shape[1], q.shape[2]
@@ -158,7 +167,56 @@ def paged_attention(
         if is_quantized(kd.dtype):  # no matmul in fp8 on CPU: dequantize the gathered context
             kd, vd = kd.to(q.dtype), vd.to(q.dtype)
         qd = q[grp.rows].to(kd.dtype).view(b, n_kv, h // n_kv, d)  # query heads grouped by KV head
-        scores = torch.matmul(qd, kd.permute(0, 2, 3, 1)).float() * scale + grp.bias  # [B, KVH, group, S]
-        probs = torch.softmax(scores, dim=-1).to(vd.dtype)
+        bias = grp.bias if window == "model" else _group_bias(meta, g, grp, window)
+        scores = torch.matmul(qd, kd.permute(0, 2, 3, 1)).float() * scale + bias  # [B, KVH, group, S]
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1).to(vd.dtype)
+        else:  # the sink joins the denominator and is dropped: its "value" is zero
+            sink = sinks.float().view(1, n_kv, h // n_kv, 1).expand(b, -1, -1, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1].to(vd.dtype)
         out[grp.rows] = torch.matmul(probs, vd.transpose(1, 2)).reshape(b, h, d).to(q.dtype)
+    return out
+
+
+def _span_mask(meta: AttentionMetadata, span: PrefillSpan, window: int | None) -> torch.Tensor | None:
+    """A prefill span's mask for a layer with its own window (the model-wide window is None then)."""
+    if window is None:
+        return span.mask
+    key = ("prefill", span.start, window)
+    if key not in meta.layer_masks:
+        meta.layer_masks[key] = causal_mask(span.q_len, span.context_len, window, span.block_table.device)
+    return meta.layer_masks[key]
+
+
+def _group_bias(meta: AttentionMetadata, g: int, grp: DecodeGroup, window: int | None) -> torch.Tensor:
+    if window is None:
+        return grp.bias
+    key = ("decode", g, window)
+    if key not in meta.layer_masks:
+        meta.layer_masks[key] = decode_bias(grp.context_lens, grp.bias.shape[-1], window)
+    return meta.layer_masks[key]
+
+
+SINK_QUERY_TILE = 256  # query rows per pass of sink_attention: its fp32 scores are [H, tile, context]
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                   sinks: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention whose softmax has one more logit per head, `sinks[h]`, with no value (gpt-oss): q [1, H, q, D],
+    k/v [1, KVH, c, D], mask [q, c] bool or None (plain causal, q == c). Scores and softmax in fp32; the scores
+    are materialised, which SDPA avoids but cannot do with a sink, so queries go SINK_QUERY_TILE rows at a time
+    (64 heads over an 8k context: 0.5 GB of scores per tile rather than 4 GB for a 2048-token chunk)."""
+    h, n_kv, q_len, ctx = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
+    if n_kv != h:
+        k, v = k.repeat_interleave(h // n_kv, dim=1), v.repeat_interleave(h // n_kv, dim=1)
+    if mask is None:
+        mask = torch.ones(q_len, ctx, dtype=torch.bool, device=q.device).tril()
+    out = q.new_empty(*q.shape[:3], v.shape[-1])
+    sink = sinks.float().view(1, h, 1, 1)
+    for a in range(0, q_len, SINK_QUERY_TILE):
+        b = min(q_len, a + SINK_QUERY_TILE)
+        scores = torch.matmul(q[:, :, a:b], k.transpose(-1, -2)).float() * scale
+        scores.masked_fill_(~mask[a:b], float("-inf"))
+        probs = torch.softmax(torch.cat([scores, sink.expand(1, h, b - a, 1)], dim=-1), dim=-1)[..., :-1]
+        out[:, :, a:b] = torch.matmul(probs.to(v.dtype), v)
     return out

@@ -49,6 +49,32 @@ class ModelConfig:
     # Qwen3-MoE rounds the routing weights to the activations' dtype before scaling the experts' outputs; Mixtral
     # scales in fp32 and rounds the product (the two differ in bf16 only).
     round_router_weights: bool = False
+    # gpt-oss: the router has a bias and takes the top k of its logits before a softmax over those k (in the
+    # activations' dtype); experts carry biases and the clamped gate `(up + 1) * gate * sigmoid(alpha * gate)`.
+    moe_kind: str = "swiglu"  # swiglu | gpt_oss
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    # gpt-oss: one learned logit per query head joins each softmax's denominator (the "sink"), and `layer_windows`
+    # gives each layer its own window (None: full attention); empty: every layer uses `sliding_window`.
+    attention_sinks: bool = False
+    layer_windows: tuple[int | None, ...] = ()
+    # DeepSeek-V3: shared experts (`n_shared_experts` x moe_intermediate_size, always on) beside the routed ones,
+    # chosen by sigmoid scores plus a correction bias within the best `topk_group` of `n_group` groups.
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+    # KV layout kind: "mha" (per-head K and V) or "mla" (DeepSeek's latent attention, engine/mla.py). For "mla" the
+    # pool's num_kv_heads is 1 and head_dim is half of kv_lora_rank + qk_rope_head_dim: a token's K|V pair of one
+    # layer holds its compressed latent and its rotated shared key, nothing per head.
+    kv_layout: str = "mha"
+    q_lora_rank: int = 0  # 0: q projected directly
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # the rotary dimensions come as interleaved pairs (DeepSeek)
+    rope_dim: int = 0  # the rotated dimensions per head; 0: head_dim
 
     @property
     def max_model_len(self) -> int:
@@ -77,13 +103,20 @@ class ModelConfig:
             sliding = cfg.get("sliding_window")
             if arch.startswith("Qwen") and not cfg.get("use_sliding_window", False):
                 sliding = None
+            windows = _layer_windows(path, cfg, arch, sliding)
+            if windows:
+                sliding = None  # per layer instead (layer_windows)
+            partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
+            if partial != 1.0:  # Phi-4-mini's 0.75: RoPE on part of each head, which the kernels do not take
+                raise CheckpointError(f"{path}: partial_rotary_factor={partial} is not supported (RoPE over the whole "
+                                      f"head only)")
             if arch.startswith("Qwen3") and sliding:  # windows on the layers past max_window_layers only
                 raise CheckpointError(f"{path}: use_sliding_window is not supported for {arch} (per-layer windows)")
             dtype_name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
             gen = _generation_config(model_dir)
             eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
             eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-            return cls(
+            base = dict(
                 architecture=arch,
                 vocab_size=need("vocab_size"),
                 hidden_size=hidden,
@@ -105,8 +138,10 @@ class ModelConfig:
                 eos_token_ids=[int(e) for e in eos_ids],
                 bos_token_id=gen.get("bos_token_id", cfg.get("bos_token_id")),
                 qk_norm=arch.startswith("Qwen3"),
-                **_moe_fields(path, cfg, arch),
+                attention_sinks=arch == "GptOssForCausalLM",
+                layer_windows=windows,
             )
+            return cls(**{**base, **_moe_fields(path, cfg, arch), **_mla_fields(path, cfg, arch)})
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{path}: missing or invalid field {e}") from e
 
@@ -119,6 +154,35 @@ class ModelConfig:
         return h.hexdigest()
 
 
+def _layer_windows(path: Path, cfg: dict, arch: str, sliding) -> tuple[int | None, ...]:
+    """gpt-oss's `layer_types`: "sliding_attention" layers see the last `sliding_window` keys, the others all."""
+    if arch != "GptOssForCausalLM":
+        return ()
+    layers = need_int(path, cfg, "num_hidden_layers")
+    types = cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise CheckpointError(f"{path}: layer_types must name {layers} layers, each sliding_attention or "
+                              f"full_attention (got {types!r})")
+    if "sliding_attention" in types and not sliding:
+        raise CheckpointError(f"{path}: sliding_attention layers need a sliding_window")
+    return tuple(int(sliding) if t == "sliding_attention" else None for t in types)
+
+
+def _mla_fields(path: Path, cfg: dict, arch: str) -> dict:
+    """DeepSeek-V3's latent attention: the pool's shape (one latent per token, split over the K|V pair) and the
+    projections' dimensions. Multi-token-prediction layers (`num_nextn_predict_layers`, stored past the last
+    decoder layer) are not loaded, as transformers does not load them."""
+    if arch != "DeepseekV3ForCausalLM":
+        return {}
+    rank, rope = need_int(path, cfg, "kv_lora_rank"), need_int(path, cfg, "qk_rope_head_dim")
+    if (rank + rope) % 2:
+        raise CheckpointError(f"{path}: kv_lora_rank + qk_rope_head_dim must be even (the latent fills a K|V pair)")
+    return dict(kv_layout="mla", num_kv_heads=1, head_dim=(rank + rope) // 2, q_lora_rank=int(cfg.get("q_lora_rank") or 0),
+                kv_lora_rank=rank, qk_nope_head_dim=need_int(path, cfg, "qk_nope_head_dim"), qk_rope_head_dim=rope,
+                v_head_dim=need_int(path, cfg, "v_head_dim"), rope_interleave=bool(cfg.get("rope_interleave", True)),
+                rope_dim=rope, qkv_bias=False, o_bias=bool(cfg.get("attention_bias", False)))
+
+
 def _moe_fields(path: Path, cfg: dict, arch: str) -> dict:
     """The MoE fields of ModelConfig for a sparse architecture, read as transformers' config classes read them."""
     if arch not in MOE_ARCHITECTURES:
@@ -126,6 +190,20 @@ def _moe_fields(path: Path, cfg: dict, arch: str) -> dict:
     # Qwen3MoeConfig saves `num_experts` (older files) or `num_local_experts` (transformers >= 5), Mixtral the latter
     experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
     layers = need_int(path, cfg, "num_hidden_layers")
+    if arch == "GptOssForCausalLM":
+        return dict(num_experts=experts, num_experts_per_tok=need_int(path, cfg, "num_experts_per_tok"),
+                    moe_intermediate_size=need_int(path, cfg, "intermediate_size"), moe_layers=tuple(range(layers)),
+                    moe_kind="gpt_oss", swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+                    swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
+    if arch == "DeepseekV3ForCausalLM":  # DeepseekV3DecoderLayer: dense below first_k_dense_replace
+        first = int(cfg.get("first_k_dense_replace") or 0)
+        return dict(num_experts=int(cfg.get("n_routed_experts") or experts),
+                    num_experts_per_tok=need_int(path, cfg, "num_experts_per_tok"),
+                    moe_intermediate_size=need_int(path, cfg, "moe_intermediate_size"),
+                    moe_layers=tuple(range(first, layers)), norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                    moe_kind="deepseek", n_group=int(cfg.get("n_group") or 1), topk_group=int(cfg.get("topk_group") or 1),
+                    routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+                    n_shared_experts=int(cfg.get("n_shared_experts") or 0))
     if arch == "MixtralForCausalLM":
         return dict(num_experts=experts, num_experts_per_tok=need_int(path, cfg, "num_experts_per_tok"),
                     moe_intermediate_size=need_int(path, cfg, "intermediate_size"), moe_layers=tuple(range(layers)),
@@ -214,6 +292,9 @@ class EngineConfig:
     deterministic: bool = False
     # Ranks of tensor parallelism inside this engine (engine/tp/): one process each, rank 0 schedules.
     tensor_parallel_size: int = 1
+    # Expert parallelism: a mixture-of-experts model's routed experts split whole over the tensor-parallel ranks
+    # (attention stays tensor parallel); 1 or tensor_parallel_size.
+    expert_parallel_size: int = 1
     # Speculative decoding (spec_decode/): None | ngram (prompt lookup) | draft (`draft_model`, same tokenizer);
     # up to `num_speculative_tokens` candidates verified per decode step.
     speculative: str | None = None
@@ -255,6 +336,9 @@ class EngineConfig:
             raise ValueError(f"quantization={self.quantization!r} is not supported with tensor_parallel_size > 1")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.expert_parallel_size not in (1, self.tensor_parallel_size):
+            raise ValueError(f"expert_parallel_size={self.expert_parallel_size} must be 1 or tensor_parallel_size="
+                             f"{self.tensor_parallel_size}: experts are split over the tensor-parallel ranks")
         if self.speculative not in (None, "ngram", "draft"):
             raise ValueError(f"unknown speculative method {self.speculative!r} (ngram, draft)")
         if self.speculative and self.num_speculative_tokens < 1:

@@ -105,6 +105,7 @@ class Engine:
         self.runner = ModelRunner(model, self.kv_cache, native=config.native_kernels, attention=config.attention,
                                   cuda_graph_max_batch=config.max_num_seqs if config.cuda_graphs else 0,
                                   deterministic=config.deterministic)
+        model.reset_expert_tokens()  # the pool sizing's profiling forward routed no request's tokens
         self.sampler = Sampler(model_config.vocab_size, row_by_row=config.deterministic)
         self.sampler.native_ops = self.runner.native_ops
         self.info = EngineInfo(
@@ -138,7 +139,7 @@ class Engine:
         dtype = auto_dtype(mcfg.checkpoint_dtype, config.device) if config.dtype == "auto" else DTYPES[config.dtype]
         torch.manual_seed(config.seed)
         config.validate()
-        shard = shard_for(mcfg, 0, config.tensor_parallel_size)  # spec D08: refused before any rank starts
+        shard = shard_for(mcfg, 0, config.tensor_parallel_size, config.expert_parallel_size > 1)  # spec D08: refused before any rank starts
         group = None
         if config.tensor_parallel_size > 1:
             from pdserve.engine.tp.group import RankGroup
@@ -624,4 +625,5 @@ class Engine:
             preemptions=MappingProxyType(dict(self.scheduler.num_preemptions)),
             terminal=MappingProxyType(dict(self.terminal_counts)),
             tier=self.kv_offload.stats() if self.kv_offload is not None else None,
-            spec=self.spec.stats.snapshot() if self.spec is not None else None)
+            spec=self.spec.stats.snapshot() if self.spec is not None else None,
+            expert_tokens=self.runner.model.expert_tokens())

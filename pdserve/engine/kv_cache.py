@@ -46,7 +46,13 @@ class KVCache:
             "kv_head_start": self.shard.kv_heads.start if self.shard is not None else 0,
             "total_kv_heads": self.cfg.num_kv_heads,
             "kv_cache_dtype": self.kv_cache_dtype,
+            "kv_kind": self.cfg.kv_layout,
         }
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes one token holds in this pool, all layers (an MLA model: its latents)."""
+        return self.block_bytes // self.block_size
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Device-to-device block copies (copy-on-write of a shared tail)."""

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral) over a flat batch of tokens with
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, gpt-oss) over a flat batch of tokens with
 paged attention."""
 from __future__ import annotations
 
@@ -15,13 +15,14 @@ from pdserve.engine.cpu_isa import FP32_PACK_ENV, cpu_vendor, pack_fp32
 from pdserve.engine.decoder_stack import DecoderStacks
 from pdserve.engine.errors import CheckpointError
 from pdserve.engine.loader import take
+from pdserve.engine.mla import LatentAttention
 from pdserve.engine.moe import SparseMoE
 from pdserve.engine.quant import GEMV_COPY_MAX_ROWS
 from pdserve.engine.tp.shard import TPShard, shard_for
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    dim = cfg.head_dim
+    dim = cfg.rope_dim or cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     scaling = cfg.rope_scaling
     if not scaling:
@@ -41,7 +42,53 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled).float()
-    raise CheckpointError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+    if kind == "yarn":
+        if "original_max_position_embeddings" not in scaling:
+            raise CheckpointError("yarn rope scaling needs original_max_position_embeddings")
+        return yarn_inv_freq(inv_freq, dim, cfg.rope_theta, scaling, cfg.max_position_embeddings)
+    raise CheckpointError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, yarn)")
+
+
+def yarn_factor(scaling: dict, max_pos: int) -> float:
+    factor = scaling.get("factor")
+    return float(factor) if factor is not None else max_pos / float(scaling["original_max_position_embeddings"])
+
+
+def yarn_inv_freq(inv_freq: torch.Tensor, dim: int, base: float, scaling: dict, max_pos: int) -> torch.Tensor:
+    """YaRN (gpt-oss): low frequencies interpolated by `factor`, high ones kept, a linear ramp between the
+    dimensions that turn `beta_fast` and `beta_slow` times over the original context (transformers' formula)."""
+    factor = yarn_factor(scaling, max_pos)
+    old_len = float(scaling["original_max_position_embeddings"])
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(float(scaling.get("beta_fast") or 32)), correction_dim(float(scaling.get("beta_slow") or 1))
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # the share of the original (extrapolated) frequency
+    return (inv_freq / factor * (1 - keep) + inv_freq * keep).float()
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """The scale YaRN puts on cos and sin (1 for every other rope type)."""
+    scaling = cfg.rope_scaling or {}
+    if (scaling.get("rope_type") or scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor = yarn_factor(scaling, cfg.max_position_embeddings)
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(factor, float(scaling["mscale"])) / mscale(factor, float(scaling["mscale_all_dim"]))
+    return mscale(factor)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -129,10 +176,11 @@ def swiglu(gate_up: torch.Tensor, native_ops=None) -> torch.Tensor:
 class DecoderLayer(nn.Module):
     """With tensor parallelism (`shard` of N > 1 ranks, `comm` its group): qkv and gate/up are column-parallel
     (this rank's heads and intermediate slice), o and down row-parallel, each followed by one all-reduce.
-    `sparse`: the MLP is a mixture of experts (moe.py) instead of gate_up/down."""
+    `sparse`: the MLP is a mixture of experts (moe.py) instead of gate_up/down. `index`: this layer's place in
+    the stack, which picks its window where the model gives each layer its own (gpt-oss)."""
     native_ops = None  # the compiled CPU kernels, set by LlamaModel.use_native_ops
 
-    def __init__(self, cfg: ModelConfig, shard: TPShard, comm=None, sparse: bool = False):
+    def __init__(self, cfg: ModelConfig, shard: TPShard, comm=None, sparse: bool = False, index: int = 0):
         super().__init__()
         self.cfg = cfg
         self.comm = comm
@@ -141,13 +189,19 @@ class DecoderLayer(nn.Module):
         self.q_size, self.kv_size = self.num_heads * hd, self.num_kv_heads * hd
         inter = len(shard.inter)
         self.input_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.qkv = Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)  # q, k, v fused: one GEMM
-        self.o = Linear(self.q_size, h, bias=cfg.o_bias)
+        # DeepSeek's latent attention (mla.py) in place of the fused qkv and o
+        self.mla = LatentAttention(cfg, Linear, RMSNorm) if cfg.kv_layout == "mla" else None
+        mha = self.mla is None
+        self.qkv = Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias) if mha else None  # one GEMM
+        self.o = Linear(self.q_size, h, bias=cfg.o_bias) if mha else None
         self.post_norm = RMSNorm(h, cfg.rms_norm_eps)
         # q/k norms have one weight over head_dim, the same on every rank: tensor parallelism needs no slicing.
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.moe = SparseMoE(cfg, Linear) if sparse else None
+        # gpt-oss: a learned per-head logit in every softmax's denominator; MoE refuses TP, so all heads are here
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if cfg.attention_sinks else None
+        self.window = cfg.layer_windows[index] if cfg.layer_windows else "model"
+        self.moe = SparseMoE(cfg, Linear, shard.experts, shard.rank) if sparse else None
         self.gate_up = None if sparse else Linear(h, 2 * inter, bias=cfg.mlp_bias)
         self.down = None if sparse else Linear(inter, h, bias=cfg.mlp_bias)
 
@@ -155,12 +209,21 @@ class DecoderLayer(nn.Module):
     def stackable(self) -> bool:
         """Whether the native decoder stack (csrc/decoder_stack.cpp) computes this layer: it knows neither q/k norms
         nor experts."""
-        return self.q_norm is None and self.moe is None
+        return self.q_norm is None and self.moe is None and self.sinks is None and self.mla is None
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.comm is None else self.comm.all_reduce(x)
 
     def forward(self, x, cos, sin, kv, layer: int, meta: AttentionMetadata) -> torch.Tensor:
+        if self.mla is not None:
+            x = x + self.mla(self.input_norm(x), cos, sin, kv, layer, meta)
+        else:
+            x = x + self._attention(x, cos, sin, kv, layer, meta)
+        if self.moe is not None:  # with tensor parallelism: expert parallel, this rank's experts' share summed
+            return x + self._reduce(self.moe(self.post_norm(x)))
+        return x + self._reduce(self.down(swiglu(self.gate_up(self.post_norm(x)), self.native_ops)))
+
+    def _attention(self, x, cos, sin, kv, layer: int, meta: AttentionMetadata) -> torch.Tensor:
         cfg = self.cfg
         t = x.shape[0]
         qkv = self.qkv(self.input_norm(x))
@@ -176,11 +239,9 @@ class DecoderLayer(nn.Module):
         if self.native_ops is None:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.view(t, self.num_kv_heads, cfg.head_dim)
-        attn = paged_attention(q, k, v, kv, layer, meta, scale=cfg.head_dim ** -0.5)
-        x = x + self._reduce(self.o(attn.reshape(t, self.q_size)))
-        if self.moe is not None:  # refused with tensor parallelism (tp/shard.py): the experts are whole here
-            return x + self.moe(self.post_norm(x))
-        return x + self._reduce(self.down(swiglu(self.gate_up(self.post_norm(x)), self.native_ops)))
+        attn = paged_attention(q, k, v, kv, layer, meta, scale=cfg.head_dim ** -0.5, sinks=self.sinks,
+                               window=self.window)
+        return self._reduce(self.o(attn.reshape(t, self.q_size)))
 
 
 class LlamaModel(nn.Module):
@@ -192,11 +253,12 @@ class LlamaModel(nn.Module):
         self.shard = shard or shard_for(cfg)
         self.comm = comm
         self.embed = nn.Embedding(len(self.shard.vocab), cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.shard, comm, i in cfg.moe_layers)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.shard, comm, i in cfg.moe_layers, i)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, len(self.shard.vocab), bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.rope_scale = rope_attention_factor(cfg)
         self.weight_bytes = 0  # weight bytes held (set on load and by quantize; packing adds only kept GEMV copies)
         self.packed = False  # projections prepacked for oneDNN (pack_weights)
         self.dual_bytes = (0, 0)  # the bf16 and the fp32 copies' bytes of DualLinear projections (quant.py)
@@ -218,6 +280,17 @@ class LlamaModel(nn.Module):
             if isinstance(m, (DecoderLayer, RMSNorm, WeightOnlyLinear, Linear, SparseMoE)):
                 m.native_ops = ops
         self.stacks = DecoderStacks(self, ops) if ops is not None else None
+
+    def expert_tokens(self) -> list[list[int]] | None:
+        """Tokens routed to each expert of each MoE layer since start (or the last reset), one row per MoE layer;
+        None for a dense model."""
+        rows = [layer.moe.routed for layer in self.layers if layer.moe is not None]
+        return torch.stack(rows).tolist() if rows else None
+
+    def reset_expert_tokens(self) -> None:
+        for layer in self.layers:
+            if layer.moe is not None:
+                layer.moe.routed.zero_()
 
     def _forget_stacks(self) -> None:
         """The projections changed form: plans built over the old tensors would still compute with them."""
@@ -273,7 +346,10 @@ class LlamaModel(nn.Module):
         parallelism: gathered on rank 0, None on the other ranks)."""
         freqs = (positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)).unsqueeze(1)  # [T, 1, D/2]
         x = self._embed(input_ids)
-        cos, sin = freqs.cos().to(x.dtype), freqs.sin().to(x.dtype)
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.rope_scale != 1.0:  # YaRN: scaled in fp32 before the cast, as transformers does
+            cos, sin = cos * self.rope_scale, sin * self.rope_scale
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         t = input_ids.shape[0]
         stack = self.stacks.get(t, x.dtype) if self.stacks and self.stacks.applies(meta, t, kv, x) else None
         if stack is not None:
@@ -294,10 +370,10 @@ class LlamaModel(nn.Module):
         """Copy HF-named tensors in, fusing q/k/v and gate/up; every expected tensor must be present. Each rank
         takes its slice (`self.shard`); a row-parallel bias is added once, so only rank 0 holds it."""
         cfg, sh = self.cfg, self.shard
-        h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+        h, inter = cfg.hidden_size, cfg.intermediate_size
         dt = self.embed.weight.dtype
-        heads = slice(sh.heads.start * hd, sh.heads.stop * hd)
-        kv_heads = slice(sh.kv_heads.start * hd, sh.kv_heads.stop * hd)
+        if cfg.architecture == "Phi3ForCausalLM":
+            tensors = split_fused(cfg, tensors)
         cols = slice(sh.inter.start, sh.inter.stop)
 
         def put(param: torch.Tensor, value: torch.Tensor) -> None:
@@ -319,21 +395,12 @@ class LlamaModel(nn.Module):
             put_vocab(self.lm_head.weight, take(tensors, "lm_head.weight", (cfg.vocab_size, h)))
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            qw = take(tensors, p + "self_attn.q_proj.weight", (cfg.num_heads * hd, h))
-            kw = take(tensors, p + "self_attn.k_proj.weight", (cfg.num_kv_heads * hd, h))
-            vw = take(tensors, p + "self_attn.v_proj.weight", (cfg.num_kv_heads * hd, h))
-            put(layer.qkv.weight, torch.cat([qw[heads], kw[kv_heads], vw[kv_heads]]))
-            if cfg.qkv_bias:
-                qb, kb, vb = (take(tensors, p + f"self_attn.{n}_proj.bias") for n in "qkv")
-                put(layer.qkv.bias, torch.cat([qb[heads], kb[kv_heads], vb[kv_heads]]))
-            put(layer.o.weight, take(tensors, p + "self_attn.o_proj.weight", (h, cfg.num_heads * hd))[:, heads])
-            if cfg.o_bias:
-                row_bias(layer.o.bias, take(tensors, p + "self_attn.o_proj.bias"))
-            if cfg.qk_norm:
-                put(layer.q_norm.weight, take(tensors, p + "self_attn.q_norm.weight", (hd,)))
-                put(layer.k_norm.weight, take(tensors, p + "self_attn.k_norm.weight", (hd,)))
             put(layer.input_norm.weight, take(tensors, p + "input_layernorm.weight", (h,)))
             put(layer.post_norm.weight, take(tensors, p + "post_attention_layernorm.weight", (h,)))
+            if layer.mla is not None:
+                layer.mla.load(tensors, p + "self_attn.", put)
+            else:
+                self._load_attention(tensors, layer, p, put, row_bias)
             if layer.moe is not None:
                 layer.moe.load(tensors, p, cfg.architecture, put)
                 continue
@@ -346,3 +413,40 @@ class LlamaModel(nn.Module):
                                                    take(tensors, p + "mlp.up_proj.bias")[cols]]))
                 row_bias(layer.down.bias, take(tensors, p + "mlp.down_proj.bias"))
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.parameters())
+
+    def _load_attention(self, tensors: dict[str, torch.Tensor], layer: DecoderLayer, p: str, put, row_bias) -> None:
+        """q/k/v fused into qkv (this rank's heads), o, and what each architecture adds (biases, sinks, q/k norms)."""
+        cfg, sh = self.cfg, self.shard
+        h, hd = cfg.hidden_size, cfg.head_dim
+        heads = slice(sh.heads.start * hd, sh.heads.stop * hd)
+        kv_heads = slice(sh.kv_heads.start * hd, sh.kv_heads.stop * hd)
+        qw = take(tensors, p + "self_attn.q_proj.weight", (cfg.num_heads * hd, h))
+        kw = take(tensors, p + "self_attn.k_proj.weight", (cfg.num_kv_heads * hd, h))
+        vw = take(tensors, p + "self_attn.v_proj.weight", (cfg.num_kv_heads * hd, h))
+        put(layer.qkv.weight, torch.cat([qw[heads], kw[kv_heads], vw[kv_heads]]))
+        if cfg.qkv_bias:
+            qb, kb, vb = (take(tensors, p + f"self_attn.{n}_proj.bias") for n in "qkv")
+            put(layer.qkv.bias, torch.cat([qb[heads], kb[kv_heads], vb[kv_heads]]))
+        put(layer.o.weight, take(tensors, p + "self_attn.o_proj.weight", (h, cfg.num_heads * hd))[:, heads])
+        if cfg.o_bias:
+            row_bias(layer.o.bias, take(tensors, p + "self_attn.o_proj.bias"))
+        if layer.sinks is not None:
+            put(layer.sinks, take(tensors, p + "self_attn.sinks", (cfg.num_heads,))[sh.heads.start:sh.heads.stop])
+        if cfg.qk_norm:
+            put(layer.q_norm.weight, take(tensors, p + "self_attn.q_norm.weight", (hd,)))
+            put(layer.k_norm.weight, take(tensors, p + "self_attn.k_norm.weight", (hd,)))
+
+
+def split_fused(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Phi-3 stores each layer's q/k/v as one `qkv_proj` ([q | k | v] rows) and gate/up as one `gate_up_proj`
+    ([gate | up] rows): split into Llama's names so each rank slices its heads and columns as for Llama."""
+    out = dict(tensors)
+    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        qkv = take(tensors, p + "self_attn.qkv_proj.weight", (q + 2 * kv, cfg.hidden_size))
+        for name, part in zip(("q", "k", "v"), qkv.split([q, kv, kv])):
+            out[f"{p}self_attn.{name}_proj.weight"] = part
+        gate_up = take(tensors, p + "mlp.gate_up_proj.weight", (2 * inter, cfg.hidden_size))
+        out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate_up.split([inter, inter])
+    return out

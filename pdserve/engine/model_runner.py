@@ -93,7 +93,10 @@ class ModelRunner:
                 tile_projections(model)
         # The attention kernels that read the pool in place: the CPU module, or Triton on CUDA; None -> torch.
         use_triton = native and (attention == "triton" or (attention == "auto" and self.device.type == "cuda"))
-        if attention == "torch":
+        # Attention sinks and per-layer windows (gpt-oss) and latent attention (mla.py) exist in the torch path
+        # only: neither the CPU kernels nor Triton's take them.
+        cfg = model.cfg
+        if attention == "torch" or cfg.attention_sinks or cfg.layer_windows or cfg.kv_layout == "mla":
             self.attention_ops = None
         elif is_quantized(kv.data.dtype):
             # The compiled CPU kernels, the fused decoder stack and Triton read the pool in the compute dtype
@@ -233,7 +236,7 @@ class ModelRunner:
             groups.append(DecodeGroup(
                 rows=torch.tensor([rows[k] for k in idx], dtype=torch.long, device=self.device),
                 block_tables=padded_tables(group_tables, self.device),
-                bias=decode_bias(glens, width * bs, self.sliding_window)))
+                bias=decode_bias(glens, width * bs, self.sliding_window), context_lens=glens))
         return groups
 
     def execute(self, batch: list[ScheduledSeq], prompt_logits: set[int] = frozenset()):

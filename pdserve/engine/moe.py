@@ -1,13 +1,22 @@
-"""The sparse mixture-of-experts MLP of Qwen3-MoE and Mixtral, computed as transformers computes it.
+"""The sparse mixture-of-experts MLP of Qwen3-MoE, Mixtral, gpt-oss and DeepSeek-V3, computed as transformers
+computes it.
 
 A router scores every expert per token; the softmax (fp32) of those scores picks the top k, whose weights are
 renormalised to sum to 1 where the model says so (`norm_topk_prob`; always for Mixtral). Each expert is a SwiGLU
 MLP (fused gate/up, then down) and a token's output is the weighted sum of its k experts' outputs.
 
+gpt-oss differs in three places: the router has a bias and its softmax runs over the k chosen logits only (in the
+activations' dtype); every expert projection has a bias; the gate is clamped, `(up + 1) * gate * sigmoid(alpha *
+gate)` with gate <= limit and |up| <= limit. Its checkpoint holds each layer's experts as stacked tensors, gate
+and up interleaved column by column: they are split into the fused [gate | up] layout here at load.
+
+DeepSeek-V3 routes by sigmoid scores in fp32 within the best groups of experts (`_route_grouped`) and adds shared
+experts every token takes.
+
 Cost: the experts run one after another, each over the rows that chose it (a gather, two GEMMs, a scatter-add),
 so a step pays one Python iteration and two small GEMMs per expert hit, and a decode step of a few tokens reads
 only the experts those tokens chose. That is correct and simple, not fast: a grouped GEMM over all experts in one
-native call is what a fast path would add. All experts live in this process (no expert parallelism).
+native call is what a fast path would add. With expert parallelism a rank holds a range of the experts (tp/shard.py).
 """
 from __future__ import annotations
 
@@ -22,55 +31,147 @@ from pdserve.engine.loader import take
 CHECKPOINT_NAMES = {
     "Qwen3MoeForCausalLM": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
     "MixtralForCausalLM": ("block_sparse_moe", "gate", "w1", "w3", "w2"),
+    "DeepseekV3ForCausalLM": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
 }
+
+
+def clamped_glu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert activation over the fused [gate | up] projection."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 class SparseMoE(nn.Module):
     native_ops = None  # the compiled CPU kernels (silu(gate) * up), set by LlamaModel.use_native_ops
     row_tile: int | None = None  # deterministic mode: the router's GEMM in fixed row tiles (batch_invariant.py)
 
-    def __init__(self, cfg: ModelConfig, linear: type[nn.Linear]):
-        """`linear`: the model's projection class, so packing and weight-only quantization reach the experts."""
+    def __init__(self, cfg: ModelConfig, linear: type[nn.Linear], experts: range | None = None, rank: int = 0):
+        """`linear`: the model's projection class, so packing and weight-only quantization reach the experts.
+        `experts`: the routed experts this rank holds (expert parallelism; default all); its output is then this
+        rank's share, summed over the ranks by the layer's all-reduce. The shared experts run on rank 0 only."""
         super().__init__()
+        self.experts = experts if experts is not None else range(cfg.num_experts)
+        # Tokens routed to each expert (all experts, held here or not: the router sees every token on every rank),
+        # since start: the load balance the worker exports. A scatter-add, no host sync (CUDA-graph safe).
+        self.register_buffer("routed", torch.zeros(cfg.num_experts, dtype=torch.long), persistent=False)
         h, inter = cfg.hidden_size, cfg.moe_intermediate_size
         self.top_k = cfg.num_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob
         self.round_router_weights = cfg.round_router_weights
         # A plain weight, not a `linear`: quantizing the router would change which experts tokens reach.
         self.router = nn.Parameter(torch.empty(cfg.num_experts, h))
-        self.gate_up = nn.ModuleList(linear(h, 2 * inter, bias=False) for _ in range(cfg.num_experts))
-        self.down = nn.ModuleList(linear(inter, h, bias=False) for _ in range(cfg.num_experts))
+        self.gpt_oss = cfg.moe_kind == "gpt_oss"
+        self.deepseek = cfg.moe_kind == "deepseek"
+        self.router_bias = nn.Parameter(torch.zeros(cfg.num_experts)) if self.gpt_oss else None
+        # DeepSeek: added to the sigmoid scores for choosing only (not to the weights); groups of experts
+        self.score_bias = nn.Parameter(torch.zeros(cfg.num_experts)) if self.deepseek else None
+        self.n_group, self.topk_group, self.scaling = cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor
+        shared = cfg.moe_intermediate_size * cfg.n_shared_experts if rank == 0 else 0
+        self.shared_gate_up = linear(h, 2 * shared, bias=False) if shared else None
+        self.shared_down = linear(shared, h, bias=False) if shared else None
+        self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
+        bias = self.gpt_oss
+        self.gate_up = nn.ModuleList(linear(h, 2 * inter, bias=bias) for _ in self.experts)
+        self.down = nn.ModuleList(linear(inter, h, bias=bias) for _ in self.experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from pdserve.engine.model import swiglu
+        weight, bias, inp = self.router, self.router_bias, x
+        if self.deepseek:  # its router computes in fp32 whatever the model's dtype
+            weight, inp = weight.float(), x.float()
         if self.row_tile:
             from pdserve.engine.batch_invariant import in_tiles
-            scores = in_tiles(lambda t: F.linear(t, self.router), x, self.row_tile)
+            scores = in_tiles(lambda t: F.linear(t, weight, bias), inp, self.row_tile)
         else:
-            scores = F.linear(x, self.router)
+            scores = F.linear(inp, weight, bias)
+        weights, chosen = self._route(scores, x.dtype)  # [T, k] each
+        out = torch.zeros_like(x)
+        first, held = self.experts.start, len(self.experts)
+        ids = chosen.flatten()
+        self.routed.scatter_add_(0, ids, torch.ones_like(ids))
+        mine = ids[(ids >= first) & (ids < first + held)] - first  # the chosen experts this rank holds
+        for e in torch.bincount(mine, minlength=held).nonzero().flatten().tolist():
+            rows, slot = torch.where(chosen == first + e)
+            gate_up = self.gate_up[e](x[rows])
+            act = clamped_glu(gate_up, self.alpha, self.limit) if self.gpt_oss else swiglu(gate_up, self.native_ops)
+            y = self.down[e](act)
+            out.index_add_(0, rows, (y * weights[rows, slot, None]).to(out.dtype))
+        if self.shared_gate_up is not None:  # DeepSeek's shared experts: one dense SwiGLU MLP every token takes
+            out = out + self.shared_down(swiglu(self.shared_gate_up(x), self.native_ops))
+        return out
+
+    def _route(self, scores: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, chosen experts) per token."""
+        if self.gpt_oss:  # top k of the logits, softmax over those k in the activations' dtype
+            top, chosen = scores.topk(self.top_k, dim=-1)
+            return torch.softmax(top, dim=-1, dtype=top.dtype), chosen
+        if self.deepseek:
+            return self._route_grouped(scores)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
-        weights, chosen = probs.topk(self.top_k, dim=-1)  # [T, k] each
+        weights, chosen = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if self.round_router_weights:
-            weights = weights.to(x.dtype)
-        out = torch.zeros_like(x)
-        hits = torch.bincount(chosen.flatten(), minlength=len(self.gate_up))
-        for e in hits.nonzero().flatten().tolist():
-            rows, slot = torch.where(chosen == e)
-            y = self.down[e](swiglu(self.gate_up[e](x[rows]), self.native_ops))
-            out.index_add_(0, rows, (y * weights[rows, slot, None]).to(out.dtype))
-        return out
+            weights = weights.to(dtype)
+        return weights, chosen
+
+    def _route_grouped(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek-V3 (noaux_tc): sigmoid scores; the experts are split into n_group groups ranked by the sum of
+        their two best bias-corrected scores; the top k experts of the best topk_group groups are chosen; their
+        uncorrected scores, renormalised (norm_topk_prob) and times routed_scaling_factor, are the weights."""
+        scores = logits.sigmoid()
+        choice = scores + self.score_bias.float()
+        t, n = choice.shape
+        group_scores = choice.view(t, self.n_group, n // self.n_group).topk(2, dim=-1)[0].sum(dim=-1)
+        groups = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores).scatter_(1, groups, 1).bool()
+        keep = keep.unsqueeze(-1).expand(-1, -1, n // self.n_group).reshape(t, n)
+        chosen = choice.masked_fill(~keep, float("-inf")).topk(self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, chosen)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, chosen
 
     def load(self, tensors: dict[str, torch.Tensor], layer: str, arch: str, put) -> None:
         """Copy layer `layer`'s ("model.layers.{i}.") router and experts in, fusing each expert's gate and up."""
+        if self.gpt_oss:
+            self._load_stacked(tensors, f"{layer}mlp.", put)
+            return
         block, router, gate, up, down = CHECKPOINT_NAMES[arch]
         p = f"{layer}{block}."
+        n_all = self.router.shape[0]
         h = self.router.shape[1]
         inter = self.down[0].in_features
         put(self.router, take(tensors, f"{p}{router}.weight", tuple(self.router.shape)))
-        for e, (gate_up, down_proj) in enumerate(zip(self.gate_up, self.down)):
+        for e, gate_up, down_proj in zip(self.experts, self.gate_up, self.down):
             g = take(tensors, f"{p}experts.{e}.{gate}.weight", (inter, h))
             u = take(tensors, f"{p}experts.{e}.{up}.weight", (inter, h))
             put(gate_up.weight, torch.cat([g, u]))
             put(down_proj.weight, take(tensors, f"{p}experts.{e}.{down}.weight", (h, inter)))
+        if self.deepseek:  # router and correction kept in fp32 whatever the model's dtype, as transformers keeps them
+            self.router.data = take(tensors, f"{p}{router}.weight", tuple(self.router.shape)).float()
+            self.score_bias.data = take(tensors, f"{p}{router}.e_score_correction_bias", (n_all,)).float()
+        if self.shared_gate_up is not None:
+            shared = self.shared_down.in_features
+            g = take(tensors, f"{p}shared_experts.gate_proj.weight", (shared, h))
+            u = take(tensors, f"{p}shared_experts.up_proj.weight", (shared, h))
+            put(self.shared_gate_up.weight, torch.cat([g, u]))
+            put(self.shared_down.weight, take(tensors, f"{p}shared_experts.down_proj.weight", (h, shared)))
+
+    def _load_stacked(self, tensors: dict[str, torch.Tensor], p: str, put) -> None:
+        """gpt-oss: router weight and bias; experts as [E, h, 2I] (gate, up interleaved) and [E, I, h], biases."""
+        n, h = self.router.shape
+        inter = self.down[0].in_features
+        put(self.router, take(tensors, f"{p}router.weight", (n, h)))
+        put(self.router_bias, take(tensors, f"{p}router.bias", (n,)))
+        gate_up = take(tensors, f"{p}experts.gate_up_proj", (n, h, 2 * inter))
+        gate_up_bias = take(tensors, f"{p}experts.gate_up_proj_bias", (n, 2 * inter))
+        down = take(tensors, f"{p}experts.down_proj", (n, inter, h))
+        down_bias = take(tensors, f"{p}experts.down_proj_bias", (n, h))
+        for i, e in enumerate(self.experts):
+            put(self.gate_up[i].weight, torch.cat([gate_up[e][:, 0::2].t(), gate_up[e][:, 1::2].t()]))
+            put(self.gate_up[i].bias, torch.cat([gate_up_bias[e][0::2], gate_up_bias[e][1::2]]))
+            put(self.down[i].weight, down[e].t())
+            put(self.down[i].bias, down_bias[e])

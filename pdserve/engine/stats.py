@@ -32,3 +32,5 @@ class EngineStats:
     terminal: Mapping[str, int] = field(default_factory=lambda: _EMPTY)  # lifetime requests per terminal state
     tier: TierStats | None = None  # the host / disk KV tier, when configured
     spec: SpecStats | None = None  # speculative decoding (a copy), when configured
+    # MoE models: tokens routed to each expert since start, one row per MoE layer (LlamaModel.expert_tokens)
+    expert_tokens: list[list[int]] | None = None

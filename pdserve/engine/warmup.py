@@ -72,5 +72,6 @@ def warm_up(engine, largest: int | None = None) -> WarmupReport:
         params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_p=0.9, seed=0)]
         states = [SamplingState(p, [1], vocab, [], None, 0) for p in params]
         engine.sampler.sample(logits[:1].expand(2, -1).contiguous().cpu(), states)
+    engine.runner.model.reset_expert_tokens()  # not requests: leave the expert load statistics alone
     report.seconds = time.perf_counter() - t0
     return report

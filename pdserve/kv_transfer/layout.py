@@ -18,7 +18,9 @@ KV_PROTOCOL_VERSION = 2
 
 # Fields that must match for a head's KV copied byte-for-byte to mean the same thing on the other side (the
 # head count is the model's, total_kv_heads; each pool's own share may differ between TP degrees).
-COMPAT_FIELDS = ("kv_cache_dtype", "fingerprint", "block_size", "dtype", "num_layers", "total_kv_heads", "head_dim")
+COMPAT_FIELDS = ("kv_kind", "kv_cache_dtype", "fingerprint", "block_size", "dtype", "num_layers", "total_kv_heads",
+                 "head_dim")
+KV_KINDS = {"mha": "per-head K and V", "mla": "one compressed latent per token (multi-head latent attention)"}
 
 
 class KVLayoutMismatch(ValueError):
@@ -27,6 +29,9 @@ class KVLayoutMismatch(ValueError):
     def __init__(self, mismatches: dict[str, tuple[object, object]]):
         self.mismatches = mismatches
         parts = [f"{k}: local={a!r} remote={b!r}" for k, (a, b) in mismatches.items()]
+        if "kv_kind" in mismatches:  # the two pools do not even hold the same kind of entry per token
+            a, b = mismatches["kv_kind"]
+            parts[0] += f" (local holds {KV_KINDS.get(a, a)}, remote {KV_KINDS.get(b, b)})"
         hint = "; start prefill and decode workers with the same --kv-cache-dtype" if "kv_cache_dtype" in mismatches \
             else ""
         super().__init__("KV layout mismatch between workers (" + "; ".join(parts) + ")" + hint)
@@ -47,8 +52,11 @@ class KVLayout:
     total_kv_heads: int = 0  # the model's KV heads; 0 (a layout from before TP) = num_kv_heads
     # --kv-cache-dtype (engine/kv_quant.py): how the K/V values were stored; "" (a peer from before) = "auto"
     kv_cache_dtype: str = "auto"
+    kv_kind: str = "mha"  # KV_KINDS; "" (a peer from before the field) = "mha"
 
     def __post_init__(self):  # proto3 zeros (a peer from before TP) mean "no tensor parallelism"
+        if not self.kv_kind:
+            object.__setattr__(self, "kv_kind", "mha")
         if not self.tp_size:
             object.__setattr__(self, "tp_size", 1)
         if not self.total_kv_heads:

@@ -178,23 +178,32 @@ def check_tp_degrees(args) -> Problem | None:
     engine/tp/shard.py), said before any worker loads. The pools may differ (KV moves head slice by head slice
     between TP degrees: kv_transfer/tp_plan.py)."""
     base = getattr(args, "tensor_parallel_size", None) or 1
-    if args.mode in ("auto", "disagg"):
-        degrees = {"--prefill-tp": getattr(args, "prefill_tp", None) or base,
-                   "--decode-tp": getattr(args, "decode_tp", None) or base}
+    ep_base = getattr(args, "expert_parallel_size", None) or 1
+    if args.mode in ("auto", "disagg"):  # per pool: (TP flag, TP degree, EP flag, EP degree)
+        pools = [("--prefill-tp", getattr(args, "prefill_tp", None) or base,
+                  "--prefill-ep", getattr(args, "prefill_ep", None) or ep_base),
+                 ("--decode-tp", getattr(args, "decode_tp", None) or base,
+                  "--decode-ep", getattr(args, "decode_ep", None) or ep_base)]
     else:
-        degrees = {"--tensor-parallel-size": base}
-    degrees = {k: v for k, v in degrees.items() if v > 1}
+        pools = [("--tensor-parallel-size", base, "--expert-parallel-size", ep_base)]
+    for flag, n, ep_flag, ep in pools:
+        if ep not in (1, n):
+            return Problem(f"{ep_flag} {ep} with {flag} {n}: experts are split over a worker's tensor-parallel "
+                           f"ranks, so a pool's expert parallel size is 1 or its tensor parallel size",
+                           f"give that pool {ep} ranks, or {ep_flag} 1")
+    degrees = {flag: (n, ep > 1) for flag, n, _, ep in pools if n > 1}
     if not degrees:
         return None
     from pdserve.engine.checkpoint import read_config, resolve_model_dir
     from pdserve.engine.errors import CheckpointError
     from pdserve.engine.tp.shard import check_tp
-    for flag, n in degrees.items():
+    for flag, (n, expert_parallel) in degrees.items():
         try:
             _, cfg, _ = read_config(resolve_model_dir(args.model))
             heads = int(cfg["num_attention_heads"])
-            experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
-            check_tp(heads, int(cfg.get("num_key_value_heads") or heads), int(cfg["intermediate_size"]), n, experts)
+            experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0)
+            check_tp(heads, int(cfg.get("num_key_value_heads") or heads), int(cfg["intermediate_size"]), n, experts,
+                     expert_parallel)
         except CheckpointError as e:
             return Problem(f"{flag} {n}: {e}", "choose a size the model's heads divide by (spec D08), 1 for an MoE "
                            "model")

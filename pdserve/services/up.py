@@ -184,7 +184,7 @@ def up(args, start_planner: StartPlanner | None = None) -> int:
             return 1
         common = _common_flags(args)
         # every engine flag given, as given (cli_flags.ENGINE_FLAGS); the TP degree is per role, below
-        eng = engine_argv(args, skip=("tensor_parallel_size",))
+        eng = engine_argv(args, skip=("tensor_parallel_size", "expert_parallel_size"))
         routers = []  # active-active: each reads the registry and the KV events itself; the gateway fails over
         for i in range(args.routers):
             rt_port, rt_metrics = free_port(), free_port()
@@ -200,6 +200,8 @@ def up(args, start_planner: StartPlanner | None = None) -> int:
             else ["both"] * args.workers
         tp = {"prefill": args.prefill_tp, "decode": args.decode_tp}
         tp = {r: tp.get(r) or args.tensor_parallel_size or 1 for r in set(roles)}
+        ep = {"prefill": getattr(args, "prefill_ep", None), "decode": getattr(args, "decode_ep", None)}
+        ep = {r: ep.get(r) or args.expert_parallel_size or 1 for r in set(roles)}
         if not args.threads:  # split the host's cores between the ranks rather than oversubscribe them
             eng += ["--threads", str(max(1, (os.cpu_count() or 1) // max(1, sum(tp[r] for r in roles))))]
         if (args.device or "cpu") == "cpu":
@@ -210,7 +212,8 @@ def up(args, start_planner: StartPlanner | None = None) -> int:
             i, port, mport = next(started), free_port(), free_port()
             wid = f"{role}-{i}-{port}"
             return d.start(wid, [*pdserve, "worker", *common, *eng, "--role", role,
-                                 "--tensor-parallel-size", str(tp[role]), "--port", str(port), "--worker-id", wid,
+                                 "--tensor-parallel-size", str(tp[role]), "--expert-parallel-size", str(ep[role]),
+                                 "--port", str(port), "--worker-id", wid,
                                  "--redis-url", redis_url, "--metrics-port", str(mport),
                                  "--heartbeat-ttl", str(args.heartbeat_ttl), "--lease-ttl", str(args.lease_ttl),
                                  *_grammar_flags(args, worker=True)],

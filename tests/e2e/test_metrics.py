@@ -44,7 +44,8 @@ WORKER = {
     "pdserve_spec_emitted_tokens", "pdserve_spec_acceptance_rate", "pdserve_spec_mean_accepted_length",
     "pdserve_prefix_cache_queries", "pdserve_prefix_cache_hits", "pdserve_prefix_hit_ratio", "pdserve_num_running",
     "pdserve_num_waiting", "pdserve_requests_in_state", "pdserve_request_state_entries", "pdserve_engine_info",
-    "pdserve_worker_ready_seconds", "pdserve_grammar_compile_seconds", "pdserve_grammar_cache_bytes"}
+    "pdserve_worker_ready_seconds", "pdserve_grammar_compile_seconds", "pdserve_grammar_cache_bytes",
+    "pdserve_moe_expert_tokens", "pdserve_moe_expert_imbalance"}
 
 # vLLM's name -> (pdserve's family, owner, labels selecting the native samples): the table in docs/metrics.md
 ALIASES = {

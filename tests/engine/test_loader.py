@@ -34,7 +34,9 @@ def edit_config(d, **changes):
     (lambda d: (d / "tokenizer.json").unlink(), "missing tokenizer.json"),
     (lambda d: (d / "tokenizer.json").write_text("[]"), "malformed tokenizer.json"),
     (lambda d: edit_config(d, num_hidden_layers=3), "model.layers.2"),
-    (lambda d: edit_config(d, rope_parameters={"rope_type": "yarn", "factor": 2.0}), "unsupported rope"),
+    (lambda d: edit_config(d, rope_parameters={"rope_type": "longrope", "factor": 2.0}), "unsupported rope"),
+    (lambda d: edit_config(d, rope_parameters={"rope_type": "yarn", "factor": 2.0}),
+     "yarn rope scaling needs original_max_position_embeddings"),
 ])
 def test_clear_errors(ckpt, breakage, message):
     breakage(ckpt)

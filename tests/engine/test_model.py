@@ -30,6 +30,14 @@ VARIANTS = {
     # layer 1 sparse by decoder_sparse_step=2, raw softmax weights; top 3 of 6 experts
     "qwen3-moe-sparse-step-2": dict(arch="qwen3_moe", decoder_sparse_step=2, num_experts=6, num_experts_per_tok=3),
     "mixtral": dict(arch="mixtral"),
+    # attention sinks, windowed layers 0 and 2 (window 6) and full layers 1 and 3, YaRN rope, biased router and
+    # experts with the clamped gate
+    "gpt-oss": dict(arch="gpt_oss", layers=4),
+    # fused qkv_proj and gate_up_proj in the checkpoint; with Mistral's one window for every layer
+    "phi3": dict(arch="phi3"),
+    "phi3-sliding-window-8": dict(arch="phi3", sliding_window=8),
+    # latent attention with interleaved rope, a dense layer then 2 MoE layers (grouped router, shared expert)
+    "deepseek-v3": dict(arch="deepseek_v3", layers=3),
 }
 
 

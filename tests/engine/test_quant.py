@@ -404,3 +404,26 @@ def test_batch1_gemv_copies_yield_to_host_memory(ckpt, monkeypatch, caplog):
         engine = Engine.from_pretrained(ckpt, EngineConfig(num_gpu_blocks=16, block_size=4, dtype="bfloat16"))
     assert engine.info.linear == "onednn" and engine.runner.model.gemv_bytes == 0
     assert "not keeping plain copies" in caplog.text
+
+
+def test_int8_reaches_the_experts_and_greedy_equals_dequantized_reference(tmp_path):
+    """Mixtral under --quantization int8: every expert's fused gate/up and down are int8 (per output row, as the
+    dense projections), the router stays in the compute dtype (a quantized router would change which experts a
+    token reaches); greedy tokens equal transformers' with the same weights dequantized (float32), experts
+    included, router not."""
+    from pdserve.engine.quant import WeightOnlyLinear
+    ck = make_checkpoint(tmp_path / "mx", "mixtral")
+    engine = Engine.from_pretrained(ck, EngineConfig(num_gpu_blocks=64, block_size=4, quantization="int8"))
+    moe = engine.runner.model.layers[0].moe
+    assert all(isinstance(m, WeightOnlyLinear) for m in [*moe.gate_up, *moe.down])
+    assert moe.router.dtype == torch.float32
+    hf = _fake_quant_hf(ck, torch.float32)  # transformers' grouped expert GEMM takes no float64
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [experts, out, in]
+                for e in range(p.shape[0]):
+                    q, s = ref_quantize(p[e].float())
+                    p[e].copy_((q * s[:, None]).to(p.dtype))
+    outs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.outputs[0].token_ids == _hf_greedy(hf, prompt, 10), prompt

@@ -23,6 +23,7 @@ VARIANTS = {
     "qwen2-qkv-bias": dict(arch="qwen2", kv_heads=2),
     "llama-tied-odd-vocab": dict(arch="llama", tie=True, vocab_size=321),  # vocab split unevenly (padded)
     "qwen3-qk-norm": dict(arch="qwen3", kv_heads=2, head_dim=32),  # the q/k norm weights held whole by each rank
+    "phi3-fused": dict(arch="phi3", kv_heads=2),  # fused qkv_proj / gate_up_proj split, then sliced per rank
 }
 
 
@@ -171,3 +172,40 @@ def test_bf16_native_kernels_per_rank_heads_close_to_fp32(tiny_llama, tp2):
     greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     # smoke only: decode steps through the native decode kernel on per-rank heads run to the end
     assert [len(o.outputs[0].token_ids) for o in e16.generate(PROMPTS[:2], greedy)] == [4, 4]
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "deepseek_v3"])
+def test_expert_parallel_2_equals_one_rank_and_transformers(tmp_path, tp2, arch):
+    """--expert-parallel-size 2 with 2 tensor-parallel ranks: each rank holds half the routed experts whole (and
+    its heads; DeepSeek's latent attention and shared expert whole on each rank / rank 0), the partial expert
+    outputs are summed by the layer's all-reduce. Greedy tokens equal one rank's and transformers'; prompt
+    logprobs within the fp32 tolerance. 4 experts (gpt-oss) or 8 (DeepSeek): 2 or 4 per rank."""
+    ck = make_checkpoint(tmp_path / arch, arch, kv_heads=2)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    e2 = tp2(ck, expert_parallel_size=2)
+    layer = next(m for m in e2.runner.model.layers if m.moe is not None)
+    assert len(layer.moe.gate_up) == layer.moe.router.shape[0] // 2 and layer.moe.experts.start == 0
+    ours = [o.outputs[0].token_ids for o in e2.generate(PROMPTS, greedy)]
+    assert ours == hf_greedy(ck, PROMPTS, 8)
+    e1 = Engine.from_pretrained(ck, config(1))
+    assert ours == [o.outputs[0].token_ids for o in e1.generate(PROMPTS, greedy)]
+    lp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    a, b = e2.generate([PROMPTS[2]], lp)[0].prompt_logprobs, e1.generate([PROMPTS[2]], lp)[0].prompt_logprobs
+    assert max(abs(x.logprob - y.logprob) for x, y in zip(a[1:], b[1:])) <= 2e-4
+
+
+def test_expert_parallel_needs_the_tensor_parallel_degree(tmp_path):
+    ck = make_checkpoint(tmp_path / "mx", "mixtral")
+    with pytest.raises(ValueError, match="expert_parallel_size=2 must be 1 or tensor_parallel_size=1"):
+        Engine.from_pretrained(ck, EngineConfig(expert_parallel_size=2))
+    from argparse import Namespace
+
+    from pdserve.services.preflight import check_tp_degrees
+    args = Namespace(mode="disagg", model=str(ck), tensor_parallel_size=1, prefill_tp=2, decode_tp=1,
+                     expert_parallel_size=2)
+    problem = check_tp_degrees(args)
+    assert problem is not None and "--decode-ep 2 with --decode-tp 1" in problem.what
+    assert check_tp_degrees(Namespace(**{**vars(args), "decode_tp": 2})) is None
+    assert check_tp_degrees(Namespace(**{**vars(args), "expert_parallel_size": None, "prefill_ep": 2})) is None
+    problem = check_tp_degrees(Namespace(**{**vars(args), "expert_parallel_size": None}))
+    assert problem is not None and "--prefill-tp 2" in problem.what and "not sharded" in problem.what

@@ -25,3 +25,11 @@ def test_tensor_parallel_size_sets_ranks_and_gpus_per_pod():
     args, res = _worker(c[f"{FULL}-worker"])
     assert args[args.index("--tensor-parallel-size") + 1] == "2"
     assert "nvidia.com/gpu" not in str(res)
+
+
+def test_expert_parallel_size_is_passed_per_pool():
+    d = by_kind(objects({"prefill": {"tensorParallelSize": 2, "expertParallelSize": 2}}), "Deployment")
+    args, _ = _worker(d[f"{FULL}-prefill"])
+    assert args[args.index("--expert-parallel-size") + 1] == "2"
+    args, _ = _worker(d[f"{FULL}-decode"])
+    assert "--expert-parallel-size" not in args  # the default: 1, no flag

@@ -113,7 +113,7 @@ def test_layout_mismatch_names_each_field(peer, owned):
 
 @pytest.mark.parametrize("field,val", [("fingerprint", "x"), ("block_size", 32), ("dtype", "bfloat16"),
                                        ("num_layers", 3), ("num_kv_heads", 1), ("head_dim", 64),
-                                       ("kv_cache_dtype", "fp8_e4m3")])
+                                       ("kv_cache_dtype", "fp8_e4m3"), ("kv_kind", "mla")])
 def test_check_compatible_each_field(field, val):
     a = KVLayout.from_dict(_peer.layout())
     b = KVLayout.from_dict({**_peer.layout(), field: val})
@@ -130,6 +130,19 @@ def test_kv_cache_dtype_mismatch_is_refused_across_processes(peer, owned):
     with pytest.raises(KVLayoutMismatch) as e:
         agent.read_blocks(region, [0], [0])
     assert "kv_cache_dtype: local='auto' remote='fp8_e4m3'" in str(e.value) and "--kv-cache-dtype" in str(e.value)
+
+
+def test_latent_and_per_head_pools_refuse_each_other_by_kind():
+    """An MLA pool (one latent per token) against a per-head K/V pool: refused naming what each side holds, even
+    where every size happens to agree; a peer that sends no kind (older than the field) is a per-head pool."""
+    mla = KVLayout.from_dict(_peer.layout(kv_kind="mla"))
+    with pytest.raises(KVLayoutMismatch) as e:
+        check_compatible(mla, _peer.layout())
+    assert str(e.value).startswith("KV layout mismatch between workers (kv_kind: local='mla' remote='mha' "
+                                   "(local holds one compressed latent per token")
+    assert "remote per-head K and V" in str(e.value)
+    check_compatible(_peer.layout(kv_kind=""), _peer.layout())
+    check_compatible(mla, {**_peer.layout(), "kv_kind": "mla"})
 
 
 def test_torch_dtype_spelling_is_normalised():

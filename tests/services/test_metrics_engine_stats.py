@@ -45,3 +45,13 @@ def test_counters_grow_by_the_engine_totals_and_gauges_follow():
     assert _value("pdserve_kv_usage_fraction") == 3 / 12 and _value("pdserve_requests_in_state", state="DECODING") == 2
     assert _value("pdserve_spec_acceptance_rate") == 20 / 36
     assert _value("pdserve_spec_mean_accepted_length") == 29 / 9
+
+
+def test_expert_tokens_sum_over_layers_and_imbalance_is_the_worst_layer():
+    exp = M.EngineStatsExporter([])
+    before = [_value("pdserve_moe_expert_tokens_total", expert=str(e)) for e in range(4)]
+    exp.update(EngineStats(expert_tokens=[[3, 1, 0, 0], [1, 1, 1, 1]]))
+    exp.update(EngineStats(expert_tokens=[[5, 1, 1, 1], [2, 2, 2, 2]]))
+    grown = [_value("pdserve_moe_expert_tokens_total", expert=str(e)) - before[e] for e in range(4)]
+    assert grown == [7, 3, 3, 3]
+    assert _value("pdserve_moe_expert_imbalance") == 5 * 4 / 8  # layer 0: busiest 5, mean 2

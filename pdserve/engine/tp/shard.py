@@ -25,6 +25,7 @@ class TPShard:
     vocab: range  # rows of the embedding / LM head held (may run past the vocabulary on the last rank)
     vocab_size: int  # the real vocabulary (logits past it are padding)
     total_kv_heads: int  # the model's KV heads
+    experts: range = range(0)  # the routed experts held (expert parallelism); empty for a dense model
 
     @property
     def num_heads(self) -> int:
@@ -35,14 +36,19 @@ class TPShard:
         return len(self.kv_heads)
 
 
-def check_tp(num_heads: int, num_kv_heads: int, intermediate_size: int, size: int, num_experts: int = 0) -> None:
-    """Raise CheckpointError naming the shapes when `size` ranks cannot split this model (D08)."""
+def check_tp(num_heads: int, num_kv_heads: int, intermediate_size: int, size: int, num_experts: int = 0,
+             expert_parallel: bool = False) -> None:
+    """Raise CheckpointError naming the shapes when `size` ranks cannot split this model (D08). With
+    `expert_parallel` the routed experts are split over the same ranks (whole experts per rank)."""
     if size < 1:
         raise CheckpointError(f"tensor parallel size must be >= 1, got {size}")
     problems = []
-    if num_experts and size > 1:  # engine/moe.py holds every expert whole in one process
+    if num_experts and size > 1 and not expert_parallel:  # engine/moe.py: TP does not slice an expert
         problems.append(f"the {num_experts} experts of a mixture-of-experts model are not sharded for tensor "
-                        f"parallelism yet (run it with tensor_parallel_size=1)")
+                        f"parallelism (run it with tensor_parallel_size=1, or shard whole experts over the ranks "
+                        f"with expert_parallel_size={size})")
+    if num_experts and expert_parallel and num_experts % size:
+        problems.append(f"{num_experts} experts are not divisible by expert_parallel_size={size}")
     if num_heads % size:
         problems.append(f"num_attention_heads={num_heads} is not divisible by tensor_parallel_size={size}")
     if num_kv_heads >= size and num_kv_heads % size:
@@ -64,11 +70,15 @@ def kv_head_range(num_kv_heads: int, rank: int, size: int) -> range:
     return range(head, head + 1)
 
 
-def shard_for(cfg, rank: int = 0, size: int = 1) -> TPShard:
-    """The shard of rank `rank` of `size` for ModelConfig `cfg` (CheckpointError when it cannot be split)."""
-    check_tp(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, size, cfg.num_experts)
+def shard_for(cfg, rank: int = 0, size: int = 1, expert_parallel: bool = False) -> TPShard:
+    """The shard of rank `rank` of `size` for ModelConfig `cfg` (CheckpointError when it cannot be split).
+    `expert_parallel`: rank r holds experts [r * E / size, (r + 1) * E / size); otherwise every rank all of them
+    (only valid at size 1, check_tp)."""
+    check_tp(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, size, cfg.num_experts, expert_parallel)
+    per = cfg.num_experts // size if expert_parallel else cfg.num_experts
+    experts = range(rank * per, (rank + 1) * per) if expert_parallel else range(cfg.num_experts)
     h, inter = cfg.num_heads // size, cfg.intermediate_size // size
     v = -(-cfg.vocab_size // size)
     return TPShard(rank, size, range(rank * h, (rank + 1) * h), kv_head_range(cfg.num_kv_heads, rank, size),
                    range(rank * inter, (rank + 1) * inter), range(rank * v, (rank + 1) * v), cfg.vocab_size,
-                   cfg.num_kv_heads)
+                   cfg.num_kv_heads, experts)

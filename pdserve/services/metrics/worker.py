@@ -89,6 +89,12 @@ KV_TIER_BLOCKS = Gauge("pdserve_kv_tier_blocks", "KV blocks held in the host / d
                        registry=WORKER)
 KV_TIER_CAPACITY = Gauge("pdserve_kv_tier_capacity_blocks", "KV blocks the host / disk tier can hold", ["tier"],
                          registry=WORKER)
+# mixture-of-experts load balance (engine/moe.py): the router's choices, summed over the MoE layers
+EXPERT_TOKENS = Counter("pdserve_moe_expert_tokens_total", "Token-to-expert assignments by the router, summed over "
+                        "the MoE layers (a token counts once per expert it is routed to)", ["expert"],
+                        registry=WORKER)
+EXPERT_IMBALANCE = Gauge("pdserve_moe_expert_imbalance", "Tokens of the busiest expert over the mean per expert, "
+                         "since start, in the most imbalanced MoE layer (1: perfectly balanced)", registry=WORKER)
 NUM_RUNNING = Gauge("pdserve_num_running", "Requests running in the engine", registry=WORKER)
 NUM_WAITING = Gauge("pdserve_num_waiting", "Requests waiting in the engine", registry=WORKER)
 STATE_GAUGE = Gauge("pdserve_requests_in_state", "Live engine sequences per state", ["state"], registry=WORKER)
@@ -189,6 +195,15 @@ class EngineStatsExporter:
             SPEC_MEAN_LEN.set(spec.mean_accepted_length)
         if s.tier is not None:
             self._tier(s.tier, s.prefix_hit_tokens)
+        if s.expert_tokens:
+            self._experts(s.expert_tokens)
+
+    def _experts(self, rows: list[list[int]]) -> None:
+        for e, n in enumerate(map(sum, zip(*rows))):
+            self._advance(EXPERT_TOKENS.labels(str(e)), n)
+        ratios = [max(r) * len(r) / sum(r) for r in rows if sum(r)]
+        if ratios:
+            EXPERT_IMBALANCE.set(max(ratios))
 
     def _tier(self, t: TierStats, prefix_hit_tokens: int) -> None:
         KV_TIER_BLOCKS.labels("host").set(t.host_blocks_in_use)

@@ -102,7 +102,7 @@ class Lifecycle(_message.Message):
     def __init__(self, deadline_unix: _Optional[float] = ..., priority: _Optional[int] = ..., predicted_output_tokens: _Optional[int] = ..., kv_share: _Optional[float] = ...) -> None: ...
 
 class KvLayout(_message.Message):
-    __slots__ = ("fingerprint", "block_size", "dtype", "num_layers", "num_kv_heads", "head_dim", "block_bytes", "tp_size", "tp_rank", "kv_head_start", "total_kv_heads", "kv_cache_dtype")
+    __slots__ = ("fingerprint", "block_size", "dtype", "num_layers", "num_kv_heads", "head_dim", "block_bytes", "tp_size", "tp_rank", "kv_head_start", "total_kv_heads", "kv_cache_dtype", "kv_kind")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +115,7 @@ class KvLayout(_message.Message):
     KV_HEAD_START_FIELD_NUMBER: _ClassVar[int]
     TOTAL_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_KIND_FIELD_NUMBER: _ClassVar[int]
     fingerprint: str
     block_size: int
     dtype: str
@@ -127,7 +128,8 @@ class KvLayout(_message.Message):
     kv_head_start: int
     total_kv_heads: int
     kv_cache_dtype: str
-    def __init__(self, fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_bytes: _Optional[int] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., total_kv_heads: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
+    kv_kind: str
+    def __init__(self, fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_bytes: _Optional[int] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., total_kv_heads: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., kv_kind: _Optional[str] = ...) -> None: ...
 
 class KvRegion(_message.Message):
     __slots__ = ("agent_name", "agent_metadata", "base_addr", "num_blocks", "device_id", "mem_type", "layout")
