@@ -27,6 +27,14 @@ from dataclasses import dataclass
 log = logging.getLogger("pdserve.worker")
 
 ROLES = ("prefill", "decode", "both")
+# Refusals of a call a switch made unwelcome (mid-switch, or placed on the old role by a router whose view predates
+# the switch) start with this: UNAVAILABLE before anything is emitted, so the gateway places the call elsewhere,
+# and it does not hold the worker suspect (gateway/suspects.py) as it would a dead one: it serves again at once.
+REFUSAL = "role switch: "
+# The least a switch keeps the worker out of every pool: longer than the routers' view refresh (0.2 s by
+# default), so calls placed on the old role's record have mostly arrived (and are drained) before the new role is
+# registered; the few later ones are refused with REFUSAL.
+SETTLE_S = 0.3
 SWITCHING = "switching"  # the registry role while a switch is in progress
 
 SERVING, DRAINING, REPARTITIONING, REGISTERING, RESTORING = (
@@ -102,10 +110,16 @@ class RoleSwitch:
         return f"{self.role}->{self.target}" if self.state != SERVING else ""
 
 
-async def drain(held, timeout_s: float, poll_s: float = 0.02) -> bool:
-    """Wait until `held()` (requests in flight plus pinned KV leases) is 0; False at the timeout."""
-    end = time.monotonic() + timeout_s
-    while held():
+def is_refusal(details: str | None) -> bool:
+    return (details or "").startswith(REFUSAL)
+
+
+async def drain(held, timeout_s: float, poll_s: float = 0.02, settle_s: float = 0.0) -> bool:
+    """Wait until `held()` (requests in flight plus pinned KV leases) is 0, and at least `settle_s`; False at the
+    timeout."""
+    t0 = time.monotonic()
+    end = t0 + timeout_s
+    while held() or time.monotonic() - t0 < settle_s:
         if time.monotonic() >= end:
             return False
         await asyncio.sleep(poll_s)

@@ -49,7 +49,7 @@ from pdserve.services.pb import common_pb2, worker_pb2, worker_pb2_grpc
 from pdserve.services.prefill.service import PrefillSide
 from pdserve.services.refusal import refuse_invalid
 from pdserve.services.registry import Registry, WorkerRecord
-from pdserve.services.role_switch import RoleSwitch, SwitchRefused, SwitchResult, drain
+from pdserve.services.role_switch import REFUSAL, SETTLE_S, RoleSwitch, SwitchRefused, SwitchResult, drain
 
 log = logging.getLogger("pdserve.worker")
 
@@ -155,7 +155,13 @@ class Worker(worker_pb2_grpc.WorkerServicer):
     async def _refuse_while_switching(self, context) -> None:
         # UNAVAILABLE before anything is emitted: the gateway places the request on another worker
         if not self.switch.accepts_work:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker is switching role ({self.switch.in_progress})")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{REFUSAL}switching {self.switch.in_progress}")
+
+    async def _require_role(self, role: str, context) -> None:
+        if self.role != role:
+            # placed by a router whose view predates a role switch: place it elsewhere (nothing emitted yet)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{REFUSAL}worker role is {self.role}, not {role}")
+        await self._refuse_while_switching(context)
 
     # ---- RPCs -------------------------------------------------------------------------------------------------
     async def Generate(self, request, context):
@@ -193,16 +199,12 @@ class Worker(worker_pb2_grpc.WorkerServicer):
                     M.TERMINAL.labels("CANCELLED").inc()
 
     async def Prefill(self, request, context):
-        if self.role != "prefill":
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"worker role is {self.role}, not prefill")
-        await self._refuse_while_switching(context)
+        await self._require_role("prefill", context)
         with self._track():
             return await self.prefill.Prefill(request, context)
 
     async def GenerateFromPrefill(self, request, context):
-        if self.role != "decode":
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"worker role is {self.role}, not decode")
-        await self._refuse_while_switching(context)
+        await self._require_role("decode", context)
         with self._track():
             async with contextlib.aclosing(self.decode.GenerateFromPrefill(request, context)) as msgs:
                 async for msg in msgs:  # closed with this call, so its cleanup runs now, not at collection
@@ -247,7 +249,7 @@ class Worker(worker_pb2_grpc.WorkerServicer):
         held = self._held()
         log.info("switching role %s -> %s: draining %d request(s)/lease(s)", old, target, held)
         await self._publish()  # role `switching` now: routers stop choosing this worker at their next refresh
-        drained = await drain(self._held, drain_timeout_s)
+        drained = await drain(self._held, drain_timeout_s, settle_s=min(SETTLE_S, drain_timeout_s))
         drain_s = time.monotonic() - t0
         error = "" if drained else f"drain timeout: {self._held()} still held after {drain_timeout_s:.1f}s"
         if drained:

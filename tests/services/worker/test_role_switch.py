@@ -6,7 +6,17 @@ import itertools
 import pytest
 
 from pdserve.services.role_switch import (
-    DRAINING, REGISTERING, REPARTITIONING, RESTORING, SERVING, SWITCHING, TABLE, RoleSwitch, SwitchRefused, drain)
+    DRAINING,
+    REGISTERING,
+    REPARTITIONING,
+    RESTORING,
+    SERVING,
+    SWITCHING,
+    TABLE,
+    RoleSwitch,
+    SwitchRefused,
+    drain,
+)
 
 EVENTS = ("request", "drained", "timeout", "ready", "failed", "registered")
 STATES = (SERVING, DRAINING, REPARTITIONING, REGISTERING, RESTORING)
