@@ -286,7 +286,9 @@ class Worker(worker_pb2_grpc.WorkerServicer):
 
     async def _repartition(self, target: str) -> None:
         """Every role has the same KV pool here; a worker without a KV transfer agent (started as `both`) gets one
-        for a disaggregated role, and a decode side that pulls with it."""
+        for a disaggregated role, and a decode side that pulls with it. The load meter starts over (its old
+        figures were the old role's)."""
+        self.meter.forget()
         if target == "both" or self.agent is not None:
             return
         from pdserve.kv_transfer.agent import KVAgent
