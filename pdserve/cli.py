@@ -130,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_lab_parser(sub)
     add_planner_parser(sub)
     add_status_parser(sub)
+    from pdserve.services.role_cli import add_worker_role_parser
+    add_worker_role_parser(sub)
     return ap
 
 

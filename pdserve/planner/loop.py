@@ -25,6 +25,7 @@ from pdserve.planner.decision import Decision
 from pdserve.planner.guard_rails import Guard
 from pdserve.planner.predictor import TrendPredictor
 from pdserve.planner.sizing import PoolLimits, Sizer, Sizing, Workload
+from pdserve.planner.switching import plan_switches
 from pdserve.services import planner_record
 from pdserve.services.metrics import planner as M
 from pdserve.sim.workload import SLO
@@ -130,10 +131,7 @@ class Planner:
             d.decide_s = time.monotonic() - t0
             if not self.cfg.dry_run:
                 stage = "connector"
-                for v in d.pools:
-                    if v.action != "hold":
-                        await asyncio.to_thread(self.connector.scale, v.pool, v.desired)
-                        self.guard.applied(v.pool, time.monotonic())
+                await self._apply(d.pools)
                 d.applied = True
             d.export()
             log.info(d.line())
@@ -150,6 +148,19 @@ class Planner:
             M.ERRORS.labels(stage).inc()
             log.warning("planner: interval skipped, %s failed: %r", stage, e)
             return None
+
+    async def _apply(self, pools) -> None:
+        """Role switches first where one pool grows while the other shrinks (switching.py), then scaling."""
+        if hasattr(self.connector, "switch"):
+            moves, pools = plan_switches(pools)
+            for src, dst in moves:
+                await asyncio.to_thread(self.connector.switch, src, dst)
+            for pool in {p for m in moves for p in m}:
+                self.guard.applied(pool, time.monotonic())
+        for v in pools:
+            if v.action != "hold":
+                await asyncio.to_thread(self.connector.scale, v.pool, v.desired)
+                self.guard.applied(v.pool, time.monotonic())
 
     def decide(self, obs: scrape.Observation, costs, current: dict[str, int], now: float,
                serving: dict[str, int] | None = None,

@@ -144,6 +144,18 @@ class LoadMeter:
             self._seen.discard(rid)
 
     # ---- event loop ------------------------------------------------------------------------------------------
+    def forget(self) -> None:
+        """A role switch: what the old role measured does not describe the new one (a decode worker's "prefill"
+        samples are KV pickups, far slower per token than a real prefill, so the router would price it out of the
+        prefill pool for good). Unmeasured again: its pool's measured peers stand for it (router/cost.py)."""
+        with self._lock:
+            self.prefill = EwmaLine()
+            self.decode = EwmaLine(alpha=0.05)
+            self.decode_now = Ewma(alpha=0.2)
+            self.kv_bw = Ewma(alpha=0.2)
+            self.handoff = Ewma(alpha=0.2)
+            self._decode_steps = 0
+
     def observe_transfer(self, nbytes: int, transfer_s: float, handoff_s: float) -> None:
         with self._lock:
             if nbytes > 0 and transfer_s > 0:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import socket
 import time
@@ -48,6 +49,7 @@ from pdserve.services.pb import common_pb2, worker_pb2, worker_pb2_grpc
 from pdserve.services.prefill.service import PrefillSide
 from pdserve.services.refusal import refuse_invalid
 from pdserve.services.registry import Registry, WorkerRecord
+from pdserve.services.role_switch import REFUSAL, SETTLE_S, RoleSwitch, SwitchRefused, SwitchResult, drain
 
 log = logging.getLogger("pdserve.worker")
 
@@ -61,7 +63,12 @@ class Worker(worker_pb2_grpc.WorkerServicer):
     def __init__(self, engine: Engine, role: str, worker_id: str, address: str, lease_ttl_s: float = 30.0,
                  transfer_timeout_s: float = 10.0, grammars: GrammarPool | None = None):
         self.engine = engine
-        self.role = role
+        self.switch = RoleSwitch(role)  # the role, and a switch in progress (role_switch.py)
+        self.registry: Registry | None = None  # set by serve(): a switch writes its record at once
+        self.drain_timeout_s = 30.0
+        # one registry write at a time, the record taken inside: a heartbeat computed before a switch's step cannot
+        # land after it (and put the old role back in the registry for an interval)
+        self._publish_lock = asyncio.Lock()
         self.worker_id = worker_id
         self.address = address
         self.tokenizer = engine.tokenizer
@@ -103,11 +110,17 @@ class Worker(worker_pb2_grpc.WorkerServicer):
         self.last_stats = EngineStats()
         self.labels: dict[str, str] = {}  # `--labels`, published in the registry for the router's spread terms
 
+    @property
+    def role(self) -> str:
+        return self.switch.role
+
     # ---- helpers ----------------------------------------------------------------------------------------------
     def record(self) -> WorkerRecord:
-        return WorkerRecord(self.worker_id, self.role, self.address, self.agent.name if self.agent else "",
-                            self.engine.kv_cache.num_blocks, layout_to_pb(self.layout.to_dict()), self.load(),
-                            labels=dict(self.labels), kv_transport=self.transport.line() if self.transport else "")
+        return WorkerRecord(self.worker_id, self.switch.registry_role, self.address,
+                            self.agent.name if self.agent else "", self.engine.kv_cache.num_blocks,
+                            layout_to_pb(self.layout.to_dict()), self.load(), labels=dict(self.labels),
+                            kv_transport=self.transport.line() if self.transport else "",
+                            role_switch=self.switch.in_progress)
 
     def load(self) -> common_pb2.LoadReport:
         s = self.last_stats
@@ -144,8 +157,20 @@ class Worker(worker_pb2_grpc.WorkerServicer):
         finally:
             self.inflight -= 1
 
+    async def _refuse_while_switching(self, context) -> None:
+        # UNAVAILABLE before anything is emitted: the gateway places the request on another worker
+        if not self.switch.accepts_work:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{REFUSAL}switching {self.switch.in_progress}")
+
+    async def _require_role(self, role: str, context) -> None:
+        if self.role != role:
+            # placed by a router whose view predates a role switch: place it elsewhere (nothing emitted yet)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{REFUSAL}worker role is {self.role}, not {role}")
+        await self._refuse_while_switching(context)
+
     # ---- RPCs -------------------------------------------------------------------------------------------------
     async def Generate(self, request, context):
+        await self._refuse_while_switching(context)
         with self._track():
             params = params_from_pb(request.params)
             prompt = list(request.prompt_token_ids)  # the gateway tokenizes: `prompt` text is its front door's only
@@ -179,14 +204,12 @@ class Worker(worker_pb2_grpc.WorkerServicer):
                     M.TERMINAL.labels("CANCELLED").inc()
 
     async def Prefill(self, request, context):
-        if self.role != "prefill":
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"worker role is {self.role}, not prefill")
+        await self._require_role("prefill", context)
         with self._track():
             return await self.prefill.Prefill(request, context)
 
     async def GenerateFromPrefill(self, request, context):
-        if self.role != "decode":
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"worker role is {self.role}, not decode")
+        await self._require_role("decode", context)
         with self._track():
             async with contextlib.aclosing(self.decode.GenerateFromPrefill(request, context)) as msgs:
                 async for msg in msgs:  # closed with this call, so its cleanup runs now, not at collection
@@ -202,7 +225,84 @@ class Worker(worker_pb2_grpc.WorkerServicer):
 
     async def GetStats(self, request, context):
         s = await self.exact_stats()
-        return worker_pb2.GetStatsResponse(load=self.load(), states=dict(s.states))
+        return worker_pb2.GetStatsResponse(load=self.load(), states=dict(s.states), role=self.switch.registry_role,
+                                           role_switch=self.switch.in_progress)
+
+    async def SwitchRole(self, request, context):
+        try:
+            r = await self.switch_role(request.role, request.drain_timeout_s or self.drain_timeout_s)
+        except SwitchRefused as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        return worker_pb2.SwitchRoleResponse(old_role=r.old_role, role=r.role, switched=r.switched, seconds=r.seconds,
+                                             drain_s=r.drain_s, drained_requests=r.drained_requests, error=r.error)
+
+    # ---- role switch (role_switch.py) -------------------------------------------------------------------------
+    def _held(self) -> int:
+        return self.inflight + len(self.prefill.leases)
+
+    async def switch_role(self, target: str, drain_timeout_s: float) -> SwitchResult:
+        """Leave the old role's pool, finish what it holds, take the new role, register. Raises SwitchRefused
+        before anything changed; otherwise the worker serves again on return, in the new role or (drain timeout,
+        failure) the old one."""
+        t0 = time.monotonic()
+        old = self.role
+        if target == old:
+            return SwitchResult(old, old, False, 0.0, 0.0, 0, error=f"already {old}")
+        if target in ("prefill", "decode") and self.engine.tp_group is not None and self.agent is None:
+            raise SwitchRefused("a tensor-parallel worker started as both cannot take a disaggregated role")
+        self.switch.begin(target)
+        held = self._held()
+        log.info("switching role %s -> %s: draining %d request(s)/lease(s)", old, target, held)
+        await self._publish()  # role `switching` now: routers stop choosing this worker at their next refresh
+        drained = await drain(self._held, drain_timeout_s, settle_s=min(SETTLE_S, drain_timeout_s))
+        drain_s = time.monotonic() - t0
+        error = "" if drained else f"drain timeout: {self._held()} still held after {drain_timeout_s:.1f}s"
+        if drained:
+            self.switch.fire("drained")
+            try:
+                await self._repartition(target)
+                self.switch.fire("ready")
+            except Exception as e:  # noqa: BLE001 - the old role stays, said in the reply and the log
+                error = f"repartition failed: {e!r}"
+                self.switch.fire("failed")
+        else:
+            self.switch.fire("timeout")
+        self.switch.finish(switched=not error)
+        await self._publish()
+        secs = time.monotonic() - t0
+        outcome = "switched" if not error else "drain_timeout" if not drained else "failed"
+        M.ROLE_SWITCHES.labels(old, target, outcome).inc()
+        if not error:
+            M.ROLE_SWITCH_SECONDS.observe(secs)
+            log.info("switched role %s -> %s in %.3fs (drain %.3fs)", old, target, secs, drain_s)
+        else:
+            log.warning("role switch %s -> %s undone: %s", old, target, error)
+        return SwitchResult(old, self.role, not error, secs, drain_s, held, error)
+
+    async def publish(self, registry: Registry | None = None) -> None:
+        registry = registry or self.registry
+        if registry is not None:
+            async with self._publish_lock:
+                await registry.heartbeat(self.record())
+
+    async def _publish(self) -> None:
+        with contextlib.suppress(Exception):  # the heartbeat loop writes it again shortly
+            await self.publish()
+
+    async def _repartition(self, target: str) -> None:
+        """Every role has the same KV pool here; a worker without a KV transfer agent (started as `both`) gets one
+        for a disaggregated role, and a decode side that pulls with it. The load meter starts over (its old
+        figures were the old role's)."""
+        self.meter.forget()
+        if target == "both" or self.agent is not None:
+            return
+        from pdserve.kv_transfer.agent import KVAgent
+        self.agent = KVAgent(self.worker_id, self.engine.kv_cache.data, self.layout)
+        self.endpoint = dataclasses.replace(self.endpoint, region=region_to_pb(self.agent.region()))
+        await self.decode.close()
+        self.decode = DecodeSide(self.host, self.endpoint, self.agent, self.tokenizer, self.meter,
+                                 self.decode.transfer_timeout_s)
+        self.prefill.attach_agent(self.agent, self.endpoint)
 
 
 async def _heartbeat_loop(w: Worker, registry: Registry | None, interval_s: float,
@@ -221,7 +321,7 @@ async def _heartbeat_loop(w: Worker, registry: Registry | None, interval_s: floa
                 if stalled:
                     log.warning("engine thread moves again: rejoining the registry")
                 stalled = False
-                await registry.heartbeat(w.record())
+                await w.publish(registry)
             if failures:
                 log.warning("heartbeat succeeds again after %d failures", failures)
             failures = 0
@@ -279,6 +379,7 @@ async def serve(args) -> None:
     w = Worker(engine, args.role, worker_id, f"{host}:{args.port}", lease_ttl_s=args.lease_ttl,
                transfer_timeout_s=args.transfer_timeout, grammars=grammars)
     w.labels = dict(getattr(args, "labels", None) or {})
+    w.drain_timeout_s = args.drain_timeout
     await w.host.start()
     await w.prefill.start()
     server, hs = make_server([WORKER_SERVICE])
@@ -289,8 +390,9 @@ async def serve(args) -> None:
     registry = Registry(args.redis_url, args.served_model_name, ttl_s=args.heartbeat_ttl,
                         auth=RedisAuth.from_args(args), key=security().registry_key()) if args.redis_url else None
     w.refresh_stats()
+    w.registry = registry
     if registry is not None:
-        await registry.heartbeat(w.record())
+        await w.publish()
     hb = asyncio.create_task(_heartbeat_loop(w, registry, args.heartbeat_ttl / 3))
     kv_pub = None
     if registry is not None:  # KV events -> the routers' prefix index (router/prefix_index.py)

@@ -49,3 +49,22 @@ def test_the_decode_line_intercept_is_reported():
     rep = m.report()
     assert rep.decode_step0_s == pytest.approx(0.020, rel=0.02) and rep.decode_step_per_seq_s == pytest.approx(
         0.0005, rel=0.02)
+
+
+def test_a_role_switch_forgets_the_old_roles_figures():
+    m = LoadMeter()
+    for n in (10, 20, 40):
+        m.prefill.add(n, 0.5 + 0.1 * n)  # a decode worker's pickups: slow "prefill" per token
+    for _ in range(12):
+        m.observe_decode_step(4, 0.02)
+    m.observe_transfer(1 << 20, 0.01, 0.02)
+    before = m.report()
+    assert before.prefill_tokens_per_s > 0 and before.decode_step_s > 0 and before.kv_bytes_per_s > 0
+    m.forget()
+    r = m.report()
+    # 0 is "unmeasured": the router then prices the worker like its new pool's measured peers
+    assert (r.prefill_tokens_per_s, r.prefill_overhead_s, r.decode_step_s, r.kv_bytes_per_s,
+            r.handoff_overhead_s) == (0, 0, 0, 0, 0)
+    for _ in range(LoadMeter.DECODE_WARMUP):  # cold steps of the new role are skipped again
+        m.observe_decode_step(4, 1.0)
+    assert m.report().decode_step_s == 0

@@ -31,11 +31,13 @@ def test_sampling_params_roundtrip():
 def test_services_have_only_called_rpcs():
     """The RPCs nobody called (Worker.Abort, GetAgentMetadata; Router.Register, Heartbeat, KvEvents) are gone;
     each remaining one has a caller: the gateway (Generate, Prefill, GenerateFromPrefill, ReleaseKV, Route,
-    ListWorkers), the decode worker (ReleaseKV, KvHandshake), operators and tests (GetStats)."""
+    ListWorkers), the decode worker (ReleaseKV, KvHandshake), operators and tests (GetStats), `pdserve
+    worker-role` and the planner's local connector (SwitchRole)."""
     from pdserve.services.pb import router_pb2, worker_pb2
     worker = {m.name for m in worker_pb2.DESCRIPTOR.services_by_name["Worker"].methods}
     router = {m.name for m in router_pb2.DESCRIPTOR.services_by_name["Router"].methods}
-    assert worker == {"Generate", "Prefill", "GenerateFromPrefill", "ReleaseKV", "KvHandshake", "GetStats"}
+    assert worker == {"Generate", "Prefill", "GenerateFromPrefill", "ReleaseKV", "KvHandshake", "GetStats",
+                      "SwitchRole"}
     assert router == {"Route", "ListWorkers"}
 
 

@@ -9,6 +9,10 @@ worker gets SIGTERM, i.e. its own drain (it leaves the registry so nothing new i
 requests and pinned KV leases, then exits), is SIGKILLed after its drain timeout + a grace, and is forgotten once
 it exited. A draining worker no longer counts as a replica and is never restarted.
 
+`switch(from_pool, to_pool)` moves the pool's newest worker to the other role in its process (its SwitchRole RPC,
+services/role_switch.py; no fork, so the planner thread calls it itself). Its record and its command line then
+say the new role, so `pdserve status` counts it there and a restart after a crash keeps it.
+
 The hooks in services/up.py are `start_in_up` (after the deployment is ready), `LocalPlanner.apply` (each tick of
 `up`'s loop) and `LocalPlanner.stop` (before `up` stops its children).
 """
@@ -61,6 +65,33 @@ class LocalConnector:
     def metrics_urls(self) -> list[str]:
         return [f"http://127.0.0.1:{c.info['metrics_port']}/metrics" for pool in POOLS
                 for c in self._live(pool) if c.info.get("metrics_port")]
+
+    def switch(self, src: str, dst: str) -> bool:
+        """From the planner thread: switch the newest live `src` worker to `dst`; False when it did not switch."""
+        import asyncio
+
+        import grpc
+
+        from pdserve.services.role_cli import switch
+        live = self._live(src)
+        if not live:
+            return False
+        c = live[-1]
+        try:
+            r = asyncio.run(switch(f"127.0.0.1:{c.info['port']}", dst, self.drain_timeout_s))
+        except grpc.RpcError as e:
+            log.warning("planner: switching %s to %s failed: %s", c.name, dst, e)
+            return False
+        if not r.switched:
+            log.warning("planner: %s stays %s: %s", c.name, r.role, r.error)
+            return False
+        c.info["role"] = dst
+        i = c.cmd.index("--role") if "--role" in c.cmd else -1
+        if i >= 0:
+            c.cmd[i + 1] = dst
+        log.info("planner: switched %s %s -> %s in %.2f s (drain %.2f s)", c.name, src, dst, r.seconds, r.drain_s)
+        self.publish()
+        return True
 
     def scale(self, pool: str, n: int) -> None:
         """From the planner thread: ask `up`'s main thread to bring `pool` to `n` workers, and wait until it did."""
@@ -145,6 +176,11 @@ def start_in_up(args, supervisor: Supervisor, start_worker: Callable[[str], Chil
     from pdserve.services.metrics.planner import PLANNER
     from pdserve.services.ports import free_port
     logs.setup("planner", args.log_format)  # the decisions' log lines (`up` itself prints plain lines)
+    from pdserve.services.grpc_util import configure
+    from pdserve.services.internal_security import InternalSecurity
+    # role switches call the workers' SwitchRole: authenticated like every internal RPC
+    configure(InternalSecurity.from_files(args.internal_token_file, args.tls_cert, args.tls_key, args.tls_ca,
+                                          args.tls_server_name))
     conn = LocalConnector(supervisor, start_worker, state=state)
     cfg = PlannerConfig.from_args(args, redis_url=state["redis_url"])
     gateway = state["base_url"]

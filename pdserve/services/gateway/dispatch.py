@@ -30,6 +30,7 @@ from pdserve.services.gateway.suspects import Suspects
 from pdserve.services.grpc_util import channel, param_of
 from pdserve.services.metrics import gateway as M
 from pdserve.services.pb import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pdserve.services.role_switch import is_refusal
 from pdserve.services.tasks import OwnedTasks
 
 log = logging.getLogger("pdserve.gateway")
@@ -244,7 +245,7 @@ class Dispatcher:
             return common_pb2.GenerateResponse(request_id=rid, finished=True, state="FAILED",
                                                error=f"worker {failed} failed: {e.code().name}: {e.details()}")
         log.warning("request %s: worker %s unavailable (%s), rerouting", rid, failed, e.code().name)
-        if e.code() == grpc.StatusCode.UNAVAILABLE:
+        if e.code() == grpc.StatusCode.UNAVAILABLE and not is_refusal(e.details()):  # a switching worker lives
             self.suspects.add(failed)
         return None
 
@@ -361,7 +362,8 @@ class Dispatcher:
                     return
                 # the KV is still pinned on the prefill side: another decode worker can pull it
                 log.warning("request %s: decode worker %s unreachable, trying another", rid, decode.worker_id)
-                self.suspects.add(decode.worker_id)
+                if not is_refusal(e.details()):
+                    self.suspects.add(decode.worker_id)
                 try:
                     # the prompt is already prefilled: only another decode worker helps now
                     r2 = await self.route(rid, len(sub.prompt_token_ids), namespace, exclude, prefer="disagg")

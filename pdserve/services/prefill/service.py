@@ -66,6 +66,11 @@ class PrefillSide:
         self._tasks = OwnedTasks()  # releases for replies that never reached the caller
 
     async def start(self) -> None:
+        self._start_pump()
+        self._reaper = asyncio.create_task(reap_forever(self.leases, self._free, interval_s=0.25,
+                                                        on_reaped=lambda l: M.LEASES_EXPIRED.inc()))
+
+    def _start_pump(self) -> None:
         loop = asyncio.get_running_loop()
 
         def on_notif(msg: bytes) -> None:  # NIXL pump thread: the decode side finished its READ
@@ -74,8 +79,11 @@ class PrefillSide:
         if self.agent is not None:
             # fast polling only while leases are out: an idle pump would slow this worker's prefill forwards
             self.agent.start_pump(on_notif, active=lambda: len(self.leases) > 0)
-        self._reaper = asyncio.create_task(reap_forever(self.leases, self._free, interval_s=0.25,
-                                                        on_reaped=lambda l: M.LEASES_EXPIRED.inc()))
+
+    def attach_agent(self, agent: KVAgent, endpoint: KvEndpoint) -> None:
+        """A worker that started without a KV transfer agent (role both) takes a prefill role: serve with it."""
+        self.agent, self.endpoint = agent, endpoint
+        self._start_pump()
 
     def _release_soon(self, lease_id: str) -> None:
         """A release in a task this side owns (stop() awaits it)."""

@@ -132,7 +132,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("load", "states")
+    __slots__ = ("load", "states", "role", "role_switch")
     class StatesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +142,36 @@ class GetStatsResponse(_message.Message):
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     LOAD_FIELD_NUMBER: _ClassVar[int]
     STATES_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ROLE_SWITCH_FIELD_NUMBER: _ClassVar[int]
     load: _common_pb2.LoadReport
     states: _containers.ScalarMap[str, int]
-    def __init__(self, load: _Optional[_Union[_common_pb2.LoadReport, _Mapping]] = ..., states: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    role: str
+    role_switch: str
+    def __init__(self, load: _Optional[_Union[_common_pb2.LoadReport, _Mapping]] = ..., states: _Optional[_Mapping[str, int]] = ..., role: _Optional[str] = ..., role_switch: _Optional[str] = ...) -> None: ...
+
+class SwitchRoleRequest(_message.Message):
+    __slots__ = ("role", "drain_timeout_s")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    drain_timeout_s: float
+    def __init__(self, role: _Optional[str] = ..., drain_timeout_s: _Optional[float] = ...) -> None: ...
+
+class SwitchRoleResponse(_message.Message):
+    __slots__ = ("old_role", "role", "switched", "seconds", "drain_s", "drained_requests", "error")
+    OLD_ROLE_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    SWITCHED_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_S_FIELD_NUMBER: _ClassVar[int]
+    DRAINED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    old_role: str
+    role: str
+    switched: bool
+    seconds: float
+    drain_s: float
+    drained_requests: int
+    error: str
+    def __init__(self, old_role: _Optional[str] = ..., role: _Optional[str] = ..., switched: _Optional[bool] = ..., seconds: _Optional[float] = ..., drain_s: _Optional[float] = ..., drained_requests: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...

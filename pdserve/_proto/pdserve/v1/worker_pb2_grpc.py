@@ -65,6 +65,11 @@ class WorkerStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
+        self.SwitchRole = channel.unary_unary(
+                '/pdserve.v1.Worker/SwitchRole',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.SwitchRoleRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.SwitchRoleResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -112,6 +117,12 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SwitchRole(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -144,6 +155,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.GetStatsRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.GetStatsResponse.SerializeToString,
+            ),
+            'SwitchRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.SwitchRole,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.SwitchRoleRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.SwitchRoleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -308,6 +324,33 @@ class Worker:
             '/pdserve.v1.Worker/GetStats',
             pdserve_dot_v1_dot_worker__pb2.GetStatsRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.GetStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SwitchRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/SwitchRole',
+            pdserve_dot_v1_dot_worker__pb2.SwitchRoleRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.SwitchRoleResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,24 @@
+"""Role switches in place of start + drain (planner/switching.py): min(growth, shrink) workers move, the rest is
+scaled; anything else is left to scaling. Expected values are worked out by hand from the verdicts."""
+from pdserve.planner.guard_rails import PoolVerdict
+from pdserve.planner.switching import plan_switches
+
+
+def V(pool, cur, want):
+    return PoolVerdict(pool, cur, want, "r")
+
+
+def test_one_grows_one_shrinks_switches_the_overlap():
+    moves, left = plan_switches([V("prefill", 1, 3), V("decode", 3, 2)])
+    assert moves == [("decode", "prefill")]
+    assert [(v.pool, v.current, v.desired, v.action) for v in left] == [("prefill", 2, 3, "up"),
+                                                                        ("decode", 2, 2, "hold")]
+    moves, left = plan_switches([V("prefill", 3, 1), V("decode", 1, 3)])
+    assert moves == [("prefill", "decode")] * 2 and all(v.action == "hold" for v in left)
+
+
+def test_no_switch_unless_one_up_and_one_down():
+    for pools in ([V("prefill", 1, 2), V("decode", 1, 2)], [V("prefill", 2, 1), V("decode", 2, 2)],
+                  [V("prefill", 1, 1), V("decode", 1, 1)]):
+        moves, left = plan_switches(pools)
+        assert moves == [] and left == pools
