@@ -126,11 +126,29 @@ def native_kernels_built():
 
 
 # Markers by where a test lives: `-m "not e2e"` skips the deployments (`pdserve up` in processes), `-m unit` runs
-# what needs no chart and no deployment (some unit tests still start a worker process or Redis of their own).
+# what needs no chart and no deployment (some unit tests still start a worker process or Redis of their own). A
+# module outside tests/e2e that starts a whole deployment says so itself (`pytestmark = pytest.mark.e2e`).
 _MARKERS = {"e2e": "e2e", "helm": "helm"}
+# `slow`: the modules outside tests/e2e that took >= ~9 s each (`--durations`, 2-core Xeon): worker processes,
+# tensor-parallel ranks, compiles, simulated clusters. `-m "not e2e and not slow"` is the fast loop (README).
+SLOW = {
+    "tests/engine/test_tp.py", "tests/engine/test_grammar_pool.py", "tests/engine/test_triton_compile.py",
+    "tests/engine/test_kernel_build.py", "tests/services/worker/test_disagg_tp.py",
+    "tests/services/worker/test_layout.py", "tests/services/worker/test_kv_handshake.py",
+    "tests/services/worker/test_lifecycle.py", "tests/services/worker/test_heartbeat.py",
+    "tests/services/worker/test_prefill_restart.py", "tests/services/router/test_routing.py",
+    "tests/services/test_redis_conn.py", "tests/services/test_supervisor.py", "tests/kv_transfer/test_tp_transfer.py",
+    "tests/kv_transfer/test_kv_transfer.py", "tests/sim/test_cluster.py", "tests/sim/test_validate.py",
+    "tests/planner/test_policy_sim.py", "tests/bench/test_cli_mock.py", "tests/bench/test_coordinated_omission.py",
+}
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        parts = item.path.relative_to(config.rootpath).parts
-        item.add_marker(getattr(pytest.mark, _MARKERS.get(parts[1] if len(parts) > 2 else "", "unit")))
+        rel = item.path.relative_to(config.rootpath)
+        parts = rel.parts
+        mark = _MARKERS.get(parts[1] if len(parts) > 2 else "", "unit")
+        if not (mark == "unit" and item.get_closest_marker("e2e")):
+            item.add_marker(getattr(pytest.mark, mark))
+        if rel.as_posix() in SLOW:
+            item.add_marker(pytest.mark.slow)

@@ -11,6 +11,7 @@ import pytest
 
 from tests.bench.conftest import env
 
+pytestmark = pytest.mark.e2e  # a whole `pdserve up` deployment (tests/conftest.py)
 pytest.importorskip("pdserve.services.up", reason="services (pdserve up) not on this branch yet")
 if shutil.which("redis-server") is None:
     pytest.skip("redis-server not on PATH (pdserve up needs it)", allow_module_level=True)

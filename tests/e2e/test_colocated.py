@@ -1,27 +1,14 @@
 """`pdserve up --mode colocated`: one `both` worker serves whole requests."""
-import os
-
 import pytest
 
 from tests.e2e import _common
-from tests.e2e.conftest import Up
 
 
-@pytest.fixture(scope="module")
-def up(tiny_llama):
-    import shutil
-    model = tiny_llama.parent / "ck"
-    if not model.exists():
-        shutil.copytree(tiny_llama, model)  # served model name = dir basename "ck"
-    d = Up(model, "--mode", "colocated", "--workers", "1")
-    yield d
-    assert d.stop() == 0  # SIGTERM: clean exit
-    for proc in d.info["processes"]:  # and every child (redis, router, workers, gateway) is gone
-        try:
-            os.kill(proc["pid"], 0)
-        except ProcessLookupError:
-            continue
-        raise AssertionError(f"{proc['name']} still running after pdserve up stopped")
+@pytest.fixture
+def up(colocated_ck):
+    """Shared with other modules (tests/e2e/conftest.py); stopping it asserts a clean exit (SIGTERM: `up` exits 0)
+    and that every child (redis, router, workers, gateway) is gone."""
+    return colocated_ck
 
 
 def test_greedy_matches_offline_engine(up, offline_greedy):

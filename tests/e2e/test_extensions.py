@@ -9,18 +9,10 @@ import re
 import httpx
 import pytest
 
-from tests.e2e.conftest import Up
 
-
-@pytest.fixture(scope="module")
-def up(tiny_llama):
-    import shutil
-    model = tiny_llama.parent / "ck"
-    if not model.exists():
-        shutil.copytree(tiny_llama, model)
-    d = Up(model, "--mode", "colocated", "--workers", "1")
-    yield d
-    assert d.stop() == 0
+@pytest.fixture
+def up(colocated_ck):
+    return colocated_ck  # shared (tests/e2e/conftest.py); stopped with a clean-exit check after its last test
 
 
 def post(up, body: dict, chat: bool = False) -> httpx.Response:

@@ -13,18 +13,12 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from pdserve.services.up_process import UpProcess
-from tests.e2e.conftest import _env
-
 MSGS = [{"role": "user", "content": "Tell me a fortune."}]
 
 
-@pytest.fixture(scope="module")
-def base():
-    d = UpProcess(["--model", "builtin", "--num-gpu-blocks", "256", "--mode", "colocated", "--workers", "1"],
-                  _env(), 120)
-    yield d.base_url
-    assert d.stop() == 0
+@pytest.fixture
+def base(colocated_builtin):
+    return colocated_builtin.base_url  # shared (tests/e2e/conftest.py); stopped with a clean-exit check
 
 
 def test_lm_eval_remote_tokenizer_probe_and_loglikelihood(base):

@@ -171,13 +171,11 @@ def test_default_max_tokens_caps_a_request_without_one(client):
     assert r.usage.completion_tokens == DEFAULT_MAX + 5
 
 
-@pytest.fixture(scope="module")
-def builtin_client():
-    """The built-in model: its chat template ignores tools (no detection: the default Hermes parser)."""
-    d = UpProcess(["--model", "builtin", "--num-gpu-blocks", "256", "--mode", "colocated", "--workers", "1"],
-                  _env(), 120)
-    yield openai.OpenAI(base_url=d.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    assert d.stop() == 0
+@pytest.fixture
+def builtin_client(colocated_builtin):
+    """The built-in model: its chat template ignores tools (no detection: the default Hermes parser). The deployment
+    is shared (tests/e2e/conftest.py) and stopped with a clean-exit check after its last test."""
+    return openai.OpenAI(base_url=colocated_builtin.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "set_alarm"}}])

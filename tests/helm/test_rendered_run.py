@@ -178,6 +178,7 @@ def _metric(port: int, name: str, labels: str) -> float:
         return sum(samples(r.read().decode(), name, labels))
 
 
+@pytest.mark.e2e  # the rendered pods as a whole deployment
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server (the rendered Redis pod)")
 def test_disagg_variant_serves_requests_as_rendered(tiny_llama, tmp_path):
     import httpx
@@ -213,6 +214,7 @@ def test_disagg_variant_serves_requests_as_rendered(tiny_llama, tmp_path):
             time.sleep(0.2)
 
 
+@pytest.mark.e2e  # the rendered pods as a whole deployment
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server (the rendered Redis pod)")
 def test_secured_variant_serves_and_refuses_unauthenticated_callers(tiny_llama, tmp_path):
     """Internal token (generated), mTLS (a cert-manager-style Secret, made here) and Redis AUTH (generated), as

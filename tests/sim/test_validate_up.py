@@ -14,12 +14,15 @@ One retry absorbs a burst of contention from other jobs on the 2 shared cores. ~
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pdserve.sim import validate_up as VU
 from pdserve.sim.costmodel import profile
 from pdserve.sim.workload import SLO
 from tests.sim.test_validate import SMALL_GRID
+
+pytestmark = pytest.mark.e2e  # a whole `pdserve up` deployment (tests/conftest.py)
 
 
 def _attempt(dep, cost, seed: int) -> dict:
