@@ -20,8 +20,6 @@ from pathlib import Path
 import pytest
 
 from pdserve.builtin import builtin_model_dir
-from pdserve.services.up_process import UpProcess
-from tests.e2e.conftest import _env
 
 lm_eval = pytest.importorskip("lm_eval")
 
@@ -65,23 +63,27 @@ def _write_tasks(root: Path) -> None:
         "metric_list:\n  - metric: exact_match\n")
 
 
-@pytest.fixture(scope="module")
-def lm_eval_run(tmp_path_factory):
-    """One deployment, one `lm_eval` command over both tasks; its per-sample logs."""
-    root = tmp_path_factory.mktemp("lm_eval")
+_RUN: dict = {}
+
+
+@pytest.fixture
+def lm_eval_run(colocated_builtin, tmp_path_factory):
+    """One `lm_eval` command over both tasks against the shared built-in deployment (tests/e2e/conftest.py), run
+    once for the module; its per-sample logs."""
+    if "run" not in _RUN:
+        _RUN["run"] = _run_lm_eval(colocated_builtin.base_url, tmp_path_factory.mktemp("lm_eval"))
+    return _RUN["run"]
+
+
+def _run_lm_eval(base_url: str, root: Path):
     _write_tasks(root)
-    up = UpProcess(["--model", "builtin", "--num-gpu-blocks", "256", "--mode", "colocated", "--workers", "1"],
-                   _env(), 120)
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                HF_DATASETS_CACHE=str(root / "hf_cache"), OPENAI_API_KEY="unused")
-    try:
-        cmd = [sys.executable, "-m", "lm_eval", "--model", "local-completions",
-               "--model_args", f"model=builtin,base_url={up.base_url}/v1/completions,num_concurrent=2,max_retries=1",
-               "--tasks", "fortunes_mc,fortunes_gen", "--include_path", str(root),
-               "--output_path", str(root / "out"), "--log_samples"]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    finally:
-        assert up.stop() == 0
+    cmd = [sys.executable, "-m", "lm_eval", "--model", "local-completions",
+           "--model_args", f"model=builtin,base_url={base_url}/v1/completions,num_concurrent=2,max_retries=1",
+           "--tasks", "fortunes_mc,fortunes_gen", "--include_path", str(root),
+           "--output_path", str(root / "out"), "--log_samples"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     logs = {}
     for path in (root / "out").rglob("samples_*.jsonl"):
