@@ -210,6 +210,8 @@ def test_an_asymmetric_partition_decode_cannot_reach_prefill(lab):
                 lab.net.cut(d, p, cut=False)
         print("asymmetric partition:", [(s, round(t, 2), b[:50]) for s, t, b in got])
         assert got and all(s in (200, 503, 504) and t < 4 + 2 for s, t, _ in got), got
+        # no answer can have been served disaggregated: each 200 says how it was really served
+        assert not any(s == 200 and b.startswith("disagg") for s, _, b in got), got
         assert _disagg_again(c, body), "not disaggregated again 40 s after the partition healed"
     left = _blocks_left(lab)
     assert not any(left.values()), left

@@ -20,8 +20,7 @@ from pdserve.services.convert import lifecycle_to_pb
 from pdserve.services.gateway.dispatch import Dispatcher, new_id, split
 from pdserve.services.gateway.errors import ErrorReply, RequestFailed, reply_for
 from pdserve.services.gateway.lifecycle import RequestLifecycle, RequestRecord
-from pdserve.services.gateway.path import header as path_header
-from pdserve.services.gateway.path import path_of
+from pdserve.services.gateway.path import PathHeader, path_of
 from pdserve.services.gateway.schema import FINISH_REASONS, ActiveRequest, Degraded, Delta, GenerateCall
 from pdserve.services.gateway.stages import StageTrace, emit_spans, pick, stage_times
 from pdserve.services.gateway.timing import Timing
@@ -76,12 +75,13 @@ class RequestHandler:
             tracing.at_request_end(lambda: emit_spans(rec.arrival, rec.admitted_at, traces))
         timing = Timing(rec=rec)
         routes: list[str] = []
+        paths = PathHeader(len(subs), headers)
 
         def on_route(r) -> None:
             timing.mode = r.mode
             if len(routes) < len(subs):  # each sub-request's first placement (a retry or migration is not counted)
                 M.REQUESTS_BY_PATH.labels(path_of(r.mode, r.reason), r.reason or "unknown").inc()
-                headers.setdefault("x-pdserve-path", path_header(r.mode, r.reason))
+            paths.place(r.mode, r.reason)
             routes.append(r.debug)
             if hit is not None and kv_holder(r) != hit.worker_id:
                 self.life.spawn(self.life.admission.lose_hit(rid))  # its KV is elsewhere: its pins are its own

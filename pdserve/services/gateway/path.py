@@ -30,3 +30,28 @@ def path_of(mode: str, reason: str) -> str:
 
 def header(mode: str, reason: str) -> str:
     return f"{path_of(mode, reason)}; reason={reason or 'unknown'}"
+
+
+class PathHeader:
+    """`x-pdserve-path` in `headers` as placements happen. For a one-prompt request it names the latest
+    placement, so a whole answer names the path that produced it: a placement on one worker after a
+    disaggregated one is a `fallback` (the KV never arrived, or its decode worker failed, and the request was
+    prefilled again where it decodes), with `placements=N`. A stream's headers leave with its first token, so
+    a stream names its first placement. With several prompts, the first placement of the first."""
+
+    def __init__(self, n_subs: int, headers: dict[str, str]):
+        self.n_subs, self.headers = n_subs, headers
+        self.placements = 0
+        self.was_disagg = False
+
+    def place(self, mode: str, reason: str) -> None:
+        self.placements += 1
+        if self.n_subs > 1:
+            self.headers.setdefault("x-pdserve-path", header(mode, reason))
+            return
+        path = path_of(mode, reason)
+        if path == "local" and self.was_disagg:
+            path = "fallback"
+        self.was_disagg |= mode == "disagg"
+        more = f"; placements={self.placements}" if self.placements > 1 else ""
+        self.headers["x-pdserve-path"] = f"{path}; reason={reason or 'unknown'}{more}"

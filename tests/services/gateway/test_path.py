@@ -9,7 +9,7 @@ import pytest
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.services.gateway.dispatch import Dispatcher, split
 from pdserve.services.gateway.errors import reply_for
-from pdserve.services.gateway.path import DisaggUnavailable, header, path_of
+from pdserve.services.gateway.path import DisaggUnavailable, PathHeader, header, path_of
 from pdserve.services.pb import common_pb2, router_pb2
 
 
@@ -50,3 +50,30 @@ def test_require_disagg_refuses_a_local_placement(required):
     else:  # not required: it goes to the worker (none listens on :9: the request ends FAILED, naming it)
         last = asyncio.run(run())[-1]
         assert last.finished and last.state == "FAILED" and "d-0" in last.error
+
+
+def test_a_whole_answer_names_its_last_placement():
+    """A disaggregated placement whose KV pull failed, placed again on one worker (a migration that prefills
+    where it decodes), is a fallback on the answer, not `disagg` (found cutting decode -> prefill on emulated
+    hosts: docs/lab.md)."""
+    headers: dict[str, str] = {}
+    p = PathHeader(1, headers)
+    p.place("disagg", "disagg_forced")
+    assert headers["x-pdserve-path"] == "disagg; reason=disagg_forced"
+    p.place("colocated", "local_faster")
+    assert headers["x-pdserve-path"] == "fallback; reason=local_faster; placements=2"
+    p.place("disagg", "disagg_faster")  # a retry on another pair before anything was emitted
+    assert headers["x-pdserve-path"] == "disagg; reason=disagg_faster; placements=3"
+
+
+def test_local_stays_local_without_a_disaggregated_placement_and_several_prompts_keep_the_first():
+    headers: dict[str, str] = {}
+    p = PathHeader(1, headers)
+    p.place("colocated", "colocated_only")
+    p.place("colocated", "colocated_only")
+    assert headers["x-pdserve-path"] == "local; reason=colocated_only; placements=2"
+    many: dict[str, str] = {}
+    q = PathHeader(2, many)
+    q.place("disagg", "disagg_faster")
+    q.place("colocated", "local_faster")
+    assert many["x-pdserve-path"] == "disagg; reason=disagg_faster"
