@@ -162,6 +162,13 @@ class LoadMeter:
                 self.kv_bw.add(nbytes / transfer_s)
             self.handoff.add(max(0.0, handoff_s - transfer_s))
 
+    def observe_probe(self, bytes_per_s: float) -> None:
+        """The transport self-test's bandwidth (kv_transfer/probe.py): one sample of the link's rate, measured
+        on a READ large enough that its latency does not dominate."""
+        with self._lock:
+            if bytes_per_s > 0:
+                self.kv_bw.add(bytes_per_s)
+
     def report(self) -> common_pb2.LoadReport:
         """The measured fields of a load report (the worker fills in the rest)."""
         with self._lock:

@@ -97,6 +97,20 @@ def test_kv_crosses_the_shaped_link(lab):
     assert by_path and by_path[0] >= 2
 
 
+def test_the_pair_self_test_measures_the_link(lab):
+    """A decode worker's transport self-test of each prefill peer it met (kv_transfer/probe.py) measures the
+    shaped link, not a memcpy: no faster than the link, and most of it."""
+    end, probes = time.monotonic() + 15, []
+    while not probes and time.monotonic() < end:
+        probes = [v for h in ("decode-0", "decode-1")
+                  for v in samples(httpx.get(lab.metrics_url(h), timeout=10).text,
+                                   "pdserve_kv_pair_probe_bytes_per_second")]
+        time.sleep(0.2)
+    print("self-test:", [f"{v * 8 / 1e6:.1f} Mbit/s" for v in probes], f"over a {RATE_BPS / 1e6:.0f} Mbit/s link")
+    assert probes, "no decode worker self-tested its link to a prefill peer"
+    assert all(RATE_BPS * 0.5 <= v * 8 <= RATE_BPS * 1.15 for v in probes), probes
+
+
 def test_concurrent_requests_use_both_pairs(lab):
     import concurrent.futures as cf
 

@@ -105,6 +105,11 @@ PANELS = [
        "{{pod}} <- {{peer}} {{reason}}"),
       (f"sum by (pod, peer) (increase(pdserve_kv_pair_leases_expired_total{{{POOL}}}[$__rate_interval]))",
        "{{pod}} <- {{peer}} lease expired")]),
+    # the transport self-test when a pair first meets (kv_transfer/probe.py): what the router's cost starts from
+    ("KV link self-test bandwidth per pair", "Bps",
+     [(f"max by (pod, peer) (pdserve_kv_pair_probe_bytes_per_second{{{POOL}}})", "{{pod}} <- {{peer}}")]),
+    ("KV link self-test READ latency per pair", "s",
+     [(f"max by (pod, peer) (pdserve_kv_pair_probe_latency_seconds{{{POOL}}})", "{{pod}} <- {{peer}}")]),
     # configured, not chosen by UCX (kv_transfer/transport.py): auto on one host means shared memory
     ("KV transport per pod (configured)", "short",
      [(f"max by (pod, backend, transport, source) (pdserve_kv_transport_info{{{POOL}}})",

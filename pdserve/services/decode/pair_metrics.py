@@ -43,3 +43,8 @@ class PairMetrics:
         M.KV_PAIR_FAILURES.labels(lbl, kind.value).inc()
         if kind is TransferFailure.LEASE_EXPIRED:
             M.KV_PAIR_LEASES_EXPIRED.labels(lbl).inc()
+
+    def probed(self, peer: str, latency_s: float, bytes_per_s: float) -> None:
+        lbl = self.label(peer)
+        M.KV_PAIR_PROBE_LATENCY.labels(lbl).set(latency_s)
+        M.KV_PAIR_PROBE_BANDWIDTH.labels(lbl).set(bytes_per_s)

@@ -27,6 +27,7 @@ from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.grammar_pool import CompileTimeout
 from pdserve.kv_transfer.agent import KVAgent, KVTransferError, TransferFailure
 from pdserve.kv_transfer.layout import KVLayoutMismatch
+from pdserve.kv_transfer.probe import probe_link
 from pdserve.kv_transfer.tp_pull import KvPuller
 from pdserve.services.convert import DeltaEncoder, first_tokens_from_pb, limits_from_pb, params_from_pb
 from pdserve.services.decode.pair_metrics import PairMetrics
@@ -88,9 +89,32 @@ class DecodeSide:
         # every task this side starts (ReleaseKV calls, aborts waiting for a READ, the READs themselves): owned,
         # so none is collected mid-flight, and close() waits for them, then cancels what is left
         self._tasks = OwnedTasks()
-        self.pairs = PairMetrics()  # per prefill peer: bytes, seconds, failures, expired leases
+        self.pairs = PairMetrics()  # per prefill peer: bytes, seconds, failures, expired leases, self-test
+        self._probed: set[tuple[str, str]] = set()  # peer incarnations whose link was self-tested
         self.peers = KvPeers(self._stub, endpoint.layout, endpoint.protocol_version,
                              self.puller.forget_remote if agent is not None else (lambda name: None))
+
+    def _probe_once(self, kv: common_pb2.KvHandle, regions) -> None:
+        """The transport self-test (kv_transfer/probe.py), once per peer incarnation, in the background: its
+        bandwidth feeds the router's transfer cost, its figures the per-pair gauges. Single-pool pairs only (a TP
+        pull's ranks read their own slices)."""
+        key = (kv.worker_address, kv.incarnation)
+        if key in self._probed or self.agent is None or self.puller.ranks is not None or len(regions) != 1:
+            return
+        self._probed.add(key)
+        self._tasks.spawn(self._probe(kv.worker_id, regions[0]))
+
+    async def _probe(self, peer: str, region) -> None:
+        try:
+            got = await asyncio.to_thread(probe_link, self.agent, region, min(5.0, self.transfer_timeout_s))
+        except (KVTransferError, KVLayoutMismatch, ValueError, RuntimeError) as e:
+            log.warning("KV link self-test with %s failed: %s", peer, e)
+            return
+        self.pairs.probed(peer, got.latency_s, got.bytes_per_s)
+        if self.meter is not None:
+            self.meter.observe_probe(got.bytes_per_s)
+        log.info("KV link self-test with %s: %.1f Mbit/s over %d bytes, READ latency %.2f ms", peer,
+                 got.bytes_per_s * 8 / 1e6, got.nbytes, got.latency_s * 1e3)
 
     def _stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         ch = self._channels.get(address)
@@ -189,6 +213,7 @@ class DecodeSide:
             return
         if self.meter is not None:
             self.meter.observe_transfer(pulled.nbytes, pulled.t1 - pulled.t0, time.time() - t_start)
+        self._probe_once(kv, regions)  # after its pull: the self-test does not share the link with it
         async with contextlib.aclosing(stream):  # 4. stream
             enc = DeltaEncoder(self.tokenizer)
             first = True

@@ -46,6 +46,10 @@ KV_PAIR_FAILURES = Counter("pdserve_kv_pair_failures_total", "Failed KV pulls fr
                            ["peer", "reason"], registry=WORKER)
 KV_PAIR_LEASES_EXPIRED = Counter("pdserve_kv_pair_leases_expired_total", "KV pulls from the peer refused because "
                                  "the peer's lease on the blocks ran out first", ["peer"], registry=WORKER)
+KV_PAIR_PROBE_LATENCY = Gauge("pdserve_kv_pair_probe_latency_seconds", "The transport self-test's one-block READ "
+                              "from the peer, post to completion (kv_transfer/probe.py)", ["peer"], registry=WORKER)
+KV_PAIR_PROBE_BANDWIDTH = Gauge("pdserve_kv_pair_probe_bytes_per_second", "The transport self-test's bandwidth from "
+                                "the peer: a READ sized to take ~0.25 s, at most 4 MiB", ["peer"], registry=WORKER)
 KV_TRANSPORT_INFO = Gauge("pdserve_kv_transport_info", "1, labelled with the KV transfer's backend and transport "
                           "(transport: UCX_TLS's transports, or auto; source: configured when UCX_TLS is set, default "
                           "when UCX picks per peer: kv_transfer/transport.py)", ["backend", "transport", "source"], registry=WORKER)

@@ -70,7 +70,14 @@ def test_pull_bytes_travel_back_and_are_counted_per_peer(tiny_llama):
             return want, t.kv_transfer_end - t.kv_transfer_start
 
         want, took = asyncio.run(main())
+        # the transport self-test the pair's first pull started (kv_transfer/probe.py), in the background
+        end = time.monotonic() + 15
+        while _sample(_scrape(dmet), "pdserve_kv_pair_probe_bytes_per_second", peer=peer) is None:
+            assert time.monotonic() < end, "no transport self-test within 15 s of the pair's first pull"
+            time.sleep(0.2)
         text = _scrape(dmet)
+        assert 0 < _sample(text, "pdserve_kv_pair_probe_latency_seconds", peer=peer) < 5
+        assert _sample(text, "pdserve_kv_pair_probe_bytes_per_second", peer=peer) > 0
         assert _sample(text, "pdserve_kv_pair_transfer_bytes_sum", peer=peer) == want
         assert _sample(text, "pdserve_kv_pair_transfer_bytes_count", peer=peer) == 1
         assert _sample(text, "pdserve_kv_pair_transfer_seconds_count", peer=peer) == 1
@@ -91,3 +98,11 @@ def test_peer_labels_are_capped():
     lbl = PeerLabels(cap=2)
     assert [lbl("p1"), lbl("p2"), lbl("p3"), lbl("p1"), lbl("")] == ["p1", "p2", OTHER, "p1", OTHER]
     assert TransferFailure.LEASE_EXPIRED.value == "lease_expired"
+
+
+def test_the_self_test_feeds_the_router_bandwidth():
+    from pdserve.services.load_meter import LoadMeter
+    m = LoadMeter()
+    assert m.report().kv_bytes_per_s == 0  # no measurement: the router keeps its prior
+    m.observe_probe(5e6)
+    assert m.report().kv_bytes_per_s == 5e6
