@@ -69,6 +69,7 @@ def spans(monkeypatch):
 
 class _Times:
     def __init__(self, **kw):
+        self.kv_bytes = 0  # StageTimes' field the spans do not use
         self.__dict__.update(kw)
 
 

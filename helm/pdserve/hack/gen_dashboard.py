@@ -110,6 +110,22 @@ PANELS = [
      [(f"max by (pod, peer) (pdserve_kv_pair_probe_bytes_per_second{{{POOL}}})", "{{pod}} <- {{peer}}")]),
     ("KV link self-test READ latency per pair", "s",
      [(f"max by (pod, peer) (pdserve_kv_pair_probe_latency_seconds{{{POOL}}})", "{{pod}} <- {{peer}}")]),
+    # decode-side prefix reuse (docs/kv_transfer.md): the blocks a pull skipped because the decode worker held them
+    ("KV blocks pulled vs reused from the decode side's cache", "short",
+     [(f"sum by (pod) (rate(pdserve_kv_pull_blocks_total{{{POOL}}}[$__rate_interval]))", "{{pod}} pulled"),
+      (f"sum by (pod) (rate(pdserve_kv_pull_reused_blocks_total{{{POOL}}}[$__rate_interval]))", "{{pod}} reused")]),
+    # mixture-of-experts load (docs/engine.md, "Expert load"): a hot expert is a slow step
+    ("MoE tokens per expert", "short",
+     [(f"sum by (expert) (rate(pdserve_moe_expert_tokens_total{{{POOL}}}[$__rate_interval]))", "expert {{expert}}")]),
+    ("MoE expert imbalance (max / mean)", "short",
+     [(f"max by (pod) (pdserve_moe_expert_imbalance{{{POOL}}})", "{{pod}}")]),
+    # runtime role switches (docs/planner.md, "Role switches")
+    ("Role switches", "short",
+     [(f"sum by (from_role, to_role, outcome) (increase(pdserve_role_switches_total{{{POOL}}}[$__rate_interval]))",
+       "{{from_role}} -> {{to_role}} {{outcome}}")]),
+    ("Role switch duration p90", "s",
+     [(f"histogram_quantile(0.9, sum by (le) (rate(pdserve_role_switch_seconds_bucket{{{POOL}}}[$__rate_interval])))",
+       "p90")]),
     # configured, not chosen by UCX (kv_transfer/transport.py): auto on one host means shared memory
     ("KV transport per pod (configured)", "short",
      [(f"max by (pod, backend, transport, source) (pdserve_kv_transport_info{{{POOL}}})",

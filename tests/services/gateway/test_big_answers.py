@@ -126,7 +126,7 @@ def _big_answer(deadline: float | None):
     st = SimpleNamespace(n_choices=CHOICES, call=call, rec=SimpleNamespace(deadline=deadline),
                          finish_reasons=["length"] * CHOICES, prompt_logprobs=[[] for _ in range(CHOICES)],
                          rid="cmpl-x", created=0, degraded=None, prompt_tokens=3, completion_tokens=CHOICES * TOKENS,
-                         cached_tokens=0)
+                         cached_tokens=0, traces=[])
     form = responses.OpenAIForm("builtin", chat=False, tokenizer=tok)
     return FakeHandler(msgs), st, form
 
