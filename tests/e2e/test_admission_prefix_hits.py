@@ -63,6 +63,12 @@ def test_shared_prefix_admitted_together_distinct_not(up):
     assert wait_until(lambda: _route_hit(_post(up, prefix + [1, 3])) >= 40, timeout=30)
     codes = _together(up, [prefix + [9, i] for i in range(N)])
     assert codes == [200] * N, codes  # 10 pinned blocks once + 4 x 2: 18, the whole budget
-    distinct = [[rng.randrange(3, 300) for _ in range(42)] for _ in range(N)]
-    codes = _together(up, distinct)
-    assert 503 in codes and 200 in codes, codes  # 12 blocks each: one at a time fits 18
+    # 12 blocks each: one at a time fits 18. On a loaded box the four can arrive one after another, each done
+    # before the next (all 200, rightly): up to three rounds of fresh prompts for one where they overlapped
+    rounds = []
+    for _ in range(3):
+        distinct = [[rng.randrange(3, 300) for _ in range(42)] for _ in range(N)]
+        rounds.append(_together(up, distinct))
+        if 503 in rounds[-1]:
+            break
+    assert 503 in rounds[-1] and all(200 in codes for codes in rounds), rounds
