@@ -17,7 +17,7 @@ import pytest
 
 from pdserve.lab.cluster import LabCluster, LabSpec
 from pdserve.lab.netns import LabUnavailable, Link
-from tests.e2e.conftest import _env, samples
+from tests.e2e.conftest import _env, samples, wait_until
 
 RATE_BPS = 40_000_000  # 40 Mbit/s: a 400-token prompt's KV (~3.3 MB on the built-in model) takes ~0.7 s
 BLOCK_TOKENS = 16
@@ -74,6 +74,8 @@ def test_kv_crosses_the_shaped_link(lab):
     raw = client.completions.with_raw_response.create(model="builtin", prompt="hello " * 400, max_tokens=4)
     assert raw.headers["x-pdserve-path"] == "disagg; reason=disagg_forced"  # the deployment's mode is disagg
     r = raw.parse()
+    # the decode host's counters are read over its own link: give a late scrape a moment (once, in CI, both read 0)
+    assert wait_until(lambda: _decode_sum(lab, "pdserve_kv_transfer_seconds_sum") > s0, 5), "no pull counted"
     moved = _decode_sum(lab, "pdserve_kv_transfer_bytes_total") - b0
     took = _decode_sum(lab, "pdserve_kv_transfer_seconds_sum") - s0
     blocks = math.floor(r.usage.prompt_tokens / BLOCK_TOKENS)
