@@ -130,7 +130,8 @@ def test_concurrent_requests_use_both_pairs(lab):
 
     with cf.ThreadPoolExecutor(6) as pool:
         out = list(pool.map(one, range(12)))
-    assert all(path.startswith("disagg") and text for path, text in out), out
+    bad = [(i, path, text) for i, (path, text) in enumerate(out) if not (path.startswith("disagg") and text)]
+    assert not bad, bad
     busy = {h for h in lab.workers if work(h) > before[h]}
     print("workers that served:", sorted(busy))
     # every one disaggregated over the links: each pool did work; how the router spreads 12 short requests over

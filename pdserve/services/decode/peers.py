@@ -60,7 +60,10 @@ class KvPeers:
     async def _handshake(self, address: str, incarnation: str) -> list[KVRegion]:
         req = worker_pb2.KvHandshakeRequest(protocol_version=self._version, layout=layout_to_pb(self._layout.to_dict()))
         try:
-            resp = await self._stub_for(address).KvHandshake(req, timeout=self._timeout_s)
+            # wait_for_ready: the peer answered its Prefill call moments ago, so a first connection attempt that
+            # fails (a SYN lost on a loaded link, the channel still in its reconnect backoff) is retried within the
+            # timeout instead of failing the request UNAVAILABLE at once; a peer that is really gone still ends it
+            resp = await self._stub_for(address).KvHandshake(req, timeout=self._timeout_s, wait_for_ready=True)
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 raise KVTransferError(f"KV handshake with {address} refused: {e.details()}",
