@@ -191,7 +191,17 @@ def test_disagg_variant_serves_requests_as_rendered(tiny_llama, tmp_path):
         body = {"model": "ck", "prompt": "the quick brown fox", "max_tokens": 4, "temperature": 0}
         r = httpx.post(g0 + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 401, r.text  # keys required
-        r = httpx.post(g0 + "/v1/completions", json=body, headers={"Authorization": "Bearer sk-acme"}, timeout=60)
+        # Every pod is ready by its own probe, the gateways once a pair is registered; a worker may still refuse
+        # its first calls (one CI run under load got a 503 no_workers here). That answer carries Retry-After and a
+        # client retries it: so does this test, for 30 s, and anything else fails it
+        end = time.monotonic() + 30
+        while True:
+            r = httpx.post(g0 + "/v1/completions", json=body, headers={"Authorization": "Bearer sk-acme"},
+                           timeout=60)
+            if r.status_code != 503 or time.monotonic() > end:
+                break
+            assert r.json()["error"]["code"] == "no_workers", r.text
+            time.sleep(0.5)
         assert r.status_code == 200, r.text
         assert 1 <= r.json()["usage"]["completion_tokens"] <= 4
         r = httpx.post(g1 + "/v1/chat/completions", headers={"Authorization": "Bearer sk-plain"}, timeout=60,
