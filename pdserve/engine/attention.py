@@ -128,15 +128,18 @@ def paged_attention(
     sinks: torch.Tensor | None = None,  # [H] a logit per query head in every softmax's denominator (gpt-oss)
     window: int | None | str = "model",  # this layer's own window (None: full); "model": meta.sliding_window
 ) -> torch.Tensor:
-    """Sinks and per-layer windows take the torch path only (the runner builds no native metadata for them)."""
+    """Sinks and per-layer windows reach the kernels only on the Triton path (the runner builds no native
+    metadata for them on CPU: the compiled kernels take neither)."""
     # Write first: a token attends to its own key, and chunks attend to earlier chunks through the cache.
     write_kv(kv, layer, meta.slot_blocks, meta.slot_offsets, k, v, meta.native_ops)
     out = torch.empty_like(q)
     n_kv = k.shape[1]
+    win = (meta.sliding_window if window == "model" else window) or 0
+    extra = {} if sinks is None else {"sinks": sinks}  # the CPU module's signature has no sinks
     if meta.native_prefill is not None:
         npf = meta.native_prefill
         meta.native_ops.paged_prefill_attention(out, q, kv, layer, npf.starts, npf.q_lens, npf.context_lens,
-                                                npf.block_tables, scale, meta.sliding_window or 0)
+                                                npf.block_tables, scale, win, **extra)
     for span in meta.prefills:
         qs = q[span.start:span.start + span.q_len].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
         if span.mask is None:  # whole prompt in this step: use the fresh K/V, no gather needed
@@ -157,7 +160,7 @@ def paged_attention(
     if meta.native_decode is not None:
         nd = meta.native_decode
         meta.native_ops.paged_decode_attention(out, q, kv, layer, nd.rows, nd.block_tables, nd.context_lens,
-                                               scale, meta.sliding_window or 0)
+                                               scale, win, **extra)
     for g, grp in enumerate(meta.decodes):
         # Single-query attention as two batched matmuls in the cache dtype (scores and softmax in fp32): on CPU
         # this is ~2.5x faster than SDPA, whose kernels tile for long queries and want the K/V converted.

@@ -89,7 +89,8 @@ def num_blocks(config, model, device: torch.device, block_bytes: int) -> int:
     if device.type != "cuda":
         return max(1, CPU_DEFAULT_KV_BYTES // block_bytes)
     attention_ops = None
-    if config.native_kernels and config.attention in ("auto", "triton"):  # profile the kernels the steps will run
+    # profile the kernels the steps will run (an MLA model prefills in torch: mla.py)
+    if config.native_kernels and config.attention in ("auto", "triton") and model.cfg.kv_layout != "mla":
         from pdserve.engine.model_runner import triton_attention
         attention_ops = triton_attention(device)
     # no graphs under tensor parallelism (model_runner.py)

@@ -9,8 +9,9 @@ v_head_dim)` for the same model caching per-head K and V.
 
 Each step expands the latents of a sequence's whole context through kv_b_proj into per-head keys (no-rope part)
 and values, then attends with the queries. That is the plain form, correct and simple; it costs a
-[context, kv_lora_rank] x [kv_lora_rank, heads * (nope + v)] GEMM per layer per step. The absorbed form (kv_b
-folded into the query and output projections, attention over latents) is the fast path still to add.
+[context, kv_lora_rank] x [kv_lora_rank, heads * (nope + v)] GEMM per layer per step. On the CUDA path
+(Triton) decodes take the absorbed form instead (`_absorbed_decode`: kv_b folded into the query and the output,
+attention over the latents, triton_attention.mla_decode_attention); prefill keeps the plain form.
 """
 from __future__ import annotations
 
@@ -86,12 +87,32 @@ class LatentAttention(nn.Module):
             o = F.scaled_dot_product_attention(qs, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
                                                attn_mask=span.mask, is_causal=span.mask is None, scale=self.scale)
             out[span.start:span.start + span.q_len] = o.squeeze(0).transpose(0, 1)
+        if meta.native_decode is not None:  # the CUDA path: absorbed attention over the latents (Triton)
+            nd = meta.native_decode
+            out[nd.rows] = self._absorbed_decode(q[nd.rows], kv, layer, nd, meta.native_ops).to(out.dtype)
         for grp in meta.decodes:
             k, v = self._expand(self._latents(kv, layer, grp.block_tables), q.dtype)  # [B, S, H, *]
             scores = torch.einsum("bhd,bshd->bhs", q[grp.rows], k).float() * self.scale + grp.bias[:, 0]
             probs = torch.softmax(scores, dim=-1).to(v.dtype)
             out[grp.rows] = torch.einsum("bhs,bshd->bhd", probs, v).to(out.dtype)
         return self.o(out.reshape(t, self.heads * self.v_dim))
+
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b split per head into its key part W_uk [H, nope, rank] and value part W_uv [H, v, rank]."""
+        w = self.kv_b.weight if self.kv_b.weight.numel() else self.kv_b.gemv_weight  # packed on CPU: the copy
+        w = w.view(self.heads, self.nope + self.v_dim, self.rank)
+        return w[:, :self.nope], w[:, self.nope:]
+
+    def _absorbed_decode(self, q: torch.Tensor, kv: torch.Tensor, layer: int, nd, ops) -> torch.Tensor:
+        """q [B, H, nope + rope] -> [B, H, v_dim]. q_nope . (W_uk c) = (W_uk^T q_nope) . c, so the query moves into
+        latent space and every head scores the cached entries [c | k_rot] directly; the weighted sum of latents
+        goes up through W_uv once per head, instead of every cached latent through kv_b every step."""
+        w_uk, w_uv = self.absorbed_weights()
+        q_nope, q_rot = q.split([self.nope, self.rope], dim=-1)
+        q_lat = torch.einsum("bhn,hnr->bhr", q_nope, w_uk.to(q.dtype))
+        entry_q = torch.cat([q_lat, q_rot], dim=-1).to(kv.dtype)
+        o = ops.mla_decode_attention(entry_q, kv, layer, nd.block_tables, nd.context_lens, self.scale)
+        return torch.einsum("bhr,hvr->bhv", o[..., :self.rank].to(w_uv.dtype), w_uv)
 
     @staticmethod
     def _latents(kv: torch.Tensor, layer: int, tables: torch.Tensor) -> torch.Tensor:

@@ -93,10 +93,11 @@ class ModelRunner:
                 tile_projections(model)
         # The attention kernels that read the pool in place: the CPU module, or Triton on CUDA; None -> torch.
         use_triton = native and (attention == "triton" or (attention == "auto" and self.device.type == "cuda"))
-        # Attention sinks and per-layer windows (gpt-oss) and latent attention (mla.py) exist in the torch path
-        # only: neither the CPU kernels nor Triton's take them.
+        # Attention sinks and per-layer windows (gpt-oss) and latent attention (mla.py) have Triton kernels but no
+        # compiled CPU ones: on the CPU backend they take the torch path.
         cfg = model.cfg
-        if attention == "torch" or cfg.attention_sinks or cfg.layer_windows or cfg.kv_layout == "mla":
+        triton_only = bool(cfg.attention_sinks or cfg.layer_windows or cfg.kv_layout == "mla")
+        if attention == "torch" or (triton_only and not use_triton):
             self.attention_ops = None
         elif is_quantized(kv.data.dtype):
             # The compiled CPU kernels, the fused decoder stack and Triton read the pool in the compute dtype
@@ -113,7 +114,7 @@ class ModelRunner:
         # Prefill attention over the pool where that kernel exists (Triton; on CPU bf16 with AVX512-BF16); SDPA
         # otherwise.
         if self.attention_ops is not None and self.attention_ops is not self.native_ops:
-            self.native_prefill = True
+            self.native_prefill = cfg.kv_layout != "mla"  # MLA prefill: the plain form in torch (mla.py)
         else:
             self.native_prefill = bool(self.attention_ops is not None and self.native_ops.prefill_attention_supported(
                 kv.data, model.shard.num_heads))

@@ -49,8 +49,9 @@ def make_pool(bs, n_kv, d, dtype, lens, g, width_extra=1):
     return kv, tables
 
 
-def reference(q, kv, layer, table, context_len, q_rows, scale, window):
-    """Queries at rows q_rows are the last len(q_rows) positions of a context of context_len tokens."""
+def reference(q, kv, layer, table, context_len, q_rows, scale, window, sinks=None):
+    """Queries at rows q_rows are the last len(q_rows) positions of a context of context_len tokens. `sinks`: one
+    more logit per head in the softmax, whose value is zero (gpt-oss)."""
     bs, n_kv = kv.shape[3], kv.shape[4]
     group = q.shape[1] // n_kv
     keys = torch.stack([kv[table[p // bs], layer, 0, p % bs] for p in range(context_len)]).double()
@@ -61,7 +62,10 @@ def reference(q, kv, layer, table, context_len, q_rows, scale, window):
         lo = max(0, qp - window + 1) if window else 0
         for h in range(q.shape[1]):
             s = keys[lo:qp + 1, h // group] @ q[r, h].double() * scale
-            out[(r, h)] = torch.softmax(s, 0) @ vals[lo:qp + 1, h // group]
+            if sinks is not None:
+                s = torch.cat([s, sinks[h:h + 1].double()])
+            p = torch.softmax(s, 0)[:qp + 1 - lo]
+            out[(r, h)] = p @ vals[lo:qp + 1, h // group]
     return out
 
 
@@ -116,18 +120,98 @@ def test_prefill_with_prefix_hits_matches_reference(dtype, tol, bs, n_heads, n_k
     assert (out[37] == 0).all()
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("window,splits", [(0, 1), (5, 2), (0, 4)])
+def test_decode_with_sinks_matches_reference(dtype, tol, window, splits):
+    """gpt-oss's sinks: split 0 carries the sink into the merge; splits past a window's start hold nothing."""
+    g = torch.Generator().manual_seed(7 + window + splits)
+    bs, n_heads, n_kv, d = 4, 4, 2, 16
+    lens = [1, 7, 13, 33]
+    kv, tables = make_pool(bs, n_kv, d, dtype, lens, g)
+    rows = torch.tensor([3, 0, 2, 1])
+    q = torch.randn(4, n_heads, d, generator=g).to(dtype)
+    sinks = (torch.randn(n_heads, generator=g) * 2).to(dtype)  # some above the scores, some below
+    out = torch.zeros_like(q).to(DEVICE)
+    ops = triton_attention.TritonAttention(decode_splits_override=splits)
+    scale = d ** -0.5
+    ops.paged_decode_attention(out, q.to(DEVICE), kv.to(DEVICE), 0, rows.to(DEVICE), tables.to(DEVICE),
+                               torch.tensor(lens).to(DEVICE), scale, window, sinks=sinks.to(DEVICE))
+    out = out.cpu()
+    for r, t, n in zip(rows.tolist(), tables, lens):
+        check(out, reference(q, kv, 0, t.tolist(), n, [r], scale, window, sinks), tol)
+
+
+@pytest.mark.parametrize("window", [0, 6])
+def test_prefill_with_sinks_matches_reference(window):
+    g = torch.Generator().manual_seed(11 + window)
+    bs, n_heads, n_kv, d = 4, 4, 2, 16
+    spans = [(0, 37, 45), (37, 3, 3)]
+    kv, tables = make_pool(bs, n_kv, d, torch.float32, [c for _, _, c in spans], g)
+    q = torch.randn(40, n_heads, d, generator=g)
+    sinks = torch.randn(n_heads, generator=g) * 2
+    out = torch.zeros_like(q).to(DEVICE)
+    scale = d ** -0.5
+    triton_attention.TritonAttention().paged_prefill_attention(
+        out, q.to(DEVICE), kv.to(DEVICE), 1, torch.tensor([s[0] for s in spans]).to(DEVICE),
+        torch.tensor([s[1] for s in spans]).to(DEVICE), torch.tensor([s[2] for s in spans]).to(DEVICE),
+        tables.to(DEVICE), scale, window, sinks=sinks.to(DEVICE))
+    out = out.cpu()
+    for (start, q_len, ctx), t in zip(spans, tables):
+        check(out, reference(q, kv, 1, t.tolist(), ctx, list(range(start, start + q_len)), scale, window, sinks),
+              1e-5)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
+def test_mla_absorbed_decode_matches_plain_float64(dtype, tol):
+    """The CUDA path's MLA decode (query absorbed into latent space, Triton over the latent pool, output
+    up-projected) against the plain form in float64: every latent expanded through kv_b into per-head keys and
+    values. 20 heads: two head tiles, the second partly padding."""
+    from types import SimpleNamespace
+
+    from pdserve.engine.attention import NativeDecode
+    from pdserve.engine.mla import LatentAttention
+    from pdserve.engine.model import RMSNorm
+
+    heads, rank, rope, nope, v_dim, bs = 20, 32, 16, 16, 24, 4
+    cfg = SimpleNamespace(hidden_size=32, num_heads=heads, qk_nope_head_dim=nope, qk_rope_head_dim=rope,
+                          v_head_dim=v_dim, kv_lora_rank=rank, rope_interleave=False, q_lora_rank=0, o_bias=False,
+                          rope_scaling=None, max_position_embeddings=64)
+    g = torch.Generator().manual_seed(3)
+    attn = LatentAttention(cfg, torch.nn.Linear, RMSNorm)
+    with torch.no_grad():
+        attn.kv_b.weight.copy_(torch.randn(attn.kv_b.weight.shape, generator=g) * rank ** -0.5)
+    attn = attn.to(dtype)
+    lens = [1, 9, 38]
+    kv, tables = make_pool(bs, 1, (rank + rope) // 2, dtype, lens, g)
+    q = torch.randn(len(lens), heads, nope + rope, generator=g).to(dtype)
+    nd = NativeDecode(torch.arange(len(lens)), tables, torch.tensor(lens))
+    out = attn._absorbed_decode(q, kv, 1, nd, triton_attention.TritonAttention()).float()
+    w = attn.kv_b.weight.double().view(heads, nope + v_dim, rank)
+    for b, (t, n) in enumerate(zip(tables.tolist(), lens)):
+        entries = torch.stack([torch.cat([kv[t[p // bs], 1, 0, p % bs, 0], kv[t[p // bs], 1, 1, p % bs, 0]])
+                               for p in range(n)]).double()  # [n, rank + rope]
+        lat, k_rot = entries[:, :rank], entries[:, rank:]
+        for h in range(heads):
+            keys = torch.cat([lat @ w[h, :nope].T, k_rot], dim=-1)  # [n, nope + rope]
+            vals = lat @ w[h, nope:].T  # [n, v]
+            want = torch.softmax(keys @ q[b, h].double() * attn.scale, 0) @ vals
+            torch.testing.assert_close(out[b, h].double(), want, atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("num_seqs,max_ctx,want", [(1, 4096, 16), (64, 4096, 1), (1, 200, 1), (2, 1 << 20, 17)])
 def test_decode_splits(num_seqs, max_ctx, want):
     """~2 programs per SM (132 SMs, 8 KV heads), each split at least 256 keys, at most 64 splits."""
     assert triton_attention.decode_splits(num_seqs, 8, max_ctx, 132) == want
 
 
-@pytest.mark.parametrize("variant", [dict(arch="llama"), dict(arch="mistral", sliding_window=8)],
-                         ids=["llama-gqa", "mistral-window-8"])
+@pytest.mark.parametrize("variant", [dict(arch="llama"), dict(arch="mistral", sliding_window=8),
+                                     dict(arch="gpt_oss"), dict(arch="deepseek_v3")],
+                         ids=["llama-gqa", "mistral-window-8", "gpt-oss-sinks-window-6", "deepseek-v3-mla"])
 def test_engine_greedy_through_triton_matches_transformers(tmp_path, variant):
     """The whole engine with attention="triton" (the CUDA path's kernels, here interpreted): chunked prefill
     (max_num_batched_tokens 16 cuts the 41-token prompt, so later chunks attend to cached blocks), then batched
-    decodes; greedy tokens equal transformers'."""
+    decodes; greedy tokens equal transformers'. gpt-oss: sinks on both layers, layer 0 windowed to 6 keys, layer 1
+    full; DeepSeek-V3: the absorbed latent decode."""
     import transformers as tf
 
     from pdserve.engine.engine import Engine, EngineConfig
@@ -137,7 +221,8 @@ def test_engine_greedy_through_triton_matches_transformers(tmp_path, variant):
     ckpt = make_checkpoint(tmp_path, **variant)
     engine = Engine.from_pretrained(ckpt, EngineConfig(num_gpu_blocks=64, block_size=4, attention="triton",
                                                        max_num_batched_tokens=16, device=DEVICE))
-    assert type(engine.runner.attention_ops).__name__ == "TritonAttention" and engine.runner.native_prefill
+    mla = variant["arch"] == "deepseek_v3"  # MLA prefills in torch (the plain form), decodes absorbed in Triton
+    assert type(engine.runner.attention_ops).__name__ == "TritonAttention" and engine.runner.native_prefill != mla
     prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 61)), [3]]
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     hf = tf.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()

@@ -27,18 +27,23 @@ def variants(archs=(90, 80)):
             for splits in (1, 8):
                 yield (f"decode-sm{arch}-{dt}-splits{splits}", ta._decode_kernel, dict(
                     Q=f"*{dt}", K=f"*{dt}", V=f"*{dt}", Out=f"*{dt}", Rows="*i64", Tables="*i64", Lens="*i64",
-                    PartAcc="*fp32", PartML="*fp32", scale="fp32", window="i32"), dict(
+                    PartAcc="*fp32", PartML="*fp32", Sinks=f"*{dt}", scale="fp32", window="i32"), dict(
                     GROUP=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_N=32, SPLITS=splits,
-                    PRECISION="ieee", UPCAST=False), arch)
+                    PRECISION="ieee", UPCAST=False, HAS_SINK=splits == 8), arch)  # gpt-oss's sinks: split
             yield (f"merge-sm{arch}-{dt}", ta._merge_kernel, dict(Out=f"*{dt}", Rows="*i64", PartAcc="*fp32",
                                                                    PartML="*fp32"),
                    dict(HEAD_DIM=128, BLOCK_D=128, SPLITS=8), arch)
         for dt, hd in (("bf16", 128), ("fp32", 64), ("bf16", 96)):
             yield (f"prefill-sm{arch}-{dt}-d{hd}", ta._prefill_kernel, dict(
                 Q=f"*{dt}", K=f"*{dt}", V=f"*{dt}", Out=f"*{dt}", Starts="*i64", QLens="*i64", Lens="*i64",
-                Tables="*i64", scale="fp32", window="i32"), dict(
+                Tables="*i64", Sinks=f"*{dt}", scale="fp32", window="i32"), dict(
                 GROUP=4, HEAD_DIM=hd, BLOCK_D=1 << (hd - 1).bit_length(), BLOCK_SIZE=16, BLOCK_M=32, BLOCK_N=32,
-                PRECISION="ieee", UPCAST=False), arch)
+                PRECISION="ieee", UPCAST=False, HAS_SINK=hd == 64), arch)  # gpt-oss: head_dim 64 with sinks
+        for dt in ("bf16", "fp32"):  # DeepSeek-V3's latent entry: 512 + 64 = two halves of 288
+            yield (f"mla-decode-sm{arch}-{dt}", ta._mla_decode_kernel, dict(
+                Q=f"*{dt}", K=f"*{dt}", V=f"*{dt}", Out="*fp32", Tables="*i64", Lens="*i64", scale="fp32"), dict(
+                HEADS=128, BLOCK_H=16, HALF=288, BLOCK_D=512, BLOCK_SIZE=16, BLOCK_N=32, PRECISION="ieee",
+                UPCAST=False), arch)
 
 
 if __name__ == "__main__":  # args: the architectures (default both)
