@@ -22,6 +22,9 @@ class NoFreeBlocks(RuntimeError):
     pass
 
 
+HOLE = -1  # a block-table entry whose block was released: every layer's window has passed it (release_out_of_window)
+
+
 @dataclass
 class KVEvent:
     kind: str  # "stored" | "evicted" (from every tier)
@@ -66,6 +69,9 @@ class BlockManager:
         self.offload = None  # kv_offload.KVOffload: keeps evicted cached blocks in host memory / on disk
         self.hit_tokens = 0
         self.queried_tokens = 0
+        # Every layer's sliding window, when every layer has one (Mistral-style): blocks before the window of a
+        # sequence's next token are released (release_out_of_window). None: all layers see the whole context.
+        self.window: int | None = None
 
     # ---- accounting -------------------------------------------------------------------------------------------
     @property
@@ -213,6 +219,8 @@ class BlockManager:
             h = block_hash(parent, toks, self.fingerprint, seq.namespace)
             seq.block_hashes.append(h)
             b = seq.block_table[i]
+            if b == HOLE:  # released before its KV came (a handoff's blocks before the window): the chain only
+                continue
             if self.enable_prefix_caching and h not in self.cached and self.hash_of[b] is None:
                 self.cached[h] = b
                 self.hash_of[b] = h
@@ -225,8 +233,43 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Drop seq's references; the tail is freed first so it is evicted before the shared head."""
         for b in reversed(seq.block_table):
-            self.release_block(b)
+            if b != HOLE:
+                self.release_block(b)
         seq.block_table = []
+        seq.num_released_blocks = 0
+
+    def blocks_before_window(self, next_position: int) -> int:
+        """Leading blocks no token at `next_position` or later attends to: it sees keys > position - window, so
+        block i is done once (i + 1) * block_size <= next_position - window + 1. 0 without a window."""
+        if self.window is None:
+            return 0
+        return max(0, (next_position - self.window + 1) // self.block_size)
+
+    def skip_leading_blocks(self, seq: Sequence, skip: int) -> None:
+        """Before a sequence's first allocation: its first `skip` blocks will never be read (before the window of
+        its next token), so they start as holes and count as computed; allocate() then takes only the rest.
+        skip 0 undoes it."""
+        assert not seq.block_table or all(b == HOLE for b in seq.block_table), "only before the first allocation"
+        seq.block_table = [HOLE] * skip
+        seq.num_computed_tokens = skip * self.block_size
+        seq.num_released_blocks = skip
+
+    def release_out_of_window(self, seq: Sequence, next_position: int | None = None) -> int:
+        """With every layer windowed: release the leading blocks no later token of `seq` can attend to (the next
+        one sits at `next_position`, default num_computed_tokens). Their entries become HOLE (positions keep their
+        index); a block with computed KV stays in the prefix cache as evictable. Returns how many were released."""
+        if self.window is None:
+            return 0
+        pos = seq.num_computed_tokens if next_position is None else next_position
+        done = min(self.blocks_before_window(pos), len(seq.block_table))
+        released = 0
+        for i in range(seq.num_released_blocks, done):
+            if seq.block_table[i] != HOLE:
+                self.release_block(seq.block_table[i])
+                seq.block_table[i] = HOLE
+                released += 1
+        seq.num_released_blocks = max(seq.num_released_blocks, done)
+        return released
 
     def release_block(self, b: int) -> None:
         self.ref[b] -= 1
@@ -246,28 +289,33 @@ class BlockManager:
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens
         child.num_prompt_lookups = 1
+        child.num_released_blocks = parent.num_released_blocks
         for b in child.block_table:
-            self.ref[b] += 1
+            if b != HOLE:
+                self.ref[b] += 1
 
     # ---- swapping ---------------------------------------------------------------------------------------------
     def can_swap_out(self, seq: Sequence) -> bool:
-        return len(self.cpu_free) >= len(seq.block_table)
+        return len(self.cpu_free) >= sum(b != HOLE for b in seq.block_table)
 
     def swap_out(self, seq: Sequence) -> None:
-        pairs = [(b, self.cpu_free.popleft()) for b in seq.block_table]
+        """Released (HOLE) entries stay holes in the host table: nothing to copy either way."""
+        seq.host_table = [HOLE if b == HOLE else self.cpu_free.popleft() for b in seq.block_table]
+        pairs = [(b, h) for b, h in zip(seq.block_table, seq.host_table) if b != HOLE]
         if self.kv is not None:
             self.kv.swap_out(pairs)
-        seq.host_table = [h for _, h in pairs]
         self.free(seq)
 
     def swap_in(self, seq: Sequence) -> None:
-        fair = len(seq.host_table) <= self.num_free_for(seq.namespace)
-        pairs = [(h, self._take(seq.namespace, fair)) for h in seq.host_table]
+        held = [h for h in seq.host_table if h != HOLE]
+        fair = len(held) <= self.num_free_for(seq.namespace)
+        pairs = [(h, self._take(seq.namespace, fair)) for h in held]
         if self.kv is not None:
             self.kv.swap_in(pairs)
-        seq.block_table = [d for _, d in pairs]
+        taken = iter(d for _, d in pairs)
+        seq.block_table = [HOLE if h == HOLE else next(taken) for h in seq.host_table]
         self.free_host(seq)
 
     def free_host(self, seq: Sequence) -> None:
-        self.cpu_free.extend(seq.host_table)
+        self.cpu_free.extend(h for h in seq.host_table if h != HOLE)
         seq.host_table = []

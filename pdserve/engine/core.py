@@ -10,7 +10,7 @@ a fixed output length in the simulator. Both answer `step(token, sampling) -> (t
 """
 from __future__ import annotations
 
-from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.block_manager import HOLE, BlockManager
 from pdserve.engine.request_state import RequestState as S
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.sequence import Sequence
@@ -35,6 +35,7 @@ class EngineCore:
             # Speculative candidates' KV is not committed here: verification decides (spec_decode/decoder.py).
             seq.num_computed_tokens += item.num_tokens - item.num_draft
             self.block_manager.mark_computed(seq)
+            self.block_manager.release_out_of_window(seq)  # all layers windowed: what no later token will read
 
     def commit(self, seq: Sequence, token_id: int, prefill_only: bool = False) -> str | None:
         """Append one sampled token; finish the sequence when its output, the context or prefill-only ends it.
@@ -88,10 +89,11 @@ class EngineCore:
         """The decode side has the prompt's KV (or never will): unpin. Idempotent."""
         blocks, _ = self.pinned.pop(request_id, ([], 0))
         for b in reversed(blocks):
-            self.block_manager.release_block(b)
+            if b != HOLE:  # released before the window (every layer windowed): not pinned, not pulled
+                self.block_manager.release_block(b)
 
     def num_pinned_blocks(self) -> int:
-        return sum(len(b) for b, _ in self.pinned.values())
+        return sum(b != HOLE for blocks, _ in self.pinned.values() for b in blocks)
 
     # ---- the decode side of a handoff -------------------------------------------------------------------------
     def allocate_prefilled(self, seq: Sequence, reuse: bool = True) -> int | None:
@@ -102,10 +104,18 @@ class EngineCore:
         block is fresh and pulled."""
         bm = self.block_manager
         hits = bm.lookup(seq) if reuse else []
-        n = seq.num_prompt_tokens - len(hits) * bm.block_size
+        # Every layer windowed: the first decode (at the prompt's length) reads only the last window, so the blocks
+        # before it are neither allocated nor pulled (the prefill side released the same ones).
+        skip = bm.blocks_before_window(seq.num_prompt_tokens)
+        if skip >= len(hits) and skip:
+            hits = []  # all of them before the window
+            bm.skip_leading_blocks(seq, skip)
+        n = seq.num_prompt_tokens - max(len(hits), skip) * bm.block_size
         if not bm.can_allocate(seq, n, hits):
+            bm.skip_leading_blocks(seq, 0)
             return None
         bm.allocate(seq, n, hits)
+        bm.release_out_of_window(seq, seq.num_prompt_tokens)  # hits before the window go back to the cache
         seq.set_state(S.RUNNABLE)
         seq.set_state(S.PREFILLING)  # prefilling remotely: the blocks are being filled by a transfer
         return len(hits)

@@ -95,6 +95,9 @@ class Engine:
         self.tp_group = None  # engine/tp/group.py: the other ranks' processes (set by from_pretrained)
         self.block_manager = BlockManager(num_blocks, config.block_size, fingerprint, config.enable_prefix_caching,
                                           num_cpu_blocks, kv=self.kv_cache)
+        # Every layer windowed (sliding_window is the model-wide one; gpt-oss's full layers leave it None): a
+        # sequence's blocks before its window are released as it moves on (block_manager.release_out_of_window).
+        self.block_manager.window = model_config.sliding_window
         self.scheduler = Scheduler(config, self.block_manager)
         self.kv_offload = None
         if config.kv_offload_bytes:  # the host (and disk) KV tier: hooks in the block manager and scheduler

@@ -60,6 +60,7 @@ def padded_tables(tables: list[list[int]], device=None) -> torch.Tensor:
     out = np.zeros((len(tables), width), dtype=np.int64)
     for row, t in zip(out, tables):  # a row slice takes a list at C speed: ~4x faster than torch.tensor(lists)
         row[:len(t)] = t
+    np.maximum(out, 0, out=out)  # released entries (block_manager.HOLE, before the window): never read, block 0
     t = torch.from_numpy(out)
     return t if device is None else to_device(t, device)
 
@@ -179,7 +180,7 @@ class ModelRunner:
             elif self.native_prefill:
                 native_spans.append((start, n, ctx, table))
             else:
-                table = torch.tensor(table, dtype=torch.long, device=self.device)
+                table = torch.tensor(table, dtype=torch.long, device=self.device).clamp_(min=0)  # HOLE -> 0
                 prefills.append(PrefillSpan(start, n, ctx, table, causal_mask(n, ctx, self.sliding_window,
                                                                                self.device)))
             if item.prompt_logits:

@@ -22,6 +22,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []
         self.host_table: list[int] = []
+        self.num_released_blocks = 0  # leading block-table entries released out of every layer's window (HOLE)
         self.state: RequestState | None = None
         self.finished = False  # state is terminal: kept by set_state, read several times a token
         self.history: list[RequestState] = []

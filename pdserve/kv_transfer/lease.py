@@ -56,7 +56,7 @@ class LeaseTable:
 
     def pinned_blocks(self) -> int:
         with self._lock:
-            return sum(len(l.block_ids) for l in self._by_id.values())
+            return sum(b >= 0 for l in self._by_id.values() for b in l.block_ids)  # -1: released, not pinned
 
     def __len__(self) -> int:
         return len(self._by_id)
