@@ -121,3 +121,30 @@ def test_prefill_only_pins_only_the_window(mistral):
     assert eng.core.num_pinned_blocks() == 3 == eng.block_manager.blocks_in_use
     eng.release_pinned("p")
     assert eng.block_manager.blocks_in_use == 0
+
+
+@pytest.mark.parametrize("extra", [dict(preemption_mode="recompute"),
+                                   dict(preemption_mode="swap", num_cpu_blocks=32),
+                                   dict(speculative="ngram", num_speculative_tokens=3)],
+                         ids=["preempt-recompute", "preempt-swap", "ngram-speculation"])
+def test_holes_through_preemption_and_speculation(mistral, hf_tokens, extra):
+    """The 41-token sequence is preempted once its table has holes and comes back (recomputed from scratch, or
+    swapped back with its holes in place); verify steps run several query rows over tables with holes. Tokens
+    equal transformers'."""
+    eng = Engine.from_pretrained(mistral, EngineConfig(block_size=4, num_gpu_blocks=32, max_num_batched_tokens=16,
+                                                       **extra))
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(str(i), p, params)
+    long = eng.requests["0"].seqs[0]
+    outs = {}
+    for _ in range(5):  # three chunks of the 41-token prompt, then decodes
+        outs.update((o.request_id, o) for o in eng.step() if o.finished)
+    if "preemption_mode" in extra:
+        assert long.block_table[0] == HOLE
+        eng.scheduler.preempt(long)
+        assert eng.scheduler.num_preemptions[extra["preemption_mode"]] == 1
+    while eng.has_unfinished():
+        outs.update((o.request_id, o) for o in eng.step() if o.finished)
+    assert [outs[str(i)].outputs[0].token_ids for i in range(len(PROMPTS))] == hf_tokens
+    assert eng.block_manager.blocks_in_use == 0
