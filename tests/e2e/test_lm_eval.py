@@ -100,12 +100,7 @@ def reference():
     path = builtin_model_dir()
     tok = tf.AutoTokenizer.from_pretrained(path)
     model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    # One intra-op thread: this 8-layer, 256-wide model gains nothing from two, and two threads spinning against
-    # each other while the box's other core is busy made one 12-token generate take ~28 s instead of ~1.4 s
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield tok, model
-    torch.set_num_threads(threads)
+    return tok, model  # computed on one intra-op thread (tests/conftest.py)
 
 
 def _ref_loglikelihood(tok, model, context: str, cont: str) -> tuple[float, int]:
