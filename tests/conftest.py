@@ -150,7 +150,8 @@ SLOW = {
     "tests/sim/test_real_scheduler.py", "tests/sim/test_report.py", "tests/bench/test_host_overhead.py",
     "tests/bench/test_gpu_check.py", "tests/services/gateway/test_big_answers.py",
     "tests/services/gateway/test_fields.py", "tests/services/gateway/test_hostile.py",
-    "tests/planner/test_planner_process.py", "tests/planner/test_status.py",
+    "tests/planner/test_planner_process.py", "tests/planner/test_status.py", "tests/services/test_cli.py",
+    "tests/services/test_internal_security.py",
 }
 
 
