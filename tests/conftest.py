@@ -14,6 +14,12 @@ import torch
 if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# One intra-op thread in the pytest process, whatever is collected. tests/engine/test_sampler.py set it at import,
+# so a whole-suite run already had it while `pytest tests/e2e` did not: there, two threads waiting on each other
+# beside a busy core made one 12-token transformers generate of the built-in model take 28 s instead of 1.35 s.
+# Worker processes choose their own (--threads).
+torch.set_num_threads(1)
+
 # Workers of the tests' deployments start their grammar compiler processes at the first constrained request:
 # ~3 s of CPU each, two per worker, which most deployments here never use (tests/engine/test_grammar_pool.py and
 # test_hostile_neighbour start them both ways). Children inherit it; a test may set it otherwise.
@@ -140,6 +146,12 @@ SLOW = {
     "tests/services/test_redis_conn.py", "tests/services/test_supervisor.py", "tests/kv_transfer/test_tp_transfer.py",
     "tests/kv_transfer/test_kv_transfer.py", "tests/sim/test_cluster.py", "tests/sim/test_validate.py",
     "tests/planner/test_policy_sim.py", "tests/bench/test_cli_mock.py", "tests/bench/test_coordinated_omission.py",
+    # >= ~25 s each on the 2-core box at load average 14-20 (docs/testing.md, "Where the time goes")
+    "tests/sim/test_real_scheduler.py", "tests/sim/test_report.py", "tests/bench/test_host_overhead.py",
+    "tests/bench/test_gpu_check.py", "tests/services/gateway/test_big_answers.py",
+    "tests/services/gateway/test_fields.py", "tests/services/gateway/test_hostile.py",
+    "tests/planner/test_planner_process.py", "tests/planner/test_status.py", "tests/services/test_cli.py",
+    "tests/services/test_internal_security.py",
 }
 
 

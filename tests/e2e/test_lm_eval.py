@@ -100,7 +100,7 @@ def reference():
     path = builtin_model_dir()
     tok = tf.AutoTokenizer.from_pretrained(path)
     model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return tok, model
+    return tok, model  # computed on one intra-op thread (tests/conftest.py)
 
 
 def _ref_loglikelihood(tok, model, context: str, cont: str) -> tuple[float, int]:
