@@ -50,7 +50,7 @@ def summarize_point(gen: LoadGen, cfg: PointConfig, slo: MX.SLO, *, interrupted:
     out = {"label": cfg.label, "mode": gen.mode, "offered_rate_req_per_s": cfg.offered_rate,
            "concurrency": cfg.concurrency, "workload": cfg.workload, "interrupted": interrupted,
            "wall_s": wall_s, "steady": summ, "warmup": warm,
-           "client": gen.health.as_dict() if gen.health else None}
+           "client": gen.health.as_dict() if gen.health else None, "paths": MX.path_counts(steady)}
     if stages is not None:
         out["server_stages"] = stages
         out["stage_breakdown_mean_s"] = breakdown(stages, summ["latency"]["ttft_s"].get("mean"))
