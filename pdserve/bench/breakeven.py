@@ -59,7 +59,8 @@ def add_args(p) -> None:
     p.add_argument("--out", default="bench-breakeven")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--replot", default=None, metavar="BREAKEVEN_JSON",
-                   help="re-render the comparison, heat map and HTML from an earlier breakeven.json (no runs)")
+                   help="re-render the comparison, heat map and HTML from an earlier breakeven.json (no runs); with "
+                        "--sim-costs DIR, also predict its cells again with those cost models")
 
 
 def _slug(run: str) -> str:
@@ -185,7 +186,7 @@ async def _isolated(target, a, plen, olen) -> dict:
     pt = await run_point(target, specs, PointConfig(keep_records=False), MX.SLO(a.slo_ttft, a.slo_tpot),
                          warmup=_specs(a, plen, olen, 0.0, 2, s0 + 1))
     L = pt["steady"]["latency"]
-    return {"ttft_s": L["ttft_s"].get("p50"), "itl_p50_s": L["itl_s"].get("p50")}
+    return {"ttft_s": L["ttft_s"].get("p50"), "itl_p50_s": L["itl_s"].get("p50"), "tpot_s": L["tpot_s"].get("p50")}
 
 
 def _cell_row(pt: dict, iso: dict) -> dict:
@@ -396,6 +397,23 @@ def predict(a, costs, mode: str, grid, slo, res: dict) -> None:
         print(f"sim {mode}: prediction failed: {e}", file=sys.stderr)
 
 
+def _original_args(argv: list[str]):
+    """The study's own options from its recorded argv (what `--replot` needs to rebuild its workloads)."""
+    import argparse
+    p = argparse.ArgumentParser()
+    add_args(p)
+    i = argv.index("breakeven") + 1 if "breakeven" in argv else 0
+    return p.parse_known_args(argv[i:])[0]
+
+
+def repredict(a, costs_dir: str, out: Path, grid, slo, results: dict) -> None:
+    from pdserve.bench import breakeven_sim as BS
+    costs = BS.costs(a.model, BS.threads_needed(list(results), a.colocated_layout), out, costs_dir,
+                     log=lambda m: print(m, file=sys.stderr))
+    for mode, res in results.items():
+        predict(a, costs, mode, grid, slo, res)
+
+
 def run_breakeven(a) -> int:
     import html as H
 
@@ -433,6 +451,8 @@ def run_breakeven(a) -> int:
         slo = MX.SLO(old["meta"]["slo"]["ttft_s"], old["meta"]["slo"]["tpot_s"])
         interrupted = old.get("interrupted", False)
         modes = []
+        if a.sim_costs and not a.no_sim:
+            repredict(_original_args(meta.get("argv", [])), a.sim_costs, out, grid, slo, results)
     costs = None
     if modes and not a.no_sim:
         from pdserve.bench import breakeven_sim as BS
@@ -467,6 +487,9 @@ def run_breakeven(a) -> int:
             files[f"heatmap_png_{_slug(m)}"] = png
             hm = hm or png
     dt = plot_detail(results, grid, out / "breakeven_detail.png")
+    auto_png = BR.plot_auto(targets["auto_goodput"]["rows"], out / "breakeven_auto.png")
+    if auto_png:
+        files["auto_png"] = auto_png
     (out / "breakeven_table.md").write_text(BR.markdown(results, grid, targets))
     files["table_md"] = out / "breakeven_table.md"
     lines = verdict(rows) + BT.lines(targets)
@@ -478,6 +501,7 @@ def run_breakeven(a) -> int:
                                       for v in r.values()) + "</tr>" for r in rows) + "</table>")
     sections = [("Headline: where disaggregation's goodput beats colocated", _img(hm) if hm else "<p>no comparable cells</p>"),
                 *BR.html_sections(results, grid, targets),
+                ("auto against the better of colocated and disaggregated", _img(auto_png) if auto_png else ""),
                 ("Verdict per cell", "<ul>" + "".join(f"<li>{H.escape(x)}</li>" for x in lines) + "</ul>"),
                 ("Deployments (same cores)", f"<ul>{deps}</ul>"),
                 ("Latency, interference and KV transfer", _img(dt) if dt else ""),

@@ -59,3 +59,41 @@ def html_sections(results: dict, grid, targets: dict) -> list[tuple[str, str]]:
     return [("Targets", f"<p>{H.escape(str(met))}</p><ul>{tl}</ul>"),
             ("Simulated vs measured, per cell (error = (sim - measured) / measured; the simulator leaves out the "
              "HTTP / router front-end)", table + f"<ul>{sims}</ul>")]
+
+
+def plot_auto(rows: list[dict], path):
+    """Heat map of the auto target: per link, prompt x output (rows) by rate (columns), colour = auto goodput over
+    the better of colocated and disaggregated (white at 1; red below the 0.95 target)."""
+    from pdserve.bench.report import pyplot
+    plt = pyplot()
+    if plt is None or not rows:
+        return None
+    links = list(dict.fromkeys(r["link"] for r in rows))
+    keys = [tuple(r["cell"].split("x")) for r in rows]
+    pos = sorted({(int(p), int(o)) for p, o, _ in keys})
+    rates = sorted({float(x) for _, _, x in keys})
+    fig, axes = plt.subplots(1, len(links), figsize=(2.2 + 1.5 * len(rates) * len(links), 1.6 + 0.8 * len(pos)),
+                             squeeze=False)
+    im = None
+    for ax, link in zip(axes[0], links):
+        grid = [[float("nan")] * len(rates) for _ in pos]
+        for r, (p, o, x) in zip(rows, keys):
+            if r["link"] != link:
+                continue
+            i, j = pos.index((int(p), int(o))), rates.index(float(x))
+            grid[i][j] = 1.0 if r["ratio"] is None else r["ratio"]
+            mark = "" if r["met"] else ("✗≈" if r["within_noise"] else "✗")
+            rt = "–" if r["ratio"] is None else f"×{r['ratio']:.2f}"
+            ax.text(j, i, f"{mark}{rt}\nA {r['goodput_auto']:.2f}\n{r['best'][0].upper()} {r['goodput_best']:.2f}",
+                    ha="center", va="center", fontsize=8)
+        im = ax.imshow(grid, cmap="RdBu", vmin=0.5, vmax=1.5, origin="lower", aspect="auto")
+        ax.set_xticks(range(len(rates)), [f"{x:g}" for x in rates])
+        ax.set_yticks(range(len(pos)), [f"P={p} O={o}" for p, o in pos])
+        ax.set_xlabel("offered rate (req/s)")
+        ax.set_title(f"link {link}", fontsize=10)
+    fig.suptitle("auto goodput / max(colocated, disagg); target ≥ 0.95 (✗: missed, ≈: within noise)\n"
+                 "cells: ratio, auto goodput, best mode's goodput (C/D) req/s", fontsize=9, y=1.15)
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8)
+    fig.savefig(path, dpi=90, bbox_inches="tight")
+    plt.close(fig)
+    return path

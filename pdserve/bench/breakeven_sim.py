@@ -12,7 +12,7 @@ where the link has a delay. Without a link (one host) the profile's in-machine c
 
 What the profile cannot see is priced on each deployment from its own isolated requests (measured before its
 cells, alone): the served decode step's overhead over the profiled one (`validate_up.served`: the worker's event
-loop and gRPC stream per step) = isolated ITL p50 minus the simulated one, median over the (prompt, output)
+loop and gRPC stream per step) = isolated TPOT minus the simulated one, median over the (prompt, output)
 pairs. The HTTP / router front-end is not simulated (docs/sim.md): it shows up as error, and the report says so.
 """
 from __future__ import annotations
@@ -78,11 +78,13 @@ def run(cost, specs, lay: SimLayout, slo, blocks: int, max_num_seqs: int) -> dic
 
 def step_overhead(cost, isolated: dict, lone_specs, lay: SimLayout, slo, blocks: int, max_num_seqs: int) -> float:
     """Seconds a served decode step costs beyond the profiled one on this deployment: per isolated (P x O) entry
-    its measured ITL p50 minus the simulated lone request's TPOT, the median, >= 0. `lone_specs(P, O)` -> the
-    one-request workload."""
+    its measured TPOT minus the simulated lone request's, the median, >= 0. `lone_specs(P, O)` -> the one-request
+    workload. TPOT, not the ITL p50: on a loaded 2-core box a stream's chunks can arrive in bursts, and half the
+    gaps of one request were then ~10 us (an ITL p50 of 12 us against a TPOT of ms); results from before the
+    isolated TPOT was recorded fall back to the ITL p50."""
     gaps = []
     for key, iso in isolated.items():
-        itl = iso.get("itl_p50_s")
+        itl = iso.get("tpot_s", iso.get("itl_p50_s"))
         if itl is None:
             continue
         plen, olen = (int(x) for x in key.split("x"))

@@ -42,7 +42,7 @@ def fallbacks(paths_header: dict, paths_metric: dict | None, n_ok: int) -> dict:
     the unlabelled ones; the answered requests the header did not reach (a count short of n_ok) count too."""
     labelled = sum(v for k, v in paths_header.items() if k != "unlabelled")
     unlabelled = max(paths_header.get("unlabelled", 0), n_ok - labelled)
-    return {"fallback_header": paths_header.get("fallback", 0),
+    return {"n_ok": n_ok, "fallback_header": paths_header.get("fallback", 0),
             "fallback_metric": None if paths_metric is None else paths_metric.get("fallback", 0),
             "unlabelled": unlabelled, "met": unlabelled == 0}
 
@@ -134,6 +134,7 @@ def lines(s: dict) -> list[str]:
                    f"{r['goodput_best']:.2f} req/s = {ratio}: {'MET' if r['met'] else 'NOT MET'}"
                    f"{'' if r['met'] else (' (within noise)' if r['within_noise'] else ' (beyond noise)')}")
     for r in s["unlabelled_fallback"]["rows"]:
-        out.append(f"paths, {r['mode']} {r['cell']}: {r['unlabelled']} unlabelled, {r['fallback_header']} labelled "
+        out.append(f"paths, {r['mode']} {r['cell']}: of {r['n_ok']} answered, {r['unlabelled']} unlabelled, "
+                   f"{r['fallback_header']} labelled "
                    f"fallback (metric: {r['fallback_metric']}): {'MET' if r['met'] else 'NOT MET'}")
     return out

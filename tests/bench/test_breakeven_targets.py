@@ -31,7 +31,7 @@ def test_auto_against_the_better_of_colocated_and_disagg():
 
 def test_fallbacks_count_the_unlabelled_answers():
     assert T.fallbacks({"disagg": 5, "fallback": 1}, {"disagg": 5, "fallback": 1}, 6) == {
-        "fallback_header": 1, "fallback_metric": 1, "unlabelled": 0, "met": True}
+        "n_ok": 6, "fallback_header": 1, "fallback_metric": 1, "unlabelled": 0, "met": True}
     assert T.fallbacks({"local": 5, "unlabelled": 1}, None, 6)["unlabelled"] == 1
     assert T.fallbacks({"local": 6}, {"local": 6}, 6)["fallback_metric"] == 0  # scraped, none counted
     # two answered requests whose header the client never saw: 6 answered, 4 labelled

@@ -49,14 +49,14 @@ def test_rel_err_and_cell_prediction():
 
 
 def test_one_request_over_a_link_is_hand_computable():
-    """1P+1D over an 8 Mbit/s link, one 100-token prompt, 4 tokens out. The isolated ITL 15 ms against the
+    """1P+1D over an 8 Mbit/s link, one 100-token prompt, 4 tokens out. The isolated TPOT 15 ms against the
     simulated 12 ms (a + c) prices the served step at +3 ms, so every step costs 3 ms more:
     TTFT = prefill (0.013 + 100 x 0.001) + transfer (0.005 + 100 x 1000 B / 1e6 B/s) = 0.113 + 0.105 = 0.218 s;
     TPOT = 0.013 + 0.002 = 0.015 s."""
     def make(plen, olen, rate, ci):
         return make_workload(1, 1.0, f"fixed:{plen}", f"fixed:{olen}", seed=0)
 
-    res = {"isolated": {"100x4": {"itl_p50_s": 0.015}},
+    res = {"isolated": {"100x4": {"itl_p50_s": 0.00001, "tpot_s": 0.015}},  # a burst: the ITL p50 is no step
            "cells": {"100x4x1": {"goodput_req_per_s": 1.0, "attainment_ratio": 1.0, "ttft_p50_s": 0.2,
                                  "tpot_p50_s": 0.015, "kv_transfer_mean_s": 0.1}}}
     info = BS.predict_mode({1: COST}, "disagg@8mbit", res, [(100, 4, 1.0)], make, SLO(ttft=1.0, tpot=0.1),
@@ -69,6 +69,7 @@ def test_one_request_over_a_link_is_hand_computable():
     assert sim["tpot_p50_s"]["predicted"] == pytest.approx(0.015)
     assert sim["kv_transfer_mean_s"]["predicted"] == pytest.approx(0.105)
     # colocated (one 2-thread replica): prefill then 3 decode steps on one replica, no transfer
+    # an isolated entry recorded before TPOT was: its ITL p50 stands in
     res2 = {"isolated": {"100x4": {"itl_p50_s": 0.012}}, "cells": {"100x4x1": dict(res["cells"]["100x4x1"])}}
     BS.predict_mode({2: COST}, "colocated", res2, [(100, 4, 1.0)], make, SLO(ttft=1.0, tpot=0.1),
                     colocated_layout="1x2", num_gpu_blocks=64, max_num_seqs=8)
