@@ -88,11 +88,11 @@ def plot_auto(rows: list[dict], path):
                     ha="center", va="center", fontsize=8)
         im = ax.imshow(grid, cmap="RdBu", vmin=0.5, vmax=1.5, origin="lower", aspect="auto")
         ax.set_xticks(range(len(rates)), [f"{x:g}" for x in rates])
-        ax.set_yticks(range(len(pos)), [f"P={p} O={o}" for p, o in pos])
+        ax.set_yticks(range(len(pos)), [f"P={p} O={o}" if ax is axes[0][0] else "" for p, o in pos])
         ax.set_xlabel("offered rate (req/s)")
         ax.set_title(f"link {link}", fontsize=10)
     fig.suptitle("auto goodput / max(colocated, disagg); target ≥ 0.95 (✗: missed, ≈: within noise)\n"
-                 "cells: ratio, auto goodput, best mode's goodput (C/D) req/s", fontsize=9, y=1.15)
+                 "cells: ratio, auto goodput, best mode's goodput (C/D) req/s", fontsize=9, y=1.03)
     fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8)
     fig.savefig(path, dpi=90, bbox_inches="tight")
     plt.close(fig)
