@@ -415,10 +415,7 @@ def repredict(a, costs_dir: str, out: Path, grid, slo, results: dict) -> None:
 
 
 def run_breakeven(a) -> int:
-    import html as H
-
     from pdserve.bench.progress import Progress
-    from pdserve.bench.report import _clean, _img, write_html, write_json
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     grid = [(p, o, r) for o in _csv(a.output_lens, int) for p in _csv(a.prompt_lens, int) for r in _csv(a.rates)]
@@ -470,14 +467,27 @@ def run_breakeven(a) -> int:
             finally:
                 if costs and not interrupted:
                     predict(a, costs, mode, grid, slo, results.get(mode, {}))
+    files, lines = write_report(out, results, meta, grid, slo, interrupted, time.perf_counter() - t0)
+    for x in lines:
+        print(x, file=sys.stderr)
+    for k, v in files.items():
+        print(f"{k}: {v}")
+    return 130 if interrupted else 0
+
+
+def write_report(out: Path, results: dict, meta: dict, grid, slo, interrupted: bool, wall_s: float):
+    """breakeven.json, the heat maps, the detail plot, the table and the HTML; (files, verdict lines)."""
+    import html as H
+
+    from pdserve.bench import breakeven_report as BR
+    from pdserve.bench import breakeven_targets as BT
+    from pdserve.bench.report import _clean, _img, write_html, write_json
     runs = [m for m in results if m.startswith("disagg")]
     by_run = {m: compare(results, grid, m) for m in runs}
     rows = [r for m in runs for r in by_run[m]]
-    from pdserve.bench import breakeven_report as BR
-    from pdserve.bench import breakeven_targets as BT
     targets = BT.summary(results, grid, meta.get("links") or [])
     result = {"meta": meta, "results": results, "comparison": rows, "targets": targets, "interrupted": interrupted,
-              "wall_s": time.perf_counter() - t0}
+              "wall_s": wall_s}
     files = {"json": write_json(result, out / "breakeven.json")}
     hm = None
     for m in runs:  # one heat map per link (the first is the headline)
@@ -509,8 +519,4 @@ def run_breakeven(a) -> int:
     files["html"] = write_html(out / "breakeven.html", "pdserve bench breakeven", sections, _clean(meta))
     if dt:
         files["detail_png"] = dt
-    for x in lines:
-        print(x, file=sys.stderr)
-    for k, v in files.items():
-        print(f"{k}: {v}")
-    return 130 if interrupted else 0
+    return files, lines
