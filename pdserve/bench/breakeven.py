@@ -414,6 +414,21 @@ def repredict(a, costs_dir: str, out: Path, grid, slo, results: dict) -> None:
         predict(a, costs, mode, grid, slo, res)
 
 
+def sim_costs(a, modes: list[str], out: Path, meta: dict) -> dict | None:
+    """The cost models the prediction needs (profiled now, or from --sim-costs), recorded in `meta`; None, with
+    the reason in `meta`, where there are none: the measurements never depend on them."""
+    from pdserve.bench import breakeven_sim as BS
+    try:
+        costs = BS.costs(a.model, BS.threads_needed(modes, a.colocated_layout), out, a.sim_costs,
+                         log=lambda m: print(m, file=sys.stderr))
+    except Exception as e:  # noqa: BLE001 (e.g. a model whose context is shorter than the profile's grid)
+        meta["sim_error"] = f"{type(e).__name__}: {e}"
+        print(f"sim: no cost model, so no prediction ({meta['sim_error']})", file=sys.stderr)
+        return None
+    meta["sim_costs"] = {n: c.to_json() for n, c in costs.items()}
+    return costs
+
+
 def run_breakeven(a) -> int:
     from pdserve.bench.progress import Progress
     out = Path(a.out)
@@ -450,12 +465,7 @@ def run_breakeven(a) -> int:
         modes = []
         if a.sim_costs and not a.no_sim:
             repredict(_original_args(meta.get("argv", [])), a.sim_costs, out, grid, slo, results)
-    costs = None
-    if modes and not a.no_sim:
-        from pdserve.bench import breakeven_sim as BS
-        costs = BS.costs(a.model, BS.threads_needed(modes, a.colocated_layout), out, a.sim_costs,
-                         log=lambda m: print(m, file=sys.stderr))
-        meta["sim_costs"] = {n: c.to_json() for n, c in costs.items()}
+    costs = sim_costs(a, modes, out, meta) if modes and not a.no_sim else None
     with Progress(not a.no_progress) as prog:
         for mode in modes:
             try:
