@@ -34,7 +34,8 @@ def add_args(p) -> None:
     p.add_argument("--cell-duration", type=float, default=6.0, help="seconds of arrivals per cell")
     p.add_argument("--min-requests-per-cell", type=int, default=12)
     p.add_argument("--requests-per-cell", type=int, default=None, help="fixed count (overrides --cell-duration)")
-    p.add_argument("--modes", default="colocated,disagg")
+    p.add_argument("--modes", default="colocated,disagg,auto",
+                   help="colocated, disagg (always P -> D) and auto (the router picks per request, same pools)")
     p.add_argument("--colocated-layout", choices=["1x2", "2x1"], default="1x2",
                    help="1x2: one worker with 2 threads on both cores; 2x1: two 1-thread replicas, one per core")
     p.add_argument("--cores", default="0,1", help="the two cores to use")
@@ -48,13 +49,18 @@ def add_args(p) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--ready-timeout", type=float, default=180.0)
     p.add_argument("--link", action="append", default=[], metavar="RATE[,delay=MS,...]",
-                   help="the link axis: run the disaggregated deployment on emulated hosts (`pdserve lab`, root) "
-                        "over this link, once per --link given (e.g. --link 10gbit --link 1gbit --link 100mbit); "
-                        "colocated runs once, on one host. Unset: every mode on one host")
+                   help="the link axis: run the disaggregated and auto deployments on emulated hosts (`pdserve lab`, "
+                        "root) over this link, once per --link given (e.g. --link 10gbit --link 1gbit --link 100mbit);"
+                        " colocated runs once, on one host. Unset: every mode on one host")
+    p.add_argument("--no-sim", action="store_true", help="no simulator prediction of the cells")
+    p.add_argument("--sim-costs", default=None, metavar="DIR",
+                   help="reuse costs_t1.json / costs_t2.json (`pdserve sim profile --threads N`) from DIR instead of "
+                        "profiling the engine before the runs")
     p.add_argument("--out", default="bench-breakeven")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--replot", default=None, metavar="BREAKEVEN_JSON",
-                   help="re-render the comparison, heat map and HTML from an earlier breakeven.json (no runs)")
+                   help="re-render the comparison, heat map and HTML from an earlier breakeven.json (no runs); with "
+                        "--sim-costs DIR, also predict its cells again with those cost models")
 
 
 def _slug(run: str) -> str:
@@ -97,15 +103,15 @@ class Deployment(UpProcess):
 class LabDeployment:
     """The disaggregated deployment on emulated hosts (pdserve/lab), with the surface `run_mode` uses."""
 
-    def __init__(self, model: str, link: str, extra: list[str], ready_timeout: float):
+    def __init__(self, model: str, link: str, extra: list[str], ready_timeout: float, mode: str = "disagg"):
         from pdserve.lab.cluster import LabCluster, LabSpec
         from pdserve.lab.netns import Link
         env = {"PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         if "PDSERVE_LOG_LEVEL" not in os.environ:  # quiet unless asked (as the one-host deployments)
             env["PDSERVE_LOG_LEVEL"] = "WARNING"
-        self.lab = LabCluster(LabSpec(model=model, link=Link.parse(link), engine_args=(*extra, "--threads", "1"),
-                                      env=env))
-        self.cmd = ["pdserve", "lab", "--link", link, *extra]
+        self.lab = LabCluster(LabSpec(model=model, mode=mode, link=Link.parse(link),
+                                      engine_args=(*extra, "--threads", "1"), env=env))
+        self.cmd = ["pdserve", "lab", "--mode", mode, "--link", link, *extra]
         try:
             self.lab.start(ready_timeout)
         except BaseException:
@@ -130,15 +136,16 @@ def start_mode(a, mode: str) -> tuple[Deployment, dict]:
         extra += ["--num-gpu-blocks", str(a.num_gpu_blocks)]
     if a.max_num_seqs:
         extra += ["--max-num-seqs", str(a.max_num_seqs)]
-    if mode.startswith("disagg@"):  # the link axis: P and D on emulated hosts over the link
+    base = mode.split("@", 1)[0]
+    if "@" in mode:  # the link axis: P and D on emulated hosts over the link
         link = mode.split("@", 1)[1]
-        d = LabDeployment(a.model, link, extra, a.ready_timeout)
+        d = LabDeployment(a.model, link, extra, a.ready_timeout, base)
         plan = {w["name"]: {cores[0]} if w["role"] == "prefill" else {cores[1]} for w in d.workers()}
         layout = f"1 prefill host (core {cores[0]}) + 1 decode host (core {cores[1]}) over {link}, 1 thread each"
-    elif mode == "disagg":
-        d = Deployment(a.model, "disagg", 1, extra + ["--prefill", "1", "--decode", "1"], a.ready_timeout)
+    elif base in ("disagg", "auto"):
+        d = Deployment(a.model, base, 1, extra + ["--prefill", "1", "--decode", "1"], a.ready_timeout)
         plan = {w["name"]: {cores[0]} if w["role"] == "prefill" else {cores[1]} for w in d.workers()}
-        layout = f"1 prefill (core {cores[0]}) + 1 decode (core {cores[1]}), 1 thread each"
+        layout = f"1 prefill (core {cores[0]}) + 1 decode (core {cores[1]}), 1 thread each, router {base}"
     elif a.colocated_layout == "2x1":
         d = Deployment(a.model, "colocated", 1, extra + ["--workers", "2"], a.ready_timeout)
         plan = {w["name"]: {cores[i % len(cores)]} for i, w in enumerate(d.workers())}
@@ -162,15 +169,24 @@ def _specs(a, plen: int, olen: int, rate: float, n: int, seed: int):
                      maker=PromptMaker("ids", (lo, hi)))
 
 
+def cell_specs(a, plen: int, olen: int, rate: float, ci: int | None):
+    """Cell `ci`'s seeded schedule (a fresh seed per cell, the same in every mode: repeated prompts would hit the
+    prefix cache); `ci` None: the isolated request of (plen, olen)."""
+    if ci is None:
+        return _specs(a, plen, olen, 0.0, 1, a.seed + 100_000 + 7 * plen + 13 * olen)
+    n = a.requests_per_cell or max(a.min_requests_per_cell, round(rate * a.cell_duration))
+    return _specs(a, plen, olen, rate, n, a.seed + 1000 * (ci + 1))
+
+
 async def _isolated(target, a, plen, olen) -> dict:
     """One request alone (after warm-up): the deployment's unloaded TTFT and decode ITL."""
     from pdserve.bench.runner import PointConfig, run_point
     s0 = a.seed + 100_000 + 7 * plen + 13 * olen  # distinct from the cells and from other (P, O)
-    specs = _specs(a, plen, olen, 0.0, 1, s0)
+    specs = cell_specs(a, plen, olen, 0.0, None)
     pt = await run_point(target, specs, PointConfig(keep_records=False), MX.SLO(a.slo_ttft, a.slo_tpot),
                          warmup=_specs(a, plen, olen, 0.0, 2, s0 + 1))
     L = pt["steady"]["latency"]
-    return {"ttft_s": L["ttft_s"].get("p50"), "itl_p50_s": L["itl_s"].get("p50")}
+    return {"ttft_s": L["ttft_s"].get("p50"), "itl_p50_s": L["itl_s"].get("p50"), "tpot_s": L["tpot_s"].get("p50")}
 
 
 def _cell_row(pt: dict, iso: dict) -> dict:
@@ -196,6 +212,7 @@ def _cell_row(pt: dict, iso: dict) -> dict:
             "interference_itl_p99_over_isolated": (L["itl_s"]["p99"] / itl_iso)
             if itl_iso and L["itl_s"].get("p99") else None,
             "client_bottleneck": (pt.get("client") or {}).get("bottleneck"),
+            "paths_header": pt.get("paths"), "paths_metric": st.get("requests_by_path"),
             "stage_breakdown_mean_s": pt.get("stage_breakdown_mean_s")}
 
 
@@ -212,9 +229,7 @@ def run_mode(a, mode: str, grid: list[tuple[int, int, float]], on_cell, progress
         for plen, olen in sorted({(p, o) for p, o, _ in grid}):
             res["isolated"][f"{plen}x{olen}"] = asyncio.run(_isolated(target, a, plen, olen))
         for ci, (plen, olen, rate) in enumerate(grid):
-            n = a.requests_per_cell or max(a.min_requests_per_cell, round(rate * a.cell_duration))
-            # a fresh seed per cell (same in both modes): repeated prompts would hit the prefix cache
-            specs = _specs(a, plen, olen, rate, n, a.seed + 1000 * (ci + 1))
+            specs = cell_specs(a, plen, olen, rate, ci)
             cfg = PointConfig(label=f"{mode} P={plen} O={olen} {rate:g}/s", offered_rate=rate,
                               drain_timeout_s=a.drain_timeout, metrics_urls=d.metrics_urls(), keep_records=False)
             pt = asyncio.run(run_point(target, specs, cfg, MX.SLO(a.slo_ttft, a.slo_tpot),
@@ -354,23 +369,82 @@ def verdict(rows: list[dict]) -> list[str]:
     return out
 
 
-def run_breakeven(a) -> int:
-    import html as H
+def cpu_name() -> str:
+    """The CPU as /proc/cpuinfo names it (model name, family, model), for the report."""
+    info = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            k, _, v = line.partition(":")
+            info.setdefault(k.strip(), v.strip())
+    except OSError:
+        return "unknown"
+    return f"{info.get('model name', '?')} (family {info.get('cpu family', '?')} model {info.get('model', '?')})"
 
+
+def predict(a, costs, mode: str, grid, slo, res: dict) -> None:
+    """The simulator's prediction of each measured cell of `mode` into its row (`sim`); a failure is reported in
+    the results, never fatal to the measurements."""
+    from pdserve.bench import breakeven_sim as BS
+    if not res.get("cells"):
+        return
+    try:
+        info = BS.predict_mode(costs, mode, res, grid, lambda p, o, r, ci: cell_specs(a, p, o, r, ci), slo,
+                               colocated_layout=a.colocated_layout, num_gpu_blocks=a.num_gpu_blocks,
+                               max_num_seqs=a.max_num_seqs or 64)
+        print(f"sim {mode}: {info}", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 (the prediction is an extra; the measured cells stand)
+        res["sim"] = {"error": f"{type(e).__name__}: {e}"}
+        print(f"sim {mode}: prediction failed: {e}", file=sys.stderr)
+
+
+def _original_args(argv: list[str]):
+    """The study's own options from its recorded argv (what `--replot` needs to rebuild its workloads)."""
+    import argparse
+    p = argparse.ArgumentParser()
+    add_args(p)
+    i = argv.index("breakeven") + 1 if "breakeven" in argv else 0
+    return p.parse_known_args(argv[i:])[0]
+
+
+def repredict(a, costs_dir: str, out: Path, grid, slo, results: dict) -> None:
+    from pdserve.bench import breakeven_sim as BS
+    costs = BS.costs(a.model, BS.threads_needed(list(results), a.colocated_layout), out, costs_dir,
+                     log=lambda m: print(m, file=sys.stderr))
+    for mode, res in results.items():
+        predict(a, costs, mode, grid, slo, res)
+
+
+def sim_costs(a, modes: list[str], out: Path, meta: dict) -> dict | None:
+    """The cost models the prediction needs (profiled now, or from --sim-costs), recorded in `meta`; None, with
+    the reason in `meta`, where there are none: the measurements never depend on them."""
+    from pdserve.bench import breakeven_sim as BS
+    try:
+        costs = BS.costs(a.model, BS.threads_needed(modes, a.colocated_layout), out, a.sim_costs,
+                         log=lambda m: print(m, file=sys.stderr))
+    except Exception as e:  # noqa: BLE001 (e.g. a model whose context is shorter than the profile's grid)
+        meta["sim_error"] = f"{type(e).__name__}: {e}"
+        print(f"sim: no cost model, so no prediction ({meta['sim_error']})", file=sys.stderr)
+        return None
+    meta["sim_costs"] = {n: c.to_json() for n, c in costs.items()}
+    return costs
+
+
+def run_breakeven(a) -> int:
     from pdserve.bench.progress import Progress
-    from pdserve.bench.report import _clean, _img, write_html, write_json
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     grid = [(p, o, r) for o in _csv(a.output_lens, int) for p in _csv(a.prompt_lens, int) for r in _csv(a.rates)]
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    if a.link:  # the link axis: disaggregated once per link, on emulated hosts
-        modes = [m for m in modes if m != "disagg"] + [f"disagg@{link}" for link in a.link]
+    if a.link:  # the link axis: disaggregated and auto once per link, on emulated hosts
+        modes = [m for m in modes if m not in ("disagg", "auto")] + \
+            [f"{m}@{link}" for link in a.link for m in ("disagg", "auto") if m in modes]
     slo = MX.SLO(a.slo_ttft, a.slo_tpot)
     results: dict = {}
     meta = {"kind": "breakeven", "argv": sys.argv[1:], "grid": {"prompt_lens": a.prompt_lens,
             "output_lens": a.output_lens, "rates": a.rates, "requests_per_cell": a.requests_per_cell,
             "cell_duration_s": a.cell_duration, "min_requests_per_cell": a.min_requests_per_cell},
-            "slo": slo.as_dict(), "model": a.model, "cpu_count": os.cpu_count(),
+            "slo": slo.as_dict(), "model": a.model, "cpu_count": os.cpu_count(), "cpu": cpu_name(),
+            "links": a.link, "colocated_layout": a.colocated_layout, "seed": a.seed,
             "note": "load generator, gateway, router and redis share the same cores as the workers"}
     interrupted = False
     t0 = time.perf_counter()
@@ -389,6 +463,9 @@ def run_breakeven(a) -> int:
         slo = MX.SLO(old["meta"]["slo"]["ttft_s"], old["meta"]["slo"]["tpot_s"])
         interrupted = old.get("interrupted", False)
         modes = []
+        if a.sim_costs and not a.no_sim:
+            repredict(_original_args(meta.get("argv", [])), a.sim_costs, out, grid, slo, results)
+    costs = sim_costs(a, modes, out, meta) if modes and not a.no_sim else None
     with Progress(not a.no_progress) as prog:
         for mode in modes:
             try:
@@ -397,11 +474,30 @@ def run_breakeven(a) -> int:
                 interrupted = True
                 print("interrupted: reporting what was measured so far", file=sys.stderr)
                 break
+            finally:
+                if costs and not interrupted:
+                    predict(a, costs, mode, grid, slo, results.get(mode, {}))
+    files, lines = write_report(out, results, meta, grid, slo, interrupted, time.perf_counter() - t0)
+    for x in lines:
+        print(x, file=sys.stderr)
+    for k, v in files.items():
+        print(f"{k}: {v}")
+    return 130 if interrupted else 0
+
+
+def write_report(out: Path, results: dict, meta: dict, grid, slo, interrupted: bool, wall_s: float):
+    """breakeven.json, the heat maps, the detail plot, the table and the HTML; (files, verdict lines)."""
+    import html as H
+
+    from pdserve.bench import breakeven_report as BR
+    from pdserve.bench import breakeven_targets as BT
+    from pdserve.bench.report import _clean, _img, write_html, write_json
     runs = [m for m in results if m.startswith("disagg")]
     by_run = {m: compare(results, grid, m) for m in runs}
     rows = [r for m in runs for r in by_run[m]]
-    result = {"meta": meta, "results": results, "comparison": rows, "interrupted": interrupted,
-              "wall_s": time.perf_counter() - t0}
+    targets = BT.summary(results, grid, meta.get("links") or [])
+    result = {"meta": meta, "results": results, "comparison": rows, "targets": targets, "interrupted": interrupted,
+              "wall_s": wall_s}
     files = {"json": write_json(result, out / "breakeven.json")}
     hm = None
     for m in runs:  # one heat map per link (the first is the headline)
@@ -411,7 +507,12 @@ def run_breakeven(a) -> int:
             files[f"heatmap_png_{_slug(m)}"] = png
             hm = hm or png
     dt = plot_detail(results, grid, out / "breakeven_detail.png")
-    lines = verdict(rows)
+    auto_png = BR.plot_auto(targets["auto_goodput"]["rows"], out / "breakeven_auto.png")
+    if auto_png:
+        files["auto_png"] = auto_png
+    (out / "breakeven_table.md").write_text(BR.markdown(results, grid, targets))
+    files["table_md"] = out / "breakeven_table.md"
+    lines = verdict(rows) + BT.lines(targets)
     deps = "".join(f"<li><b>{m}</b>: {H.escape(r['deployment']['layout'])}; startup "
                    f"{r['deployment']['startup_s']:.1f} s; pinning {H.escape(json.dumps(r['deployment']['pinning']))}</li>"
                    for m, r in results.items() if "deployment" in r)
@@ -419,6 +520,8 @@ def run_breakeven(a) -> int:
              "".join("<tr>" + "".join(f"<td>{'' if v is None else (f'{v:.4g}' if isinstance(v, float) else v)}</td>"
                                       for v in r.values()) + "</tr>" for r in rows) + "</table>")
     sections = [("Headline: where disaggregation's goodput beats colocated", _img(hm) if hm else "<p>no comparable cells</p>"),
+                *BR.html_sections(results, grid, targets),
+                ("auto against the better of colocated and disaggregated", _img(auto_png) if auto_png else ""),
                 ("Verdict per cell", "<ul>" + "".join(f"<li>{H.escape(x)}</li>" for x in lines) + "</ul>"),
                 ("Deployments (same cores)", f"<ul>{deps}</ul>"),
                 ("Latency, interference and KV transfer", _img(dt) if dt else ""),
@@ -426,8 +529,4 @@ def run_breakeven(a) -> int:
     files["html"] = write_html(out / "breakeven.html", "pdserve bench breakeven", sections, _clean(meta))
     if dt:
         files["detail_png"] = dt
-    for x in lines:
-        print(x, file=sys.stderr)
-    for k, v in files.items():
-        print(f"{k}: {v}")
-    return 130 if interrupted else 0
+    return files, lines

@@ -93,6 +93,7 @@ async def send(client: httpx.AsyncClient, target: Target, spec: RequestSpec, rec
                 text = (await resp.aread()).decode(errors="replace")[:300]
                 rec.error = f"HTTP {resp.status_code}: {text}"
                 return rec
+            rec.path = resp.headers.get("x-pdserve-path")
             async for line in resp.aiter_lines():
                 now = time.perf_counter()
                 if not line.startswith("data:"):

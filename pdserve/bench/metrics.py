@@ -36,12 +36,24 @@ class RequestRecord:
     warmup: bool = False
     stages: dict | None = None   # per-request server stage times when the server exposes them
     cached_tokens: int | None = None  # prompt tokens served from the prefix cache (usage.prompt_tokens_details)
+    path: str | None = None      # the server's `x-pdserve-path` header (which path served it, and why), if any
 
     @property
     def n_out(self) -> int:
         if self.output_tokens is not None:
             return self.output_tokens
         return len(self.emits)
+
+
+def path_counts(records: Sequence[RequestRecord]) -> dict[str, int]:
+    """Answered requests by the path their `x-pdserve-path` header named (`disagg`, `local`, `fallback`);
+    `unlabelled`: answered without one."""
+    out: dict[str, int] = {}
+    for r in records:
+        if r.ok:
+            k = r.path.split(";", 1)[0].strip() if r.path else "unlabelled"
+            out[k] = out.get(k, 0) + 1
+    return out
 
 
 def ttft(r: RequestRecord) -> float | None:

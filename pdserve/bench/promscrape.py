@@ -90,7 +90,19 @@ def stage_means(before: dict[str, float], after: dict[str, float]) -> dict:
         res[key + "_count"] = c
     b = sum(v for k, v in delta.items() if k.startswith("pdserve_kv_transfer_bytes_total"))
     res["kv_transfer_bytes"] = b
+    res["requests_by_path"] = by_path(delta)
     return res
+
+
+def by_path(delta: dict[str, float]) -> dict[str, int]:
+    """`pdserve_requests_by_path_total` over the interval, summed over reasons: {path: sub-requests}."""
+    out: dict[str, int] = {}
+    for k, v in delta.items():
+        if k.startswith("pdserve_requests_by_path_total{") and v:
+            m = re.search(r'path="([^"]*)"', k)
+            if m:
+                out[m.group(1)] = out.get(m.group(1), 0) + int(round(v))
+    return out
 
 
 def breakdown(stages: dict, client_ttft_mean: float | None) -> dict | None:

@@ -28,7 +28,8 @@ def record_row(r: MX.RequestRecord, t0: float) -> dict:
     return {"idx": r.idx, "tenant": r.tenant, "scheduled_s": r.scheduled - t0,
             "send_lag_s": MX.send_lag(r), "ttft_s": MX.ttft(r), "tpot_s": MX.tpot(r), "e2e_s": MX.e2e(r),
             "itl_s": MX.itls(r), "n_out": r.n_out, "n_emits": len(r.emits), "prompt_tokens": r.prompt_tokens,
-            "cached_tokens": r.cached_tokens, "ok": r.ok, "error": r.error, "warmup": r.warmup, "stages": r.stages}
+            "cached_tokens": r.cached_tokens, "ok": r.ok, "error": r.error, "warmup": r.warmup, "stages": r.stages,
+            "path": r.path}
 
 
 def summarize_point(gen: LoadGen, cfg: PointConfig, slo: MX.SLO, *, interrupted: bool = False,
@@ -50,7 +51,7 @@ def summarize_point(gen: LoadGen, cfg: PointConfig, slo: MX.SLO, *, interrupted:
     out = {"label": cfg.label, "mode": gen.mode, "offered_rate_req_per_s": cfg.offered_rate,
            "concurrency": cfg.concurrency, "workload": cfg.workload, "interrupted": interrupted,
            "wall_s": wall_s, "steady": summ, "warmup": warm,
-           "client": gen.health.as_dict() if gen.health else None}
+           "client": gen.health.as_dict() if gen.health else None, "paths": MX.path_counts(steady)}
     if stages is not None:
         out["server_stages"] = stages
         out["stage_breakdown_mean_s"] = breakdown(stages, summ["latency"]["ttft_s"].get("mean"))

@@ -43,7 +43,12 @@ class UpProcess:
             ready.set()  # the process ended without becoming ready
 
         threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(ready_timeout) or self.info is None:
+        try:
+            became_ready = ready.wait(ready_timeout)
+        except BaseException:  # Ctrl-C while starting: the child has its own session, so it never saw the signal
+            self.stop()
+            raise
+        if not became_ready or self.info is None:
             self.stop()
             raise RuntimeError("pdserve up did not become ready:\n" + "".join(self.lines[-50:]))
         self.base_url: str = self.info["base_url"]

@@ -31,3 +31,19 @@ def test_one_comparison_per_link_against_the_same_colocated_run():
 def test_a_bad_link_is_refused_before_anything_starts():
     with pytest.raises(ValueError, match="not a rate"):
         LabDeployment("builtin", "fast", [], 1.0)
+
+
+def test_replot_rebuilds_the_study_options_and_workloads_from_its_argv():
+    """`--replot OLD --sim-costs DIR` predicts again: the workloads must be the measured ones, rebuilt from the
+    recorded argv (seeds per cell, counts from rate x duration with the minimum)."""
+    from pdserve.bench.breakeven import _original_args, cell_specs
+    a = _original_args(["bench", "breakeven", "--prompt-lens", "32,512", "--rates", "2,6", "--cell-duration", "4",
+                        "--min-requests-per-cell", "10", "--seed", "5", "--link", "10gbit", "--num-gpu-blocks", "256"])
+    assert (a.prompt_lens, a.seed, a.link, a.num_gpu_blocks) == ("32,512", 5, ["10gbit"], 256)
+    assert len(cell_specs(a, 32, 16, 2.0, 0)) == 10  # max(10, round(2 x 4))
+    assert len(cell_specs(a, 32, 16, 6.0, 1)) == 24
+    one, again = cell_specs(a, 512, 16, 6.0, 3), cell_specs(a, 512, 16, 6.0, 3)
+    assert [s.prompt for s in one] == [s.prompt for s in again] and len(one[0].prompt) == 512
+    assert cell_specs(a, 512, 16, 6.0, 2)[0].prompt != one[0].prompt  # another cell, other prompts
+    (iso,) = cell_specs(a, 32, 16, 0.0, None)
+    assert len(iso.prompt) == 32 and iso.output_len == 16

@@ -65,6 +65,8 @@ def test_short_sweep_against_pdserve_up(up, tmp_path):
         for row in p["records"]:
             if not row["warmup"]:
                 assert row["stages"]["durations"]["e2e"] <= row["e2e_s"] + 1e-3
+                assert row["path"].startswith("local; reason=")  # x-pdserve-path: one colocated worker
+        assert p["paths"] == {"local": 6}
     # cold start (spec §1.5) reported apart: the first warm-up request against a fresh deployment, and the
     # workers' own load / warm-up / ready seconds scraped from them
     cold = res["points"][0]["warmup"]
@@ -78,9 +80,15 @@ def test_short_sweep_against_pdserve_up(up, tmp_path):
 
 
 def test_breakeven_one_cell(ckpt, tmp_path):
-    out = tmp_path / "be"
+    from pdserve.sim.costmodel import LinearCostModel
+    out, costs = tmp_path / "be", tmp_path / "costs"
+    costs.mkdir()  # a hand-set cost model stands in for the profile (its accuracy is tests/sim's business)
+    LinearCostModel(a=0.002, b=1e-5, c=1e-4, kv_bytes_per_token=256, link_bytes_per_s=1e9,
+                    handoff_s=0.005).save(costs / "costs_t1.json")  # disagg's 1-thread workers
+    shutil.copy(costs / "costs_t1.json", costs / "costs_t2.json")  # the 1x2 colocated worker
     r = subprocess.run([sys.executable, "-m", "pdserve", "bench", "breakeven", "--model", str(ckpt),
                         "--prompt-lens", "48", "--output-lens", "8", "--rates", "4", "--requests-per-cell", "6",
+                        "--modes", "colocated,disagg", "--sim-costs", str(costs),
                         "--num-gpu-blocks", "128", "--no-progress", "--out", str(out)],
                        env=env(), capture_output=True, text=True, timeout=150)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -88,6 +96,16 @@ def test_breakeven_one_cell(ckpt, tmp_path):
     (row,) = res["comparison"]
     assert row["winner"] in ("disagg", "colocated", "tie")
     assert row["kv_transfer_mean_s"] and row["kv_transfer_mean_s"] > 0  # measured on the decode worker
+    # each measured cell carries the simulator's prediction next to the measurement, with its error
+    for mode in ("colocated", "disagg"):
+        cell = res["results"][mode]["cells"]["48x8x4"]
+        sim = cell["sim"]["ttft_p50_s"]
+        assert sim["measured"] == cell["ttft_p50_s"] and sim["predicted"] > 0
+        assert sim["error"] == pytest.approx((sim["predicted"] - sim["measured"]) / sim["measured"])
+    # the fallback target read every disaggregated answer's path: all labelled, none a fallback
+    (fb,) = res["targets"]["unlabelled_fallback"]["rows"]
+    assert fb["n_ok"] == 6 and fb["unlabelled"] == 0 and fb["fallback_header"] == 0 and fb["fallback_metric"] == 0
+    assert (out / "breakeven_table.md").read_text().count("| 48 | 8 | 4 |") == 2
     dis = res["results"]["disagg"]["deployment"]["pinning"]
     assert sorted(v["cores"] for v in dis.values()) == [[0], [1]]
     for f in ("breakeven_heatmap.png", "breakeven_detail.png", "breakeven.html"):
