@@ -10,7 +10,8 @@ replayed open loop by `pdserve bench`'s load generator, once per deployment:
   returned (the worker registered in its new role; routers see it at their next view refresh, <= 0.2 s).
 
 Goodput (requests meeting both SLOs per second) and attainment, overall and per phase; every request's outcome is
-counted (a failed one is a defect).
+counted, failures by their error (an overloaded split's admission rejections and timeouts are the deployment
+answering as designed; any other error is a defect).
 
     PYTHONPATH=. python bench/role_switch_goodput.py --costs sim-costs.json [--only switching,static2]
 """
@@ -22,6 +23,7 @@ import json
 import os
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,6 +120,7 @@ def run_one(kind: str, specs, bounds, slo: SLO, cost, a) -> dict:
         up.stop()
     out = {"mode": kind, "goodput_req_per_s": s["slo"]["goodput_req_per_s"], "attainment": s["slo"]["attainment_ratio"],
            "ok": sum(r.ok for r in recs), "failed": sum(not r.ok for r in recs),
+           "errors": dict(Counter(str(r.error)[:60] for r in recs if not r.ok)),
            "phases": _phases(recs, specs, bounds, slo)}
     if sw is not None:
         out["switches"] = sw.rows

@@ -3,8 +3,9 @@ the load by role switches (switch_control.py), every static P:D split (the best 
 goodput over the whole trace), and N colocated workers - with goodput and SLO attainment overall and per phase.
 
 Static splits at large N: all of them cost one simulation each, so the search starts at the split the whole
-trace's work asks for (switch_control.split_for) and walks downhill in goodput with steps N/8, N/16, ... 1; at
-N <= `exhaustive` every split is simulated.
+trace's work asks for (switch_control.split_for) and climbs in goodput with steps N/8, N/16, ... down to
+`min_step` x N (default N/8: 8 of 64 workers, as fine as a 64-worker run allows on a 2-core box: each simulation
+takes minutes there); at N <= `exhaustive` every split is simulated.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ class ShiftSetup:
     engine: EngineConfig = None
     control: ControlSpec = ControlSpec()
     exhaustive: int = 8
+    min_step: float = 1 / 8
 
     def shape(self) -> PoolShape:
         e = self.engine or EngineConfig()
@@ -102,7 +104,7 @@ def best_static(st: ShiftSetup, log=lambda *_: None) -> tuple[dict, list[dict]]:
             best = max(nb + [p], key=at)
             if best != p:
                 p = best
-            elif step == 1:
+            elif step <= max(1, int(n * st.min_step)):
                 break
             else:
                 step //= 2
