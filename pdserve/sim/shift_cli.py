@@ -57,8 +57,10 @@ def format_result(res: dict) -> str:
         lines.append(f"  {r['mode']:16} goodput {r['goodput_req_per_s']:7.2f} req/s  attainment "
                      f"{r['attainment']:.3f}  (per phase: {ph})")
     sw = res["switching"].get("switches")
-    if sw:
+    if sw and sw["count"]:
         d = sw["decision_to_serving_s"]
         lines.append(f"  switches: {sw['count']} ({', '.join(sw['outcomes'])}), decision -> serving median "
                      f"{d['median']:.2f} s, max {d['max']:.2f} s")
+    elif sw:
+        lines.append("  switches: none")
     return "\n".join(lines)

@@ -115,3 +115,24 @@ def test_split_by_hand():
     # long prompts, 1-token outputs: all prefill work, yet one decode worker stays
     longp = [RequestSpec(i, 0.0, [], 900, 1) for i in range(10)]
     assert split_for(longp, LIN, SHAPE, 4, 0.05) == 3
+
+
+def test_shift_compare_counts_every_request_in_every_mode(tmp_path):
+    """`pdserve sim shift` end to end on 2 workers and a 3 x 1.5 s trace: each contender served the whole trace
+    (all finished: the load is light), and the best static split is the one with the highest goodput."""
+    import json
+
+    from pdserve.cli import main
+    costs = tmp_path / "c.json"
+    LIN.save(costs)
+    out = tmp_path / "r.json"
+    with pytest.raises(SystemExit) as ex:
+        main(["sim", "shift", "--workers", "2", "--time-scale", "0.05", "--costs", str(costs), "--json", str(out)])
+    assert ex.value.code == 0
+    res = json.loads(out.read_text())["results"][0]
+    n = res["requests"]
+    assert n > 20
+    for key in ("switching", "colocated"):
+        assert res[key]["n_total"] == n
+    assert [s["mode"] for s in res["statics"]] == ["static 1P+1D"]
+    assert res["best_static"]["n_total"] == n
