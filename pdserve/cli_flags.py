@@ -50,6 +50,9 @@ def add_planner_flags(p) -> None:
     p.add_argument("--planner-window", type=positive_int, default=6,
                    help="intervals the forecast looks back (a pool shrinks only when all of them needed fewer)")
     p.add_argument("--headroom", type=positive_float, default=1.2, help="size for the forecast rate x this")
+    p.add_argument("--worker-start-s", type=positive_float, default=None,
+                   help="planner: seconds a new worker takes to serve (default 30); a role switch is used instead "
+                        "of start + drain only while the expected drain + the switch are shorter")
     p.add_argument("--attainment", type=positive_float, default=0.9, help="target SLO attainment in simulation")
 
 

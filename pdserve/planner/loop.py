@@ -25,7 +25,7 @@ from pdserve.planner.decision import Decision
 from pdserve.planner.guard_rails import Guard
 from pdserve.planner.predictor import TrendPredictor
 from pdserve.planner.sizing import PoolLimits, Sizer, Sizing, Workload
-from pdserve.planner.switching import plan_switches
+from pdserve.planner.switching import SWITCH_S, SwitchCosts, drain_estimate, plan_switches
 from pdserve.services import planner_record
 from pdserve.services.metrics import planner as M
 from pdserve.sim.workload import SLO
@@ -62,6 +62,8 @@ class PlannerConfig:
     redis_ca_file: str | None = None
     grow_confirm: int = 2               # consecutive intervals the model must ask for more (guard_rails.py)
     background: bool = True             # capacities in the sizer's thread (False: inline, deterministic tests)
+    switch_s: float = SWITCH_S          # a role switch's own time after its drain (switching.py)
+    start_s: float = 30.0               # a new worker's time from asked for to serving (switching.py)
 
     @classmethod
     def from_args(cls, a, redis_url: str | None = None) -> "PlannerConfig":
@@ -72,7 +74,8 @@ class PlannerConfig:
                    window=a.planner_window, headroom=a.headroom, attainment=a.attainment,
                    costs_file=getattr(a, "costs", None), dry_run=bool(getattr(a, "dry_run", False)),
                    heartbeat_ttl=a.heartbeat_ttl, internal_token_file=a.internal_token_file,
-                   redis_password_file=a.redis_password_file, redis_ca_file=a.redis_ca_file)
+                   redis_password_file=a.redis_password_file, redis_ca_file=a.redis_ca_file,
+                   start_s=getattr(a, "worker_start_s", None) or 30.0)
 
 
 class Planner:
@@ -131,7 +134,7 @@ class Planner:
             d.decide_s = time.monotonic() - t0
             if not self.cfg.dry_run:
                 stage = "connector"
-                await self._apply(d.pools)
+                await self._apply(d.pools, self.switch_costs(d.output_mean))
                 d.applied = True
             d.export()
             log.info(d.line())
@@ -149,10 +152,15 @@ class Planner:
             log.warning("planner: interval skipped, %s failed: %r", stage, e)
             return None
 
-    async def _apply(self, pools) -> None:
-        """Role switches first where one pool grows while the other shrinks (switching.py), then scaling."""
+    def switch_costs(self, output_mean: float) -> SwitchCosts:
+        return SwitchCosts(self.cfg.switch_s, self.cfg.start_s,
+                           drain_estimate(output_mean, self.cfg.slo_ttft, self.cfg.slo_tpot))
+
+    async def _apply(self, pools, costs: SwitchCosts | None = None) -> None:
+        """Role switches first where one pool grows while the other shrinks and a switch beats a start
+        (switching.py), then scaling."""
         if hasattr(self.connector, "switch"):
-            moves, pools = plan_switches(pools)
+            moves, pools = plan_switches(pools, costs)
             for src, dst in moves:
                 await asyncio.to_thread(self.connector.switch, src, dst)
             for pool in {p for m in moves for p in m}:

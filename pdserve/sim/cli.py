@@ -1,4 +1,4 @@
-"""`pdserve sim profile | roofline | run | plan | validate` (docs/sim.md)."""
+"""`pdserve sim profile | roofline | run | plan | validate | shift` (docs/sim.md; shift: docs/planner.md)."""
 from __future__ import annotations
 
 import json
@@ -139,6 +139,9 @@ def add_sim_parser(sub) -> None:
     va.add_argument("--num-gpu-blocks", type=int, default=2048)
     va.add_argument("--json", default=None)
     va.set_defaults(func=cmd_validate)
+
+    from pdserve.sim.shift_cli import add_shift_parser
+    add_shift_parser(ss)
 
 
 def cmd_profile(a) -> int:

@@ -72,6 +72,7 @@ class Cluster:
         self._tie = itertools.count()
         self.alloc_wait: dict[str, list] = {r.name: [] for r in self.replicas}
         self.requests: list[SimRequest] = []
+        self.inbound: dict[str, int] = {}  # decode replica -> requests placed on it, not yet committed there
         self.events_processed = 0
         self.admission = None
         if spec.admission is not None:
@@ -130,6 +131,7 @@ class Cluster:
         self._kick(dec)
 
     def _do_commit(self, dec: SimReplica, req: SimRequest) -> None:
+        self.inbound[dec.name] -= 1
         req.emits.append(self.now)
         if dec.commit_prefilled(req):  # output length 1: done at commit
             self._done(req)
@@ -163,6 +165,7 @@ class Cluster:
         else:
             req.decode_replica = b.name
             self._decode_of[req.rid] = b
+            self.inbound[b.name] = self.inbound.get(b.name, 0) + 1
             a.call(a.add, req, True)
             self._kick(a)
 

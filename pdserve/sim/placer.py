@@ -133,6 +133,19 @@ class RouterPlacer:
             rec.load = self._report(rep, now)
             rec.updated = now
 
+    # ---- role switches (sim/role_switch.py) -------------------------------------------------------------------
+    def withdraw(self, rep: SimReplica) -> None:
+        """`rep` leaves every pool (its record says `switching`): no decision picks it until `enroll`."""
+        for pool in self.pools.values():
+            if rep.name in pool:
+                pool.remove(rep.name)
+        self.records[rep.name].role = "switching"
+
+    def enroll(self, rep: SimReplica, role: str) -> None:
+        """`rep` serves in `role`: its record says so at once (the switch registers the new role immediately)."""
+        self.records[rep.name].role = role
+        self.pools[role].append(rep.name)
+
     # ---- a decision -------------------------------------------------------------------------------------------
     def place(self, req: SimRequest, now: float):
         if now >= self.next_report:

@@ -1,0 +1,66 @@
+"""`pdserve sim shift`: role switching against static P:D splits and colocated on the phase-shift trace
+(shift_compare.py, docs/planner.md)."""
+from __future__ import annotations
+
+import json
+import sys
+
+
+def add_shift_parser(ss) -> None:
+    sh = ss.add_parser("shift", help="switching roles vs the best static P:D split vs colocated, on a workload "
+                                     "that shifts from chat to long prompts and back")
+    sh.add_argument("--workers", default="4,64", help="cluster sizes, comma-separated")
+    sh.add_argument("--costs", required=True, help="calibrated cost model JSON (`pdserve sim profile`)")
+    sh.add_argument("--num-blocks", type=int, default=4096, help="KV blocks per worker")
+    sh.add_argument("--slo-ttft", type=float, default=1.5, help="seconds (p90 is not used: per request)")
+    sh.add_argument("--slo-tpot", type=float, default=0.05, help="seconds")
+    sh.add_argument("--interval", type=float, default=2.0, help="controller interval, virtual seconds")
+    sh.add_argument("--confirm", type=int, default=2, help="consecutive intervals before a change")
+    sh.add_argument("--switch-s", type=float, default=0.5, help="a role switch's time after its drain")
+    sh.add_argument("--start-s", type=float, default=30.0, help="a new pod's time to serve")
+    sh.add_argument("--time-scale", type=float, default=1.0, help="shorten every phase (same rates)")
+    sh.add_argument("--seed", type=int, default=0)
+    sh.add_argument("--json", default=None, help="write the full result here")
+    sh.set_defaults(func=cmd_shift)
+
+
+def cmd_shift(a) -> int:
+    from pdserve.sim.costmodel import load_cost_model
+    from pdserve.sim.shift_compare import ShiftSetup, compare
+    from pdserve.sim.shift_trace import SIM_PHASES, phase_bounds, shift_trace
+    from pdserve.sim.switch_control import ControlSpec
+    from pdserve.sim.workload import SLO
+    cm = load_cost_model(a.costs)
+    ctl = ControlSpec(a.interval, a.confirm, a.switch_s, a.start_s, a.slo_ttft, a.slo_tpot)
+    out = []
+    for n in (int(x) for x in a.workers.split(",")):
+        print(f"{n} workers:", file=sys.stderr)
+        st = ShiftSetup(n, shift_trace(n, SIM_PHASES, a.seed, time_scale=a.time_scale),
+                        phase_bounds(SIM_PHASES, a.time_scale), cm, a.num_blocks,
+                        SLO(ttft=a.slo_ttft, tpot=a.slo_tpot), control=ctl)
+        res = compare(st, log=lambda m: print(m, file=sys.stderr, flush=True))
+        out.append(res)
+        print(format_result(res))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"cost_model": cm.to_json(), "control": vars(ctl) if hasattr(ctl, "__dict__") else str(ctl),
+                       "results": out}, f, indent=2, default=str)
+    return 0
+
+
+def format_result(res: dict) -> str:
+    lines = [f"{res['workers']} workers, {res['requests']} requests: switching / best static = "
+             f"{res['switching_over_best_static']:.2f}x"]
+    for key in ("switching", "best_static", "colocated"):
+        r = res[key]
+        ph = ", ".join(f"{k} {v['attainment']:.2f}" for k, v in r["phases"].items() if v["attainment"] is not None)
+        lines.append(f"  {r['mode']:16} goodput {r['goodput_req_per_s']:7.2f} req/s  attainment "
+                     f"{r['attainment']:.3f}  (per phase: {ph})")
+    sw = res["switching"].get("switches")
+    if sw and sw["count"]:
+        d = sw["decision_to_serving_s"]
+        lines.append(f"  switches: {sw['count']} ({', '.join(sw['outcomes'])}), decision -> serving median "
+                     f"{d['median']:.2f} s, max {d['max']:.2f} s")
+    elif sw:
+        lines.append("  switches: none")
+    return "\n".join(lines)

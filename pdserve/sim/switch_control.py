@@ -1,0 +1,139 @@
+"""The simulator's P:D controller with role switches: every `interval_s` of virtual time it sizes the split of a
+fixed number of workers for the last interval's arrivals, and moves workers between the pools - by a role switch
+(sim/role_switch.py) where planner/switching.py's rule says a switch beats a new pod, else by a new pod started
+beside the old one's drain (the planner's start + drain).
+
+The split (`split_for`) gives each pool workers in proportion to the work the interval's arrivals bring it, in
+replica-seconds per second: a prompt costs its prefill step (the fixed part of a step shared by the prompts one
+chunk budget packs); an output token costs a decode step at the largest batch that still meets the TPOT SLO (and
+fits the KV pool and `max_num_seqs`), divided by that batch. Equal utilisation of both pools is what the planner's
+simulated capacities amount to under a steady load, without its sweeps of simulations (too slow to rerun every
+interval of a 64-worker trace here).
+
+As the planner's guard rails (guard_rails.py), a change is made once `confirm` consecutive intervals asked for it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.planner.guard_rails import PoolVerdict
+from pdserve.planner.switching import SwitchCosts, drain_estimate, plan_switches
+from pdserve.sim.costmodel import StepShape
+from pdserve.sim.role_switch import SimSwitcher
+
+
+@dataclass(frozen=True)
+class ControlSpec:
+    interval_s: float = 2.0
+    confirm: int = 2
+    switch_s: float = 0.5          # planner/switching.py's SWITCH_S (measured: bench/role_switch.py)
+    start_s: float = 30.0          # a new pod: asked for -> serving
+    slo_ttft: float = 0.5
+    slo_tpot: float = 0.05
+
+
+@dataclass
+class PoolShape:
+    max_num_seqs: int
+    num_blocks: int
+    block_size: int
+    max_num_batched_tokens: int
+
+
+def decode_batch(cost, shape: PoolShape, context: float, slo_tpot: float) -> int:
+    """The largest decode batch whose step meets the TPOT SLO at this mean context and fits the pool (>= 1)."""
+    per_seq_blocks = max(1, -(-int(context) // shape.block_size))
+    hi = max(1, min(shape.max_num_seqs, shape.num_blocks // per_seq_blocks))
+    best = 1
+    lo_b, hi_b = 1, hi
+    while lo_b <= hi_b:  # step time grows with the batch: bisect
+        mid = (lo_b + hi_b) // 2
+        if cost.step_time(StepShape.decode(mid, int(mid * context))) <= slo_tpot:
+            best, lo_b = mid, mid + 1
+        else:
+            hi_b = mid - 1
+    return best
+
+
+def pool_work(specs, cost, shape: PoolShape, slo_tpot: float) -> tuple[float, float]:
+    """(prefill, decode) replica-seconds the requests bring (module docstring)."""
+    if not specs:
+        return 0.0, 0.0
+    a0 = cost.step_time(StepShape.prefill(1))
+    pre = sum(cost.step_time(StepShape.prefill(s.prompt_len)) - a0 * (1 - min(1.0, s.prompt_len
+                                                                              / shape.max_num_batched_tokens))
+              for s in specs)
+    out = sum(s.output_len for s in specs)
+    ctx = sum(s.prompt_len + s.output_len / 2 for s in specs) / len(specs)
+    b = decode_batch(cost, shape, ctx, slo_tpot)
+    return pre, out * cost.step_time(StepShape.decode(b, int(b * ctx))) / b
+
+
+def split_for(specs, cost, shape: PoolShape, total: int, slo_tpot: float) -> int:
+    """Prefill workers of `total` for these requests, in [1, total - 1]."""
+    pre, dec = pool_work(specs, cost, shape, slo_tpot)
+    if pre + dec <= 0:
+        return max(1, total // 2)
+    return min(total - 1, max(1, round(total * pre / (pre + dec))))
+
+
+@dataclass
+class SplitController:
+    cluster: object
+    spec: ControlSpec
+    shape: PoolShape
+    specs: list                      # the trace (arrival-ordered): what the gateway will have seen by each tick
+    end_s: float
+    switcher: SimSwitcher = None
+    asked: int = 0
+    history: list = field(default_factory=list)  # (time, target prefill, prefill serving or bound)
+    _next: int = 0
+
+    def __post_init__(self):
+        self.switcher = self.switcher or SimSwitcher(self.cluster)
+        self.cluster._at(self.spec.interval_s, self.tick)
+
+    def _window(self, now: float) -> list:
+        i = self._next
+        while self._next < len(self.specs) and self.specs[self._next].arrival <= now:
+            self._next += 1
+        return self.specs[i:self._next]
+
+    def _prefill_bound(self) -> int:
+        """Prefill workers serving or switching towards prefill."""
+        act = self.switcher.active
+        return sum(1 for r in self.cluster.replicas
+                   if (act[r.name].dst if r.name in act else r.role) == "prefill")
+
+    def tick(self) -> None:
+        c, sp = self.cluster, self.spec
+        window = self._window(c.now)
+        total = len(c.replicas)
+        cur = self._prefill_bound()
+        want = split_for(window, c.cost, self.shape, total, sp.slo_tpot) if window else cur
+        self.asked = self.asked + 1 if want != cur else 0
+        self.history.append((c.now, want, cur))
+        if self.asked >= sp.confirm:
+            self.asked = 0
+            out_mean = sum(s.output_len for s in window) / len(window)
+            self._move([PoolVerdict("prefill", cur, want, "split"), PoolVerdict("decode", total - cur, total - want,
+                                                                                 "split")], out_mean)
+        if c.now + sp.interval_s < self.end_s:
+            c._at(c.now + sp.interval_s, self.tick)
+
+    def _move(self, verdicts: list[PoolVerdict], output_mean: float) -> None:
+        sp = self.spec
+        costs = SwitchCosts(sp.switch_s, sp.start_s, drain_estimate(output_mean, sp.slo_ttft, sp.slo_tpot))
+        moves, left = plan_switches(verdicts, costs)
+        for src, dst in moves:
+            self.switcher.start(self._pick(src), dst, sp.switch_s)
+        up = [v for v in left if v.action == "up"]
+        for _ in range(up[0].desired - up[0].current if up else 0):  # a new pod beside the old one's drain
+            src = "decode" if up[0].pool == "prefill" else "prefill"
+            self.switcher.start(self._pick(src), up[0].pool, sp.start_s, overlap=True)
+
+    def _pick(self, pool: str):
+        """The worker of `pool` that drains first: the least outstanding work."""
+        cands = [r for r in self.cluster.replicas if r.role == pool and r.name not in self.switcher.active]
+        return min(cands, key=lambda r: (r.outstanding() + len(r.remote_pending) + len(r.core.pinned)
+                                         + self.cluster.inbound.get(r.name, 0), r.name))
