@@ -198,7 +198,8 @@ def test_every_command_is_one_pdserve_accepts(scenario, monkeypatch):
             if a.command == "worker":
                 assert a.advertise_host == "10.1.2.3" and a.worker_id == "pod-0"  # pod IP, pod name
                 pool = o["metadata"]["name"].removeprefix(FULL + "-")
-                assert a.role == {"worker": "both"}.get(pool, pool)
+                flex = vals.get("flex", {}).get("initialRole", "decode")  # the flex pool's first role
+                assert a.role == {"worker": "both", "flex": flex}.get(pool, pool)
                 pv = vals.get(pool, {})
                 assert a.drain_timeout == pv.get("drainTimeout", 30)
                 assert a.num_gpu_blocks == pv.get("numGpuBlocks")
