@@ -210,7 +210,8 @@ def test_every_command_is_one_pdserve_accepts(scenario, monkeypatch):
     hf_repo = m.get("hf", {}).get("repo") if m.get("source") == "hf" else None  # served under the hub id
     assert names == {m.get("servedModelName") or hf_repo or _default_served_name(model)}, names
     roles = sorted(a.role for a in parsed.values() if a.command == "worker")
-    assert roles == (["both"] if vals.get("mode") == "colocated" else ["decode", "prefill"])  # auto: both pools
+    flex = [vals["flex"].get("initialRole", "decode")] if vals.get("flex", {}).get("enabled") else []
+    assert roles == sorted(["both"] if vals.get("mode") == "colocated" else ["decode", "prefill", *flex])
     assert len({a.redis_url for a in parsed.values()}) == 1
     assert {a.command for a in parsed.values()} == {"gateway", "router", "worker"} | (
         {"planner"} if vals.get("planner", {}).get("enabled") else set())

@@ -62,14 +62,14 @@ def test_flex_pool_off_by_default():
 def test_flex_pool_workers_may_take_either_role(monkeypatch):
     objs = objects(SCENARIOS["flex"])
     deps = by_kind(objs, "Deployment")
-    flex, decode = deps[f"{FULL}-flex"], deps[f"{FULL}-decode"]
+    flex = deps[f"{FULL}-flex"]
     assert flex["spec"]["replicas"] == 3  # its own count, never autoscaled (decode's HPA is the planner's anyway)
     assert not [o for o in objs if o["kind"] == "HorizontalPodAutoscaler"]
     # the same worker as the decode pool (a switch keeps the KV pool: same engine flags), first role prefill
     fa, da = _args(objs, f"{FULL}-flex"), _args(objs, f"{FULL}-decode")
     i = fa.index("--role")
     assert fa[i + 1] == "prefill" and fa[:i + 1] + fa[i + 2:] == da[:i + 1] + da[i + 2:]
-    labels = pod_template(flex) and flex["spec"]["template"]["metadata"]["labels"]
+    labels = flex["spec"]["template"]["metadata"]["labels"]
     assert labels["app.kubernetes.io/component"] == "flex" and labels["pdserve.io/role"] == "prefill"
     # the planner lists those pods and may switch them: its selector, the workers' port, list/patch on pods
     a = parse_pdserve(pod_template(deps[f"{FULL}-planner"])["containers"][0], monkeypatch)
