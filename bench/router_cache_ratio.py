@@ -10,7 +10,7 @@ turns 2.. (turn 1 of a chat has nothing to hit but its system prompt's blocks if
 here). A turn's placement is read from `x-pdserve-route` (the worker chosen), to say whether a chat stayed on one
 worker.
 
-    python bench/router_cache_ratio.py [--chats 6] [--turns 5]
+    python bench/router_cache_ratio.py [--chats 6] [--turns 5] [--concurrency 1]
 """
 from __future__ import annotations
 
@@ -89,17 +89,21 @@ def turn(url: str, messages: list[dict], max_tokens: int) -> dict:
             "cached": (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0), "route": route}
 
 
-def run(dep: Deployment, chats: int, turns: int, max_tokens: int) -> list[list[dict]]:
-    out = []
-    for c in range(chats):
-        convo, rows = [{"role": "system", "content": text(100 + c, 120)}], []
-        for t in range(turns):
-            convo.append({"role": "user", "content": text(10 * c + t, 30)})
-            res = turn(dep.urls[(c + t) % 2], convo, max_tokens)
-            convo.append({"role": "assistant", "content": res["text"]})
-            rows.append(res)
-        out.append(rows)
-    return out
+def chat(dep: Deployment, c: int, turns: int, max_tokens: int) -> list[dict]:
+    convo, rows = [{"role": "system", "content": text(100 + c, 120)}], []
+    for t in range(turns):
+        convo.append({"role": "user", "content": text(10 * c + t, 30)})
+        res = turn(dep.urls[(c + t) % 2], convo, max_tokens)
+        convo.append({"role": "assistant", "content": res["text"]})
+        rows.append(res)
+    return rows
+
+
+def run(dep: Deployment, chats: int, turns: int, max_tokens: int, concurrency: int) -> list[list[dict]]:
+    """Each chat's turns in order; `concurrency` chats at once (the routers' load estimates then matter)."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(concurrency) as ex:
+        return list(ex.map(lambda c: chat(dep, c, turns, max_tokens), range(chats)))
 
 
 def summary(rows: list[list[dict]]) -> dict:
@@ -116,6 +120,7 @@ def main() -> None:
     ap.add_argument("--chats", type=int, default=6)
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--concurrency", type=int, default=1, help="chats in flight at once")
     a = ap.parse_args()
     res = {}
     for routers in (1, 2):
@@ -123,11 +128,12 @@ def main() -> None:
         try:
             for url in dep.urls:
                 turn(url, [{"role": "user", "content": "warm up"}], 2)
-            res[routers] = summary(run(dep, a.chats, a.turns, a.max_tokens))
+            res[routers] = summary(run(dep, a.chats, a.turns, a.max_tokens, a.concurrency))
         finally:
             dep.close()
     print(f"CPU: {platform.machine()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; builtin model, "
-          f"colocated, 2 workers, 2 gateways; {a.chats} chats x {a.turns} turns, turns alternating gateways")
+          f"colocated, 2 workers, 2 gateways; {a.chats} chats x {a.turns} turns ({a.concurrency} at once), turns "
+          "alternating gateways")
     print("| routers | cached / prompt tokens, turns 2.. | the routers' predicted hits | chats placed on more than "
           "one worker |")
     print("| --- | --- | --- | --- |")
