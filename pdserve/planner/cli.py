@@ -23,6 +23,11 @@ def add_planner_parser(sub) -> None:
     p.add_argument("--namespace", default=None, help="the Deployments' namespace (default: the pod's)")
     p.add_argument("--prefill-deployment", default="pdserve-prefill")
     p.add_argument("--decode-deployment", default="pdserve-decode")
+    p.add_argument("--flex-selector", default=None, help="label selector of the pods that may switch role (the "
+                   "chart's flex pool); the planner moves them between the pools before scaling (docs/planner.md)")
+    p.add_argument("--flex-port", type=port, default=50051, help="the flex pods' worker gRPC port")
+    p.add_argument("--drain-timeout", type=positive_float, default=30.0,
+                   help="seconds a switching worker may drain its old role's work")
     p.add_argument("--kubeconfig", default=None, help="outside a pod (default: $KUBECONFIG, ~/.kube/config)")
     p.add_argument("--costs", default=None, help="`pdserve sim profile` JSON: the cost model before live numbers")
     p.add_argument("--dry-run", action="store_true", help="only log and export the decisions")
@@ -64,8 +69,14 @@ def cmd_planner(a) -> int:
     logs.setup("planner", a.log_format)
     if a.connector == "kubernetes":
         from pdserve.planner.connectors.kubernetes import KubernetesConnector
+        if a.flex_selector:  # role switches call the flex pods' SwitchRole: authenticated like every internal RPC
+            from pdserve.services.grpc_util import configure
+            from pdserve.services.internal_security import InternalSecurity
+            configure(InternalSecurity.from_files(a.internal_token_file, a.tls_cert, a.tls_key, a.tls_ca,
+                                                  a.tls_server_name))
         conn = KubernetesConnector(_namespace(a), {"prefill": a.prefill_deployment, "decode": a.decode_deployment},
-                                   kubeconfig=a.kubeconfig)
+                                   kubeconfig=a.kubeconfig, flex_selector=a.flex_selector, flex_port=a.flex_port,
+                                   drain_timeout_s=a.drain_timeout)
     else:
         from pdserve.planner.connectors.registry import RegistryConnector
         conn = RegistryConnector()

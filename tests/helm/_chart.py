@@ -105,6 +105,11 @@ SCENARIOS: dict[str, dict] = {
         "security": {"internalToken": {"enabled": True}}, "networkPolicy": {"enabled": True,
                                                                             "metricsFrom": [{"podSelector": {}}]},
     },
+    "flex": {  # a pool of workers the planner switches between the roles (planner/connectors/kubernetes.py)
+        "planner": {"enabled": True}, "flex": {"enabled": True, "replicas": 3, "initialRole": "prefill"},
+        "decode": {"autoscaling": {"enabled": True}}, "security": {"internalToken": {"enabled": True}},
+        "networkPolicy": {"enabled": True},
+    },
     "plain_keys_secret": {
         "gateway": {"apiKeys": {"enabled": True, "existingSecret": "team-keys", "secretKey": "api-keys"}},
     },

@@ -198,7 +198,8 @@ def test_every_command_is_one_pdserve_accepts(scenario, monkeypatch):
             if a.command == "worker":
                 assert a.advertise_host == "10.1.2.3" and a.worker_id == "pod-0"  # pod IP, pod name
                 pool = o["metadata"]["name"].removeprefix(FULL + "-")
-                assert a.role == {"worker": "both"}.get(pool, pool)
+                flex = vals.get("flex", {}).get("initialRole", "decode")  # the flex pool's first role
+                assert a.role == {"worker": "both", "flex": flex}.get(pool, pool)
                 pv = vals.get(pool, {})
                 assert a.drain_timeout == pv.get("drainTimeout", 30)
                 assert a.num_gpu_blocks == pv.get("numGpuBlocks")
@@ -209,7 +210,8 @@ def test_every_command_is_one_pdserve_accepts(scenario, monkeypatch):
     hf_repo = m.get("hf", {}).get("repo") if m.get("source") == "hf" else None  # served under the hub id
     assert names == {m.get("servedModelName") or hf_repo or _default_served_name(model)}, names
     roles = sorted(a.role for a in parsed.values() if a.command == "worker")
-    assert roles == (["both"] if vals.get("mode") == "colocated" else ["decode", "prefill"])  # auto: both pools
+    flex = [vals["flex"].get("initialRole", "decode")] if vals.get("flex", {}).get("enabled") else []
+    assert roles == sorted(["both"] if vals.get("mode") == "colocated" else ["decode", "prefill", *flex])
     assert len({a.redis_url for a in parsed.values()}) == 1
     assert {a.command for a in parsed.values()} == {"gateway", "router", "worker"} | (
         {"planner"} if vals.get("planner", {}).get("enabled") else set())

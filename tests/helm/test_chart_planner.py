@@ -46,3 +46,52 @@ def test_planner_pod_flags_and_reach(monkeypatch):
 def test_colocated_planner_fails_with_a_reason():
     with pytest.raises(Exception, match="auto or disagg"):
         render({"mode": "colocated", "planner": {"enabled": True}})
+
+
+def _args(objs, name: str) -> list[str]:
+    return pod_template(by_kind(objs, "Deployment")[name])["containers"][0]["args"]
+
+
+def test_flex_pool_off_by_default():
+    objs = objects(SCENARIOS["planner"])
+    assert f"{FULL}-flex" not in by_kind(objs, "Deployment")
+    assert "--flex-selector" not in _args(objs, f"{FULL}-planner")
+    assert [r["resources"] for r in by_kind(objs, "Role")[f"{FULL}-planner"]["rules"]] == [["deployments/scale"]]
+
+
+def test_flex_pool_workers_may_take_either_role(monkeypatch):
+    objs = objects(SCENARIOS["flex"])
+    deps = by_kind(objs, "Deployment")
+    flex = deps[f"{FULL}-flex"]
+    assert flex["spec"]["replicas"] == 3  # its own count, never autoscaled (decode's HPA is the planner's anyway)
+    assert not [o for o in objs if o["kind"] == "HorizontalPodAutoscaler"]
+    # the same worker as the decode pool (a switch keeps the KV pool: same engine flags), first role prefill
+    fa, da = _args(objs, f"{FULL}-flex"), _args(objs, f"{FULL}-decode")
+    i = fa.index("--role")
+    assert fa[i + 1] == "prefill" and fa[:i + 1] + fa[i + 2:] == da[:i + 1] + da[i + 2:]
+    labels = flex["spec"]["template"]["metadata"]["labels"]
+    assert labels["app.kubernetes.io/component"] == "flex" and labels["pdserve.io/role"] == "prefill"
+    # the planner lists those pods and may switch them: its selector, the workers' port, list/patch on pods
+    a = parse_pdserve(pod_template(deps[f"{FULL}-planner"])["containers"][0], monkeypatch)
+    sel = dict(kv.split("=", 1) for kv in a.flex_selector.split(","))
+    assert sel.items() <= labels.items() and sel == flex["spec"]["selector"]["matchLabels"]
+    w = parse_pdserve(pod_template(flex)["containers"][0], monkeypatch)
+    assert a.flex_port == w.port and a.drain_timeout == w.drain_timeout
+    rules = by_kind(objs, "Role")[f"{FULL}-planner"]["rules"]
+    assert {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "patch"]} in rules
+    # the workers' NetworkPolicy covers the flex pods and lets the planner reach their gRPC port
+    np = by_kind(objs, "NetworkPolicy")[f"{FULL}-workers"]["spec"]
+    comp = next(e for e in np["podSelector"]["matchExpressions"] if e["key"] == "app.kubernetes.io/component")
+    assert "flex" in comp["values"]
+    grpc_from = np["ingress"][0]["from"]
+    assert {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "pdserve", "app.kubernetes.io/instance": "rel",
+                                            "app.kubernetes.io/component": "planner"}}} in grpc_from
+
+
+def test_flex_pool_extra_args_and_colocated_refusal():
+    objs = objects({"flex": {"enabled": True, "extraArgs": ["--max-num-seqs", "8"]},
+                    "decode": {"extraArgs": ["--enable-prefix-caching"]}})
+    assert _args(objs, f"{FULL}-flex")[-3:] == ["--enable-prefix-caching", "--max-num-seqs", "8"]
+    assert _args(objs, f"{FULL}-flex")[_args(objs, f"{FULL}-flex").index("--role") + 1] == "decode"
+    with pytest.raises(Exception, match="auto or disagg"):
+        render({"mode": "colocated", "flex": {"enabled": True}})

@@ -56,6 +56,21 @@ app.kubernetes.io/component: {{ .component }}
 {{- if eq .Values.mode "colocated" -}}worker{{- else -}}prefill decode{{- end -}}
 {{- end -}}
 
+{{/* The worker Deployments: the pools, and the flex pool (workers that may switch role) when it is on */}}
+{{- define "pdserve.workerPools" -}}
+{{ include "pdserve.pools" . }}
+{{- if .Values.flex.enabled -}}
+{{- if eq .Values.mode "colocated" -}}
+{{- fail "flex.enabled moves workers between prefill and decode: use mode auto or disagg" -}}
+{{- end }} flex
+{{- end -}}
+{{- end -}}
+
+{{/* The selector of the flex pods, as the planner lists them */}}
+{{- define "pdserve.flexSelector" -}}
+app.kubernetes.io/name={{ include "pdserve.name" . }},app.kubernetes.io/instance={{ .Release.Name }},app.kubernetes.io/component=flex
+{{- end -}}
+
 {{- define "pdserve.poolRole" -}}
 {{- if eq . "worker" -}}both{{- else -}}{{ . }}{{- end -}}
 {{- end -}}
