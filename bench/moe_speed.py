@@ -74,7 +74,10 @@ def write_gguf(model_dir: Path, out: Path) -> Path:
     from safetensors import safe_open
 
     cfg = json.loads((model_dir / "config.json").read_text())
-    n, e = cfg["num_hidden_layers"], cfg["num_experts"]
+    n = cfg["num_hidden_layers"]
+    e = cfg.get("num_experts") or cfg["num_local_experts"]  # transformers >= 5 saves the latter
+    rope_theta = (cfg.get("rope_parameters") or {}).get("rope_theta") or cfg.get("rope_theta", 10000.0)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     w = gguf.GGUFWriter(str(out), "qwen3moe")
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
@@ -82,9 +85,9 @@ def write_gguf(model_dir: Path, out: Path) -> Path:
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_key_length(cfg["head_dim"])
-    w.add_value_length(cfg["head_dim"])
-    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(rope_theta)
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_expert_count(e)
     w.add_expert_used_count(cfg["num_experts_per_tok"])
