@@ -40,7 +40,8 @@ CHECKPOINT_NAMES = {
 }
 
 # Tokens up to which a step takes the native kernel. Its GEMVs read each weight row once for all the rows that chose
-# it, so it wins while an expert's rows are few; past that the loop's GEMMs do (docs/engine.md, "Sparse MoE").
+# it, which pays while an expert's rows are few; past that the loop's GEMMs should win. 32 is GEMV_MAX_ROWS' fp32
+# figure (quant.py), not yet tuned for experts (docs/engine.md, "Sparse MoE on the CPU").
 NATIVE_MAX_TOKENS = 32
 NATIVE_MOE_ENV = "PDSERVE_NATIVE_MOE"
 
