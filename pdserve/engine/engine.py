@@ -161,6 +161,8 @@ class Engine:
                                           ops is not None, reserve)
         if storage != "same":
             net.store_weights(storage, ops)
+        if ops is not None and config.device.startswith("cpu"):
+            net.stack_experts()  # sparse layers' experts for the native MoE kernel (moe.py)
         # bf16 computed as bf16: batch-1 decode through the native GEMV beside oneDNN's packed weights (quant.py)
         net.pack_weights(storage == "same" and config.tensor_parallel_size == 1 and keep_batch1_gemv(
             net, detected_level(), dtype, config.device, ops is not None, reserve))

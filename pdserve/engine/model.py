@@ -315,10 +315,21 @@ class LlamaModel(nn.Module):
         bf16, fp32 = self.dual_bytes
         return self.weight_bytes - (fp32 if rows <= DUAL_GEMV_MAX_ROWS else bf16) - self.gemv_bytes
 
+    def stack_experts(self) -> int:
+        """Stack each sparse layer's experts for the native MoE kernel (moe.py); return how many layers took it.
+        Before pack_weights, which then leaves those experts plain."""
+        n = sum(layer.moe.stack_experts() for layer in self.layers if layer.moe is not None)
+        if n:
+            self._forget_stacks()
+        return n
+
     def pack_weights(self, keep_gemv: bool = False) -> bool:
         """Prepack every projection for oneDNN where that path exists (can_pack); return whether it did. keep_gemv:
         each also keeps its plain weight for small-batch steps (quant.keep_batch1_gemv)."""
-        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        # experts stacked for the native MoE kernel stay plain: packed, their weights would be held twice
+        stacked = {id(m) for layer in self.layers if layer.moe is not None and layer.moe.stacked is not None
+                   for m in [*layer.moe.gate_up, *layer.moe.down]}
+        linears = [m for m in self.modules() if isinstance(m, Linear) and id(m) not in stacked]
         if not linears or not can_pack(linears[0].weight):
             return False
         for m in linears:

@@ -13,10 +13,14 @@ and up interleaved column by column: they are split into the fused [gate | up] l
 DeepSeek-V3 routes by sigmoid scores in fp32 within the best groups of experts (`_route_grouped`) and adds shared
 experts every token takes.
 
-Cost: the experts run one after another, each over the rows that chose it (a gather, two GEMMs, a scatter-add),
-so a step pays one Python iteration and two small GEMMs per expert hit, and a decode step of a few tokens reads
-only the experts those tokens chose. That is correct and simple, not fast: a grouped GEMM over all experts in one
-native call is what a fast path would add. With expert parallelism a rank holds a range of the experts (tp/shard.py).
+Two paths. Steps of up to NATIVE_MAX_TOKENS tokens on CPU with the native kernels run every routed expert in one
+call (csrc/moe_experts.cpp: per (token, expert) pair the gate/up GEMV, silu(gate) * up, the down GEMV and the
+weighted sum, all hit experts' weight rows spread over the threads at once) over the experts' weights held stacked
+(`stack_experts`: [E, 2I, H] and [E, H, I], bf16 / fp32 / int8 with scales; each expert's module views its slice,
+so nothing is held twice). Larger steps (prefill chunks), gpt-oss (expert biases and the clamped gate), the
+deterministic mode (its tiles must not follow the row count) and `PDSERVE_NATIVE_MOE=0` take the loop: the experts
+one after another, each over the rows that chose it (a gather, two GEMMs, a scatter-add). With expert parallelism a
+rank holds a range of the experts (tp/shard.py) and both paths compute only those.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve import env_knobs
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.loader import take
 
@@ -33,6 +38,38 @@ CHECKPOINT_NAMES = {
     "MixtralForCausalLM": ("block_sparse_moe", "gate", "w1", "w3", "w2"),
     "DeepseekV3ForCausalLM": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
 }
+
+# Tokens up to which a step takes the native kernel. Its GEMVs read each weight row once for all the rows that chose
+# it, which pays while an expert's rows are few; past that the loop's GEMMs should win. 32 is GEMV_MAX_ROWS' fp32
+# figure (quant.py), not yet tuned for experts (docs/engine.md, "Sparse MoE on the CPU").
+NATIVE_MAX_TOKENS = 32
+NATIVE_MOE_ENV = "PDSERVE_NATIVE_MOE"
+
+
+def _held(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """An expert projection's plain weight and int8 scales as the native kernel reads them, or None (packed)."""
+    from pdserve.engine.quant import DualLinear, WeightOnlyLinear
+    if isinstance(m, DualLinear):  # the bf16 copy is the decode one
+        m = m.gemv
+    if isinstance(m, WeightOnlyLinear):
+        return m.weight, m.scales
+    if isinstance(m, nn.Linear) and getattr(m, "packed", None) is None and m.weight.numel():
+        return m.weight, None
+    return None
+
+
+def _stack(mods: nn.ModuleList) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The modules' weights (and scales) stacked, each module then viewing its slice; None if they cannot be."""
+    held = [_held(m) for m in mods]
+    if any(h is None for h in held) or len({(h[0].dtype, h[1] is None) for h in held}) != 1:
+        return None
+    w = torch.stack([h[0].detach() for h in held])
+    s = None if held[0][1] is None else torch.stack([h[1] for h in held])
+    for i, (weight, scales) in enumerate(held):  # rebound in place: the old tensors are freed, the model held once
+        weight.data = w[i]
+        if scales is not None:
+            scales.data = s[i]
+    return w, s
 
 
 def clamped_glu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -75,6 +112,28 @@ class SparseMoE(nn.Module):
         bias = self.gpt_oss
         self.gate_up = nn.ModuleList(linear(h, 2 * inter, bias=bias) for _ in self.experts)
         self.down = nn.ModuleList(linear(inter, h, bias=bias) for _ in self.experts)
+        # (gate_up [E, 2I, H], its int8 scales, down [E, H, I], scales) for the native kernel (stack_experts)
+        self.stacked: tuple | None = None
+
+    def stack_experts(self) -> bool:
+        """Hold the experts' weights stacked for the native kernel; False where it does not apply (gpt-oss, packed
+        or mixed forms, PDSERVE_NATIVE_MOE=0)."""
+        if self.gpt_oss or not len(self.experts) or not env_knobs.enabled(NATIVE_MOE_ENV):
+            return False
+        if any(_held(m) is None for m in [*self.gate_up, *self.down]):
+            return False
+        gate_up, down = _stack(self.gate_up), _stack(self.down)
+        if gate_up is None or down is None or gate_up[0].dtype != down[0].dtype:
+            return False
+        self.stacked = (*gate_up, *down)
+        return True
+
+    def _native(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        w13, s13, w2, s2 = self.stacked
+        out = torch.empty_like(x)
+        self.native_ops.moe_experts(out, x, chosen.contiguous(), weights.float().contiguous(), w13, s13, w2, s2,
+                                    self.experts.start)
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from pdserve.engine.model import swiglu
@@ -87,10 +146,23 @@ class SparseMoE(nn.Module):
         else:
             scores = F.linear(inp, weight, bias)
         weights, chosen = self._route(scores, x.dtype)  # [T, k] each
+        ids = chosen.flatten()
+        self.routed.scatter_add_(0, ids, torch.ones_like(ids))
+        if (self.stacked is not None and self.native_ops is not None and not self.row_tile and x.dim() == 2
+                and x.shape[0] <= NATIVE_MAX_TOKENS and x.is_contiguous() and x.device.type == "cpu"):
+            out = self._native(x, weights, chosen)
+        else:
+            out = self._loop(x, weights, chosen)
+        if self.shared_gate_up is not None:  # DeepSeek's shared experts: one dense SwiGLU MLP every token takes
+            out = out + self.shared_down(swiglu(self.shared_gate_up(x), self.native_ops))
+        return out
+
+    def _loop(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """The experts one after another, each over the rows that chose it."""
+        from pdserve.engine.model import swiglu
         out = torch.zeros_like(x)
         first, held = self.experts.start, len(self.experts)
         ids = chosen.flatten()
-        self.routed.scatter_add_(0, ids, torch.ones_like(ids))
         mine = ids[(ids >= first) & (ids < first + held)] - first  # the chosen experts this rank holds
         for e in torch.bincount(mine, minlength=held).nonzero().flatten().tolist():
             rows, slot = torch.where(chosen == first + e)
@@ -98,8 +170,6 @@ class SparseMoE(nn.Module):
             act = clamped_glu(gate_up, self.alpha, self.limit) if self.gpt_oss else swiglu(gate_up, self.native_ops)
             y = self.down[e](act)
             out.index_add_(0, rows, (y * weights[rows, slot, None]).to(out.dtype))
-        if self.shared_gate_up is not None:  # DeepSeek's shared experts: one dense SwiGLU MLP every token takes
-            out = out + self.shared_down(swiglu(self.shared_gate_up(x), self.native_ops))
         return out
 
     def _route(self, scores: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

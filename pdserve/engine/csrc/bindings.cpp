@@ -17,6 +17,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the ISA level this build targets (cpu_isa.LEVELS)");
   m.def("weight_gemv", &weight_gemv, "x @ (scales * weight).T for int8 / bf16-stored weights (decode GEMVs)",
         py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("scales") = py::none());
+  m.def("moe_experts", &moe_experts, "a sparse MoE layer's routed experts for a few tokens in one call",
+        py::arg("out"), py::arg("x"), py::arg("chosen"), py::arg("weights"), py::arg("w13"), py::arg("s13"),
+        py::arg("w2"), py::arg("s2"), py::arg("first"));
   m.def("write_kv", &write_kv, "a step's new K/V rows stored at their pool slots (one layer)");
   m.def("argmax_logsumexp", &argmax_logsumexp, "per-row argmax (lowest index on ties) and log-sum-exp");
   bind_decoder_stack(m);

@@ -18,3 +18,6 @@ bool prefill_attention_supported(const at::Tensor& kv, int64_t n_heads);
 void paged_prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv, int64_t layer,
                              const at::Tensor& starts, const at::Tensor& q_lens, const at::Tensor& context_lens,
                              const at::Tensor& block_tables, double scale, int64_t sliding_window);
+void moe_experts(at::Tensor out, const at::Tensor& x, const at::Tensor& chosen, const at::Tensor& weights,
+                 const at::Tensor& w13, const c10::optional<at::Tensor>& s13, const at::Tensor& w2,
+                 const c10::optional<at::Tensor>& s2, int64_t first);
