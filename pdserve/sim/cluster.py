@@ -29,6 +29,14 @@ from pdserve.sim.placer import RouterPlacer, RouterSpec
 from pdserve.sim.workload import RequestRecord, summarize
 
 
+@dataclass(frozen=True)
+class PoolCost:
+    """One pool's replicas: their cost model, KV blocks each and GPUs each (the tensor-parallel degree)."""
+    cost: object
+    num_blocks: int
+    tp: int = 1
+
+
 @dataclass
 class ClusterSpec:
     prefill: int = 0
@@ -42,6 +50,9 @@ class ClusterSpec:
     router: RouterSpec = field(default_factory=RouterSpec)  # policy (or a baseline), index feed
     # the gateway's admission stage (on in every `pdserve up`); None = off (e.g. against a bare in-process Engine)
     admission: AdmissionSpec | None = field(default_factory=AdmissionSpec)
+    # a pool's own step costs and KV blocks (e.g. prefill at TP 1 and decode at TP 4): role -> PoolCost; a role
+    # not named uses the cluster's cost model and num_blocks
+    pools: dict = field(default_factory=dict)
 
     @property
     def replicas(self) -> int:
@@ -62,9 +73,11 @@ class Cluster:
         self.cost = cost
         self.replicas: list[SimReplica] = []
         for role, n in (("prefill", spec.prefill), ("decode", spec.decode), ("both", spec.colocated)):
+            pool = spec.pools.get(role)
+            rcost, blocks = (pool.cost, pool.num_blocks) if pool else (cost, spec.num_blocks)
             for i in range(n):
                 self.replicas.append(SimReplica(f"{role}-{i}", role, EngineConfig(**vars(spec.engine)),
-                                                spec.num_blocks, cost, fingerprint, spec.max_model_len, vocab_size))
+                                                blocks, rcost, fingerprint, spec.max_model_len, vocab_size))
         self.now = 0.0
         self.placer = RouterPlacer(self.replicas, spec.router, spec.report_s, spec.seed, clock=lambda: self.now,
                                    cost=cost)
