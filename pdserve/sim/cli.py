@@ -138,6 +138,9 @@ def add_sim_parser(sub) -> None:
     pl.add_argument("--redundancy", type=int, default=1, help="N+k spare replicas per pool")
     pl.add_argument("--requests", type=int, default=600, help="requests per whole-cluster check")
     pl.add_argument("--sweep-requests", type=int, default=300, help="requests per per-replica sweep point")
+    pl.add_argument("--min-span", type=float, default=10.0,
+                    help="each simulation's arrivals span at least this many TTFT SLOs (more requests at high rates; "
+                         "a shorter run overstates capacity)")
     pl.add_argument("--modes", default="colocated,disagg")
     pl.set_defaults(func=cmd_plan)
 
@@ -254,6 +257,7 @@ def cmd_plan(a) -> int:
     pi = PlanInput(rate=a.rate, slo=_slo(a), workload=_workload_fn(a), cost=cm, num_blocks=blocks,
                    engine=_engine_cfg(a), tp=tp, pools=_pools(a, desc), attainment=a.attainment, peak_factor=a.peak_factor,
                    redundancy=a.redundancy, requests=a.requests, sweep_requests=a.sweep_requests,
+                   min_span_ttfts=a.min_span,
                    modes=tuple(m.strip() for m in a.modes.split(",")), seed=a.seed,
                    log=lambda m: print(m, file=sys.stderr))
     t = time.time()

@@ -62,6 +62,22 @@ def test_disagg_tokens_and_transfer_time_exact():
     assert [round(e, 9) for e in req.emits] == [round(e, 9) for e in expect]
 
 
+def test_pools_with_their_own_costs():
+    """ClusterSpec.pools: the decode pool steps by its own cost model (e.g. a wider TP) and holds its own blocks;
+    the prefill pool and the handoff keep the cluster's. Same request as above, decode steps 4 ms instead of 12."""
+    from pdserve.sim.cluster import PoolCost
+    cost = LinearCostModel(a=0.01, b=0.001, c=0.002, d=0.0, kv_bytes_per_token=1000, link_bytes_per_s=1e6,
+                           handoff_s=0.005)
+    fast = LinearCostModel(a=0.003, b=0.001, c=0.001)
+    spec = ClusterSpec(prefill=1, decode=1, num_blocks=64, engine=EngineConfig(max_num_batched_tokens=256),
+                       report_s=0, pools={"decode": PoolCost(fast, 48, 4)})
+    c = Cluster(spec, cost)
+    (req,) = c.run(make_workload(1, 1.0, "fixed:100", "fixed:4", seed=0))
+    first = 0.01 + 0.001 * 100 + 0.005 + 100 * 1000 / 1e6
+    assert [round(e, 9) for e in req.emits] == [round(first + k * 0.004, 9) for k in range(4)]
+    assert [r.bm.num_blocks for r in c.replicas] == [64, 48]
+
+
 def test_plan_small():
     cost = RooflineCostModel(get_model("llama-3-8b"), get_gpu("H100"))
 
