@@ -15,6 +15,7 @@ sliding-window layer needs only its last `window` tokens. The simulator's roofli
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -109,17 +110,25 @@ class KVFootprint:
     def bytes_per_token(self) -> float:
         return sum(self.values_per_layer) * self.element_bytes
 
+    @functools.cached_property
+    def by_window(self) -> tuple[tuple[int | None, int], ...]:
+        """(window, values per token summed over the layers with that window): the per-step sums loop over these
+        (two for gpt-oss) instead of every layer (a simulation asks for them at every step)."""
+        out: dict = {}
+        for v, w in zip(self.values_per_layer, self.windows):
+            out[w] = out.get(w, 0) + v
+        return tuple(out.items())
+
     def bytes_held(self, context: int) -> float:
         """KV bytes of one sequence of `context` tokens, a windowed layer holding min(context, window) of them."""
-        return self.element_bytes * sum(v * (context if w is None else min(context, w))
-                                        for v, w in zip(self.values_per_layer, self.windows))
+        return self.element_bytes * sum(v * (context if w is None else min(context, w)) for w, v in self.by_window)
 
     def bytes_read(self, sum_context: int, seqs: int) -> float:
         """KV bytes a step's attention touches: every position of `sum_context` for a full layer, at most
         `window` per sequence for a windowed one (min(sum_context, seqs * window): exact when every sequence's
         context is on the same side of the window)."""
         return self.element_bytes * sum(v * (sum_context if w is None else min(sum_context, seqs * w))
-                                        for v, w in zip(self.values_per_layer, self.windows))
+                                        for w, v in self.by_window)
 
 
 def block_bytes_for(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

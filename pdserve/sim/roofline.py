@@ -1,35 +1,48 @@
 """Roofline step-time BOUND for a named GPU and model (spec §2.3: a bound, not a latency prediction).
 
-    step_time >= max(FLOPs / (peak_flops * tp), bytes / (hbm_bw * tp))
+    step_time >= max(FLOPs / (peak_flops * tp), bytes / (hbm_bw * tp), a2a_bytes / (nvlink_bw * tp))
 
-FLOPs  = 2 * linear_params * tokens                   (every batched token through every linear layer)
+FLOPs  = 2 * active_linear_params * tokens            (every batched token through the linear weights it uses: all
+                                                       of a dense model's, an MoE token's top-k and shared experts)
        + 2 * hidden * vocab * samples                 (LM head, only rows that sample)
-       + 4 * layers * heads * head_dim * attn_pairs   (QK^T and PV, 2 FLOPs per multiply-add each)
-bytes  = weight_bytes                                 (every linear weight read once per step; embedding
-                                                       lookups read a few rows and are not counted)
-       + kv_bytes_per_token * (sum_context - tokens)  (cached KV read once per sequence per step)
-       + kv_bytes_per_token * tokens                  (new KV written)
-kv_bytes_per_token = 2 * layers * kv_heads * head_dim * kv_bytes_per_element
+       + per layer, attn_pairs * FLOPs per pair       (QK^T and PV, 2 FLOPs per multiply-add: 4 * heads * head_dim;
+                                                       MLA prefill over expanded heads, decode over the latent;
+                                                       a windowed layer's pairs capped at window per query)
+bytes  = weight bytes the step's tokens reach         (every non-expert weight once; of an MoE layer's routed
+                                                       experts the expected number hit, E * (1 - (1 - k/E)^T) for
+                                                       T tokens, not all E; embedding lookups not counted)
+       + KV read (ctx - T) and written (T)            (per layer: kv values per token per layer x positions, a
+                                                       windowed layer's at most window per sequence)
+a2a    = tokens * a2a_bytes_per_token(ep)             (MoE with EP = TP: each token's hidden state to and from
+                                                       every other rank holding one of its experts)
 
-Weight bytes and KV bytes are counted apart: the weights at `bytes_per_param` (bf16: 2), the KV at its own
-element size (`--kv-cache-dtype`: auto = the weights' dtype, fp8_e4m3 = 1 byte), so a quantized KV cache halves
-the KV term, the KV transfer time and the bytes per block without touching the weight term.
+KV per token per layer (engine/kv_sizing.KVFootprint, spec §4.1 generalised): 2 * kv_heads * head_dim for
+per-head K/V, kv_lora_rank + qk_rope_head_dim for MLA's latent, at the KV's element size. Weight bytes and KV
+bytes are counted apart: the weights at `bytes_per_param` (bf16 2; DeepSeek-V3 as released fp8, 1) and routed
+experts at `expert_bytes_per_param` (gpt-oss's MXFP4: 4.25 bits), the KV at its own element size
+(`--kv-cache-dtype`: auto = the activations' bf16, fp8_e4m3 = 1 byte), so a quantized KV cache halves the KV
+term, the KV transfer time and the bytes per block without touching the weight term. fp8 weights run their GEMMs
+at the FP8 peak where the GPU has one (H100/H200), attention at BF16.
 
 With tp > 1 the engine's sharding rules apply (engine/tp/shard.py, spec D08): a degree the heads cannot be
 split by is refused, and with fewer KV heads than ranks each rank holds (and reads) one replicated KV head, so
-the replica's KV per token is 2 * layers * max(kv_heads, tp) * head_dim * bytes. Each rank reads its share of
-the weights and its own KV heads; the step is bounded per rank.
+the replica's KV per token is 2 * layers * max(kv_heads, tp) * head_dim * bytes; MLA's one latent is held by
+every rank (the engine replicates it). An MoE model's experts split over the same ranks (EP = TP, the engine's
+only expert parallelism). Each rank reads its share of the weights and its own KV heads; the step is bounded
+per rank. KV capacity and the P/D handoff count a token in every layer (the engine's pool keeps every block for
+every layer, windowed or not); the attention reads count only the window.
 
 Left out on purpose, each of which only makes real steps slower: activation traffic, kernel launch and
-scheduling overhead, imperfect overlap of compute and memory, TP collectives (communicated for free here),
-attention kernel inefficiency at long context. KV transfer between replicas
-is bytes / link bandwidth (plus nothing): also a bound.
+scheduling overhead, imperfect overlap of compute, memory and communication, TP collectives (communicated for
+free here), attention kernel inefficiency at long context, expert load imbalance (routing is taken uniform).
+KV transfer between replicas is bytes / link bandwidth (plus nothing): also a bound.
 
-Model numbers are those of the published config.json files; GPU numbers are vendor peak dense BF16 and HBM
+Model numbers are those of the published config.json files; GPU numbers are vendor peak dense BF16 / FP8 and HBM
 bandwidth (SXM parts), NVLink per direction, InfiniBand one NIC per GPU.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -92,7 +105,7 @@ class ModelSpec:
     def mla(self) -> bool:
         return self.kv_lora_rank > 0
 
-    @property
+    @functools.cached_property
     def attn_params(self) -> int:
         """One layer's attention projections."""
         h = self.hidden
@@ -129,12 +142,12 @@ class ModelSpec:
                                     + self.experts * self.hidden)  # + the router
         return self.layers * self.attn_params + self.dense_layers * 3 * self.hidden * self.intermediate + sparse
 
-    @property
+    @functools.cached_property
     def linear_params(self) -> int:
         """All layers' linear weights, every expert included (LM head counted separately)."""
         return int(self._linear(self.experts))
 
-    @property
+    @functools.cached_property
     def active_linear_params(self) -> int:
         """The linear weights one token goes through: its experts_per_tok routed experts per sparse layer."""
         return int(self._linear(self.experts_per_tok))
@@ -175,8 +188,15 @@ class ModelSpec:
     def weight_bytes_read(self, tokens: int) -> float:
         """Weights a step of `tokens` tokens streams from HBM: everything but the routed experts (attention, dense
         MLPs, shared experts, routers), the experts those tokens hit, and the LM head."""
-        hit = self.moe_layers * self.experts_hit(tokens) * self.expert_params
-        return self._bytes(self._linear(0) + hit, hit) + self.embedding_params * self.bytes_per_param
+        if not self.experts:
+            return self._fixed_bytes
+        return self._fixed_bytes + self.moe_layers * self.experts_hit(tokens) * self.expert_params \
+            * self.expert_element_bytes
+
+    @functools.cached_property
+    def _fixed_bytes(self) -> float:
+        """Every weight a step reads whatever its tokens: all but the routed experts, and the LM head."""
+        return self._linear(0) * self.bytes_per_param + self.embedding_params * self.bytes_per_param
 
     @property
     def weight_bytes_read_per_step(self) -> float:
@@ -193,7 +213,7 @@ class ModelSpec:
     def kv_element_bytes(self) -> float:
         return self.kv_bytes_per_element or self.compute_bytes
 
-    @property
+    @functools.cached_property
     def kv(self) -> KVFootprint:
         """Spec §4.1's KV per token, per layer: the latent for MLA, the window for windowed layers."""
         if self.mla:
@@ -334,10 +354,15 @@ class RooflineCostModel:
     def attn_flops(self, s: StepShape) -> float:
         m = self.model
         attn = 0.0
-        for w in m.kv.windows:
+        for w, n in self._layers_by_window:
             pp, dp = self._attn_pairs(s, w)
-            attn += pp * m.attn_flops_per_pair(True) + dp * m.attn_flops_per_pair(False)
+            attn += n * (pp * m.attn_flops_per_pair(True) + dp * m.attn_flops_per_pair(False))
         return attn
+
+    @functools.cached_property
+    def _layers_by_window(self) -> tuple[tuple[int | None, int], ...]:
+        windows = self.model.kv.windows
+        return tuple((w, windows.count(w)) for w in dict.fromkeys(windows))
 
     def bytes(self, s: StepShape) -> float:
         """Bytes the whole replica moves: the weights the step's tokens reach (an MoE layer's experts hit, not all
