@@ -55,8 +55,8 @@ class PlanInput:
 def simulate(pi: PlanInput, spec: ClusterSpec, rate: float, n: int, slo: SLO) -> dict:
     """One cluster at one offered rate (`n` requests of `pi`'s workload, more where `min_span_ttfts` asks) -> the
     bench summary, SLO included."""
-    if pi.min_span_ttfts and pi.slo.ttft:
-        n = max(n, math.ceil(rate * pi.min_span_ttfts * pi.slo.ttft))
+    if pi.min_span_ttfts and slo.ttft:  # only where TTFT is judged (a decode sweep judges TPOT)
+        n = max(n, math.ceil(rate * pi.min_span_ttfts * slo.ttft))
     spec = replace(spec, num_blocks=pi.num_blocks, engine=pi.engine, max_model_len=pi.max_model_len, seed=pi.seed,
                    pools=pi.pools)
     c = Cluster(spec, pi.cost)
