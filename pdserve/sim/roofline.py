@@ -60,6 +60,7 @@ class GPU:
     nvlink_bytes_per_s: float  # per direction
     ib_bytes_per_s: float      # one NIC per GPU
     fp8_flops: float = 0.0     # dense FP8 FLOP/s (0: none; fp8 weights then run at the BF16 peak)
+    gpus_per_node: int = 8     # NVLink domain (HGX); ranks beyond it talk over InfiniBand
 
 
 GPUS = {
@@ -377,10 +378,15 @@ class RooflineCostModel:
         return float(share * self.tp * m.kv.bytes_read(s.sum_context, s.prefill_seqs + s.decode_seqs))
 
     def comm_s(self, s: StepShape) -> float:
-        """Expert-parallel all-to-all: every token's dispatch and combine bytes, spread over the ranks' NVLink."""
+        """Expert-parallel all-to-all: every token's dispatch and combine bytes, spread over the ranks' links.
+        Within a node (gpus_per_node) they cross NVLink; a replica wider than a node sends the share bound for
+        the other nodes' ranks, (tp - node) / (tp - 1), over InfiniBand; the two links run at once."""
         if self.tp <= 1 or not self.model.experts:
             return 0.0
-        return s.tokens * self.model.a2a_bytes_per_token(self.tp) / (self.tp * self.gpu.nvlink_bytes_per_s)
+        g = self.gpu
+        per_rank = s.tokens * self.model.a2a_bytes_per_token(self.tp) / self.tp
+        off = max(0, self.tp - g.gpus_per_node) / (self.tp - 1)
+        return max(per_rank * (1 - off) / g.nvlink_bytes_per_s, per_rank * off / g.ib_bytes_per_s)
 
     def compute_s(self, s: StepShape) -> float:
         """fp8 weights (1 byte) run their GEMMs at the FP8 peak where the GPU has one; attention at BF16."""

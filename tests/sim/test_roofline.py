@@ -170,9 +170,12 @@ def test_ep_all_to_all_bytes():
     assert m.remote_ranks_per_token(8) == pytest.approx(r8, rel=1e-12)
     assert m.a2a_bytes_per_token(8) == pytest.approx(2 * 58 * 7168 * 2 * r8, rel=1e-12)
     assert m.a2a_bytes_per_token(1) == 0.0
-    cm = RooflineCostModel(m, get_gpu("H100"), 16)
     s = StepShape.decode(256, 256 * 2048)
-    assert cm.comm_s(s) == pytest.approx(256 * m.a2a_bytes_per_token(16) / (16 * 450e9), rel=1e-12)
+    cm8 = RooflineCostModel(m, get_gpu("H200"), 8)   # one node: all over NVLink
+    assert cm8.comm_s(s) == pytest.approx(256 * m.a2a_bytes_per_token(8) / (8 * 450e9), rel=1e-12)
+    cm16 = RooflineCostModel(m, get_gpu("H100"), 16)  # two nodes: 8 of the 15 other ranks over IB (50 GB/s)
+    per_rank = 256 * m.a2a_bytes_per_token(16) / 16
+    assert cm16.comm_s(s) == pytest.approx(per_rank * 8 / 15 / 50e9, rel=1e-12)
 
 
 def test_gpt_oss_windows_in_the_roofline():
