@@ -97,11 +97,15 @@ def replica_goodput(pi: PlanInput, spec: ClusterSpec, slo: SLO, cap: float = mat
 
 
 def _fail_side(s: dict, slo: SLO) -> str:
-    """Which pool to grow: the one whose SLO component is violated more often (TTFT -> prefill, TPOT -> decode)."""
+    """Which pool to grow: the one whose SLO component is violated more often (TTFT -> prefill, TPOT -> decode).
+    A TTFT spent waiting for the decode side's blocks (a full decode pool queues requests instead of slowing its
+    steps) grows decode: p90 of that wait over half the TTFT SLO."""
     lat = s["latency"]
     ttft_bad = slo.ttft is not None and lat["ttft_s"].get("p90", math.inf) > slo.ttft
     tpot_bad = slo.tpot is not None and lat["tpot_s"].get("p90", 0.0) > slo.tpot
     if tpot_bad and not ttft_bad:
+        return "decode"
+    if ttft_bad and s.get("cluster", {}).get("decode_wait_p90_s", 0.0) > slo.ttft / 2:
         return "decode"
     return "prefill"
 

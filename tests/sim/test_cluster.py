@@ -119,3 +119,25 @@ def test_router_baselines_are_options():
     for bad in (RouterSpec(policy="random"), RouterSpec(index="etcd")):
         with pytest.raises(ValueError):
             Cluster(ClusterSpec(colocated=1, router=bad), cost)
+
+
+def test_plan_grows_decode_when_requests_wait_for_its_blocks():
+    """A full decode pool queues prefilled requests for blocks (TTFT) instead of slowing its steps (TPOT): the
+    plan's failing side is then decode. 8 requests of 100 prompt tokens at once, a decode replica of 12 blocks of
+    16 (one request at a time, 50 tokens each at 12 ms a step): the later ones wait seconds after their prefill."""
+    from pdserve.sim.cluster import PoolCost
+    from pdserve.sim.plan import _fail_side
+    cost = LinearCostModel(a=0.01, b=0.0001, c=0.002, kv_bytes_per_token=1000, link_bytes_per_s=1e9)
+    slo = SLO(ttft=0.5, tpot=0.05)
+    work = make_workload(8, 1000.0, "fixed:100", "fixed:50", seed=0)
+    small = ClusterSpec(prefill=1, decode=1, num_blocks=256, report_s=0, admission=None,
+                        pools={"decode": PoolCost(cost, 12, 1)})
+    c = Cluster(small, cost)
+    c.run(work)
+    s = c.summary(slo)
+    assert s["cluster"]["decode_wait_p90_s"] > 6 * 50 * 0.012   # behind >= 6 requests' 50 decode steps each
+    assert s["latency"]["tpot_s"]["p90"] < slo.tpot and s["latency"]["ttft_s"]["p90"] > slo.ttft
+    assert _fail_side(s, slo) == "decode"
+    roomy = Cluster(replace(small, pools={}), cost)
+    roomy.run(work)
+    assert roomy.summary(slo)["cluster"]["decode_wait_p90_s"] < 0.05  # a step boundary or two, not seconds
