@@ -72,9 +72,10 @@ def graph_logits_bytes(max_num_seqs: int, vocab_size: int) -> int:
 class KVFootprint:
     """KV values per token of each layer, each layer's window (None: full attention) and the bytes per value.
 
-    `bytes_per_token`: a token held by every layer (spec §4.1's m_token; what this engine's pool holds, since it
-    keeps every block of a sequence for all layers, docs/engine.md). `bytes_held(context)`: what one sequence of
-    `context` tokens needs when a windowed layer keeps only its window (the least any pool must hold)."""
+    `bytes_per_token`: a token held by every layer (spec §4.1's m_token; what this engine's pool holds per token
+    while a sequence holds it: one block table serves every layer, so gpt-oss's windowed layers keep every block
+    its full layers need, docs/engine.md). `bytes_held(context)`: what one sequence of `context` tokens needs when a
+    windowed layer keeps only its window (the least any pool must hold)."""
     values_per_layer: tuple[int, ...]
     windows: tuple[int | None, ...]
     element_bytes: float
