@@ -232,6 +232,22 @@ class Cluster:
                        if r.prefilled_at is not None and r.emits)
         return waits[min(len(waits) - 1, int(0.9 * len(waits)))] if waits else 0.0
 
+    def slo_misses(self, slo) -> dict:
+        """Requests that missed the SLO, by the part that missed: TTFT spent mostly waiting for the decode side's
+        blocks (over half the TTFT SLO), TTFT otherwise (prefill queue and compute), TPOT. A request can count
+        twice. What the plan reads to choose the pool to grow."""
+        out = {"ttft_decode_wait": 0, "ttft_prefill": 0, "tpot": 0}
+        for r in self.requests:
+            if not r.emits:
+                continue
+            if slo.ttft is not None and r.emits[0] - r.arrival > slo.ttft:
+                wait = r.emits[0] - r.prefilled_at - r.transfer_s if r.prefilled_at is not None else 0.0
+                out["ttft_decode_wait" if wait > slo.ttft / 2 else "ttft_prefill"] += 1
+            if slo.tpot is not None and len(r.emits) > 1 and \
+                    (r.emits[-1] - r.emits[0]) / (len(r.emits) - 1) > slo.tpot:
+                out["tpot"] += 1
+        return out
+
     def summary(self, slo) -> dict:
         s = summarize(self.records(), slo)
         s["cluster"] = {"label": self.spec.label(), "replicas": self.spec.replicas,
@@ -239,6 +255,7 @@ class Cluster:
                         "steps": sum(r.num_steps for r in self.replicas),
                         "prefix_hit_ratio": self.prefix_hit_ratio(),
                         "decode_wait_p90_s": self.decode_wait_p90(),
+                        "slo_misses": self.slo_misses(slo),
                         "preemptions": sum(r.num_preemptions for r in self.requests),
                         "mean_transfer_s": (sum(r.transfer_s for r in self.requests if r.mode == "disagg")
                                             / max(1, sum(1 for r in self.requests if r.mode == "disagg")))}

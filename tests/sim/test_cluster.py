@@ -137,6 +137,8 @@ def test_plan_grows_decode_when_requests_wait_for_its_blocks():
     s = c.summary(slo)
     assert s["cluster"]["decode_wait_p90_s"] > 6 * 50 * 0.012   # behind >= 6 requests' 50 decode steps each
     assert s["latency"]["tpot_s"]["p90"] < slo.tpot and s["latency"]["ttft_s"]["p90"] > slo.ttft
+    misses = s["cluster"]["slo_misses"]   # the later requests missed TTFT waiting for decode blocks, none on TPOT
+    assert misses["ttft_decode_wait"] >= 5 and misses["ttft_prefill"] == 0 and misses["tpot"] == 0
     assert _fail_side(s, slo) == "decode"
     roomy = Cluster(replace(small, pools={}), cost)
     roomy.run(work)
