@@ -235,10 +235,12 @@ class Cluster:
     def slo_misses(self, slo) -> dict:
         """Requests that missed the SLO, by the part that missed: TTFT spent mostly waiting for the decode side's
         blocks (over half the TTFT SLO), TTFT otherwise (prefill queue and compute), TPOT. A request can count
-        twice. What the plan reads to choose the pool to grow."""
-        out = {"ttft_decode_wait": 0, "ttft_prefill": 0, "tpot": 0}
+        twice; `kv_capacity`: turned away by admission for want of KV, at once or after queueing (in a disaggregated
+        cluster the decode pool's KV: sim/admission.py). What the plan reads to choose the pool to grow."""
+        out = {"ttft_decode_wait": 0, "ttft_prefill": 0, "tpot": 0, "kv_capacity": 0}
         for r in self.requests:
             if not r.emits:
+                out["kv_capacity"] += r.error in ("REJECTED:capacity", "TIMED_OUT:timeout")  # 503, or queued too long
                 continue
             if slo.ttft is not None and r.emits[0] - r.arrival > slo.ttft:
                 wait = r.emits[0] - r.prefilled_at - r.transfer_s if r.prefilled_at is not None else 0.0

@@ -98,12 +98,13 @@ def replica_goodput(pi: PlanInput, spec: ClusterSpec, slo: SLO, cap: float = mat
 
 def _fail_side(s: dict, slo: SLO) -> str:
     """Which pool to grow: the one behind more of the requests that missed the SLO (TPOT, or a TTFT spent mostly
-    waiting for the decode side's blocks -> decode: a full decode pool queues requests instead of slowing its steps;
-    the rest of TTFT -> prefill). Without per-request counts: by the p90s (TTFT -> prefill, TPOT -> decode), a
+    waiting for the decode side's blocks, or turned away by admission for want of the decode pool's KV -> decode: a
+    full decode pool queues or rejects requests instead of slowing its steps; the rest of TTFT -> prefill). Without per-request counts: by the p90s (TTFT -> prefill, TPOT -> decode), a
     decode-wait p90 over half the TTFT SLO -> decode."""
     misses = s.get("cluster", {}).get("slo_misses")
     if misses and any(misses.values()):  # the requests that missed, by the part that missed
-        return "decode" if misses["tpot"] + misses["ttft_decode_wait"] > misses["ttft_prefill"] else "prefill"
+        decode = misses["tpot"] + misses["ttft_decode_wait"] + misses.get("kv_capacity", 0)
+        return "decode" if decode > misses["ttft_prefill"] else "prefill"
     lat = s["latency"]
     ttft_bad = slo.ttft is not None and lat["ttft_s"].get("p90", math.inf) > slo.ttft
     tpot_bad = slo.tpot is not None and lat["tpot_s"].get("p90", 0.0) > slo.tpot
