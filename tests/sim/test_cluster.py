@@ -143,3 +143,19 @@ def test_plan_grows_decode_when_requests_wait_for_its_blocks():
     roomy = Cluster(replace(small, pools={}), cost)
     roomy.run(work)
     assert roomy.summary(slo)["cluster"]["decode_wait_p90_s"] < 0.05  # a step boundary or two, not seconds
+
+
+def test_fail_side_counts_the_misses():
+    """The pool to grow is the one behind more misses: admission rejections for KV (the decode pool's in disagg),
+    decode waits and TPOT against the rest of TTFT; with no counts, the p90s decide."""
+    from pdserve.sim.plan import _fail_side
+    slo = SLO(ttft=0.5, tpot=0.05)
+    lat = {"ttft_s": {"p90": 0.26}, "tpot_s": {"p90": 0.02}}   # both p90s fine: the misses are in the tail
+    def with_misses(**m):
+        return {"latency": lat, "cluster": {"slo_misses": {"ttft_decode_wait": 0, "ttft_prefill": 0, "tpot": 0,
+                                                           "kv_capacity": 0, **m}}}
+    assert _fail_side(with_misses(kv_capacity=80), slo) == "decode"
+    assert _fail_side(with_misses(ttft_prefill=5, tpot=2, ttft_decode_wait=2), slo) == "prefill"
+    assert _fail_side(with_misses(ttft_prefill=5, tpot=3, ttft_decode_wait=3), slo) == "decode"
+    assert _fail_side({"latency": {"ttft_s": {"p90": 0.1}, "tpot_s": {"p90": 0.2}}}, slo) == "decode"
+    assert _fail_side({"latency": {"ttft_s": {"p90": 0.9}, "tpot_s": {"p90": 0.01}}}, slo) == "prefill"
