@@ -7,9 +7,15 @@ per-process fraction to take).
 
 `pool_blocks` is pure arithmetic over a `MemoryProfile` (tested on CPU, tests/engine/test_kv_sizing.py);
 `profile_cuda` measures one on the device (run by scripts/gpu_check.sh).
+
+`KVFootprint` is spec §4.1's bytes per token, `2 * layers * kv_heads * head_dim * b`, generalised per layer: a
+latent-attention layer (DeepSeek's MLA) caches `kv_lora_rank + qk_rope_head_dim` values per token, and a
+sliding-window layer needs only its last `window` tokens. The simulator's roofline sizes KV with it
+(pdserve/sim/roofline.py).
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -60,6 +66,70 @@ def graph_logits_bytes(max_num_seqs: int, vocab_size: int) -> int:
     from pdserve.engine.cuda_graphs import capture_sizes
     sizes = capture_sizes(max_num_seqs)
     return (sizes[-1] if sizes else 0) * vocab_size * 4
+
+
+@dataclass(frozen=True)
+class KVFootprint:
+    """KV values per token of each layer, each layer's window (None: full attention) and the bytes per value.
+
+    `bytes_per_token`: a token held by every layer (spec §4.1's m_token; what this engine's pool holds per token
+    while a sequence holds it: one block table serves every layer, so gpt-oss's windowed layers keep every block
+    its full layers need, docs/engine.md). `bytes_held(context)`: what one sequence of `context` tokens needs when a
+    windowed layer keeps only its window (the least any pool must hold)."""
+    values_per_layer: tuple[int, ...]
+    windows: tuple[int | None, ...]
+    element_bytes: float
+
+    @classmethod
+    def mha(cls, layers: int, kv_heads: int, head_dim: int, element_bytes: float,
+            windows: tuple[int | None, ...] = ()) -> "KVFootprint":
+        """Per-head K and V: 2 * kv_heads * head_dim values per token per layer."""
+        return cls((2 * kv_heads * head_dim,) * layers, tuple(windows) or (None,) * layers, element_bytes)
+
+    @classmethod
+    def mla(cls, layers: int, kv_lora_rank: int, qk_rope_head_dim: int, element_bytes: float) -> "KVFootprint":
+        """DeepSeek's latent attention: the compressed latent plus the shared rotated key, nothing per head."""
+        return cls((kv_lora_rank + qk_rope_head_dim,) * layers, (None,) * layers, element_bytes)
+
+    @classmethod
+    def of_config(cls, cfg, element_bytes: float) -> "KVFootprint":
+        """From a ModelConfig (engine/config.py), whose layer windows come from `layer_types` or `sliding_window`."""
+        if cfg.kv_layout == "mla":
+            return cls.mla(cfg.num_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, element_bytes)
+        windows = tuple(cfg.layer_windows) or (cfg.sliding_window,) * cfg.num_layers
+        return cls.mha(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, element_bytes, windows)
+
+    def __post_init__(self):
+        if len(self.windows) != len(self.values_per_layer):
+            raise ValueError(f"{len(self.windows)} windows for {len(self.values_per_layer)} layers")
+
+    @property
+    def layers(self) -> int:
+        return len(self.values_per_layer)
+
+    @property
+    def bytes_per_token(self) -> float:
+        return sum(self.values_per_layer) * self.element_bytes
+
+    @functools.cached_property
+    def by_window(self) -> tuple[tuple[int | None, int], ...]:
+        """(window, values per token summed over the layers with that window): the per-step sums loop over these
+        (two for gpt-oss) instead of every layer (a simulation asks for them at every step)."""
+        out: dict = {}
+        for v, w in zip(self.values_per_layer, self.windows):
+            out[w] = out.get(w, 0) + v
+        return tuple(out.items())
+
+    def bytes_held(self, context: int) -> float:
+        """KV bytes of one sequence of `context` tokens, a windowed layer holding min(context, window) of them."""
+        return self.element_bytes * sum(v * (context if w is None else min(context, w)) for w, v in self.by_window)
+
+    def bytes_read(self, sum_context: int, seqs: int) -> float:
+        """KV bytes a step's attention touches: every position of `sum_context` for a full layer, at most
+        `window` per sequence for a windowed one (min(sum_context, seqs * window): exact when every sequence's
+        context is on the same side of the window)."""
+        return self.element_bytes * sum(v * (sum_context if w is None else min(sum_context, seqs * w))
+                                        for w, v in self.by_window)
 
 
 def block_bytes_for(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -32,6 +32,23 @@ def _cost(a):
     return cm, a.num_blocks or cm.kv_blocks(a.block_size), tp, cm.describe()
 
 
+def _pools(a, desc: dict) -> dict:
+    """role -> PoolCost for --prefill-tp / --decode-tp (roofline only): the pool's own degree, hence its own
+    step bound and KV blocks; noted in `desc`."""
+    from pdserve.sim.cluster import PoolCost
+    pools = {}
+    for role, tp in (("prefill", a.prefill_tp), ("decode", a.decode_tp)):
+        if not tp:
+            continue
+        if a.costs:
+            raise SystemExit(f"--{role}-tp needs the roofline: a calibrated cost model was profiled at one degree")
+        from pdserve.sim.roofline import RooflineCostModel, get_gpu, get_model
+        cm = RooflineCostModel(get_model(a.model).with_kv_cache_dtype(a.kv_cache_dtype), get_gpu(a.gpu), tp, a.link)
+        pools[role] = PoolCost(cm, a.num_blocks or cm.kv_blocks(a.block_size), tp)
+        desc.setdefault("pools", {})[role] = {"tp": tp, "kv_blocks": pools[role].num_blocks}
+    return pools
+
+
 def _workload_fn(a):
     from pdserve.sim.workload import LengthDist, load_trace, synthetic
 
@@ -49,8 +66,12 @@ def _workload_fn(a):
 
 def _common(p, model_default="llama-3-8b"):
     p.add_argument("--gpu", default="H100", help="roofline GPU: H100 | H200 | A100")
-    p.add_argument("--model", default=model_default, help="roofline model: llama-3-8b | llama-3-70b | qwen2.5-7b")
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel GPUs per replica (default: least that fits)")
+    p.add_argument("--model", default=model_default, help="roofline model: llama-3-8b | llama-3-70b | qwen2.5-7b | "
+                                                          "deepseek-v3 | gpt-oss-120b")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel GPUs per replica (default: least that fits; "
+                                                        "an MoE model's experts split over the same GPUs, EP = TP)")
+    p.add_argument("--prefill-tp", type=int, default=None, help="the prefill pool's own degree (default --tp)")
+    p.add_argument("--decode-tp", type=int, default=None, help="the decode pool's own degree (default --tp)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto",
                    help="roofline KV storage: auto (the weights' bf16) or fp8_e4m3 (1 byte per value)")
     p.add_argument("--link", choices=["ib", "nvlink"], default="ib", help="what carries KV between replicas")
@@ -117,6 +138,9 @@ def add_sim_parser(sub) -> None:
     pl.add_argument("--redundancy", type=int, default=1, help="N+k spare replicas per pool")
     pl.add_argument("--requests", type=int, default=600, help="requests per whole-cluster check")
     pl.add_argument("--sweep-requests", type=int, default=300, help="requests per per-replica sweep point")
+    pl.add_argument("--min-span", type=float, default=10.0,
+                    help="each simulation's arrivals span at least this many TTFT SLOs (more requests at high rates; "
+                         "a shorter run overstates capacity)")
     pl.add_argument("--modes", default="colocated,disagg")
     pl.set_defaults(func=cmd_plan)
 
@@ -183,7 +207,7 @@ def cmd_run(a) -> int:
     if router.policy != "cache-aware" and (a.prefill or a.decode):
         raise SystemExit(f"--router-policy {router.policy} places on colocated replicas only")
     spec = ClusterSpec(prefill=a.prefill, decode=a.decode, colocated=a.colocated, num_blocks=blocks,
-                       engine=_engine_cfg(a), seed=a.seed, router=router)
+                       engine=_engine_cfg(a), seed=a.seed, router=router, pools=_pools(a, desc))
     specs = _workload_fn(a)(a.rate, a.requests, a.seed)
     t = time.time()
     c = Cluster(spec, cm)
@@ -234,8 +258,9 @@ def cmd_plan(a) -> int:
     from pdserve.sim.plan import PlanInput, format_plan, plan
     cm, blocks, tp, desc = _cost(a)
     pi = PlanInput(rate=a.rate, slo=_slo(a), workload=_workload_fn(a), cost=cm, num_blocks=blocks,
-                   engine=_engine_cfg(a), tp=tp, attainment=a.attainment, peak_factor=a.peak_factor,
+                   engine=_engine_cfg(a), tp=tp, pools=_pools(a, desc), attainment=a.attainment, peak_factor=a.peak_factor,
                    redundancy=a.redundancy, requests=a.requests, sweep_requests=a.sweep_requests,
+                   min_span_ttfts=a.min_span,
                    modes=tuple(m.strip() for m in a.modes.split(",")), seed=a.seed,
                    log=lambda m: print(m, file=sys.stderr))
     t = time.time()

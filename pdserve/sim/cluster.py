@@ -29,6 +29,14 @@ from pdserve.sim.placer import RouterPlacer, RouterSpec
 from pdserve.sim.workload import RequestRecord, summarize
 
 
+@dataclass(frozen=True)
+class PoolCost:
+    """One pool's replicas: their cost model, KV blocks each and GPUs each (the tensor-parallel degree)."""
+    cost: object
+    num_blocks: int
+    tp: int = 1
+
+
 @dataclass
 class ClusterSpec:
     prefill: int = 0
@@ -42,6 +50,9 @@ class ClusterSpec:
     router: RouterSpec = field(default_factory=RouterSpec)  # policy (or a baseline), index feed
     # the gateway's admission stage (on in every `pdserve up`); None = off (e.g. against a bare in-process Engine)
     admission: AdmissionSpec | None = field(default_factory=AdmissionSpec)
+    # a pool's own step costs and KV blocks (e.g. prefill at TP 1 and decode at TP 4): role -> PoolCost; a role
+    # not named uses the cluster's cost model and num_blocks
+    pools: dict = field(default_factory=dict)
 
     @property
     def replicas(self) -> int:
@@ -62,9 +73,11 @@ class Cluster:
         self.cost = cost
         self.replicas: list[SimReplica] = []
         for role, n in (("prefill", spec.prefill), ("decode", spec.decode), ("both", spec.colocated)):
+            pool = spec.pools.get(role)
+            rcost, blocks = (pool.cost, pool.num_blocks) if pool else (cost, spec.num_blocks)
             for i in range(n):
                 self.replicas.append(SimReplica(f"{role}-{i}", role, EngineConfig(**vars(spec.engine)),
-                                                spec.num_blocks, cost, fingerprint, spec.max_model_len, vocab_size))
+                                                blocks, rcost, fingerprint, spec.max_model_len, vocab_size))
         self.now = 0.0
         self.placer = RouterPlacer(self.replicas, spec.router, spec.report_s, spec.seed, clock=lambda: self.now,
                                    cost=cost)
@@ -101,6 +114,7 @@ class Cluster:
             elif ev.kind == "finished":
                 self._done(req)
             elif ev.kind == "prefilled":
+                req.prefilled_at = self.now
                 dec = self._decode_of[req.rid]
                 dec.call(self._try_alloc, dec, rep, req)
                 self._kick(dec)
@@ -213,12 +227,40 @@ class Cluster:
                                      cached_tokens=r.cached_tokens))
         return out
 
+    def decode_wait_p90(self) -> float:
+        """p90 over disaggregated requests of the time from the end of their prefill to their first token less the
+        transfer: waiting for the decode side's blocks. Large when the decode pool is full (its KV or sequence
+        slots), which shows as TTFT, not TPOT."""
+        waits = sorted(r.emits[0] - r.prefilled_at - r.transfer_s for r in self.requests
+                       if r.prefilled_at is not None and r.emits)
+        return waits[min(len(waits) - 1, int(0.9 * len(waits)))] if waits else 0.0
+
+    def slo_misses(self, slo) -> dict:
+        """Requests that missed the SLO, by the part that missed: TTFT spent mostly waiting for the decode side's
+        blocks (over half the TTFT SLO), TTFT otherwise (prefill queue and compute), TPOT. A request can count
+        twice; `kv_capacity`: turned away by admission for want of KV, at once or after queueing (in a disaggregated
+        cluster the decode pool's KV: sim/admission.py). What the plan reads to choose the pool to grow."""
+        out = {"ttft_decode_wait": 0, "ttft_prefill": 0, "tpot": 0, "kv_capacity": 0}
+        for r in self.requests:
+            if not r.emits:
+                out["kv_capacity"] += r.error in ("REJECTED:capacity", "TIMED_OUT:timeout")  # 503, or queued too long
+                continue
+            if slo.ttft is not None and r.emits[0] - r.arrival > slo.ttft:
+                wait = r.emits[0] - r.prefilled_at - r.transfer_s if r.prefilled_at is not None else 0.0
+                out["ttft_decode_wait" if wait > slo.ttft / 2 else "ttft_prefill"] += 1
+            if slo.tpot is not None and len(r.emits) > 1 and \
+                    (r.emits[-1] - r.emits[0]) / (len(r.emits) - 1) > slo.tpot:
+                out["tpot"] += 1
+        return out
+
     def summary(self, slo) -> dict:
         s = summarize(self.records(), slo)
         s["cluster"] = {"label": self.spec.label(), "replicas": self.spec.replicas,
                         "busy_fraction": {r.name: r.busy_s / max(self.now, 1e-9) for r in self.replicas[:8]},
                         "steps": sum(r.num_steps for r in self.replicas),
                         "prefix_hit_ratio": self.prefix_hit_ratio(),
+                        "decode_wait_p90_s": self.decode_wait_p90(),
+                        "slo_misses": self.slo_misses(slo),
                         "preemptions": sum(r.num_preemptions for r in self.requests),
                         "mean_transfer_s": (sum(r.transfer_s for r in self.requests if r.mode == "disagg")
                                             / max(1, sum(1 for r in self.requests if r.mode == "disagg")))}

@@ -45,6 +45,7 @@ class SimRequest:
     cached_tokens: int = 0
     best_cached_tokens: int = 0  # the longest prefix any replica held when it was placed (if tracked)
     transfer_s: float = 0.0
+    prefilled_at: float | None = None  # disagg: when its prefill ended (the decode side then allocates, pulls, commits)
     num_preemptions: int = 0
     error: str = ""  # why it did not finish (admission or validation), as the client would be told
 

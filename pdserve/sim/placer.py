@@ -67,7 +67,7 @@ class RouterPlacer:
         self.pools = {role: [r.name for r in replicas if r.role == role] for role in ("prefill", "decode", "both")}
         self.report_s = report_s
         self.next_report = -1.0
-        self._rates = self._prefill_line()
+        self._rates = {r.name: self._prefill_line(r.cost) for r in replicas} if cost is not None else {}
 
     def _make_policy(self, spec: RouterSpec, seed: int):
         roles = {r.role for r in self.replicas}
@@ -97,11 +97,10 @@ class RouterPlacer:
             self.feed.publish(rep.name, list(ev), now)
             ev.clear()
 
-    def _prefill_line(self) -> tuple[float, float]:
-        if self.cost is None:
-            return 0.0, 0.0
-        t1 = self.cost.step_time(StepShape.prefill(512))
-        t2 = self.cost.step_time(StepShape.prefill(2048))
+    @staticmethod
+    def _prefill_line(cost) -> tuple[float, float]:
+        t1 = cost.step_time(StepShape.prefill(512))
+        t2 = cost.step_time(StepShape.prefill(2048))
         slope = (t2 - t1) / 1536
         return (1.0 / slope if slope > 0 else 0.0), max(0.0, t1 - 512 * slope)
 
@@ -111,20 +110,21 @@ class RouterPlacer:
         pending = sum(s.num_tokens - s.num_computed_tokens for s in sch.waiting) + \
             sum(s.num_tokens - s.num_computed_tokens for s in sch.running if s.is_prefill)
         ld.pending_prefill_tokens, ld.report_time = pending, now
-        if self.cost is not None:
+        if self.cost is not None:  # each replica's own cost model (pools may differ: ClusterSpec.pools)
+            cost = rep.cost
             dec = [s for s in sch.running if not s.is_prefill]
             ctx = sum(s.num_tokens for s in dec)
             n = len(dec)
-            step = self.cost.step_time(StepShape.decode(n, ctx)) if n else 0.0
+            step = cost.step_time(StepShape.decode(n, ctx)) if n else 0.0
             mean = ctx // n if n else 512
-            step1 = self.cost.step_time(StepShape.decode(n + 1, ctx + mean))
-            rate, overhead = self._rates
+            step1 = cost.step_time(StepShape.decode(n + 1, ctx + mean))
+            rate, overhead = self._rates[rep.name]
             ld.prefill_tokens_per_s, ld.prefill_overhead_s, ld.decode_step_s = rate, overhead, step
             ld.decode_step_per_seq_s = max(0.0, step1 - step) if n else 0.0
-            bw = getattr(self.cost, "link_bytes_per_s", 0)
+            bw = getattr(cost, "link_bytes_per_s", 0)
             if bw:
                 ld.kv_bytes_per_s = bw
-            ld.handoff_overhead_s = getattr(self.cost, "handoff_s", 0.0) or 1e-6
+            ld.handoff_overhead_s = getattr(cost, "handoff_s", 0.0) or 1e-6
         return ld
 
     def _refresh(self, now: float) -> None:

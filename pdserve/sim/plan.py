@@ -11,7 +11,7 @@ Q19 says:
    SLO fails) or shrunk until it is the smallest that meets the target attainment; then N+1 on every pool, so one
    failed replica (or a rolling upgrade) still leaves a deployment that meets the SLO at peak;
 5. topology (failure domains, shared switches) is out of the simulator's scope and is printed as a reminder.
-Cost = GPUs = replicas x tensor-parallel degree. With a roofline cost model every step takes its lower-bound
+Cost = GPUs = replicas x tensor-parallel degree, summed over the pools (each pool may have its own degree). With a roofline cost model every step takes its lower-bound
 time, so the plan is a LOWER bound on the hardware needed; with a calibrated model it is a prediction for the
 profiled machine.
 """
@@ -34,11 +34,18 @@ class PlanInput:
     num_blocks: int
     engine: EngineConfig = field(default_factory=EngineConfig)
     tp: int = 1
+    # a pool's own cost, blocks and TP (role -> cluster.PoolCost), e.g. prefill TP 1 and decode TP 4
+    pools: dict = field(default_factory=dict)
     attainment: float = 0.9       # target SLO attainment
     peak_factor: float = 1.2      # headroom over the mean rate
     redundancy: int = 1           # N+1
     requests: int = 600           # requests per cluster check
     sweep_requests: int = 300     # requests per point of the per-replica sweep
+    # every simulation's arrivals span at least this many TTFT SLOs (more requests at high rates): a run shorter
+    # than a few SLOs ends before an overloaded queue pushes enough TTFTs past the SLO, and overstates capacity
+    # (300 requests at 600 req/s arrive in 0.5 s; with a 1 s TTFT SLO a replica serving 200 req/s still met it
+    # for 95% of them). 0: off (the planner's sweeps)
+    min_span_ttfts: float = 0.0
     max_model_len: int | None = None
     modes: tuple = ("colocated", "disagg")
     seed: int = 0
@@ -46,8 +53,12 @@ class PlanInput:
 
 
 def simulate(pi: PlanInput, spec: ClusterSpec, rate: float, n: int, slo: SLO) -> dict:
-    """One cluster at one offered rate (`n` requests of `pi`'s workload) -> the bench summary, SLO included."""
-    spec = replace(spec, num_blocks=pi.num_blocks, engine=pi.engine, max_model_len=pi.max_model_len, seed=pi.seed)
+    """One cluster at one offered rate (`n` requests of `pi`'s workload, more where `min_span_ttfts` asks) -> the
+    bench summary, SLO included."""
+    if pi.min_span_ttfts and slo.ttft:  # only where TTFT is judged (a decode sweep judges TPOT)
+        n = max(n, math.ceil(rate * pi.min_span_ttfts * slo.ttft))
+    spec = replace(spec, num_blocks=pi.num_blocks, engine=pi.engine, max_model_len=pi.max_model_len, seed=pi.seed,
+                   pools=pi.pools)
     c = Cluster(spec, pi.cost)
     c.run(pi.workload(rate, n, pi.seed))
     return c.summary(slo)
@@ -86,11 +97,20 @@ def replica_goodput(pi: PlanInput, spec: ClusterSpec, slo: SLO, cap: float = mat
 
 
 def _fail_side(s: dict, slo: SLO) -> str:
-    """Which pool to grow: the one whose SLO component is violated more often (TTFT -> prefill, TPOT -> decode)."""
+    """Which pool to grow: the one behind more of the requests that missed the SLO (TPOT, or a TTFT spent mostly
+    waiting for the decode side's blocks, or turned away by admission for want of the decode pool's KV -> decode: a
+    full decode pool queues or rejects requests instead of slowing its steps; the rest of TTFT -> prefill). Without per-request counts: by the p90s (TTFT -> prefill, TPOT -> decode), a
+    decode-wait p90 over half the TTFT SLO -> decode."""
+    misses = s.get("cluster", {}).get("slo_misses")
+    if misses and any(misses.values()):  # the requests that missed, by the part that missed
+        decode = misses["tpot"] + misses["ttft_decode_wait"] + misses.get("kv_capacity", 0)
+        return "decode" if decode > misses["ttft_prefill"] else "prefill"
     lat = s["latency"]
     ttft_bad = slo.ttft is not None and lat["ttft_s"].get("p90", math.inf) > slo.ttft
     tpot_bad = slo.tpot is not None and lat["tpot_s"].get("p90", 0.0) > slo.tpot
     if tpot_bad and not ttft_bad:
+        return "decode"
+    if ttft_bad and s.get("cluster", {}).get("decode_wait_p90_s", 0.0) > slo.ttft / 2:
         return "decode"
     return "prefill"
 
@@ -182,8 +202,11 @@ def smallest_pd(pi, p, d, peak, n, log, limit=256):
 def _candidate(pi, mode, spec, s_min, sweep, peak, n) -> dict:
     at_peak = simulate(pi, spec, peak, n, pi.slo)
     at_rate = simulate(pi, spec, pi.rate, n, pi.slo)
+    tp = {role: pi.pools[role].tp if role in pi.pools else pi.tp for role in ("prefill", "decode", "both")}
     return {"mode": mode, "config": spec.label(), "prefill": spec.prefill, "decode": spec.decode,
-            "colocated": spec.colocated, "replicas": spec.replicas, "gpus": spec.replicas * pi.tp,
+            "colocated": spec.colocated, "replicas": spec.replicas,
+            "gpus": spec.prefill * tp["prefill"] + spec.decode * tp["decode"] + spec.colocated * tp["both"],
+            "tp": tp,
             "sweep": sweep, "without_redundancy_attainment_at_peak": s_min["slo"]["attainment_ratio"],
             "meets_slo_at_peak": _meets(at_peak, pi.attainment),
             "attainment_at_peak": at_peak["slo"]["attainment_ratio"],
@@ -197,7 +220,7 @@ def _candidate(pi, mode, spec, s_min, sweep, peak, n) -> dict:
 def format_plan(res: dict, cost_desc: dict) -> str:
     lines = [f"cost model: {cost_desc.get('kind')}"
              + (f" ({cost_desc.get('gpu')} x{cost_desc.get('tp')}, {cost_desc.get('model')})" if 'gpu' in cost_desc
-                else ""),
+                else "") + "".join(f"; {role} pool TP {d['tp']}" for role, d in cost_desc.get("pools", {}).items()),
              f"target: {res['rate']:g} req/s mean, checked at peak {res['peak_rate']:g} req/s "
              f"(x{res['peak_factor']:g}); SLO TTFT<={res['slo']['ttft_s']} s, TPOT<={res['slo']['tpot_s']} s, "
              f"attainment >= {res['attainment_target']:.0%}; N+{res['redundancy']} per pool",

@@ -157,3 +157,57 @@ def test_profiling_step_runs_the_largest_step(tiny_llama):
     cfg = model.cfg
     scratch = profiling_step(model, torch.device("cpu"), 64, 8, 4)
     assert scratch == block_bytes_for(cfg.num_layers, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32) * 16
+
+
+# ---- spec §4.1's KV bytes per token, generalised (KVFootprint) ---------------------------------------------------
+# The published config.json fields of the two models, as ModelConfig reads them (no weights needed).
+DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 7168, "intermediate_size": 18432,
+               "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
+               "vocab_size": 129280, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+               "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 256, "num_experts_per_tok": 8,
+               "moe_intermediate_size": 2048, "first_k_dense_replace": 3, "n_shared_experts": 1, "n_group": 8,
+               "topk_group": 4, "max_position_embeddings": 163840, "torch_dtype": "bfloat16"}
+GPT_OSS_120B = {"architectures": ["GptOssForCausalLM"], "hidden_size": 2880, "intermediate_size": 2880,
+                "num_hidden_layers": 36, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+                "vocab_size": 201088, "num_local_experts": 128, "num_experts_per_tok": 4, "sliding_window": 128,
+                "layer_types": ["sliding_attention", "full_attention"] * 18, "max_position_embeddings": 131072,
+                "torch_dtype": "bfloat16"}
+
+
+def _config(tmp_path, cfg):
+    import json
+
+    from pdserve.engine.config import ModelConfig
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return ModelConfig.from_dir(tmp_path)
+
+
+def test_mla_bytes_per_token_deepseek_v3(tmp_path):
+    """61 layers x (kv_lora_rank 512 + qk_rope_head_dim 64) = 576 values per token per layer, 2 bytes in bf16:
+    70,272 bytes a token, against 61 x 128 heads x (128 + 64 + 128) x 2 = 4,996,096 for per-head K and V."""
+    from pdserve.engine.kv_sizing import KVFootprint
+    kv = KVFootprint.of_config(_config(tmp_path, DEEPSEEK_V3), 2)
+    assert kv.values_per_layer == (576,) * 61 and kv.windows == (None,) * 61
+    assert kv.bytes_per_token == 61.0 * 576.0 * 2.0 == 70272.0
+    assert kv.bytes_held(4096) == 70272.0 * 4096.0 == 287834112.0
+    assert 61 * 128 * (128 + 64 + 128) * 2 / kv.bytes_per_token == pytest.approx(71.1, abs=0.05)
+    # the engine's pool for it (config.py: one "head" of (512 + 64) / 2, K and V) holds the same bytes per block
+    mc = _config(tmp_path, DEEPSEEK_V3)
+    assert block_bytes_for(mc.num_layers, 16, mc.num_kv_heads, mc.head_dim, torch.bfloat16) == 16 * 70272
+
+
+def test_sliding_window_bytes_gpt_oss_120b(tmp_path):
+    """36 layers alternating a 128-token window and full attention, 8 KV heads x 64 dims: 2 x 8 x 64 = 1024 values
+    per token per layer, 2048 bytes in bf16. A token held by every layer: 36 x 2048 = 73,728 bytes. One sequence of
+    c tokens with windows honoured: 2048 x (18 c + 18 min(c, 128))."""
+    from pdserve.engine.kv_sizing import KVFootprint
+    kv = KVFootprint.of_config(_config(tmp_path, GPT_OSS_120B), 2)
+    assert kv.windows == (128, None) * 18 and kv.values_per_layer == (1024,) * 36
+    assert kv.bytes_per_token == 73728.0
+    assert kv.bytes_held(100) == 2048.0 * 36 * 100 == 7372800.0          # inside the window: every layer holds all
+    assert kv.bytes_held(4096) == 2048.0 * (18 * 4096 + 18 * 128) == 155713536.0
+    assert kv.bytes_held(131072) / (73728.0 * 131072) == pytest.approx(0.5 + 0.5 * 128 / 131072)  # -> half at long ctx
+    # a step's reads: 3 sequences of 1000 tokens each read 1000 in a full layer, 128 in a windowed one
+    assert kv.bytes_read(3000, 3) == 2048.0 * (18 * 3000 + 18 * 3 * 128)
+    with pytest.raises(ValueError, match="windows"):
+        KVFootprint((4, 4), (None,), 2)

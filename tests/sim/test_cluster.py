@@ -62,6 +62,22 @@ def test_disagg_tokens_and_transfer_time_exact():
     assert [round(e, 9) for e in req.emits] == [round(e, 9) for e in expect]
 
 
+def test_pools_with_their_own_costs():
+    """ClusterSpec.pools: the decode pool steps by its own cost model (e.g. a wider TP) and holds its own blocks;
+    the prefill pool and the handoff keep the cluster's. Same request as above, decode steps 4 ms instead of 12."""
+    from pdserve.sim.cluster import PoolCost
+    cost = LinearCostModel(a=0.01, b=0.001, c=0.002, d=0.0, kv_bytes_per_token=1000, link_bytes_per_s=1e6,
+                           handoff_s=0.005)
+    fast = LinearCostModel(a=0.003, b=0.001, c=0.001)
+    spec = ClusterSpec(prefill=1, decode=1, num_blocks=64, engine=EngineConfig(max_num_batched_tokens=256),
+                       report_s=0, pools={"decode": PoolCost(fast, 48, 4)})
+    c = Cluster(spec, cost)
+    (req,) = c.run(make_workload(1, 1.0, "fixed:100", "fixed:4", seed=0))
+    first = 0.01 + 0.001 * 100 + 0.005 + 100 * 1000 / 1e6
+    assert [round(e, 9) for e in req.emits] == [round(first + k * 0.004, 9) for k in range(4)]
+    assert [r.bm.num_blocks for r in c.replicas] == [64, 48]
+
+
 def test_plan_small():
     cost = RooflineCostModel(get_model("llama-3-8b"), get_gpu("H100"))
 
@@ -103,3 +119,43 @@ def test_router_baselines_are_options():
     for bad in (RouterSpec(policy="random"), RouterSpec(index="etcd")):
         with pytest.raises(ValueError):
             Cluster(ClusterSpec(colocated=1, router=bad), cost)
+
+
+def test_plan_grows_decode_when_requests_wait_for_its_blocks():
+    """A full decode pool queues prefilled requests for blocks (TTFT) instead of slowing its steps (TPOT): the
+    plan's failing side is then decode. 8 requests of 100 prompt tokens at once, a decode replica of 12 blocks of
+    16 (one request at a time, 50 tokens each at 12 ms a step): the later ones wait seconds after their prefill."""
+    from pdserve.sim.cluster import PoolCost
+    from pdserve.sim.plan import _fail_side
+    cost = LinearCostModel(a=0.01, b=0.0001, c=0.002, kv_bytes_per_token=1000, link_bytes_per_s=1e9)
+    slo = SLO(ttft=0.5, tpot=0.05)
+    work = make_workload(8, 1000.0, "fixed:100", "fixed:50", seed=0)
+    small = ClusterSpec(prefill=1, decode=1, num_blocks=256, report_s=0, admission=None,
+                        pools={"decode": PoolCost(cost, 12, 1)})
+    c = Cluster(small, cost)
+    c.run(work)
+    s = c.summary(slo)
+    assert s["cluster"]["decode_wait_p90_s"] > 6 * 50 * 0.012   # behind >= 6 requests' 50 decode steps each
+    assert s["latency"]["tpot_s"]["p90"] < slo.tpot and s["latency"]["ttft_s"]["p90"] > slo.ttft
+    misses = s["cluster"]["slo_misses"]   # the later requests missed TTFT waiting for decode blocks, none on TPOT
+    assert misses["ttft_decode_wait"] >= 5 and misses["ttft_prefill"] == 0 and misses["tpot"] == 0
+    assert _fail_side(s, slo) == "decode"
+    roomy = Cluster(replace(small, pools={}), cost)
+    roomy.run(work)
+    assert roomy.summary(slo)["cluster"]["decode_wait_p90_s"] < 0.05  # a step boundary or two, not seconds
+
+
+def test_fail_side_counts_the_misses():
+    """The pool to grow is the one behind more misses: admission rejections for KV (the decode pool's in disagg),
+    decode waits and TPOT against the rest of TTFT; with no counts, the p90s decide."""
+    from pdserve.sim.plan import _fail_side
+    slo = SLO(ttft=0.5, tpot=0.05)
+    lat = {"ttft_s": {"p90": 0.26}, "tpot_s": {"p90": 0.02}}   # both p90s fine: the misses are in the tail
+    def with_misses(**m):
+        return {"latency": lat, "cluster": {"slo_misses": {"ttft_decode_wait": 0, "ttft_prefill": 0, "tpot": 0,
+                                                           "kv_capacity": 0, **m}}}
+    assert _fail_side(with_misses(kv_capacity=80), slo) == "decode"
+    assert _fail_side(with_misses(ttft_prefill=5, tpot=2, ttft_decode_wait=2), slo) == "prefill"
+    assert _fail_side(with_misses(ttft_prefill=5, tpot=3, ttft_decode_wait=3), slo) == "decode"
+    assert _fail_side({"latency": {"ttft_s": {"p90": 0.1}, "tpot_s": {"p90": 0.2}}}, slo) == "decode"
+    assert _fail_side({"latency": {"ttft_s": {"p90": 0.9}, "tpot_s": {"p90": 0.01}}}, slo) == "prefill"

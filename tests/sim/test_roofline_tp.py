@@ -28,3 +28,14 @@ def test_fewer_kv_heads_than_ranks_are_replicated():
 def test_a_degree_the_heads_cannot_split_is_refused_naming_the_shapes():
     with pytest.raises(CheckpointError, match="num_attention_heads=28 is not divisible by tensor_parallel_size=8"):
         RooflineCostModel(get_model("qwen2.5-7b"), get_gpu("H100"), tp=8)
+
+
+def test_moe_experts_split_over_the_same_ranks():
+    """An MoE replica's experts split over its TP ranks (EP = TP, the engine's rule): 128 experts over 3 ranks is
+    refused naming the shapes; gpt-oss-120b at TP 4 holds 32 experts a rank, a quarter of the weights."""
+    m = get_model("gpt-oss-120b")
+    with pytest.raises(CheckpointError, match="128 experts are not divisible by expert_parallel_size=3"):
+        RooflineCostModel(m, get_gpu("H100"), tp=3)
+    cm = RooflineCostModel(m, get_gpu("H200"), tp=4)
+    assert cm.kv_heads_per_rank == 2
+    assert cm.kv_blocks(16) == int((0.9 * 141e9 - m.weight_bytes / 4) // (2 * 36 * 2 * 64 * 2 * 16))
