@@ -1,7 +1,7 @@
 """Where disaggregation starts to pay, as the simulator predicts it for this machine: the break-even grid
 (prompt length x offered rate, per link) beyond what `pdserve bench breakeven` can measure in a few minutes.
 
-Same layouts and workloads as the study (pdserve/bench/breakeven_sim.py): colocated = two 1-thread `both`
+Same layouts and workloads as the study (pdserve/sim/breakeven_predict.py): colocated = two 1-thread `both`
 replicas, disagg / auto = 1 prefill + 1 decode replica over the link, the calibrated cost model of
 `pdserve sim profile --threads 1`, the study's seeded schedules. Per cell the winner by predicted goodput:
 D (disagg > 1.05 x colocated), C (colocated > 1.05 x disagg), = otherwise; and auto's share of the better one.
@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 
 from pdserve.bench import breakeven as B
-from pdserve.bench import breakeven_sim as BS
 from pdserve.bench import metrics as MX
+from pdserve.sim import breakeven_predict as BS
 from pdserve.sim.costmodel import load_cost_model
 
 

@@ -4,7 +4,7 @@ replayed open loop by `pdserve bench`'s load generator, once per deployment:
 
 - static: `--mode disagg --prefill P --decode 4-P` for P = 1..3 (the best chosen in hindsight by goodput);
 - colocated: `--mode colocated --workers 4`;
-- switching: starts at 2P+2D; every `--interval` s the controller (the simulator's, sim/switch_control.py: the split
+- switching: starts at 2P+2D; every `--interval` s the controller (the simulator's, planner/switch_control.py: the split
   the last interval's arrivals ask for, confirmed over `--confirm` intervals, the cost model from `--costs`) moves
   workers by their SwitchRole RPC (what `pdserve worker-role` and the planner call). Per switch: decision -> the RPC
   returned (the worker registered in its new role; routers see it at their next view refresh, <= 0.2 s).
@@ -31,9 +31,9 @@ sys.path.insert(0, str(ROOT))
 
 from pdserve.bench.client import LoadGen, Target  # noqa: E402
 from pdserve.bench.metrics import SLO, summarize  # noqa: E402
+from pdserve.planner.switch_control import PoolShape, split_for  # noqa: E402
 from pdserve.services.up_process import UpProcess  # noqa: E402
 from pdserve.sim.shift_trace import Phase, phase_bounds, shift_trace  # noqa: E402
-from pdserve.sim.switch_control import PoolShape, split_for  # noqa: E402
 
 REAL_PHASES = (Phase("chat", 20.0, 1.2, (32, 96), (24, 64)), Phase("long", 20.0, 0.35, (384, 768), (4, 12)),
                Phase("chat", 20.0, 1.2, (32, 96), (24, 64)))
@@ -42,7 +42,7 @@ BLOCKS, MAX_SEQS = 2048, 64
 
 
 class Switcher:
-    """The controller of sim/switch_control.py over a live deployment (role per worker kept here)."""
+    """The controller of planner/switch_control.py over a live deployment (role per worker kept here)."""
 
     def __init__(self, up: UpProcess, specs, cost, a):
         from pdserve.services.grpc_util import configure

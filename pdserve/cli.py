@@ -123,10 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
     from pdserve.engine.cli_generate import add_generate_parser
     from pdserve.lab.cli import add_lab_parser
     from pdserve.planner.cli import add_planner_parser, add_status_parser
+    from pdserve.planner.shift_cli import add_shift_parser
     from pdserve.sim.cli import add_sim_parser
     add_generate_parser(sub)
     add_bench_parser(sub)
-    add_sim_parser(sub)
+    add_shift_parser(add_sim_parser(sub))  # `sim shift`: the planner's split controller in the simulator
     add_lab_parser(sub)
     add_planner_parser(sub)
     add_status_parser(sub)
@@ -302,6 +303,10 @@ def _run(args: argparse.Namespace) -> int:
         args.served_model_name = _default_served_name(args.model)
     if hasattr(args, "func"):  # generate / bench / sim: plain warnings (the services configure logs.py)
         import logging
+        if getattr(args, "command", None) == "bench":  # the break-even study's predictions come from sim
+            from pdserve.bench import breakeven
+            from pdserve.sim import breakeven_predict
+            breakeven.PREDICTOR = breakeven_predict
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         return args.func(args) or 0
     problem = _check_security(args) or _check_exposure(args)

@@ -381,11 +381,18 @@ def cpu_name() -> str:
     return f"{info.get('model name', '?')} (family {info.get('cpu family', '?')} model {info.get('model', '?')})"
 
 
+# The simulator's per-cell prediction (pdserve/sim/breakeven_predict.py), installed by the `pdserve` command line
+# (cli.py) before it runs a bench command: the simulator builds on bench's workloads and metrics, so bench does not
+# import it (no cycle between the two packages). Without it (`python -m pdserve.bench`) the cells are measured only.
+PREDICTOR = None
+NO_PREDICTOR = "no simulator prediction: run the study as `pdserve bench breakeven`"
+
+
 def predict(a, costs, mode: str, grid, slo, res: dict) -> None:
     """The simulator's prediction of each measured cell of `mode` into its row (`sim`); a failure is reported in
     the results, never fatal to the measurements."""
-    from pdserve.bench import breakeven_sim as BS
-    if not res.get("cells"):
+    BS = PREDICTOR
+    if BS is None or not res.get("cells"):
         return
     try:
         info = BS.predict_mode(costs, mode, res, grid, lambda p, o, r, ci: cell_specs(a, p, o, r, ci), slo,
@@ -407,7 +414,9 @@ def _original_args(argv: list[str]):
 
 
 def repredict(a, costs_dir: str, out: Path, grid, slo, results: dict) -> None:
-    from pdserve.bench import breakeven_sim as BS
+    BS = PREDICTOR
+    if BS is None:
+        raise SystemExit(NO_PREDICTOR)
     costs = BS.costs(a.model, BS.threads_needed(list(results), a.colocated_layout), out, costs_dir,
                      log=lambda m: print(m, file=sys.stderr))
     for mode, res in results.items():
@@ -417,7 +426,11 @@ def repredict(a, costs_dir: str, out: Path, grid, slo, results: dict) -> None:
 def sim_costs(a, modes: list[str], out: Path, meta: dict) -> dict | None:
     """The cost models the prediction needs (profiled now, or from --sim-costs), recorded in `meta`; None, with
     the reason in `meta`, where there are none: the measurements never depend on them."""
-    from pdserve.bench import breakeven_sim as BS
+    BS = PREDICTOR
+    if BS is None:
+        meta["sim_error"] = NO_PREDICTOR
+        print(f"sim: {NO_PREDICTOR}", file=sys.stderr)
+        return None
     try:
         costs = BS.costs(a.model, BS.threads_needed(modes, a.colocated_layout), out, a.sim_costs,
                          log=lambda m: print(m, file=sys.stderr))

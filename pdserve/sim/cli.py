@@ -93,7 +93,7 @@ def _common(p, model_default="llama-3-8b"):
     p.add_argument("--json", default=None, help="write the full result here")
 
 
-def add_sim_parser(sub) -> None:
+def add_sim_parser(sub):
     sim = sub.add_parser("sim", help="cluster-scale simulation over the real scheduler (plan, validate)")
     ss = sim.add_subparsers(dest="sim_command", required=True)
 
@@ -163,9 +163,7 @@ def add_sim_parser(sub) -> None:
     va.add_argument("--num-gpu-blocks", type=int, default=2048)
     va.add_argument("--json", default=None)
     va.set_defaults(func=cmd_validate)
-
-    from pdserve.sim.shift_cli import add_shift_parser
-    add_shift_parser(ss)
+    return ss  # `sim shift` (planner/shift_cli.py) is added by cli.py: the planner builds on the simulator
 
 
 def cmd_profile(a) -> int:

@@ -13,7 +13,7 @@
   blocks.
 - the switch itself: `switch_s` after the drain (measured: bench/role_switch.py, 0.31-0.33 s with nothing held;
   docs/planner.md). A new pod instead of a switch is the same path with the pod's start time in its place
-  (`sim/switch_control.py` chooses by planner/switching.py's rule).
+  (`planner/switch_control.py` chooses by planner/switching.py's rule).
 """
 from __future__ import annotations
 

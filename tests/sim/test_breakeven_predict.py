@@ -1,10 +1,10 @@
-"""The simulator's prediction of break-even cells (pdserve/bench/breakeven_sim.py): the link as the KV transfer
+"""The simulator's prediction of break-even cells (pdserve/sim/breakeven_predict.py): the link as the KV transfer
 cost, the served-step overhead from the isolated requests, and the per-cell error, against hand-computed values."""
 from __future__ import annotations
 
 import pytest
 
-from pdserve.bench import breakeven_sim as BS
+from pdserve.sim import breakeven_predict as BS
 from pdserve.sim.costmodel import LinearCostModel
 from pdserve.sim.workload import SLO, make_workload
 

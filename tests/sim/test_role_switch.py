@@ -1,4 +1,4 @@
-"""Role switches in the simulator (sim/role_switch.py) and the split controller's sizing (sim/switch_control.py):
+"""Role switches in the simulator (sim/role_switch.py) and the split controller's sizing (planner/switch_control.py):
 timelines and splits worked out by hand from a cost model of round numbers."""
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import pytest
 
 from pdserve.bench.workload import RequestSpec
 from pdserve.engine.config import EngineConfig
+from pdserve.planner.switch_control import PoolShape, decode_batch, pool_work, split_for
 from pdserve.sim.cluster import Cluster, ClusterSpec
 from pdserve.sim.costmodel import LinearCostModel
 from pdserve.sim.role_switch import SimSwitcher
-from pdserve.sim.switch_control import PoolShape, decode_batch, pool_work, split_for
 
 # every step 10 ms whatever it holds; KV transfer free: a request's timeline is whole steps
 FLAT = LinearCostModel(a=0.01, b=0.0, c=0.0, d=0.0)

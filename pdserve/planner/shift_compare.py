@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass, replace
 
 from pdserve.engine.config import EngineConfig
+from pdserve.planner.switch_control import ControlSpec, PoolShape, SplitController, split_for
 from pdserve.sim.cluster import Cluster, ClusterSpec
-from pdserve.sim.switch_control import ControlSpec, PoolShape, SplitController, split_for
 from pdserve.sim.workload import SLO, summarize
 
 

@@ -25,10 +25,10 @@ def add_shift_parser(ss) -> None:
 
 
 def cmd_shift(a) -> int:
+    from pdserve.planner.shift_compare import ShiftSetup, compare
+    from pdserve.planner.switch_control import ControlSpec
     from pdserve.sim.costmodel import load_cost_model
-    from pdserve.sim.shift_compare import ShiftSetup, compare
     from pdserve.sim.shift_trace import SIM_PHASES, phase_bounds, shift_trace
-    from pdserve.sim.switch_control import ControlSpec
     from pdserve.sim.workload import SLO
     cm = load_cost_model(a.costs)
     ctl = ControlSpec(a.interval, a.confirm, a.switch_s, a.start_s, a.slo_ttft, a.slo_tpot)
