@@ -15,9 +15,9 @@ from collections import deque
 from dataclasses import asdict
 from pathlib import Path
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 import torch
-from xgrammar import CompiledGrammar
 
 from pdserve.engine import beam as beams
 from pdserve.engine import resume
@@ -52,6 +52,9 @@ from pdserve.engine.stop import OutputProcessor
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.tp.kv_ops import RecordingKVCache
 from pdserve.engine.tp.shard import shard_for
+
+if TYPE_CHECKING:  # xgrammar (and the transformers it imports) loads on the first constrained request
+    from xgrammar import CompiledGrammar
 
 log = logging.getLogger("pdserve.engine")
 usage_log = logging.getLogger("pdserve.usage")

@@ -31,13 +31,12 @@ import re
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
-import xgrammar as xgr
-
 from pdserve.engine.grammar_limits import GrammarLimits, check_rules
 from pdserve.engine.sampling_params import GuidedSpec, InvalidParameter
 
 if TYPE_CHECKING:
     import torch
+    import xgrammar as xgr
 
 _MAX_CACHED = 256
 _compilers: dict[tuple[int, int], tuple[object, xgr.GrammarCompiler]] = {}
@@ -54,6 +53,8 @@ def tokenizer_info(tokenizer, vocab_size: int) -> xgr.TokenizerInfo:
     from transformers import PreTrainedTokenizerFast
 
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer.hf)
+    import xgrammar as xgr  # on first use: start-up does not pay its imports (docs/engine.md)
+
     return xgr.TokenizerInfo.from_huggingface(
         fast, vocab_size=vocab_size, stop_token_ids=list(tokenizer.eos_token_ids) or None
     )
@@ -63,6 +64,8 @@ def get_compiler(tokenizer, vocab_size: int) -> xgr.GrammarCompiler:
     key = (id(tokenizer), vocab_size)
     hit = _compilers.get(key)
     if hit is None or hit[0] is not tokenizer:  # keep a reference so the id stays unique
+        import xgrammar as xgr  # on first use: start-up does not pay its imports (docs/engine.md)
+
         hit = (tokenizer, xgr.GrammarCompiler(tokenizer_info(tokenizer, vocab_size)))
         _compilers[key] = hit
     return hit[1]
@@ -140,6 +143,8 @@ _JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
 
 
 def _json_schema_ebnf(schema: str) -> str:
+    import xgrammar as xgr  # on first use: start-up does not pay its imports (docs/engine.md)
+
     ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, separators=(",", ":")))
     return ebnf.replace(_XGR_LOOSE_CHAR, _JSON_STRING_CHAR)
 
@@ -156,6 +161,8 @@ class GrammarState:
 
     def __init__(self, compiled: xgr.CompiledGrammar, _matcher: xgr.GrammarMatcher | None = None):
         self.compiled = compiled
+        import xgrammar as xgr  # on first use: start-up does not pay its imports (docs/engine.md)
+
         self.matcher = _matcher or xgr.GrammarMatcher(compiled)
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:

@@ -27,13 +27,15 @@ import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
-
-import xgrammar as xgr
+from typing import TYPE_CHECKING, Callable
 
 from pdserve.engine.grammar import grammar_source, tokenizer_info
 from pdserve.engine.grammar_child import read_frame, write_frame
 from pdserve.engine.grammar_limits import GrammarLimits, LimitExceeded, check
 from pdserve.engine.sampling_params import GuidedSpec, InvalidParameter
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 log = logging.getLogger("pdserve.grammar")
 
@@ -58,10 +60,10 @@ class CompileTooSlow(LimitExceeded):
 class _Child:
     """One compiler process; its pipes are used from one pool thread at a time."""
 
-    def __init__(self, hello: bytes):
+    def __init__(self, hello: Callable[[], bytes]):
         self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.engine.grammar_child"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=None, close_fds=True)
-        self._hello: bytes | None = hello
+        self._hello: Callable[[], bytes] | None = hello
         self._lock = threading.Lock()
         self.ready = None  # the pool's future of greet()
 
@@ -70,13 +72,13 @@ class _Child:
         imports take ~3.5 s), so that no compile's deadline counts its start-up. Never on the event loop."""
         with self._lock:
             if self._hello is not None:
-                write_frame(self.proc.stdin, self._hello)
+                write_frame(self.proc.stdin, self._hello())
                 self.proc.stdin.flush()
                 self._hello = None
                 if read_frame(self.proc.stdout) is None:
                     raise OSError(f"the grammar compiler process exited at start ({self.proc.poll()})")
 
-    def roundtrip(self, job: bytes, info: xgr.TokenizerInfo):
+    def roundtrip(self, job: bytes, info: Callable[[], xgr.TokenizerInfo]):
         """Blocking (a pool thread): send one job, read its answer. Killing the process ends the read (EOF)."""
         try:
             self.greet()
@@ -91,7 +93,9 @@ class _Child:
             blob = read_frame(self.proc.stdout)
             if blob is None:
                 return None
-            return {**res, "compiled": xgr.CompiledGrammar.deserialize_json(blob.decode(), info)}
+            import xgrammar as xgr  # on first use, as in grammar.py
+
+            return {**res, "compiled": xgr.CompiledGrammar.deserialize_json(blob.decode(), info())}
         except (OSError, ValueError):  # a killed child: broken pipe, or a read on a closed file
             return None
 
@@ -141,9 +145,9 @@ class GrammarPool:
         --grammar-compile-timeout), deadline, busy, cancelled."""
         self.limits = limits or GrammarLimits()
         self.processes = max(1, processes)
-        self._info = tokenizer_info(tokenizer, vocab_size)
-        self._hello = json.dumps({"tokenizer_info": self._info.serialize_json(),
-                                  "limits": asdict(self.limits)}).encode()
+        self._vocab = (tokenizer, vocab_size)
+        self._vocab_lock = threading.Lock()
+        self._vocab_info: tuple[xgr.TokenizerInfo, bytes] | None = None
         self.cache = _Cache(cache_bytes)
         self.observe = observe or (lambda outcome, seconds: None)
         self._idle: asyncio.Queue[_Child] | None = None
@@ -152,6 +156,21 @@ class GrammarPool:
         self._threads = ThreadPoolExecutor(self.processes, thread_name_prefix="pdserve-grammar",
                                            initializer=_lowest_priority)
         self.kills = 0
+
+    def _info(self) -> xgr.TokenizerInfo:
+        """Blocking (pool threads only, never the event loop): xgrammar's vocabulary of the tokenizer, built on the
+        first need (xgrammar's and transformers' imports take ~1.5 s, which a worker that never sees a grammar
+        does not pay at start)."""
+        with self._vocab_lock:
+            if self._vocab_info is None:
+                info = tokenizer_info(*self._vocab)
+                hello = json.dumps({"tokenizer_info": info.serialize_json(), "limits": asdict(self.limits)})
+                self._vocab_info = (info, hello.encode())
+            return self._vocab_info[0]
+
+    def _hello(self) -> bytes:
+        self._info()
+        return self._vocab_info[1]
 
     def start(self, lazy: bool = False) -> None:
         """Start the compiler processes (their start-up, ~3.5 s of imports, overlaps whatever the caller does);

@@ -35,7 +35,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import xgrammar as xgr
 from torch import Tensor
 
 from pdserve.engine import logits_processors as lp
@@ -230,6 +229,8 @@ class Sampler:
             z[to_device(ban_rows, dev, torch.long), to_device(ban_toks, dev, torch.long)] = _NEG_INF
         gram = [i for i, s in enumerate(states) if s.grammar is not None and not s.grammar_terminated]
         if gram:
+            import xgrammar as xgr  # loaded on the first constrained step, not at start-up (~1 s of imports)
+
             bitmask = xgr.allocate_token_bitmask(B, V)  # filled on the host: the matchers are host objects
             for i in gram:
                 states[i].grammar.fill_bitmask(bitmask, i)

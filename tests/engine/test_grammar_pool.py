@@ -254,3 +254,24 @@ def test_lazy_start_spawns_no_process_until_the_first_compile(bpe_tokenizer):
     before, after, g = run(main())
     assert before == 0 and after == 2
     assert same_language(compile_guided(GuidedSpec(json_schema=json.dumps(SCHEMA)), bpe_tokenizer, V), g) > 3
+
+
+def test_a_worker_without_grammars_never_imports_xgrammar():
+    """Start-up cost: xgrammar imports transformers (~1.5 s of a worker's start, paid by every start of every
+    worker, planner grows included). A worker's modules, its engine and a lazily started pool load neither; the
+    first compile does, in a pool thread."""
+    import subprocess
+    import sys
+    code = """
+import sys
+import pdserve.services.worker
+from pdserve.engine.engine import Engine
+from pdserve.engine.grammar_pool import GrammarPool
+e = Engine.from_pretrained('builtin')
+pool = GrammarPool(e.tokenizer, e.model_config.vocab_size)
+print(sorted(m for m in ('xgrammar', 'transformers') if m in sys.modules))
+pool._info()
+print(sorted(m for m in ('xgrammar', 'transformers') if m in sys.modules))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split("\n")[:2] == ["[]", "['transformers', 'xgrammar']"], out.stdout + out.stderr
