@@ -99,8 +99,7 @@ class LatentAttention(nn.Module):
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b split per head into its key part W_uk [H, nope, rank] and value part W_uv [H, v, rank]."""
-        w = self.kv_b.weight if self.kv_b.weight.numel() else self.kv_b.gemv_weight  # packed on CPU: the copy
-        w = w.view(self.heads, self.nope + self.v_dim, self.rank)
+        w = self.kv_b.weight.view(self.heads, self.nope + self.v_dim, self.rank)
         return w[:, :self.nope], w[:, self.nope:]
 
     def _absorbed_decode(self, q: torch.Tensor, kv: torch.Tensor, layer: int, nd, ops) -> torch.Tensor:
