@@ -155,6 +155,14 @@ SLOW = {
 }
 
 
+# Under pytest-xdist (`-n 2 --dist loadgroup`; scripts/test.sh's unit phase) these run one after another on one
+# worker, in collection order: the lab's hosts share one fixed subnet, and a deployment's latency bounds and the
+# shared deployments' order hold only one at a time. scripts/test.sh runs the e2e ones in a phase of their own:
+# next to the unit tests on the other core, their latency bounds failed (docs/testing.md, "Two phases").
+SERIAL_GROUP = "serial"
+LAB = ("tests/lab/", "tests/e2e/test_lab")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         rel = item.path.relative_to(config.rootpath)
@@ -164,3 +172,5 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(getattr(pytest.mark, mark))
         if rel.as_posix() in SLOW:
             item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("e2e") or rel.as_posix().startswith(LAB):
+            item.add_marker(pytest.mark.xdist_group(SERIAL_GROUP))
