@@ -148,7 +148,8 @@ class Engine:
             from pdserve.engine.tp.group import RankGroup
             group = RankGroup.start(model_dir, config, dtype)
         with torch.device(config.device):
-            net = LlamaModel(mcfg, shard, group.comm if group else None).to(dtype)
+            net = LlamaModel(mcfg, shard, group.comm if group else None,
+                             config.expert_dispatch == "all_to_all").to(dtype)
         net.load_hf_weights(tensors)
         del tensors
         net.eval()
