@@ -305,6 +305,16 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     draft_model: str | None = None
 
+    @property
+    def ranks(self) -> int:
+        """Processes of this engine: the tensor-parallel ranks, or the expert-parallel ones at TP 1."""
+        return max(self.tensor_parallel_size, self.expert_parallel_size)
+
+    @property
+    def replicated_attention(self) -> bool:
+        """Expert parallelism without tensor parallelism: everything but the experts whole on every rank."""
+        return self.tensor_parallel_size == 1 and self.expert_parallel_size > 1
+
     def validate(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {self.policy!r} (one of {', '.join(POLICIES)})")
@@ -336,13 +346,16 @@ class EngineConfig:
             raise ValueError(f"unknown quantization {self.quantization!r} (none, int8)")
         if self.quantization != "none" and not self.device.startswith("cpu"):
             raise ValueError(f"quantization={self.quantization!r} runs on CPU only (device {self.device!r})")
-        if self.quantization != "none" and self.tensor_parallel_size > 1:  # the other ranks load unquantized
-            raise ValueError(f"quantization={self.quantization!r} is not supported with tensor_parallel_size > 1")
+        if self.quantization != "none" and self.ranks > 1:  # the other ranks load unquantized
+            raise ValueError(f"quantization={self.quantization!r} is not supported with tensor_parallel_size or "
+                             f"expert_parallel_size > 1")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.expert_parallel_size not in (1, self.tensor_parallel_size):
-            raise ValueError(f"expert_parallel_size={self.expert_parallel_size} must be 1 or tensor_parallel_size="
-                             f"{self.tensor_parallel_size}: experts are split over the tensor-parallel ranks")
+        if self.expert_parallel_size < 1 or (self.expert_parallel_size not in (1, self.tensor_parallel_size)
+                                             and self.tensor_parallel_size != 1):
+            raise ValueError(f"expert_parallel_size={self.expert_parallel_size} must be 1, tensor_parallel_size="
+                             f"{self.tensor_parallel_size} (experts split over the tensor-parallel ranks) or any "
+                             f"degree with tensor_parallel_size=1 (attention replicated on every rank)")
         if self.expert_dispatch not in ("all_to_all", "all_reduce"):
             raise ValueError(f"unknown expert_dispatch {self.expert_dispatch!r} (all_to_all, all_reduce)")
         if self.speculative not in (None, "ngram", "draft"):
@@ -357,7 +370,8 @@ class EngineConfig:
         from pdserve.engine.kv_quant import KV_CACHE_DTYPES
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r} (one of {', '.join(KV_CACHE_DTYPES)})")
-        if self.kv_cache_dtype != "auto" and self.tensor_parallel_size > 1:  # the other ranks size their own pools
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported with tensor_parallel_size > 1")
+        if self.kv_cache_dtype != "auto" and self.ranks > 1:  # the other ranks size their own pools
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported with tensor_parallel_size or "
+                             f"expert_parallel_size > 1")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}")

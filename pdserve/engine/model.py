@@ -187,6 +187,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.comm = comm
+        self.replicated = shard.replicated  # expert parallelism without TP: only the experts' outputs are summed
         h, hd = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * hd, self.num_kv_heads * hd
@@ -218,8 +219,10 @@ class DecoderLayer(nn.Module):
         nor experts."""
         return self.q_norm is None and self.moe is None and self.sinks is None and self.mla is None
 
-    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.comm is None else self.comm.all_reduce(x)
+    def _reduce(self, x: torch.Tensor, experts: bool = False) -> torch.Tensor:
+        """Sum a row-parallel output over the ranks; `experts`: the split experts' shares, summed even where the
+        rest of the model is whole on every rank."""
+        return x if self.comm is None or (self.replicated and not experts) else self.comm.all_reduce(x)
 
     def forward(self, x, cos, sin, kv, layer: int, meta: AttentionMetadata) -> torch.Tensor:
         if self.moe is not None and self.moe.dispatch is not None:
@@ -229,19 +232,21 @@ class DecoderLayer(nn.Module):
         else:
             x = x + self._attention(x, cos, sin, kv, layer, meta)
         if self.moe is not None:  # with tensor parallelism: expert parallel, this rank's experts' share summed
-            return x + self._reduce(self.moe(self.post_norm(x)))
+            return x + self._reduce(self.moe(self.post_norm(x)), experts=True)
         return x + self._reduce(self.down(swiglu(self.gate_up(self.post_norm(x)), self.native_ops)))
 
     def _dispatched(self, x, cos, sin, kv, layer: int, meta: AttentionMetadata) -> torch.Tensor:
         """The layer with its experts reached by all-to-all: rank r carries the residual of its slice of the tokens
         (tp/dispatch.token_slice) from the attention output to the MoE output, then every slice is all-gathered.
         Tensor-parallel attention is summed by a reduce-scatter into the slices (each rank receives only the rows
-        it carries); replicated attention (DeepSeek's latent attention) is sliced as it is."""
+        it carries); replicated attention (DeepSeek's latent attention, any attention at TP 1) is sliced as it is."""
         from pdserve.engine.tp.dispatch import token_slice
         t, n = x.shape[0], self.comm.size
         lo, hi, per = token_slice(t, self.comm.rank, n)
         if self.mla is not None:
             h = x[lo:hi] + self.mla(self.input_norm(x), cos, sin, kv, layer, meta)[lo:hi]
+        elif self.replicated:
+            h = x[lo:hi] + self._attention(x, cos, sin, kv, layer, meta)[lo:hi]
         else:
             partial = self._attention(x, cos, sin, kv, layer, meta, reduce=False)
             if per * n != t:
@@ -373,7 +378,7 @@ class LlamaModel(nn.Module):
         return True
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.comm is None:
+        if self.comm is None or self.shard.replicated:
             return self.embed(input_ids)
         # vocab-parallel: rows outside this rank's slice are zero here and come from their owner's all-reduce
         local = input_ids - self.shard.vocab.start
@@ -401,9 +406,11 @@ class LlamaModel(nn.Module):
         else:
             for i, layer in enumerate(self.layers):
                 x = layer(x, cos, sin, kv, i, meta)
+        if self.comm is not None and self.shard.replicated and self.comm.rank != 0:
+            return None  # rank 0 holds the whole LM head and samples
         x = self.norm(x[logits_rows])
         logits = self.lm_head(x).float()
-        if self.comm is None:
+        if self.comm is None or self.shard.replicated:
             return logits
         full = self.comm.gather0(logits)
         return None if full is None else full[:, :self.cfg.vocab_size]
@@ -427,7 +434,7 @@ class LlamaModel(nn.Module):
             param.data[:rows.shape[0]].copy_(rows.to(dt))
 
         def row_bias(param: torch.Tensor, value: torch.Tensor) -> None:
-            put(param, value if sh.rank == 0 else torch.zeros_like(value))
+            put(param, value if sh.rank == 0 or sh.replicated else torch.zeros_like(value))
 
         put_vocab(self.embed.weight, take(tensors, "model.embed_tokens.weight", (cfg.vocab_size, h)))
         put(self.norm.weight, take(tensors, "model.norm.weight", (h,)))

@@ -56,7 +56,8 @@ def main(argv: list[str]) -> int:
     dtype = DTYPES[a.dtype]
     tensors, _ = load_state_dict(a.model_dir)
     with torch.device(device):
-        net = LlamaModel(mcfg, shard_for(mcfg, a.rank, a.size, config.expert_parallel_size > 1), comm,
+        shard = shard_for(mcfg, a.rank, a.size, config.expert_parallel_size > 1, config.replicated_attention)
+        net = LlamaModel(mcfg, shard, comm,
                          config.expert_dispatch == "all_to_all").to(dtype)
     net.load_hf_weights(tensors)
     del tensors
