@@ -146,3 +146,32 @@ def test_deterministic_mode_keeps_batch_invariance_across_the_all_to_all(tmp_pat
     assert alone.outputs[0].token_ids == batched.outputs[0].token_ids
     assert [r.logprob for r in alone.outputs[0].logprobs] == [r.logprob for r in batched.outputs[0].logprobs]
     assert [x.logprob for x in alone.prompt_logprobs[1:]] == [x.logprob for x in batched.prompt_logprobs[1:]]
+
+
+@pytest.mark.parametrize("arch,dispatch", [("mixtral", "all_to_all"), ("deepseek_v3", "all_to_all"),
+                                           ("gpt_oss", "all_reduce")])
+def test_expert_parallel_2_without_tensor_parallelism_equals_one_rank_and_transformers(tmp_path, arch, dispatch):
+    """--expert-parallel-size 2 at TP 1: two ranks, each with every head, the whole KV and LM head, and half the
+    routed experts. Greedy tokens equal transformers' and one rank's, prompt logprobs within 2e-4 of one rank's."""
+    from tests.engine.test_tp import PROMPTS, config, hf_greedy
+    ck = make_checkpoint(tmp_path / arch, arch, kv_heads=2)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    lp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    e2 = Engine.from_pretrained(ck, config(1, expert_parallel_size=2, expert_dispatch=dispatch))
+    try:
+        net = e2.runner.model
+        layer = next(m for m in net.layers if m.moe is not None)
+        assert net.shard.replicated and len(net.shard.heads) == 4 and e2.tp_group.comm.size == 2
+        assert len(layer.moe.gate_up) == layer.moe.router.shape[0] // 2
+        ours = [o.outputs[0].token_ids for o in e2.generate(PROMPTS, greedy)]
+        a = e2.generate([PROMPTS[2]], lp)[0].prompt_logprobs
+        comm = e2.tp_group.comm
+        assert (comm.bytes_all_to_all > 0, comm.bytes_reduced > 0) == ((True, False) if dispatch == "all_to_all"
+                                                                      else (False, True))
+    finally:
+        e2.close()
+    assert ours == hf_greedy(ck, PROMPTS, 8)
+    e1 = Engine.from_pretrained(ck, config(1))
+    assert ours == [o.outputs[0].token_ids for o in e1.generate(PROMPTS, greedy)]
+    b = e1.generate([PROMPTS[2]], lp)[0].prompt_logprobs
+    assert max(abs(x.logprob - y.logprob) for x, y in zip(a[1:], b[1:])) <= 2e-4

@@ -200,18 +200,32 @@ def test_expert_parallel_2_equals_one_rank_and_transformers(tmp_path, tp2, arch,
     assert max(abs(x.logprob - y.logprob) for x, y in zip(a[1:], b[1:])) <= 2e-4
 
 
-def test_expert_parallel_needs_the_tensor_parallel_degree(tmp_path):
-    ck = make_checkpoint(tmp_path / "mx", "mixtral")
-    with pytest.raises(ValueError, match="expert_parallel_size=2 must be 1 or tensor_parallel_size=1"):
-        Engine.from_pretrained(ck, EngineConfig(expert_parallel_size=2))
+def test_expert_parallel_degrees_refused_before_anything_starts(tmp_path, tiny_llama):
+    """EP is 1, the TP degree, or any degree at TP 1 (attention replicated); the engine and `up`'s preflight
+    refuse the rest, and splits the experts cannot take, naming the flag."""
+    ck = make_checkpoint(tmp_path / "mx", "mixtral")  # 4 experts
+    with pytest.raises(ValueError, match="expert_parallel_size=4 must be 1, tensor_parallel_size=2"):
+        Engine.from_pretrained(ck, EngineConfig(tensor_parallel_size=2, expert_parallel_size=4))
+    with pytest.raises(CheckpointError, match="not divisible by expert_parallel_size=3"):
+        Engine.from_pretrained(ck, EngineConfig(expert_parallel_size=3))
+    with pytest.raises(CheckpointError, match="no routed experts"):
+        Engine.from_pretrained(tiny_llama, EngineConfig(expert_parallel_size=2))
     from argparse import Namespace
 
     from pdserve.services.preflight import check_tp_degrees
-    args = Namespace(mode="disagg", model=str(ck), tensor_parallel_size=1, prefill_tp=2, decode_tp=1,
+    args = Namespace(mode="disagg", model=str(ck), tensor_parallel_size=1, prefill_tp=2, decode_tp=4,
                      expert_parallel_size=2)
     problem = check_tp_degrees(args)
-    assert problem is not None and "--decode-ep 2 with --decode-tp 1" in problem.what
+    assert problem is not None and "--decode-ep 2 with --decode-tp 4" in problem.what
     assert check_tp_degrees(Namespace(**{**vars(args), "decode_tp": 2})) is None
-    assert check_tp_degrees(Namespace(**{**vars(args), "expert_parallel_size": None, "prefill_ep": 2})) is None
-    problem = check_tp_degrees(Namespace(**{**vars(args), "expert_parallel_size": None}))
+    assert check_tp_degrees(Namespace(**{**vars(args), "decode_tp": 1})) is None  # decode: attention replicated
+    problem = check_tp_degrees(Namespace(**{**vars(args), "decode_tp": 1, "expert_parallel_size": 3,
+                                            "prefill_tp": 1}))
+    assert problem is not None and "--prefill-ep 3" in problem.what and "4 routed experts" in problem.what
+    problem = check_tp_degrees(Namespace(**{**vars(args), "model": str(tiny_llama), "prefill_tp": 1,
+                                            "decode_tp": 1}))
+    assert problem is not None and "no routed experts" in problem.what
+    assert check_tp_degrees(Namespace(**{**vars(args), "expert_parallel_size": None, "prefill_ep": 2,
+                                         "decode_tp": 1})) is None
+    problem = check_tp_degrees(Namespace(**{**vars(args), "expert_parallel_size": None, "decode_tp": 1}))
     assert problem is not None and "--prefill-tp 2" in problem.what and "not sharded" in problem.what

@@ -79,7 +79,10 @@ def shard_for(cfg, rank: int = 0, size: int = 1, expert_parallel: bool = False, 
     (only valid at size 1, check_tp). `replicated` (with `expert_parallel`): only the experts are split; the rest
     of the model is whole on every rank."""
     if replicated:
-        if not cfg.num_experts or cfg.num_experts % size:
+        if not cfg.num_experts:
+            raise CheckpointError(f"expert_parallel_size={size} needs a mixture-of-experts model: this one has no "
+                                  f"routed experts")
+        if cfg.num_experts % size:
             raise CheckpointError(f"cannot shard the model for expert parallelism: {cfg.num_experts} routed experts "
                                   f"are not divisible by expert_parallel_size={size}")
         per = cfg.num_experts // size
