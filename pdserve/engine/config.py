@@ -292,8 +292,9 @@ class EngineConfig:
     deterministic: bool = False
     # Ranks of tensor parallelism inside this engine (engine/tp/): one process each, rank 0 schedules.
     tensor_parallel_size: int = 1
-    # Expert parallelism: a mixture-of-experts model's routed experts split whole over the tensor-parallel ranks
-    # (attention stays tensor parallel); 1 or tensor_parallel_size.
+    # Expert parallelism: a mixture-of-experts model's routed experts split whole over the ranks; 1,
+    # tensor_parallel_size (attention stays tensor parallel), or any degree at tensor_parallel_size 1 (the rest of
+    # the model replicated on every rank, `ranks` processes).
     expert_parallel_size: int = 1
     # How a sparse layer reaches experts held by other ranks (docs/engine.md, "Expert parallelism"): all_to_all =
     # each rank routes its slice of the tokens and sends each row only to its expert's owner (tp/dispatch.py);

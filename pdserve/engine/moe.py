@@ -20,7 +20,9 @@ weighted sum, all hit experts' weight rows spread over the threads at once) over
 so nothing is held twice). Larger steps (prefill chunks), gpt-oss (expert biases and the clamped gate), the
 deterministic mode (its tiles must not follow the row count) and `PDSERVE_NATIVE_MOE=0` take the loop: the experts
 one after another, each over the rows that chose it (a gather, two GEMMs, a scatter-add). With expert parallelism a
-rank holds a range of the experts (tp/shard.py) and both paths compute only those.
+rank holds a range of the experts (tp/shard.py) and both paths compute only those: over every token (the layer's
+all-reduce sums the ranks' shares) or, dispatched by all-to-all (tp/dispatch.py), over the rows other ranks send
+it (`dispatched`, `_rows`).
 """
 from __future__ import annotations
 
