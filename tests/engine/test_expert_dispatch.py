@@ -3,7 +3,7 @@
 The dispatch itself against float64 math (and a group whose second rank claims the first rank's experts must
 fail that check); the bytes a step moves, counted by the group, against the formula evaluated on transformers'
 own router logits for the same prompt; the deterministic mode's batch invariance kept across the all-to-all.
-About 30 s on a 2-vCPU AMD EPYC (load average 6): one child process per dispatch group, seven 2-rank engines."""
+About 30 s on a 2-vCPU AMD EPYC (load average 6): one child process per dispatch group, six 2-rank engines."""
 from __future__ import annotations
 
 import multiprocessing as mp
