@@ -62,6 +62,10 @@ def main(argv: list[str]) -> int:
     net.load_hf_weights(tensors)
     del tensors
     net.eval()
+    if config.native_kernels and device.type == "cpu":  # the experts for the native MoE kernel, as rank 0 stacks them
+        from pdserve.engine.kernels import native_ops
+        if native_ops() is not None:
+            net.stack_experts()
     net.pack_weights()
     # sized like rank 0's (Engine.__init__; the CUDA profiling forward has collectives, so every rank runs it at
     # the same point), then the smallest count on every rank: the same block ids everywhere
