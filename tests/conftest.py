@@ -138,7 +138,7 @@ _MARKERS = {"e2e": "e2e", "helm": "helm"}
 # `slow`: the modules outside tests/e2e that took >= ~9 s each (`--durations`, 2-core Xeon): worker processes,
 # tensor-parallel ranks, compiles, simulated clusters. `-m "not e2e and not slow"` is the fast loop (README).
 SLOW = {
-    "tests/engine/test_tp.py", "tests/engine/test_grammar_pool.py", "tests/engine/test_triton_compile.py",
+    "tests/engine/test_tp.py", "tests/engine/test_expert_dispatch.py", "tests/engine/test_grammar_pool.py", "tests/engine/test_triton_compile.py",
     "tests/engine/test_kernel_build.py", "tests/services/worker/test_disagg_tp.py",
     "tests/services/worker/test_layout.py", "tests/services/worker/test_kv_handshake.py",
     "tests/services/worker/test_lifecycle.py", "tests/services/worker/test_heartbeat.py",

@@ -56,10 +56,16 @@ def main(argv: list[str]) -> int:
     dtype = DTYPES[a.dtype]
     tensors, _ = load_state_dict(a.model_dir)
     with torch.device(device):
-        net = LlamaModel(mcfg, shard_for(mcfg, a.rank, a.size, config.expert_parallel_size > 1), comm).to(dtype)
+        shard = shard_for(mcfg, a.rank, a.size, config.expert_parallel_size > 1, config.replicated_attention)
+        net = LlamaModel(mcfg, shard, comm,
+                         config.expert_dispatch == "all_to_all").to(dtype)
     net.load_hf_weights(tensors)
     del tensors
     net.eval()
+    if config.native_kernels and device.type == "cpu":  # the experts for the native MoE kernel, as rank 0 stacks them
+        from pdserve.engine.kernels import native_ops
+        if native_ops() is not None:
+            net.stack_experts()
     net.pack_weights()
     # sized like rank 0's (Engine.__init__; the CUDA profiling forward has collectives, so every rank runs it at
     # the same point), then the smallest count on every rank: the same block ids everywhere
