@@ -41,9 +41,12 @@ class PoolVerdict:
     current: int
     desired: int
     reason: str
+    switch_to: str = ""  # the pool its workers move to by role switch (switching.py), instead of draining
 
     @property
     def action(self) -> str:
+        if self.desired < self.current and self.switch_to:
+            return "switch"
         return "up" if self.desired > self.current else "down" if self.desired < self.current else "hold"
 
 
