@@ -49,13 +49,20 @@ def _med(xs) -> float:
     return statistics.median(xs) if xs else 0.0
 
 
+def _step0(ld) -> float:
+    """A worker's decode step at an empty batch: the intercept of its step line; where the line came out flat (no
+    positive slope in its samples: then it reports no intercept, services/load_meter.py) its step at the current
+    batch, which is at least that."""
+    return ld.decode_step0_s if ld.decode_step0_s > 0 else ld.decode_step_s
+
+
 def pool_loads(workers: list[WorkerRecord]) -> dict[str, PoolLoad]:
     out = {}
     for pool in ("prefill", "decode"):
         ld = [w.load for w in workers if w.role == pool]
         out[pool] = PoolLoad(len(ld), sum(x.num_running for x in ld), sum(x.kv_blocks_in_use for x in ld),
                              int(_med([x.kv_blocks_total for x in ld])), int(_med([x.max_num_seqs for x in ld])),
-                             _med([x.prefill_tokens_per_s for x in ld]), _med([x.decode_step0_s for x in ld]),
+                             _med([x.prefill_tokens_per_s for x in ld]), _med([_step0(x) for x in ld]),
                              _med([x.decode_step_per_seq_s for x in ld]))
     return out
 
