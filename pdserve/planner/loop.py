@@ -219,7 +219,7 @@ class Planner:
                                       self.correction.checked_at_current(), hold.stale) for pool in pools]
         if hasattr(self.connector, "switch"):
             verdicts = mark_switches(verdicts, self.switch_costs(fc.output_mean),
-                                     self._giver(obs, fc, current, starting, violated, traffic, loads, now))
+                                     self._giver(obs, fc, current, starting, violated, traffic, loads, now, hold))
         c = self.correction
         return Decision(time=time.time(), dry_run=self.cfg.dry_run, connector=self.connector.name,
                         observed_rate=obs.rate, forecast_rate=fc.rate, hold_rate=fc.hold_rate, trend=fc.trend,
@@ -233,7 +233,7 @@ class Planner:
                         compared_ttft_p90=cmp.ttft_p90, compared_tpot_p90=cmp.tpot_p90,
                         compared_intervals=span if cmp is not obs else 1)
 
-    def _giver(self, obs, fc, current, starting, violated, traffic, loads, now):
+    def _giver(self, obs, fc, current, starting, violated, traffic, loads, now, hold: Sizing):
         """surplus.can_give for a pool, on this interval's measurements (None without them)."""
         if loads is None:
             return None
@@ -246,7 +246,7 @@ class Planner:
         def give(pool: str) -> tuple[bool, str]:
             src = Source(current[pool], getattr(lim, f"min_{pool}"), starting[pool],
                          now - self.guard.last_change.get(pool, -1e18), self.cfg.cooldown_s,
-                         violated[pool] is not None, traffic)
+                         violated[pool] is not None, traffic, getattr(hold, pool))
             return can_give(pool, src, loads.get(pool), demand, self.cfg.slo_tpot, self.cfg.headroom)
         return give
 

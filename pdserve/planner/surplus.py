@@ -13,8 +13,12 @@ side of a switch rests on what B's workers measure at the current load, not on f
   (step = a + c x batch: a = the step at an empty batch, c = what one more sequence adds), within its sequence
   slots; and the KV blocks the pool's sequences hold now;
 - B gives a worker when the replicas this needs (x headroom) are at most B's count - 1, B's own SLO component is
-  met as measured this interval, B stays >= its minimum (>= 1 while serving traffic), no replica of B is starting
-  and B did not change within the cooldown (a switch back waits as a shrink does). Nothing measured yet (no
+  met as measured this interval, B stays >= its minimum (>= 1 while serving traffic), no replica of B is starting,
+  B did not change within the cooldown (a switch back waits as a shrink does), and the model's own count for B -
+  the shrink count, on the last capacities even while newer ones are computed or unchecked - is at most B's count
+  - 1 too. That last condition keeps the model's hysteresis (grow and shrink counts 25% apart: loop.py) between a
+  switch and the grow that would undo it: the measured figures lack what the correction factors add (front end,
+  host noise), and a pool the corrected model grew must not be taken back on them alone. Nothing measured yet (no
   traffic since start): no switch on priors.
 """
 from __future__ import annotations
@@ -114,6 +118,7 @@ class Source:
     cooldown_s: float
     violated: bool              # its SLO component broken as measured this interval
     traffic: bool
+    model: int = 0              # its count for the window's largest rate on the last capacities (stale or not)
 
 
 def can_give(pool: str, src: Source, load: PoolLoad | None, d: Demand, slo_tpot: float,
@@ -128,6 +133,8 @@ def can_give(pool: str, src: Source, load: PoolLoad | None, d: Demand, slo_tpot:
         return False, f"{pool} changed {src.since_change_s:.0f} s ago (cooldown {src.cooldown_s:.0f} s)"
     if src.violated:
         return False, f"{pool}'s own SLO component is violated"
+    if src.model > src.current - 1:
+        return False, f"the model (last capacities) needs {src.model} {pool}"
     if load is None or load.serving < src.current:
         return False, f"{pool} not all serving"
     n, figures = needed(pool, load, d, slo_tpot, headroom)

@@ -36,11 +36,13 @@ class StaleSizer:
     """The last capacities, computed for the first phase's lengths: one prefill and one decode replica suffice, and
     they are stale (the sweep for the current inputs runs) - what the 2-vCPU box showed in nearly every interval."""
 
+    decode = 1
+
     def simulate_current(self, prefill, decode, rate, wl, costs):
         return (0.05, 0.02) if rate > 0 else (None, None)
 
     def size(self, rate, wl, costs, slo):
-        return Sizing(1, 1, rate, True, 50.0, 20.0, stale=True)
+        return Sizing(1, self.decode, rate, True, 50.0, 20.0, stale=True)
 
     def close(self):
         pass
@@ -153,7 +155,8 @@ def test_source_refusals():
                       (Source(1, 0, 0, 100.0, 10.0, False, True), "minimum"),      # never below 1 with traffic
                       (Source(2, 1, 1, 100.0, 10.0, False, True), "starting"),
                       (Source(2, 1, 0, 4.0, 10.0, False, True), "cooldown"),
-                      (Source(2, 1, 0, 100.0, 10.0, True, True), "violated")):
+                      (Source(2, 1, 0, 100.0, 10.0, True, True), "violated"),
+                      (Source(2, 1, 0, 100.0, 10.0, False, True, model=2), "the model")):
         give, why = can_give("decode", src, ld, dm, SLO_TPOT, 1.2)
         assert not give and word in why, why
     give, why = can_give("decode", ok, PoolLoad(1, 1, 4, 256, 64, 0.0, 0.010, 0.001), dm, SLO_TPOT, 1.2)
@@ -215,3 +218,16 @@ def test_no_switch_where_the_source_needs_all_its_workers():
     pre, dec = ds[-1].pools
     assert pre.action == "up" and dec.action == "hold" and "no switch to prefill" in dec.reason
     assert conn.calls == [("scale", "prefill", 2)]  # started, as before
+
+
+def test_no_switch_where_the_model_needs_all_the_source_has():
+    """The measured load says decode needs 1, but the model's count (the last capacities) is 2: the corrected model
+    grew it for what the measured figures do not see, and a switch on them alone would be undone by its next grow."""
+    conn = Connector()
+    p = planner(conn)
+    p.sizer.decode = 2
+    ds = run(p, conn, SHORT + LONG[:2])
+    pre, dec = ds[-1].pools
+    assert pre.action == "up" and dec.action == "hold"
+    assert "no switch to prefill: the model (last capacities) needs 2 decode" in dec.reason, dec.reason
+    assert conn.calls == [("scale", "prefill", 2)]
