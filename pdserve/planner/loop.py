@@ -25,7 +25,7 @@ from pdserve.planner.decision import Decision
 from pdserve.planner.guard_rails import Guard
 from pdserve.planner.predictor import TrendPredictor
 from pdserve.planner.sizing import PoolLimits, Sizer, Sizing, Workload
-from pdserve.planner.surplus import Demand, PoolLoad, Source, can_give, pool_loads
+from pdserve.planner.surplus import Demand, PoolLoad, Source, can_give, pool_loads, shifted
 from pdserve.planner.switching import SWITCH_S, SwitchCosts, drain_estimate, mark_switches
 from pdserve.services import planner_record
 from pdserve.services.metrics import planner as M
@@ -242,11 +242,14 @@ class Planner:
         output = obs.output_mean if seen and obs.output_mean is not None else fc.output_mean
         hit = obs.prefix_hit if seen else fc.prefix_hit
         demand = Demand(fc.hold_rate, max(1.0, prompt * (1.0 - hit)), max(1.0, output), obs.tpot_p90)
+        shift = shifted(hold.lengths, demand)
+        note = ("" if not shift else f"; the model's capacities are for {hold.lengths[0]:.0f}/{hold.lengths[1]:.0f}"
+                f"-token prompts/outputs, this interval's {demand.prompt:.0f}/{demand.output:.0f}: a load shift")
 
         def give(pool: str) -> tuple[bool, str]:
             src = Source(current[pool], getattr(lim, f"min_{pool}"), starting[pool],
                          now - self.guard.last_change.get(pool, -1e18), self.cfg.cooldown_s,
-                         violated[pool] is not None, traffic, getattr(hold, pool))
+                         violated[pool] is not None, traffic, None if shift else getattr(hold, pool), note)
             return can_give(pool, src, loads.get(pool), demand, self.cfg.slo_tpot, self.cfg.headroom)
         return give
 

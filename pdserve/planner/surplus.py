@@ -16,9 +16,11 @@ side of a switch rests on what B's workers measure at the current load, not on f
   met as measured this interval, B stays >= its minimum (>= 1 while serving traffic), no replica of B is starting,
   B did not change within the cooldown (a switch back waits as a shrink does), and the model's own count for B -
   the shrink count, on the last capacities even while newer ones are computed or unchecked - is at most B's count
-  - 1 too. That last condition keeps the model's hysteresis (grow and shrink counts 25% apart: loop.py) between a
-  switch and the grow that would undo it: the measured figures lack what the correction factors add (front end,
-  host noise), and a pool the corrected model grew must not be taken back on them alone. Nothing measured yet (no
+  - 1 too, unless those capacities were computed for lengths `SHIFT` x off this interval's (a load shift the
+  model has not caught up with: then only the measurement describes the load). The model's condition keeps its
+  hysteresis (grow and shrink counts 25% apart: loop.py) between a switch and the grow that would undo it at a
+  steady load: the measured figures lack what the correction factors add (front end, host noise, batching
+  dynamics), and a pool the corrected model grew must not be taken back on them alone. Nothing measured yet (no
   traffic since start): no switch on priors.
 """
 from __future__ import annotations
@@ -33,6 +35,10 @@ from pdserve.services.registry import WorkerRecord
 # utilisation u one waits about u / (2 (1 - u)) prefills for the one ahead (M/D/1), half a prefill at 0.5, so the
 # TTFT stays within ~1.5 unloaded prefills. The headroom (1.2) comes on top.
 PREFILL_UTIL = 0.5
+# One interval's mean prompt (or output) this many times off the lengths the capacities were computed for is a load
+# shift, not noise: the lengths of a few requests drawn around a mean (the simulator's +-50%) rarely move their mean
+# by a third, and the capacities follow the window's means at ~5% resolution (sizing.py).
+SHIFT = 2.0
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,14 @@ def needed(pool: str, load: PoolLoad, d: Demand, slo_tpot: float, headroom: floa
                                  f"{load.kv_in_use} blocks in use")
 
 
+def shifted(computed_for: tuple[float, float] | None, d: Demand) -> bool:
+    """The capacities were computed for lengths more than `SHIFT` x off this interval's: a load shift the model has
+    not caught up with (its sweep for the new lengths outlasts intervals on a small CPU)."""
+    if computed_for is None:
+        return False
+    return any(max(a, b) > SHIFT * min(a, b) for a, b in zip(computed_for, (d.prompt, d.output)))
+
+
 @dataclass(frozen=True)
 class Source:
     """The pool's state the rule reads besides its load (the guard's and the connector's)."""
@@ -118,7 +132,9 @@ class Source:
     cooldown_s: float
     violated: bool              # its SLO component broken as measured this interval
     traffic: bool
-    model: int = 0              # its count for the window's largest rate on the last capacities (stale or not)
+    model: int | None = 0       # its count for the window's largest rate on the last capacities (stale or not);
+                                # None: those were computed for other lengths (shifted(): the model lags the shift)
+    model_note: str = ""
 
 
 def can_give(pool: str, src: Source, load: PoolLoad | None, d: Demand, slo_tpot: float,
@@ -133,7 +149,7 @@ def can_give(pool: str, src: Source, load: PoolLoad | None, d: Demand, slo_tpot:
         return False, f"{pool} changed {src.since_change_s:.0f} s ago (cooldown {src.cooldown_s:.0f} s)"
     if src.violated:
         return False, f"{pool}'s own SLO component is violated"
-    if src.model > src.current - 1:
+    if src.model is not None and src.model > src.current - 1:
         return False, f"the model (last capacities) needs {src.model} {pool}"
     if load is None or load.serving < src.current:
         return False, f"{pool} not all serving"
@@ -142,4 +158,4 @@ def can_give(pool: str, src: Source, load: PoolLoad | None, d: Demand, slo_tpot:
         return False, figures
     if n > src.current - 1:
         return False, f"{pool} measured load needs {n} of {src.current} ({figures})"
-    return True, f"measured load needs {n} of {src.current} {pool} ({figures})"
+    return True, f"measured load needs {n} of {src.current} {pool} ({figures}){src.model_note}"

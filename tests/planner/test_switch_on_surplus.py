@@ -19,7 +19,7 @@ from pdserve.planner.guard_rails import PoolLimits
 from pdserve.planner.loop import Planner, PlannerConfig
 from pdserve.planner.scrape import Observation
 from pdserve.planner.sizing import Sizing
-from pdserve.planner.surplus import PREFILL_UTIL, Demand, PoolLoad, Source, can_give, needed, pool_loads
+from pdserve.planner.surplus import PREFILL_UTIL, Demand, PoolLoad, Source, can_give, needed, pool_loads, shifted
 from pdserve.services.pb import common_pb2
 from pdserve.services.registry import WorkerRecord
 from pdserve.sim.costmodel import LinearCostModel
@@ -37,12 +37,13 @@ class StaleSizer:
     they are stale (the sweep for the current inputs runs) - what the 2-vCPU box showed in nearly every interval."""
 
     decode = 1
+    lengths = None  # what the capacities were computed for (None: unknown)
 
     def simulate_current(self, prefill, decode, rate, wl, costs):
         return (0.05, 0.02) if rate > 0 else (None, None)
 
     def size(self, rate, wl, costs, slo):
-        return Sizing(1, self.decode, rate, True, 50.0, 20.0, stale=True)
+        return Sizing(1, self.decode, rate, True, 50.0, 20.0, stale=True, lengths=self.lengths)
 
     def close(self):
         pass
@@ -231,3 +232,25 @@ def test_no_switch_where_the_model_needs_all_the_source_has():
     assert pre.action == "up" and dec.action == "hold"
     assert "no switch to prefill: the model (last capacities) needs 2 decode" in dec.reason, dec.reason
     assert conn.calls == [("scale", "prefill", 2)]
+
+
+def test_a_shift_the_model_lags_rests_on_the_measurement():
+    """The last capacities were computed for the first phase's 32/96-token prompts/outputs and need 2 decode; this
+    interval's are 600/6 (19x, 16x off): the model lags the shift, so the measured surplus decides alone. With the
+    first phase's lengths (a steady load) the model's 2 holds."""
+    assert shifted((32, 96), Demand(2, 600, 6, 0.02)) and not shifted((32, 96), Demand(2, 50, 60, 0.02))
+    assert not shifted(None, Demand(2, 600, 6, 0.02))
+    conn = Connector()
+    p = planner(conn)
+    p.sizer.decode, p.sizer.lengths = 2, (32.0, 96.0)
+    ds = run(p, conn, SHORT + LONG[:2])
+    pre, dec = ds[-1].pools
+    assert pre.action == "up" and dec.action == "switch", dec.reason
+    assert "for 32/96-token prompts/outputs, this interval's 600/6: a load shift" in dec.reason
+    assert conn.n == {"prefill": 2, "decode": 1}
+    # steady lengths: the same model blocks it
+    conn = Connector()
+    p = planner(conn)
+    p.sizer.decode, p.sizer.lengths = 2, (600.0, 6.0)
+    run(p, conn, SHORT + LONG[:2])
+    assert conn.n == {"prefill": 2, "decode": 2}
