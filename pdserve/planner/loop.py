@@ -243,8 +243,14 @@ class Planner:
         hit = obs.prefix_hit if seen else fc.prefix_hit
         demand = Demand(fc.hold_rate, max(1.0, prompt * (1.0 - hit)), max(1.0, output), obs.tpot_p90)
         shift = shifted(hold.lengths, demand)
-        note = ("" if not shift else f"; the model's capacities are for {hold.lengths[0]:.0f}/{hold.lengths[1]:.0f}"
-                f"-token prompts/outputs, this interval's {demand.prompt:.0f}/{demand.output:.0f}: a load shift")
+        if hold.lengths is None:  # no capacities computed yet: the model has no count to hold a switch to
+            shift, note = True, "; no capacities computed yet"
+        elif shift:
+            note = (f"; the model's capacities are for {hold.lengths[0]:.0f}/{hold.lengths[1]:.0f}-token "
+                    f"prompts/outputs, this interval's {demand.prompt:.0f}/{demand.output:.0f}: a load shift")
+        else:
+            note = (f" (the model's capacities are for {hold.lengths[0]:.0f}/{hold.lengths[1]:.0f}-token "
+                    "prompts/outputs)")
 
         def give(pool: str) -> tuple[bool, str]:
             src = Source(current[pool], getattr(lim, f"min_{pool}"), starting[pool],

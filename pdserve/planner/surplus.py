@@ -17,7 +17,7 @@ side of a switch rests on what B's workers measure at the current load, not on f
   B did not change within the cooldown (a switch back waits as a shrink does), and the model's own count for B -
   the shrink count, on the last capacities even while newer ones are computed or unchecked - is at most B's count
   - 1 too, unless those capacities were computed for lengths `SHIFT` x off this interval's (a load shift the
-  model has not caught up with: then only the measurement describes the load). The model's condition keeps its
+  model has not caught up with: then only the measurement describes the load) or none were computed yet. The model's condition keeps its
   hysteresis (grow and shrink counts 25% apart: loop.py) between a switch and the grow that would undo it at a
   steady load: the measured figures lack what the correction factors add (front end, host noise, batching
   dynamics), and a pool the corrected model grew must not be taken back on them alone. Nothing measured yet (no
@@ -150,7 +150,7 @@ def can_give(pool: str, src: Source, load: PoolLoad | None, d: Demand, slo_tpot:
     if src.violated:
         return False, f"{pool}'s own SLO component is violated"
     if src.model is not None and src.model > src.current - 1:
-        return False, f"the model (last capacities) needs {src.model} {pool}"
+        return False, f"the model needs {src.model} {pool}{src.model_note}"
     if load is None or load.serving < src.current:
         return False, f"{pool} not all serving"
     n, figures = needed(pool, load, d, slo_tpot, headroom)
@@ -158,4 +158,5 @@ def can_give(pool: str, src: Source, load: PoolLoad | None, d: Demand, slo_tpot:
         return False, figures
     if n > src.current - 1:
         return False, f"{pool} measured load needs {n} of {src.current} ({figures})"
-    return True, f"measured load needs {n} of {src.current} {pool} ({figures}){src.model_note}"
+    note = src.model_note if src.model is None else f"; the model needs {src.model}{src.model_note}"
+    return True, f"measured load needs {n} of {src.current} {pool} ({figures}){note}"
