@@ -243,7 +243,7 @@ class Planner:
         hit = obs.prefix_hit if seen else fc.prefix_hit
         demand = Demand(fc.hold_rate, max(1.0, prompt * (1.0 - hit)), max(1.0, output), obs.tpot_p90)
         shift = shifted(hold.lengths, demand)
-        if hold.lengths is None:  # no capacities computed yet: the model has no count to hold a switch to
+        if hold.lengths is None and hold.stale:  # no capacities computed yet: the model has no count to hold to
             shift, note = True, "; no capacities computed yet"
         elif shift:
             note = (f"; the model's capacities are for {hold.lengths[0]:.0f}/{hold.lengths[1]:.0f}-token "
