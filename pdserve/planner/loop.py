@@ -248,9 +248,11 @@ class Planner:
         elif shift:
             note = (f"; the model's capacities are for {hold.lengths[0]:.0f}/{hold.lengths[1]:.0f}-token "
                     f"prompts/outputs, this interval's {demand.prompt:.0f}/{demand.output:.0f}: a load shift")
-        else:
+        elif hold.lengths is not None:
             note = (f" (the model's capacities are for {hold.lengths[0]:.0f}/{hold.lengths[1]:.0f}-token "
                     "prompts/outputs)")
+        else:  # no load: the minimum, no capacities needed
+            note = ""
 
         def give(pool: str) -> tuple[bool, str]:
             src = Source(current[pool], getattr(lim, f"min_{pool}"), starting[pool],

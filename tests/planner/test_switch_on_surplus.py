@@ -255,3 +255,16 @@ def test_a_shift_the_model_lags_rests_on_the_measurement():
     p.sizer.decode, p.sizer.lengths = 2, None
     ds = run(p, conn, SHORT + LONG[:2])
     assert ds[-1].pools[1].action == "switch" and "no capacities computed yet" in ds[-1].pools[1].reason
+
+
+def test_a_sizing_without_capacities_decides():
+    """A sizing with no capacities behind it that is not stale (a rate of 0 sizes to the minimum without them) has
+    no lengths: a grow paired with a switch still decides, on the measurement (this raised once, and the interval
+    was skipped)."""
+    conn = Connector()
+    p = planner(conn)
+    p.sizer.size = lambda rate, wl, costs, slo: Sizing(1, 2, rate, True, note="no load")
+    ds = run(p, conn, SHORT + LONG[:2])
+    pre, dec = ds[-1].pools
+    assert (pre.action, dec.action) == ("up", "hold") and dec.reason.endswith("no switch to prefill: the model "
+                                                                              "needs 2 decode"), ds[-1].line()
