@@ -5,7 +5,8 @@ are then bit for bit what it gets served alone, whichever workers and batches se
 short prompts with long outputs, then long prompts with short outputs: the one prefill worker's TTFT breaks the
 SLO (set between the two phases' TTFTs on this box), the planner confirms the grow over 2 intervals, and since the
 decode pool's measured load then needs one worker of its two (planner/surplus.py) it switches one - while the
-simulator's capacities for the new lengths are still being computed (the case the old rule never switched in).
+simulator's capacities for the new lengths are still being computed, or before any were (the case the old rule,
+switch only against a "down", never switched in: it started a third worker).
 
 Checked: the decision says "switch" (its line in the log, `pdserve status --json`), the worker's own counter
 `pdserve_role_switches_total{from_role="decode",to_role="prefill"}` is 1, the registry shows it as prefill, the
