@@ -219,6 +219,10 @@ def _p90_line(d: dict, slo: str) -> str:
             f"{ms(d.get(f'corrected_{slo}_p90'))} (SLO {ms(d.get(f'slo_{slo}'))})")
 
 
+def _verdicts(d: dict) -> str:
+    return ", ".join(f"{p['pool']} {p['current']}->{p['desired']} ({p['action']}: {p['reason']})" for p in d["pools"])
+
+
 def format_text(st: dict) -> str:
     lines = [f"model {st['model']} ({st['source']})",
              "pools: " + (", ".join(f"{k} {v['healthy']}/{v['replicas']} healthy"
@@ -235,11 +239,12 @@ def format_text(st: dict) -> str:
     if pl and pl.get("last"):
         d = pl["last"]
         age = time.time() - d["time"]
-        pools = ", ".join(f"{p['pool']} {p['current']}->{p['desired']} ({p['action']}: {p['reason']})"
-                          for p in d["pools"])
-        lines.append(f"planner ({d['connector']}{', dry run' if d['dry_run'] else ''}), {age:.0f} s ago: {pools}; "
-                     f"forecast {d['forecast_rate']:.2f} req/s (observed {d['observed_rate']:.2f})")
+        lines.append(f"planner ({d['connector']}{', dry run' if d['dry_run'] else ''}), {age:.0f} s ago: "
+                     f"{_verdicts(d)}; forecast {d['forecast_rate']:.2f} req/s (observed {d['observed_rate']:.2f})")
         lines.append("  " + "; ".join(_p90_line(d, slo) for slo in ("ttft", "tpot")))
+        change = (pl.get("changes") or [None])[0]
+        if change and change["time"] != d["time"]:  # what was last done (a switch, a start, a drain), and why
+            lines.append(f"  last change, {time.time() - change['time']:.0f} s ago: {_verdicts(change)}")
     else:
         lines.append("planner: no decision recorded")
     return "\n".join(lines)
