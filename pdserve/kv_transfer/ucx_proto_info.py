@@ -56,7 +56,8 @@ def is_table_line(msg: str) -> bool:
 
 class TableParser:
     """Feed it UCX log messages one by one (`feed`); it returns a Selection when a table ends. A table is four
-    border lines apart: top, below the title, below the column names, bottom; anything else resets it."""
+    border lines apart: top, below the title, below the column names, bottom; a line that is no table's resets
+    it, and a title line starts a table afresh (after one that was cut short)."""
 
     def __init__(self):
         self._lines: list[str] = []
@@ -73,6 +74,8 @@ class TableParser:
                 self._lines, self._borders = [], 0
                 return got
             return None
+        if self._lines and _TITLE.match(msg):
+            self._lines, self._borders = [], 1  # the border just before it was this table's top
         self._lines.append(msg)
         return None
 
