@@ -105,7 +105,7 @@ class DecodeSide:
         """Before the first READ from a peer incarnation: where UCX's report stands. What UCX reports from here
         to the end of that READ is its selection for this peer (kv_transfer/ucx_log.py)."""
         key = (kv.worker_address, kv.incarnation)
-        if self.ucx is not None and self.ucx.active and key not in self._marks:
+        if self.ucx is not None and self.ucx.active and key not in self._marks and key not in self._probed:
             self._marks[key] = self.ucx.mark()
 
     def _probe_once(self, kv: common_pb2.KvHandle, regions) -> None:
