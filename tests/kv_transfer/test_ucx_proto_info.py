@@ -1,8 +1,9 @@
 """UCX's protocol-selection report read back (kv_transfer/ucx_proto_info.py, ucx_log.py), on lines this UCX
 (nixl-cu12's) wrote, verbatim: a READ between two processes of one host with UCX's defaults (cma), the same with
 UCX_TLS=tcp (emulated over tcp), the loopback endpoint's PUT NIXL makes at start, and an error line.
-The expected Selections are read off the tables by hand. The worker pair that produces such lines for real is
-tests/services/worker/test_kv_transport_observed.py."""
+The expected Selections are read off the tables by hand; a decode side reads the report once per peer
+incarnation. The worker pair that produces such lines for real is
+tests/services/worker/test_kv_pair_metrics.py."""
 import logging
 import os
 
@@ -100,4 +101,62 @@ def test_the_log_is_read_across_partial_writes_and_errors_go_to_the_worker_log(t
         assert [(r.levelno, "no active messages transport" in r.getMessage()) for r in errors] == [
             (logging.ERROR, True)]
     finally:
+        log.close()
+
+
+class _CountingLog(UcxLog):
+    def __init__(self, path):
+        super().__init__()
+        self._fd = os.open(path, os.O_RDONLY)  # as open() leaves it, on a file the test writes instead of UCX
+        self.marks = 0
+
+    def mark(self) -> int:
+        self.marks += 1
+        return super().mark()
+
+
+def test_a_decode_worker_reads_the_report_once_per_peer_incarnation(tmp_path):
+    """Marked before the first pull from a peer incarnation, read right after it, and never again for later
+    pulls from it (the hot path); the peer's sample on pdserve_kv_pair_transport_info follows, a restarted peer's
+    replacing its previous one."""
+    from types import SimpleNamespace
+
+    from pdserve.kv_transfer.layout import KV_PROTOCOL_VERSION, KVLayout
+    from pdserve.services.decode.service import DecodeSide
+    from pdserve.services.kv_endpoint import KvEndpoint
+    from pdserve.services.metrics import worker as M
+    from pdserve.services.pb import common_pb2
+
+    path = tmp_path / "ucx.log"
+    path.write_bytes(b"")
+    log = _CountingLog(path)
+    ep = KvEndpoint("d", "127.0.0.1:1", "inc", KV_PROTOCOL_VERSION, KVLayout("fp", 16, "float32", 2, 2, 16),
+                    common_pb2.KvRegion())
+    side = DecodeSide(host=None, endpoint=ep, agent=SimpleNamespace(name="me"), tokenizer=None, meter=None,
+                      transfer_timeout_s=1.0, ucx=log)
+    two = [None, None]  # two regions (a TP peer): no self-test is started, the observation still is
+    first = common_pb2.KvHandle(worker_id="ucx-peer", worker_address="10.0.0.9:1", incarnation="i1")
+    try:
+        side._mark_once(first)
+        with open(path, "a") as f:  # UCX reports its selection for the peer's first READ
+            f.write(TCP)
+        side._probe_once(first, two)
+        for _ in range(3):  # later pickups from the same incarnation
+            side._mark_once(first)
+            side._probe_once(first, two)
+        assert log.marks == 1 and side.observed == {"ucx-peer": "tcp"}
+        assert M.WORKER.get_sample_value("pdserve_kv_pair_transport_info",
+                                         {"peer": "ucx-peer", "observed": "tcp"}) == 1
+        # the peer restarted: its endpoint reuses the configuration met before, UCX reports nothing new
+        again = common_pb2.KvHandle(worker_id="ucx-peer", worker_address="10.0.0.9:1", incarnation="i2")
+        side._mark_once(again)
+        side._probe_once(again, two)
+        assert log.marks == 2 and side.observed == {"ucx-peer": "tcp"}
+        side.pairs.transport("ucx-peer", "cma")  # had it chosen otherwise: one sample, the new one
+        assert M.WORKER.get_sample_value("pdserve_kv_pair_transport_info",
+                                         {"peer": "ucx-peer", "observed": "tcp"}) is None
+        assert M.WORKER.get_sample_value("pdserve_kv_pair_transport_info",
+                                         {"peer": "ucx-peer", "observed": "cma"}) == 1
+    finally:
+        M.KV_PAIR_TRANSPORT_INFO.remove("ucx-peer", "cma")
         log.close()
