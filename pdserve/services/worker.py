@@ -327,7 +327,7 @@ async def _heartbeat_loop(w: Worker, registry: Registry | None, interval_s: floa
         try:
             w.refresh_stats()
             if w.ucx is not None:  # UCX's warnings on to the worker's log (kv_transfer/ucx_log.py)
-                w.ucx.poll()
+                await asyncio.to_thread(w.ucx.poll)
             busy = w.host.busy_for()
             if busy > stall_s:
                 if not stalled:
