@@ -32,7 +32,7 @@ from pdserve.kv_transfer.tp_pull import KvPuller
 from pdserve.kv_transfer.ucx_log import UcxLog
 from pdserve.kv_transfer.ucx_proto_info import observed
 from pdserve.services.convert import DeltaEncoder, first_tokens_from_pb, limits_from_pb, params_from_pb
-from pdserve.services.decode.pair_metrics import PairMetrics
+from pdserve.services.decode.pair_metrics import MAX_PEERS, PairMetrics
 from pdserve.services.decode.peers import KvPeers
 from pdserve.services.decode.pull_plan import pull_plan
 from pdserve.services.grpc_util import abort_compile_timeout, channel
@@ -126,7 +126,8 @@ class DecodeSide:
         hundred bytes). No mark (UCX's log is not this worker's to read): the peer is `unknown`."""
         new, known = (self.ucx.since(mark), self.ucx.since(0)) if mark is not None else ([], [])
         got = observed(self.agent.name, new, known)
-        self.observed[peer] = got
+        if peer in self.observed or len(self.observed) < MAX_PEERS:  # the registry record stays small
+            self.observed[peer] = got
         self.pairs.transport(peer, got)
         log.info("KV from %s: UCX chose %s for its READs", peer, got)
 
