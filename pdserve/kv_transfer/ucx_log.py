@@ -30,6 +30,7 @@ log = logging.getLogger("pdserve.ucx")
 
 PROTO_GLOB = "*get*"  # READs only: a handful of tables per process, none per transfer
 _LEVEL = re.compile(r"\bUCX\s+([A-Z]+)\b")  # "select.c:722  UCX  ERROR   no active messages transport ..."
+_LIBUCS = re.compile(r"^libucs([-.][^/]*)?\.so")  # libucs.so.0, a wheel's libucs-14c218c5.so.0.0.0; not libucs_signal
 _LEVELS = {"FATAL": logging.ERROR, "ERROR": logging.ERROR, "WARN": logging.WARNING, "DIAG": logging.INFO,
            "INFO": logging.INFO}
 
@@ -40,7 +41,7 @@ def _libucs() -> str | None:
         with open("/proc/self/maps") as f:
             for line in f:
                 path = line.split()[-1]
-                if os.path.basename(path).startswith("libucs") and ".so" in path:
+                if _LIBUCS.match(os.path.basename(path)):
                     return path
     except OSError:
         pass
@@ -98,14 +99,15 @@ class UcxLog:
         if self._dir is None:
             return
         try:
-            self._fd = os.open(self._path, os.O_RDONLY)
             lib = _libucs()
-            self._flush = ctypes.CDLL(lib, mode=os.RTLD_NOLOAD).ucs_log_flush if lib else None
-            if self._flush is None:
-                self.reason = "libucs not found in this process"
+            if lib is None:  # without its flush the tables would arrive whenever UCX's buffer fills
+                self.reason = "libucs is not loaded in this process"
+                return
+            self._flush = ctypes.CDLL(lib, mode=os.RTLD_NOLOAD).ucs_log_flush
+            self._fd = os.open(self._path, os.O_RDONLY)
+            self.reason = ""
         except (OSError, AttributeError) as e:
             self.reason = f"UCX's log file could not be read: {e}"
-            self.close()
         finally:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
