@@ -61,7 +61,7 @@ def workers(tiny_llama):
     mp = pytest.MonkeyPatch()
     mp.delenv("UCX_TLS", raising=False)  # the decode worker and the second prefill worker get UCX's defaults
     model = f"pairs-{uuid.uuid4().hex[:8]}"
-    common = ("--served-model-name", model)
+    common = ("--served-model-name", model, "--grammar-start", "lazy")  # no grammar processes: none is constrained
     pport, sport, dmet = free_port(), free_port(), free_port()
     procs = []
     try:
