@@ -143,6 +143,7 @@ SLOW = {
     "tests/services/worker/test_layout.py", "tests/services/worker/test_kv_handshake.py",
     "tests/services/worker/test_lifecycle.py", "tests/services/worker/test_heartbeat.py",
     "tests/services/worker/test_prefill_restart.py", "tests/services/router/test_routing.py",
+    "tests/services/worker/test_kv_pair_metrics.py",
     "tests/services/test_redis_conn.py", "tests/services/test_supervisor.py", "tests/kv_transfer/test_tp_transfer.py",
     "tests/kv_transfer/test_kv_transfer.py", "tests/sim/test_cluster.py", "tests/sim/test_validate.py",
     "tests/planner/test_policy_sim.py", "tests/bench/test_cli_mock.py", "tests/bench/test_coordinated_omission.py",
