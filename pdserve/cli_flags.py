@@ -133,10 +133,11 @@ def add_engine(p: argparse.ArgumentParser) -> None:
                    help="a mixture-of-experts model's experts split whole over the ranks: 1, "
                         "--tensor-parallel-size, or any size at --tensor-parallel-size 1 (attention replicated on "
                         "every rank) (default: 1; docs/engine.md, Expert parallelism)")
-    p.add_argument("--expert-dispatch", choices=("all_to_all", "all_reduce"),
+    p.add_argument("--expert-dispatch", choices=("auto", "all_to_all", "all_reduce"),
                    help="how expert-parallel ranks reach the experts others hold: all_to_all sends each token row "
                         "only to its expert's rank and back; all_reduce sums every rank's experts' share over "
-                        "every token (fewer collectives per step) (default: all_to_all; docs/engine.md, Expert "
+                        "every token (fewer collectives per step); auto: all_to_all where it moves fewer bytes "
+                        "(top-k < ranks; 2 x top-k < ranks with attention replicated) (default: auto; docs/engine.md, Expert "
                         "parallelism)")
     add_spec_flags(p)
 

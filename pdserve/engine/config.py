@@ -299,7 +299,7 @@ class EngineConfig:
     # How a sparse layer reaches experts held by other ranks (docs/engine.md, "Expert parallelism"): all_to_all =
     # each rank routes its slice of the tokens and sends each row only to its expert's owner (tp/dispatch.py);
     # all_reduce = every rank computes its experts' share of every token and an all-reduce sums the shares.
-    expert_dispatch: str = "all_to_all"
+    expert_dispatch: str = "auto"
     # Speculative decoding (spec_decode/): None | ngram (prompt lookup) | draft (`draft_model`, same tokenizer);
     # up to `num_speculative_tokens` candidates verified per decode step.
     speculative: str | None = None
@@ -357,8 +357,8 @@ class EngineConfig:
             raise ValueError(f"expert_parallel_size={self.expert_parallel_size} must be 1, tensor_parallel_size="
                              f"{self.tensor_parallel_size} (experts split over the tensor-parallel ranks) or any "
                              f"degree with tensor_parallel_size=1 (attention replicated on every rank)")
-        if self.expert_dispatch not in ("all_to_all", "all_reduce"):
-            raise ValueError(f"unknown expert_dispatch {self.expert_dispatch!r} (all_to_all, all_reduce)")
+        if self.expert_dispatch not in ("auto", "all_to_all", "all_reduce"):
+            raise ValueError(f"unknown expert_dispatch {self.expert_dispatch!r} (auto, all_to_all, all_reduce)")
         if self.speculative not in (None, "ngram", "draft"):
             raise ValueError(f"unknown speculative method {self.speculative!r} (ngram, draft)")
         if self.speculative and self.num_speculative_tokens < 1:

@@ -50,6 +50,7 @@ from pdserve.engine.spec_decode import make_spec_decoder
 from pdserve.engine.stats import EngineStats
 from pdserve.engine.stop import OutputProcessor
 from pdserve.engine.tokenizer import Tokenizer
+from pdserve.engine.tp.dispatch import uses_all_to_all
 from pdserve.engine.tp.kv_ops import RecordingKVCache
 from pdserve.engine.tp.shard import shard_for
 
@@ -153,7 +154,8 @@ class Engine:
             group = RankGroup.start(model_dir, config, dtype)
         with torch.device(config.device):
             net = LlamaModel(mcfg, shard, group.comm if group else None,
-                             config.expert_dispatch == "all_to_all").to(dtype)
+                             uses_all_to_all(config.expert_dispatch, config.expert_parallel_size, mcfg.num_experts_per_tok,
+                                             config.replicated_attention)).to(dtype)
         net.load_hf_weights(tensors)
         del tensors
         net.eval()

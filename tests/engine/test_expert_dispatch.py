@@ -175,3 +175,18 @@ def test_expert_parallel_2_without_tensor_parallelism_equals_one_rank_and_transf
     assert ours == [o.outputs[0].token_ids for o in e1.generate(PROMPTS, greedy)]
     b = e1.generate([PROMPTS[2]], lp)[0].prompt_logprobs
     assert max(abs(x.logprob - y.logprob) for x, y in zip(a[1:], b[1:])) <= 2e-4
+
+
+@pytest.mark.parametrize("ranks,top_k,replicated,want", [
+    (2, 2, False, False), (4, 2, False, True), (8, 8, False, False), (2, 1, False, True),
+    (4, 2, True, False), (8, 2, True, True), (2, 2, True, False)])
+def test_auto_dispatch_takes_all_to_all_only_where_it_moves_fewer_bytes(ranks, top_k, replicated, want):
+    """The rows of hidden each rank sends per sparse layer, per token, from the formulas in docs/engine.md:
+    all-to-all is chosen exactly where it sends fewer."""
+    from pdserve.engine.tp.dispatch import uses_all_to_all
+    n, k = ranks, top_k
+    all_reduce = (2 if replicated else 4) * (n - 1) / n
+    all_to_all = (n - 1) / n * ((1 if replicated else 2) + 2 * k / n)
+    assert (all_to_all < all_reduce) == want
+    assert uses_all_to_all("auto", n, k, replicated) == want
+    assert uses_all_to_all("all_to_all", n, k, replicated) and not uses_all_to_all("all_reduce", n, k, replicated)

@@ -24,6 +24,16 @@ from collections.abc import Callable
 import torch
 
 
+def uses_all_to_all(dispatch: str, ranks: int, top_k: int, replicated_attention: bool) -> bool:
+    """`--expert-dispatch`'s choice; `auto` takes all-to-all only where it moves fewer bytes per rank and step than
+    the all-reduce combine (docs/engine.md, "Expert parallelism"): with the attention tensor parallel, all-reduce
+    4(N-1)/N against (N-1)/N (2 + 2k/N) rows of hidden, so k < N; with it replicated, 2(N-1)/N against
+    (N-1)/N (1 + 2k/N), so 2k < N. Where they tie or all-to-all moves more, the all-reduce's fewer collectives win."""
+    if dispatch != "auto":
+        return dispatch == "all_to_all"
+    return 2 * top_k < ranks if replicated_attention else top_k < ranks
+
+
 def token_slice(t: int, rank: int, size: int) -> tuple[int, int, int]:
     """(first, end, rows per slice) of rank `rank`'s share of a step's `t` tokens: contiguous slices of
     ceil(t / size) rows, the last ones short or empty."""

@@ -42,6 +42,7 @@ def main(argv: list[str]) -> int:
     from pdserve.engine.model import LlamaModel
     from pdserve.engine.model_runner import ModelRunner
     from pdserve.engine.tp.comm import TPComm
+    from pdserve.engine.tp.dispatch import uses_all_to_all
     from pdserve.engine.tp.group import rank_device
     from pdserve.engine.tp.shard import shard_for
 
@@ -58,7 +59,8 @@ def main(argv: list[str]) -> int:
     with torch.device(device):
         shard = shard_for(mcfg, a.rank, a.size, config.expert_parallel_size > 1, config.replicated_attention)
         net = LlamaModel(mcfg, shard, comm,
-                         config.expert_dispatch == "all_to_all").to(dtype)
+                         uses_all_to_all(config.expert_dispatch, config.expert_parallel_size, mcfg.num_experts_per_tok,
+                                             config.replicated_attention)).to(dtype)
     net.load_hf_weights(tensors)
     del tensors
     net.eval()
