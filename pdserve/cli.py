@@ -153,10 +153,10 @@ def _add_up(sub) -> None:
                    "(default: --tensor-parallel-size)")
     d.add_argument("--decode-tp", type=positive_int, help="tensor parallel size of decode workers "
                    "(default: --tensor-parallel-size)")
-    d.add_argument("--prefill-ep", type=positive_int, help="expert parallel size of prefill workers: 1 or their "
-                   "tensor parallel size (default: --expert-parallel-size)")
-    d.add_argument("--decode-ep", type=positive_int, help="expert parallel size of decode workers: 1 or their "
-                   "tensor parallel size (default: --expert-parallel-size)")
+    d.add_argument("--prefill-ep", type=positive_int, help="expert parallel size of prefill workers: 1, their "
+                   "tensor parallel size, or any size at tensor parallel size 1 (default: --expert-parallel-size)")
+    d.add_argument("--decode-ep", type=positive_int, help="expert parallel size of decode workers: 1, their "
+                   "tensor parallel size, or any size at tensor parallel size 1 (default: --expert-parallel-size)")
     d.add_argument("--routers", type=positive_int, default=1,
                    help="routers, active-active: each rebuilds its view from Redis, the gateway fails over between "
                         "them within a request (docs/reliability.md, Routers)")

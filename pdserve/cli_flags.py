@@ -130,8 +130,15 @@ def add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=positive_int,
                    help="ranks of tensor parallelism per worker, one process each (default: 1; docs/engine.md)")
     p.add_argument("--expert-parallel-size", type=positive_int,
-                   help="a mixture-of-experts model's experts split whole over the tensor-parallel ranks: 1 or "
-                        "--tensor-parallel-size (default: 1; docs/engine.md, Expert parallelism)")
+                   help="a mixture-of-experts model's experts split whole over the ranks: 1, "
+                        "--tensor-parallel-size, or any size at --tensor-parallel-size 1 (attention replicated on "
+                        "every rank) (default: 1; docs/engine.md, Expert parallelism)")
+    p.add_argument("--expert-dispatch", choices=("auto", "all_to_all", "all_reduce"),
+                   help="how expert-parallel ranks reach the experts others hold: all_to_all sends each token row "
+                        "only to its expert's rank and back; all_reduce sums every rank's experts' share over "
+                        "every token (fewer collectives per step); auto: all_to_all where it moves fewer bytes "
+                        "(top-k < ranks; 2 x top-k < ranks with attention replicated) (default: auto; docs/engine.md, Expert "
+                        "parallelism)")
     add_spec_flags(p)
 
 

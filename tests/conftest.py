@@ -138,11 +138,12 @@ _MARKERS = {"e2e": "e2e", "helm": "helm"}
 # `slow`: the modules outside tests/e2e that took >= ~9 s each (`--durations`, 2-core Xeon): worker processes,
 # tensor-parallel ranks, compiles, simulated clusters. `-m "not e2e and not slow"` is the fast loop (README).
 SLOW = {
-    "tests/engine/test_tp.py", "tests/engine/test_grammar_pool.py", "tests/engine/test_triton_compile.py",
+    "tests/engine/test_tp.py", "tests/engine/test_expert_dispatch.py", "tests/engine/test_grammar_pool.py", "tests/engine/test_triton_compile.py",
     "tests/engine/test_kernel_build.py", "tests/services/worker/test_disagg_tp.py",
     "tests/services/worker/test_layout.py", "tests/services/worker/test_kv_handshake.py",
     "tests/services/worker/test_lifecycle.py", "tests/services/worker/test_heartbeat.py",
     "tests/services/worker/test_prefill_restart.py", "tests/services/router/test_routing.py",
+    "tests/services/worker/test_kv_pair_metrics.py",
     "tests/services/test_redis_conn.py", "tests/services/test_supervisor.py", "tests/kv_transfer/test_tp_transfer.py",
     "tests/kv_transfer/test_kv_transfer.py", "tests/sim/test_cluster.py", "tests/sim/test_validate.py",
     "tests/planner/test_policy_sim.py", "tests/bench/test_cli_mock.py", "tests/bench/test_coordinated_omission.py",

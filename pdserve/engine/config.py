@@ -292,14 +292,29 @@ class EngineConfig:
     deterministic: bool = False
     # Ranks of tensor parallelism inside this engine (engine/tp/): one process each, rank 0 schedules.
     tensor_parallel_size: int = 1
-    # Expert parallelism: a mixture-of-experts model's routed experts split whole over the tensor-parallel ranks
-    # (attention stays tensor parallel); 1 or tensor_parallel_size.
+    # Expert parallelism: a mixture-of-experts model's routed experts split whole over the ranks; 1,
+    # tensor_parallel_size (attention stays tensor parallel), or any degree at tensor_parallel_size 1 (the rest of
+    # the model replicated on every rank, `ranks` processes).
     expert_parallel_size: int = 1
+    # How a sparse layer reaches experts held by other ranks (docs/engine.md, "Expert parallelism"): all_to_all =
+    # each rank routes its slice of the tokens and sends each row only to its expert's owner (tp/dispatch.py);
+    # all_reduce = every rank computes its experts' share of every token and an all-reduce sums the shares.
+    expert_dispatch: str = "auto"
     # Speculative decoding (spec_decode/): None | ngram (prompt lookup) | draft (`draft_model`, same tokenizer);
     # up to `num_speculative_tokens` candidates verified per decode step.
     speculative: str | None = None
     num_speculative_tokens: int = 4
     draft_model: str | None = None
+
+    @property
+    def ranks(self) -> int:
+        """Processes of this engine: the tensor-parallel ranks, or the expert-parallel ones at TP 1."""
+        return max(self.tensor_parallel_size, self.expert_parallel_size)
+
+    @property
+    def replicated_attention(self) -> bool:
+        """Expert parallelism without tensor parallelism: everything but the experts whole on every rank."""
+        return self.tensor_parallel_size == 1 and self.expert_parallel_size > 1
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
@@ -332,13 +347,18 @@ class EngineConfig:
             raise ValueError(f"unknown quantization {self.quantization!r} (none, int8)")
         if self.quantization != "none" and not self.device.startswith("cpu"):
             raise ValueError(f"quantization={self.quantization!r} runs on CPU only (device {self.device!r})")
-        if self.quantization != "none" and self.tensor_parallel_size > 1:  # the other ranks load unquantized
-            raise ValueError(f"quantization={self.quantization!r} is not supported with tensor_parallel_size > 1")
+        if self.quantization != "none" and self.ranks > 1:  # the other ranks load unquantized
+            raise ValueError(f"quantization={self.quantization!r} is not supported with tensor_parallel_size or "
+                             f"expert_parallel_size > 1")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.expert_parallel_size not in (1, self.tensor_parallel_size):
-            raise ValueError(f"expert_parallel_size={self.expert_parallel_size} must be 1 or tensor_parallel_size="
-                             f"{self.tensor_parallel_size}: experts are split over the tensor-parallel ranks")
+        if self.expert_parallel_size < 1 or (self.expert_parallel_size not in (1, self.tensor_parallel_size)
+                                             and self.tensor_parallel_size != 1):
+            raise ValueError(f"expert_parallel_size={self.expert_parallel_size} must be 1, tensor_parallel_size="
+                             f"{self.tensor_parallel_size} (experts split over the tensor-parallel ranks) or any "
+                             f"degree with tensor_parallel_size=1 (attention replicated on every rank)")
+        if self.expert_dispatch not in ("auto", "all_to_all", "all_reduce"):
+            raise ValueError(f"unknown expert_dispatch {self.expert_dispatch!r} (auto, all_to_all, all_reduce)")
         if self.speculative not in (None, "ngram", "draft"):
             raise ValueError(f"unknown speculative method {self.speculative!r} (ngram, draft)")
         if self.speculative and self.num_speculative_tokens < 1:
@@ -351,7 +371,8 @@ class EngineConfig:
         from pdserve.engine.kv_quant import KV_CACHE_DTYPES
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r} (one of {', '.join(KV_CACHE_DTYPES)})")
-        if self.kv_cache_dtype != "auto" and self.tensor_parallel_size > 1:  # the other ranks size their own pools
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported with tensor_parallel_size > 1")
+        if self.kv_cache_dtype != "auto" and self.ranks > 1:  # the other ranks size their own pools
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported with tensor_parallel_size or "
+                             f"expert_parallel_size > 1")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}")

@@ -50,6 +50,7 @@ from pdserve.engine.spec_decode import make_spec_decoder
 from pdserve.engine.stats import EngineStats
 from pdserve.engine.stop import OutputProcessor
 from pdserve.engine.tokenizer import Tokenizer
+from pdserve.engine.tp.dispatch import uses_all_to_all
 from pdserve.engine.tp.kv_ops import RecordingKVCache
 from pdserve.engine.tp.shard import shard_for
 
@@ -145,20 +146,23 @@ class Engine:
         dtype = auto_dtype(mcfg.checkpoint_dtype, config.device) if config.dtype == "auto" else DTYPES[config.dtype]
         torch.manual_seed(config.seed)
         config.validate()
-        shard = shard_for(mcfg, 0, config.tensor_parallel_size, config.expert_parallel_size > 1)  # spec D08: refused before any rank starts
+        # spec D08: refused before any rank starts
+        shard = shard_for(mcfg, 0, config.ranks, config.expert_parallel_size > 1, config.replicated_attention)
         group = None
-        if config.tensor_parallel_size > 1:
+        if config.ranks > 1:
             from pdserve.engine.tp.group import RankGroup
             group = RankGroup.start(model_dir, config, dtype)
         with torch.device(config.device):
-            net = LlamaModel(mcfg, shard, group.comm if group else None).to(dtype)
+            net = LlamaModel(mcfg, shard, group.comm if group else None,
+                             uses_all_to_all(config.expert_dispatch, config.expert_parallel_size, mcfg.num_experts_per_tok,
+                                             config.replicated_attention)).to(dtype)
         net.load_hf_weights(tensors)
         del tensors
         net.eval()
         ops = native_ops() if config.native_kernels and config.device.startswith("cpu") else None
         storage = config.quantization if config.quantization != "none" else "same"
         reserve = config.kv_cache_bytes or CPU_DEFAULT_KV_BYTES
-        if storage == "same" and config.dtype == "auto" and config.tensor_parallel_size == 1:
+        if storage == "same" and config.dtype == "auto" and config.ranks == 1:
             # a bf16 checkpoint computed in fp32: bf16 copies for the decode GEMVs (quant.py, docs/engine.md)
             storage = auto_weight_storage(net, detected_level(), mcfg.checkpoint_dtype, dtype, config.device,
                                           ops is not None, reserve)
@@ -167,7 +171,7 @@ class Engine:
         if ops is not None and config.device.startswith("cpu"):
             net.stack_experts()  # sparse layers' experts for the native MoE kernel (moe.py)
         # bf16 computed as bf16: batch-1 decode through the native GEMV beside oneDNN's packed weights (quant.py)
-        net.pack_weights(storage == "same" and config.tensor_parallel_size == 1 and keep_batch1_gemv(
+        net.pack_weights(storage == "same" and config.ranks == 1 and keep_batch1_gemv(
             net, detected_level(), dtype, config.device, ops is not None, reserve))
         # int8 weights compute different KV: never shared with (or prefix-hit by) an unquantized deployment's.
         quant = "" if config.quantization == "none" else ":" + config.quantization

@@ -180,10 +180,14 @@ class DecoderLayer(nn.Module):
     the stack, which picks its window where the model gives each layer its own (gpt-oss)."""
     native_ops = None  # the compiled CPU kernels, set by LlamaModel.use_native_ops
 
-    def __init__(self, cfg: ModelConfig, shard: TPShard, comm=None, sparse: bool = False, index: int = 0):
+    def __init__(self, cfg: ModelConfig, shard: TPShard, comm=None, sparse: bool = False, index: int = 0,
+                 all_to_all: bool = False):
+        """`all_to_all`: with expert parallelism, a sparse layer dispatches its tokens to the experts' owners
+        (tp/dispatch.py) instead of summing every rank's partial output over every token."""
         super().__init__()
         self.cfg = cfg
         self.comm = comm
+        self.replicated = shard.replicated  # expert parallelism without TP: only the experts' outputs are summed
         h, hd = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * hd, self.num_kv_heads * hd
@@ -201,7 +205,11 @@ class DecoderLayer(nn.Module):
         # gpt-oss: a learned per-head logit in every softmax's denominator; MoE refuses TP, so all heads are here
         self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if cfg.attention_sinks else None
         self.window = cfg.layer_windows[index] if cfg.layer_windows else "model"
-        self.moe = SparseMoE(cfg, Linear, shard.experts, shard.rank) if sparse else None
+        dispatch = None
+        if sparse and all_to_all and comm is not None and len(shard.experts) < cfg.num_experts:
+            from pdserve.engine.tp.dispatch import ExpertDispatch
+            dispatch = ExpertDispatch(comm, cfg.num_experts, shard.experts)
+        self.moe = SparseMoE(cfg, Linear, shard.experts, shard.rank, dispatch) if sparse else None
         self.gate_up = None if sparse else Linear(h, 2 * inter, bias=cfg.mlp_bias)
         self.down = None if sparse else Linear(inter, h, bias=cfg.mlp_bias)
 
@@ -211,19 +219,45 @@ class DecoderLayer(nn.Module):
         nor experts."""
         return self.q_norm is None and self.moe is None and self.sinks is None and self.mla is None
 
-    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.comm is None else self.comm.all_reduce(x)
+    def _reduce(self, x: torch.Tensor, experts: bool = False) -> torch.Tensor:
+        """Sum a row-parallel output over the ranks; `experts`: the split experts' shares, summed even where the
+        rest of the model is whole on every rank."""
+        return x if self.comm is None or (self.replicated and not experts) else self.comm.all_reduce(x)
 
     def forward(self, x, cos, sin, kv, layer: int, meta: AttentionMetadata) -> torch.Tensor:
+        if self.moe is not None and self.moe.dispatch is not None:
+            return self._dispatched(x, cos, sin, kv, layer, meta)
         if self.mla is not None:
             x = x + self.mla(self.input_norm(x), cos, sin, kv, layer, meta)
         else:
             x = x + self._attention(x, cos, sin, kv, layer, meta)
         if self.moe is not None:  # with tensor parallelism: expert parallel, this rank's experts' share summed
-            return x + self._reduce(self.moe(self.post_norm(x)))
+            return x + self._reduce(self.moe(self.post_norm(x)), experts=True)
         return x + self._reduce(self.down(swiglu(self.gate_up(self.post_norm(x)), self.native_ops)))
 
-    def _attention(self, x, cos, sin, kv, layer: int, meta: AttentionMetadata) -> torch.Tensor:
+    def _dispatched(self, x, cos, sin, kv, layer: int, meta: AttentionMetadata) -> torch.Tensor:
+        """The layer with its experts reached by all-to-all: rank r carries the residual of its slice of the tokens
+        (tp/dispatch.token_slice) from the attention output to the MoE output, then every slice is all-gathered.
+        Tensor-parallel attention is summed by a reduce-scatter into the slices (each rank receives only the rows
+        it carries); replicated attention (DeepSeek's latent attention, any attention at TP 1) is sliced as it is."""
+        from pdserve.engine.tp.dispatch import token_slice
+        t, n = x.shape[0], self.comm.size
+        lo, hi, per = token_slice(t, self.comm.rank, n)
+        if self.mla is not None:
+            h = x[lo:hi] + self.mla(self.input_norm(x), cos, sin, kv, layer, meta)[lo:hi]
+        elif self.replicated:
+            h = x[lo:hi] + self._attention(x, cos, sin, kv, layer, meta)[lo:hi]
+        else:
+            partial = self._attention(x, cos, sin, kv, layer, meta, reduce=False)
+            if per * n != t:
+                partial = torch.cat([partial, partial.new_zeros(per * n - t, partial.shape[1])])
+            h = x[lo:hi] + self.comm.reduce_scatter(partial)[:hi - lo]
+        h = h + self.moe.dispatched(self.post_norm(h))
+        if hi - lo != per:
+            h = torch.cat([h, h.new_zeros(per - (hi - lo), h.shape[1])])
+        return self.comm.all_gather(h)[:t]
+
+    def _attention(self, x, cos, sin, kv, layer: int, meta: AttentionMetadata, reduce: bool = True) -> torch.Tensor:
         cfg = self.cfg
         t = x.shape[0]
         qkv = self.qkv(self.input_norm(x))
@@ -241,19 +275,21 @@ class DecoderLayer(nn.Module):
         v = v.view(t, self.num_kv_heads, cfg.head_dim)
         attn = paged_attention(q, k, v, kv, layer, meta, scale=cfg.head_dim ** -0.5, sinks=self.sinks,
                                window=self.window)
-        return self._reduce(self.o(attn.reshape(t, self.q_size)))
+        out = self.o(attn.reshape(t, self.q_size))
+        return self._reduce(out) if reduce else out
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard: TPShard | None = None, comm=None):
+    def __init__(self, cfg: ModelConfig, shard: TPShard | None = None, comm=None, all_to_all: bool = False):
         """`shard`/`comm`: this rank's slice and the TP group (engine/tp/); None: the whole model, one process.
-        The embedding and LM head are vocab-parallel: each rank holds `shard.vocab` rows."""
+        The embedding and LM head are vocab-parallel: each rank holds `shard.vocab` rows. `all_to_all`: split
+        experts are reached by all-to-all dispatch (DecoderLayer)."""
         super().__init__()
         self.cfg = cfg
         self.shard = shard or shard_for(cfg)
         self.comm = comm
         self.embed = nn.Embedding(len(self.shard.vocab), cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.shard, comm, i in cfg.moe_layers, i)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.shard, comm, i in cfg.moe_layers, i, all_to_all)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, len(self.shard.vocab), bias=False)
@@ -345,7 +381,7 @@ class LlamaModel(nn.Module):
         return True
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.comm is None:
+        if self.comm is None or self.shard.replicated:
             return self.embed(input_ids)
         # vocab-parallel: rows outside this rank's slice are zero here and come from their owner's all-reduce
         local = input_ids - self.shard.vocab.start
@@ -373,9 +409,11 @@ class LlamaModel(nn.Module):
         else:
             for i, layer in enumerate(self.layers):
                 x = layer(x, cos, sin, kv, i, meta)
+        if self.comm is not None and self.shard.replicated and self.comm.rank != 0:
+            return None  # rank 0 holds the whole LM head and samples
         x = self.norm(x[logits_rows])
         logits = self.lm_head(x).float()
-        if self.comm is None:
+        if self.comm is None or self.shard.replicated:
             return logits
         full = self.comm.gather0(logits)
         return None if full is None else full[:, :self.cfg.vocab_size]
@@ -399,7 +437,7 @@ class LlamaModel(nn.Module):
             param.data[:rows.shape[0]].copy_(rows.to(dt))
 
         def row_bias(param: torch.Tensor, value: torch.Tensor) -> None:
-            put(param, value if sh.rank == 0 else torch.zeros_like(value))
+            put(param, value if sh.rank == 0 or sh.replicated else torch.zeros_like(value))
 
         put_vocab(self.embed.weight, take(tensors, "model.embed_tokens.weight", (cfg.vocab_size, h)))
         put(self.norm.weight, take(tensors, "model.norm.weight", (h,)))

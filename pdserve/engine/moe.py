@@ -20,7 +20,9 @@ weighted sum, all hit experts' weight rows spread over the threads at once) over
 so nothing is held twice). Larger steps (prefill chunks), gpt-oss (expert biases and the clamped gate), the
 deterministic mode (its tiles must not follow the row count) and `PDSERVE_NATIVE_MOE=0` take the loop: the experts
 one after another, each over the rows that chose it (a gather, two GEMMs, a scatter-add). With expert parallelism a
-rank holds a range of the experts (tp/shard.py) and both paths compute only those.
+rank holds a range of the experts (tp/shard.py) and both paths compute only those: over every token (the layer's
+all-reduce sums the ranks' shares) or, dispatched by all-to-all (tp/dispatch.py), over the rows other ranks send
+it (`dispatched`, `_rows`).
 """
 from __future__ import annotations
 
@@ -84,12 +86,17 @@ class SparseMoE(nn.Module):
     native_ops = None  # the compiled CPU kernels (silu(gate) * up), set by LlamaModel.use_native_ops
     row_tile: int | None = None  # deterministic mode: the router's GEMM in fixed row tiles (batch_invariant.py)
 
-    def __init__(self, cfg: ModelConfig, linear: type[nn.Linear], experts: range | None = None, rank: int = 0):
+    def __init__(self, cfg: ModelConfig, linear: type[nn.Linear], experts: range | None = None, rank: int = 0,
+                 dispatch=None):
         """`linear`: the model's projection class, so packing and weight-only quantization reach the experts.
-        `experts`: the routed experts this rank holds (expert parallelism; default all); its output is then this
-        rank's share, summed over the ranks by the layer's all-reduce. The shared experts run on rank 0 only."""
+        `experts`: the routed experts this rank holds (expert parallelism; default all). `dispatch`
+        (tp/dispatch.ExpertDispatch): this rank routes its slice of the tokens and the rows travel to the experts'
+        owners and back (`dispatched`); every rank then holds the shared experts, for its own slice. Without it
+        the output is this rank's share over every token, summed by the layer's all-reduce, and the shared
+        experts run on rank 0 only."""
         super().__init__()
         self.experts = experts if experts is not None else range(cfg.num_experts)
+        self.dispatch = dispatch
         # Tokens routed to each expert (all experts, held here or not: the router sees every token on every rank),
         # since start: the load balance the worker exports. A scatter-add, no host sync (CUDA-graph safe).
         self.register_buffer("routed", torch.zeros(cfg.num_experts, dtype=torch.long), persistent=False)
@@ -105,7 +112,7 @@ class SparseMoE(nn.Module):
         # DeepSeek: added to the sigmoid scores for choosing only (not to the weights); groups of experts
         self.score_bias = nn.Parameter(torch.zeros(cfg.num_experts)) if self.deepseek else None
         self.n_group, self.topk_group, self.scaling = cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor
-        shared = cfg.moe_intermediate_size * cfg.n_shared_experts if rank == 0 else 0
+        shared = cfg.moe_intermediate_size * cfg.n_shared_experts if rank == 0 or dispatch is not None else 0
         self.shared_gate_up = linear(h, 2 * shared, bias=False) if shared else None
         self.shared_down = linear(shared, h, bias=False) if shared else None
         self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
@@ -135,8 +142,8 @@ class SparseMoE(nn.Module):
                                     self.experts.start)
         return out
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from pdserve.engine.model import swiglu
+    def _routing(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, chosen experts) [T, k] each for the rows of `x`."""
         weight, bias, inp = self.router, self.router_bias, x
         if self.deepseek:  # its router computes in fp32 whatever the model's dtype
             weight, inp = weight.float(), x.float()
@@ -145,16 +152,54 @@ class SparseMoE(nn.Module):
             scores = in_tiles(lambda t: F.linear(t, weight, bias), inp, self.row_tile)
         else:
             scores = F.linear(inp, weight, bias)
-        weights, chosen = self._route(scores, x.dtype)  # [T, k] each
+        return self._route(scores, x.dtype)
+
+    def _takes_native(self, x: torch.Tensor, rows: int) -> bool:
+        return (self.stacked is not None and self.native_ops is not None and not self.row_tile and x.dim() == 2
+                and rows <= NATIVE_MAX_TOKENS and x.is_contiguous() and x.device.type == "cpu")
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        """DeepSeek's shared experts: one dense SwiGLU MLP every token takes."""
+        from pdserve.engine.model import swiglu
+        return self.shared_down(swiglu(self.shared_gate_up(x), self.native_ops))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, chosen = self._routing(x)  # [T, k] each
         ids = chosen.flatten()
         self.routed.scatter_add_(0, ids, torch.ones_like(ids))
-        if (self.stacked is not None and self.native_ops is not None and not self.row_tile and x.dim() == 2
-                and x.shape[0] <= NATIVE_MAX_TOKENS and x.is_contiguous() and x.device.type == "cpu"):
+        if self._takes_native(x, x.shape[0]):
             out = self._native(x, weights, chosen)
         else:
             out = self._loop(x, weights, chosen)
-        if self.shared_gate_up is not None:  # DeepSeek's shared experts: one dense SwiGLU MLP every token takes
-            out = out + self.shared_down(swiglu(self.shared_gate_up(x), self.native_ops))
+        if self.shared_gate_up is not None:
+            out = out + self._shared(x)
+        return out
+
+    def dispatched(self, x: torch.Tensor) -> torch.Tensor:
+        """The MoE output of this rank's slice `x` of a step's tokens, its rows computed by the ranks holding
+        their experts (tp/dispatch.py)."""
+        weights, chosen = self._routing(x)
+        out, counts = self.dispatch(x, weights, chosen, self._rows)
+        self.routed += counts
+        if self.shared_gate_up is not None:
+            out = out + self._shared(x)
+        return out
+
+    def _rows(self, x: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """Each row's output of its expert (`local`: its index among those held here), unweighted: one expert per
+        row through the native kernel (weight 1) where a step of its size would take it, else expert by expert."""
+        from pdserve.engine.model import swiglu
+        if not x.shape[0]:
+            return x
+        if self._takes_native(x, -(-x.shape[0] // self.top_k)):
+            ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
+            return self._native(x, ones, local.view(-1, 1) + self.experts.start)
+        out = torch.empty_like(x)
+        for e in torch.unique(local).tolist():
+            rows = torch.where(local == e)[0]
+            gate_up = self.gate_up[e](x[rows])
+            act = clamped_glu(gate_up, self.alpha, self.limit) if self.gpt_oss else swiglu(gate_up, self.native_ops)
+            out[rows] = self.down[e](act).to(out.dtype)
         return out
 
     def _loop(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:

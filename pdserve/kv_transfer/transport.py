@@ -1,11 +1,10 @@
-"""Which transport the KV moves over, as far as this process can tell without asking UCX.
+"""Which transport the KV may move over, as configured.
 
 NIXL's UCX backend lets UCX pick a transport per peer from those UCX_TLS allows: shared memory (posix / sysv /
-cma) between processes of one host, rc / dc (RDMA) or tcp between hosts. Neither NIXL's Python API nor UCX's
-environment tells a process which one an endpoint ended up on, so what is reported is the configuration:
+cma) between processes of one host, rc / dc (RDMA) or tcp between hosts. This is the configuration:
 `source=configured` with UCX_TLS's value, or `transport=auto` when UCX_TLS is unset (UCX's own choice: on one host
-that bypasses the network, docs/lab.md). The pull rate the self-test and the pulls measure (docs/metrics.md) is
-the evidence of what the link really is.
+that bypasses the network, docs/lab.md). What UCX then chose for each peer is read from UCX's own report
+(ucx_log.py, ucx_proto_info.py).
 """
 from __future__ import annotations
 

@@ -15,6 +15,9 @@ In order:
    minimum of intervals since they last changed: correction.py), nor on capacities computed for older inputs
    (the corrected SLO or the costs moved since; sizing.py), nor within `cooldown_s` of the pool's last change
    (either way). Growing on them is allowed: too many replicas for a while cost less than too few.
+
+Rule 5 is for drains. Which worker a grow may take from the other pool by role switch instead (no capacity leaves
+the deployment) is switching.py's and surplus.py's, on what the pools measure now; the cooldown holds it too.
 """
 from __future__ import annotations
 
@@ -41,9 +44,12 @@ class PoolVerdict:
     current: int
     desired: int
     reason: str
+    switch_to: str = ""  # the pool its workers move to by role switch (switching.py), instead of draining
 
     @property
     def action(self) -> str:
+        if self.desired < self.current and self.switch_to:
+            return "switch"
         return "up" if self.desired > self.current else "down" if self.desired < self.current else "hold"
 
 

@@ -25,7 +25,8 @@ from pdserve.planner.decision import Decision
 from pdserve.planner.guard_rails import Guard
 from pdserve.planner.predictor import TrendPredictor
 from pdserve.planner.sizing import PoolLimits, Sizer, Sizing, Workload
-from pdserve.planner.switching import SWITCH_S, SwitchCosts, drain_estimate, plan_switches
+from pdserve.planner.surplus import Demand, PoolLoad, Source, can_give, pool_loads, shifted
+from pdserve.planner.switching import SWITCH_S, SwitchCosts, drain_estimate, mark_switches
 from pdserve.services import planner_record
 from pdserve.services.metrics import planner as M
 from pdserve.sim.workload import SLO
@@ -130,11 +131,12 @@ class Planner:
             serving = {pool: sum(1 for w in workers if w.role == pool) for pool in ("prefill", "decode")}
             costs = self.smoother.smooth(live_costs(workers, self.base_cost))
             d = await asyncio.to_thread(self.decide, obs, costs, current, time.monotonic(), serving,
-                                        lambda k: scrape.observe(snaps[-1 - k], snaps[-1]) if k < len(snaps) else None)
+                                        lambda k: scrape.observe(snaps[-1 - k], snaps[-1]) if k < len(snaps) else None,
+                                        pool_loads(workers))
             d.decide_s = time.monotonic() - t0
             if not self.cfg.dry_run:
                 stage = "connector"
-                await self._apply(d.pools, self.switch_costs(d.output_mean))
+                await self._apply(d.pools)
                 d.applied = True
             d.export()
             log.info(d.line())
@@ -156,26 +158,32 @@ class Planner:
         return SwitchCosts(self.cfg.switch_s, self.cfg.start_s,
                            drain_estimate(output_mean, self.cfg.slo_ttft, self.cfg.slo_tpot))
 
-    async def _apply(self, pools, costs: SwitchCosts | None = None) -> None:
-        """Role switches first where one pool grows while the other shrinks and a switch beats a start
-        (switching.py), then scaling."""
-        if hasattr(self.connector, "switch"):
-            moves, pools = plan_switches(pools, costs)
-            for src, dst in moves:
-                await asyncio.to_thread(self.connector.switch, src, dst)
-            for pool in {p for m in moves for p in m}:
-                self.guard.applied(pool, time.monotonic())
+    async def _apply(self, pools, now: float | None = None) -> None:
+        """The decision's role switches first (mark_switches: a "switch" verdict's workers move to `switch_to`), then
+        scaling of the pools going up or down. A switch the worker refused (a drain past its timeout) leaves the
+        source pool as it was; the growing pool's scale then starts the worker the switch did not bring."""
+        moved = set()
+        clock = (lambda: now) if now is not None else time.monotonic  # noqa: E731 - a test's virtual time
         for v in pools:
-            if v.action != "hold":
+            if v.action == "switch":
+                for _ in range(v.current - v.desired):
+                    if await asyncio.to_thread(self.connector.switch, v.pool, v.switch_to):
+                        moved |= {v.pool, v.switch_to}
+        for pool in moved:
+            self.guard.applied(pool, clock())
+        for v in pools:
+            if v.action in ("up", "down"):
                 await asyncio.to_thread(self.connector.scale, v.pool, v.desired)
-                self.guard.applied(v.pool, time.monotonic())
+                self.guard.applied(v.pool, clock())
 
     def decide(self, obs: scrape.Observation, costs, current: dict[str, int], now: float,
                serving: dict[str, int] | None = None,
-               pooled: Callable[[int], scrape.Observation | None] | None = None) -> Decision:
+               pooled: Callable[[int], scrape.Observation | None] | None = None,
+               loads: dict[str, PoolLoad] | None = None) -> Decision:
         """One interval's decision from its observation (no I/O): forecast, simulate the pools as they are, correct
-        the model by the observation, size, guard. `serving`: registered workers per pool (None: all serve);
-        `pooled(k)`: the observation over the last k intervals (None: only this interval's)."""
+        the model by the observation, size, guard, pair a grow with a role switch. `serving`: registered workers per
+        pool (None: all serve); `pooled(k)`: the observation over the last k intervals (None: only this interval's);
+        `loads`: what each pool's workers measure (surplus.py; None: no switch on a measured surplus)."""
         pools = ("prefill", "decode")
         self.predictor.add(obs)
         fc = self.predictor.forecast()
@@ -209,6 +217,9 @@ class Planner:
         verdicts = [self.guard.decide(pool, current[pool], getattr(grow, pool), getattr(hold, pool),
                                       violated[pool], traffic, now, starting[pool],
                                       self.correction.checked_at_current(), hold.stale) for pool in pools]
+        if hasattr(self.connector, "switch"):
+            verdicts = mark_switches(verdicts, self.switch_costs(fc.output_mean),
+                                     self._giver(obs, fc, current, starting, violated, traffic, loads, now, hold))
         c = self.correction
         return Decision(time=time.time(), dry_run=self.cfg.dry_run, connector=self.connector.name,
                         observed_rate=obs.rate, forecast_rate=fc.rate, hold_rate=fc.hold_rate, trend=fc.trend,
@@ -221,6 +232,34 @@ class Planner:
                         model_stale=grow.stale, observed_requests=cmp.requests, correction_checked=c.checked,
                         compared_ttft_p90=cmp.ttft_p90, compared_tpot_p90=cmp.tpot_p90,
                         compared_intervals=span if cmp is not obs else 1)
+
+    def _giver(self, obs, fc, current, starting, violated, traffic, loads, now, hold: Sizing):
+        """surplus.can_give for a pool, on this interval's measurements (None without them)."""
+        if loads is None:
+            return None
+        lim, seen = self.cfg.limits, obs.requests > 0
+        prompt = obs.prompt_mean if seen and obs.prompt_mean is not None else fc.prompt_mean
+        output = obs.output_mean if seen and obs.output_mean is not None else fc.output_mean
+        hit = obs.prefix_hit if seen else fc.prefix_hit
+        demand = Demand(fc.hold_rate, max(1.0, prompt * (1.0 - hit)), max(1.0, output), obs.tpot_p90)
+        shift = shifted(hold.lengths, demand)
+        if hold.lengths is None and hold.stale:  # no capacities computed yet: the model has no count to hold to
+            shift, note = True, "; no capacities computed yet"
+        elif shift:
+            note = (f"; the model's capacities are for {hold.lengths[0]:.0f}/{hold.lengths[1]:.0f}-token "
+                    f"prompts/outputs, this interval's {demand.prompt:.0f}/{demand.output:.0f}: a load shift")
+        elif hold.lengths is not None:
+            note = (f" (the model's capacities are for {hold.lengths[0]:.0f}/{hold.lengths[1]:.0f}-token "
+                    "prompts/outputs)")
+        else:  # no load: the minimum, no capacities needed
+            note = ""
+
+        def give(pool: str) -> tuple[bool, str]:
+            src = Source(current[pool], getattr(lim, f"min_{pool}"), starting[pool],
+                         now - self.guard.last_change.get(pool, -1e18), self.cfg.cooldown_s,
+                         violated[pool] is not None, traffic, None if shift else getattr(hold, pool), note)
+            return can_give(pool, src, loads.get(pool), demand, self.cfg.slo_tpot, self.cfg.headroom)
+        return give
 
     def _robust_sim(self, sim: tuple, span: int) -> tuple:
         """The median of the simulated p90s over the same intervals as the pooled observation: near its saturation

@@ -45,6 +45,7 @@ class Capacity:
     decode: float
     cap: float                  # the sweep's ceiling: a capacity near it means "at least"
     seconds: float              # what the sweep cost
+    lengths: tuple[float, float] | None = None  # the (prompt, output) tokens it was computed for
 
     def capped(self, x: float) -> bool:
         return x >= 0.95 * self.cap
@@ -60,6 +61,7 @@ class Sizing:
     decode_capacity: float | None = None
     stale: bool = False          # the capacities of older inputs (the current ones are being computed)
     note: str = ""
+    lengths: tuple[float, float] | None = None  # the (prompt, output) tokens the capacities were computed for
 
 
 @dataclass(frozen=True)
@@ -124,7 +126,7 @@ class Sizer:
         finally:
             with self._lock:
                 self._pending.pop(key, None)
-        c = Capacity(p, d, cap, time.monotonic() - t0)
+        c = Capacity(p, d, cap, time.monotonic() - t0, (wl.prompt, wl.output))
         with self._lock:
             self._caps[key] = self._latest = c
             if len(self._caps) > 64:
@@ -169,7 +171,8 @@ class Sizer:
             else:
                 counts[pool] = lim.clamp(pool, math.ceil(peak / c - 1e-9))
         note = f"one replica cannot meet the {' and '.join(bad)} SLO at any rate in simulation" if bad else ""
-        return Sizing(counts["prefill"], counts["decode"], rate, not bad, cap.prefill, cap.decode, stale, note)
+        return Sizing(counts["prefill"], counts["decode"], rate, not bad, cap.prefill, cap.decode, stale, note,
+                      cap.lengths)
 
     def simulate_current(self, prefill: int, decode: int, rate: float, wl: Workload,
                          costs: LiveCosts) -> tuple[float | None, float | None]:

@@ -18,6 +18,7 @@ at the TPOT SLO.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 from pdserve.planner.guard_rails import PoolVerdict
 
@@ -59,3 +60,34 @@ def plan_switches(pools: list[PoolVerdict], costs: SwitchCosts | None = None
     left = [replace(v, current=after[v.pool], reason=v.reason + f" ({n} by role switch)") if v.pool in after else v
             for v in pools]
     return moves, left
+
+
+def mark_switches(pools: list[PoolVerdict], costs: SwitchCosts | None,
+                  give: Callable[[str], tuple[bool, str]] | None = None) -> list[PoolVerdict]:
+    """The decision's verdicts with the switches in them: the source pool's verdict becomes action "switch"
+    (desired = current - the workers moving, `switch_to` the growing pool), the growing pool's reason says how many
+    it gets by switch. Up + down: min(growth, shrink) move. Up + hold: one moves when `give(source pool)` says the
+    source has a measured spare worker (surplus.py); its reason is kept in the verdict either way."""
+    up = [v for v in pools if v.action == "up"]
+    if len(up) != 1 or len(pools) != 2:
+        return list(pools)
+    g = up[0]
+    s = next(v for v in pools if v is not g)
+    if s.action == "down":
+        n, why = min(g.desired - g.current, s.current - s.desired), s.reason
+    elif s.action == "hold" and give is not None:
+        ok, why = give(s.pool)
+        if not ok:
+            return [replace(v, reason=v.reason + f"; no switch to {g.pool}: {why}") if v is s else v for v in pools]
+        n = 1
+    else:
+        return list(pools)
+    if costs is not None and not costs.switch_pays(s.pool):
+        note = (f"; a start ({costs.start_s:.0f} s) beats a switch (drain ~{costs.drain_s.get(s.pool, 0.0):.1f} s "
+                f"+ {costs.switch_s:.1f} s)")
+        return [replace(v, reason=v.reason + note) if v is s else v for v in pools]
+    cost = "" if costs is None else (f"; a switch (drain ~{costs.drain_s.get(s.pool, 0.0):.1f} s + "
+                                     f"{costs.switch_s:.1f} s) beats a start ({costs.start_s:.0f} s)")
+    moved = replace(s, desired=s.current - n, switch_to=g.pool, reason=f"{n} to {g.pool}: {why}{cost}")
+    grown = replace(g, reason=g.reason + f"; {n} by role switch from {s.pool}")
+    return [grown if v is g else moved for v in pools]

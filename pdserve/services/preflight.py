@@ -187,26 +187,34 @@ def check_tp_degrees(args) -> Problem | None:
     else:
         pools = [("--tensor-parallel-size", base, "--expert-parallel-size", ep_base)]
     for flag, n, ep_flag, ep in pools:
-        if ep not in (1, n):
-            return Problem(f"{ep_flag} {ep} with {flag} {n}: experts are split over a worker's tensor-parallel "
-                           f"ranks, so a pool's expert parallel size is 1 or its tensor parallel size",
-                           f"give that pool {ep} ranks, or {ep_flag} 1")
+        if ep not in (1, n) and n != 1:
+            return Problem(f"{ep_flag} {ep} with {flag} {n}: a pool's expert parallel size is 1, its tensor parallel "
+                           f"size (experts split over the tensor-parallel ranks) or any size with {flag} 1 "
+                           f"(attention replicated on every rank)", f"give that pool {flag} {ep} or 1, or {ep_flag} 1")
     degrees = {flag: (n, ep > 1) for flag, n, _, ep in pools if n > 1}
-    if not degrees:
+    replicated = {ep_flag: ep for flag, n, ep_flag, ep in pools if n == 1 and ep > 1}
+    if not degrees and not replicated:
         return None
     from pdserve.engine.checkpoint import read_config, resolve_model_dir
     from pdserve.engine.errors import CheckpointError
     from pdserve.engine.tp.shard import check_tp
-    for flag, (n, expert_parallel) in degrees.items():
-        try:
-            _, cfg, _ = read_config(resolve_model_dir(args.model))
-            heads = int(cfg["num_attention_heads"])
-            experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0)
-            check_tp(heads, int(cfg.get("num_key_value_heads") or heads), int(cfg["intermediate_size"]), n, experts,
-                     expert_parallel)
-        except CheckpointError as e:
-            return Problem(f"{flag} {n}: {e}", "choose a size the model's heads divide by (spec D08), 1 for an MoE "
-                           "model")
-        except (KeyError, TypeError, ValueError):
-            return None  # a malformed config is the engine's to report, in its own words
+    try:
+        _, cfg, _ = read_config(resolve_model_dir(args.model))
+        heads = int(cfg["num_attention_heads"])
+        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0)
+        for ep_flag, ep in replicated.items():
+            if not experts:
+                return Problem(f"{ep_flag} {ep}: the model has no routed experts to split", f"{ep_flag} 1")
+            if experts % ep:
+                return Problem(f"{ep_flag} {ep}: the model's {experts} routed experts cannot be split whole over "
+                               f"{ep} ranks", f"an expert parallel size that divides {experts}, or {ep_flag} 1")
+        for flag, (n, expert_parallel) in degrees.items():
+            try:
+                check_tp(heads, int(cfg.get("num_key_value_heads") or heads), int(cfg["intermediate_size"]), n,
+                         experts, expert_parallel)
+            except CheckpointError as e:
+                return Problem(f"{flag} {n}: {e}", "choose a size the model's heads divide by (spec D08), 1 for an "
+                               "MoE model")
+    except (KeyError, TypeError, ValueError):
+        return None  # a malformed config is the engine's to report, in its own words
     return None

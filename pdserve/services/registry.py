@@ -52,6 +52,8 @@ class WorkerRecord:
     updated: float = 0.0
     labels: dict[str, str] = field(default_factory=dict)  # `--labels`: zone, node, price (router/spread.py)
     kv_transport: str = ""  # kv_transfer/transport.py, for `pdserve status`
+    # a decode worker's prefill peers -> the UCX transport that carried their READs (kv_transfer/ucx_proto_info.py)
+    kv_transport_observed: dict[str, str] = field(default_factory=dict)
     role_switch: str = ""  # "prefill->decode" while switching (role is then `switching`: services/role_switch.py)
 
 
@@ -59,13 +61,15 @@ class WorkerRecord:
 def record_to_pb(r: WorkerRecord) -> common_pb2.WorkerInfo:
     return common_pb2.WorkerInfo(worker_id=r.worker_id, role=r.role, address=r.address, agent_name=r.agent_name,
                                  capacity_blocks=r.capacity_blocks, layout=r.layout, labels=r.labels,
-                                 kv_transport=r.kv_transport, role_switch=r.role_switch)
+                                 kv_transport=r.kv_transport, role_switch=r.role_switch,
+                                 kv_transport_observed=r.kv_transport_observed)
 
 
 def record_from_pb(w: common_pb2.WorkerInfo, load: common_pb2.LoadReport | None = None) -> WorkerRecord:
     return WorkerRecord(w.worker_id, w.role, w.address, w.agent_name, w.capacity_blocks, _copy(w.layout),
                         _copy(load) if load is not None else common_pb2.LoadReport(), labels=dict(w.labels),
-                        kv_transport=w.kv_transport, role_switch=w.role_switch)
+                        kv_transport=w.kv_transport, role_switch=w.role_switch,
+                        kv_transport_observed=dict(w.kv_transport_observed))
 
 
 def _copy(m):

@@ -78,10 +78,12 @@ def find_local() -> dict | None:
 
 
 def _worker(rec_id: str, role: str, address: str, ld, updated: float | None, kv_transport: str = "",
-            role_switch: str = "") -> dict:
+            role_switch: str = "", observed: dict | None = None) -> dict:
     total = ld.kv_blocks_total
     # `switching` (services/role_switch.py): in no pool until it registers in its new role
     return {"id": rec_id, "role": role, "healthy": True, "address": address, "kv_transport": kv_transport or None,
+            # a decode worker's prefill peers -> the transport UCX chose for their READs (kv_transfer/ucx_log.py)
+            "kv_transport_observed": dict(sorted((observed or {}).items())),
             "role_switch": role_switch,
             "age_s": None if updated is None else round(max(0.0, time.time() - updated), 2),
             "load": {"num_running": ld.num_running, "num_waiting": ld.num_waiting,
@@ -132,7 +134,8 @@ async def from_redis(url: str, model: str | None, key: bytes | None, auth) -> di
         last, changes = await _planner_records(reg.r, model, key)
     finally:
         await reg.close()
-    workers = [_worker(w.worker_id, w.role, w.address, w.load, w.updated, w.kv_transport, w.role_switch) for w in recs]
+    workers = [_worker(w.worker_id, w.role, w.address, w.load, w.updated, w.kv_transport, w.role_switch,
+                       w.kv_transport_observed) for w in recs]
     return assemble(model, url.split("@")[-1], workers, last, changes)
 
 
@@ -142,7 +145,7 @@ async def gateway_status(disp, redis, model: str, key: bytes | None) -> dict:
     loads = {ld.worker_id: ld for ld in ws.loads}
     from pdserve.services.pb import common_pb2
     workers = [_worker(w.worker_id, w.role, w.address, loads.get(w.worker_id, common_pb2.LoadReport()), None,
-                       w.kv_transport, w.role_switch) for w in ws.workers]
+                       w.kv_transport, w.role_switch, dict(w.kv_transport_observed)) for w in ws.workers]
     last, changes = None, []
     if redis is not None:
         try:
@@ -219,6 +222,15 @@ def _p90_line(d: dict, slo: str) -> str:
             f"{ms(d.get(f'corrected_{slo}_p90'))} (SLO {ms(d.get(f'slo_{slo}'))})")
 
 
+def _verdicts(d: dict) -> str:
+    return ", ".join(f"{p['pool']} {p['current']}->{p['desired']} ({p['action']}: {p['reason']})" for p in d["pools"])
+
+
+def _observed(peers: dict | None) -> str:
+    """The text form's tail, ", used cma from prefill-0, tcp from prefill-1": what UCX chose per peer."""
+    return (", used " + ", ".join(f"{t} from {p}" for p, t in peers.items())) if peers else ""
+
+
 def format_text(st: dict) -> str:
     lines = [f"model {st['model']} ({st['source']})",
              "pools: " + (", ".join(f"{k} {v['healthy']}/{v['replicas']} healthy"
@@ -230,16 +242,18 @@ def format_text(st: dict) -> str:
         lines.append(f"{w['id'][:28]:28} {w['role']:8} {str(w['healthy']).lower():8} {ld['num_running']:7d} "
                      f"{ld['num_waiting']:7d} {ld['kv_usage']:7.1%}" + (f"  {w['state']}" if "state" in w else "")
                      + (f"  KV over {w['kv_transport']}" if w.get("kv_transport") else "")
+                     + _observed(w.get("kv_transport_observed"))
                      + (f"  switching {w['role_switch']}" if w.get("role_switch") else ""))
     pl = st.get("planner")
     if pl and pl.get("last"):
         d = pl["last"]
         age = time.time() - d["time"]
-        pools = ", ".join(f"{p['pool']} {p['current']}->{p['desired']} ({p['action']}: {p['reason']})"
-                          for p in d["pools"])
-        lines.append(f"planner ({d['connector']}{', dry run' if d['dry_run'] else ''}), {age:.0f} s ago: {pools}; "
-                     f"forecast {d['forecast_rate']:.2f} req/s (observed {d['observed_rate']:.2f})")
+        lines.append(f"planner ({d['connector']}{', dry run' if d['dry_run'] else ''}), {age:.0f} s ago: "
+                     f"{_verdicts(d)}; forecast {d['forecast_rate']:.2f} req/s (observed {d['observed_rate']:.2f})")
         lines.append("  " + "; ".join(_p90_line(d, slo) for slo in ("ttft", "tpot")))
+        change = (pl.get("changes") or [None])[0]
+        if change and change["time"] != d["time"]:  # what was last done (a switch, a start, a drain), and why
+            lines.append(f"  last change, {time.time() - change['time']:.0f} s ago: {_verdicts(change)}")
     else:
         lines.append("planner: no decision recorded")
     return "\n".join(lines)

@@ -203,7 +203,7 @@ def up(args, start_planner: StartPlanner | None = None) -> int:
         ep = {"prefill": getattr(args, "prefill_ep", None), "decode": getattr(args, "decode_ep", None)}
         ep = {r: ep.get(r) or args.expert_parallel_size or 1 for r in set(roles)}
         if not args.threads:  # split the host's cores between the ranks rather than oversubscribe them
-            eng += ["--threads", str(max(1, (os.cpu_count() or 1) // max(1, sum(tp[r] for r in roles))))]
+            eng += ["--threads", str(max(1, (os.cpu_count() or 1) // max(1, sum(max(tp[r], ep[r]) for r in roles))))]
         if (args.device or "cpu") == "cpu":
             _build_kernels_once(d)
         started = iter(range(1 << 30))

@@ -81,12 +81,12 @@ class Worker(worker_pb2_grpc.WorkerServicer):
         self.layout = KVLayout.from_dict(engine.kv_cache.layout())
         self.agent = None
         self.transport = None  # kv_transfer/transport.py: what the KV moves over (configured), P/D roles only
+        self.ucx = None  # kv_transfer/ucx_log.py: UCX's log, with the transports it chose (P/D roles only)
         self.rank_agents = None  # the other TP ranks' agents (each rank reads/serves its own pool's heads)
         regions = []
         if role in ("prefill", "decode"):
             from pdserve.kv_transfer import transport
-            from pdserve.kv_transfer.agent import KVAgent
-            self.agent = KVAgent(worker_id, engine.kv_cache.data, self.layout)
+            self._make_agent()
             regions = [self.agent.region()]
             self.transport = transport.configured()
             M.set_transport_info(self.transport)
@@ -105,10 +105,24 @@ class Worker(worker_pb2_grpc.WorkerServicer):
             tp_regions=[region_to_pb(r) for r in regions] if len(regions) > 1 else [])
         self.prefill = PrefillSide(self.host, self.endpoint, self.agent, engine.pinned_kv, self.tokenizer, lease_ttl_s)
         self.decode = DecodeSide(self.host, self.endpoint, self.agent, self.tokenizer, self.meter, transfer_timeout_s,
-                                 rank_agents=self.rank_agents)
+                                 rank_agents=self.rank_agents, ucx=self.ucx)
         self.inflight = 0
         self.last_stats = EngineStats()
         self.labels: dict[str, str] = {}  # `--labels`, published in the registry for the router's spread terms
+
+    def _make_agent(self) -> None:
+        """This worker's NIXL agent, UCX's log set up around its creation (UCX reads its settings when NIXL first
+        loads it): what UCX chose for each peer is read from that log (kv_transfer/ucx_log.py)."""
+        from pdserve.kv_transfer.agent import KVAgent
+        from pdserve.kv_transfer.ucx_log import UcxLog
+        self.ucx = UcxLog()
+        self.ucx.enable()
+        try:
+            self.agent = KVAgent(self.worker_id, self.engine.kv_cache.data, self.layout)
+        finally:
+            self.ucx.open()
+        if not self.ucx.active:
+            log.info("the KV transport UCX chooses per peer will show as unknown: %s", self.ucx.reason)
 
     @property
     def role(self) -> str:
@@ -120,6 +134,7 @@ class Worker(worker_pb2_grpc.WorkerServicer):
                             self.agent.name if self.agent else "", self.engine.kv_cache.num_blocks,
                             layout_to_pb(self.layout.to_dict()), self.load(), labels=dict(self.labels),
                             kv_transport=self.transport.line() if self.transport else "",
+                            kv_transport_observed=dict(self.decode.observed),
                             role_switch=self.switch.in_progress)
 
     def load(self) -> common_pb2.LoadReport:
@@ -296,12 +311,11 @@ class Worker(worker_pb2_grpc.WorkerServicer):
         self.meter.forget()
         if target == "both" or self.agent is not None:
             return
-        from pdserve.kv_transfer.agent import KVAgent
-        self.agent = KVAgent(self.worker_id, self.engine.kv_cache.data, self.layout)
+        self._make_agent()
         self.endpoint = dataclasses.replace(self.endpoint, region=region_to_pb(self.agent.region()))
         await self.decode.close()
         self.decode = DecodeSide(self.host, self.endpoint, self.agent, self.tokenizer, self.meter,
-                                 self.decode.transfer_timeout_s)
+                                 self.decode.transfer_timeout_s, ucx=self.ucx)
         self.prefill.attach_agent(self.agent, self.endpoint)
 
 
@@ -312,6 +326,8 @@ async def _heartbeat_loop(w: Worker, registry: Registry | None, interval_s: floa
         wait = interval_s
         try:
             w.refresh_stats()
+            if w.ucx is not None:  # UCX's warnings on to the worker's log (kv_transfer/ucx_log.py)
+                await asyncio.to_thread(w.ucx.poll)
             busy = w.host.busy_for()
             if busy > stall_s:
                 if not stalled:
@@ -430,6 +446,9 @@ async def serve(args) -> None:
     engine.close()
     if w.agent is not None:
         w.agent.close()
+    if w.ucx is not None:
+        w.ucx.poll()
+        w.ucx.close()
     if registry is not None:
         await registry.close()
     log.info("worker %s stopped", worker_id)

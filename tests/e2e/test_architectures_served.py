@@ -22,8 +22,11 @@ BLOCK_SIZE = 16  # pdserve up's default --block-size
 ARCHS = {"gpt-oss": dict(arch="gpt_oss"), "deepseek-v3": dict(arch="deepseek_v3"), "phi3": dict(arch="phi3"),
          # pools at different degrees: the prefill worker 2 ranks with the 8 experts split 4 + 4 and the latent
          # replicated on both, the decode worker 1 rank pulling the latent once
-         "deepseek-v3-prefill-ep2": dict(arch="deepseek_v3")}
-FLAGS = {"deepseek-v3-prefill-ep2": ("--prefill-tp", "2", "--prefill-ep", "2")}
+         "deepseek-v3-prefill-ep2": dict(arch="deepseek_v3"),
+         # expert parallelism without tensor parallelism: the decode worker 2 ranks, each with every head and its
+         # own whole copy of the KV (pulled per rank), the 4 experts split 2 + 2 and reached by all-to-all
+         "gpt-oss-decode-ep2": dict(arch="gpt_oss")}
+FLAGS = {"deepseek-v3-prefill-ep2": ("--prefill-tp", "2", "--prefill-ep", "2"), "gpt-oss-decode-ep2": ("--decode-ep", "2")}
 
 
 @pytest.fixture(scope="module", params=list(ARCHS))

@@ -174,19 +174,25 @@ def test_bf16_native_kernels_per_rank_heads_close_to_fp32(tiny_llama, tp2):
     assert [len(o.outputs[0].token_ids) for o in e16.generate(PROMPTS[:2], greedy)] == [4, 4]
 
 
-@pytest.mark.parametrize("arch", ["gpt_oss", "deepseek_v3"])
-def test_expert_parallel_2_equals_one_rank_and_transformers(tmp_path, tp2, arch):
+@pytest.mark.parametrize("arch,dispatch", [("qwen3_moe", "all_to_all"), ("mixtral", "all_to_all"),
+                                           ("gpt_oss", "all_to_all"), ("deepseek_v3", "all_to_all"),
+                                           ("mixtral", "all_reduce")])
+def test_expert_parallel_2_equals_one_rank_and_transformers(tmp_path, tp2, arch, dispatch):
     """--expert-parallel-size 2 with 2 tensor-parallel ranks: each rank holds half the routed experts whole (and
-    its heads; DeepSeek's latent attention and shared expert whole on each rank / rank 0), the partial expert
-    outputs are summed by the layer's all-reduce. Greedy tokens equal one rank's and transformers'; prompt
-    logprobs within the fp32 tolerance. 4 experts (gpt-oss) or 8 (DeepSeek): 2 or 4 per rank."""
+    its heads; DeepSeek's latent attention whole on each rank). all_to_all: each rank routes its half of the
+    step's tokens and sends each row to its expert's owner and back (tp/dispatch.py; the shared expert on every
+    rank); all_reduce: the partial expert outputs over every token are summed by the layer's all-reduce. Greedy
+    tokens equal one rank's and transformers' (a one-prompt run too: its decode steps leave rank 1 no token);
+    prompt logprobs within the fp32 tolerance. 4 experts (8 for DeepSeek): 2 (4) per rank."""
     ck = make_checkpoint(tmp_path / arch, arch, kv_heads=2)
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    e2 = tp2(ck, expert_parallel_size=2)
+    e2 = tp2(ck, expert_parallel_size=2, expert_dispatch=dispatch)
     layer = next(m for m in e2.runner.model.layers if m.moe is not None)
     assert len(layer.moe.gate_up) == layer.moe.router.shape[0] // 2 and layer.moe.experts.start == 0
     ours = [o.outputs[0].token_ids for o in e2.generate(PROMPTS, greedy)]
     assert ours == hf_greedy(ck, PROMPTS, 8)
+    assert (e2.tp_group.comm.bytes_all_to_all > 0) == (dispatch == "all_to_all")
+    assert e2.generate([PROMPTS[0]], greedy)[0].outputs[0].token_ids == ours[0]
     e1 = Engine.from_pretrained(ck, config(1))
     assert ours == [o.outputs[0].token_ids for o in e1.generate(PROMPTS, greedy)]
     lp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
@@ -194,18 +200,32 @@ def test_expert_parallel_2_equals_one_rank_and_transformers(tmp_path, tp2, arch)
     assert max(abs(x.logprob - y.logprob) for x, y in zip(a[1:], b[1:])) <= 2e-4
 
 
-def test_expert_parallel_needs_the_tensor_parallel_degree(tmp_path):
-    ck = make_checkpoint(tmp_path / "mx", "mixtral")
-    with pytest.raises(ValueError, match="expert_parallel_size=2 must be 1 or tensor_parallel_size=1"):
-        Engine.from_pretrained(ck, EngineConfig(expert_parallel_size=2))
+def test_expert_parallel_degrees_refused_before_anything_starts(tmp_path, tiny_llama):
+    """EP is 1, the TP degree, or any degree at TP 1 (attention replicated); the engine and `up`'s preflight
+    refuse the rest, and splits the experts cannot take, naming the flag."""
+    ck = make_checkpoint(tmp_path / "mx", "mixtral")  # 4 experts
+    with pytest.raises(ValueError, match="expert_parallel_size=4 must be 1, tensor_parallel_size=2"):
+        Engine.from_pretrained(ck, EngineConfig(tensor_parallel_size=2, expert_parallel_size=4))
+    with pytest.raises(CheckpointError, match="not divisible by expert_parallel_size=3"):
+        Engine.from_pretrained(ck, EngineConfig(expert_parallel_size=3))
+    with pytest.raises(CheckpointError, match="no routed experts"):
+        Engine.from_pretrained(tiny_llama, EngineConfig(expert_parallel_size=2))
     from argparse import Namespace
 
     from pdserve.services.preflight import check_tp_degrees
-    args = Namespace(mode="disagg", model=str(ck), tensor_parallel_size=1, prefill_tp=2, decode_tp=1,
+    args = Namespace(mode="disagg", model=str(ck), tensor_parallel_size=1, prefill_tp=2, decode_tp=4,
                      expert_parallel_size=2)
     problem = check_tp_degrees(args)
-    assert problem is not None and "--decode-ep 2 with --decode-tp 1" in problem.what
+    assert problem is not None and "--decode-ep 2 with --decode-tp 4" in problem.what
     assert check_tp_degrees(Namespace(**{**vars(args), "decode_tp": 2})) is None
-    assert check_tp_degrees(Namespace(**{**vars(args), "expert_parallel_size": None, "prefill_ep": 2})) is None
-    problem = check_tp_degrees(Namespace(**{**vars(args), "expert_parallel_size": None}))
+    assert check_tp_degrees(Namespace(**{**vars(args), "decode_tp": 1})) is None  # decode: attention replicated
+    problem = check_tp_degrees(Namespace(**{**vars(args), "decode_tp": 1, "expert_parallel_size": 3,
+                                            "prefill_tp": 1}))
+    assert problem is not None and "--prefill-ep 3" in problem.what and "4 routed experts" in problem.what
+    problem = check_tp_degrees(Namespace(**{**vars(args), "model": str(tiny_llama), "prefill_tp": 1,
+                                            "decode_tp": 1}))
+    assert problem is not None and "no routed experts" in problem.what
+    assert check_tp_degrees(Namespace(**{**vars(args), "expert_parallel_size": None, "prefill_ep": 2,
+                                         "decode_tp": 1})) is None
+    problem = check_tp_degrees(Namespace(**{**vars(args), "expert_parallel_size": None, "decode_tp": 1}))
     assert problem is not None and "--prefill-tp 2" in problem.what and "not sharded" in problem.what

@@ -33,3 +33,7 @@ def test_expert_parallel_size_is_passed_per_pool():
     assert args[args.index("--expert-parallel-size") + 1] == "2"
     args, _ = _worker(d[f"{FULL}-decode"])
     assert "--expert-parallel-size" not in args  # the default: 1, no flag
+    # EP without TP: one rank (and one GPU each) per expert-parallel rank
+    d = by_kind(objects({"decode": {"expertParallelSize": 4, "gpus": 1}}), "Deployment")
+    args, res = _worker(d[f"{FULL}-decode"])
+    assert args[args.index("--expert-parallel-size") + 1] == "4" and res["limits"]["nvidia.com/gpu"] == 4

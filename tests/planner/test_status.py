@@ -79,7 +79,7 @@ def test_status_json_from_the_registry(deployment):
     assert st["workers"][1]["load"]["num_running"] == 3 and st["workers"][1]["load"]["kv_usage"] == 0.25
     last = st["planner"]["last"]
     assert last["pools"][1] == {"pool": "decode", "current": 1, "desired": 2, "reason": "forecast needs 2",
-                                "action": "up"}
+                                "action": "up", "switch_to": ""}
     assert len(st["planner"]["changes"]) == 1
     assert [w["kv_transport"] for w in st["workers"]] == ["UCX/auto (default)", "UCX/tcp (configured)",
                                                           "UCX/auto (default)"]

@@ -126,10 +126,14 @@ PANELS = [
     ("Role switch duration p90", "s",
      [(f"histogram_quantile(0.9, sum by (le) (rate(pdserve_role_switch_seconds_bucket{{{POOL}}}[$__rate_interval])))",
        "p90")]),
-    # configured, not chosen by UCX (kv_transfer/transport.py): auto on one host means shared memory
+    # configured (kv_transfer/transport.py), then what UCX chose per peer (kv_transfer/ucx_log.py): a
+    # shared-memory kind (cma, posix, sysv) between pods means the KV never crossed the network
     ("KV transport per pod (configured)", "short",
      [(f"max by (pod, backend, transport, source) (pdserve_kv_transport_info{{{POOL}}})",
        "{{pod}} {{backend}}/{{transport}} ({{source}})")]),
+    ("KV transport per pair (observed: what UCX chose)", "short",
+     [(f"max by (pod, peer, observed) (pdserve_kv_pair_transport_info{{{POOL}}})",
+       "{{pod}} <- {{peer}} {{observed}}")]),
     # what dtype=auto chose on each pod's CPU (docs/engine.md): a pool on mixed node types shows it here
     ("Engine path per pod (ISA, dtype, weights, kernels)", "short",
      [(f"max by (pod, isa, dtype, weights, kernels) (pdserve_engine_info{{{POOL}}})",

@@ -31,6 +31,10 @@ class TPComm:
         self.bytes_reduced = 0  # payload bytes handed to all-reduce by this rank
         self.bytes_gathered = 0  # payload bytes this rank sent to the logits gather
         self.bytes_plan = 0  # plan bytes broadcast from rank 0
+        # expert parallelism by all-to-all (dispatch.py): bytes this rank sends to the other ranks
+        self.bytes_all_to_all = 0  # token rows out to the experts' owners and expert outputs back
+        self.bytes_all_gathered = 0  # the routing counts and the layer's output slices
+        self.bytes_reduce_scattered = 0  # payload handed to reduce-scatter (the attention output, sliced)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over the ranks in place (the row-parallel projections' partial sums)."""
@@ -39,6 +43,32 @@ class TPComm:
             t = t.contiguous()
         self.pg.allreduce([t]).wait()
         return t
+
+    def reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
+        """Rank r's 1/N of the rows of `t` ([N * c, ...]) summed over the ranks: [c, ...]."""
+        t = t.contiguous()
+        self.bytes_reduce_scattered += t.numel() * t.element_size()
+        out = t.new_empty((t.shape[0] // self.size, *t.shape[1:]))
+        self.pg.reduce_scatter([out], [list(t.chunk(self.size))], dist.ReduceScatterOptions()).wait()
+        return out
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's `t` (same shape) concatenated on dim 0, on every rank."""
+        t = t.contiguous()
+        self.bytes_all_gathered += t.numel() * t.element_size() * (self.size - 1)
+        out = [torch.empty_like(t) for _ in range(self.size)]
+        self.pg.allgather([out], [t]).wait()
+        return torch.cat(out)
+
+    def all_to_all(self, t: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        """Rows of `t` out in consecutive runs of send[i] rows to rank i; back the recv[i] rows each rank i sends
+        here, concatenated in rank order (torch.distributed.all_to_all_single with split sizes)."""
+        t = t.contiguous()
+        row = t[0].numel() * t.element_size() if t.shape[0] else 0
+        self.bytes_all_to_all += (sum(send) - send[self.rank]) * row
+        out = t.new_empty((sum(recv), *t.shape[1:]))
+        self.pg.alltoall_base(out, t, recv, send, dist.AllToAllOptions()).wait()
+        return out
 
     def gather0(self, t: torch.Tensor) -> torch.Tensor | None:
         """Every rank's `t` (same shape) concatenated on the last dim on rank 0; None elsewhere."""

@@ -59,7 +59,7 @@ class RankGroup:
 
     @classmethod
     def start(cls, model_dir: str, config, dtype: torch.dtype) -> "RankGroup":
-        size = config.tensor_parallel_size
+        size = config.ranks
         store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
         procs, side = [], []
         cfg = dataclasses.asdict(config)

@@ -42,6 +42,7 @@ def main(argv: list[str]) -> int:
     from pdserve.engine.model import LlamaModel
     from pdserve.engine.model_runner import ModelRunner
     from pdserve.engine.tp.comm import TPComm
+    from pdserve.engine.tp.dispatch import uses_all_to_all
     from pdserve.engine.tp.group import rank_device
     from pdserve.engine.tp.shard import shard_for
 
@@ -56,10 +57,17 @@ def main(argv: list[str]) -> int:
     dtype = DTYPES[a.dtype]
     tensors, _ = load_state_dict(a.model_dir)
     with torch.device(device):
-        net = LlamaModel(mcfg, shard_for(mcfg, a.rank, a.size, config.expert_parallel_size > 1), comm).to(dtype)
+        shard = shard_for(mcfg, a.rank, a.size, config.expert_parallel_size > 1, config.replicated_attention)
+        net = LlamaModel(mcfg, shard, comm,
+                         uses_all_to_all(config.expert_dispatch, config.expert_parallel_size, mcfg.num_experts_per_tok,
+                                             config.replicated_attention)).to(dtype)
     net.load_hf_weights(tensors)
     del tensors
     net.eval()
+    if config.native_kernels and device.type == "cpu":  # the experts for the native MoE kernel, as rank 0 stacks them
+        from pdserve.engine.kernels import native_ops
+        if native_ops() is not None:
+            net.stack_experts()
     net.pack_weights()
     # sized like rank 0's (Engine.__init__; the CUDA profiling forward has collectives, so every rank runs it at
     # the same point), then the smallest count on every rank: the same block ids everywhere

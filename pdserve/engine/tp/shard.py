@@ -26,6 +26,9 @@ class TPShard:
     vocab_size: int  # the real vocabulary (logits past it are padding)
     total_kv_heads: int  # the model's KV heads
     experts: range = range(0)  # the routed experts held (expert parallelism); empty for a dense model
+    # Expert parallelism without tensor parallelism: attention (and its KV), the dense MLPs, the embedding and the
+    # LM head are whole on every rank, computed on every rank over every token; only the routed experts are split.
+    replicated: bool = False
 
     @property
     def num_heads(self) -> int:
@@ -70,10 +73,22 @@ def kv_head_range(num_kv_heads: int, rank: int, size: int) -> range:
     return range(head, head + 1)
 
 
-def shard_for(cfg, rank: int = 0, size: int = 1, expert_parallel: bool = False) -> TPShard:
+def shard_for(cfg, rank: int = 0, size: int = 1, expert_parallel: bool = False, replicated: bool = False) -> TPShard:
     """The shard of rank `rank` of `size` for ModelConfig `cfg` (CheckpointError when it cannot be split).
     `expert_parallel`: rank r holds experts [r * E / size, (r + 1) * E / size); otherwise every rank all of them
-    (only valid at size 1, check_tp)."""
+    (only valid at size 1, check_tp). `replicated` (with `expert_parallel`): only the experts are split; the rest
+    of the model is whole on every rank."""
+    if replicated:
+        if not cfg.num_experts:
+            raise CheckpointError(f"expert_parallel_size={size} needs a mixture-of-experts model: this one has no "
+                                  f"routed experts")
+        if cfg.num_experts % size:
+            raise CheckpointError(f"cannot shard the model for expert parallelism: {cfg.num_experts} routed experts "
+                                  f"are not divisible by expert_parallel_size={size}")
+        per = cfg.num_experts // size
+        return TPShard(rank, size, range(cfg.num_heads), range(cfg.num_kv_heads), range(cfg.intermediate_size),
+                       range(cfg.vocab_size), cfg.vocab_size, cfg.num_kv_heads, range(rank * per, (rank + 1) * per),
+                       replicated=True)
     check_tp(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, size, cfg.num_experts, expert_parallel)
     per = cfg.num_experts // size if expert_parallel else cfg.num_experts
     experts = range(rank * per, (rank + 1) * per) if expert_parallel else range(cfg.num_experts)

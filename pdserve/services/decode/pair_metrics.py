@@ -32,6 +32,7 @@ class PeerLabels:
 class PairMetrics:
     def __init__(self, cap: int = MAX_PEERS):
         self.label = PeerLabels(cap)
+        self._transport: dict[str, str] = {}  # peer label -> its pdserve_kv_pair_transport_info sample's value
 
     def pulled(self, peer: str, nbytes: int, seconds: float) -> None:
         lbl = self.label(peer)
@@ -48,3 +49,15 @@ class PairMetrics:
         lbl = self.label(peer)
         M.KV_PAIR_PROBE_LATENCY.labels(lbl).set(latency_s)
         M.KV_PAIR_PROBE_BANDWIDTH.labels(lbl).set(bytes_per_s)
+
+    def transport(self, peer: str, observed: str) -> None:
+        """One sample per peer: what UCX chose for its READs; a restarted peer's replaces its previous one. Peers
+        past the cap are not shown (one `other` sample could not say which of them took which transport)."""
+        lbl = self.label(peer)
+        if lbl == OTHER:
+            return
+        old = self._transport.get(lbl)
+        if old is not None and old != observed:
+            M.KV_PAIR_TRANSPORT_INFO.remove(lbl, old)
+        self._transport[lbl] = observed
+        M.KV_PAIR_TRANSPORT_INFO.labels(lbl, observed).set(1)

@@ -29,8 +29,10 @@ from pdserve.kv_transfer.agent import KVAgent, KVTransferError, TransferFailure
 from pdserve.kv_transfer.layout import KVLayoutMismatch
 from pdserve.kv_transfer.probe import probe_link
 from pdserve.kv_transfer.tp_pull import KvPuller
+from pdserve.kv_transfer.ucx_log import UcxLog
+from pdserve.kv_transfer.ucx_proto_info import observed
 from pdserve.services.convert import DeltaEncoder, first_tokens_from_pb, limits_from_pb, params_from_pb
-from pdserve.services.decode.pair_metrics import PairMetrics
+from pdserve.services.decode.pair_metrics import MAX_PEERS, PairMetrics
 from pdserve.services.decode.peers import KvPeers
 from pdserve.services.decode.pull_plan import pull_plan
 from pdserve.services.grpc_util import abort_compile_timeout, channel
@@ -75,8 +77,10 @@ class _Pulled:
 
 class DecodeSide:
     def __init__(self, host: AsyncEngine, endpoint: KvEndpoint, agent: KVAgent | None, tokenizer,
-                 meter: LoadMeter | None, transfer_timeout_s: float, alloc_wait_s: float = 10.0, rank_agents=None):
-        """`rank_agents` (kv_transfer/tp_ranks.RankAgents): this worker's other TP ranks, each pulling its heads."""
+                 meter: LoadMeter | None, transfer_timeout_s: float, alloc_wait_s: float = 10.0, rank_agents=None,
+                 ucx: UcxLog | None = None):
+        """`rank_agents` (kv_transfer/tp_ranks.RankAgents): this worker's other TP ranks, each pulling its heads.
+        `ucx`: this process's UCX log, where UCX says which transport it chose for each peer (kv_transfer/ucx_log.py)."""
         self.host = host
         self.agent = agent
         self.puller = KvPuller(agent, rank_agents) if agent is not None else None
@@ -91,18 +95,41 @@ class DecodeSide:
         self._tasks = OwnedTasks()
         self.pairs = PairMetrics()  # per prefill peer: bytes, seconds, failures, expired leases, self-test
         self._probed: set[tuple[str, str]] = set()  # peer incarnations whose link was self-tested
+        self.ucx = ucx
+        self._marks: dict[tuple[str, str], int] = {}  # peer incarnation -> UCX's report before its first READ
+        self.observed: dict[str, str] = {}  # prefill peer id -> the transport UCX chose for its READs
         self.peers = KvPeers(self._stub, endpoint.layout, endpoint.protocol_version,
                              self.puller.forget_remote if agent is not None else (lambda name: None))
 
-    def _probe_once(self, kv: common_pb2.KvHandle, regions) -> None:
-        """The transport self-test (kv_transfer/probe.py), once per peer incarnation, in the background: its
-        bandwidth feeds the router's transfer cost, its figures the per-pair gauges. Single-pool pairs only (a TP
-        pull's ranks read their own slices)."""
+    def _mark_once(self, kv: common_pb2.KvHandle) -> None:
+        """Before the first READ from a peer incarnation: where UCX's report stands. What UCX reports from here
+        to the end of that READ is its selection for this peer (kv_transfer/ucx_log.py)."""
         key = (kv.worker_address, kv.incarnation)
-        if key in self._probed or self.agent is None or self.puller.ranks is not None or len(regions) != 1:
+        if self.ucx is not None and self.ucx.active and key not in self._marks and key not in self._probed:
+            self._marks[key] = self.ucx.mark()
+
+    def _probe_once(self, kv: common_pb2.KvHandle, regions) -> None:
+        """After the first pull from a peer incarnation: the transport UCX chose for it (kv_transfer/
+        ucx_proto_info.py), then the transport self-test (kv_transfer/probe.py) in the background: its bandwidth
+        feeds the router's transfer cost, its figures the per-pair gauges. The self-test is for single-pool pairs
+        only (a TP pull's ranks read their own slices)."""
+        key = (kv.worker_address, kv.incarnation)
+        if key in self._probed or self.agent is None:
             return
         self._probed.add(key)
-        self._tasks.spawn(self._probe(kv.worker_id, regions[0]))
+        self._observe(kv.worker_id, self._marks.pop(key, None))
+        if self.puller.ranks is None and len(regions) == 1:
+            self._tasks.spawn(self._probe(kv.worker_id, regions[0]))
+
+    def _observe(self, peer: str, mark: int | None) -> None:
+        """What UCX reported since the peer's mark, read once per peer incarnation (a flush and a read of a few
+        hundred bytes). No mark (UCX's log is not this worker's to read): the peer is `unknown`."""
+        new, known = (self.ucx.since(mark), self.ucx.since(0)) if mark is not None else ([], [])
+        got = observed(self.agent.name, new, known)
+        if peer in self.observed or len(self.observed) < MAX_PEERS:  # the registry record stays small
+            self.observed[peer] = got
+        self.pairs.transport(peer, got)
+        log.info("KV from %s: UCX chose %s for its READs", peer, got)
 
     async def _probe(self, peer: str, region) -> None:
         try:
@@ -180,6 +207,7 @@ class DecodeSide:
         firsts = first_tokens_from_pb(request.first_tokens)
         if FAULT_PULL_DELAY_S:
             await asyncio.sleep(FAULT_PULL_DELAY_S)
+        self._mark_once(kv)
         regions = await self._peer_regions(kv, context, p, rid)
         if isinstance(regions, common_pb2.GenerateResponse):
             yield regions

@@ -51,8 +51,12 @@ KV_PAIR_PROBE_LATENCY = Gauge("pdserve_kv_pair_probe_latency_seconds", "The tran
 KV_PAIR_PROBE_BANDWIDTH = Gauge("pdserve_kv_pair_probe_bytes_per_second", "The transport self-test's bandwidth from "
                                 "the peer: a READ sized to take ~0.25 s, at most 4 MiB", ["peer"], registry=WORKER)
 KV_TRANSPORT_INFO = Gauge("pdserve_kv_transport_info", "1, labelled with the KV transfer's backend and transport "
-                          "(transport: UCX_TLS's transports, or auto; source: configured when UCX_TLS is set, default "
-                          "when UCX picks per peer: kv_transfer/transport.py)", ["backend", "transport", "source"], registry=WORKER)
+                          "as configured (transport: UCX_TLS's transports, or auto; source: configured when UCX_TLS is "
+                          "set, default when UCX picks per peer: kv_transfer/transport.py)",
+                          ["backend", "transport", "source"], registry=WORKER)
+KV_PAIR_TRANSPORT_INFO = Gauge("pdserve_kv_pair_transport_info", "1, labelled with the UCX transport(s) that carried "
+                               "the READs from the peer, as UCX reported its choice (cma, tcp, posix, rc_mlx5, ..., "
+                               "or unknown: kv_transfer/ucx_proto_info.py)", ["peer", "observed"], registry=WORKER)
 KV_HANDSHAKES = Counter("pdserve_kv_handshakes_total", "KV handshakes between a decode and a prefill worker "
                         "(side: initiated on the decode worker, served on the prefill worker)", ["side"],
                         registry=WORKER)

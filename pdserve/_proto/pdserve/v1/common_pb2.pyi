@@ -262,8 +262,15 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[CompletionDelta, _Mapping]]] = ..., finished: _Optional[bool] = ..., state: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[str] = ..., times: _Optional[_Union[StageTimes, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., retryable: _Optional[bool] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "model", "agent_name", "capacity_blocks", "layout", "labels", "kv_transport", "role_switch")
+    __slots__ = ("worker_id", "role", "address", "model", "agent_name", "capacity_blocks", "layout", "labels", "kv_transport", "role_switch", "kv_transport_observed")
     class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class KvTransportObservedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -280,6 +287,7 @@ class WorkerInfo(_message.Message):
     LABELS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     ROLE_SWITCH_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSPORT_OBSERVED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     address: str
@@ -290,7 +298,8 @@ class WorkerInfo(_message.Message):
     labels: _containers.ScalarMap[str, str]
     kv_transport: str
     role_switch: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., agent_name: _Optional[str] = ..., capacity_blocks: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., kv_transport: _Optional[str] = ..., role_switch: _Optional[str] = ...) -> None: ...
+    kv_transport_observed: _containers.ScalarMap[str, str]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., agent_name: _Optional[str] = ..., capacity_blocks: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., kv_transport: _Optional[str] = ..., role_switch: _Optional[str] = ..., kv_transport_observed: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class LoadReport(_message.Message):
     __slots__ = ("worker_id", "num_running", "num_waiting", "kv_blocks_in_use", "kv_blocks_total", "pinned_blocks", "prefix_hit_ratio", "prefill_tokens_per_s", "prefill_overhead_s", "decode_step_s", "decode_step_per_seq_s", "pending_prefill_tokens", "kv_bytes_per_s", "handoff_overhead_s", "report_time", "max_num_seqs", "tensor_parallel_size", "decode_step0_s")
