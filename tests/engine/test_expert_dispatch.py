@@ -134,7 +134,7 @@ def test_deterministic_mode_keeps_batch_invariance_across_the_all_to_all(tmp_pat
     served alone and batched with three others (its rows then land in other slices, beside other rows in the
     experts' GEMMs on the other rank)."""
     ck = make_checkpoint(tmp_path / "q3", "qwen3_moe")
-    e = _ep2(ck, deterministic=True, enable_prefix_caching=False)
+    e = _ep2(ck, deterministic=True, enable_prefix_caching=False, expert_dispatch="all_to_all")
     try:
         p = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1, prompt_logprobs=1)
         target = list(range(40, 53))
