@@ -124,13 +124,12 @@ def nft_available() -> bool:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
-def _loss_rules(loss_pct: float) -> str:
-    """An nft table dropping `loss_pct` percent of a namespace's packets in each direction, independently."""
-    per_10k = round(loss_pct * 100)
-    rule = f"numgen random mod 10000 < {per_10k} drop"
-    return ("table inet pdlab_loss {\n"
-            f"  chain out {{ type filter hook output priority 0; {rule}; }}\n"
-            f"  chain in {{ type filter hook input priority 0; {rule}; }}\n"
+def _loss_rules(loss_pct: float, dev: str = "lo", table: str = "pdlab_loss") -> str:
+    """An nft table dropping `loss_pct` percent of the packets arriving on `dev`, at its ingress: silently, as a
+    lossy wire does (a drop on the sender's output hook would fail its sendto() with EPERM instead)."""
+    rule = f"numgen random mod 10000 < {round(loss_pct * 100)} drop"
+    return (f"table netdev {table} {{\n"
+            f"  chain in {{ type filter hook ingress device \"{dev}\" priority 0; {rule}; }}\n"
             "}\n")
 
 
@@ -192,12 +191,14 @@ class Network:
         toward it; loss without netem by the packet filter in the host's namespace."""
         _check_link(link)
         use_netem = link.needs_netem and netem_available()
-        subprocess.run([*h.exec_prefix(), "nft", "delete", "table", "inet", "pdlab_loss"], capture_output=True)
-        if link.loss_pct and not use_netem:
-            r = subprocess.run([*h.exec_prefix(), "nft", "-f", "-"], input=_loss_rules(link.loss_pct), text=True,
-                               capture_output=True)
-            if r.returncode != 0:
-                raise LabUnavailable(f"nft loss rule on {h.name} failed: {(r.stderr or r.stdout).strip()}")
+        # both directions, each at an ingress: into the host on its veth, out of it on the bridge's end
+        for prefix, dev, table in ((h.exec_prefix(), h.veth, "pdlab_loss"), ([], h.peer, f"pdlab_{h.peer}"[:30])):
+            subprocess.run([*prefix, "nft", "delete", "table", "netdev", table], capture_output=True)
+            if link.loss_pct and not use_netem:
+                r = subprocess.run([*prefix, "nft", "-f", "-"], input=_loss_rules(link.loss_pct, dev, table),
+                                   text=True, capture_output=True)
+                if r.returncode != 0:
+                    raise LabUnavailable(f"nft loss rule on {h.name} failed: {(r.stderr or r.stdout).strip()}")
         for prefix, dev in ((h.exec_prefix(), h.veth), ([], h.peer)):
             subprocess.run([*prefix, "tc", "qdisc", "del", "dev", dev, "root"], capture_output=True)
             if use_netem:

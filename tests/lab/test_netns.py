@@ -74,6 +74,7 @@ def test_a_one_way_cut_drops_one_direction_only_and_heals():
 
 
 _ECHO = ("import socket;s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM);s.bind(('{ip}',{port}));s.settimeout(8)\n"
+         "s.setsockopt(socket.SOL_SOCKET,33,8<<20)\n"  # SO_RCVBUFFORCE: no datagram lost to a full buffer
          "while True:\n d,a=s.recvfrom(64);s.sendto(d,a)")
 
 
@@ -88,6 +89,7 @@ def _udp_echo_share(dst, port: int, n: int = 2000) -> float:
                            stderr=subprocess.DEVNULL)
     try:
         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.setsockopt(socket.SOL_SOCKET, 33, 8 << 20)  # SO_RCVBUFFORCE (root): the replies wait, none dropped
         s.settimeout(0.2)
         for _ in range(100):  # wait for the echo to answer (a probe may itself be lost): then count
             s.sendto(b"\xff\xff\xff\xff", (dst.ip, port))
