@@ -7,12 +7,15 @@ real TCP over real interfaces. (They still share the kernel, /dev/shm and proces
 what their programs send over the network, which is why the lab also tells UCX to use TCP only; cluster.py.)
 
 Shaping (`Link`): a token bucket (`tbf`) caps the rate on both ends of a host's veth pair, so traffic to and from the
-host is held to the link's rate. Delay, jitter and loss need the `netem` queueing discipline; a kernel without it
+host is held to the link's rate. Delay and jitter need the `netem` queueing discipline; a kernel without it
 (`sch_netem` not built) cannot emulate them, and a `Link` asking for them is refused with that reason, never
-silently unshaped.
+silently unshaped. Loss uses netem where the kernel has it; otherwise a random-drop rule of the packet filter
+(`nft`, `numgen random`) in the host's own namespace drops that share of the packets the host sends and of those
+it receives, as netem on both ends of the pair would. Without either, loss is refused the same way.
 """
 from __future__ import annotations
 
+import functools
 import ipaddress
 import os
 import shutil
@@ -35,6 +38,7 @@ class Link:
 
     @property
     def needs_netem(self) -> bool:
+        """Delay/jitter always; loss only where netem exists (else the packet filter drops: `loss_by_filter`)."""
         return bool(self.delay_ms or self.jitter_ms or self.loss_pct)
 
     @classmethod
@@ -105,7 +109,43 @@ def netem_available() -> bool:
         subprocess.run(["ip", "link", "del", name], capture_output=True)
 
 
+@functools.cache
+def nft_available() -> bool:
+    """Whether the packet filter can drop at random here (`nft` installed and the kernel's nf_tables + numgen)."""
+    if shutil.which("nft") is None:
+        return False
+    ns = f"pdnf{os.getpid() % 100000}"
+    if subprocess.run(["ip", "netns", "add", ns], capture_output=True).returncode != 0:
+        return False
+    try:
+        return subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], input=_loss_rules(1.0), text=True,
+                              capture_output=True).returncode == 0
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def _loss_rules(loss_pct: float, dev: str = "lo", table: str = "pdlab_loss") -> str:
+    """An nft table dropping `loss_pct` percent of the packets arriving on `dev`, at its ingress: silently, as a
+    lossy wire does (a drop on the sender's output hook would fail its sendto() with EPERM instead)."""
+    rule = f"numgen random mod 10000 < {round(loss_pct * 100)} drop"
+    return (f"table netdev {table} {{\n"
+            f"  chain in {{ type filter hook ingress device \"{dev}\" priority 0; {rule}; }}\n"
+            "}\n")
+
+
 NOWHERE_MAC = "02:00:5e:00:53:01"  # locally administered; no interface of the lab has it
+
+
+def _check_link(link: Link) -> None:
+    """Refuse, with the reason, a link this machine cannot emulate (never run it unshaped)."""
+    if not link.needs_netem or netem_available():
+        return
+    if link.delay_ms or link.jitter_ms:
+        raise LabUnavailable("delay and jitter need the netem qdisc, which this kernel does not have (sch_netem); "
+                             "rate caps (tbf) and loss (nft) work without it")
+    if not nft_available():
+        raise LabUnavailable("loss needs the netem qdisc or the packet filter (`nft` with nf_tables numgen); this "
+                             "machine has neither (scripts/install.sh installs nftables when root)")
 
 
 class Network:
@@ -126,9 +166,7 @@ class Network:
         _run("ip", "link", "set", self.bridge, "up")
 
     def add_host(self, name: str, link: Link = Link()) -> Host:
-        if link.needs_netem and not netem_available():
-            raise LabUnavailable("delay, jitter and loss need the netem qdisc, which this kernel does not have "
-                                 "(sch_netem); rate caps (tbf) work without it")
+        _check_link(link)
         i = len(self.hosts)
         h = Host(name, f"{self.bridge}-{name}", str(next(self._addrs)), f"eth-{self.tag}-{i}"[:15],
                  f"br-{self.tag}-{i}"[:15], link)
@@ -150,10 +188,20 @@ class Network:
 
     def shape(self, h: Host, link: Link) -> None:
         """(Re)apply `link` to both ends of the host's veth pair: egress from the host, and egress from the bridge
-        toward it."""
+        toward it; loss without netem by the packet filter in the host's namespace."""
+        _check_link(link)
+        use_netem = link.needs_netem and netem_available()
+        # both directions, each at an ingress: into the host on its veth, out of it on the bridge's end
+        for prefix, dev, table in ((h.exec_prefix(), h.veth, "pdlab_loss"), ([], h.peer, f"pdlab_{h.peer}"[:30])):
+            subprocess.run([*prefix, "nft", "delete", "table", "netdev", table], capture_output=True)
+            if link.loss_pct and not use_netem:
+                r = subprocess.run([*prefix, "nft", "-f", "-"], input=_loss_rules(link.loss_pct, dev, table),
+                                   text=True, capture_output=True)
+                if r.returncode != 0:
+                    raise LabUnavailable(f"nft loss rule on {h.name} failed: {(r.stderr or r.stdout).strip()}")
         for prefix, dev in ((h.exec_prefix(), h.veth), ([], h.peer)):
             subprocess.run([*prefix, "tc", "qdisc", "del", "dev", dev, "root"], capture_output=True)
-            if link.needs_netem:
+            if use_netem:
                 cmd = [*prefix, "tc", "qdisc", "add", "dev", dev, "root", "netem"]
                 if link.delay_ms or link.jitter_ms:
                     cmd += ["delay", f"{link.delay_ms}ms"] + ([f"{link.jitter_ms}ms"] if link.jitter_ms else [])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.lab.netns import LabUnavailable, Link, Network, check_available, netem_available
+from pdserve.lab.netns import LabUnavailable, Link, Network, check_available, netem_available, nft_available
 
 
 @pytest.mark.parametrize("text, link", [
@@ -34,6 +34,9 @@ def test_delay_without_netem_is_refused_not_ignored():
     with Network(tag="t0") as net:
         with pytest.raises(LabUnavailable, match="netem"):
             net.add_host("h", Link(delay_ms=5))
+        if not nft_available():
+            with pytest.raises(LabUnavailable, match="loss"):
+                net.add_host("l", Link(loss_pct=5))
         h = net.add_host("g", Link(rate_bps=10**8))  # a rate cap needs only tbf
         assert h.link.rate_bps == 10**8
 
@@ -68,3 +71,63 @@ def test_a_one_way_cut_drops_one_direction_only_and_heals():
         assert _connects(c, a, 5305) and _connects(b, c, 5306)
         net.cut(b, a, cut=False)
         assert _connects(b, a, 5307) and _connects(a, b, 5308)
+
+
+_ECHO = ("import socket;s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM);s.bind(('{ip}',{port}));s.settimeout(8)\n"
+         "s.setsockopt(socket.SOL_SOCKET,33,8<<20)\n"  # SO_RCVBUFFORCE: no datagram lost to a full buffer
+         "while True:\n d,a=s.recvfrom(64);s.sendto(d,a)")
+
+
+def _udp_echo_share(dst, port: int, n: int = 2000) -> float:
+    """The share of `n` UDP datagrams from the client (root namespace) that come back from an echo on host `dst`:
+    each must cross the host's link in and out, so with independent loss p per direction it is (1 - p) ** 2."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    srv = subprocess.Popen([*dst.exec_prefix(), sys.executable, "-c", _ECHO.format(ip=dst.ip, port=port)],
+                           stderr=subprocess.DEVNULL)
+    try:
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.setsockopt(socket.SOL_SOCKET, 33, 8 << 20)  # SO_RCVBUFFORCE (root): the replies wait, none dropped
+        s.settimeout(0.2)
+        for _ in range(100):  # wait for the echo to answer (a probe may itself be lost): then count
+            s.sendto(b"\xff\xff\xff\xff", (dst.ip, port))
+            try:
+                if s.recv(64) == b"\xff\xff\xff\xff":
+                    break
+            except TimeoutError:
+                pass
+        s.settimeout(1.0)
+        seen = set()
+        for i in range(n):  # paced in bursts of 50 so no socket buffer overflows: only the link loses packets
+            s.sendto(i.to_bytes(4, "big"), (dst.ip, port))
+            if i % 50 == 49:
+                time.sleep(0.002)
+        try:
+            while len(seen) < n:
+                seen.add(int.from_bytes(s.recv(64), "big"))
+                seen.discard(0xFFFFFFFF)
+        except TimeoutError:
+            pass
+        return len(seen) / n
+    finally:
+        srv.kill()
+        srv.wait()
+
+
+def test_loss_drops_that_share_each_way_and_reshaping_clears_it():
+    """5% loss without netem (the packet filter) must lose about 1 - 0.95**2 = 9.75% of echoed datagrams (binomial
+    sd 0.66% at n=2000: the bounds are ~4 sd), and setting the link back to lossless must lose none."""
+    try:
+        check_available()
+    except LabUnavailable as e:
+        pytest.skip(str(e))
+    if not netem_available() and not nft_available():
+        pytest.skip("loss needs netem or nft, neither is here")
+    with Network(tag="t2") as net:
+        h = net.add_host("h", Link(rate_bps=40 * 10**6, loss_pct=5.0))
+        share = _udp_echo_share(h, 5311)
+        assert 0.875 <= share <= 0.93, share
+        net.shape(h, Link(rate_bps=40 * 10**6))
+        assert _udp_echo_share(h, 5312) == 1.0
