@@ -363,12 +363,12 @@ class LlamaModel(nn.Module):
         """Prepack every projection for oneDNN where that path exists (can_pack); return whether it did. keep_gemv:
         each also keeps its plain weight for small-batch steps (quant.keep_batch1_gemv)."""
         # experts stacked for the native MoE kernel stay plain: packed, their weights would be held twice
-        stacked = {id(m) for layer in self.layers if layer.moe is not None and layer.moe.stacked is not None
-                   for m in [*layer.moe.gate_up, *layer.moe.down]}
+        plain = {id(m) for layer in self.layers if layer.moe is not None and layer.moe.stacked is not None
+                 for m in [*layer.moe.gate_up, *layer.moe.down]}
         # latent attention's kv_b stays plain too: its absorbed decode splits the weight per head (mla.py), which a
         # oneDNN-blocked weight cannot give back
-        stacked |= {id(layer.mla.kv_b) for layer in self.layers if getattr(layer, "mla", None) is not None}
-        linears = [m for m in self.modules() if isinstance(m, Linear) and id(m) not in stacked]
+        plain |= {id(layer.mla.kv_b) for layer in self.layers if getattr(layer, "mla", None) is not None}
+        linears = [m for m in self.modules() if isinstance(m, Linear) and id(m) not in plain]
         if not linears or not can_pack(linears[0].weight):
             return False
         for m in linears:
