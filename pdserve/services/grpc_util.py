@@ -16,8 +16,13 @@ from pdserve.services.internal_security import NONE, InternalSecurity
 # A peer that restarts (a router, a worker) is back in seconds: reconnect attempts at most 1 s apart, not gRPC's
 # default backoff (1 s growing to 120 s), during which calls on the channel fail at once with UNAVAILABLE (with two
 # routers, the one a gateway fails over to may be one that restarted a while ago).
+# gRPC reads `min_reconnect_backoff_ms` as the time one connection attempt gets to finish (TCP, TLS, the peer's
+# SETTINGS frame), not as a backoff. At 100 ms a TLS handshake with a worker on a loaded host timed out and the
+# request failed 503 (CI, the chart's mTLS variant); at gRPC's default, 20 s, a call to a blackholed peer waits
+# that long before it fails over. CONNECT_TIMEOUT_MS sits between: calls queue while a connection is attempted.
+CONNECT_TIMEOUT_MS = 2000
 OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20),
-           ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+           ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", CONNECT_TIMEOUT_MS),
            ("grpc.max_reconnect_backoff_ms", 1000)]
 
 # A peer that stops answering (SIGSTOPped, wedged host, blackholed port) while a call is open: the connection

@@ -361,7 +361,8 @@ class Dispatcher:
                         error=f"decode worker {decode.worker_id} failed: {e.code().name}: {e.details()}")
                     return
                 # the KV is still pinned on the prefill side: another decode worker can pull it
-                log.warning("request %s: decode worker %s unreachable, trying another", rid, decode.worker_id)
+                log.warning("request %s: decode worker %s unreachable (%s), trying another", rid, decode.worker_id,
+                            e.details())
                 if not is_refusal(e.details()):
                     self.suspects.add(decode.worker_id)
                 try:
