@@ -15,6 +15,7 @@ it receives, as netem on both ends of the pair would. Without either, loss is re
 """
 from __future__ import annotations
 
+import fcntl
 import functools
 import ipaddress
 import os
@@ -148,21 +149,40 @@ def _check_link(link: Link) -> None:
                              "machine has neither (scripts/install.sh installs nftables when root)")
 
 
+_LOCK = "/tmp/pdserve-lab.lock"
+
+
+def _free_subnet() -> str:
+    """The first 10.213.N.0/24 that no IPv4 address of this machine's root namespace falls in."""
+    out = subprocess.run(["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True, check=True).stdout
+    used = [ipaddress.ip_interface(w).network for line in out.splitlines() for w in line.split()[3:4]]
+    for n in range(256):
+        net = ipaddress.ip_network(f"10.213.{n}.0/24")
+        if not any(net.overlaps(u) for u in used):
+            return str(net)
+    raise LabUnavailable("no free 10.213.N.0/24 subnet left for a lab bridge (stale labs? `ip -4 addr`)")
+
+
 class Network:
     """One bridge, its hosts; `close` removes everything it made (idempotent; also after a partial start)."""
 
-    def __init__(self, tag: str | None = None, subnet: str = "10.213.0.0/24"):
+    def __init__(self, tag: str | None = None, subnet: str | None = None):
+        """`subnet`: by default the first 10.213.N.0/24 no route of this machine uses yet, so that labs of two
+        processes (two test runs, a test run and `pdserve lab`) run side by side; names carry the pid for the
+        same reason."""
         check_available()
-        self.tag = tag or f"{os.getpid() % 10000}"
+        self.tag = f"{tag or ''}{os.getpid() % 10000}"
         self.bridge = f"pdl{self.tag}"
-        self.net = ipaddress.ip_network(subnet)
-        self._addrs = self.net.hosts()
-        self.gateway_ip = str(next(self._addrs))  # the bridge: the root namespace's address
         self.hosts: dict[str, Host] = {}
         self._made: list[tuple[str, str]] = []  # ("link" | "netns", name) to remove, newest last
-        _run("ip", "link", "add", self.bridge, "type", "bridge")
-        self._made.append(("link", self.bridge))
-        _run("ip", "addr", "add", f"{self.gateway_ip}/{self.net.prefixlen}", "dev", self.bridge)
+        with open(_LOCK, "a") as lock:  # choosing a free subnet and taking it: one process at a time
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            self.net = ipaddress.ip_network(subnet or _free_subnet())
+            self._addrs = self.net.hosts()
+            self.gateway_ip = str(next(self._addrs))  # the bridge: the root namespace's address
+            _run("ip", "link", "add", self.bridge, "type", "bridge")
+            self._made.append(("link", self.bridge))
+            _run("ip", "addr", "add", f"{self.gateway_ip}/{self.net.prefixlen}", "dev", self.bridge)
         _run("ip", "link", "set", self.bridge, "up")
 
     def add_host(self, name: str, link: Link = Link()) -> Host:

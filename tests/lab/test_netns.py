@@ -131,3 +131,18 @@ def test_loss_drops_that_share_each_way_and_reshaping_clears_it():
         assert 0.875 <= share <= 0.93, share
         net.shape(h, Link(rate_bps=40 * 10**6))
         assert _udp_echo_share(h, 5312) == 1.0
+
+
+def test_two_labs_at_once_take_separate_subnets_and_both_carry_traffic():
+    """Two test runs (or a test run and `pdserve lab`) on one machine: each lab's bridge takes a subnet no address
+    of the machine uses yet, so the second one neither fails to start nor steals the first one's routes."""
+    import ipaddress
+    try:
+        check_available()
+    except LabUnavailable as e:
+        pytest.skip(str(e))
+    with Network(tag="s0") as one, Network(tag="s1") as two:
+        assert not ipaddress.ip_network(one.net).overlaps(two.net) and one.bridge != two.bridge
+        a1, b1 = one.add_host("a"), one.add_host("b")
+        a2, b2 = two.add_host("a"), two.add_host("b")
+        assert _connects(a1, b1, 5311) and _connects(a2, b2, 5312)
