@@ -156,12 +156,15 @@ SLOW = {
 }
 
 
-# Under pytest-xdist (`-n 2 --dist loadgroup`; scripts/test.sh's unit phase) these run one after another on one
-# worker, in collection order: the lab's hosts share one fixed subnet, and a deployment's latency bounds and the
-# shared deployments' order hold only one at a time. scripts/test.sh runs the e2e ones in a phase of their own:
-# next to the unit tests on the other core, their latency bounds failed (docs/testing.md, "Two phases").
-SERIAL_GROUP = "serial"
-LAB = ("tests/lab/", "tests/e2e/test_lab")
+# `alone`: the deployments whose assertions are latency or throughput bounds (rejections within 100 ms, goodput at
+# 3x capacity, the planner's model against observed p90s, a shaped link's rate...): what a deployment promises with
+# the machine to itself. scripts/test.sh runs them one at a time after everything else, which shares the cores.
+ALONE = {
+    "tests/e2e/test_overload.py", "tests/e2e/test_deadline_admission.py", "tests/e2e/test_migration.py",
+    "tests/e2e/test_planner.py", "tests/e2e/test_planner_model.py", "tests/e2e/test_planner_switch.py",
+    "tests/e2e/test_hostile_neighbour.py", "tests/e2e/test_lab.py", "tests/e2e/test_slow_reader.py",
+    "tests/bench/test_pdserve_real.py", "tests/sim/test_validate_up.py",
+}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -173,5 +176,5 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(getattr(pytest.mark, mark))
         if rel.as_posix() in SLOW:
             item.add_marker(pytest.mark.slow)
-        if item.get_closest_marker("e2e") or rel.as_posix().startswith(LAB):
-            item.add_marker(pytest.mark.xdist_group(SERIAL_GROUP))
+        if rel.as_posix() in ALONE:
+            item.add_marker(pytest.mark.alone)

@@ -199,7 +199,12 @@ def _process(res: dict) -> str:
 
 
 def _complete_trace(spans) -> bool:
+    """The request's main spans are in, and every span's parent too: each process exports in its own batches, so a
+    worker's span can arrive before the gateway's client span above it (seen under load: ReleaseKV's)."""
     names = {(_process(r), s.name) for r, s in spans}
+    ids = {s.span_id for _, s in spans}
+    if not all(s.parent_span_id in ids for _, s in spans if s.name != "POST /v1/completions"):
+        return False
     return {("worker/prefill", "pdserve.v1.Worker/Prefill"), ("worker/decode", "pdserve.v1.Worker/GenerateFromPrefill"),
             ("gateway", "gateway.decode"), ("worker/decode", "engine.decode")} <= names
 

@@ -79,10 +79,14 @@ def test_ingress_rejections(up):
 def test_metrics_and_route_debug_are_per_tenant_permissions(up):
     """Issue 13, item 9: /metrics lists every tenant's name and counts, and the route header names workers."""
     m = up.base_url + "/metrics"
+    # a tenant's own request first: the per-tenant series exist once one was billed (not whatever ran before)
+    r = httpx.post(up.base_url + "/v1/completions", json={"model": "ck", "prompt": "hi", "max_tokens": 1},
+                   headers={"Authorization": "Bearer sk-alice"}, timeout=30)
+    assert r.status_code == 200, r.text
     assert httpx.get(m).status_code == 401
     r = httpx.get(m, headers={"Authorization": "Bearer sk-alice"})
     assert r.status_code == 403 and "tenant=" not in r.text
-    assert 'tenant="' in httpx.get(m, headers={"Authorization": "Bearer sk-ops"}).text
+    assert wait_until(lambda: 'tenant="alice"' in httpx.get(m, headers={"Authorization": "Bearer sk-ops"}).text, 10)
     for key, shown in (("sk-alice", False), ("sk-ops", True)):
         r = httpx.post(up.base_url + "/v1/completions", json={"model": "ck", "prompt": "hi", "max_tokens": 1},
                        headers={"Authorization": f"Bearer {key}", "x-pdserve-debug": "route"}, timeout=30)
