@@ -11,6 +11,7 @@ only, its model and load average printed).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import subprocess
@@ -30,9 +31,10 @@ SIZES = dict(vocab_size=4000, hidden_size=512, num_hidden_layers=4, num_attentio
              head_dim=64, moe_intermediate_size=256, intermediate_size=1024, num_experts=16, num_experts_per_tok=2,
              norm_topk_prob=True, max_position_embeddings=2048, tie_word_embeddings=False)
 COUNTERS = ("bytes_reduced", "bytes_reduce_scattered", "bytes_all_to_all", "bytes_all_gathered")
-RUNS = {"1 rank": dict(), "TP2 EP2 all-to-all": dict(tensor_parallel_size=2, expert_parallel_size=2),
+RUNS = {"1 rank": dict(),
+        "TP2 EP2 all-to-all": dict(tensor_parallel_size=2, expert_parallel_size=2, expert_dispatch="all_to_all"),
         "TP2 EP2 all-reduce": dict(tensor_parallel_size=2, expert_parallel_size=2, expert_dispatch="all_reduce"),
-        "TP1 EP2 all-to-all": dict(expert_parallel_size=2),
+        "TP1 EP2 all-to-all": dict(expert_parallel_size=2, expert_dispatch="all_to_all"),
         "TP1 EP2 all-reduce": dict(expert_parallel_size=2, expert_dispatch="all_reduce")}
 
 
@@ -90,10 +92,14 @@ def main() -> None:
     for name, r in res.items():
         print(f"{name:20s} prefill {r['prefill_s'] / base['prefill_s']:.2f}x  decode {r['decode_s'] / base['decode_s']:.2f}x"
               f" of 1 rank | bytes rank 0 sent per prefill step {r['prefill_b']} per decode step {r['decode_b']}")
+    e = SIZES["num_experts"]
+    # a token's k distinct experts all on its own rank (half of the e): C(e/2, k) / C(e, k)
+    local = math.comb(e // 2, k) / math.comb(e, k)
     for t, what in ((args.prompt, "prefill"), (args.batch, "decode")):
         per = -(-t // 2)
-        print(f"{what} T={t}, uniform routing, per MoE layer x {layers}: all-to-all rows expected "
-              f"{2 * per * k / 2:.0f} (x {h * 4} B), all-gather {per} rows, reduce-scatter (TP 2) {2 * per} rows "
+        print(f"{what} T={t}, uniform routing, per MoE layer x {layers}: all-to-all hidden rows expected "
+              f"{2 * per * (1 - local):.0f} out and back (x {h * 4} B, + {16 * k} B of routing going out; "
+              f"{2 * per * k / 2:.0f} if sent per (token, expert)), all-gather {per} rows, reduce-scatter (TP 2) {2 * per} rows "
               f"handed; all-reduce combine {t} rows handed")
     print("load average after", os.getloadavg())
 

@@ -74,8 +74,10 @@ def test_dispatch_equals_float64_and_catches_rows_sent_to_the_wrong_rank(rank1_c
         child.join(60)
     # every rank's counter sees every token's choices
     assert counts.tolist() == torch.bincount(chosen.flatten(), minlength=E).tolist()
-    remote = int((chosen[:4] >= 2).sum() + (chosen[4:] < 2).sum())  # rows crossing ranks, either way
-    assert comm.bytes_all_to_all == remote * H * 4
+    # rank 0 sends, per token of its slice with any expert on rank 1, the hidden row and K (expert, weight) float64
+    # slots; and back, per token of rank 1's slice with any expert here, one partial row
+    out, back = int((chosen[:4] >= 2).any(1).sum()), int((chosen[4:] < 2).any(1).sum())
+    assert comm.bytes_all_to_all == out * (H * 4 + 16 * K) + back * H * 4
     if rank1_claims == (2, 4):
         assert max(errs) < 1e-5  # fp32 rounding of values up to ~10
     else:
@@ -97,9 +99,9 @@ def _step_bytes(e: Engine, prompt: list[int]) -> dict:
 
 def test_bytes_per_step_all_to_all_and_all_reduce_follow_the_routing(tmp_path):
     """Mixtral (4 experts, top 2, 2 MoE layers, hidden 64) at TP 2 + EP 2, one prefill step of 29 tokens. Rank 0
-    owns tokens 0-14 and experts 0-1. From transformers' router logits (top 2 per token, every layer): the rows
-    rank 0 sends out are its tokens' choices of experts 2-3 plus the outputs of rank 1's tokens' choices of
-    experts 0-1; the slices all-gathered are 15 rows (and the 4 counts); the attention output reduce-scattered
+    owns tokens 0-14 and experts 0-1. From transformers' router logits (top 2 per token, every layer): rank 0
+    sends a hidden row for each of its tokens that chose expert 2 or 3 or both (with its 2 routing slots) and a
+    partial output row for each of rank 1's tokens that chose 0 or 1 or both; the slices all-gathered are 15 rows (and the 4 counts); the attention output reduce-scattered
     is 30 rows (29 padded). The all-reduce combine hands the whole 29 x 64 output to an all-reduce per layer."""
     import transformers as tf
     ck = make_checkpoint(tmp_path / "mx", "mixtral")
@@ -109,7 +111,9 @@ def test_bytes_per_step_all_to_all_and_all_reduce_follow_the_routing(tmp_path):
     with torch.no_grad():
         logits = hf(torch.tensor([prompt]), output_router_logits=True).router_logits
     chosen = [lg.reshape(t, -1).double().topk(2, dim=-1).indices for lg in logits]
-    rows = sum(int((c[:per] >= 2).sum() + (c[per:] < 2).sum()) for c in chosen)
+    # a hidden row (with 2 float64 (expert, weight) slots going out) per (token, other rank) pair each way
+    out = sum(int((c[:per] >= 2).any(1).sum()) for c in chosen)
+    rows = out + sum(int((c[per:] < 2).any(1).sum()) for c in chosen)
     layers = len(chosen)
     engines = []
     try:
@@ -120,13 +124,13 @@ def test_bytes_per_step_all_to_all_and_all_reduce_follow_the_routing(tmp_path):
         for e in engines:
             e.close()
     embed = t * h * 4  # the vocab-parallel embedding's all-reduce, the same in both
-    assert a2a == {"bytes_reduced": embed, "bytes_all_to_all": rows * h * 4,
-                   "bytes_all_gathered": layers * (per * h * 4 + 4 * 8),
+    assert a2a == {"bytes_reduced": embed, "bytes_all_to_all": rows * h * 4 + out * 2 * 16,
+                   "bytes_all_gathered": layers * (per * h * 4 + (4 + 2) * 8),
                    "bytes_reduce_scattered": layers * 2 * per * h * 4}
     assert ar == {"bytes_reduced": embed + layers * 2 * t * h * 4, "bytes_all_to_all": 0, "bytes_all_gathered": 0,
                   "bytes_reduce_scattered": 0}
-    print(f"\nbytes rank 0 sent, one 29-token prefill step, 2 MoE layers: all-to-all rows {rows} "
-          f"(expected {layers * t * 2 / 2:.0f} at uniform routing)")
+    print(f"\nbytes rank 0 sent, one 29-token prefill step, 2 MoE layers: all-to-all hidden rows {rows} "
+          f"(per (token, expert) choice: {layers * t * 2 / 2:.0f} at uniform routing)")
 
 
 def test_deterministic_mode_keeps_batch_invariance_across_the_all_to_all(tmp_path):
