@@ -149,6 +149,12 @@ def _check_link(link: Link) -> None:
                              "machine has neither (scripts/install.sh installs nftables when root)")
 
 
+def _tbf_args(rate_bps: int) -> list[str]:
+    """A link's token bucket; burst: at least 10 ms of the rate (and 64 KiB), so the bucket itself is not the
+    limit."""
+    return ["rate", f"{rate_bps}bit", "burst", str(max(64 << 10, rate_bps // 8 // 100)), "latency", "50ms"]
+
+
 _LOCK = "/tmp/pdserve-lab.lock"
 
 
@@ -231,11 +237,47 @@ class Network:
                     cmd += ["rate", f"{link.rate_bps}bit"]
                 _run(*cmd)
             elif link.rate_bps:
-                # burst: at least one 10 ms of the rate (and 64 KiB), so the bucket itself is not the limit
-                burst = max(64 << 10, link.rate_bps // 8 // 100)
-                _run(*prefix, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{link.rate_bps}bit",
-                     "burst", str(burst), "latency", "50ms")
+                _run(*prefix, "tc", "qdisc", "add", "dev", dev, "root", "tbf", *_tbf_args(link.rate_bps))
         h.link = link
+
+    def hold(self, hosts: list[Host], seconds: float) -> tuple[float, float]:
+        """A delay spike without netem: every packet to or from `hosts` is held back for about `seconds`, then
+        released at the link's rate. Returns (at least, at most) how long each link end was held: the `tc`
+        commands of each phase run side by side, and each takes effect somewhere within its phase.
+
+        Both ends of each host's veth pair have a token bucket (`Link.rate_bps` must be set). `tc qdisc change`
+        keeps a tbf's queue, so the bucket is turned to 8 bit/s with a 16 MiB queue, then back to the link's own
+        settings: what is sent meanwhile queues (the first packet of the window waits ~`seconds`, the last hardly
+        at all: a stall, not a constant added latency), nothing is dropped unless the queue fills. A change starts
+        with a full bucket, so the pause counts 1550 bytes of overhead per packet against a 3100-byte burst: one
+        packet per end (of up to 1550 bytes, the veth's MTU fits) slips through as the pause starts. What
+        netem's `delay` would add and this does not: the same delay on every packet of the window, and a delay
+        on a host whose link is unshaped."""
+        import time
+        ends = [(ns, dev, h.link) for h in hosts for ns, dev in ((h.ns, h.veth), (None, h.peer))]
+        if not all(link.rate_bps for _, _, link in ends):
+            raise ValueError("hold needs rate-capped links (their tbf holds the packets)")
+
+        def change(ns: str | None, dev: str, args: list[str]) -> subprocess.Popen:
+            return subprocess.Popen(["tc", *(["-n", ns] if ns else []), "qdisc", "change", "dev", dev, "root",
+                                     "tbf", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+        def wait(procs: list[subprocess.Popen]) -> None:
+            bad = [p.stderr.read().strip() for p in procs if p.wait() != 0]
+            if bad:
+                raise LabUnavailable(f"tc qdisc change failed: {bad[0]}")
+
+        t0 = time.monotonic()
+        pause = ["rate", "8bit", "burst", "3100", "overhead", "1550", "limit", str(16 << 20)]
+        try:
+            wait([change(ns, dev, pause) for ns, dev, _ in ends])
+        finally:
+            t1 = time.monotonic()
+            time.sleep(max(0.0, t0 + seconds - t1))
+            t2 = time.monotonic()
+            wait([change(ns, dev, _tbf_args(link.rate_bps)) for ns, dev, link in ends])
+            t3 = time.monotonic()
+        return t2 - t1, t3 - t0
 
     def cut(self, src: Host, dst: Host, cut: bool = True) -> None:
         """Silently drop every packet `src` sends to `dst`, or stop dropping them; `dst` -> `src` is untouched.
