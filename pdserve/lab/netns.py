@@ -155,6 +155,29 @@ def _tbf_args(rate_bps: int) -> list[str]:
     return ["rate", f"{rate_bps}bit", "burst", str(max(64 << 10, rate_bps // 8 // 100)), "latency", "50ms"]
 
 
+@dataclass(frozen=True)
+class Held:
+    """What `Network.hold` did: each link end held between `at_least_s` and `at_most_s`; `queued_packets` in
+    their queues shortly before the release."""
+
+    at_least_s: float
+    at_most_s: float
+    queued_packets: int
+
+
+def _queued(devs: dict[str | None, list[str]]) -> int:
+    """Packets in the root qdiscs of these devices, by namespace (None: this one); one `tc` per namespace."""
+    import json
+    procs = [(subprocess.Popen(["tc", *(["-n", ns] if ns else []), "-j", "-s", "qdisc", "show"],
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True), set(names))
+             for ns, names in devs.items()]
+    total = 0
+    for p, names in procs:
+        out, _ = p.communicate()
+        total += sum(q.get("qlen", 0) for q in json.loads(out or "[]") if q.get("root") and q.get("dev") in names)
+    return total
+
+
 _LOCK = "/tmp/pdserve-lab.lock"
 
 
@@ -240,10 +263,11 @@ class Network:
                 _run(*prefix, "tc", "qdisc", "add", "dev", dev, "root", "tbf", *_tbf_args(link.rate_bps))
         h.link = link
 
-    def hold(self, hosts: list[Host], seconds: float) -> tuple[float, float]:
+    def hold(self, hosts: list[Host], seconds: float) -> Held:
         """A delay spike without netem: every packet to or from `hosts` is held back for about `seconds`, then
-        released at the link's rate. Returns (at least, at most) how long each link end was held: the `tc`
-        commands of each phase run side by side, and each takes effect somewhere within its phase.
+        released at the link's rate. Returns how long each link end was held, at least and at most (the `tc`
+        commands of each phase run side by side, and each takes effect somewhere within its phase), and how many
+        packets the ends held shortly before the release (their queues, read ~50 ms before it).
 
         Both ends of each host's veth pair have a token bucket (`Link.rate_bps` must be set). `tc qdisc change`
         keeps a tbf's queue, so the bucket is turned to 8 bit/s with a 16 MiB queue, then back to the link's own
@@ -269,15 +293,18 @@ class Network:
 
         t0 = time.monotonic()
         pause = ["rate", "8bit", "burst", "3100", "overhead", "1550", "limit", str(16 << 20)]
+        queued = 0
         try:
             wait([change(ns, dev, pause) for ns, dev, _ in ends])
         finally:
             t1 = time.monotonic()
-            time.sleep(max(0.0, t0 + seconds - t1))
+            time.sleep(max(0.0, t0 + seconds - 0.05 - t1))
+            queued = _queued({ns: [dev for n, dev, _ in ends if n == ns] for ns, _, _ in ends})
+            time.sleep(max(0.0, t0 + seconds - time.monotonic()))
             t2 = time.monotonic()
             wait([change(ns, dev, _tbf_args(link.rate_bps)) for ns, dev, link in ends])
             t3 = time.monotonic()
-        return t2 - t1, t3 - t0
+        return Held(t2 - t1, t3 - t0, queued)
 
     def cut(self, src: Host, dst: Host, cut: bool = True) -> None:
         """Silently drop every packet `src` sends to `dst`, or stop dropping them; `dst` -> `src` is untouched.
