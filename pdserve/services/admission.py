@@ -112,6 +112,7 @@ class Calibration:
         r = min(self.hi, max(self.lo, actual_s / estimated_s))
         self.factor = r if self.samples == 0 else (1 - self.alpha) * self.factor + self.alpha * r
         self.samples += 1
+        M.CALIBRATION.set(self.factor)
 
 
 class OutputPredictor:
