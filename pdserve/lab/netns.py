@@ -158,7 +158,7 @@ def _tbf_args(rate_bps: int) -> list[str]:
 @dataclass(frozen=True)
 class Held:
     """What `Network.hold` did: each link end held between `at_least_s` and `at_most_s`; `queued_packets` in
-    their queues shortly before the release."""
+    their queues, read from ~100 ms before the release."""
 
     at_least_s: float
     at_most_s: float
@@ -190,16 +190,20 @@ class _TcBatch:
         self.proc.wait()
 
 
-def _queued(devs: dict[str | None, list[str]]) -> int:
-    """Packets in the root qdiscs of these devices, by namespace (None: this one); one `tc` per namespace."""
+def _queued(devs: dict[str | None, list[str]]):
+    """Start reading the packets queued in the root qdiscs of these devices, by namespace (None: this one), one
+    `tc` per namespace; returns the function that waits for the readings and sums them."""
     import json
     procs = [(subprocess.Popen(["tc", *(["-n", ns] if ns else []), "-j", "-s", "qdisc", "show"],
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True), set(names))
              for ns, names in devs.items()]
-    total = 0
-    for p, names in procs:
-        out, _ = p.communicate()
-        total += sum(q.get("qlen", 0) for q in json.loads(out or "[]") if q.get("root") and q.get("dev") in names)
+
+    def total() -> int:
+        n = 0
+        for p, names in procs:
+            out, _ = p.communicate()
+            n += sum(q.get("qlen", 0) for q in json.loads(out or "[]") if q.get("root") and q.get("dev") in names)
+        return n
     return total
 
 
@@ -292,7 +296,7 @@ class Network:
         """A delay spike without netem: every packet to or from `hosts` is held back for about `seconds`, then
         released at the link's rate. Returns how long each link end was held, at least and at most (the `tc`
         commands of each phase run side by side, and each takes effect somewhere within its phase), and how many
-        packets the ends held shortly before the release (their queues, read ~50 ms before it).
+        packets the ends held shortly before the release (their queues, read from ~100 ms before it).
 
         Both ends of each host's veth pair have a token bucket (`Link.rate_bps` must be set). `tc qdisc change`
         keeps a tbf's queue, so the bucket is turned to 8 bit/s with a 16 MiB queue, then back to the link's own
@@ -318,15 +322,14 @@ class Network:
             for tc in tcs.values():
                 tc.wait()
 
-        queued = 0
         try:
             t0 = time.monotonic()
             phase(lambda link: pause)
         finally:
             t1 = time.monotonic()
             release = (t0 + t1) / 2 + seconds  # the ends paused within [t0, t1]: centred on `seconds`
-            time.sleep(max(0.0, release - 0.05 - t1))
-            queued = _queued({ns: [dev for n, dev, _ in ends if n == ns] for ns, _, _ in ends})
+            time.sleep(max(0.0, release - 0.1 - t1))
+            reading = _queued({ns: [dev for n, dev, _ in ends if n == ns] for ns, _, _ in ends})
             time.sleep(max(0.0, release - time.monotonic()))
             t2 = time.monotonic()
             try:
@@ -335,6 +338,7 @@ class Network:
                 t3 = time.monotonic()
                 for tc in tcs.values():
                     tc.close()
+                queued = reading()  # read while held (started 100 ms before the release), counted now
         return Held(t2 - t1, t3 - t0, queued)
 
     def cut(self, src: Host, dst: Host, cut: bool = True) -> None:

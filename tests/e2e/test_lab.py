@@ -435,7 +435,7 @@ def test_a_200ms_delay_spike_on_the_worker_links_with_streams_in_flight(lab):
     out = _faulty_links_with_streams_in_flight(
         lab, lambda: held.append(lab.net.hold(list(lab.workers.values()), 0.2)), "spike")
     print(f"each link end held between {held[0].at_least_s:.3f} and {held[0].at_most_s:.3f} s; "
-          f"{held[0].queued_packets} packets waiting 50 ms before the release")
+          f"{held[0].queued_packets} packets queued ~100 ms before the release")
     assert 0.1 <= held[0].at_least_s <= held[0].at_most_s < 0.4, held
     assert held[0].queued_packets >= 1, held  # traffic in flight was held, not an idle link
     assert all(k == "done" for k, _, _, _ in out), out
