@@ -149,6 +149,64 @@ def _check_link(link: Link) -> None:
                              "machine has neither (scripts/install.sh installs nftables when root)")
 
 
+def _tbf_args(rate_bps: int) -> list[str]:
+    """A link's token bucket; burst: at least 10 ms of the rate (and 64 KiB), so the bucket itself is not the
+    limit."""
+    return ["rate", f"{rate_bps}bit", "burst", str(max(64 << 10, rate_bps // 8 // 100)), "latency", "50ms"]
+
+
+@dataclass(frozen=True)
+class Held:
+    """What `Network.hold` did: each link end held between `at_least_s` and `at_most_s`; `queued_packets` in
+    their queues, read from ~100 ms before the release."""
+
+    at_least_s: float
+    at_most_s: float
+    queued_packets: int
+
+
+class _TcBatch:
+    """A `tc -batch -` in one namespace (None: this one): commands written, then `wait` until they ran (a
+    one-line `qdisc show dev lo` after them comes back: tc runs a batch in order and flushes each answer)."""
+
+    def __init__(self, ns: str | None):
+        self.proc = subprocess.Popen(["tc", *(["-n", ns] if ns else []), "-batch", "-"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+
+    def send(self, lines: list[str]) -> None:
+        self.proc.stdin.write("".join(f"{ln}\n" for ln in [*lines, "qdisc show dev lo"]))
+        self.proc.stdin.flush()
+
+    def wait(self) -> None:
+        if not self.proc.stdout.readline():  # tc stops a batch at its first failing command
+            self.proc.wait()
+            raise LabUnavailable(f"tc qdisc change failed: {self.proc.stderr.read().strip()}")
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        self.proc.wait()
+
+
+def _queued(devs: dict[str | None, list[str]]):
+    """Start reading the packets queued in the root qdiscs of these devices, by namespace (None: this one), one
+    `tc` per namespace; returns the function that waits for the readings and sums them."""
+    import json
+    procs = [(subprocess.Popen(["tc", *(["-n", ns] if ns else []), "-j", "-s", "qdisc", "show"],
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True), set(names))
+             for ns, names in devs.items()]
+
+    def total() -> int:
+        n = 0
+        for p, names in procs:
+            out, _ = p.communicate()
+            n += sum(q.get("qlen", 0) for q in json.loads(out or "[]") if q.get("root") and q.get("dev") in names)
+        return n
+    return total
+
+
 _LOCK = "/tmp/pdserve-lab.lock"
 
 
@@ -231,11 +289,57 @@ class Network:
                     cmd += ["rate", f"{link.rate_bps}bit"]
                 _run(*cmd)
             elif link.rate_bps:
-                # burst: at least one 10 ms of the rate (and 64 KiB), so the bucket itself is not the limit
-                burst = max(64 << 10, link.rate_bps // 8 // 100)
-                _run(*prefix, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{link.rate_bps}bit",
-                     "burst", str(burst), "latency", "50ms")
+                _run(*prefix, "tc", "qdisc", "add", "dev", dev, "root", "tbf", *_tbf_args(link.rate_bps))
         h.link = link
+
+    def hold(self, hosts: list[Host], seconds: float) -> Held:
+        """A delay spike without netem: every packet to or from `hosts` is held back for about `seconds`, then
+        released at the link's rate. Returns how long each link end was held, at least and at most (the `tc`
+        commands of each phase run side by side, and each takes effect somewhere within its phase), and how many
+        packets the ends held shortly before the release (their queues, read from ~100 ms before it).
+
+        Both ends of each host's veth pair have a token bucket (`Link.rate_bps` must be set). `tc qdisc change`
+        keeps a tbf's queue, so the bucket is turned to 8 bit/s with a 16 MiB queue, then back to the link's own
+        settings: what is sent meanwhile queues (the first packet of the window waits ~`seconds`, the last hardly
+        at all: a stall, not a constant added latency), nothing is dropped unless the queue fills. A change starts
+        with a full bucket, so the pause counts 1550 bytes of overhead per packet against a 3100-byte burst: one
+        packet per end (of up to 1550 bytes, the veth's MTU fits) slips through as the pause starts. What
+        netem's `delay` would add and this does not: the same delay on every packet of the window, and a delay
+        on a host whose link is unshaped."""
+        import time
+        ends = [(ns, dev, h.link) for h in hosts for ns, dev in ((h.ns, h.veth), (None, h.peer))]
+        if not all(link.rate_bps for _, _, link in ends):
+            raise ValueError("hold needs rate-capped links (their tbf holds the packets)")
+        # one `tc -batch` per namespace, started first: each phase is then a write to each, not a process start
+        # (on a loaded 2-core box starting 8 `tc`s took ~0.2 s, as long as the spike)
+        tcs = {ns: _TcBatch(ns) for ns, _, _ in ends}
+        pause = ["rate", "8bit", "burst", "3100", "overhead", "1550", "limit", str(16 << 20)]
+
+        def phase(args_of) -> None:
+            for ns, tc in tcs.items():
+                tc.send([f"qdisc change dev {dev} root tbf {' '.join(args_of(link))}" for n, dev, link in ends
+                         if n == ns])
+            for tc in tcs.values():
+                tc.wait()
+
+        try:
+            t0 = time.monotonic()
+            phase(lambda link: pause)
+        finally:
+            t1 = time.monotonic()
+            release = (t0 + t1) / 2 + seconds  # the ends paused within [t0, t1]: centred on `seconds`
+            time.sleep(max(0.0, release - 0.1 - t1))
+            reading = _queued({ns: [dev for n, dev, _ in ends if n == ns] for ns, _, _ in ends})
+            time.sleep(max(0.0, release - time.monotonic()))
+            t2 = time.monotonic()
+            try:
+                phase(lambda link: _tbf_args(link.rate_bps))
+            finally:
+                t3 = time.monotonic()
+                for tc in tcs.values():
+                    tc.close()
+                queued = reading()  # read while held (started 100 ms before the release), counted now
+        return Held(t2 - t1, t3 - t0, queued)
 
     def cut(self, src: Host, dst: Host, cut: bool = True) -> None:
         """Silently drop every packet `src` sends to `dst`, or stop dropping them; `dst` -> `src` is untouched.

@@ -99,18 +99,31 @@ class Calibration:
     """Measured / estimated service time of the requests this replica admitted (EWMA of the ratio). The model
     above leaves things out — prefill chunks mixed into decode steps (the step figure is measured on pure-decode
     steps), reports up to a heartbeat old, requests admitted after this one — and this factor corrects for them
-    from what actually happened. Clamped so one outlier cannot close or open the gate."""
+    from what actually happened. Clamped so one outlier cannot close or open the gate.
 
-    def __init__(self, alpha: float = 0.1, lo: float = 0.5, hi: float = 4.0):
-        self.alpha, self.lo, self.hi = alpha, lo, hi
-        self.factor = 1.0
+    Between observations the factor returns toward 1 with a half-life of `half_life_s`: only finished requests
+    correct it, so a factor learned while a fault or a busy machine slowed everything (4.0 after 5% packet loss in
+    the lab) would otherwise refuse the very requests whose finishing would bring it down, for as long as traffic
+    is only of that kind. Where requests keep finishing, the EWMA's pull outweighs the decay."""
+
+    def __init__(self, alpha: float = 0.1, lo: float = 0.5, hi: float = 4.0, half_life_s: float = 60.0,
+                 clock=time.monotonic):
+        self.alpha, self.lo, self.hi, self.half_life_s, self.clock = alpha, lo, hi, half_life_s, clock
+        self._factor, self._at = 1.0, clock()
         self.samples = 0
+        M.CALIBRATION.set_function(lambda: self.factor)  # the gateway's one; scraped as it decays
+
+    @property
+    def factor(self) -> float:
+        decay = 0.5 ** ((self.clock() - self._at) / self.half_life_s)
+        return 1.0 + (self._factor - 1.0) * decay
 
     def observe(self, estimated_s: float, actual_s: float) -> None:
         if estimated_s <= 0 or actual_s <= 0:
             return
         r = min(self.hi, max(self.lo, actual_s / estimated_s))
-        self.factor = r if self.samples == 0 else (1 - self.alpha) * self.factor + self.alpha * r
+        self._factor = r if self.samples == 0 else (1 - self.alpha) * self.factor + self.alpha * r
+        self._at = self.clock()
         self.samples += 1
 
 

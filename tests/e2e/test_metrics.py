@@ -26,6 +26,7 @@ GATEWAY = {
     "pdserve_client_disconnects", "pdserve_http_requests", "pdserve_http_requests_in_flight",
     "pdserve_gateway_requests_in_state", "pdserve_ingress_degraded", "pdserve_admission_degraded",
     "pdserve_admission_reserved_blocks", "pdserve_admission_reserved_requests", "pdserve_admission_wait_seconds",
+    "pdserve_admission_calibration_factor",
     "pdserve_degraded", "pdserve_usage_records", "pdserve_usage_tokens", "pdserve_migrations",
     "pdserve_requests_by_path"}
 ROUTER = {

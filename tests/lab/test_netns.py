@@ -146,3 +146,70 @@ def test_two_labs_at_once_take_separate_subnets_and_both_carry_traffic():
         a1, b1 = one.add_host("a"), one.add_host("b")
         a2, b2 = two.add_host("a"), two.add_host("b")
         assert _connects(a1, b1, 5311) and _connects(a2, b2, 5312)
+
+
+def test_hold_delays_packets_for_the_spike_and_drops_none():
+    """A 200 ms delay spike without netem (`Network.hold`): UDP echoes sent every 10 ms through the host's link.
+    Those sent during the hold come back late, the first of them by ~200 ms, none is lost, and once released the
+    link answers at once again."""
+    import socket
+    import subprocess
+    import sys
+    import threading
+    import time
+    try:
+        check_available()
+    except LabUnavailable as e:
+        pytest.skip(str(e))
+    with Network(tag="t4") as net:
+        h = net.add_host("h", Link(rate_bps=40 * 10**6))
+        srv = subprocess.Popen([*h.exec_prefix(), sys.executable, "-c", _ECHO.format(ip=h.ip, port=5320)],
+                               stderr=subprocess.DEVNULL)
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            s.settimeout(0.1)
+            for _ in range(100):  # until the echo answers
+                s.sendto(b"-1", (h.ip, 5320))
+                try:
+                    s.recv(64)
+                    break
+                except TimeoutError:
+                    pass
+            sent, rtts = [], {}
+
+            def send():
+                for i in range(80):
+                    sent.append(time.monotonic())
+                    s.sendto(str(i).encode(), (h.ip, 5320))
+                    time.sleep(0.01)
+
+            def receive():  # each echo timed as it arrives
+                s.settimeout(1.0)
+                try:
+                    while len(rtts) < 80:
+                        i = int(s.recv(64))
+                        if i >= 0:
+                            rtts[i] = time.monotonic() - sent[i]
+                except TimeoutError:
+                    pass
+
+            tx, rx = threading.Thread(target=send), threading.Thread(target=receive)
+            rx.start()
+            tx.start()
+            time.sleep(0.3)
+            t0 = time.monotonic()
+            held = net.hold([h], 0.2)
+            tx.join()
+            rx.join()
+        finally:
+            srv.kill()
+            srv.wait()
+            s.close()
+    during = [rtts[i] for i, t in enumerate(sent) if t0 + 0.02 <= t < t0 + 0.1 and i in rtts]
+    after = [rtts[i] for i, t in enumerate(sent) if t > t0 + 0.45 and i in rtts]
+    print(f"held {held}; worst {max(rtts.values()) * 1e3:.0f} ms; during {[round(r * 1e3) for r in during]}")
+    assert len(rtts) == len(sent), f"{len(sent) - len(rtts)} echoes lost"  # held, not dropped
+    assert 0.1 <= held.at_least_s <= held.at_most_s <= 0.4 and held.queued_packets >= 1, held
+    assert 0.15 <= max(rtts.values()) <= 0.45, max(rtts.values())
+    assert during and all(r >= 0.08 for r in during), during  # the first 100 ms of the hold: all still held
+    assert after and max(after) < 0.05, after

@@ -180,6 +180,8 @@ PANELS = [
     ("Admission reservations", "short",
      [(f"max(pdserve_admission_reserved_blocks{{{SEL}}})", "blocks reserved"),
       (f"max(pdserve_admission_reserved_requests{{{SEL}}})", "requests reserved")]),
+    ("Admission calibration (measured / estimated service time, per gateway)", "short",
+     [(f"max by (pod) (pdserve_admission_calibration_factor{{{SEL}}})", "{{pod}}")]),
     ("Admission wait / rejection latency", "s",
      [(q("0.9", "pdserve_admission_wait_seconds"), "admission wait p90"),
       (q("0.99", "pdserve_rejection_latency_seconds"), "rejection latency p99")]),

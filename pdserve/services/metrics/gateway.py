@@ -60,6 +60,9 @@ RESERVED_BLOCKS = Gauge("pdserve_admission_reserved_blocks", "KV blocks reserved
                         registry=GATEWAY)
 RESERVED_REQUESTS = Gauge("pdserve_admission_reserved_requests", "Requests holding a reservation (all replicas)",
                           registry=GATEWAY)
+CALIBRATION = Gauge("pdserve_admission_calibration_factor", "Measured / estimated service time of this replica's "
+                    "finished requests (EWMA, clamped to [0.5, 4]); deadline admission multiplies its estimates by it",
+                    registry=GATEWAY)
 ADMISSION_WAIT = Histogram("pdserve_admission_wait_seconds", "Time queued for a reservation", buckets=LAT,
                            registry=GATEWAY)
 DEGRADED_TOTAL = Counter("pdserve_degraded_total", "Requests admitted with a smaller n than asked",
