@@ -63,17 +63,23 @@ class Guard:
         self.violations: dict[str, int] = {}  # consecutive intervals whose measured SLO component was violated
 
     def decide(self, pool: str, current: int, grow_to: int, shrink_to: int, violated: str | None, traffic: bool,
-               now: float, starting: int = 0, checked: bool = True, stale: bool = False) -> PoolVerdict:
+               now: float, starting: int = 0, checked: bool = True, stale: bool = False,
+               measured: bool = True) -> PoolVerdict:
         """`grow_to`: count for the forecast rate; `shrink_to`: count for the window's largest rate; `violated`:
         a description of the measured SLO violation of this pool, or None; `starting`: replicas counted but not
         serving yet; `checked`: the model was compared with the counts in place (correction.py) - no shrink on a
         model not yet checked against them; `stale`: the shrink count came from capacities of older inputs (the
-        current ones are being computed) - no shrink on those either."""
+        current ones are being computed) - no shrink on those either; `measured`: the interval had the pool's SLO
+        component to judge (a request finished in it) - an interval without one neither confirms nor resets a
+        violation streak: nothing finishing is no evidence that the SLO is met (800-token prompts at a 4.7 s TTFT,
+        3 clients, left every other 2 s interval without a finished request, and the violation was confirmed only
+        after 4-6 intervals instead of 2)."""
         if violated and starting > 0:
             violated, waiting = None, f"{violated}, but {starting} replica(s) still starting"
         else:
             waiting = None
-        self.violations[pool] = self.violations.get(pool, 0) + 1 if violated else 0
+        if measured or violated:
+            self.violations[pool] = self.violations.get(pool, 0) + 1 if violated else 0
         if violated and self.violations[pool] < self.confirm:  # one interval's p90 of a few dozen requests is noisy
             violated, waiting = None, f"{violated} ({self.violations[pool]} of {self.confirm} intervals to confirm)"
         self.asked[pool] = self.asked.get(pool, 0) + 1 if grow_to > current else 0

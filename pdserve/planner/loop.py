@@ -212,11 +212,13 @@ class Planner:
                         if obs.ttft_p90 is not None and obs.ttft_p90 > self.cfg.slo_ttft else None),
             "decode": (f"TPOT p90 {obs.tpot_p90 * 1000:.0f} ms > SLO {self.cfg.slo_tpot * 1000:.0f} ms"
                        if obs.tpot_p90 is not None and obs.tpot_p90 > self.cfg.slo_tpot else None)}
+        measured = {"prefill": obs.ttft_p90 is not None, "decode": obs.tpot_p90 is not None}
         for pool in pools:
             M.MODEL.labels(pool).set(getattr(grow, pool))
         verdicts = [self.guard.decide(pool, current[pool], getattr(grow, pool), getattr(hold, pool),
                                       violated[pool], traffic, now, starting[pool],
-                                      self.correction.checked_at_current(), hold.stale) for pool in pools]
+                                      self.correction.checked_at_current(), hold.stale,
+                                      measured[pool]) for pool in pools]
         if hasattr(self.connector, "switch"):
             verdicts = mark_switches(verdicts, self.switch_costs(fc.output_mean),
                                      self._giver(obs, fc, current, starting, violated, traffic, loads, now, hold))
@@ -250,14 +252,15 @@ class Planner:
                     f"prompts/outputs, this interval's {demand.prompt:.0f}/{demand.output:.0f}: a load shift")
         elif hold.lengths is not None:
             note = (f" (the model's capacities are for {hold.lengths[0]:.0f}/{hold.lengths[1]:.0f}-token "
-                    "prompts/outputs)")
+                    "prompts/outputs{})")
         else:  # no load: the minimum, no capacities needed
             note = ""
 
         def give(pool: str) -> tuple[bool, str]:
             src = Source(current[pool], getattr(lim, f"min_{pool}"), starting[pool],
                          now - self.guard.last_change.get(pool, -1e18), self.cfg.cooldown_s,
-                         violated[pool] is not None, traffic, None if shift else getattr(hold, pool), note)
+                         violated[pool] is not None, traffic, None if shift else getattr(hold, pool),
+                         note if shift else note.replace("{}", _model_count(pool, hold, self.cfg.headroom)))
             return can_give(pool, src, loads.get(pool), demand, self.cfg.slo_tpot, self.cfg.headroom)
         return give
 
@@ -292,3 +295,15 @@ class Planner:
             await asyncio.to_thread(self.sizer.close)
             if self.registry is not None:
                 await self.registry.close()
+
+
+def _model_count(pool: str, hold: Sizing, headroom: float) -> str:
+    """How the model's shrink count for `pool` came about, for the switch's reason: the rate it holds for (the
+    window's largest x SHRINK_MARGIN), the headroom and one replica's simulated capacity."""
+    cap = getattr(hold, f"{pool}_capacity")
+    if cap is None or hold.rate <= 0:
+        return ""
+    if cap <= 0:
+        return f"; one {pool} replica meets its SLO at no rate in corrected simulation: the pool's maximum"
+    return (f"; {hold.rate:.2f} req/s (window max x {SHRINK_MARGIN:g}) x headroom {headroom:g} / {cap:.3g} req/s "
+            f"one {pool} replica serves in corrected simulation")

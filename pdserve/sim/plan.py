@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 
 from pdserve.engine.config import EngineConfig
 from pdserve.sim.cluster import Cluster, ClusterSpec
+from pdserve.sim.costmodel import StepShape
 from pdserve.sim.workload import SLO
 
 
@@ -120,10 +121,36 @@ def pool_rates(pi: PlanInput, cap: float = math.inf) -> tuple[float, float]:
     plentiful), and ONE decode replica the TPOT SLO (prefill plentiful). Also the planner's per-replica capacity
     (pdserve/planner/sizing.py), which passes `cap`: rates beyond it need not be told apart."""
     p_rate, _ = replica_goodput(pi, ClusterSpec(prefill=1, decode=4), SLO(ttft=pi.slo.ttft), cap=cap)
-    # the decode replica is fed by a prefill pool 8x one replica's capacity; rates beyond that measure the
-    # prefill pool, so the sweep stops there
-    d_rate, _ = replica_goodput(pi, ClusterSpec(prefill=8, decode=1), SLO(tpot=pi.slo.tpot), cap=min(8 * p_rate, cap))
+    # the decode replica is fed by a pool of 8 prefill replicas; rates beyond what that pool can prefill at all
+    # measure the prefill pool, so the sweep stops there. What it can prefill is its *throughput*
+    # (`prefill_throughput`), not its capacity under the TTFT SLO: a TTFT SLO one long prompt's prefill misses
+    # (p_rate 0) made the decode capacity 0 too ("cannot meet the TPOT SLO at any rate", i.e. the decode pool's
+    # maximum) and a tight one made it 8 x p_rate - for 735-token prompts with 7-token outputs 0.6 req/s where
+    # the decode replica serves > 8: the decode count followed the prefill's TTFT, not the decode load
+    feed = 8 * max(p_rate, prefill_throughput(pi))
+    d_rate, _ = replica_goodput(pi, ClusterSpec(prefill=8, decode=1), SLO(tpot=pi.slo.tpot), cap=min(feed, cap))
     return p_rate, d_rate
+
+
+def prefill_throughput(pi: PlanInput, n: int = 64) -> float:
+    """Requests/s one prefill replica completes back to back (no queueing, no SLO) on `pi`'s workload lengths,
+    from the cost model: each prompt alone, in chunks of the engine's token budget (batching several prompts in a
+    step only shares the per-step cost: this is at most the replica's throughput). 0: no prompts."""
+    pool = (pi.pools or {}).get("prefill")
+    cost = getattr(pool, "cost", None) or pi.cost
+    budget = max(1, pi.engine.max_num_batched_tokens if pi.engine.enable_chunked_prefill else 1 << 30)
+    total, count = 0.0, 0
+    for r in pi.workload(1.0, n, pi.seed):
+        length, start = max(1, int(r.prompt_len)), 0
+        while start < length:
+            k = min(budget, length - start)
+            pairs = k * start + k * (k + 1) // 2
+            total += cost.step_time(StepShape(prefill_tokens=k, prefill_seqs=1, sum_context=start + k,
+                                              attn_pairs=pairs, prefill_pairs=pairs,
+                                              samples=1 if start + k == length else 0))
+            start += k
+        count += 1
+    return count / total if total > 0 else 0.0
 
 
 def plan(pi: PlanInput) -> dict:

@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 
 from pdserve.services.status import gather
 from pdserve.services.up_process import UpProcess
@@ -92,11 +91,6 @@ def _planner_lines(up) -> str:
     return "\n".join(x[x.index("planner: "):][:420] for x in up.lines if "planner: " in x)
 
 
-# Opt-in until its precondition holds on every run: in 1 of 7 full e2e runs on a 2-vCPU AMD EPYC the planner's model,
-# recomputed for the long phase's lengths, asked for 2 decode workers, so the planner (rightly, by its rule) started a
-# prefill worker instead of switching one. The switching itself never failed (docs/planner.md, "When a switch happens").
-@pytest.mark.skipif(not os.environ.get("PDSERVE_TEST_PLANNER_SWITCH"),
-                    reason="opt-in (PDSERVE_TEST_PLANNER_SWITCH=1): the model's decode count decides, 1 run in 7 no switch")
 def test_load_shift_switches_a_decode_worker_to_prefill(tmp_path, monkeypatch):
     t_start = time.monotonic()
     state = str(tmp_path / "state")
@@ -140,7 +134,11 @@ def test_load_shift_switches_a_decode_worker_to_prefill(tmp_path, monkeypatch):
         changes = st["planner"]["changes"]
         sw = [(c, p) for c in changes for p in c["pools"] if p["action"] == "switch"]
         assert len(sw) == 1 and sw[0][1]["pool"] == "decode" and sw[0][1]["switch_to"] == "prefill", changes[:3]
-        assert "measured load needs 1 of 2 decode" in sw[0][1]["reason"], sw[0][1]
+        # why decode may give one: its measured load (while the model's capacities lag the shift), or the model's
+        # own count for the long lengths once they are computed (a decode replica serves far more than this load;
+        # before tests/planner/test_decode_count_long_prompts.py's fix that count was 2 in 1 run of 7)
+        assert ("measured load needs 1 of 2 decode" in sw[0][1]["reason"]
+                or "every recent interval needed at most 1" in sw[0][1]["reason"]), sw[0][1]
         grown = next(p for p in sw[0][0]["pools"] if p["pool"] == "prefill")
         assert grown["action"] == "up" and "1 by role switch from decode" in grown["reason"]
         assert sw[0][0]["time"] > wall_shift  # on the shift, not before it
@@ -158,8 +156,7 @@ def test_load_shift_switches_a_decode_worker_to_prefill(tmp_path, monkeypatch):
         # `pdserve status` says it
         out = subprocess.run([sys.executable, "-m", "pdserve", "status"], env=env, capture_output=True, text=True,
                              timeout=60)
-        assert out.returncode == 0 and "(switch: 1 to prefill: measured load needs 1 of 2 decode" in out.stdout, (
-            out.stdout + out.stderr)
+        assert out.returncode == 0 and "(switch: 1 to prefill: " in out.stdout, out.stdout + out.stderr
         # the new role served: prompts placed on it as prefill
         as_prefill = [r for r in recs if r["route"].get("prefill") == switched]
         assert t_served is not None and as_prefill, "the switched worker prefilled no prompt"
