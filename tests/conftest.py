@@ -163,7 +163,7 @@ ALONE = {
     "tests/e2e/test_overload.py", "tests/e2e/test_deadline_admission.py", "tests/e2e/test_migration.py",
     "tests/e2e/test_planner.py", "tests/e2e/test_planner_model.py", "tests/e2e/test_planner_switch.py",
     "tests/e2e/test_hostile_neighbour.py", "tests/e2e/test_lab.py", "tests/e2e/test_slow_reader.py",
-    "tests/bench/test_pdserve_real.py", "tests/sim/test_validate_up.py",
+    "tests/bench/test_pdserve_real.py", "tests/sim/test_validate_up.py", "tests/sim/test_validate.py",
 }
 
 
