@@ -49,7 +49,9 @@ def build_model(out: Path) -> Path:
     torch.manual_seed(0)
     model = tf.Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
-    from tests.conftest import make_tokenizer
+    threads = torch.get_num_threads()
+    from tests.conftest import make_tokenizer  # its import sets torch to 1 thread (for the tests): undone here
+    torch.set_num_threads(threads)
     make_tokenizer(out)
     total = sum(p.numel() for p in model.parameters())
     h, e, k, i, n = (SIZES[x] for x in ("hidden_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
