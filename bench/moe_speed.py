@@ -5,8 +5,9 @@
 The model is a random Qwen3-MoE made with transformers' config class (sizes printed; ~100M parameters active a
 token of ~290M), saved in bf16. Batch-1 decode after a 256-token prompt, the steps interleaved round after round
 (one step of each engine, then one llama.cpp token) so load from other processes falls on each alike; medians.
-Engines: `native MoE` (engine/moe.py's kernel, csrc/moe_experts.cpp) and `Python loop` (the same with
-PDSERVE_NATIVE_MOE=0), both dtype=auto. llama.cpp (llama-cpp-python + gguf, optional) runs a bf16 GGUF written
+Engines: `native MoE` (engine/moe.py's kernel, csrc/moe_experts.cpp, called from the decoder stack in one native
+call per step), `Python layers` (the same kernel from the Python layer loop: PDSERVE_DECODER_STACK=0) and `Python
+loop` (PDSERVE_NATIVE_MOE=0: experts one by one in Python), all dtype=auto. llama.cpp (llama-cpp-python + gguf, optional) runs a bf16 GGUF written
 here from the same weights (arch qwen3moe: experts stacked as ffn_{gate,up,down}_exps, router ffn_gate_inp,
 q/k norms; Qwen3's rotate-half rope is llama.cpp's NEOX rope, so q/k are not permuted). Then the mixed workload
 (bench/engine_throughput.py's, fewer requests and shorter outputs to fit a 2-core box): pdserve against
@@ -32,13 +33,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench.engine_throughput import run_engine, run_hf, set_threads  # noqa: E402
 from bench.quantization import env  # noqa: E402
+from pdserve.engine.decoder_stack import STACK_ENV  # noqa: E402
 from pdserve.engine.moe import NATIVE_MOE_ENV  # noqa: E402
 
 SIZES = dict(vocab_size=32000, hidden_size=768, num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4,
              head_dim=64, moe_intermediate_size=384, intermediate_size=2048, num_experts=32, num_experts_per_tok=8,
              norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=2048,
              tie_word_embeddings=False, rope_theta=1000000.0, rms_norm_eps=1e-6)
-ENGINES = {"pdserve, native MoE": {}, "pdserve, Python loop": {NATIVE_MOE_ENV: "0"}}
+ENGINES = {"pdserve, native MoE": {}, "pdserve, Python layers": {STACK_ENV: "0"},
+           "pdserve, Python loop": {NATIVE_MOE_ENV: "0"}}
 
 
 def build_model(out: Path) -> Path:
@@ -46,7 +49,9 @@ def build_model(out: Path) -> Path:
     torch.manual_seed(0)
     model = tf.Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
-    from tests.conftest import make_tokenizer
+    threads = torch.get_num_threads()
+    from tests.conftest import make_tokenizer  # its import sets torch to 1 thread (for the tests): undone here
+    torch.set_num_threads(threads)
     make_tokenizer(out)
     total = sum(p.numel() for p in model.parameters())
     h, e, k, i, n = (SIZES[x] for x in ("hidden_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
@@ -142,7 +147,9 @@ def engine_step(model_dir: Path, ctx: int, rounds: int):
     for _ in range(3):
         eng.step()
     stacked = sum(layer.moe.stacked is not None for layer in eng.runner.model.layers if layer.moe is not None)
-    print(f"  {eng.info.line()}; layers on the native MoE kernel: {stacked}")
+    stacks = eng.runner.model.stacks
+    print(f"  {eng.info.line()}; layers on the native MoE kernel: {stacked}; "
+          f"decoder stack: {'on' if stacks is not None and stacks.enabled else 'off'}")
     return eng.step
 
 

@@ -11,9 +11,12 @@ Each projection runs as its module's forward would at the step's row count (`pro
 or torch's linear. Where some projection has no such form at that size (int8 beyond the GEMV's rows widens the
 weight per call), the step keeps the Python loop. Plans are built once per row count and cached.
 
-The stack knows only the plain Llama layer: a model with any layer it does not compute (Qwen3's q/k norms, a
-mixture-of-experts MLP: `DecoderLayer.stackable`) keeps the Python loop for every step, where each layer still runs
-the same per-op native kernels (norms, rope, SwiGLU, attention) and torch for the rest.
+The stack computes the plain Llama layer, Qwen3's q/k norms, and sparse MoE layers with a softmax top-k router
+(Qwen3-MoE, Mixtral) whose experts a step of its size would run on the native MoE kernel (moe.py): the router's
+torch ops, the expert-load count and csrc/moe_experts.cpp, as SparseMoE.forward calls them. A model with any layer
+it does not compute (attention sinks, latent attention, DeepSeek's or gpt-oss's experts: `DecoderLayer.stackable`)
+keeps the Python loop for every step, where each layer still runs the same per-op native kernels (norms, rope,
+SwiGLU, attention) and torch for the rest; so do steps too large for the MoE kernel.
 """
 from __future__ import annotations
 
@@ -87,20 +90,37 @@ class DecoderStacks:
         return self._by_rows[rows]
 
     def _build(self, rows: int, dtype: torch.dtype):
-        norms, plans = [], []
+        norms, plans, widths = [], [], []
+        empty = torch.empty(0)
         for layer in self.model.layers:
             norms += [layer.input_norm.weight, layer.post_norm.weight]
-            plans += [projection_plan(m, rows, dtype) for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            if layer.q_norm is not None:
+                norms += [layer.q_norm.weight, layer.k_norm.weight]
+            mlp = (layer.gate_up, layer.down) if layer.moe is None else ()
+            if layer.moe is not None and not layer.moe.takes_native(rows, dtype):
+                return None
+            plans += [projection_plan(m, rows, dtype) for m in (layer.qkv, layer.o, *mlp)]
+            plans += [Projection(DENSE, empty, None, None)] * (2 - len(mlp))  # sparse: set_moe below
+            widths += [out_features(m) for m in (layer.qkv, layer.o, *mlp)] + [0] * (2 - len(mlp))
         if any(p is None for p in plans) or any(n.dtype != dtype for n in norms):
             return None
-        empty = torch.empty(0)
         first = self.model.layers[0]
-        return self.native_ops.DecoderStack(
-            [n.detach() for n in norms], [p.kind for p in plans], [p.weight.detach() for p in plans],
+        stack = self.native_ops.DecoderStack(
+            [n.detach() for layer in self.model.layers for n in (layer.input_norm.weight, layer.post_norm.weight)],
+            [p.kind for p in plans], [p.weight.detach() for p in plans],
             [empty if p.scales is None else p.scales for p in plans],
-            [empty if p.bias is None else p.bias.detach() for p in plans],
-            [out_features(m) for layer in self.model.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)],
+            [empty if p.bias is None else p.bias.detach() for p in plans], widths,
             first.num_heads, first.num_kv_heads, self.model.cfg.head_dim, first.input_norm.eps)
+        for i, layer in enumerate(self.model.layers):
+            if layer.q_norm is not None:
+                stack.set_qk_norm(i, layer.q_norm.weight.detach(), layer.k_norm.weight.detach())
+            if layer.moe is not None:
+                moe = layer.moe
+                w13, s13, w2, s2 = moe.stacked
+                stack.set_moe(i, moe.router.detach(), moe.routed, w13, empty if s13 is None else s13, w2,
+                              empty if s2 is None else s2, moe.experts.start, moe.top_k, bool(moe.norm_topk_prob),
+                              bool(moe.round_router_weights))
+        return stack
 
 
 def out_features(m: torch.nn.Module) -> int:

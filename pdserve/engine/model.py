@@ -215,9 +215,13 @@ class DecoderLayer(nn.Module):
 
     @property
     def stackable(self) -> bool:
-        """Whether the native decoder stack (csrc/decoder_stack.cpp) computes this layer: it knows neither q/k norms
-        nor experts."""
-        return self.q_norm is None and self.moe is None and self.sinks is None and self.mla is None
+        """Whether the native decoder stack (csrc/decoder_stack.cpp) can compute this layer: Qwen3's q/k norms and
+        the softmax top-k routers' experts on the native MoE kernel (`SparseMoE.stack_native`, checked per step
+        size), not attention sinks, latent attention, DeepSeek's router or gpt-oss's experts."""
+        moe = self.moe
+        return self.sinks is None and self.mla is None and (
+            moe is None or (moe.stacked is not None and not moe.deepseek and not moe.gpt_oss
+                            and moe.shared_gate_up is None and moe.dispatch is None))
 
     def _reduce(self, x: torch.Tensor, experts: bool = False) -> torch.Tensor:
         """Sum a row-parallel output over the ranks; `experts`: the split experts' shares, summed even where the

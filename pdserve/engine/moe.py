@@ -154,6 +154,12 @@ class SparseMoE(nn.Module):
             scores = F.linear(inp, weight, bias)
         return self._route(scores, x.dtype)
 
+    def takes_native(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether a step of `rows` contiguous CPU rows runs this layer's experts on the native kernel (the decoder
+        stack's check, decoder_stack.py)."""
+        return (self.stacked is not None and self.native_ops is not None and not self.row_tile
+                and rows <= NATIVE_MAX_TOKENS and dtype in (torch.float32, torch.bfloat16))
+
     def _takes_native(self, x: torch.Tensor, rows: int) -> bool:
         return (self.stacked is not None and self.native_ops is not None and not self.row_tile and x.dim() == 2
                 and rows <= NATIVE_MAX_TOKENS and x.is_contiguous() and x.device.type == "cpu")

@@ -54,13 +54,15 @@ def test_chunked_prefill_and_prefix_cache_same_tokens(checkpoint):
 
 
 def test_decoder_stack_stays_off_and_layers_take_their_form(checkpoint):
-    """The native stack computes neither q/k norms, experts, sinks nor latents: these models keep the per-layer
-    Python loop. Phi-3 is Llama's layer once its fused projections are split: the stack takes it."""
+    """The native stack computes q/k norms (Qwen3) and softmax top-k experts on the native MoE kernel (Qwen3-MoE,
+    Mixtral), not sinks, latents or DeepSeek's / gpt-oss's experts: those models keep the per-layer Python loop.
+    Phi-3 is Llama's layer once its fused projections are split: the stack takes it."""
     eng = Engine.from_pretrained(checkpoint, EngineConfig(block_size=4, num_gpu_blocks=32))
     model = eng.runner.model
     cfg = json.loads((checkpoint / "config.json").read_text())
     if model.stacks is not None:
-        assert model.stacks.enabled == (cfg["architectures"][0] == "Phi3ForCausalLM")
+        assert model.stacks.enabled == (cfg["architectures"][0] in ("Phi3ForCausalLM", "Qwen3ForCausalLM",
+                                                                     "Qwen3MoeForCausalLM", "MixtralForCausalLM"))
     sparse = [layer.moe is not None for layer in model.layers]
     if cfg["architectures"][0] in ("Qwen3ForCausalLM", "Phi3ForCausalLM"):
         assert sparse == [False, False]

@@ -234,3 +234,58 @@ def test_plans_follow_a_change_of_weight_storage(ckpt, monkeypatch):
     model.store_weights("int8", engine.runner.native_ops)
     stacked, looped, ran = _both_paths(engine, _decode_batch(engine, 1))
     assert ran and torch.equal(stacked, looped)
+
+
+# Qwen3's q/k norms and sparse MoE layers with softmax top-k routers (Qwen3-MoE with a dense layer among the sparse
+# ones, Mixtral) on the native MoE kernel.
+QK_MOE_VARIANTS = {
+    "qwen3-qk-norm": dict(arch="qwen3", head_dim=32),
+    "qwen3-moe": dict(arch="qwen3_moe", norm_topk_prob=True, num_experts=8, num_experts_per_tok=3,
+                      mlp_only_layers=[1]),
+    "mixtral": dict(arch="mixtral", num_local_experts=4, num_experts_per_tok=2),
+}
+
+
+@pytest.fixture(scope="module", params=list(QK_MOE_VARIANTS))
+def qk_moe_ckpt(request, tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp(request.param), **QK_MOE_VARIANTS[request.param])
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_stack_equals_python_layers_qk_norm_and_moe(qk_moe_ckpt, dtype, rows):
+    """Logits equal to the Python loop's, and the expert-load counts advance alike."""
+    kw = {"quantization": "int8"} if dtype == "int8" else {"dtype": dtype}
+    engine = _engine(qk_moe_ckpt, **kw)
+    model = engine.runner.model
+    assert model.stacks.enabled
+    batch = _decode_batch(engine, rows)
+    before = model.expert_tokens()
+    stacked, looped, ran = _both_paths(engine, batch)
+    assert ran and torch.equal(stacked, looped)
+    if before is not None:  # each path counted the step's tokens once per expert: the same counts twice
+        after = torch.tensor(model.expert_tokens()) - torch.tensor(before)
+        assert after.sum() == 2 * rows * model.cfg.num_experts_per_tok * len([x for x in model.layers if x.moe])
+        assert torch.equal(after % 2, torch.zeros_like(after))
+
+
+def test_moe_steps_past_the_kernel_keep_the_python_loop(tmp_path, monkeypatch):
+    from pdserve.engine.moe import NATIVE_MAX_TOKENS, NATIVE_MOE_ENV
+    ckpt = make_checkpoint(tmp_path / "m", **QK_MOE_VARIANTS["qwen3-moe"])
+    engine = _engine(ckpt)
+    assert engine.runner.model.stacks.get(NATIVE_MAX_TOKENS + 1, torch.float32) is None
+    assert engine.runner.model.stacks.get(NATIVE_MAX_TOKENS, torch.float32) is not None
+    monkeypatch.setenv(NATIVE_MOE_ENV, "0")  # experts not stacked: every step keeps the loop
+    assert not _engine(ckpt).runner.model.stacks.enabled
+
+
+def test_greedy_moe_through_the_stack_matches_transformers(qk_moe_ckpt):
+    hf = tf.AutoModelForCausalLM.from_pretrained(qk_moe_ckpt, dtype=torch.float32).eval()
+    engine = _engine(qk_moe_ckpt)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], list(range(20, 61))]
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    assert any(s is not None for s in engine.runner.model.stacks._by_rows.values())
+    for prompt, out in zip(prompts, outs):
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(prompt):].tolist()
+        assert out.outputs[0].token_ids == ref

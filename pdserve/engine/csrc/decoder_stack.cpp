@@ -56,6 +56,41 @@ struct Projection {
 
 at::Tensor optional_tensor(const at::Tensor& t) { return t.numel() ? t : at::Tensor(); }
 
+// model.RMSNorm's forward over a q or k head slice: the native kernel where the view is contiguous (one row), else
+// torch's, then written back into the fused qkv output, as DecoderLayer._attention does.
+void head_norm_(at::Tensor heads, const at::Tensor& weight, double eps) {
+  at::Tensor normed;
+  if (heads.is_contiguous()) {
+    normed = at::empty_like(heads);
+    rms_norm(normed, heads, weight, eps);
+  } else {
+    normed = at::rms_norm(heads, {weight.size(0)}, weight, eps);
+  }
+  heads.copy_(normed);
+}
+
+// A sparse layer's routed experts on the native kernel (moe.SparseMoE: _routing, _route, forward, _native), for the
+// softmax top-k routers (Qwen3-MoE, Mixtral): the same torch ops in the same order.
+struct SparseLayer {
+  at::Tensor router, routed, w13, s13, w2, s2;
+  int64_t first = 0, top_k = 0;
+  bool norm_topk_prob = false, round_weights = false;
+
+  at::Tensor operator()(const at::Tensor& h) const {
+    at::Tensor probs = at::softmax(at::linear(h, router), -1, at::kFloat);
+    auto [weights, chosen] = probs.topk(top_k, -1);
+    if (norm_topk_prob) weights = weights / weights.sum(-1, true);
+    if (round_weights) weights = weights.to(h.scalar_type());
+    at::Tensor ids = chosen.flatten();
+    routed.scatter_add_(0, ids, at::ones_like(ids));
+    at::Tensor out = at::empty_like(h);
+    moe_experts(out, h, chosen.contiguous(), weights.to(at::kFloat).contiguous(), w13,
+                s13.defined() ? c10::optional<at::Tensor>(s13) : c10::nullopt, w2,
+                s2.defined() ? c10::optional<at::Tensor>(s2) : c10::nullopt, first);
+    return out;
+  }
+};
+
 }  // namespace
 
 class DecoderStack {
@@ -83,6 +118,26 @@ class DecoderStack {
 
   int64_t num_layers() const { return static_cast<int64_t>(projections_.size() / 4); }
 
+  // Qwen3's q/k norms (one weight over head_dim each) on layer `layer`, before rope.
+  void set_qk_norm(int64_t layer, at::Tensor q_weight, at::Tensor k_weight) {
+    check_layer(layer);
+    if (qk_norms_.empty()) qk_norms_.resize(2 * num_layers());
+    qk_norms_[2 * layer] = std::move(q_weight);
+    qk_norms_[2 * layer + 1] = std::move(k_weight);
+  }
+
+  // Layer `layer`'s MLP is sparse: routed experts held stacked (w13 [E, 2I, H], w2 [E, H, I], int8 scales or
+  // empty), this rank's experts from `first`; `routed` [num_experts] int64 counts tokens per expert (in place).
+  void set_moe(int64_t layer, at::Tensor router, at::Tensor routed, at::Tensor w13, at::Tensor s13, at::Tensor w2,
+               at::Tensor s2, int64_t first, int64_t top_k, bool norm_topk_prob, bool round_weights) {
+    check_layer(layer);
+    if (routed.scalar_type() != at::kLong || routed.dim() != 1 || routed.size(0) != router.size(0))
+      throw std::invalid_argument("DecoderStack: routed must be int64 [num_experts]");
+    if (sparse_.empty()) sparse_.resize(num_layers());
+    sparse_[layer] = SparseLayer{std::move(router), std::move(routed), std::move(w13), optional_tensor(s13),
+                                 std::move(w2), optional_tensor(s2), first, top_k, norm_topk_prob, round_weights};
+  }
+
   // x [T, hidden] (every row a single-token decode); cos / sin [T, 1, head_dim / 2] in x's dtype; the attention
   // arguments as paged_decode_attention and write_kv take them. Returns the last layer's output (x is not changed).
   at::Tensor forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor kv,
@@ -98,6 +153,11 @@ class DecoderStack {
       at::Tensor h = at::empty_like(x);
       rms_norm(h, x, norms_[2 * l], eps_);
       at::Tensor qkv = p[0](h);
+      if (!qk_norms_.empty() && qk_norms_[2 * l].defined()) {
+        at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({t, heads_ + kv_heads_, head_dim_});
+        head_norm_(qk.narrow(1, 0, heads_), qk_norms_[2 * l], eps_);
+        head_norm_(qk.narrow(1, heads_, kv_heads_), qk_norms_[2 * l + 1], eps_);
+      }
       rope_(qkv.narrow(1, 0, q_size + kv_size).view({t, heads_ + kv_heads_, head_dim_}), cos, sin);
       at::Tensor q = qkv.narrow(1, 0, q_size).view({t, heads_, head_dim_});
       at::Tensor k = qkv.narrow(1, q_size, kv_size).view({t, kv_heads_, head_dim_});
@@ -108,6 +168,10 @@ class DecoderStack {
       x = at::add(x, p[1](attn.reshape({t, q_size})));
       h = at::empty_like(x);
       rms_norm(h, x, norms_[2 * l + 1], eps_);
+      if (!sparse_.empty() && sparse_[l].router.defined()) {
+        x = at::add(x, sparse_[l](h));
+        continue;
+      }
       at::Tensor gate_up = p[2](h);
       at::Tensor act = at::empty({t, gate_up.size(1) / 2}, gate_up.options());
       silu_and_mul(act, gate_up);
@@ -117,7 +181,13 @@ class DecoderStack {
   }
 
  private:
+  void check_layer(int64_t layer) const {
+    if (layer < 0 || layer >= num_layers()) throw std::invalid_argument("DecoderStack: layer out of range");
+  }
+
   std::vector<at::Tensor> norms_;
+  std::vector<at::Tensor> qk_norms_;  // 2 a layer (q, k) where any layer has them; undefined: none
+  std::vector<SparseLayer> sparse_;   // a layer's experts where any layer is sparse; undefined router: dense
   std::vector<Projection> projections_;
   int64_t heads_, kv_heads_, head_dim_;
   double eps_;
@@ -130,6 +200,8 @@ void bind_decoder_stack(py::module& m) {
       .def(py::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                     std::vector<at::Tensor>, std::vector<int64_t>, int64_t, int64_t, int64_t, double>())
       .def("num_layers", &DecoderStack::num_layers)
+      .def("set_qk_norm", &DecoderStack::set_qk_norm)
+      .def("set_moe", &DecoderStack::set_moe)
       .def("forward", &DecoderStack::forward, py::call_guard<py::gil_scoped_release>(),
            "every decoder layer of an all-decode step (the GIL released throughout)");
 }
