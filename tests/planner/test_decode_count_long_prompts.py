@@ -27,6 +27,7 @@ from pdserve.planner.surplus import PoolLoad
 from pdserve.sim.costmodel import LinearCostModel
 from pdserve.sim.plan import PlanInput, pool_rates, prefill_throughput
 from pdserve.sim.workload import SLO
+from tests.planner.test_switch_on_surplus import Connector  # 1 prefill, 2 decode by default
 
 A, B, C = 0.010, 1 / 1500, 0.002
 COSTS = LiveCosts(LinearCostModel(a=A, b=B, c=C), 512, 256, ("a", "b", "c"))
@@ -70,26 +71,6 @@ class RecordedSizer(Sizer):
         if wl.prompt < 600:
             return Sizing(1, 2, rate, True, 8.0, 4.0, stale=wl.prompt > 100, lengths=(44.0, 48.0))
         return super().size(rate, wl, costs, CORRECTED)
-
-
-class Connector:
-    name = "test"
-
-    def __init__(self):
-        self.n, self.calls = {"prefill": 1, "decode": 2}, []
-
-    def replicas(self):
-        return dict(self.n)
-
-    def switch(self, src, dst):
-        self.calls.append(("switch", src, dst))
-        self.n[src] -= 1
-        self.n[dst] += 1
-        return True
-
-    def scale(self, pool, n):
-        self.calls.append(("scale", pool, n))
-        self.n[pool] = n
 
 
 def obs(rate, prompt, output, ttft, tpot):
