@@ -2,7 +2,7 @@
 
     python bench/host_overhead.py [--requests 512] [--threads 1] [--output-len N] [--logprobs K] [--profile]
 
-bench/gpu_check.py's mixed workload (prompts of 32-512 tokens, 16-256 output tokens, up to 256 sequences a step)
+bench/gpu_checks/mixed.py's workload (prompts of 32-512 tokens, 16-256 output tokens, up to 256 sequences a step)
 on a model so small (2 layers, hidden 64, vocabulary 1024) that the forward is cheap, so what is left is the
 Python around it: scheduling, the step's input tensors, the output processors (detokenizer, stops), the
 RequestOutputs. On a GPU that part does not shrink with the device: at B sequences a step it costs B times the
@@ -35,7 +35,8 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from bench.gpu_check import time_calls, write_checkpoint
+    from bench.gpu_checks.checkpoints import write_checkpoint
+    from bench.gpu_checks.harness import time_calls
     from pdserve.engine.cpu_isa import cpu_model, detected_level
     from pdserve.engine.engine import Engine, EngineConfig
     from pdserve.engine.sampling_params import SamplingParams

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU check of issue 16: one table (greedy vs transformers, decode step vs the HBM bound, mixed workload vs
-# transformers, NIXL VRAM->VRAM), in under 8 minutes on one GPU. bench/gpu_check.py says what each line measures.
+# The GPU check: one table (greedy vs transformers, decode step vs the HBM bound, mixed workload vs
+# transformers, NIXL VRAM->VRAM), in under 8 minutes on one GPU. bench/gpu_check.py says what each line measures
+# (its checks: bench/gpu_checks/, one module per subject).
 #
 #   bash scripts/gpu_check.sh [--dry-run] [--budget-s 450]
 #

@@ -42,8 +42,8 @@ def test_without_a_gpu_every_line_says_why():
 def test_bf16_ulp_is_the_spacing_of_bf16_values():
     """The greedy lines' near-tie rule counts margins in bf16 ulps: the spacing torch itself gives."""
     import torch
-    sys.path.insert(0, str(ROOT / "bench"))
-    from gpu_check import bf16_ulp
+
+    from bench.gpu_checks.greedy import bf16_ulp
     for x in (1.0, 1.5, 3.0, 0.3, 100.0, 7.9, 2.0 ** -20):
         b = torch.tensor(x, dtype=torch.bfloat16)
         spacing = float(torch.nextafter(b, torch.tensor(float("inf"), dtype=torch.bfloat16)) - b)
