@@ -18,9 +18,9 @@ from pdserve.services.gateway.stages import StageTrace, kv_moved
 from pdserve.services.gateway.tenants import TenantDirectory
 from pdserve.services.pb import common_pb2
 from pdserve.services.reservations import ReservationLedger
-from tests.services.test_admission import REDIS, _cleanup, _redis_up
+from tests.services._redis import REDIS, cleanup, redis_up
 
-pytestmark = pytest.mark.skipif(not _redis_up(), reason="needs Redis on 127.0.0.1:6379")
+pytestmark = pytest.mark.skipif(not redis_up(), reason="needs Redis on 127.0.0.1:6379")
 
 
 def _lifecycle(tmp_path, r, model: str) -> RequestLifecycle:
@@ -68,7 +68,7 @@ def test_rejected_after_tokenizing_bills_and_charges_nothing(tmp_path, caplog):
             await life.gate.check_limits(done.tenant)  # 102 > 100
         assert q.value.code == "quota_exceeded"
         await life.close()
-        await _cleanup(r, model)
+        await cleanup(r, model)
 
     asyncio.run(main())
     rejected, finished = _records(caplog)
