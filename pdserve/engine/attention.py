@@ -161,6 +161,13 @@ def paged_attention(
         nd = meta.native_decode
         meta.native_ops.paged_decode_attention(out, q, kv, layer, nd.rows, nd.block_tables, nd.context_lens,
                                                scale, win, **extra)
+    _grouped_decode(out, q, kv, layer, meta, scale, sinks, window, n_kv)
+    return out
+
+
+def _grouped_decode(out: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, layer: int, meta: AttentionMetadata,
+                    scale: float, sinks: torch.Tensor | None, window: int | None | str, n_kv: int) -> None:
+    """The torch path's decodes, group by group (`meta.decodes`), written into `out`."""
     for g, grp in enumerate(meta.decodes):
         # Single-query attention as two batched matmuls in the cache dtype (scores and softmax in fp32): on CPU
         # this is ~2.5x faster than SDPA, whose kernels tile for long queries and want the K/V converted.
@@ -178,7 +185,6 @@ def paged_attention(
             sink = sinks.float().view(1, n_kv, h // n_kv, 1).expand(b, -1, -1, 1)
             probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1].to(vd.dtype)
         out[grp.rows] = torch.matmul(probs, vd.transpose(1, 2)).reshape(b, h, d).to(q.dtype)
-    return out
 
 
 def _span_mask(meta: AttentionMetadata, span: PrefillSpan, window: int | None) -> torch.Tensor | None:

@@ -189,7 +189,16 @@ class ModelRunner:
             elif item.samples:
                 logits_rows.append(start + n - 1)
                 row_owner.append((i, first + n - 1))
-        meta = AttentionMetadata(
+        meta = self._metadata(blocks, offsets, prefills, decode_rows, decode_tables, decode_lens, native_spans)
+        return (long_tensor(ids, self.device), long_tensor(pos, self.device), meta,
+                long_tensor(logits_rows, self.device), row_owner)
+
+    def _metadata(self, blocks: list[int], offsets: list[int], prefills: list[PrefillSpan], decode_rows: list[int],
+                  decode_tables: list[list[int]], decode_lens: list[int],
+                  native_spans: list[tuple[int, int, int, list[int]]]) -> AttentionMetadata:
+        """The step's attention metadata: the slots its new K/V go to, and each kind of row in the form the
+        attention path in use reads (the kernels' flat decode rows and prefill spans, or torch's groups)."""
+        return AttentionMetadata(
             slot_blocks=long_tensor(blocks, self.device),
             slot_offsets=long_tensor(offsets, self.device),
             prefills=prefills,
@@ -199,8 +208,6 @@ class ModelRunner:
             native_ops=self.attention_ops,
             sliding_window=self.sliding_window,
         )
-        return (long_tensor(ids, self.device), long_tensor(pos, self.device), meta,
-                long_tensor(logits_rows, self.device), row_owner)
 
     def _native_prefill(self, spans: list[tuple[int, int, int, list[int]]]) -> NativePrefill | None:
         if not spans:

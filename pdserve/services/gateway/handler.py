@@ -58,16 +58,8 @@ class RequestHandler:
                                        self.max_len, allow_degrade=call.allow_degrade and not params.beam, hit=hit)
         if ticket is not None and ticket.queued_s:
             first_route = None  # placed before it waited: the load has moved, ask again (the hit may stay)
-        degraded = None
         headers: dict[str, str] = {}
-        if ticket is not None and ticket.degraded:
-            # fewer branches: best_of shrinks first, then n
-            k = ticket.n_granted
-            n = min(params.n, k)
-            degraded = Degraded(params.n, n)
-            what = "best_of" if params.best_of is not None else "n"
-            headers["x-pdserve-degraded"] = f"{what}={params.num_branches}->{k}"
-            params = replace(params, n=n, best_of=k if k > n else None)
+        params, degraded = _degrade(params, ticket, headers)
         subs = split(call.prompts, params)
         traces = [StageTrace() for _ in subs]
         rec.traces = traces  # the usage record reads their migrations
@@ -92,13 +84,7 @@ class RequestHandler:
                                     rec.tenant.kv_share)  # 0 too: a share lowered in the keys file is lifted
         upstream = self.disp.generate_many(rid, subs, rec.tenant.namespace, on_route=on_route, traces=traces,
                                            lifecycle=lifecycle, first_route=first_route)
-        try:
-            first = await _next_by(deadline, upstream)
-        except StopAsyncIteration:
-            first = None
-        except BaseException:
-            await upstream.aclose()
-            raise
+        first = await _first_message(deadline, upstream)
         if call.debug_route and rec.tenant.can("debug_route"):
             headers["x-pdserve-route"] = " | ".join(routes)
         n = sum(s.n_choices for s in subs)
@@ -209,6 +195,30 @@ class RequestHandler:
             return None
         i = pick(st.traces)
         return stage_times(st.rec.arrival, st.rec.admitted_at, st.traces[i], i, len(st.traces))
+
+
+def _degrade(params, ticket, headers: dict[str, str]):
+    """Fewer branches than asked, when admission granted fewer (best_of shrinks first, then n): the params to run
+    and the `Degraded` note for the answer (None when not degraded); the header saying so goes into `headers`."""
+    if ticket is None or not ticket.degraded:
+        return params, None
+    k = ticket.n_granted
+    n = min(params.n, k)
+    what = "best_of" if params.best_of is not None else "n"
+    headers["x-pdserve-degraded"] = f"{what}={params.num_branches}->{k}"
+    return replace(params, n=n, best_of=k if k > n else None), Degraded(params.n, n)
+
+
+async def _first_message(deadline: float | None, upstream: AsyncIterator):
+    """The first upstream message, pulled before the reply starts so that a refusal is still an error reply; None
+    when the stream ends without one. Any failure closes the stream before it propagates."""
+    try:
+        return await _next_by(deadline, upstream)
+    except StopAsyncIteration:
+        return None
+    except BaseException:
+        await upstream.aclose()
+        raise
 
 
 async def _messages(first, upstream, deadline: float | None) -> AsyncIterator:

@@ -198,6 +198,12 @@ class PrefillSide:
             if final.state != "FINISHED":
                 M.TERMINAL.labels(final.state).inc()
             return resp
+        self._first_tokens(resp, final, params, rid)
+        self._hand_over(resp, rid)
+        return resp
+
+    def _first_tokens(self, resp: worker_pb2.PrefillResponse, final, params, rid: str) -> None:
+        """Each branch's first token for the decode side, and (unless best_of > n) the stream's first message."""
         # Every branch goes on to the decode side (the engine shows them all to a hand-off, best_of included).
         enc = DeltaEncoder(self.tokenizer)
         for comp in final.outputs:
@@ -218,6 +224,9 @@ class PrefillSide:
             enc.prompt_logprobs(first, final)
         if not first.outputs and not first.prompt_logprobs:
             resp.ClearField("first")
+
+    def _hand_over(self, resp: worker_pb2.PrefillResponse, rid: str) -> None:
+        """Lease the pinned KV to the decode side: where it lies (this worker, its blocks) and the lease on it."""
         # Read in this thread, not through an engine-thread round trip (~0.2 ms of TTFT): the engine filed the
         # entry before it delivered this final output, and only a release of the lease made below changes it.
         blocks, ntok = self.pinned_kv(rid)
@@ -232,7 +241,6 @@ class PrefillSide:
         kv.num_tokens = ntok
         kv.lease_id = lease.lease_id
         kv.lease_expiry_unix = lease.expiry
-        return resp
 
     async def KvHandshake(self, request: worker_pb2.KvHandshakeRequest, context) -> worker_pb2.KvHandshakeResponse:
         """A decode worker's first hand-off from this process: agree on the protocol, hand out the region."""
