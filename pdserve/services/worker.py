@@ -382,16 +382,8 @@ async def serve(args) -> None:
                                                args.metrics_compat), args.metrics_port, args.host)
     host = args.advertise_host or "127.0.0.1"
     worker_id = args.worker_id or f"{args.role}-{socket.gethostname()}-{args.port}"
-    config = engine_config_from_args(args)
     started = M.process_start_time() or time.time()
-    engine = Engine.from_pretrained(args.model, config)
-    M.set_engine_info(engine.info)
-    grammars = _grammar_pool(engine, args)  # its processes start while the engine warms up
-    M.READY_SECONDS.labels("load").set(time.time() - started)
-    # spec §1.5: the first forwards at each batch shape happen here, before anything can route to this worker
-    warm = warm_up(engine)
-    M.READY_SECONDS.labels("warmup").set(warm.seconds)
-    log.info("warm-up: %d forwards at batch sizes %s in %.2fs", warm.forwards, warm.batch_sizes, warm.seconds)
+    engine, grammars = _load_and_warm(args, started)
     w = Worker(engine, args.role, worker_id, f"{host}:{args.port}", lease_ttl_s=args.lease_ttl,
                transfer_timeout_s=args.transfer_timeout, grammars=grammars)
     w.labels = dict(getattr(args, "labels", None) or {})
@@ -436,6 +428,25 @@ async def serve(args) -> None:
     # pulls it. Wait for those pulls too (or the leases' own expiry), or a pull right after SIGTERM would fail.
     while (w.inflight or len(w.prefill.leases)) and time.monotonic() < t_end:
         await asyncio.sleep(0.05)
+    await _close(w, server, engine, grammars, registry)
+    log.info("worker %s stopped", worker_id)
+
+
+def _load_and_warm(args, started: float):
+    """The engine loaded and warmed up, and its grammar pool (whose processes start while the engine warms up)."""
+    engine = Engine.from_pretrained(args.model, engine_config_from_args(args))
+    M.set_engine_info(engine.info)
+    grammars = _grammar_pool(engine, args)
+    M.READY_SECONDS.labels("load").set(time.time() - started)
+    # spec §1.5: the first forwards at each batch shape happen here, before anything can route to this worker
+    warm = warm_up(engine)
+    M.READY_SECONDS.labels("warmup").set(warm.seconds)
+    log.info("warm-up: %d forwards at batch sizes %s in %.2fs", warm.forwards, warm.batch_sizes, warm.seconds)
+    return engine, grammars
+
+
+async def _close(w: Worker, server, engine: Engine, grammars, registry) -> None:
+    """After the drain: the server, the worker's parts, the engine (and its other ranks), the NIXL agents."""
     await server.stop(grace=1)
     await w.decode.close()
     await w.prefill.stop()
@@ -451,4 +462,3 @@ async def serve(args) -> None:
         w.ucx.close()
     if registry is not None:
         await registry.close()
-    log.info("worker %s stopped", worker_id)
