@@ -26,7 +26,8 @@ def _tenants_from_secret(objs, tmp_path, name=f"{FULL}-api-keys"):
 
 
 def test_api_keys_secret_is_a_file_the_gateway_loads(tmp_path):
-    """Issue 21: the chart wrote `sk-one\nsk-two\n` under `api-keys` and the gateway crash-looped on it."""
+    """Whatever form the keys take in values, the Secret holds a file the gateway loads: plain lines under
+    `api-keys` (`sk-one\nsk-two\n`) are a keys file too, not a crash-looping gateway."""
     d = _tenants_from_secret(objects(SCENARIOS["gpu"]), tmp_path)
     assert d.authenticate("sk-one").name == d.authenticate("sk-two").name == "default"
     assert d.authenticate("sk-three") is None
