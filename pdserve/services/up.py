@@ -155,12 +155,7 @@ StartPlanner = Callable[[Any, Supervisor, Callable[[str], Child], dict], Any]
 
 
 def up(args, start_planner: StartPlanner | None = None) -> int:
-    # Everything that can be known wrong before a process starts ends here, in one line and well under a second,
-    # rather than as a child's traceback seconds later.
-    from pdserve.services.preflight import check_up
-    problem = check_up(args)
-    if problem is None and args.planner and start_planner is None:
-        problem = "--planner: no planner was handed to `up` (pdserve/cli.py hands it one)"
+    problem = _preflight(args, start_planner)
     if problem is not None:
         print(f"pdserve up: {problem}", file=sys.stderr, flush=True)
         return 2
@@ -185,23 +180,8 @@ def up(args, start_planner: StartPlanner | None = None) -> int:
         common = _common_flags(args)
         # every engine flag given, as given (cli_flags.ENGINE_FLAGS); the TP degree is per role, below
         eng = engine_argv(args, skip=("tensor_parallel_size", "expert_parallel_size"))
-        routers = []  # active-active: each reads the registry and the KV events itself; the gateway fails over
-        for i in range(args.routers):
-            rt_port, rt_metrics = free_port(), free_port()
-            d.start("router" if i == 0 else f"router-{i}",
-                    [*pdserve, "router", *common, "--port", str(rt_port), "--redis-url", redis_url,
-                     "--metrics-port", str(rt_metrics), "--heartbeat-ttl", str(args.heartbeat_ttl),
-                     "--mode", args.mode, "--placement", args.placement],
-                    {"port": rt_port, "metrics_port": rt_metrics})
-            routers.append(f"127.0.0.1:{rt_port}")
-        # auto and disagg deploy the same two pools; the router's policy differs (a decode worker also
-        # answers Generate, so in auto it prefills short prompts itself)
-        roles = (["prefill"] * args.prefill + ["decode"] * args.decode) if args.mode in ("auto", "disagg") \
-            else ["both"] * args.workers
-        tp = {"prefill": args.prefill_tp, "decode": args.decode_tp}
-        tp = {r: tp.get(r) or args.tensor_parallel_size or 1 for r in set(roles)}
-        ep = {"prefill": getattr(args, "prefill_ep", None), "decode": getattr(args, "decode_ep", None)}
-        ep = {r: ep.get(r) or args.expert_parallel_size or 1 for r in set(roles)}
+        routers = _start_routers(d, args, [*pdserve, "router", *common], redis_url)
+        roles, tp, ep = _pools(args)
         if not args.threads:  # split the host's cores between the ranks rather than oversubscribe them
             eng += ["--threads", str(max(1, (os.cpu_count() or 1) // max(1, sum(max(tp[r], ep[r]) for r in roles))))]
         if (args.device or "cpu") == "cpu":
@@ -221,14 +201,7 @@ def up(args, start_planner: StartPlanner | None = None) -> int:
 
         for role in roles:
             start_worker(role)
-        gport = args.grpc_port or free_port()
-        # the gateway is the one process clients reach: it listens on --host (the rest stay on loopback)
-        d.start("gateway", [*pdserve, "gateway", *common, "--host", args.host, "--port", str(args.port),
-                              "--grpc-port", str(gport), "--router", ",".join(routers), "--redis-url", redis_url,
-                              *_lifecycle_flags(args), *_grammar_flags(args, worker=False)],
-                {"port": args.port, "grpc_port": gport})
-        reach = "127.0.0.1" if args.host in ("0.0.0.0", "", "::") else args.host
-        base = f"http://{'[' + reach + ']' if ':' in reach else reach}:{args.port}"
+        base = _start_gateway(d, args, [*pdserve, "gateway", *common], routers, redis_url)
         if not _wait_ready(d, base, roles, time.monotonic() + args.ready_timeout, stopping):
             return 1
         print(f"pdserve up: {args.mode} deployment of {args.served_model_name} ready at {base}/v1", flush=True)
@@ -237,24 +210,85 @@ def up(args, start_planner: StartPlanner | None = None) -> int:
                       "redis_password_file": args.redis_password_file, "processes": d.infos()}
         if args.planner:  # the planner adds and drains workers through start_worker (docs/planner.md)
             planner = start_planner(args, d, start_worker, ready_info)
-        from pdserve.services.status import remember_local
-        remember_local(ready_info)  # for `pdserve status`
-        # one write: another thread's log line (stderr, often the same pipe) cannot land inside it
-        sys.stdout.write("PDSERVE_UP " + json.dumps(ready_info) + "\n")
-        sys.stdout.flush()
+        _announce(ready_info)
         d.restart = not args.no_restart
         if planner is not None:
             planner.start()
         return _supervise(d, planner, stopping)
     finally:
-        if planner is not None:
-            planner.stop()  # before the children stop: nothing is started or drained after this
-        from pdserve.services.status import forget_local
-        forget_local()
-        d.stop_all(args.drain_timeout + 5 if args.drain_timeout is not None else 15.0)
-        if generated is not None:  # after the children: a restarting one still reads them
-            shutil.rmtree(generated, ignore_errors=True)
-        print("pdserve up: stopped", flush=True)
+        _stop(d, planner, generated, args.drain_timeout)
+
+
+def _preflight(args, start_planner: StartPlanner | None) -> str | None:
+    """Everything that can be known wrong before a process starts, in one line and well under a second, rather
+    than as a child's traceback seconds later; None when nothing is."""
+    from pdserve.services.preflight import check_up
+    problem = check_up(args)
+    if problem is None and args.planner and start_planner is None:
+        problem = "--planner: no planner was handed to `up` (pdserve/cli.py hands it one)"
+    return problem
+
+
+def _announce(ready_info: dict) -> None:
+    """The deployment is ready: remembered for `pdserve status`, and the PDSERVE_UP line on stdout."""
+    from pdserve.services.status import remember_local
+    remember_local(ready_info)
+    # one write: another thread's log line (stderr, often the same pipe) cannot land inside it
+    sys.stdout.write("PDSERVE_UP " + json.dumps(ready_info) + "\n")
+    sys.stdout.flush()
+
+
+def _stop(d: Supervisor, planner, generated: Path | None, drain_timeout: float | None) -> None:
+    """The planner first (nothing is started or drained after it stops), then the children, then the secrets
+    `up` generated (after the children: a restarting one still reads them)."""
+    if planner is not None:
+        planner.stop()
+    from pdserve.services.status import forget_local
+    forget_local()
+    d.stop_all(drain_timeout + 5 if drain_timeout is not None else 15.0)
+    if generated is not None:
+        shutil.rmtree(generated, ignore_errors=True)
+    print("pdserve up: stopped", flush=True)
+
+
+def _start_routers(d: Supervisor, args, argv: list[str], redis_url: str) -> list[str]:
+    """The routers (`argv`: `pdserve router` and the common flags), active-active: each reads the registry and the
+    KV events itself, and the gateway fails over between them. Their addresses."""
+    routers = []
+    for i in range(args.routers):
+        rt_port, rt_metrics = free_port(), free_port()
+        d.start("router" if i == 0 else f"router-{i}",
+                [*argv, "--port", str(rt_port), "--redis-url", redis_url,
+                 "--metrics-port", str(rt_metrics), "--heartbeat-ttl", str(args.heartbeat_ttl),
+                 "--mode", args.mode, "--placement", args.placement],
+                {"port": rt_port, "metrics_port": rt_metrics})
+        routers.append(f"127.0.0.1:{rt_port}")
+    return routers
+
+
+def _pools(args) -> tuple[list[str], dict[str, int], dict[str, int]]:
+    """The workers' roles, one entry per worker, and each role's tensor- and expert-parallel degree. auto and
+    disagg deploy the same two pools; the router's policy differs (a decode worker also answers Generate, so in
+    auto it prefills short prompts itself)."""
+    roles = (["prefill"] * args.prefill + ["decode"] * args.decode) if args.mode in ("auto", "disagg") \
+        else ["both"] * args.workers
+    tp = {"prefill": args.prefill_tp, "decode": args.decode_tp}
+    tp = {r: tp.get(r) or args.tensor_parallel_size or 1 for r in set(roles)}
+    ep = {"prefill": getattr(args, "prefill_ep", None), "decode": getattr(args, "decode_ep", None)}
+    ep = {r: ep.get(r) or args.expert_parallel_size or 1 for r in set(roles)}
+    return roles, tp, ep
+
+
+def _start_gateway(d: Supervisor, args, argv: list[str], routers: list[str], redis_url: str) -> str:
+    """The gateway (`argv`: `pdserve gateway` and the common flags), the one process clients reach: it listens on
+    --host (the rest stay on loopback). The base URL clients use."""
+    gport = args.grpc_port or free_port()
+    d.start("gateway", [*argv, "--host", args.host, "--port", str(args.port),
+                        "--grpc-port", str(gport), "--router", ",".join(routers), "--redis-url", redis_url,
+                        *_lifecycle_flags(args), *_grammar_flags(args, worker=False)],
+            {"port": args.port, "grpc_port": gport})
+    reach = "127.0.0.1" if args.host in ("0.0.0.0", "", "::") else args.host
+    return f"http://{'[' + reach + ']' if ':' in reach else reach}:{args.port}"
 
 
 def _start_redis(d: Supervisor, args) -> str | None:
