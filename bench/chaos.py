@@ -74,7 +74,10 @@ def main() -> None:
                          "last as long as a real model's (~20 ms a decode step), so faults find streams in flight")
     ap.add_argument("--json", help="also write the rows here")
     a = ap.parse_args()
-    pick = (lambda given, lab, one: given if given is not None else (lab if a.lab else one))
+
+    def pick(given, lab, one):  # what was given, else --lab's default or the one-host one
+        return given if given is not None else (lab if a.lab else one)
+
     a.rate, prompt_len = pick(a.rate, LAB["rate"], 8.0), pick(a.prompt_len, LAB["prompt_len"], 40)
     timeout, settle = pick(a.timeout, LAB["timeout"], 30.0), pick(a.settle, LAB["settle"], 20.0)
     env = dict(os.environ)
@@ -102,7 +105,8 @@ def main() -> None:
             rows.append(r.row())
             print(row(r), flush=True)
             print(f"<!-- {r.case}: longest request {r.longest_s:.2f} s, deadline {r.deadline_s:.0f} s, "
-                  f"{r.past_deadline} past it; released in {r.settle_s} s -->", flush=True)
+                  f"{r.past_deadline} past it; released in {r.settle_s} s"
+                  + (f"; the fault: {r.fault_note}" if r.fault_note else "") + " -->", flush=True)
             if r.diverged:
                 print(f"<!-- {r.case}: greedy re-runs that differ: {r.diverged} -->", flush=True)
             if r.samples:

@@ -181,7 +181,8 @@ class Deployment(Protocol):
 
     def wait_ready(self, timeout: float = 90.0) -> bool: ...
 
-    def fault(self, case: str) -> Callable[[], Awaitable[None]]: ...  # awaited at the fault time
+    # awaited at the fault time; returns when the fault is over, with what it met (a note for the row) or None
+    def fault(self, case: str) -> Callable[[], Awaitable[str | None]]: ...
 
     def leftovers(self) -> Leftovers: ...
 
@@ -302,7 +303,7 @@ class ChaosDeployment:
             lines += f.readlines()
         return lines
 
-    def fault(self, case: str) -> Callable[[], Awaitable[None]]:
+    def fault(self, case: str) -> Callable[[], Awaitable[str | None]]:
         return fault(case, self)
 
     def after_case(self, case: str) -> None:
@@ -424,6 +425,7 @@ class CaseResult:
     deadline_s: float = 0.0          # each request's `timeout`
     longest_s: float = 0.0           # the longest any request took, from its send to its end ([DONE] or error)
     past_deadline: int = 0           # requests that ended more than 2 s after their deadline (target 0)
+    fault_note: str = ""             # what the fault met, where it says (pinned KV at a cut, packets held, ...)
     samples: dict = field(default_factory=dict)  # error kind -> its first message (what a 503 said, ...)
     migrated_streams: int = 0        # requests whose record counts a migration (a stream moved mid-flight)
     migrated_finished: int = 0       # of them: finished, every token
@@ -462,7 +464,7 @@ def run_case(dep: Deployment, case: str, *, rate: float = 8.0, duration: float =
             nonlocal t_fault
             await asyncio.sleep(fault_at)
             t_fault = time.perf_counter()
-            await inject()
+            res.fault_note = await inject() or ""
 
         load = asyncio.create_task(open_loop(dep.bases, dep.served, tag, rate, duration, seed, max_tokens=max_tokens,
                                              timeout_s=timeout_s, prompt_len=prompt_len))
@@ -470,7 +472,6 @@ def run_case(dep: Deployment, case: str, *, rate: float = 8.0, duration: float =
         return await load
 
     outs = asyncio.run(main())
-    t_end = time.perf_counter()
     res.sent = len(outs)
     if case == "abort-storm":
         res.finished = sum(o.ok for o in outs)

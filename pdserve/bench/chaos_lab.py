@@ -18,7 +18,7 @@ from pdserve.lab import faults
 from pdserve.lab.cluster import LabCluster
 
 # case -> (fault, its default length in s; None: the fault has none of its own)
-LAB_FAULTS: dict[str, tuple[Callable[..., Awaitable[None]], float | None]] = {
+LAB_FAULTS: dict[str, tuple[Callable[..., Awaitable[str]], float | None]] = {
     "link-down-mid-transfer": (faults.link_down_mid_transfer, 3.0),
     "loss-5pct": (faults.loss, 4.0),
     "delay-spike-200ms": (faults.delay_spike, None),
@@ -62,7 +62,7 @@ class LabChaosDeployment:
             time.sleep(0.25)
         return False
 
-    def fault(self, case: str) -> Callable[[], Awaitable[None]]:
+    def fault(self, case: str) -> Callable[[], Awaitable[str | None]]:
         try:
             inject, length = LAB_FAULTS[case]
         except KeyError:

@@ -18,6 +18,7 @@ import pytest
 
 from pdserve.bench.leftovers import settle
 from pdserve.lab.cluster import LabCluster, LabSpec
+from pdserve.lab.faults import retransmitted
 from pdserve.lab.netns import LabUnavailable, Link
 from tests.e2e.conftest import _env, samples, wait_until
 
@@ -442,24 +443,13 @@ def test_five_percent_loss_on_the_worker_links_with_streams_in_flight(lab):
     and a long prompt's KV pull are in flight, for the rest of their lives: TCP retransmits, every request ends
     by its deadline with its answer or a reason, nothing leaks."""
     lossy = Link(rate_bps=RATE_BPS, loss_pct=5)
-    retrans0 = _retransmitted(lab)
+    retrans0 = retransmitted(lab, list(lab.workers.values()))
     out = _faulty_links_with_streams_in_flight(
         lab, lambda: [lab.net.shape(h, lossy) for h in lab.workers.values()], "loss")
-    retrans = _retransmitted(lab) - retrans0
+    retrans = retransmitted(lab, list(lab.workers.values())) - retrans0
     print("TCP segments retransmitted by the worker hosts:", retrans)
     assert retrans > 0, "no segment was lost: the loss did not meet the traffic"
     assert sum(k == "done" for k, _, _, _ in out) >= 1, out
-
-
-def _retransmitted(c: LabCluster) -> int:
-    """TCP segments the worker hosts retransmitted so far (each namespace's /proc/net/snmp)."""
-    import subprocess
-    total = 0
-    for h in c.workers.values():
-        rows = [ln.split() for ln in subprocess.run([*h.exec_prefix(), "cat", "/proc/net/snmp"], capture_output=True,
-                                                    text=True, check=True).stdout.splitlines() if ln.startswith("Tcp:")]
-        total += int(rows[1][rows[0].index("RetransSegs")])
-    return total
 
 
 def test_a_link_fault_row_of_the_fault_matrix(lab):
@@ -471,11 +461,11 @@ def test_a_link_fault_row_of_the_fault_matrix(lab):
     from pdserve.bench.chaos_lab import LabChaosDeployment
 
     dep = LabChaosDeployment(lab, fault_s=2.0)
-    retrans0 = _retransmitted(lab)
+    retrans0 = retransmitted(lab)
     r = run_case(dep, "loss-5pct", rate=3.0, duration=4.0, fault_at=1.0, settle_timeout=15.0, seed=7,
                  max_tokens=128, timeout_s=15.0, prompt_len=96, greedy_check=False)
     print(r.row())
-    assert _retransmitted(lab) > retrans0, "no segment was lost: the loss did not meet the traffic"
+    assert retransmitted(lab) > retrans0, "no segment was lost: the loss did not meet the traffic"
     assert r.sent >= 4 and r.finished >= 1, r
     assert r.finished + r.failed == r.sent, r
     assert r.past_deadline == 0 and r.longest_s <= 15.0 + 2, r
