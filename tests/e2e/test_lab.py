@@ -457,14 +457,30 @@ def test_a_link_fault_row_of_the_fault_matrix(lab):
     accounting), CI-sized: 5% loss on every host's link (workers, gateway, router, Redis) for 2 s while streams
     and KV pulls are in flight. Every request finishes or fails with a reason by its deadline; nothing is left
     (blocks, pinned KV, reservations); each answered request has exactly one usage record."""
+    import threading
+
     from pdserve.bench.chaos import run_case
     from pdserve.bench.chaos_lab import LabChaosDeployment
 
     dep = LabChaosDeployment(lab, fault_s=2.0)
     retrans0 = retransmitted(lab)
-    r = run_case(dep, "loss-5pct", rate=3.0, duration=4.0, fault_at=1.0, settle_timeout=15.0, seed=7,
-                 max_tokens=128, timeout_s=15.0, prompt_len=96, greedy_check=False)
+    # the same reading while the load runs: it must see blocks and reservations, or its 0s afterwards prove nothing
+    seen, stop = [], threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(0.3):
+            seen.append(lab.leftovers())
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        r = run_case(dep, "loss-5pct", rate=3.0, duration=4.0, fault_at=1.0, settle_timeout=15.0, seed=7,
+                     max_tokens=128, timeout_s=15.0, prompt_len=96, greedy_check=False)
+    finally:
+        stop.set()
+        sampler.join()
     print(r.row())
+    assert max(x.blocks or 0 for x in seen) > 0 and max(x.reservations or 0 for x in seen) > 0, seen
     assert retransmitted(lab) > retrans0, "no segment was lost: the loss did not meet the traffic"
     assert r.sent >= 4 and r.finished >= 1, r
     assert r.finished + r.failed == r.sent, r
