@@ -1,6 +1,7 @@
 """The fault matrix: faults injected into a live `pdserve up` under open-loop load, and what each
 left behind. Driven by `bench/chaos.py` (every case, figures in docs/reliability.md) and, CI-sized, by
-`tests/e2e/test_chaos.py`.
+`tests/e2e/test_chaos.py`. The same `run_case` drives the link faults on the lab's emulated hosts
+(`bench/chaos.py --lab`, chaos_lab.py): a case only needs a `Deployment`.
 
 Per case: an open-loop (Poisson) stream of requests, each streamed and tagged with its own `x-request-id`, split
 round-robin over the gateways (a second gateway process is started next to `up`'s, on the same router and Redis:

@@ -3,8 +3,9 @@ in a network namespace of its own, the worker hosts behind rate-capped links, KV
 
 What is shown: the KV of a disaggregated request really crosses the links (its transfer takes the link's time: a
 path through shared memory would not), concurrent requests from the openai client are served over the links, each
-saying its path, and worker hosts cut off the network fail requests within their deadline, leak nothing, and serve
-again once they are back. Skipped, with the reason, where the machine cannot make namespaces (not root, no iproute2).
+saying its path, and worker hosts cut off the network fail requests within their deadline, leak nothing (no KV
+block in use or pinned on any worker, no reservation in Redis), and serve again once they are back; one link fault
+also runs as a row of the fault matrix (bench/chaos.py --lab), through its harness. Skipped, with the reason, where the machine cannot make namespaces (not root, no iproute2).
 """
 from __future__ import annotations
 
