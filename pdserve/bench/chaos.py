@@ -1,6 +1,7 @@
 """The fault matrix: faults injected into a live `pdserve up` under open-loop load, and what each
 left behind. Driven by `bench/chaos.py` (every case, figures in docs/reliability.md) and, CI-sized, by
-`tests/e2e/test_chaos.py`.
+`tests/e2e/test_chaos.py`. The same `run_case` drives the link faults on the lab's emulated hosts
+(`bench/chaos.py --lab`, chaos_lab.py): a case only needs a `Deployment`.
 
 Per case: an open-loop (Poisson) stream of requests, each streamed and tagged with its own `x-request-id`, split
 round-robin over the gateways (a second gateway process is started next to `up`'s, on the same router and Redis:
@@ -32,11 +33,14 @@ import sys
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 
+from pdserve.bench.leftovers import Leftovers, metric_sum, read_leftovers, scrape, settle
 from pdserve.services.up_process import UpProcess
 
 MIGRATIONS = "pdserve_migrations_total"
@@ -166,13 +170,67 @@ async def abort_storm(ports: list[int], model: str, tag: str, n: int, concurrenc
 
 
 # ---- the deployment ------------------------------------------------------------------------------------------------
+class Deployment(Protocol):
+    """What `run_case` needs of a deployment under test: a one-host `pdserve up` (ChaosDeployment) or a deployment
+    on the lab's emulated hosts (chaos_lab.LabChaosDeployment)."""
+
+    served: str
+    ttl: float  # the workers' heartbeat TTL
+
+    @property
+    def bases(self) -> list[str]: ...  # the gateways' base URLs; the load is spread over them
+
+    def wait_ready(self, timeout: float = 90.0) -> bool: ...
+
+    # awaited at the fault time; returns when the fault is over, with what it met (a note for the row) or None
+    def fault(self, case: str) -> Callable[[], Awaitable[str | None]]: ...
+
+    def leftovers(self) -> Leftovers: ...
+
+    def migrations(self) -> float: ...  # pdserve_migrations_total summed over the gateways
+
+    def log_lines(self) -> list[str]: ...  # the gateways' log lines so far (billing records, FAILED reasons)
+
+    def after_case(self, case: str) -> None: ...  # put back what the case took away, where the deployment does not
+
+
 def _metrics(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        return r.read().decode()
+    return scrape(f"http://127.0.0.1:{port}/metrics")
 
 
-def _sum(text: str, name: str) -> float:
-    return sum(float(m.group(2)) for m in re.finditer(rf"^{name}(\{{[^}}]*\}})?\s+(\S+)$", text, re.M))
+_sum = metric_sum
+
+
+def gateway_migrations(metrics_urls: list[str]) -> float:
+    """`pdserve_migrations_total` over the gateways that answer (a killed one counts 0)."""
+    total = 0.0
+    for url in metrics_urls:
+        try:
+            total += metric_sum(scrape(url), MIGRATIONS)
+        except Exception:  # noqa: BLE001
+            pass
+    return total
+
+
+def records(lines: list[str], prefix: str) -> dict[str, list[dict]]:
+    """The usage records in gateway log lines, per request id (ids starting with `prefix`)."""
+    out: dict[str, list[dict]] = {}
+    for line in lines:
+        # text log format: `... INFO pdserve.billing [<x-request-id>]: {record}` (the record's own
+        # request_id is the completion id)
+        m = _BILLING.search(line)
+        if m and m.group(1).startswith(prefix):
+            try:
+                rec = json.loads(line[m.end() - 1:])
+            except ValueError:
+                rec = {}
+            out.setdefault(m.group(1), []).append(rec)
+    return out
+
+
+def billing(lines: list[str], prefix: str) -> Counter:
+    """Usage records per request id (ids starting with `prefix`)."""
+    return Counter({rid: len(recs) for rid, recs in records(lines, prefix).items()})
 
 
 class ChaosDeployment:
@@ -231,55 +289,28 @@ class ChaosDeployment:
             time.sleep(0.25)
         return False
 
-    def leftovers(self) -> dict:
+    def leftovers(self) -> Leftovers:
         """KV blocks in use / pinned on every worker, reservations in Redis (None where unreadable)."""
-        out = {"blocks": 0, "pinned": 0, "reservations": 0}
-        for w in self.workers():
-            try:
-                m = _metrics(w["metrics_port"])
-                out["blocks"] += int(_sum(m, "pdserve_kv_blocks_in_use"))
-                out["pinned"] += int(_sum(m, "pdserve_kv_blocks_pinned"))
-            except Exception:
-                out["blocks"] = out["pinned"] = None
-                break
-        try:
-            r = self.up.redis(socket_timeout=2)
-            out["reservations"] = (r.zcard(f"pdserve:{self.served}:reservations")
-                                   + r.hlen(f"pdserve:{self.served}:reservation_blocks"))
-        except Exception:
-            out["reservations"] = None
-        return out
+        return read_leftovers({w["name"]: f"http://127.0.0.1:{w['metrics_port']}/metrics" for w in self.workers()},
+                              lambda: self.up.redis(socket_timeout=2), self.served)
 
     def migrations(self) -> float:
-        total = 0.0
-        for port in self.gateway_ports:
-            try:
-                total += _sum(_metrics(port), MIGRATIONS)
-            except Exception:
-                pass
-        return total
+        return gateway_migrations([f"http://127.0.0.1:{p}/metrics" for p in self.gateway_ports])
 
-    def billing(self, prefix: str) -> Counter:
-        """Usage records per request id (ids starting with `prefix`), from both gateways' billing lines."""
-        return Counter({rid: len(recs) for rid, recs in self.records(prefix).items()})
-
-    def records(self, prefix: str) -> dict[str, list[dict]]:
-        """The usage records themselves, per request id (ids starting with `prefix`)."""
+    def log_lines(self) -> list[str]:
+        """`up`'s output (its gateway's lines among them) and the second gateway's log."""
         lines = list(self.up.lines)
         with open(self.log, errors="replace") as f:
             lines += f.readlines()
-        out: dict[str, list[dict]] = {}
-        for line in lines:
-            # text log format: `... INFO pdserve.billing [<x-request-id>]: {record}` (the record's own
-            # request_id is the completion id)
-            m = _BILLING.search(line)
-            if m and m.group(1).startswith(prefix):
-                try:
-                    rec = json.loads(line[m.end() - 1:])
-                except ValueError:
-                    rec = {}
-                out.setdefault(m.group(1), []).append(rec)
-        return out
+        return lines
+
+    def fault(self, case: str) -> Callable[[], Awaitable[str | None]]:
+        return fault(case, self)
+
+    def after_case(self, case: str) -> None:
+        # `up` restarts its own children; the second gateway is this harness's
+        if case == "kill-gateway" and self.gw2.poll() is not None:
+            self.start_gateway2()
 
     def stop(self) -> None:
         if self.gw2 is not None and self.gw2.poll() is None:
@@ -392,6 +423,10 @@ class CaseResult:
     errors: dict = field(default_factory=dict)  # error kind -> count
     reasons: dict = field(default_factory=dict)  # the gateways' `ended FAILED: <why>` lines, first 60 chars -> count
     early_failures: int = 0          # of the failed: ended before the fault (left over from an earlier case)
+    deadline_s: float = 0.0          # each request's `timeout`
+    longest_s: float = 0.0           # the longest any request took, from its send to its end ([DONE] or error)
+    past_deadline: int = 0           # requests that ended more than 2 s after their deadline (target 0)
+    fault_note: str = ""             # what the fault met, where it says (pinned KV at a cut, packets held, ...)
     samples: dict = field(default_factory=dict)  # error kind -> its first message (what a 503 said, ...)
     migrated_streams: int = 0        # requests whose record counts a migration (a stream moved mid-flight)
     migrated_finished: int = 0       # of them: finished, every token
@@ -403,14 +438,20 @@ class CaseResult:
         return asdict(self)
 
 
-def run_case(dep: ChaosDeployment, case: str, *, rate: float = 8.0, duration: float = 6.0, fault_at: float = 2.0,
+# a request may end this long after its deadline and still count as on time: the deadline is the gateway's, the
+# clock here is the client's, and the error or last event still has to cross a (maybe faulty) link
+DEADLINE_SLACK_S = 2.0
+
+
+def run_case(dep: Deployment, case: str, *, rate: float = 8.0, duration: float = 6.0, fault_at: float = 2.0,
              storm: int = 1000, settle_timeout: float = 20.0, seed: int = 0, max_tokens: int = 24,
-             greedy_check: bool = True) -> CaseResult:
-    """One case on a ready deployment; leaves it ready again (restarted processes included) when it can."""
+             greedy_check: bool = True, timeout_s: float = 30.0, prompt_len: int = 40) -> CaseResult:
+    """One case on a ready deployment; leaves it ready again (restarted processes included) when it can.
+    `timeout_s`: each request's deadline (its `timeout`); `prompt_len`: tokens per prompt (the KV each moves)."""
     if not dep.wait_ready(120):
         raise RuntimeError(f"deployment not ready before {case}")
     tag = f"{case}-{seed}-{int(time.time() * 1000) % 10**8}"
-    res = CaseResult(case)
+    res = CaseResult(case, deadline_s=timeout_s)
     mig0 = dep.migrations()
     t_fault = None
 
@@ -418,20 +459,20 @@ def run_case(dep: ChaosDeployment, case: str, *, rate: float = 8.0, duration: fl
         nonlocal t_fault
         if case == "abort-storm":
             return await abort_storm(dep.gateway_ports, dep.served, tag, storm, seed=seed + 13)
-        inject = fault(case, dep)
+        inject = dep.fault(case)
 
         async def at_fault() -> None:
             nonlocal t_fault
             await asyncio.sleep(fault_at)
             t_fault = time.perf_counter()
-            await inject()
+            res.fault_note = await inject() or ""
 
-        load = asyncio.create_task(open_loop(dep.bases, dep.served, tag, rate, duration, seed, max_tokens=max_tokens))
+        load = asyncio.create_task(open_loop(dep.bases, dep.served, tag, rate, duration, seed, max_tokens=max_tokens,
+                                             timeout_s=timeout_s, prompt_len=prompt_len))
         await at_fault()
         return await load
 
     outs = asyncio.run(main())
-    t_end = time.perf_counter()
     res.sent = len(outs)
     if case == "abort-storm":
         res.finished = sum(o.ok for o in outs)
@@ -450,14 +491,12 @@ def run_case(dep: ChaosDeployment, case: str, *, rate: float = 8.0, duration: fl
             res.max_error_wait_s = round(max((o.end - max(o.sent, t_fault or o.sent) for o in late), default=0.0), 3)
             res.recovery_s = round(max(0.0, max(o.sent for o in failed) - t_fault), 3) if t_fault else 0.0
         res.max_stall_s = round(max((o.max_gap for o in outs if o.ok), default=0.0), 3)
+        took = [o.end - o.sent for o in outs]
+        res.longest_s = round(max(took, default=0.0), 2)
+        res.past_deadline = sum(t > timeout_s + DEADLINE_SLACK_S for t in took)
     # everything released: poll until zero (or the timeout)
-    left = dep.leftovers()
-    while (any(v != 0 for v in left.values())) and time.perf_counter() - t_end < settle_timeout:
-        time.sleep(0.1)
-        left = dep.leftovers()
-    if all(v == 0 for v in left.values()):
-        res.settle_s = round(time.perf_counter() - t_end, 2)
-    res.blocks_left, res.pinned_left, res.reservations_left = left["blocks"], left["pinned"], left["reservations"]
+    left, res.settle_s = settle(dep.leftovers, settle_timeout)
+    res.blocks_left, res.pinned_left, res.reservations_left = left.blocks, left.pinned, left.reservations
     # the records: the gateways write them at each request's end (shielded tasks), give them a moment
     # a request that got response headers was admitted: exactly one record is due. One whose gateway died before
     # answering may or may not have been admitted (as with any HTTP server that dies): 0 or 1 record, never 2.
@@ -466,16 +505,16 @@ def run_case(dep: ChaosDeployment, case: str, *, rate: float = 8.0, duration: fl
     res.unanswered = len(maybe)
     end = time.monotonic() + 10
     while True:
-        seen = dep.billing(f"chaos-{tag}-")
+        seen = billing(dep.log_lines(), f"chaos-{tag}-")
         if all(seen[r] >= 1 for r in want) or time.monotonic() > end:
             break
         time.sleep(0.2)
-    res.reasons = dict(Counter(re.sub(r"\d+", "N", m.group(1))[:60] for line in dep.up.lines
+    res.reasons = dict(Counter(re.sub(r"\d+", "N", m.group(1))[:60] for line in dep.log_lines()
                                if f"chaos-{tag}-" in line and (m := re.search(r"ended FAILED: (.*)", line))))
     res.records_one = sum(seen[r] == 1 for r in want)  # of the requests a gateway answered
     res.records_missing = sum(seen[r] == 0 for r in want)
     res.records_dup = sum(seen[r] > 1 for r in want | maybe)
-    recs = dep.records(f"chaos-{tag}-")
+    recs = records(dep.log_lines(), f"chaos-{tag}-")
     moved = [o for o in outs if any(r.get("migrations") for r in recs.get(o.rid, ()))]
     res.migrated_streams = len(moved)
     res.migrated_finished = sum(o.ok for o in moved)
@@ -492,13 +531,12 @@ def run_case(dep: ChaosDeployment, case: str, *, rate: float = 8.0, duration: fl
     res.diverged = [f"{'moved' if i < res.migrated_finished else 'stayed'} {x}" for i, x in enumerate(same)
                     if x is not True]
     res.migrated = int(dep.migrations() - mig0) if case != "kill-gateway" else int(max(0.0, dep.migrations() - mig0))
-    if case == "kill-gateway" and dep.gw2.poll() is not None:
-        dep.start_gateway2()
+    dep.after_case(case)
     dep.wait_ready(120)
     return res
 
 
-def _greedy_again(dep: ChaosDeployment, outs: list[Outcome], max_tokens: int) -> list[bool | str]:
+def _greedy_again(dep: Deployment, outs: list[Outcome], max_tokens: int) -> list[bool | str]:
     """Each request sent again, alone (greedy, same prompt and length): True when its text is the one it was
     streamed, else where they part ("at char i of n"). The reference for a migrated stream is an uninterrupted
     run of the same request on the same deployment."""

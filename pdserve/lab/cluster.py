@@ -15,9 +15,11 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.bench.leftovers import Leftovers, read_leftovers
 from pdserve.lab.netns import Host, Link, Network
 from pdserve.services.supervisor import Supervisor
 
@@ -46,6 +48,16 @@ class LabCluster:
         self._dir = Path(tempfile.mkdtemp(prefix="pdserve-lab-"))
         self.sup: Supervisor | None = None
         self.workers: dict[str, Host] = {}
+        # every process's output, relayed through here (as `<name>: <line>`) and kept for who reads what the
+        # processes logged (the fault matrix counts the gateway's usage records in it); bounded: a long-lived
+        # `pdserve lab` must not grow without end
+        self.lines: deque[str] = deque(maxlen=200_000)
+
+    @property
+    def served(self) -> str:
+        """The model name clients ask for (the processes get no --served-model-name: their default)."""
+        m = self.spec.model
+        return "builtin" if m == "builtin" else os.path.basename(os.path.normpath(m))
 
     # ---- addresses --------------------------------------------------------------------------------------------
 
@@ -60,17 +72,32 @@ class LabCluster:
     def metrics_url(self, host: str) -> str:
         return f"http://{self.net.hosts[host].ip}:{PORTS['metrics']}/metrics"
 
+    @property
+    def redis_url(self) -> str:
+        return f"redis://{self.net.hosts['redis'].ip}:{PORTS['redis']}/0"
+
+    def redis(self, **kwargs):
+        """A (synchronous) redis-py client of the lab's Redis, from the client host (kwargs are redis-py's)."""
+        import redis
+        kwargs.setdefault("password", (self._dir / "redis-password").read_text().strip())
+        return redis.Redis.from_url(self.redis_url, **kwargs)
+
+    def leftovers(self) -> Leftovers:
+        """KV blocks in use and pinned on every worker host, reservations in the lab's Redis (None: unreadable)."""
+        return read_leftovers({name: self.metrics_url(name) for name in self.workers},
+                              lambda: self.redis(socket_timeout=2), self.served)
+
     # ---- start / stop -----------------------------------------------------------------------------------------
 
     def start(self, ready_timeout: float = 180.0) -> LabCluster:
         token, password = self._secret("internal-token"), self._secret("redis-password")
         env = {**os.environ, **self.spec.env, **({"UCX_TLS": self.spec.ucx_tls} if self.spec.ucx_tls else {})}
-        self.sup = Supervisor(env, restart=False)
+        self.sup = Supervisor(env, restart=False, log=self._log)
         hosts = {name: self.net.add_host(name) for name in ("redis", "router", "gateway")}
         for role, n in (("prefill", self.spec.prefill), ("decode", self.spec.decode)):
             for i in range(n):
                 self.workers[f"{role}-{i}"] = self.net.add_host(f"{role}-{i}", self.spec.link)
-        redis_url = f"redis://{hosts['redis'].ip}:{PORTS['redis']}/0"
+        redis_url = self.redis_url
         common = ["--model", self.spec.model, "--internal-token-file", str(token),
                   "--redis-password-file", str(password)]
         pw = password.read_text().strip()
@@ -96,6 +123,12 @@ class LabCluster:
     def _on(self, host: Host, name: str, cmd: list[str], stdin_data: bytes | None = None) -> None:
         self.sup.start(name, [*host.exec_prefix(), *cmd], {"host": host.name, "ip": host.ip},
                        stdin_data=stdin_data, relay=True)
+
+    def _log(self, line: str) -> None:
+        """The supervisor's and the relayed children's lines (called from the relay threads): kept, and on
+        stderr as before."""
+        self.lines.append(line)
+        print(line, file=sys.stderr, flush=True)
 
     def _secret(self, name: str) -> Path:
         p = self._dir / name

@@ -3,8 +3,9 @@ in a network namespace of its own, the worker hosts behind rate-capped links, KV
 
 What is shown: the KV of a disaggregated request really crosses the links (its transfer takes the link's time: a
 path through shared memory would not), concurrent requests from the openai client are served over the links, each
-saying its path, and worker hosts cut off the network fail requests within their deadline, leak nothing, and serve
-again once they are back. Skipped, with the reason, where the machine cannot make namespaces (not root, no iproute2).
+saying its path, and worker hosts cut off the network fail requests within their deadline, leak nothing (no KV
+block in use or pinned on any worker, no reservation in Redis), and serve again once they are back; one link fault
+also runs as a row of the fault matrix (bench/chaos.py --lab), through its harness. Skipped, with the reason, where the machine cannot make namespaces (not root, no iproute2).
 """
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ import httpx
 import openai
 import pytest
 
+from pdserve.bench.leftovers import settle
 from pdserve.lab.cluster import LabCluster, LabSpec
+from pdserve.lab.faults import retransmitted
 from pdserve.lab.netns import LabUnavailable, Link
 from tests.e2e.conftest import _env, samples, wait_until
 
@@ -29,7 +32,9 @@ def lab():
     try:
         c = LabCluster(LabSpec(prefill=2, decode=2, link=Link(rate_bps=RATE_BPS),
                                engine_args=("--num-gpu-blocks", "256", "--threads", "1"),
-                               env={k: v for k, v in _env().items() if k == "PYTHONPATH"}))
+                               # INFO: the gateway's usage records (billing lines) the chaos row counts
+                               env={**{k: v for k, v in _env().items() if k == "PYTHONPATH"},
+                                    "PDSERVE_LOG_LEVEL": "INFO"}))
     except LabUnavailable as e:
         pytest.skip(f"no emulated hosts here: {e}")
     try:
@@ -57,14 +62,11 @@ def _serves_again(c: httpx.Client, body: dict, timeout: float = 30) -> bool:
     return False
 
 
-def _blocks_left(c: LabCluster) -> dict:
-    """KV blocks still allocated on each worker, once the cut requests' cleanup ran (at most 15 s)."""
-    end = time.monotonic() + 15
-    while True:
-        left = {h: _metric(c, h, "pdserve_kv_blocks_in_use") for h in c.workers}
-        if not any(left.values()) or time.monotonic() > end:
-            return left
-        time.sleep(0.5)
+def _assert_nothing_left(c: LabCluster) -> None:
+    """No KV block in use or pinned (under a lease) on any worker and no reservation in the lab's Redis, once the
+    faulted requests' cleanup ran (at most 15 s): the fault matrix's reading (pdserve/bench/leftovers.py)."""
+    left, _ = settle(c.leftovers, 15, every=0.5)
+    assert (left.blocks, left.pinned, left.reservations) == (0, 0, 0), left
 
 
 def test_kv_crosses_the_shaped_link(lab):
@@ -207,8 +209,7 @@ def test_the_decode_hosts_cut_off_fail_within_the_deadline_and_serve_when_back(l
             for h in decoders:
                 lab.net.set_down(h, down=False)
         assert _serves_again(c, body), "not serving again 30 s after the links came back"
-    left = _blocks_left(lab)
-    assert not any(left.values()), left
+    _assert_nothing_left(lab)
 
 
 def test_the_prefill_host_cut_off_mid_transfer(lab):
@@ -235,8 +236,7 @@ def test_the_prefill_host_cut_off_mid_transfer(lab):
         assert r.status_code in (200, 503, 504), r.text
         assert waited < 8 + 2, waited
         assert _serves_again(c, {**body, "prompt": "hi"}), "not serving again 30 s after the link came back"
-    left = _blocks_left(lab)
-    assert not any(left.values()), left
+    _assert_nothing_left(lab)
 
 
 def _statuses_while(c: httpx.Client, body: dict, seconds: float) -> list[tuple[int, float, str]]:
@@ -280,8 +280,7 @@ def test_an_asymmetric_partition_decode_cannot_reach_prefill(lab):
         # no answer can have been served disaggregated: each 200 says how it was really served
         assert not any(s == 200 and b.startswith("disagg") for s, _, b in got), got
         assert _disagg_again(c, body), "not disaggregated again 40 s after the partition healed"
-    left = _blocks_left(lab)
-    assert not any(left.values()), left
+    _assert_nothing_left(lab)
 
 
 def test_the_router_cut_off_from_redis(lab):
@@ -301,8 +300,7 @@ def test_the_router_cut_off_from_redis(lab):
         print("router cut off from Redis:", [(s, round(t, 2)) for s, t, _ in got])
         assert got and all((s == 200 or s in (503, 504)) and t < 4 + 2 for s, t, _ in got), got
         assert _serves_again(c, body), "not serving again 30 s after the router reached Redis again"
-    left = _blocks_left(lab)
-    assert not any(left.values()), left
+    _assert_nothing_left(lab)
 
 
 def test_a_decode_host_cut_off_with_streams_in_flight_and_back_10s_later(lab):
@@ -352,8 +350,7 @@ def test_a_decode_host_cut_off_with_streams_in_flight_and_back_10s_later(lab):
     body = {"model": "builtin", "prompt": "after the cut", "max_tokens": 4}
     with httpx.Client(base_url=lab.base_url, timeout=30) as c:
         assert _serves_again(c, body)
-    left = _blocks_left(lab)
-    assert not any(left.values()), left
+    _assert_nothing_left(lab)
 
 
 def _stream(client: openai.OpenAI, prompt: str, max_tokens: int, timeout: float):
@@ -422,8 +419,7 @@ def _faulty_links_with_streams_in_flight(lab, fault, label: str):
     assert all(w == "length" if k == "done" else w[:3] in ("503", "504") for k, w, _, _ in out), out
     with httpx.Client(base_url=lab.base_url, timeout=30) as c:
         assert _serves_again(c, {"model": "builtin", "prompt": f"after {label}", "max_tokens": 4})
-    left = _blocks_left(lab)
-    assert not any(left.values()), left
+    _assert_nothing_left(lab)
     return out
 
 
@@ -448,21 +444,49 @@ def test_five_percent_loss_on_the_worker_links_with_streams_in_flight(lab):
     and a long prompt's KV pull are in flight, for the rest of their lives: TCP retransmits, every request ends
     by its deadline with its answer or a reason, nothing leaks."""
     lossy = Link(rate_bps=RATE_BPS, loss_pct=5)
-    retrans0 = _retransmitted(lab)
+    retrans0 = retransmitted(lab, list(lab.workers.values()))
     out = _faulty_links_with_streams_in_flight(
         lab, lambda: [lab.net.shape(h, lossy) for h in lab.workers.values()], "loss")
-    retrans = _retransmitted(lab) - retrans0
+    retrans = retransmitted(lab, list(lab.workers.values())) - retrans0
     print("TCP segments retransmitted by the worker hosts:", retrans)
     assert retrans > 0, "no segment was lost: the loss did not meet the traffic"
     assert sum(k == "done" for k, _, _, _ in out) >= 1, out
 
 
-def _retransmitted(c: LabCluster) -> int:
-    """TCP segments the worker hosts retransmitted so far (each namespace's /proc/net/snmp)."""
-    import subprocess
-    total = 0
-    for h in c.workers.values():
-        rows = [ln.split() for ln in subprocess.run([*h.exec_prefix(), "cat", "/proc/net/snmp"], capture_output=True,
-                                                    text=True, check=True).stdout.splitlines() if ln.startswith("Tcp:")]
-        total += int(rows[1][rows[0].index("RetransSegs")])
-    return total
+def test_a_link_fault_row_of_the_fault_matrix(lab):
+    """One link case of `bench/chaos.py --lab` through the fault matrix's own harness (open-loop load, its
+    accounting), CI-sized: 5% loss on every host's link (workers, gateway, router, Redis) for 2 s while streams
+    and KV pulls are in flight. Every request finishes or fails with a reason by its deadline; nothing is left
+    (blocks, pinned KV, reservations); each answered request has exactly one usage record."""
+    import threading
+
+    from pdserve.bench.chaos import run_case
+    from pdserve.bench.chaos_lab import LabChaosDeployment
+
+    dep = LabChaosDeployment(lab, fault_s=2.0)
+    retrans0 = retransmitted(lab)
+    # the same reading while the load runs: it must see blocks and reservations, or its 0s afterwards prove nothing
+    seen, stop = [], threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(0.3):
+            seen.append(lab.leftovers())
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        r = run_case(dep, "loss-5pct", rate=3.0, duration=4.0, fault_at=1.0, settle_timeout=15.0, seed=7,
+                     max_tokens=128, timeout_s=15.0, prompt_len=96, greedy_check=False)
+    finally:
+        stop.set()
+        sampler.join()
+    print(r.row())
+    assert max(x.blocks or 0 for x in seen) > 0 and max(x.reservations or 0 for x in seen) > 0, seen
+    assert retransmitted(lab) > retrans0, "no segment was lost: the loss did not meet the traffic"
+    assert r.sent >= 4 and r.finished >= 1, r
+    assert r.finished + r.failed == r.sent, r
+    assert r.past_deadline == 0 and r.longest_s <= 15.0 + 2, r
+    # a failure says why: an HTTP status with its code or an error event, never a dropped connection or a hang
+    assert all(k.startswith(("HTTP", "error event")) for k in r.errors), r.errors
+    assert (r.blocks_left, r.pinned_left, r.reservations_left) == (0, 0, 0), r
+    assert r.records_missing == 0 and r.records_dup == 0 and r.records_one == r.sent - r.refused - r.unanswered, r
