@@ -226,6 +226,7 @@ class KVAgent:
         deadline = time.monotonic() + timeout_s
         sleep = 0.0
         states = {i: st for i, (_, _, st) in enumerate(handles)}
+        reasons: dict[int, str] = {}
         failure: KVTransferError | None = None
         try:
             while True:
@@ -241,11 +242,15 @@ class KVAgent:
                 sleep = min(sleep * 2 or 1e-5, 1e-3)  # spin briefly, then back off: small transfers finish fast
                 with self._lock:
                     for i in pending:
-                        states[i] = self._agent.check_xfer_state(handles[i][1])
-            errs = [handles[i][0] for i, st in states.items() if st == "ERR"]
+                        try:
+                            states[i] = self._agent.check_xfer_state(handles[i][1])
+                        except Exception as e:  # NIXL's own classes, not RuntimeError: a handle it dropped (its
+                            # peer's connection failed: NIXL_ERR_NOT_FOUND), a disconnect; the READ is over
+                            states[i], reasons[i] = "ERR", f"{type(e).__name__}: {e}"
+            errs = [i for i, st in states.items() if st == "ERR"]
             if failure is None and errs:
-                failure = self._failed(f"KV transfer from {errs[0]} failed (NIXL state ERR)",
-                                       TransferFailure.NIXL_ERROR)
+                failure = self._failed(f"KV transfer from {handles[errs[0]][0]} failed "
+                                       f"({reasons.get(errs[0], 'NIXL state ERR')})", TransferFailure.NIXL_ERROR)
         finally:
             with self._lock:
                 for _, h, _ in handles:

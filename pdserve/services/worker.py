@@ -17,6 +17,7 @@ import logging
 import socket
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -321,13 +322,25 @@ class Worker(worker_pb2_grpc.WorkerServicer):
 
 async def _heartbeat_loop(w: Worker, registry: Registry | None, interval_s: float,
                           stall_s: float = ENGINE_STALL_S) -> None:
+    # its own thread: in a pool shared with work that can block (a READ from a silent peer), the heartbeat waited
+    # behind it and the worker left the registry while healthy
+    poller = ThreadPoolExecutor(1, thread_name_prefix="pdserve-heartbeat")
+    try:
+        await _beat(w, registry, interval_s, stall_s, poller)
+    finally:
+        poller.shutdown(wait=False)
+
+
+async def _beat(w: Worker, registry: Registry | None, interval_s: float, stall_s: float,
+                poller: ThreadPoolExecutor) -> None:
     stalled, failures = False, 0
+    loop = asyncio.get_running_loop()
     while True:
         wait = interval_s
         try:
             w.refresh_stats()
             if w.ucx is not None:  # UCX's warnings on to the worker's log (kv_transfer/ucx_log.py)
-                await asyncio.to_thread(w.ucx.poll)
+                await loop.run_in_executor(poller, w.ucx.poll)
             busy = w.host.busy_for()
             if busy > stall_s:
                 if not stalled:

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -53,6 +54,12 @@ FAULT_PULL_DELAY_S = float(env_knobs.get("PDSERVE_FAULT_PULL_DELAY_S") or 0)
 # The engine's backstop for a pickup left neither committed nor failed: this long past the READ's own timeout
 # (the allocation and commit are engine commands, queued behind at most a step or two).
 TRANSFER_GRACE_S = 5.0
+
+# Threads for the READs and link self-tests, this side's own. A READ holds its thread until DONE, ERR or its
+# timeout, so a peer that stopped answering holds one per pickup for up to the transfer timeout. In asyncio's
+# default pool (min(32, cores + 4): 6 on 2 vCPUs) a few such READs starved everything else queued there, the
+# heartbeat's UCX log poll included: both decode workers left the registry under an asymmetric partition.
+PULL_THREADS = 64
 
 
 @dataclass
@@ -100,6 +107,18 @@ class DecodeSide:
         self.observed: dict[str, str] = {}  # prefill peer id -> the transport UCX chose for its READs
         self.peers = KvPeers(self._stub, endpoint.layout, endpoint.protocol_version,
                              self.puller.forget_remote if agent is not None else (lambda name: None))
+        self._pool = ThreadPoolExecutor(PULL_THREADS, thread_name_prefix="pdserve-kv-pull")
+
+    async def _in_pool(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def _read_by(self, deadline: float, regions, src: list[int], dst: list[int], notif: bytes) -> int:
+        """The READ with what is left of its time when a pool thread takes it: one that waited for a thread must
+        not read past its lease (the prefill side may have reused the blocks)."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise KVTransferError("KV transfer waited for a pull thread past its deadline", TransferFailure.TIMEOUT)
+        return self.puller.read(regions, src, dst, notif, left)
 
     def _mark_once(self, kv: common_pb2.KvHandle) -> None:
         """Before the first READ from a peer incarnation: where UCX's report stands. What UCX reports from here
@@ -133,7 +152,7 @@ class DecodeSide:
 
     async def _probe(self, peer: str, region) -> None:
         try:
-            got = await asyncio.to_thread(probe_link, self.agent, region, min(5.0, self.transfer_timeout_s))
+            got = await self._in_pool(probe_link, self.agent, region, min(5.0, self.transfer_timeout_s))
         except (KVTransferError, KVLayoutMismatch, ValueError, RuntimeError) as e:
             log.warning("KV link self-test with %s failed: %s", peer, e)
             return
@@ -155,6 +174,7 @@ class DecodeSide:
         await self.peers.close()
         await self._tasks.wait(grace_s)
         await self._tasks.cancel()
+        self._pool.shutdown(wait=False, cancel_futures=True)  # a READ still running ends by its own timeout
 
     async def _release_remote(self, kv: common_pb2.KvHandle, request_id: str) -> None:
         try:
@@ -333,8 +353,8 @@ class DecodeSide:
                                           TransferFailure.LEASE_EXPIRED)
             self.pairs.failed(kv.worker_id, out.failure.kind)
         elif src:
-            p.xfer = self._tasks.spawn(asyncio.to_thread(
-                self.puller.read, regions, src, dst, kv.lease_id.encode(), timeout))
+            p.xfer = self._tasks.spawn(self._in_pool(
+                self._read_by, time.monotonic() + timeout, regions, src, dst, kv.lease_id.encode()))
             try:
                 out.nbytes = await asyncio.shield(p.xfer)  # a cancel here leaves the READ to _cleanup
                 M.KV_TRANSFER_BYTES.inc(out.nbytes)
@@ -343,8 +363,8 @@ class DecodeSide:
                 M.KV_PULL_REUSED_BLOCKS.inc(plan.reused)
             except KVTransferError as e:
                 out.failure = e
-            except (KVLayoutMismatch, ValueError, RuntimeError) as e:  # NIXL's own exceptions are RuntimeErrors
-                out.failure = KVTransferError(str(e), TransferFailure.NIXL_ERROR)
+            except Exception as e:  # a layout mismatch, NIXL's own exception classes (not RuntimeErrors): typed
+                out.failure = KVTransferError(f"{type(e).__name__}: {e}", TransferFailure.NIXL_ERROR)
             if out.failure is not None:
                 self.pairs.failed(kv.worker_id, out.failure.kind)
                 for r in regions:  # a dead peer must be re-added if it comes back
