@@ -9,8 +9,10 @@
 - drain: what the replica holds finishes where it is. A prefill replica keeps a prompt's KV pinned until the decode
   side has pulled it (the commit after the transfer; leases never expire in the simulator), so it is drained once
   its scheduler is empty and nothing is pinned. A decode replica finishes its streams (handoff `drain`), including
-  requests placed on it whose prompt is still prefilling elsewhere (`Cluster.inbound`) and those waiting for its
-  blocks.
+  those waiting for its blocks or their KV transfer. Requests placed on it whose prompt is still prefilling
+  elsewhere (`Cluster.inbound`) are not waited for: their pickup reaches a switching worker, which refuses it,
+  and the gateway has another decode worker pull the pinned KV (`Cluster._redirect`), as the real worker's drain
+  counts only the calls it holds (services/worker.py `_held`).
 - handoff `migrate` (services/role_switch.py): at each step boundary while it drains, the replica ends every stream
   whose first token went out; the gateway places it again at once, `prefer="local"` (a decode or `both` replica
   that prefills it itself), as prompt + the tokens sent with the rest of its output: that replica re-prefills
@@ -77,7 +79,7 @@ class SimSwitcher:
     def drained(self, rep) -> bool:
         c = self.cluster
         return (not rep.busy and rep.outstanding() == 0 and not rep.remote_pending and not rep.core.pinned
-                and not c.alloc_wait[rep.name] and c.inbound.get(rep.name, 0) == 0)
+                and not c.alloc_wait[rep.name])
 
     def _check(self, rep, rec: SwitchRecord) -> None:
         c = self.cluster

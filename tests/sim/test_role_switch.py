@@ -93,6 +93,22 @@ def test_drain_handoff_keeps_the_stream_where_it_is():
     assert rec[0].drained == pytest.approx(0.232, abs=0.0051) and sw.handed_off == 0
 
 
+def test_a_pickup_still_prefilling_is_not_waited_for():
+    """The request's decode worker switches at 20 ms while its prompt prefills (0-42 ms) on the prefill worker: the
+    switch drains at once (the real worker holds no call for it yet), and the pickup at 42 ms goes to the other
+    decode worker (the real one refuses it; the gateway asks for another), which streams from there."""
+    c = Cluster(ClusterSpec(prefill=1, decode=2, num_blocks=256, engine=CFG, admission=None), PRE)
+    sw = SimSwitcher(c, poll_s=0.005)
+    rec = []
+    c._at(0.02, lambda: rec.append(sw.start(_rep(c, c.requests[0].decode_replica), "prefill", 0.5)))
+    reqs = c.run([_req(0, 0.0, 5)])
+    r = rec[0]
+    assert (r.drained, r.serving) == pytest.approx((0.02, 0.52))
+    assert reqs[0].decode_replica != r.replica and reqs[0].state == "FINISHED"
+    assert reqs[0].emits == pytest.approx([0.042 + 0.01 * k for k in range(5)])
+    assert not _rep(c, "prefill-0").core.pinned and c.inbound == {"decode-0": 0, "decode-1": 0}
+
+
 def test_drain_timeout_restores_the_old_role():
     c = _cluster(1, 1)
     sw = SimSwitcher(c, poll_s=0.005, drain_timeout_s=0.02)
