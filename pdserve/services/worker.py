@@ -50,6 +50,7 @@ from pdserve.services.prefill.service import PrefillSide
 from pdserve.services.refusal import refuse_invalid
 from pdserve.services.registry import Registry, WorkerRecord
 from pdserve.services.role_switch import (
+    DRAIN,
     HANDOFF,
     MIGRATE,
     REFUSAL,
@@ -76,7 +77,10 @@ class Worker(worker_pb2_grpc.WorkerServicer):
         self.switch = RoleSwitch(role)  # the role, and a switch in progress (role_switch.py)
         self.registry: Registry | None = None  # set by serve(): a switch writes its record at once
         self.drain_timeout_s = 30.0
-        self.switch_handoff = MIGRATE  # `--switch-handoff`: a switch's streams move (migrate) or finish here (drain)
+        # `--switch-handoff`: a switch's streams finish here (drain) or move (migrate). Drain by default: on the
+        # measured traces moving them bought no goodput (the decode workers a planner moves are mostly idle by
+        # then), and a moved stream is re-prefilled on a decode worker that is busy (docs/planner.md)
+        self.switch_handoff = DRAIN
         self.handed_off = 0  # streams ended by the switch in progress's handoff
         # one registry write at a time, the record taken inside: a heartbeat computed before a switch's step cannot
         # land after it (and put the old role back in the registry for an interval)
