@@ -226,8 +226,9 @@ class Worker(worker_pb2_grpc.WorkerServicer):
                         if out.finished:
                             finished = True
                             M.TERMINAL.labels(out.state).inc()
-                        yield enc.encode(out)
-                        sent += 1
+                        msg = enc.encode(out)
+                        yield msg
+                        sent += _has_tokens(msg)
             except ValueError as e:
                 finished = True
                 await refuse_invalid(context, e)
@@ -253,7 +254,7 @@ class Worker(worker_pb2_grpc.WorkerServicer):
                     if not msg.finished and sent and self._hand_off_now(params):
                         await self._hand_off(context)  # the closing above aborts the engine's request
                     yield msg
-                    sent += 1
+                    sent += _has_tokens(msg)
 
     async def ReleaseKV(self, request, context):
         return await self.prefill.ReleaseKV(request, context)
@@ -283,9 +284,10 @@ class Worker(worker_pb2_grpc.WorkerServicer):
         return self.inflight + len(self.prefill.leases)
 
     def _hand_off_now(self, params) -> bool:
-        """Whether a stream that already sent a message ends here, before its next one: a `migrate` switch is
+        """Whether a stream that already sent a token ends here, before its next message: a `migrate` switch is
         draining and the gateway can resume the stream elsewhere. The message not sent is sampled again there
-        (the resumed request continues from the tokens the client has)."""
+        (the resumed request continues from the tokens the client has); before any token the gateway would start
+        the request over, repeating what else it was sent (prompt logprobs), so those wait for their first."""
         return self.switch.hands_off and resumable(params)
 
     async def _hand_off(self, context) -> None:
@@ -359,6 +361,10 @@ class Worker(worker_pb2_grpc.WorkerServicer):
         self.decode = DecodeSide(self.host, self.endpoint, self.agent, self.tokenizer, self.meter,
                                  self.decode.transfer_timeout_s, ucx=self.ucx)
         self.prefill.attach_agent(self.agent, self.endpoint)
+
+
+def _has_tokens(msg: common_pb2.GenerateResponse) -> bool:
+    return any(d.token_ids for d in msg.outputs)
 
 
 async def _heartbeat_loop(w: Worker, registry: Registry | None, interval_s: float,
