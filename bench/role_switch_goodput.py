@@ -77,11 +77,11 @@ class Switcher:
 
     async def _switch(self, wid: str, dst: str, t0: float, d0: float) -> None:
         from pdserve.services.role_cli import switch
-        r = await switch(self.workers[wid][1], dst)
+        r = await switch(self.workers[wid][1], dst, handoff=self.a.handoff)
         if r.switched:
             self.workers[wid][0] = dst
         self.rows.append({"at_s": round(d0 - t0, 2), "worker": wid, "to": dst, "switched": r.switched,
-                          "rpc_s": round(r.seconds, 3), "drain_s": round(r.drain_s, 3),
+                          "rpc_s": round(r.seconds, 3), "drain_s": round(r.drain_s, 3), "handed_off": r.handed_off,
                           "decision_to_registered_s": round(time.perf_counter() - d0, 3)})
 
 
@@ -136,6 +136,8 @@ def main() -> int:
     ap.add_argument("--slo-tpot", type=float, default=0.1)
     ap.add_argument("--interval", type=float, default=2.0)
     ap.add_argument("--confirm", type=int, default=2)
+    ap.add_argument("--handoff", choices=("drain", "migrate"), default="drain",
+                    help="a switching decode worker's streams: finished there, or moved by the gateway's migration")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--time-scale", type=float, default=1.0, help="shorten every phase (a smoke run)")
     ap.add_argument("--json", default=None)

@@ -170,6 +170,9 @@ def _add_up(sub) -> None:
                    help="do not restart a child that exits (default: restart with backoff, docs/reliability.md)")
     d.add_argument("--drain-timeout", type=nonneg_float, default=None,
                    help="passed to every child (default: each its own)")
+    d.add_argument("--switch-handoff", choices=("migrate", "drain"), default=None,
+                   help="passed to every worker: a role switch's streams finish first or migrate "
+                        "(default: the worker's, drain)")
     add_engine(up.add_argument_group("engine (every worker)"))
     _add_lifecycle(up.add_argument_group("admission and limits (gateway)"), redis_url=False)
     _add_grammar(up.add_argument_group("guided output"), worker=True)
@@ -239,6 +242,9 @@ def _add_worker(sub) -> None:
                     help="seconds pinned prefill KV waits for a decode worker to pull it")
     wk.add_argument("--transfer-timeout", type=positive_float, default=10.0)
     wk.add_argument("--drain-timeout", type=nonneg_float, default=30.0)
+    wk.add_argument("--switch-handoff", choices=("drain", "migrate"), default="drain",
+                    help="a role switch's streams: finished here first, or handed to the gateway's mid-stream "
+                         "migration (resumed on another worker: re-prefilled there; docs/planner.md)")
     wk.add_argument("--labels", type=labels_arg, default={}, metavar="K=V,...",
                     help="failure domains and price for the router, e.g. zone=a,node=n1,price=2 (docs/routing.md)")
     add_engine(wk.add_argument_group("engine"))

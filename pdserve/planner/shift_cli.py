@@ -19,6 +19,9 @@ def add_shift_parser(ss) -> None:
     sh.add_argument("--switch-s", type=float, default=0.5, help="a role switch's time after its drain")
     sh.add_argument("--start-s", type=float, default=30.0, help="a new pod's time to serve")
     sh.add_argument("--time-scale", type=float, default=1.0, help="shorten every phase (same rates)")
+    sh.add_argument("--handoff", default="drain",
+                    help="a switching decode worker's streams, comma-separated for one switching run each: drain "
+                         "(finished there) | migrate (moved by the gateway's migration: re-prefilled elsewhere)")
     sh.add_argument("--seed", type=int, default=0)
     sh.add_argument("--json", default=None, help="write the full result here")
     sh.set_defaults(func=cmd_shift)
@@ -31,13 +34,17 @@ def cmd_shift(a) -> int:
     from pdserve.sim.shift_trace import SIM_PHASES, phase_bounds, shift_trace
     from pdserve.sim.workload import SLO
     cm = load_cost_model(a.costs)
+    handoffs = tuple(h.strip() for h in a.handoff.split(",") if h.strip())
+    bad = [h for h in handoffs if h not in ("drain", "migrate")]
+    if bad or not handoffs:
+        raise SystemExit(f"pdserve sim shift: --handoff takes drain and/or migrate, not {a.handoff!r}")
     ctl = ControlSpec(a.interval, a.confirm, a.switch_s, a.start_s, a.slo_ttft, a.slo_tpot)
     out = []
     for n in (int(x) for x in a.workers.split(",")):
         print(f"{n} workers:", file=sys.stderr)
         st = ShiftSetup(n, shift_trace(n, SIM_PHASES, a.seed, time_scale=a.time_scale),
                         phase_bounds(SIM_PHASES, a.time_scale), cm, a.num_blocks,
-                        SLO(ttft=a.slo_ttft, tpot=a.slo_tpot), control=ctl)
+                        SLO(ttft=a.slo_ttft, tpot=a.slo_tpot), control=ctl, handoffs=handoffs)
         res = compare(st, log=lambda m: print(m, file=sys.stderr, flush=True))
         out.append(res)
         print(format_result(res))
@@ -49,18 +56,21 @@ def cmd_shift(a) -> int:
 
 
 def format_result(res: dict) -> str:
+    ratios = res.get("over_best_static_by_handoff") or {"": res["switching_over_best_static"]}
     lines = [f"{res['workers']} workers, {res['requests']} requests: switching / best static = "
-             f"{res['switching_over_best_static']:.2f}x"]
-    for key in ("switching", "best_static", "colocated"):
-        r = res[key]
+             + ", ".join(f"{x:.2f}x" + (f" ({h})" if h else "") for h, x in ratios.items())]
+    runs = list((res.get("switching_by_handoff") or {"": res["switching"]}).values())
+    for r in runs + [res["best_static"], res["colocated"]]:
         ph = ", ".join(f"{k} {v['attainment']:.2f}" for k, v in r["phases"].items() if v["attainment"] is not None)
-        lines.append(f"  {r['mode']:16} goodput {r['goodput_req_per_s']:7.2f} req/s  attainment "
+        lines.append(f"  {r['mode']:20} goodput {r['goodput_req_per_s']:7.2f} req/s  attainment "
                      f"{r['attainment']:.3f}  (per phase: {ph})")
-    sw = res["switching"].get("switches")
-    if sw and sw["count"]:
-        d = sw["decision_to_serving_s"]
-        lines.append(f"  switches: {sw['count']} ({', '.join(sw['outcomes'])}), decision -> serving median "
-                     f"{d['median']:.2f} s, max {d['max']:.2f} s")
-    elif sw:
-        lines.append("  switches: none")
+    for r in runs:
+        sw = r.get("switches")
+        if sw and sw["count"]:
+            d = sw["decision_to_serving_s"]
+            lines.append(f"  {r['mode']}: {sw['count']} switches ({', '.join(sw['outcomes'])}), "
+                         f"{sw.get('handed_off', 0)} streams handed off, decision -> serving median "
+                         f"{d['median']:.2f} s, max {d['max']:.2f} s")
+        elif sw:
+            lines.append(f"  {r['mode']}: no switches")
     return "\n".join(lines)

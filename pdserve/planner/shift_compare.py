@@ -1,6 +1,8 @@
 """`pdserve sim shift`: the phase-shift trace (shift_trace.py) on N workers, three ways - a P:D split that follows
 the load by role switches (switch_control.py), every static P:D split (the best one chosen in hindsight, by SLO
 goodput over the whole trace), and N colocated workers - with goodput and SLO attainment overall and per phase.
+The switching run is made once per handoff asked for (`drain`: a switching decode worker finishes its streams;
+`migrate`: it hands them to the gateway's migration, sim/role_switch.py); the first is `switching` in the result.
 
 Static splits at large N: all of them cost one simulation each, so the search starts at the split the whole
 trace's work asks for (switch_control.split_for) and climbs in goodput with steps N/8, N/16, ... down to
@@ -28,6 +30,7 @@ class ShiftSetup:
     slo: SLO
     engine: EngineConfig = None
     control: ControlSpec = ControlSpec()
+    handoffs: tuple = ("drain",)   # one switching run per handoff
     exhaustive: int = 8
     min_step: float = 1 / 8
 
@@ -47,9 +50,10 @@ def _phase_stats(cluster: Cluster, bounds, slo: SLO) -> dict:
     return out
 
 
-def run_one(st: ShiftSetup, prefill: int = 0, colocated: bool = False, switching: bool = False) -> dict:
+def run_one(st: ShiftSetup, prefill: int = 0, colocated: bool = False, switching: bool = False,
+            handoff: str | None = None) -> dict:
     """One run of the trace: a static split (`prefill` of `workers`), colocated, or switching (starting from an
-    even split: a deployment sized without knowing the trace)."""
+    even split: a deployment sized without knowing the trace; `handoff`: the control spec's unless given)."""
     n = st.workers
     if colocated:
         spec = ClusterSpec(colocated=n)
@@ -60,14 +64,16 @@ def run_one(st: ShiftSetup, prefill: int = 0, colocated: bool = False, switching
     c = Cluster(spec, st.cost)
     ctl = None
     if switching:
-        ctl = SplitController(c, st.control, st.shape(), st.trace, end_s=st.bounds[-1][2])
+        control = replace(st.control, handoff=handoff) if handoff else st.control
+        ctl = SplitController(c, control, st.shape(), st.trace, end_s=st.bounds[-1][2])
     t = time.monotonic()
     try:
         c.run(st.trace)
         s = c.summary(st.slo)
     finally:
         c.close()
-    out = {"mode": "switching" if switching else "colocated" if colocated else f"static {spec.label()}",
+    out = {"mode": f"switching ({ctl.spec.handoff})" if switching else "colocated" if colocated
+           else f"static {spec.label()}",
            "goodput_req_per_s": s["slo"]["goodput_req_per_s"], "attainment": s["slo"]["attainment_ratio"],
            "n_slo": s["slo"]["n_slo"], "n_total": s["slo"]["n_total"], "phases": _phase_stats(c, st.bounds, st.slo),
            "wall_s": time.monotonic() - t}
@@ -75,6 +81,7 @@ def run_one(st: ShiftSetup, prefill: int = 0, colocated: bool = False, switching
         recs = ctl.switcher.records
         took = sorted(r.decision_to_serving_s for r in recs if r.decision_to_serving_s is not None)
         out["switches"] = {"count": len(recs), "outcomes": sorted({r.outcome for r in recs}),
+                           "handed_off": ctl.switcher.handed_off,
                            "decision_to_serving_s": {"median": took[len(took) // 2] if took else None,
                                                      "max": took[-1] if took else None},
                            "splits": [(round(t, 1), w, cur) for t, w, cur in ctl.history]}
@@ -113,12 +120,18 @@ def best_static(st: ShiftSetup, log=lambda *_: None) -> tuple[dict, list[dict]]:
 
 
 def compare(st: ShiftSetup, log=lambda *_: None) -> dict:
-    sw = run_one(st, switching=True)
-    log(f"  switching: goodput {sw['goodput_req_per_s']:.2f} req/s, attainment {sw['attainment']:.3f} "
-        f"({sw['wall_s']:.0f} s)")
+    by_handoff = {}
+    for h in st.handoffs:
+        sw = by_handoff[h] = run_one(st, switching=True, handoff=h)
+        log(f"  {sw['mode']}: goodput {sw['goodput_req_per_s']:.2f} req/s, attainment {sw['attainment']:.3f} "
+            f"({sw['wall_s']:.0f} s)")
     co = run_one(st, colocated=True)
     log(f"  colocated: goodput {co['goodput_req_per_s']:.2f} req/s, attainment {co['attainment']:.3f}")
     best, statics = best_static(st, log)
-    return {"workers": st.workers, "requests": len(st.trace), "switching": sw, "best_static": best,
+    bg = max(best["goodput_req_per_s"], 1e-12)
+    first = by_handoff[st.handoffs[0]]
+    return {"workers": st.workers, "requests": len(st.trace), "switching": first, "best_static": best,
             "colocated": co, "statics": statics,
-            "switching_over_best_static": sw["goodput_req_per_s"] / max(best["goodput_req_per_s"], 1e-12)}
+            "switching_over_best_static": first["goodput_req_per_s"] / bg,
+            "switching_by_handoff": by_handoff,
+            "over_best_static_by_handoff": {h: r["goodput_req_per_s"] / bg for h, r in by_handoff.items()}}

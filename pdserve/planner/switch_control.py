@@ -30,6 +30,7 @@ class ControlSpec:
     start_s: float = 30.0          # a new pod: asked for -> serving
     slo_ttft: float = 0.5
     slo_tpot: float = 0.05
+    handoff: str = "drain"         # a switching decode worker's streams: finished there, or migrated (role_switch.py)
 
 
 @dataclass
@@ -90,7 +91,7 @@ class SplitController:
     _next: int = 0
 
     def __post_init__(self):
-        self.switcher = self.switcher or SimSwitcher(self.cluster)
+        self.switcher = self.switcher or SimSwitcher(self.cluster, handoff=self.spec.handoff)
         self.cluster._at(self.spec.interval_s, self.tick)
 
     def _window(self, now: float) -> list:
@@ -123,7 +124,8 @@ class SplitController:
 
     def _move(self, verdicts: list[PoolVerdict], output_mean: float) -> None:
         sp = self.spec
-        costs = SwitchCosts(sp.switch_s, sp.start_s, drain_estimate(output_mean, sp.slo_ttft, sp.slo_tpot))
+        costs = SwitchCosts(sp.switch_s, sp.start_s, drain_estimate(output_mean, sp.slo_ttft, sp.slo_tpot,
+                                                                    sp.handoff))
         moves, left = plan_switches(verdicts, costs)
         for src, dst in moves:
             self.switcher.start(self._pick(src), dst, sp.switch_s)

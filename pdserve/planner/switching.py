@@ -13,7 +13,7 @@ drains beside it. So workers switch when the source pool's expected drain + `swi
 started (and the source pool drained) otherwise - e.g. decode streams of thousands of tokens against a pod that
 starts in seconds. Expected drains (`drain_estimate`): a prefill worker holds prompts for about their TTFT (its
 queue and the pinned KV until the decode side pulls it); a decode worker its streams, at most an output's length
-at the TPOT SLO.
+at the TPOT SLO - or, handing them to the gateway's migration (handoff `migrate`), one more token each.
 """
 from __future__ import annotations
 
@@ -38,9 +38,12 @@ class SwitchCosts:
         return self.drain_s.get(src, 0.0) + self.switch_s < self.start_s
 
 
-def drain_estimate(output_mean: float, slo_ttft: float, slo_tpot: float) -> dict[str, float]:
-    """Expected drain per pool (module docstring): prefill ~ a TTFT, decode ~ one output at the TPOT SLO."""
-    return {"prefill": slo_ttft, "decode": max(output_mean, 1.0) * slo_tpot}
+def drain_estimate(output_mean: float, slo_ttft: float, slo_tpot: float, handoff: str = "drain"
+                   ) -> dict[str, float]:
+    """Expected drain per pool (module docstring): prefill ~ a TTFT, decode ~ one output at the TPOT SLO (handoff
+    `migrate`: one token)."""
+    tokens = 1.0 if handoff == "migrate" else max(output_mean, 1.0)
+    return {"prefill": slo_ttft, "decode": tokens * slo_tpot}
 
 
 def plan_switches(pools: list[PoolVerdict], costs: SwitchCosts | None = None

@@ -18,6 +18,9 @@ def add_worker_role_parser(sub) -> None:
     p.add_argument("role", choices=("prefill", "decode", "both"))
     p.add_argument("--drain-timeout", type=float, default=0.0,
                    help="seconds to wait for the old role's work (default: the worker's --drain-timeout)")
+    p.add_argument("--handoff", choices=("migrate", "drain"), default="",
+                   help="its streams: resumed elsewhere by the gateway's migration, or finished here first "
+                        "(default: the worker's --switch-handoff)")
     p.add_argument("--internal-token-file", help="default: the local `pdserve up`'s")
     p.add_argument("--tls-cert")
     p.add_argument("--tls-key")
@@ -40,14 +43,16 @@ def resolve(worker: str, token_file: str | None) -> tuple[str, str | None]:
     return worker, token_file
 
 
-async def switch(address: str, role: str, drain_timeout_s: float = 0.0, timeout_s: float = 300.0):
+async def switch(address: str, role: str, drain_timeout_s: float = 0.0, timeout_s: float = 300.0,
+                 handoff: str = ""):
     """One SwitchRole call on the configured internal channel (grpc_util.configure first)."""
     from pdserve.services.grpc_util import channel
     from pdserve.services.pb import worker_pb2, worker_pb2_grpc
     ch = channel(address)
     try:
         return await worker_pb2_grpc.WorkerStub(ch).SwitchRole(
-            worker_pb2.SwitchRoleRequest(role=role, drain_timeout_s=drain_timeout_s), timeout=timeout_s)
+            worker_pb2.SwitchRoleRequest(role=role, drain_timeout_s=drain_timeout_s, handoff=handoff),
+            timeout=timeout_s)
     finally:
         await ch.close()
 
@@ -60,18 +65,18 @@ def cmd_worker_role(a) -> int:
     address, token_file = resolve(a.worker, a.internal_token_file)
     configure(InternalSecurity.from_files(token_file, a.tls_cert, a.tls_key, a.tls_ca))
     try:
-        r = asyncio.run(switch(address, a.role, a.drain_timeout))
+        r = asyncio.run(switch(address, a.role, a.drain_timeout, handoff=a.handoff))
     except grpc.aio.AioRpcError as e:
         print(f"pdserve worker-role: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
     out = {"worker": a.worker, "old_role": r.old_role, "role": r.role, "switched": r.switched,
            "seconds": round(r.seconds, 4), "drain_s": round(r.drain_s, 4), "drained_requests": r.drained_requests,
-           "error": r.error}
+           "error": r.error, "handoff": r.handoff, "handed_off": r.handed_off}
     if a.json:
         print(json.dumps(out))
     elif r.switched:
         print(f"{a.worker}: {r.old_role} -> {r.role} in {r.seconds:.3f} s (drain {r.drain_s:.3f} s, "
-              f"{r.drained_requests} held)")
+              f"{r.drained_requests} held, {r.handed_off} stream(s) handed off)")
     else:
         print(f"{a.worker}: still {r.role}: {r.error}")
     return 0 if r.switched or r.error.startswith("already") else 1

@@ -13,6 +13,11 @@ rather than a silent race.
   UNAVAILABLE, which the gateway answers by placing it elsewhere (nothing emitted yet, so nothing is lost).
   What the worker holds finishes here: its streams, and a prefill worker's KV pinned under leases until it is
   pulled or its lease ends. Requests are never cut: the drain waits, and past its timeout the switch is undone.
+  With handoff `migrate` the streams do not run to their end here: each single-branch stream ends at its next
+  message (after its first, so the gateway has a token to resume from and a prefill side's KV is already
+  pulled) with UNAVAILABLE `HANDOFF`, which the gateway's mid-stream migration answers by resuming it on
+  another worker from the tokens the client has (docs/reliability.md): the same tokens, greedy or seeded.
+  Several branches (n > 1, best_of, beam) cannot resume, so those streams still finish here.
 - repartitioning: the KV pool is the same size for every role (`up` and the chart give every role the same
   engine flags), so nothing is re-sized; a worker started as `both` has no KV transfer agent yet and gets one.
 - registering: the record says the new role, written at once rather than at the next heartbeat.
@@ -36,6 +41,12 @@ REFUSAL = "role switch: "
 # registered; the few later ones are refused with REFUSAL.
 SETTLE_S = 0.3
 SWITCHING = "switching"  # the registry role while a switch is in progress
+# How a switching worker's streams end (SwitchRoleRequest.handoff): finished where they are, or moved.
+DRAIN, MIGRATE = "drain", "migrate"
+HANDOFFS = (MIGRATE, DRAIN)
+# The status detail of a stream ended by a handoff: a refusal (REFUSAL: the worker is not suspect), that the
+# gateway tells apart from a refusal before any token (is_handoff) to migrate it rather than fail it.
+HANDOFF = f"{REFUSAL}handoff"
 
 SERVING, DRAINING, REPARTITIONING, REGISTERING, RESTORING = (
     "serving", "draining", "repartitioning", "registering", "restoring")
@@ -64,6 +75,8 @@ class SwitchResult:
     drain_s: float
     drained_requests: int
     error: str = ""
+    handed_off: int = 0  # streams ended by a `migrate` handoff (the gateway resumed them elsewhere)
+    handoff: str = DRAIN
 
 
 class RoleSwitch:
@@ -74,6 +87,7 @@ class RoleSwitch:
         self.role = role
         self.state = SERVING
         self.target = ""
+        self.handoff = DRAIN  # of the switch in progress
 
     def fire(self, event: str) -> str:
         nxt = TABLE.get((self.state, event))
@@ -82,19 +96,26 @@ class RoleSwitch:
         self.state = nxt
         return nxt
 
-    def begin(self, target: str) -> None:
+    def begin(self, target: str, handoff: str = DRAIN) -> None:
         if target not in ROLES:
             raise SwitchRefused(f"unknown role {target!r} (one of {', '.join(ROLES)})")
+        if handoff not in HANDOFFS:
+            raise SwitchRefused(f"unknown handoff {handoff!r} (one of {', '.join(HANDOFFS)})")
         if self.state != SERVING:
             raise SwitchRefused(f"a switch to {self.target} is in progress ({self.state})")
         self.fire("request")
-        self.target = target
+        self.target, self.handoff = target, handoff
 
     def finish(self, switched: bool) -> None:
         if switched:
             self.role = self.target
         self.fire("registered")
         self.target = ""
+
+    @property
+    def hands_off(self) -> bool:
+        """Streams are to leave now (a `migrate` switch is draining)."""
+        return self.state == DRAINING and self.handoff == MIGRATE
 
     @property
     def accepts_work(self) -> bool:
@@ -112,6 +133,15 @@ class RoleSwitch:
 
 def is_refusal(details: str | None) -> bool:
     return (details or "").startswith(REFUSAL)
+
+
+def is_handoff(details: str | None) -> bool:
+    return (details or "").startswith(HANDOFF)
+
+
+def resumable(params) -> bool:
+    """A stream the gateway can resume elsewhere (gateway/migration.py: one branch; engine/resume.py: no beam)."""
+    return params.num_branches == 1 and not params.beam
 
 
 async def drain(held, timeout_s: float, poll_s: float = 0.02, settle_s: float = 0.0) -> bool:

@@ -196,7 +196,7 @@ def up(args, start_planner: StartPlanner | None = None) -> int:
                                  "--port", str(port), "--worker-id", wid,
                                  "--redis-url", redis_url, "--metrics-port", str(mport),
                                  "--heartbeat-ttl", str(args.heartbeat_ttl), "--lease-ttl", str(args.lease_ttl),
-                                 *_grammar_flags(args, worker=True)],
+                                 *_grammar_flags(args, worker=True), *_worker_flags(args)],
                            {"role": role, "port": port, "metrics_port": mport, "worker_id": wid})
 
         for role in roles:
@@ -316,6 +316,12 @@ def _common_flags(args) -> list[str]:
     if args.drain_timeout is not None:
         common += ["--drain-timeout", str(args.drain_timeout)]
     return common
+
+
+def _worker_flags(args) -> list[str]:
+    """What every worker (not the gateway or router) gets on top of the common flags."""
+    handoff = getattr(args, "switch_handoff", None)
+    return ["--switch-handoff", handoff] if handoff else []
 
 
 def _build_kernels_once(d: Supervisor) -> None:

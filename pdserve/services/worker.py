@@ -50,7 +50,18 @@ from pdserve.services.pb import common_pb2, worker_pb2, worker_pb2_grpc
 from pdserve.services.prefill.service import PrefillSide
 from pdserve.services.refusal import refuse_invalid
 from pdserve.services.registry import Registry, WorkerRecord
-from pdserve.services.role_switch import REFUSAL, SETTLE_S, RoleSwitch, SwitchRefused, SwitchResult, drain
+from pdserve.services.role_switch import (
+    DRAIN,
+    HANDOFF,
+    MIGRATE,
+    REFUSAL,
+    SETTLE_S,
+    RoleSwitch,
+    SwitchRefused,
+    SwitchResult,
+    drain,
+    resumable,
+)
 
 log = logging.getLogger("pdserve.worker")
 
@@ -67,6 +78,11 @@ class Worker(worker_pb2_grpc.WorkerServicer):
         self.switch = RoleSwitch(role)  # the role, and a switch in progress (role_switch.py)
         self.registry: Registry | None = None  # set by serve(): a switch writes its record at once
         self.drain_timeout_s = 30.0
+        # `--switch-handoff`: a switch's streams finish here (drain) or move (migrate). Drain by default: on the
+        # measured traces moving them bought no goodput (the decode workers a planner moves are mostly idle by
+        # then), and a moved stream is re-prefilled on a decode worker that is busy (docs/planner.md)
+        self.switch_handoff = DRAIN
+        self.handed_off = 0  # streams ended by the switch in progress's handoff
         # one registry write at a time, the record taken inside: a heartbeat computed before a switch's step cannot
         # land after it (and put the old role back in the registry for an interval)
         self._publish_lock = asyncio.Lock()
@@ -201,14 +217,19 @@ class Worker(worker_pb2_grpc.WorkerServicer):
             try:
                 async with contextlib.aclosing(gen):
                     first = True
+                    sent = 0
                     async for out in gen:
                         if first and out.outputs and any(c.new_token_ids for c in out.outputs):
                             M.observe_engine_times(out)
                             first = False
+                        if not out.finished and sent and self._hand_off_now(params):
+                            await self._hand_off(context)
                         if out.finished:
                             finished = True
                             M.TERMINAL.labels(out.state).inc()
-                        yield enc.encode(out)
+                        msg = enc.encode(out)
+                        yield msg
+                        sent += _has_tokens(msg)
             except ValueError as e:
                 finished = True
                 await refuse_invalid(context, e)
@@ -227,9 +248,14 @@ class Worker(worker_pb2_grpc.WorkerServicer):
     async def GenerateFromPrefill(self, request, context):
         await self._require_role("decode", context)
         with self._track():
+            params = params_from_pb(request.params)
+            sent = 0
             async with contextlib.aclosing(self.decode.GenerateFromPrefill(request, context)) as msgs:
                 async for msg in msgs:  # closed with this call, so its cleanup runs now, not at collection
+                    if not msg.finished and sent and self._hand_off_now(params):
+                        await self._hand_off(context)  # the closing above aborts the engine's request
                     yield msg
+                    sent += _has_tokens(msg)
 
     async def ReleaseKV(self, request, context):
         return await self.prefill.ReleaseKV(request, context)
@@ -246,29 +272,46 @@ class Worker(worker_pb2_grpc.WorkerServicer):
 
     async def SwitchRole(self, request, context):
         try:
-            r = await self.switch_role(request.role, request.drain_timeout_s or self.drain_timeout_s)
+            r = await self.switch_role(request.role, request.drain_timeout_s or self.drain_timeout_s,
+                                       request.handoff or self.switch_handoff)
         except SwitchRefused as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         return worker_pb2.SwitchRoleResponse(old_role=r.old_role, role=r.role, switched=r.switched, seconds=r.seconds,
-                                             drain_s=r.drain_s, drained_requests=r.drained_requests, error=r.error)
+                                             drain_s=r.drain_s, drained_requests=r.drained_requests, error=r.error,
+                                             handed_off=r.handed_off, handoff=r.handoff)
 
     # ---- role switch (role_switch.py) -------------------------------------------------------------------------
     def _held(self) -> int:
         return self.inflight + len(self.prefill.leases)
 
-    async def switch_role(self, target: str, drain_timeout_s: float) -> SwitchResult:
-        """Leave the old role's pool, finish what it holds, take the new role, register. Raises SwitchRefused
-        before anything changed; otherwise the worker serves again on return, in the new role or (drain timeout,
-        failure) the old one."""
+    def _hand_off_now(self, params) -> bool:
+        """Whether a stream that already sent a token ends here, before its next message: a `migrate` switch is
+        draining and the gateway can resume the stream elsewhere. The message not sent is sampled again there
+        (the resumed request continues from the tokens the client has); before any token the gateway would start
+        the request over, repeating what else it was sent (prompt logprobs), so those wait for their first."""
+        return self.switch.hands_off and resumable(params)
+
+    async def _hand_off(self, context) -> None:
+        self.handed_off += 1
+        M.ROLE_SWITCH_HANDOFFS.inc()
+        await context.abort(grpc.StatusCode.UNAVAILABLE, f"{HANDOFF}: switching {self.switch.in_progress}")
+
+    async def switch_role(self, target: str, drain_timeout_s: float, handoff: str = "") -> SwitchResult:
+        """Leave the old role's pool, finish what it holds (or, handoff `migrate`, hand its streams to the
+        gateway's migration), take the new role, register. Raises SwitchRefused before anything changed; otherwise
+        the worker serves again on return, in the new role or (drain timeout, failure) the old one."""
         t0 = time.monotonic()
         old = self.role
+        handoff = handoff or self.switch_handoff
         if target == old:
-            return SwitchResult(old, old, False, 0.0, 0.0, 0, error=f"already {old}")
+            return SwitchResult(old, old, False, 0.0, 0.0, 0, error=f"already {old}", handoff=handoff)
         if target in ("prefill", "decode") and self.engine.tp_group is not None and self.agent is None:
             raise SwitchRefused("a tensor-parallel worker started as both cannot take a disaggregated role")
-        self.switch.begin(target)
+        self.switch.begin(target, handoff)
+        self.handed_off = 0
         held = self._held()
-        log.info("switching role %s -> %s: draining %d request(s)/lease(s)", old, target, held)
+        log.info("switching role %s -> %s: %s %d request(s)/lease(s)", old, target,
+                 "handing off" if handoff == MIGRATE else "draining", held)
         await self._publish()  # role `switching` now: routers stop choosing this worker at their next refresh
         drained = await drain(self._held, drain_timeout_s, settle_s=min(SETTLE_S, drain_timeout_s))
         drain_s = time.monotonic() - t0
@@ -290,10 +333,11 @@ class Worker(worker_pb2_grpc.WorkerServicer):
         M.ROLE_SWITCHES.labels(old, target, outcome).inc()
         if not error:
             M.ROLE_SWITCH_SECONDS.observe(secs)
-            log.info("switched role %s -> %s in %.3fs (drain %.3fs)", old, target, secs, drain_s)
+            log.info("switched role %s -> %s in %.3fs (drain %.3fs, %d stream(s) handed off)", old, target, secs,
+                     drain_s, self.handed_off)
         else:
             log.warning("role switch %s -> %s undone: %s", old, target, error)
-        return SwitchResult(old, self.role, not error, secs, drain_s, held, error)
+        return SwitchResult(old, self.role, not error, secs, drain_s, held, error, self.handed_off, handoff)
 
     async def publish(self, registry: Registry | None = None) -> None:
         registry = registry or self.registry
@@ -318,6 +362,10 @@ class Worker(worker_pb2_grpc.WorkerServicer):
         self.decode = DecodeSide(self.host, self.endpoint, self.agent, self.tokenizer, self.meter,
                                  self.decode.transfer_timeout_s, ucx=self.ucx)
         self.prefill.attach_agent(self.agent, self.endpoint)
+
+
+def _has_tokens(msg: common_pb2.GenerateResponse) -> bool:
+    return any(d.token_ids for d in msg.outputs)
 
 
 async def _heartbeat_loop(w: Worker, registry: Registry | None, interval_s: float,
@@ -401,6 +449,7 @@ async def serve(args) -> None:
                transfer_timeout_s=args.transfer_timeout, grammars=grammars)
     w.labels = dict(getattr(args, "labels", None) or {})
     w.drain_timeout_s = args.drain_timeout
+    w.switch_handoff = getattr(args, "switch_handoff", None) or w.switch_handoff
     await w.host.start()
     await w.prefill.start()
     server, hs = make_server([WORKER_SERVICE])

@@ -116,12 +116,33 @@ class Cluster:
             elif ev.kind == "prefilled":
                 req.prefilled_at = self.now
                 dec = self._decode_of[req.rid]
+                if self.placer.records[dec.name].role != "decode":
+                    dec = self._redirect(req, dec)
+                    if dec is None:
+                        rep.call(rep.release_pinned, req.rid)  # the gateway releases what nobody will pull
+                        continue
                 dec.call(self._try_alloc, dec, rep, req)
                 self._kick(dec)
         self._retry_allocs(rep)
         self._kick(rep)
 
     # ---- disaggregated handoff --------------------------------------------------------------------------------
+    def _redirect(self, req: SimRequest, was: SimReplica) -> SimReplica | None:
+        """The decode replica placed for `req` left the decode pool while its prompt prefilled (a role switch):
+        the real worker refuses the pickup (UNAVAILABLE, role switch) and the gateway asks the router for another
+        decode worker to pull the still-pinned KV. None: there is none (the request fails, as the gateway's
+        `no decode worker left`)."""
+        self.inbound[was.name] -= 1
+        mode, _, dec = self.placer.place(req, self.now, prefer="disagg")
+        if mode != "disagg":
+            req.state, req.error = "FAILED", "FAILED:no decode worker left"
+            self._done(req)
+            return None
+        self._decode_of[req.rid] = dec
+        req.decode_replica = dec.name
+        self.inbound[dec.name] = self.inbound.get(dec.name, 0) + 1
+        return dec
+
     def _try_alloc(self, dec: SimReplica, pre: SimReplica, req: SimRequest) -> None:
         cached = dec.add_prefilled(req)
         if cached is None:

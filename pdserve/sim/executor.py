@@ -191,6 +191,29 @@ class SimReplica:
         self.remote_pending[req.rid] = (req, seq)
         return hits * self.bm.block_size
 
+    # ---- a role switch's handoff (sim/role_switch.py) ---------------------------------------------------------
+    def hand_off(self) -> list[tuple[SimRequest, list[int]]]:
+        """The streams a switching worker hands to the gateway's migration now: every decoding request whose first
+        token reached the client (the real worker ends a stream after a message it sent), aborted here, its blocks
+        freed. Returns (request, the output tokens the client has) for each."""
+        out = []
+        for rid, (req, seq, prefill_only) in list(self.reqs.items()):
+            if prefill_only or not req.emits or seq.finished:
+                continue
+            self.core.finish(seq, S.CANCELLED)
+            del self.reqs[rid]
+            out.append((req, list(seq.token_ids[len(req.prompt):])))  # a resumed one's prompt holds earlier output
+        return out
+
+    def add_resumed(self, req: SimRequest, sent: list[int], now: float) -> None:
+        """The gateway's resumed request (engine/resume.py): prompt + the tokens the client has, prefilled here
+        (no KV comes with it), then the rest of the output."""
+        seq = Sequence(next(_seq_ids), req.rid, req.prompt + sent, req.namespace, 0, now)
+        seq.output = FixedLength(req.output_len - len(sent))
+        seq.set_state(S.QUEUED)
+        self.reqs[req.rid] = (req, seq, False)
+        self.scheduler.add(seq)
+
     def commit_prefilled(self, req: SimRequest, first_token: int = 3) -> bool:
         """Engine.commit_prefilled: the prompt's KV is here; commit the first token and join the decode batch.
         Returns True when the request finished right away (output length 1)."""

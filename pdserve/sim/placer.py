@@ -147,7 +147,10 @@ class RouterPlacer:
         self.pools[role].append(rep.name)
 
     # ---- a decision -------------------------------------------------------------------------------------------
-    def place(self, req: SimRequest, now: float):
+    def place(self, req: SimRequest, now: float, prefer: str = "", prompt: list[int] | None = None,
+              max_tokens: int | None = None):
+        """`prefer`, `prompt`, `max_tokens`: a migrated request's placement (prefer `local`: prompt + the tokens
+        sent, the rest of its output), as the gateway asks for it."""
         if now >= self.next_report:
             self._refresh(now)
             self.next_report = now + self.report_s if self.report_s > 0 else now
@@ -158,8 +161,10 @@ class RouterPlacer:
         names = []
         for pool in self.pools.values():
             names += pool if len(pool) <= self.spec.candidates else self.rng.sample(pool, self.spec.candidates)
+        prompt = req.prompt if prompt is None else prompt
         pl = self.policy.place([self.records[n] for n in names],
-                               req=RouteInput(req.rid, req.prompt, len(req.prompt), req.namespace, req.output_len))
+                               req=RouteInput(req.rid, prompt, len(prompt), req.namespace,
+                                              req.output_len if max_tokens is None else max_tokens, prefer=prefer))
         if pl.mode == "colocated":
             return "colocated", self.by_id[pl.both.worker_id], None
         return "disagg", self.by_id[pl.prefill.worker_id], self.by_id[pl.decode.worker_id]

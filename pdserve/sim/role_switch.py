@@ -8,9 +8,17 @@
   the simulator does not model those.
 - drain: what the replica holds finishes where it is. A prefill replica keeps a prompt's KV pinned until the decode
   side has pulled it (the commit after the transfer; leases never expire in the simulator), so it is drained once
-  its scheduler is empty and nothing is pinned. A decode replica finishes its streams (no migration), including
-  requests placed on it whose prompt is still prefilling elsewhere (`Cluster.inbound`) and those waiting for its
-  blocks.
+  its scheduler is empty and nothing is pinned. A decode replica finishes its streams (handoff `drain`), including
+  those waiting for its blocks or their KV transfer. Requests placed on it whose prompt is still prefilling
+  elsewhere (`Cluster.inbound`) are not waited for: their pickup reaches a switching worker, which refuses it,
+  and the gateway has another decode worker pull the pinned KV (`Cluster._redirect`), as the real worker's drain
+  counts only the calls it holds (services/worker.py `_held`).
+- handoff `migrate` (services/role_switch.py): at each step boundary while it drains, the replica ends every stream
+  whose first token went out; the gateway places it again at once, `prefer="local"` (a decode or `both` replica
+  that prefills it itself), as prompt + the tokens sent with the rest of its output: that replica re-prefills
+  them in its own scheduler (its prefix cache as usual), then decodes on. What has not emitted yet (prompts still
+  prefilling elsewhere, transfers, allocations) arrives, commits, and leaves at the next boundary. The real
+  gateway's reaction (an UNAVAILABLE, a Route, a Generate call: milliseconds) is not modelled.
 - the switch itself: `switch_s` after the drain (measured: bench/role_switch.py, 0.31-0.33 s with nothing held;
   docs/planner.md). A new pod instead of a switch is the same path with the pod's start time in its place
   (`planner/switch_control.py` chooses by planner/switching.py's rule).
@@ -43,12 +51,17 @@ class SwitchRecord:
 class SimSwitcher:
     """Switches replicas of a `Cluster` (one switch per replica at a time)."""
 
-    def __init__(self, cluster, poll_s: float = 0.005, drain_timeout_s: float = 60.0):
+    def __init__(self, cluster, poll_s: float = 0.005, drain_timeout_s: float = 60.0, handoff: str = "drain"):
+        if handoff not in ("drain", "migrate"):
+            raise ValueError(f"handoff must be drain or migrate, not {handoff!r}")
         self.cluster = cluster
         self.poll_s = poll_s                   # how often a draining replica is checked (virtual seconds)
         self.drain_timeout_s = drain_timeout_s
+        self.handoff = handoff
+        self.handed_off = 0                    # streams moved by `migrate` handoffs
         self.records: list[SwitchRecord] = []
         self.active: dict[str, SwitchRecord] = {}
+        self._queued: set[str] = set()         # replicas with a handoff waiting for their step boundary
 
     def start(self, rep, dst: str, duration_s: float, overlap: bool = False) -> SwitchRecord:
         if rep.name in self.active:
@@ -66,10 +79,13 @@ class SimSwitcher:
     def drained(self, rep) -> bool:
         c = self.cluster
         return (not rep.busy and rep.outstanding() == 0 and not rep.remote_pending and not rep.core.pinned
-                and not c.alloc_wait[rep.name] and c.inbound.get(rep.name, 0) == 0)
+                and not c.alloc_wait[rep.name])
 
     def _check(self, rep, rec: SwitchRecord) -> None:
         c = self.cluster
+        if self.handoff == "migrate" and rep.reqs and rep.name not in self._queued:
+            self._queued.add(rep.name)
+            rep.call(self._hand_off, rep)  # at the step boundary, as the real stream ends after a message
         if self.drained(rep):
             rec.drained, rec.outcome = c.now, "switching"
             ready = max(c.now, rec.decided + rec.duration_s) if rec.overlap else c.now + rec.duration_s
@@ -79,6 +95,21 @@ class SimSwitcher:
             self._register(rep, rec, rec.src)
         else:
             c._at(c.now + self.poll_s, self._check, rep, rec)
+
+    def _hand_off(self, rep) -> None:
+        c = self.cluster
+        self._queued.discard(rep.name)
+        for req, sent in rep.hand_off():
+            self.handed_off += 1
+            mode, a, _ = c.placer.place(req, c.now, prefer="local", prompt=req.prompt + sent,
+                                        max_tokens=req.output_len - len(sent))
+            if mode != "colocated":  # no worker that prefills locally: the real gateway would fail the request
+                req.state, req.error = "FAILED", "FAILED:no worker can take the migrated request"
+                c._done(req)
+                continue
+            req.decode_replica = a.name
+            a.call(a.add_resumed, req, sent, c.now)
+            c._kick(a)
 
     def _register(self, rep, rec: SwitchRecord, role: str) -> None:
         rep.role = role

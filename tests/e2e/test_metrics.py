@@ -50,7 +50,7 @@ WORKER = {
     "pdserve_kv_pair_transfer_bytes", "pdserve_kv_pair_transfer_seconds", "pdserve_kv_pair_failures",
     "pdserve_kv_pair_leases_expired", "pdserve_kv_pair_probe_latency_seconds", "pdserve_kv_pair_probe_bytes_per_second",
     "pdserve_kv_transport_info", "pdserve_kv_pair_transport_info", "pdserve_kv_pull_blocks", "pdserve_kv_pull_reused_blocks",
-    "pdserve_role_switches", "pdserve_role_switch_seconds"}
+    "pdserve_role_switches", "pdserve_role_switch_seconds", "pdserve_role_switch_handoffs"}
 
 # vLLM's name -> (pdserve's family, owner, labels selecting the native samples): the table in docs/metrics.md
 ALIASES = {

@@ -59,6 +59,56 @@ def test_decode_worker_finishes_its_stream_first_and_takes_nothing_new():
     assert r.outcome == "switched"
 
 
+# 10 ms a step plus 1 ms per prefill token: a re-prefill shows in the timeline
+PRE = LinearCostModel(a=0.01, b=0.001, c=0.0, d=0.0)
+
+
+def test_migrate_handoff_moves_the_stream_at_the_next_step_boundary():
+    """One request, 32-token prompt, 20 output tokens. Prefill 0-42 ms (0.01 + 0.032), committed on its decode
+    worker at 42 ms (the first token), decode steps of 10 ms: 52, 62 ms. The switch asked at 55 ms (mid-step)
+    hands the stream off at that step's end, 62 ms, with 3 tokens sent: the other decode worker prefills prompt +
+    those 3 = 35 tokens (0.045 s: 4th token at 107 ms), then decodes the 16 left, the last at 267 ms. The switching
+    worker is drained at 62 ms (its poll: within 5 ms), not at the stream's end (232 ms uninterrupted)."""
+    c = Cluster(ClusterSpec(prefill=1, decode=2, num_blocks=256, engine=CFG, admission=None), PRE)
+    sw = SimSwitcher(c, poll_s=0.005, handoff="migrate")
+    rec = []
+    c._at(0.055, lambda: rec.append(sw.start(_rep(c, c.requests[0].decode_replica), "prefill", 0.5)))
+    reqs = c.run([_req(0, 0.0, 20)])
+    r = rec[0]
+    want = [0.042, 0.052, 0.062, 0.107] + [0.107 + 0.01 * k for k in range(1, 17)]
+    assert reqs[0].emits == pytest.approx(want)
+    assert reqs[0].state == "FINISHED" and reqs[0].decode_replica != r.replica and sw.handed_off == 1
+    assert r.outcome == "switched" and r.drained == pytest.approx(0.062, abs=0.0051)
+    assert _rep(c, r.replica).role == "prefill" and not _rep(c, r.replica).reqs
+
+
+def test_drain_handoff_keeps_the_stream_where_it_is():
+    """The same switch with handoff `drain`: the stream ends on its worker at 232 ms, the drain with it."""
+    c = Cluster(ClusterSpec(prefill=1, decode=2, num_blocks=256, engine=CFG, admission=None), PRE)
+    sw = SimSwitcher(c, poll_s=0.005)
+    rec = []
+    c._at(0.055, lambda: rec.append(sw.start(_rep(c, c.requests[0].decode_replica), "prefill", 0.5)))
+    reqs = c.run([_req(0, 0.0, 20)])
+    assert reqs[0].emits == pytest.approx([0.042 + 0.01 * k for k in range(20)])
+    assert rec[0].drained == pytest.approx(0.232, abs=0.0051) and sw.handed_off == 0
+
+
+def test_a_pickup_still_prefilling_is_not_waited_for():
+    """The request's decode worker switches at 20 ms while its prompt prefills (0-42 ms) on the prefill worker: the
+    switch drains at once (the real worker holds no call for it yet), and the pickup at 42 ms goes to the other
+    decode worker (the real one refuses it; the gateway asks for another), which streams from there."""
+    c = Cluster(ClusterSpec(prefill=1, decode=2, num_blocks=256, engine=CFG, admission=None), PRE)
+    sw = SimSwitcher(c, poll_s=0.005)
+    rec = []
+    c._at(0.02, lambda: rec.append(sw.start(_rep(c, c.requests[0].decode_replica), "prefill", 0.5)))
+    reqs = c.run([_req(0, 0.0, 5)])
+    r = rec[0]
+    assert (r.drained, r.serving) == pytest.approx((0.02, 0.52))
+    assert reqs[0].decode_replica != r.replica and reqs[0].state == "FINISHED"
+    assert reqs[0].emits == pytest.approx([0.042 + 0.01 * k for k in range(5)])
+    assert not _rep(c, "prefill-0").core.pinned and c.inbound == {"decode-0": 0, "decode-1": 0}
+
+
 def test_drain_timeout_restores_the_old_role():
     c = _cluster(1, 1)
     sw = SimSwitcher(c, poll_s=0.005, drain_timeout_s=0.02)
@@ -118,8 +168,9 @@ def test_split_by_hand():
 
 
 def test_shift_compare_counts_every_request_in_every_mode(tmp_path):
-    """`pdserve sim shift` end to end on 2 workers and a 3 x 1.5 s trace: each contender served the whole trace
-    (all finished: the load is light), and the best static split is the one with the highest goodput."""
+    """`pdserve sim shift` end to end on 2 workers and a 3 x 1.5 s trace: each contender (switching once per
+    handoff) served the whole trace (all finished: the load is light), and the best static split is the one with
+    the highest goodput."""
     import json
 
     from pdserve.cli import main
@@ -127,12 +178,15 @@ def test_shift_compare_counts_every_request_in_every_mode(tmp_path):
     LIN.save(costs)
     out = tmp_path / "r.json"
     with pytest.raises(SystemExit) as ex:
-        main(["sim", "shift", "--workers", "2", "--time-scale", "0.05", "--costs", str(costs), "--json", str(out)])
+        main(["sim", "shift", "--workers", "2", "--time-scale", "0.05", "--costs", str(costs), "--json", str(out),
+              "--handoff", "drain,migrate"])
     assert ex.value.code == 0
     res = json.loads(out.read_text())["results"][0]
     n = res["requests"]
     assert n > 20
     for key in ("switching", "colocated"):
         assert res[key]["n_total"] == n
+    assert res["switching"]["mode"] == "switching (drain)"
+    assert {h: r["n_total"] for h, r in res["switching_by_handoff"].items()} == {"drain": n, "migrate": n}
     assert [s["mode"] for s in res["statics"]] == ["static 1P+1D"]
     assert res["best_static"]["n_total"] == n

@@ -24,7 +24,17 @@ import grpc
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.services.convert import params_to_pb
-from pdserve.services.gateway.migration import KV_TRANSFER, STALL_CHECK_S, UNAVAILABLE, Broken, Sent, broken_by, watched
+from pdserve.services.gateway.migration import (
+    HANDOFF,
+    KV_TRANSFER,
+    STALL_CHECK_S,
+    UNAVAILABLE,
+    Broken,
+    Sent,
+    break_reason,
+    broken_by,
+    watched,
+)
 from pdserve.services.gateway.stages import StageTrace
 from pdserve.services.gateway.suspects import Suspects
 from pdserve.services.grpc_util import channel, param_of
@@ -152,6 +162,7 @@ class Dispatcher:
         sent = Sent()
         exclude: list[str] = []
         resume: list[int] | None = None  # None: a fresh placement
+        handoffs = 0  # moves a role switch asked for: planned, not failures, so outside the limit
         while True:
             try:
                 first, first_route = first_route, None
@@ -163,13 +174,15 @@ class Dispatcher:
                 exclude.append(b.worker_id)
                 if b.reason in (UNAVAILABLE, KV_TRANSFER):  # its process is gone (or its KV source's)
                     self.suspects.add(b.worker_id)
-                if trace.migrations >= self.migration_limit or not sent.resumable(sub.params.num_branches):
+                limited = b.reason != HANDOFF and trace.migrations - handoffs >= self.migration_limit
+                if limited or not sent.resumable(sub.params.num_branches):
                     why = "migration limit reached" if sent.resumable(sub.params.num_branches) \
                         else "several branches cannot migrate"
                     yield common_pb2.GenerateResponse(request_id=rid, finished=True, state="FAILED",
                                                       error=f"{b.detail} ({why})")
                     return
                 trace.migrations += 1
+                handoffs += b.reason == HANDOFF
                 M.MIGRATIONS.labels(b.reason).inc()
                 resume = list(sent.token_ids.get(0, [])) if sent.any else None
                 log.warning("request %s: %s; migrating (%d of at most %d) with %d tokens sent", rid, b.detail,
@@ -235,8 +248,8 @@ class Dispatcher:
         or None: place it again elsewhere (the worker was unreachable, nothing was emitted)."""
         retryable = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
         failed = at.worker_id
-        if at.emitted and broken_by(e):  # the worker died mid-stream: migrate
-            raise Broken(failed, UNAVAILABLE, f"worker {failed} failed: {e.code().name}: {e.details()}") from None
+        if at.emitted and broken_by(e):  # the worker died mid-stream, or handed the stream on: migrate
+            raise Broken(failed, break_reason(e), f"worker {failed} failed: {e.code().name}: {e.details()}") from None
         if at.emitted or not retryable or last:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT or not at.emitted and not retryable:
                 raise UpstreamError(e.code(), e.details() or "", param_of(e)) from None
@@ -354,8 +367,9 @@ class Dispatcher:
                     if not emitted and e.code() != grpc.StatusCode.UNAVAILABLE:
                         raise UpstreamError(e.code(), e.details() or "", param_of(e)) from None
                     if broken_by(e):  # mid-stream, or no decode worker reachable: another worker takes it over
-                        raise Broken(decode.worker_id, UNAVAILABLE, f"decode worker {decode.worker_id} failed: "
-                                                                    f"{e.code().name}: {e.details()}") from None
+                        raise Broken(decode.worker_id, break_reason(e), f"decode worker {decode.worker_id} "
+                                                                        f"failed: {e.code().name}: {e.details()}"
+                                     ) from None
                     yield common_pb2.GenerateResponse(
                         request_id=rid, finished=True, state="FAILED",
                         error=f"decode worker {decode.worker_id} failed: {e.code().name}: {e.details()}")

@@ -8,6 +8,10 @@ and places the request again with the tokens the client already has (`Sent`) as 
 prefills prompt + those tokens and replays them through its sampling state (engine/resume.py), so the client's
 stream goes on with the next token, neither repeated nor missing.
 
+A worker switching role hands its streams on the same way (services/role_switch.py, handoff `migrate`): it ends
+each one UNAVAILABLE with the `role switch: handoff` detail after a message, and the stream moves with reason
+`handoff` (the worker is not suspect; the move does not count against the limit).
+
 Kept per sub-request: the token ids sent (one branch: a request with several visible branches is not migrated
 after its first token, its branches' histories differ), and how many times it moved (`--migration-limit`).
 """
@@ -21,6 +25,7 @@ from typing import AsyncIterator
 import grpc
 
 from pdserve.services.pb import common_pb2
+from pdserve.services.role_switch import is_handoff
 
 # A stream silent this long makes the gateway ask the router whether its worker is still registered (a stopped or
 # partitioned worker keeps its TCP connection open, so no error would ever come). A worker leaves the registry one
@@ -31,6 +36,9 @@ STALL_CHECK_S = 1.0
 UNAVAILABLE = "unavailable"  # the stream ended UNAVAILABLE: connection reset, the worker process died
 WORKER_LOST = "worker_lost"  # the stream went silent and the worker left the registry
 KV_TRANSFER = "kv_transfer"  # the decode worker could not pull the prompt's KV (its prefill worker died)
+# the worker is changing role and handed the stream on (services/role_switch.py, handoff `migrate`): it lives, so
+# it is not held suspect, and a planned move does not spend the request's --migration-limit
+HANDOFF = "handoff"
 
 
 class Broken(Exception):
@@ -42,8 +50,13 @@ class Broken(Exception):
 
 
 def broken_by(e: grpc.aio.AioRpcError) -> bool:
-    """A stream error that means the worker is gone (not a refusal of this request)."""
+    """A stream error that means the worker is gone (not a refusal of this request), or handed the stream on."""
     return e.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def break_reason(e: grpc.aio.AioRpcError) -> str:
+    """Why a stream that `broken_by` broke moves: a role switch's handoff, or the worker's failure."""
+    return HANDOFF if is_handoff(e.details()) else UNAVAILABLE
 
 
 @dataclass

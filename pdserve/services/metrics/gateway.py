@@ -34,7 +34,8 @@ REQUEST_OUTPUT_TOKENS = Histogram("pdserve_request_output_tokens", "Generated le
                                   "(tokens, all choices)", buckets=TOKENS, registry=GATEWAY)
 MIGRATIONS = Counter("pdserve_migrations_total", "Sub-requests moved to another worker after theirs failed them "
                      "(docs/reliability.md, Mid-stream migration), by reason: unavailable (stream broke), "
-                     "worker_lost (silent and out of the registry), kv_transfer (the prompt's KV could not be pulled)",
+                     "worker_lost (silent and out of the registry), kv_transfer (the prompt's KV could not be pulled), "
+                     "handoff (a worker switching role handed the stream on)",
                      ["reason"], registry=GATEWAY)
 REQUESTS_BY_PATH = Counter("pdserve_requests_by_path_total", "Client (sub-)requests by the path that served them: "
                            "disagg, local (prefilled where it decodes, by the router's choice) or fallback "

@@ -254,6 +254,8 @@ WORKER.register(_StateEntries())
 ROLE_SWITCHES = Counter("pdserve_role_switches_total", "Role switches requested of this worker, by the role left, "
                         "the role asked for and the outcome (switched, drain_timeout, failed)",
                         ["from_role", "to_role", "outcome"], registry=WORKER)
+ROLE_SWITCH_HANDOFFS = Counter("pdserve_role_switch_handoffs_total", "Streams a role switch (handoff migrate) ended "
+                               "mid-stream for the gateway to resume on another worker", registry=WORKER)
 ROLE_SWITCH_SECONDS = Histogram("pdserve_role_switch_seconds", "A successful role switch: the request's arrival "
                                 "-> serving in the new role (registered), drain included",
                                 buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120), registry=WORKER)

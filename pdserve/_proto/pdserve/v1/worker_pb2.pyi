@@ -151,15 +151,17 @@ class GetStatsResponse(_message.Message):
     def __init__(self, load: _Optional[_Union[_common_pb2.LoadReport, _Mapping]] = ..., states: _Optional[_Mapping[str, int]] = ..., role: _Optional[str] = ..., role_switch: _Optional[str] = ...) -> None: ...
 
 class SwitchRoleRequest(_message.Message):
-    __slots__ = ("role", "drain_timeout_s")
+    __slots__ = ("role", "drain_timeout_s", "handoff")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     DRAIN_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FIELD_NUMBER: _ClassVar[int]
     role: str
     drain_timeout_s: float
-    def __init__(self, role: _Optional[str] = ..., drain_timeout_s: _Optional[float] = ...) -> None: ...
+    handoff: str
+    def __init__(self, role: _Optional[str] = ..., drain_timeout_s: _Optional[float] = ..., handoff: _Optional[str] = ...) -> None: ...
 
 class SwitchRoleResponse(_message.Message):
-    __slots__ = ("old_role", "role", "switched", "seconds", "drain_s", "drained_requests", "error")
+    __slots__ = ("old_role", "role", "switched", "seconds", "drain_s", "drained_requests", "error", "handed_off", "handoff")
     OLD_ROLE_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     SWITCHED_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +169,8 @@ class SwitchRoleResponse(_message.Message):
     DRAIN_S_FIELD_NUMBER: _ClassVar[int]
     DRAINED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    HANDED_OFF_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FIELD_NUMBER: _ClassVar[int]
     old_role: str
     role: str
     switched: bool
@@ -174,4 +178,6 @@ class SwitchRoleResponse(_message.Message):
     drain_s: float
     drained_requests: int
     error: str
-    def __init__(self, old_role: _Optional[str] = ..., role: _Optional[str] = ..., switched: _Optional[bool] = ..., seconds: _Optional[float] = ..., drain_s: _Optional[float] = ..., drained_requests: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+    handed_off: int
+    handoff: str
+    def __init__(self, old_role: _Optional[str] = ..., role: _Optional[str] = ..., switched: _Optional[bool] = ..., seconds: _Optional[float] = ..., drain_s: _Optional[float] = ..., drained_requests: _Optional[int] = ..., error: _Optional[str] = ..., handed_off: _Optional[int] = ..., handoff: _Optional[str] = ...) -> None: ...
