@@ -40,7 +40,7 @@ from typing import Protocol
 
 import httpx
 
-from pdserve.bench.leftovers import Leftovers, metric_sum, read_leftovers, scrape, settle
+from pdserve.services.leftovers import Leftovers, metric_sum, read_leftovers, scrape, settle
 from pdserve.services.up_process import UpProcess
 
 MIGRATIONS = "pdserve_migrations_total"

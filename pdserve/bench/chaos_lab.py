@@ -13,9 +13,9 @@ import urllib.request
 from collections.abc import Awaitable, Callable
 
 from pdserve.bench.chaos import gateway_migrations
-from pdserve.bench.leftovers import Leftovers
 from pdserve.lab import faults
 from pdserve.lab.cluster import LabCluster
+from pdserve.services.leftovers import Leftovers
 
 # case -> (fault, its default length in s; None: the fault has none of its own)
 LAB_FAULTS: dict[str, tuple[Callable[..., Awaitable[str]], float | None]] = {

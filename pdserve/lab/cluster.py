@@ -19,8 +19,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve.bench.leftovers import Leftovers, read_leftovers
 from pdserve.lab.netns import Host, Link, Network
+from pdserve.services.leftovers import Leftovers, read_leftovers
 from pdserve.services.supervisor import Supervisor
 
 PORTS = {"redis": 6379, "router": 7000, "worker": 7100, "http": 8000, "grpc": 8001, "metrics": 9100}

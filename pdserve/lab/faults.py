@@ -16,9 +16,9 @@ import subprocess
 import time
 from dataclasses import replace
 
-from pdserve.bench.leftovers import PINNED, metric_sum, scrape
 from pdserve.lab.cluster import LabCluster
 from pdserve.lab.netns import Host
+from pdserve.services.leftovers import PINNED, metric_sum, scrape
 
 
 def hosts_of(c: LabCluster, role: str) -> list[Host]:

@@ -17,10 +17,10 @@ import httpx
 import openai
 import pytest
 
-from pdserve.bench.leftovers import settle
 from pdserve.lab.cluster import LabCluster, LabSpec
 from pdserve.lab.faults import retransmitted
 from pdserve.lab.netns import LabUnavailable, Link
+from pdserve.services.leftovers import settle
 from tests.e2e.conftest import _env, samples, wait_until
 
 RATE_BPS = 40_000_000  # 40 Mbit/s: a 400-token prompt's KV (~3.3 MB on the built-in model) takes ~0.7 s
@@ -64,7 +64,7 @@ def _serves_again(c: httpx.Client, body: dict, timeout: float = 30) -> bool:
 
 def _assert_nothing_left(c: LabCluster) -> None:
     """No KV block in use or pinned (under a lease) on any worker and no reservation in the lab's Redis, once the
-    faulted requests' cleanup ran (at most 15 s): the fault matrix's reading (pdserve/bench/leftovers.py)."""
+    faulted requests' cleanup ran (at most 15 s): the fault matrix's reading (pdserve/services/leftovers.py)."""
     left, _ = settle(c.leftovers, 15, every=0.5)
     assert (left.blocks, left.pinned, left.reservations) == (0, 0, 0), left
 

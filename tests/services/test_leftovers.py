@@ -1,4 +1,4 @@
-"""The fault matrix's readings without a deployment: what a case left behind (bench/leftovers.py: workers' /metrics
+"""The fault matrix's readings without a deployment: what a case left behind (services/leftovers.py: workers' /metrics
 and the reservation keys in Redis) and the usage records counted from gateway log lines (bench/chaos.py)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from pdserve.bench.chaos import billing, records
-from pdserve.bench.leftovers import Leftovers, metric_sum, read_leftovers, settle
+from pdserve.services.leftovers import Leftovers, metric_sum, read_leftovers, settle
 
 PAGE = """# HELP pdserve_kv_blocks_in_use x
 pdserve_kv_blocks_in_use{model="m",role="decode"} 3.0
