@@ -122,7 +122,9 @@ PANELS = [
     # runtime role switches (docs/planner.md, "Role switches")
     ("Role switches", "short",
      [(f"sum by (from_role, to_role, outcome) (increase(pdserve_role_switches_total{{{POOL}}}[$__rate_interval]))",
-       "{{from_role}} -> {{to_role}} {{outcome}}")]),
+       "{{from_role}} -> {{to_role}} {{outcome}}"),
+      (f"sum by (pod) (increase(pdserve_role_switch_handoffs_total{{{POOL}}}[$__rate_interval]))",
+       "{{pod}} streams handed off")]),
     ("Role switch duration p90", "s",
      [(f"histogram_quantile(0.9, sum by (le) (rate(pdserve_role_switch_seconds_bucket{{{POOL}}}[$__rate_interval])))",
        "p90")]),
