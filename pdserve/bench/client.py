@@ -17,7 +17,7 @@ from typing import Callable
 
 import httpx
 
-from pdserve.bench.metrics import RequestRecord, describe
+from pdserve.bench.metrics import ClientRecord, describe
 from pdserve.bench.workload import RequestSpec
 
 
@@ -79,7 +79,7 @@ def _content(chunk: dict, chat: bool) -> bool:
     return False
 
 
-async def send(client: httpx.AsyncClient, target: Target, spec: RequestSpec, rec: RequestRecord) -> RequestRecord:
+async def send(client: httpx.AsyncClient, target: Target, spec: RequestSpec, rec: ClientRecord) -> ClientRecord:
     """One streamed request; fills rec.sent / emits / usage / ok / error. Never raises (except cancellation)."""
     chat = target.endpoint == "chat"
     url = target.v1 + ("/chat/completions" if chat else "/completions")
@@ -174,7 +174,7 @@ class ClientHealth:
                 "reasons": self.reasons}
 
 
-def client_health(records: list[RequestRecord], loop_lag: list[float], cpu_frac: float, open_loop: bool,
+def client_health(records: list[ClientRecord], loop_lag: list[float], cpu_frac: float, open_loop: bool,
                   lag_threshold_s: float = 0.010) -> ClientHealth:
     lags = [r.sent - r.scheduled for r in records if r.sent is not None]
     sl, ll = describe(lags), describe(loop_lag)
@@ -208,12 +208,12 @@ class LoadGen:
     summarised (unfinished requests carry an error and count as SLO misses)."""
 
     def __init__(self, target: Target, *, max_connections: int = 1024,
-                 on_done: Callable[[RequestRecord], None] | None = None):
+                 on_done: Callable[[ClientRecord], None] | None = None):
         self.target = target
         self.max_connections = max_connections
         self.on_done = on_done
-        self.records: list[RequestRecord] = []
-        self.warmup_records: list[RequestRecord] = []
+        self.records: list[ClientRecord] = []
+        self.warmup_records: list[ClientRecord] = []
         self.health: ClientHealth | None = None
         self.t0: float | None = None
         self.mode = ""
@@ -232,25 +232,25 @@ class LoadGen:
     async def _warmup(self, client, specs: list[RequestSpec]) -> None:
         for s in specs:  # sequential: the first one is the cold-start sample
             now = time.perf_counter()
-            rec = RequestRecord(idx=s.idx, scheduled=now, tenant=s.tenant, warmup=True)
+            rec = ClientRecord(idx=s.idx, scheduled=now, tenant=s.tenant, warmup=True)
             self.warmup_records.append(rec)
             await send(client, self.target, s, rec)
 
     async def run_open(self, specs: list[RequestSpec], warmup: list[RequestSpec] = (), *,
-                       drain_timeout_s: float = 60.0, lead_s: float = 0.05) -> list[RequestRecord]:
+                       drain_timeout_s: float = 60.0, lead_s: float = 0.05) -> list[ClientRecord]:
         """Open loop: request i is sent at t0 + specs[i].arrival whatever the server is doing."""
         self.mode = "open-loop"
         return await self._run(specs, warmup, None, drain_timeout_s, lead_s)
 
     async def run_closed(self, specs: list[RequestSpec], concurrency: int, warmup: list[RequestSpec] = (), *,
-                         drain_timeout_s: float = 60.0) -> list[RequestRecord]:
+                         drain_timeout_s: float = 60.0) -> list[ClientRecord]:
         """Closed loop (coordinated-omission prone, labelled so): `concurrency` users, each sends its next request
         when the previous one finished; scheduled := sent, so latency hides the time a stalled server held users
         back from sending."""
         self.mode = f"closed-loop(concurrency={concurrency})"
         return await self._run(specs, warmup, concurrency, drain_timeout_s, 0.0)
 
-    async def _run(self, specs, warmup, concurrency, drain_timeout_s, lead_s) -> list[RequestRecord]:
+    async def _run(self, specs, warmup, concurrency, drain_timeout_s, lead_s) -> list[ClientRecord]:
         mon = LoopLagMonitor()
         cpu0, wall0 = time.process_time(), time.perf_counter()
         tasks: list[asyncio.Task] = []
@@ -262,7 +262,7 @@ class LoadGen:
             self.t0 = t0 = time.perf_counter() + lead_s
             span = max((s.arrival for s in specs), default=0.0)
 
-            async def one(s: RequestSpec, rec: RequestRecord):
+            async def one(s: RequestSpec, rec: ClientRecord):
                 await send(client, self.target, s, rec)
                 if self.on_done:
                     self.on_done(rec)
@@ -273,7 +273,7 @@ class LoadGen:
                         delay = t0 + s.arrival - time.perf_counter()
                         if delay > 0:
                             await asyncio.sleep(delay)
-                        rec = RequestRecord(idx=s.idx, scheduled=t0 + s.arrival, tenant=s.tenant,
+                        rec = ClientRecord(idx=s.idx, scheduled=t0 + s.arrival, tenant=s.tenant,
                                             prompt_tokens=s.prompt_len if isinstance(s.prompt, list) else None)
                         self.records.append(rec)
                         tasks.append(asyncio.create_task(one(s, rec)))
@@ -286,7 +286,7 @@ class LoadGen:
                         while queue:
                             s = queue.pop()
                             now = time.perf_counter()
-                            rec = RequestRecord(idx=s.idx, scheduled=now, tenant=s.tenant,
+                            rec = ClientRecord(idx=s.idx, scheduled=now, tenant=s.tenant,
                                                 prompt_tokens=s.prompt_len if isinstance(s.prompt, list) else None)
                             self.records.append(rec)
                             await one(s, rec)

@@ -22,7 +22,7 @@ from typing import Iterable, Sequence
 
 
 @dataclass
-class RequestRecord:
+class ClientRecord:
     """What the client observed for one request (times in seconds on one monotonic clock)."""
     idx: int
     scheduled: float             # t_arrival (scheduled); == sent in closed-loop mode
@@ -45,7 +45,7 @@ class RequestRecord:
         return len(self.emits)
 
 
-def path_counts(records: Sequence[RequestRecord]) -> dict[str, int]:
+def path_counts(records: Sequence[ClientRecord]) -> dict[str, int]:
     """Answered requests by the path their `x-pdserve-path` header named (`disagg`, `local`, `fallback`);
     `unlabelled`: answered without one."""
     out: dict[str, int] = {}
@@ -56,15 +56,15 @@ def path_counts(records: Sequence[RequestRecord]) -> dict[str, int]:
     return out
 
 
-def ttft(r: RequestRecord) -> float | None:
+def ttft(r: ClientRecord) -> float | None:
     return r.emits[0] - r.scheduled if r.emits else None
 
 
-def itls(r: RequestRecord) -> list[float]:
+def itls(r: ClientRecord) -> list[float]:
     return [b - a for a, b in zip(r.emits, r.emits[1:])]
 
 
-def tpot(r: RequestRecord) -> float | None:
+def tpot(r: ClientRecord) -> float | None:
     """(t_last - t_first) / (N_out - 1); undefined (None) for N_out < 2."""
     n = r.n_out
     if n < 2 or len(r.emits) < 1:
@@ -72,15 +72,15 @@ def tpot(r: RequestRecord) -> float | None:
     return (r.emits[-1] - r.emits[0]) / (n - 1)
 
 
-def e2e(r: RequestRecord) -> float | None:
+def e2e(r: ClientRecord) -> float | None:
     return r.emits[-1] - r.scheduled if r.emits else None
 
 
-def send_lag(r: RequestRecord) -> float | None:
+def send_lag(r: ClientRecord) -> float | None:
     return None if r.sent is None else r.sent - r.scheduled
 
 
-def identity_residual(r: RequestRecord) -> float:
+def identity_residual(r: ClientRecord) -> float:
     """E2E - (TTFT + sum ITL): zero up to float rounding, by construction of the definitions."""
     if not r.emits:
         return 0.0
@@ -94,7 +94,7 @@ class SLO:
     tpot: float | None = None   # seconds; vacuous for N_out < 2 (TPOT undefined)
     e2e: float | None = None
 
-    def met(self, r: RequestRecord) -> bool:
+    def met(self, r: ClientRecord) -> bool:
         if not r.ok or not r.emits:
             return False
         if self.ttft is not None and ttft(r) > self.ttft:
@@ -110,7 +110,7 @@ class SLO:
         return {"ttft_s": self.ttft, "tpot_s": self.tpot, "e2e_s": self.e2e}
 
 
-def window(records: Sequence[RequestRecord]) -> float:
+def window(records: Sequence[ClientRecord]) -> float:
     """dt: first scheduled arrival -> last emit (or last scheduled arrival if nothing was emitted)."""
     if not records:
         return 0.0
@@ -119,7 +119,7 @@ def window(records: Sequence[RequestRecord]) -> float:
     return max(ends) - start
 
 
-def throughput(records: Sequence[RequestRecord], dt: float | None = None) -> dict:
+def throughput(records: Sequence[ClientRecord], dt: float | None = None) -> dict:
     dt = window(records) if dt is None else dt
     done = [r for r in records if r.ok]
     out = sum(r.n_out for r in done)
@@ -134,7 +134,7 @@ def throughput(records: Sequence[RequestRecord], dt: float | None = None) -> dic
             "completed": len(done)}
 
 
-def slo_summary(records: Sequence[RequestRecord], slo: SLO, dt: float | None = None) -> dict:
+def slo_summary(records: Sequence[ClientRecord], slo: SLO, dt: float | None = None) -> dict:
     """Attainment (a ratio, dimensionless) and goodput (a rate) — different quantities, both reported."""
     dt = window(records) if dt is None else dt
     met = [r for r in records if slo.met(r)]
@@ -216,7 +216,7 @@ def describe(xs: Iterable[float], conf: float = 0.95) -> dict:
     return d
 
 
-def latency_summary(records: Sequence[RequestRecord]) -> dict:
+def latency_summary(records: Sequence[ClientRecord]) -> dict:
     ok = [r for r in records if r.ok and r.emits]
     return {"ttft_s": describe(ttft(r) for r in ok),
             "itl_s": describe(x for r in ok for x in itls(r)),
@@ -228,7 +228,7 @@ def latency_summary(records: Sequence[RequestRecord]) -> dict:
             if ok else None}
 
 
-def summarize(records: Sequence[RequestRecord], slo: SLO) -> dict:
+def summarize(records: Sequence[ClientRecord], slo: SLO) -> dict:
     """Everything for one load point: counts, latency distributions, labelled throughputs, SLO/goodput."""
     dt = window(records)
     errors: dict[str, int] = {}

@@ -22,7 +22,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 from pdserve.bench.client import LoadGen, Target
-from pdserve.bench.metrics import RequestRecord
+from pdserve.bench.metrics import ClientRecord
 from pdserve.bench.workload import RequestSpec
 
 OUTCOMES = ("ok", "late", "rejected", "left_queue", "timed_out", "error")
@@ -40,7 +40,7 @@ def _specs(n: int, rate: float | None, prompt_len: int, output_len: int, seed: i
     return out
 
 
-def classify(rec: RequestRecord, done: float | None, timeout_s: float, late_tolerance_s: float = 0.0) -> str:
+def classify(rec: ClientRecord, done: float | None, timeout_s: float, late_tolerance_s: float = 0.0) -> str:
     err = rec.error or ""
     code = re.search(r'"code":\s*"([^"]+)"', err)
     code = code.group(1) if code else ""

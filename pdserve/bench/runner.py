@@ -24,7 +24,7 @@ class PointConfig:
     workload: dict = field(default_factory=dict)
 
 
-def record_row(r: MX.RequestRecord, t0: float) -> dict:
+def record_row(r: MX.ClientRecord, t0: float) -> dict:
     return {"idx": r.idx, "tenant": r.tenant, "scheduled_s": r.scheduled - t0,
             "send_lag_s": MX.send_lag(r), "ttft_s": MX.ttft(r), "tpot_s": MX.tpot(r), "e2e_s": MX.e2e(r),
             "itl_s": MX.itls(r), "n_out": r.n_out, "n_emits": len(r.emits), "prompt_tokens": r.prompt_tokens,

@@ -17,7 +17,7 @@ SERVER_STAGES = ("admission", "route", "dispatch", "queue", "prefill", "handoff"
                  "decode", "ttft", "e2e")
 
 
-def _durations(r: MX.RequestRecord) -> dict | None:
+def _durations(r: MX.ClientRecord) -> dict | None:
     st = r.stages
     d = st.get("durations") if isinstance(st, dict) else None
     if d and st.get("kv_on_ttft_path") is False:
@@ -25,13 +25,13 @@ def _durations(r: MX.RequestRecord) -> dict | None:
     return d
 
 
-def client_to_gateway(r: MX.RequestRecord) -> float | None:
+def client_to_gateway(r: MX.ClientRecord) -> float | None:
     """Client TTFT - gateway TTFT of the same request: both are durations, so the two clocks never mix."""
     d, t = _durations(r), MX.ttft(r)
     return t - d["ttft"] if d and d.get("ttft") is not None and t is not None else None
 
 
-def distributions(records: Sequence[MX.RequestRecord]) -> dict | None:
+def distributions(records: Sequence[MX.ClientRecord]) -> dict | None:
     """{stage: describe(samples)} over the successful requests that carry stage times; None when none do."""
     ok = [r for r in records if r.ok and _durations(r)]
     if not ok:

@@ -26,7 +26,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.sim.admission import AdmissionSpec, SimAdmission, capacity_of
 from pdserve.sim.executor import SimReplica, SimRequest
 from pdserve.sim.placer import RouterPlacer, RouterSpec
-from pdserve.sim.workload import RequestRecord, summarize
+from pdserve.sim.workload import ClientRecord, summarize
 
 
 @dataclass(frozen=True)
@@ -242,7 +242,7 @@ class Cluster:
         out = []
         for r in self.requests:
             ok = r.state == "FINISHED" and len(r.emits) == r.output_len
-            out.append(RequestRecord(idx=r.idx, scheduled=r.arrival, sent=r.arrival, emits=list(r.emits),
+            out.append(ClientRecord(idx=r.idx, scheduled=r.arrival, sent=r.arrival, emits=list(r.emits),
                                      prompt_tokens=len(r.prompt), output_tokens=r.output_len if ok else None,
                                      ok=ok, error=None if ok else (r.error or r.state or "unfinished"),
                                      cached_tokens=r.cached_tokens))

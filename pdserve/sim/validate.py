@@ -9,7 +9,7 @@ import time
 
 from pdserve.engine.config import EngineConfig
 from pdserve.sim.cluster import Cluster, ClusterSpec
-from pdserve.sim.workload import SLO, RequestRecord, make_workload, summarize
+from pdserve.sim.workload import SLO, ClientRecord, make_workload, summarize
 
 
 def real_colocated(engine, specs) -> list:
@@ -17,7 +17,7 @@ def real_colocated(engine, specs) -> list:
     its scheduled arrival (what a worker's engine thread does); tokens are stamped when step() returns them."""
     from pdserve.engine.sampling_params import SamplingParams
 
-    recs = {s.idx: RequestRecord(idx=s.idx, scheduled=s.arrival, sent=s.arrival, prompt_tokens=len(s.prompt),
+    recs = {s.idx: ClientRecord(idx=s.idx, scheduled=s.arrival, sent=s.arrival, prompt_tokens=len(s.prompt),
                                  output_tokens=s.output_len) for s in specs}
     t0 = time.perf_counter()
     i = 0

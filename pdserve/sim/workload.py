@@ -2,7 +2,7 @@
 bench's metric math (one implementation; no copies here)."""
 from __future__ import annotations
 
-from pdserve.bench.metrics import SLO, RequestRecord, summarize  # noqa: F401
+from pdserve.bench.metrics import SLO, ClientRecord, summarize  # noqa: F401
 from pdserve.bench.workload import LengthDist, RequestSpec, load_trace, synthetic  # noqa: F401
 
 BENCH = True

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.bench import breakeven_targets as T
-from pdserve.bench.metrics import RequestRecord, path_counts
+from pdserve.bench.metrics import ClientRecord, path_counts
 from pdserve.bench.promscrape import by_path, stage_means
 
 
@@ -40,10 +40,10 @@ def test_fallbacks_count_the_unlabelled_answers():
 
 
 def test_path_counts_from_headers_and_from_the_gateway_counter():
-    recs = [RequestRecord(0, 0.0, ok=True, path="disagg; reason=disagg_faster"),
-            RequestRecord(1, 0.0, ok=True, path="fallback; reason=local_faster; placements=2"),
-            RequestRecord(2, 0.0, ok=True, path=None),
-            RequestRecord(3, 0.0, ok=False, path="disagg; reason=disagg_faster")]  # failed: not an answer
+    recs = [ClientRecord(0, 0.0, ok=True, path="disagg; reason=disagg_faster"),
+            ClientRecord(1, 0.0, ok=True, path="fallback; reason=local_faster; placements=2"),
+            ClientRecord(2, 0.0, ok=True, path=None),
+            ClientRecord(3, 0.0, ok=False, path="disagg; reason=disagg_faster")]  # failed: not an answer
     assert path_counts(recs) == {"disagg": 1, "fallback": 1, "unlabelled": 1}
     before = {'pdserve_requests_by_path_total{path="disagg",reason="disagg_faster"}': 3.0}
     after = {'pdserve_requests_by_path_total{path="disagg",reason="disagg_faster"}': 7.0,

@@ -7,11 +7,11 @@ import random
 import pytest
 
 from pdserve.bench import metrics as MX
-from pdserve.bench.metrics import SLO, RequestRecord
+from pdserve.bench.metrics import SLO, ClientRecord
 
 
 def rec(idx, scheduled, emits, n_out=None, prompt=None, ok=True, sent=None):
-    return RequestRecord(idx=idx, scheduled=scheduled, sent=scheduled if sent is None else sent, emits=list(emits),
+    return ClientRecord(idx=idx, scheduled=scheduled, sent=scheduled if sent is None else sent, emits=list(emits),
                          output_tokens=n_out, prompt_tokens=prompt, ok=ok, error=None if ok else "x")
 
 
