@@ -1,4 +1,4 @@
-"""The fault matrix (issue 19, item 5) against a live `pdserve up --mode disagg` (1 prefill + 2 decode workers, a
+"""The fault matrix against a live `pdserve up --mode disagg` (1 prefill + 2 decode workers, a
 second gateway process next to up's), one case after another on the same deployment (`up` restarts what a case
 killed; each case starts once everything is ready again). Harness and definitions: pdserve/bench/chaos.py.
 
