@@ -1,4 +1,4 @@
-"""The fault matrix (issue 19, item 5) against a live `pdserve up --mode disagg` (1 prefill + 2 decode workers, a
+"""The fault matrix against a live `pdserve up --mode disagg` (1 prefill + 2 decode workers, a
 second gateway process next to up's), one case after another on the same deployment (`up` restarts what a case
 killed; each case starts once everything is ready again). Harness and definitions: pdserve/bench/chaos.py.
 
@@ -11,7 +11,7 @@ Redis, router, gateway and 1 prefill + 2 decode workers each in a network namesp
 --link-rate; needs root):
 
     python bench/chaos.py --lab [--cases all|link-down-mid-transfer,loss-5pct,delay-spike-200ms,
-                                 asymmetric-partition,router-redis-cut,decode-host-cut-10s]
+                                 asymmetric-partition,router-redis-cut,decode-host-cut-10s] [--heartbeat-ttl 3]
 
 Prints one markdown row per case (the table in docs/reliability.md) and the CPU.
 """
@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from pdserve.bench.chaos import CASES, ChaosDeployment, cpu_model, run_case  # noqa: E402
 
-LAB = {"rate": 4.0, "prompt_len": 96, "timeout": 15.0, "settle": 30.0}  # --lab's defaults where they differ
+LAB = {"rate": 4.0, "prompt_len": 96, "timeout": 15.0, "settle": 30.0, "heartbeat_ttl": 3.0}  # --lab's defaults where they differ
 
 HEAD = ("| case | sent | finished | failed | cancelled | migrated | blocks / pinned / reservations left | "
         "records: exactly one / missing / duplicated | longest wait for an error | longest stall | recovery | "
@@ -68,7 +68,8 @@ def main() -> None:
     ap.add_argument("--fault-at", type=float, default=3.0, help="seconds into the load")
     ap.add_argument("--storm", type=int, default=1000, help="abort storm: streams")
     ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--heartbeat-ttl", type=float, default=2.0)
+    ap.add_argument("--heartbeat-ttl", type=float,
+                    help=f"the router's and workers' heartbeat TTL, s (default 2; --lab {LAB['heartbeat_ttl']})")
     ap.add_argument("--step-delay", type=float, default=0.02,
                     help="s added to every engine step (PDSERVE_FAULT_STEP_DELAY_S): the small model's streams then "
                          "last as long as a real model's (~20 ms a decode step), so faults find streams in flight")
@@ -80,6 +81,7 @@ def main() -> None:
 
     a.rate, prompt_len = pick(a.rate, LAB["rate"], 8.0), pick(a.prompt_len, LAB["prompt_len"], 40)
     timeout, settle = pick(a.timeout, LAB["timeout"], 30.0), pick(a.settle, LAB["settle"], 20.0)
+    a.heartbeat_ttl = pick(a.heartbeat_ttl, LAB["heartbeat_ttl"], 2.0)
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     if a.step_delay:
@@ -131,6 +133,7 @@ def _lab(a, env: dict):
     from pdserve.lab.netns import Link
     keep = ("PYTHONPATH", "PDSERVE_FAULT_STEP_DELAY_S")
     spec = LabSpec(model=a.model, prefill=a.prefill, decode=a.decode, link=Link.parse(a.link_rate),
+                   heartbeat_ttl=a.heartbeat_ttl,
                    # --lease-ttl 10 as the one-host matrix: KV pinned for a puller that a partition cut off is
                    # freed by its lease's expiry, which the case waits out (--settle)
                    engine_args=("--num-gpu-blocks", "256", "--threads", "1", "--lease-ttl", "10"),

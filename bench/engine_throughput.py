@@ -86,8 +86,8 @@ def run_hf(model_dir: Path, reqs, batch: int, dtype: torch.dtype) -> tuple[float
 
 
 def copy_bandwidth() -> float:
-    # Bytes copied per second, as the bound defines it (and as bench/kv_transfer.py reports a torch
-    # copy); 256 MB so the copy runs from DRAM, not the caches.
+    # Bytes a torch copy moves per second (as bench/kv_transfer.py reports it): the decode step's bound is the bytes
+    # it reads / this; 256 MB so the copy runs from DRAM, not the caches.
     return measure_copy_bandwidth(256 << 20)
 
 

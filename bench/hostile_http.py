@@ -1,4 +1,4 @@
-"""Hostile HTTP clients against a running gateway (issue 13, items 7-8): the figures in docs/reliability.md,
+"""Hostile HTTP clients against a running gateway: the figures in docs/reliability.md,
 "Hostile input".
 
     python bench/hostile_http.py --base http://127.0.0.1:8000 [--key sk-...] [--loris 50] [--loris-cap 30]

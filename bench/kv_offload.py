@@ -15,7 +15,7 @@ filler prompt takes, which saves each evicted cached block into the tier), not b
 prefill would cost minutes on a small CPU and is not what is measured. Prompts are random token ids, distinct
 per repetition. Without --model, a random-weight Llama (GPT-2-small-like shape, 12 layers, hidden 768, 4 KV
 heads of 64) is written to a temp dir with transformers; the tokenizer is the built-in model's.
-Target (issue 19): host-tier TTFT <= 0.3 x recompute TTFT.
+Target: host-tier TTFT <= 0.3 x recompute TTFT.
 """
 from __future__ import annotations
 

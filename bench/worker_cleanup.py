@@ -1,10 +1,11 @@
-"""Issue 13 items 1 and 4 through a whole deployment (`pdserve up --mode disagg --model builtin`).
+"""Cancelled streams leave no KV behind (storm) and a busy worker stays registered (heartbeat), through a whole
+deployment (`pdserve up --mode disagg --model builtin`).
 
     python bench/worker_cleanup.py storm [--requests 60] [--concurrency 4] [--stage first|random]
     python bench/worker_cleanup.py heartbeat [--clients 6] [--seconds 30] [--prompt-tokens 800]
 
 storm: streaming requests (150-word prompt, max_tokens 128, ignore_eos), each socket closed right after the first
-`data:` event (`--stage first`, the issue's reproduction) or at a random stage (`--stage random`: after 0-300 ms,
+`data:` event (`--stage first`: the KV transfer window) or at a random stage (`--stage random`: after 0-300 ms,
 before or after the first token, or after 1-5 events). Then each worker's blocks in use, blocks pinned under
 leases and live requests, read exactly with the GetStats RPC, 0.5 s / 2 s / 10 s after the last close.
 heartbeat: closed-loop clients with ~800-token prompts; the registry entry of every worker is polled every 100 ms

@@ -6,8 +6,8 @@
 #
 # Default: the lent H200 machine's image, which already holds torch 2.11+cu130, Triton 3.6, transformers,
 # tokenizers, safetensors, numpy, jinja2, pyyaml, grpcio, protobuf, rich... (/work/.library/device/KINDS.md); it
-# lacks xgrammar (and its tvm-ffi), pydantic and NIXL. --bare: a host with only torch and Triton (the issue's
-# wording): the whole closure of the engine and the transformers reference, less what torch brings.
+# lacks xgrammar (and its tvm-ffi), pydantic and NIXL. --bare: a host with only torch and Triton (the least a
+# GPU host is assumed to have): the whole closure of the engine and the transformers reference, less what torch brings.
 #
 # NIXL is the wheel for the host's CUDA major (nixl-cu13 for torch +cu130), trimmed of nixl_ep_* (expert-parallel
 # torch extensions, ~27 MiB of the 56, which pdserve never imports) so that it fits the 64 MiB a device call

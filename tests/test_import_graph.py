@@ -1,4 +1,4 @@
-"""The import graph between pdserve's top-level packages has no cycle (issue 40, "Boundaries and cycles").
+"""The import graph between pdserve's top-level packages has no cycle.
 
 Read statically with `ast`, so every import counts: module level, inside functions (a lazy import that exists to
 dodge a cycle is still an edge) and under `if TYPE_CHECKING:`. A node is what sits directly under `pdserve/`: a

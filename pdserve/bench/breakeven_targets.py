@@ -1,4 +1,4 @@
-"""The break-even study's targets (issue: "the break-even with the link as an axis"), each computed from the
+"""The break-even study's targets (the break-even with the link as an axis), each computed from the
 measured cells and stated as met / not met with its numbers:
 
 1. TTFT overhead of disaggregation over a link <= the link's time for the request's KV + 5 ms. Overhead = the

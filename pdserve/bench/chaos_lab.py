@@ -31,12 +31,13 @@ LAB_CASES = tuple(LAB_FAULTS)
 
 class LabChaosDeployment:
     """chaos.Deployment over a started LabCluster (not owned: its owner closes it). `fault_s` shortens (or
-    lengthens) every fault that has a length (a test's small budget); None: each case's own."""
+    lengthens) every fault that has a length (a test's small budget); None: each case's own. The heartbeat TTL is
+    the cluster's own (its spec), never a second copy that could disagree with what the processes run."""
 
-    def __init__(self, cluster: LabCluster, heartbeat_ttl: float = 3.0, fault_s: float | None = None):
+    def __init__(self, cluster: LabCluster, fault_s: float | None = None):
         self.c = cluster
         self.served = cluster.served
-        self.ttl = heartbeat_ttl
+        self.ttl = cluster.spec.heartbeat_ttl
         self.fault_s = fault_s
 
     @property

@@ -98,7 +98,7 @@ def _dist(xs: list[float]) -> dict:
 
 async def capacity(target: Target, concurrency: int, n: int, prompt_len: int, output_len: int,
                    seed: int = 1) -> float:
-    """Closed loop: completed requests / wall time with `concurrency` users (the issue's measure of capacity)."""
+    """Closed loop: completed requests / wall time with `concurrency` users (capacity, as the overload figures state it)."""
     gen = LoadGen(target)
     t0 = time.perf_counter()
     recs = await gen.run_closed(_specs(n, None, prompt_len, output_len, seed), concurrency)

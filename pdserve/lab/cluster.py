@@ -35,6 +35,7 @@ class LabSpec:
     link: Link = field(default_factory=Link)       # every worker host's link
     engine_args: tuple[str, ...] = ()              # passed to every worker (e.g. --num-gpu-blocks 256)
     gateway_args: tuple[str, ...] = ()
+    heartbeat_ttl: float = 3.0                     # the router's and every worker's (the fault matrix's cases time by it)
     ucx_tls: str = "tcp"
     env: dict = field(default_factory=dict)        # added to every process's environment
 
@@ -106,11 +107,12 @@ class LabCluster:
                  "--loglevel", "warning"], stdin_data=f'requirepass "{pw}"\n'.encode())
         self._on(hosts["router"], "router", [*_pdserve(), "router", *common, "--host", hosts["router"].ip,
                  "--port", str(PORTS["router"]), "--redis-url", redis_url, "--metrics-port", str(PORTS["metrics"]),
-                 "--mode", self.spec.mode])
+                 "--mode", self.spec.mode, "--heartbeat-ttl", str(self.spec.heartbeat_ttl)])
         for name, h in self.workers.items():
             self._on(h, name, [*_pdserve(), "worker", *common, *self.spec.engine_args, "--role",
                      name.split("-")[0], "--host", h.ip, "--advertise-host", h.ip, "--port", str(PORTS["worker"]),
-                     "--worker-id", name, "--redis-url", redis_url, "--metrics-port", str(PORTS["metrics"])])
+                     "--worker-id", name, "--redis-url", redis_url, "--metrics-port", str(PORTS["metrics"]),
+                     "--heartbeat-ttl", str(self.spec.heartbeat_ttl)])
         g = hosts["gateway"]
         self._on(g, "gateway", [*_pdserve(), "gateway", *common, *self.spec.gateway_args, "--host", g.ip,
                  "--port", str(PORTS["http"]), "--grpc-port", str(PORTS["grpc"]),

@@ -1,6 +1,6 @@
 """Abort storm against a real disaggregated deployment (`pdserve up --mode disagg`: Redis, router, one prefill and
 one decode worker, gateway; tiny model): streams cancelled at every stage of their life — before the response,
-right after the first token (the KV transfer window), mid-stream — leave nothing behind (issue 13, items 1-3):
+right after the first token (the KV transfer window), mid-stream — leave nothing behind:
 
 - 0 KV blocks in use and 0 pinned on both workers, and 0 reservations in Redis, within seconds of the last cancel
   (the prefill side's lease is 30 s: only an explicit release gets there in time);
@@ -142,7 +142,7 @@ def test_abort_storm_leaves_nothing_behind(up):
 
 
 def test_quota_charged_for_tokens_streamed_before_disconnect(up):
-    """The issue's reproduction: a metered tenant reads 8 streams part-way and disconnects before [DONE]."""
+    """A metered tenant reads 8 streams part-way and disconnects before [DONE]."""
     r = up.redis()
     qkey = "pdserve:ck:quota:metered"
     r.delete(qkey)

@@ -1,4 +1,4 @@
-"""The CI-sized subset of the fault matrix (issue 19, item 5; the whole matrix: `python bench/chaos.py`, figures in
+"""The CI-sized subset of the fault matrix (the whole matrix: `python bench/chaos.py`, figures in
 docs/reliability.md). One real `pdserve up --mode disagg` (Redis, router, 1 prefill + 2 decode workers, gateway;
 tiny Llama) plus a second gateway; per case, open-loop load over both gateways and a fault at a fixed time:
 

@@ -1,4 +1,4 @@
-"""A `pdserve up` with no security flags is closed (issue 35, item 6): it generates an internal token and a password
+"""A `pdserve up` with no security flags is closed: it generates an internal token and a password
 for its private Redis, so a local process can neither call the router or a worker nor plant a worker in the registry
 and receive prompts. Before, a worker registered by hand in this Redis received 4 of 8 prompts.
 

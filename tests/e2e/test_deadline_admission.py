@@ -1,4 +1,4 @@
-"""Deadline-aware admission end to end (issue 13 item 5; docs/admission.md): a real `pdserve up --mode
+"""Deadline-aware admission end to end (docs/admission.md): a real `pdserve up --mode
 colocated` (tiny model, KV large enough that only deadlines limit admission) driven open loop at ~3x its measured
 capacity with short timeouts. Goodput stays >= 80% of capacity, rejections are told at once, no request
 completes past its deadline, and reservations come back."""

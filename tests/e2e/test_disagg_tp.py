@@ -1,4 +1,4 @@
-"""`pdserve up --mode disagg` with `--prefill-tp 2 --decode-tp 1` and `--prefill-tp 1 --decode-tp 2` (issue 17): the
+"""`pdserve up --mode disagg` with `--prefill-tp 2 --decode-tp 1` and `--prefill-tp 1 --decode-tp 2`: the
 TP=2 side runs two ranks, each holding one of the tiny Llama's two KV heads; a decode rank pulls the head slices it
 owns from the prefill rank(s) holding them (kv_transfer/tp_pull.py). Greedy output equals the offline engine's, and a
 dropped stream leaves no blocks in use. 2 -> 2 and a replicated head are covered worker to worker in

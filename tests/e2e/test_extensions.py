@@ -1,4 +1,4 @@
-"""pdserve's sampling extensions (issue 18, item 2) reach the engine through a real deployment: each one changes
+"""pdserve's sampling extensions reach the engine through a real deployment: each one changes
 the answer the way it says (a constraint is met, a stop token stops, prompt log-probs come back), and a grammar
 the worker cannot compile is a 400 naming the client's field."""
 from __future__ import annotations

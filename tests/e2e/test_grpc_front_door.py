@@ -172,7 +172,7 @@ def test_stage_times_only_when_asked_and_allowed(up, key, ask, shown):
         assert usage["stage_times"]["sub_requests"] == 1 and usage["stage_times"]["durations"]["e2e"] > 0
 
 
-# ---- issue 35, item 5: the caller's request_id is a label, never a key ----
+# ---- the caller's request_id is a label, never a key ----
 
 SHARED_ID = "shared-1"
 

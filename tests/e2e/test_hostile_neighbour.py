@@ -1,4 +1,4 @@
-"""Hostile neighbours (issue 35): a normal client's latency while each attack runs in turn against a real
+"""Hostile neighbours: a normal client's latency while each attack runs in turn against a real
 disaggregated deployment (pdserve/bench/hostile.py drives both).
 
 The deployment raises the grammar limits far enough that the grammar attack's schema (20k enum values, ~7 s of

@@ -1,4 +1,4 @@
-"""A deployment whose output nobody reads keeps serving (issue 35, item 4).
+"""A deployment whose output nobody reads keeps serving.
 
 `pdserve up` under a supervisor that never reads its stdout / stderr: the pipe fills (64 KiB) and every write to
 it blocks. Before, the gateway's event loop blocked inside `logging.StreamHandler.emit` once it was full and every

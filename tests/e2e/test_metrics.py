@@ -1,4 +1,4 @@
-"""Issue 21, item 5: each process exports only its own families, all labelled with the model; the vLLM aliases
+"""Each process exports only its own families, all labelled with the model; the vLLM aliases
 carry the values of the native families; metrics ports bind the service host. One real disagg deployment
 (`pdserve up --metrics-compat vllm`: redis, router, prefill + decode workers, gateway as processes)."""
 from __future__ import annotations

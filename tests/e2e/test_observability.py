@@ -1,4 +1,4 @@
-"""Logs and traces across real processes (issue 21, item 6; docs/observability.md).
+"""Logs and traces across real processes (docs/observability.md).
 
 Deployment A: `pdserve up --mode disagg --log-format json` with OTEL_EXPORTER_OTLP_ENDPOINT at a real OTLP/HTTP
 receiver in this test (decoded with opentelemetry-proto, not with pdserve's code). Deployment B: colocated, text

@@ -1,5 +1,5 @@
 """Every body the gateway's own `/openapi.json` describes, and bodies it does not, are answered without a server
-error (issue 35, item 8): schemathesis generates requests from the live document in its positive mode (bodies
+error: schemathesis generates requests from the live document in its positive mode (bodies
 the schema accepts) and its negative mode (bodies it refuses), against a real `pdserve up` on the tiny model.
 
 A 5xx is a defect, with the two answers that are the request's own doing or the load's, never the gateway's: 504

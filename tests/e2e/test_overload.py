@@ -77,7 +77,7 @@ def test_ingress_rejections(up):
 
 
 def test_metrics_and_route_debug_are_per_tenant_permissions(up):
-    """Issue 13, item 9: /metrics lists every tenant's name and counts, and the route header names workers."""
+    """/metrics lists every tenant's name and counts, and the route header names workers."""
     m = up.base_url + "/metrics"
     # a tenant's own request first: the per-tenant series exist once one was billed (not whatever ran before)
     r = httpx.post(up.base_url + "/v1/completions", json={"model": "ck", "prompt": "hi", "max_tokens": 1},

@@ -1,4 +1,4 @@
-"""`pdserve up` supervises its children (issue 19, item 3), on a real disaggregated deployment (Redis, router, one
+"""`pdserve up` supervises its children, on a real disaggregated deployment (Redis, router, one
 prefill and one decode worker, gateway; tiny Llama), `--drain-timeout 2` passed to every child:
 
 - a SIGKILLed worker is restarted (new pid, `restarts` counted and announced) and serves again;

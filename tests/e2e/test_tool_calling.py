@@ -1,6 +1,6 @@
-"""Tool calling through a real deployment (`pdserve up`: redis, router, a `both` worker, the gateway), issue 18
-item 1 (and the built-in model, whose template ignores tools): a tiny random checkpoint carrying Qwen2.5's published chat template (Hermes `<tool_call>` format, detected
-from the template). A random model writes no calls by itself, so:
+"""Tool calling through a real deployment (`pdserve up`: redis, router, a `both` worker, the gateway; and the
+built-in model, whose template ignores tools): a tiny random checkpoint carrying Qwen2.5's published chat template
+(Hermes `<tool_call>` format, detected from the template). A random model writes no calls by itself, so:
 
 - `required` and a named function must still yield a call whose arguments validate against the function's schema
   (the grammar does it), non-streamed and streamed (deltas reassembled by the official `openai` client);
@@ -37,7 +37,7 @@ ALARM = {"name": "set_alarm", "parameters": {"type": "object", "properties": {
 TOOLS = [{"type": "function", "function": WEATHER}, {"type": "function", "function": ALARM}]
 SCHEMAS = {"get_weather": WEATHER["parameters"], "set_alarm": ALARM["parameters"]}
 MSGS = [{"role": "user", "content": "Weather in Rome?"}]
-DEFAULT_MAX = 7  # --default-max-tokens of this deployment (issue 18, item 6)
+DEFAULT_MAX = 7  # --default-max-tokens of this deployment
 HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rom", "unit": "C"}}\n</tool_call>'
 
 

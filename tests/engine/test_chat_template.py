@@ -146,7 +146,7 @@ def test_sandbox_refuses_python_internals(tmp_path, source):
     assert msgs == [{"role": "user", "content": "hi"}]
 
 
-# Templates written to stall whoever renders them (issue 35, item 8): each stopped, as a ChatTemplateError.
+# Templates written to stall whoever renders them: each stopped, as a ChatTemplateError.
 COSTLY = {
     "loop": ("{% for i in range(10000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}x", "ran for over"),
     "repeat": ("{{ 'a' * 10**8 }}", "repetition of 1 x 100000000"),

@@ -1,4 +1,4 @@
-"""`pdserve generate --chat` on checkpoints as current transformers saves them (issue 18): the template from
+"""`pdserve generate --chat` on checkpoints as current transformers saves them: the template from
 `chat_template.jinja` is used; with no template at all the command says so in one line, no traceback."""
 from __future__ import annotations
 

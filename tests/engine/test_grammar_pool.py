@@ -1,7 +1,7 @@
 """A worker's grammar compiler (engine/grammar_pool.py): off the engine thread, within limits, under a deadline,
 killable, cached.
 
-The reproduction (issue 35, item 1): a schema whose compile takes seconds ran on the engine thread, and every
+Before: a schema whose compile takes seconds ran on the engine thread, and every
 other request on the worker waited for it. Here such a compile runs while other requests stream, and their
 latency is asserted.
 """
@@ -108,7 +108,7 @@ def test_pool_compiles_what_an_inline_compile_does_and_caches_it(bpe_tokenizer):
 
 
 @pytest.mark.parametrize("spec,flag", [
-    # the issue's reproduction: 60k enum values, 650 KB (~100 s of compile on the engine thread before)
+    # 60k enum values, 650 KB: ~100 s of compile on the engine thread when unbounded
     (GuidedSpec(json_schema=enum_schema(60000)), "--max-schema-bytes"),
     (GuidedSpec(json_schema=enum_schema(1001)), "--max-enum-values"),
     (GuidedSpec(json_schema=json.dumps({"type": "string", "pattern": "a" * 1001})), "--max-pattern-chars"),
@@ -199,7 +199,7 @@ def test_request_deadline_and_a_caller_that_leaves_stop_the_compile(bpe_tokenize
 
 
 def test_a_slow_compile_does_not_stall_other_requests(tiny_llama):
-    """Issue 35's reproduction: while one request's grammar compiles for seconds, unconstrained requests on the
+    """While one request's grammar compiles for seconds, unconstrained requests on the
     same engine keep their latency (before: every one of them waited for the whole compile)."""
     eng = Engine.from_pretrained(tiny_llama, EngineConfig(block_size=4, num_gpu_blocks=256))
     plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

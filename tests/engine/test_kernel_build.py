@@ -1,4 +1,4 @@
-"""Building the native kernels never hangs a start (issue 21): a stale torch build lock left by an interrupted build
+"""Building the native kernels never hangs a start: a stale torch build lock left by an interrupted build
 is removed and the kernels load; a build past PDSERVE_KERNEL_BUILD_TIMEOUT is killed (with its compilers) and the
 torch path is used; with no compiler the engine runs on the torch path after one log line; the cache key follows
 sources, torch, compiler and flags, not the checkout's path. Every start here is a fresh process with its own

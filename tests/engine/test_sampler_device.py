@@ -1,4 +1,4 @@
-"""The sampler's device contract (spec §3 pipeline on the logits' device, issue 16 item 3): nothing is read back to the
+"""The sampler's device contract (spec §3 pipeline on the logits' device): nothing is read back to the
 host inside the pipeline, the step's results cross in one copy, per-request generators draw on the device, and the
 CPU stream of a seeded request is the plain MT19937 stream of its branch seed (what migration replay and the prefill
 hand-off count on: one uniform per sampled token)."""

@@ -1,4 +1,4 @@
-"""The torch range (issue 16 item 6): the package admits torch 2.11-2.14 (GPU hosts commonly have CUDA builds of
+"""The torch range: the package admits torch 2.11-2.14 (GPU hosts commonly have CUDA builds of
 2.11), CI installs the CPU build of 2.13 inside that range, and the running torch is one the range admits."""
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ CHART = ROOT / "helm" / "pdserve"
 RELEASE, NAMESPACE = "rel", "llm"
 FULL = f"{RELEASE}-pdserve"
 
-# Values for the scenarios the issue names (plus the other switches), each rendered, linted and validated.
+# Values for the deployment scenarios the chart supports (and its other switches), each rendered, linted and validated.
 GPU_SCHED = {
     "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
     "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],

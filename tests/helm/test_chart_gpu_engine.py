@@ -1,4 +1,4 @@
-"""Chart values of the GPU pools' engine (issue 16 item 4): the GPU request, KV pool sizing, batch sizes, dtype,
+"""Chart values of the GPU pools' engine: the GPU request, KV pool sizing, batch sizes, dtype,
 block size, context limit and preemption reach each worker pool's engine, parsed by pdserve's own parser and
 turned into the EngineConfig the worker builds (a byte count must not turn into a float on the way)."""
 from __future__ import annotations

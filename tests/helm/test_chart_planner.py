@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helm._chart import FULL, SCENARIOS, by_kind, objects, parse_pdserve, pod_template, render
+from tests.helm._chart import FULL, SCENARIOS, by_kind, helm, objects, parse_pdserve, pod_template, render
 
 
 def test_off_by_default():
@@ -65,8 +65,12 @@ def test_flex_pool_workers_may_take_either_role(monkeypatch):
     flex = deps[f"{FULL}-flex"]
     assert flex["spec"]["replicas"] == 3  # its own count, never autoscaled (decode's HPA is the planner's anyway)
     assert not [o for o in objs if o["kind"] == "HorizontalPodAutoscaler"]
-    # the same worker as the decode pool (a switch keeps the KV pool: same engine flags), first role prefill
+    # the same worker as the decode pool (a switch keeps the KV pool: same engine flags), first role prefill; only
+    # the flex pods say how a switch hands off its streams
     fa, da = _args(objs, f"{FULL}-flex"), _args(objs, f"{FULL}-decode")
+    assert "--switch-handoff" not in da
+    h = fa.index("--switch-handoff")
+    fa = fa[:h] + fa[h + 2:]
     i = fa.index("--role")
     assert fa[i + 1] == "prefill" and fa[:i + 1] + fa[i + 2:] == da[:i + 1] + da[i + 2:]
     labels = flex["spec"]["template"]["metadata"]["labels"]
@@ -86,6 +90,19 @@ def test_flex_pool_workers_may_take_either_role(monkeypatch):
     grpc_from = np["ingress"][0]["from"]
     assert {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "pdserve", "app.kubernetes.io/instance": "rel",
                                             "app.kubernetes.io/component": "planner"}}} in grpc_from
+
+
+def test_flex_pool_switch_handoff(monkeypatch):
+    """`flex.switchHandoff` reaches the flex workers as their `--switch-handoff`, drain unless set; the schema
+    refuses a handoff the worker does not know."""
+    def handoff(values: dict) -> str:
+        dep = by_kind(objects({"flex": {"enabled": True, **values}}), "Deployment")[f"{FULL}-flex"]
+        return parse_pdserve(pod_template(dep)["containers"][0], monkeypatch).switch_handoff
+
+    assert handoff({}) == "drain"
+    assert handoff({"switchHandoff": "migrate"}) == "migrate"
+    with pytest.raises(helm.HelmError, match="switchHandoff"):
+        render({"flex": {"enabled": True, "switchHandoff": "cut"}})
 
 
 def test_flex_pool_extra_args_and_colocated_refusal():

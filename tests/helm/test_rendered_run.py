@@ -1,4 +1,4 @@
-"""Run what the chart renders (issue 21): values variants (API keys on, two gateway replicas, each `mode`) are
+"""Run what the chart renders: values variants (API keys on, two gateway replicas, each `mode`) are
 rendered by the real Helm engine and turned into local processes by tests/helm/_pods.py (the rendered commands,
 args, env and Secret files; only addresses, ports and mount paths made local). Every variant's command lines go
 through `pdserve`'s own parser and its keys file through the gateway's own loader; the disagg variant is started

@@ -1,5 +1,5 @@
-"""The decode count the planner's model gives for long prompts with short outputs (issue 39, the e2e switch test's
-1-in-7 failure): it must follow the decode load, not the prefill pool's TTFT.
+"""The decode count the planner's model gives for long prompts with short outputs: it must follow the decode load,
+not the prefill pool's TTFT (when it followed the TTFT, the e2e switch test failed 1 run in 7).
 
 The inputs are those of the e2e run (tests/e2e/test_planner_switch.py, its planner log): after the shift,
 735-token prompts / 7-token outputs at ~1.5 req/s (window max), TTFT SLO 1 s and TPOT SLO 0.25 s corrected by the

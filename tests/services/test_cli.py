@@ -1,4 +1,4 @@
-"""The command line fails fast and speaks plainly (issue 21 §3).
+"""The command line fails fast and speaks plainly.
 
 `pdserve up` runs as the real `python -m pdserve up` subprocess: a bad model path, a hub id, a busy port, a missing
 redis-server each end within 3 s, exit non-zero, and print one line naming the problem and the fix. Environment

@@ -83,7 +83,7 @@ def test_token_file_whitespace_is_trimmed_and_combinations_describe_themselves(f
         InternalSecurity.from_files(cert=files["cert"])
 
 
-# ---- closed by default (issue 35, item 6) -----------------------------------------------------------------------
+# ---- closed by default ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("cmd", ["router", "worker"])
 def test_router_and_worker_refuse_a_public_address_without_authentication(cmd):

@@ -1,4 +1,4 @@
-"""The gateway and the router serve without torch and without the engine (issue 21, item 7): a fresh
+"""The gateway and the router serve without torch and without the engine: a fresh
 interpreter that imports their server modules and builds the gateway app for the builtin model has loaded
 neither."""
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The API-keys file formats the gateway reads (tenants.py): JSON/YAML tenants by extension or by content, and
 plain keys one per line (what an operator puts in a Secret by hand), with an error naming the file for anything
-else. The reproduction of issue 21: the chart's old `sk-one\\nsk-two\\n` file named `api-keys` crashed the loader
+else. The chart's old `sk-one\\nsk-two\\n` file named `api-keys` crashed the loader
 with a JSONDecodeError."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Big echo / log-probs answers (issue 35, item 3): their volume is bounded with a 400 naming the field, they are
+"""Big echo / log-probs answers: their volume is bounded with a 400 naming the field, they are
 built one choice at a time without stalling the gateway's event loop, and the deadline covers building them.
 
 Before: `echo: true, logprobs: 20, max_tokens: 0` over 300 prompts x 300 tokens with `timeout: 60` answered 200

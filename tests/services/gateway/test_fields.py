@@ -1,4 +1,4 @@
-"""Strict parameters and strict types (issue 18, items 2 and 3): every field is supported or a 400 naming it.
+"""Strict parameters and strict types: every field is supported or a 400 naming it.
 
 Against the real app (create_gateway behind an in-process ASGI client, router on a closed port): a body that passes
 every check ends as 503 `no_workers`, so a 503 is the proof a field was accepted and a 400 the proof it was not.

@@ -1,4 +1,4 @@
-"""Hostile request bodies against the real gateway app (issue 13, item 7) and what its errors reveal (item 9).
+"""Hostile request bodies against the real gateway app, and what its errors reveal.
 
 The app is the real one (create_gateway: parser, params, lifecycle, the real Dispatcher) behind an in-process ASGI
 client. Its router address is a closed port, so a body that passes every check ends as 503 `no_workers` at
@@ -54,7 +54,7 @@ def gw():
     g.close()
 
 
-# ---- the reproductions from issue 13, item 7: each was a 500 that dropped the keep-alive connection ----
+# ---- bodies that were each a 500 that dropped the keep-alive connection ----
 
 REPRODUCTIONS = [
     ("/v1/completions", '{"prompt": "hi", "stream_options": 5}', "stream_options"),
@@ -132,7 +132,7 @@ def test_a_valid_body_passes_the_checks(gw):
         assert "connection" not in r.headers  # a deliberate 503 (load shed) keeps the connection (guard.HttpGuard)
 
 
-# ---- issue 35, item 2: chat bodies whose cost is not their content's size ----
+# ---- chat bodies whose cost is not their content's size ----
 
 def test_contentless_messages_are_refused_by_count_before_rendering(gw, monkeypatch):
     """61,000 `{"role": "user"}` (976 KB, no content) rendered on the event loop for ~0.85 s, then were a 400

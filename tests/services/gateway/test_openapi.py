@@ -1,4 +1,4 @@
-"""`/openapi.json` describes what the gateway really accepts (issue 18, item 4): its request schemas agree with the
+"""`/openapi.json` describes what the gateway really accepts: its request schemas agree with the
 gateway's own verdict on bodies it accepts and bodies it refuses, and `/v1/models` carries root and
 max_model_len."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Browser-origin requests (issue 35, item 7; origin.py): a POST body must be JSON (415), a loopback gateway answers
+"""Browser-origin requests (origin.py): a POST body must be JSON (415), a loopback gateway answers
 only loopback Host names (421: DNS rebinding) unless --allowed-hosts, and CORS is off unless --allowed-origins.
 
 The real app (create_gateway) behind an in-process ASGI client; its router is a closed port, so a request that passes

@@ -1,4 +1,4 @@
-"""`/v1/responses` before any worker (issue 38, item 1): the translation into a chat body, checked against chat
+"""`/v1/responses` before any worker: the translation into a chat body, checked against chat
 bodies written out by hand; every refusal a 400 naming the Responses field; the events a chat stream becomes;
 and the field table, the OpenAPI document and docs/api.md in step.
 

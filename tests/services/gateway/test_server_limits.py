@@ -1,6 +1,6 @@
-"""Slow clients, big heads, big prompts and 5xx answers against a real gateway HTTP server on loopback
-(issue 13, items 7-9): `pdserve gateway` as a process (uvicorn with the gateway's protocol and limits), raw
-sockets for what an HTTP client library would not send.
+"""Slow clients, big heads, big prompts and 5xx answers against a real gateway HTTP server on loopback:
+`pdserve gateway` as a process (uvicorn with the gateway's protocol and limits), raw sockets for what an HTTP
+client library would not send.
 
 Its router address is a closed port: nothing here needs a worker.
 """
@@ -244,7 +244,7 @@ def test_models_stays_fast_while_a_1mb_prompt_is_tokenized(gateway):
     th.join()
     r = result["r"]
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
-    # On the event loop the tokenizer held every other request for the whole of it (1.8 s in the issue).
+    # On the event loop the tokenizer held every other request for the whole of it (1.8 s for this prompt).
     assert len(lat) >= 3 and max(lat) < 0.5 * result["s"], (result["s"], lat)
 
 

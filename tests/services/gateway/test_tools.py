@@ -1,4 +1,4 @@
-"""Tool calling pieces (issue 18, item 1): the parsers on model output in each format, the grammars that enforce
+"""Tool calling pieces: the parsers on model output in each format, the grammars that enforce
 `required` / named choices (checked with xgrammar itself: a valid call in the format is in the language, a call
 breaking the schema or the syntax is not), streaming reassembly, the request's checks, and the prompt a tool
 history renders to (against transformers' apply_chat_template)."""

@@ -1,4 +1,4 @@
-"""Issue 13 item 1: cancellation anywhere in the disaggregated hand-off leaks no KV on either worker.
+"""Cancellation anywhere in the disaggregated hand-off leaks no KV on either worker.
 
 A prefill and a decode worker as real processes (real gRPC, real NIXL READs between them), driven the way the
 gateway drives them: Prefill, then GenerateFromPrefill, each call cancelled at random points (before it is sent,
@@ -23,7 +23,7 @@ from tests.services._workers import start_worker, wait_serving
 
 N_REQUESTS = 120
 CONCURRENCY = 6
-SETTLE_S = 2.0  # the issue's target: 0 blocks in use within 2 s of the last cancel
+SETTLE_S = 2.0  # the target: 0 blocks in use within 2 s of the last cancel
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ async def _one(i: int, rng: random.Random, ps, ds, stats: dict) -> None:
     assert not pre.finished
     call = ds.GenerateFromPrefill(worker_pb2.GenerateFromPrefillRequest(
         request_id=rid, prompt_token_ids=prompt, params=sp, first_tokens=pre.first_tokens, kv=pre.kv))
-    if kind == "first_token":  # the issue's reproduction: the socket closes right after the first data event
+    if kind == "first_token":  # the socket closes right after the first data event (the transfer window)
         async for _ in call:
             break
         call.cancel()

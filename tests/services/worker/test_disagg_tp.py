@@ -1,4 +1,4 @@
-"""Disaggregated serving between workers of different TP degrees (issue 17 item 3): real `pdserve worker`
+"""Disaggregated serving between workers of different TP degrees: real `pdserve worker`
 processes (each TP worker with its rank processes), real gRPC, real NIXL (UCX over DRAM) between every pair of
 pools. Each hand-off's greedy tokens must equal `transformers` on the same tiny random Llama (fp32), and both
 sides hold no blocks afterwards.

@@ -1,4 +1,4 @@
-"""Issue 13 item 4: a worker whose engine thread is busy for longer than the heartbeat TTL stays registered.
+"""A worker whose engine thread is busy for longer than the heartbeat TTL stays registered.
 
 The engine's steps are slowed by fault injection (`PDSERVE_FAULT_STEP_DELAY_S`, a sleep inside Engine.step
 before the forward: the engine thread is really held) to 1.5 s, against a 1 s registry TTL in real Redis. A
