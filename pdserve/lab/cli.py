@@ -6,7 +6,7 @@ import signal
 import sys
 import threading
 
-from pdserve.cli_args import nonneg_int, positive_int
+from pdserve.cli_args import nonneg_int, positive_float, positive_int
 
 
 def _link(text: str):
@@ -26,6 +26,8 @@ def add_lab_parser(sub) -> None:
                    help="every worker host's link, e.g. 10gbit or 100mbit (delay/jitter need the kernel's netem; "
                         "loss takes netem or the packet filter, nft); default: unshaped")
     p.add_argument("--num-gpu-blocks", type=nonneg_int, default=0, help="KV blocks per worker (0: the engine's)")
+    p.add_argument("--heartbeat-ttl", type=positive_float, default=3.0,
+                   help="the router's and every worker's registry TTL, seconds (how fast a cut host leaves the pool)")
     p.add_argument("--ucx-tls", default="tcp",
                    help="UCX transports between hosts (tcp: what a cluster without RDMA has; empty: UCX's choice, "
                         "which takes shared memory between namespaces and bypasses the links)")
@@ -37,6 +39,7 @@ def cmd_lab(a) -> int:
     from pdserve.lab.netns import LabUnavailable
     link = a.link if not isinstance(a.link, str) else _link(a.link)
     spec = LabSpec(model=a.model, prefill=a.prefill, decode=a.decode, link=link, ucx_tls=a.ucx_tls,
+                   heartbeat_ttl=a.heartbeat_ttl,
                    engine_args=("--num-gpu-blocks", str(a.num_gpu_blocks)) if a.num_gpu_blocks else ())
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

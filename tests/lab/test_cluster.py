@@ -64,3 +64,18 @@ def test_heartbeat_ttl_reaches_the_router_and_every_worker(started, ttl):
     for name in ("router", "prefill-0", "decode-0", "decode-1"):
         assert _parsed(cmds[name]).heartbeat_ttl == ttl, name
     assert LabChaosDeployment(c).ttl == ttl
+
+
+def test_pdserve_lab_passes_its_heartbeat_ttl(monkeypatch):
+    """`pdserve lab --heartbeat-ttl` is the spec's: the cluster it builds runs its router and workers with it."""
+    from pdserve.lab.netns import LabUnavailable
+    seen = []
+
+    def cluster(spec):
+        seen.append(spec)
+        raise LabUnavailable("stand-in: no namespaces needed to check the spec")
+    monkeypatch.setattr(lab_cluster, "LabCluster", cluster)
+    a = build_parser().parse_args(["lab", "--heartbeat-ttl", "1.5"])
+    assert a.func(a) == 2 and seen[0].heartbeat_ttl == 1.5
+    a = build_parser().parse_args(["lab"])
+    assert a.func(a) == 2 and seen[1].heartbeat_ttl == LabSpec().heartbeat_ttl
