@@ -183,11 +183,13 @@ def test_stack_rejects_inconsistent_plans():
 
 def test_forward_releases_the_gil():
     """While one thread is inside DecoderStack.forward, another runs Python: its longest pause during the call
-    stays far below the call's length (a call holding the GIL would pause it for the whole call)."""
+    stays far below the call's length (a call holding the GIL would pause it for the whole call). On a loaded box
+    the looping thread can also lose its core for a while, so up to 3 tries: a call that held the GIL fails all."""
     import threading
     import time
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    tries = []
     try:
         g = torch.Generator().manual_seed(0)
         hidden, heads, hd, inter, layers, rows, bs = 512, 8, 64, 2048, 8, 64, 4
@@ -206,21 +208,25 @@ def test_forward_releases_the_gil():
                 hd ** -0.5, 0)
         with torch.inference_mode():
             stack.forward(*args)
-            t = time.perf_counter()
-            stack.forward(*args)
-            call = time.perf_counter() - t
-            done = threading.Event()
-            worker = threading.Thread(target=lambda: (stack.forward(*args), done.set()))
-            longest, last = 0.0, time.perf_counter()
-            worker.start()
-            while not done.is_set():
-                now = time.perf_counter()
-                longest, last = max(longest, now - last), now
-            worker.join()
+            for _ in range(3):
+                t = time.perf_counter()
+                stack.forward(*args)
+                call = time.perf_counter() - t
+                done = threading.Event()
+                worker = threading.Thread(target=lambda: (stack.forward(*args), done.set()))
+                longest, last = 0.0, time.perf_counter()
+                worker.start()
+                while not done.is_set():
+                    now = time.perf_counter()
+                    longest, last = max(longest, now - last), now
+                worker.join()
+                tries.append((longest, call))
+                if longest < call / 2:
+                    break
     finally:
         torch.set_num_threads(threads)
-    assert call > 0.02, "the call is too short to tell"
-    assert longest < call / 2, (longest, call)
+    assert all(call > 0.02 for _, call in tries), ("the call is too short to tell", tries)
+    assert any(longest < call / 2 for longest, call in tries), tries
 
 
 def test_plans_follow_a_change_of_weight_storage(ckpt, monkeypatch):
