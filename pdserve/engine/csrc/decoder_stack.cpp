@@ -69,22 +69,19 @@ void head_norm_(at::Tensor heads, const at::Tensor& weight, double eps) {
   heads.copy_(normed);
 }
 
-// A sparse layer's routed experts on the native kernel (moe.SparseMoE: _routing, _route, forward, _native), for the
-// softmax top-k routers (Qwen3-MoE, Mixtral): the same torch ops in the same order.
+// A sparse layer's routed experts on the native kernels (moe.SparseMoE.forward's native path: _route_native, then
+// _native), for the softmax top-k routers (Qwen3-MoE, Mixtral): the same calls in the same order.
 struct SparseLayer {
   at::Tensor router, routed, w13, s13, w2, s2;
   int64_t first = 0, top_k = 0;
   bool norm_topk_prob = false, round_weights = false;
 
   at::Tensor operator()(const at::Tensor& h) const {
-    at::Tensor probs = at::softmax(at::linear(h, router), -1, at::kFloat);
-    auto [weights, chosen] = probs.topk(top_k, -1);
-    if (norm_topk_prob) weights = weights / weights.sum(-1, true);
-    if (round_weights) weights = weights.to(h.scalar_type());
-    at::Tensor ids = chosen.flatten();
-    routed.scatter_add_(0, ids, at::ones_like(ids));
+    at::Tensor weights = at::empty({h.size(0), top_k}, h.options().dtype(at::kFloat));
+    at::Tensor chosen = at::empty({h.size(0), top_k}, h.options().dtype(at::kLong));
+    moe_route(weights, chosen, h, router, routed, norm_topk_prob, round_weights);
     at::Tensor out = at::empty_like(h);
-    moe_experts(out, h, chosen.contiguous(), weights.to(at::kFloat).contiguous(), w13,
+    moe_experts(out, h, chosen, weights, w13,
                 s13.defined() ? c10::optional<at::Tensor>(s13) : c10::nullopt, w2,
                 s2.defined() ? c10::optional<at::Tensor>(s2) : c10::nullopt, first);
     return out;
