@@ -12,8 +12,9 @@ or torch's linear. Where some projection has no such form at that size (int8 bey
 weight per call), the step keeps the Python loop. Plans are built once per row count and cached.
 
 The stack computes the plain Llama layer, Qwen3's q/k norms, and sparse MoE layers with a softmax top-k router
-(Qwen3-MoE, Mixtral) whose experts a step of its size would run on the native MoE kernel (moe.py): the router's
-torch ops, the expert-load count and csrc/moe_experts.cpp, as SparseMoE.forward calls them. A model with any layer
+(Qwen3-MoE, Mixtral) whose experts a step of its size would run on the native MoE kernel (moe.py): the native
+router with its expert-load count (moe_route) and the experts' kernel (moe_experts, both csrc/moe_experts.cpp), as
+SparseMoE.forward's native path calls them. A model with any layer
 it does not compute (attention sinks, latent attention, DeepSeek's or gpt-oss's experts: `DecoderLayer.stackable`)
 keeps the Python loop for every step, where each layer still runs the same per-op native kernels (norms, rope,
 SwiGLU, attention) and torch for the rest; so do steps too large for the MoE kernel.
@@ -97,7 +98,7 @@ class DecoderStacks:
             if layer.q_norm is not None:
                 norms += [layer.q_norm.weight, layer.k_norm.weight]
             mlp = (layer.gate_up, layer.down) if layer.moe is None else ()
-            if layer.moe is not None and not layer.moe.takes_native(rows, dtype):
+            if layer.moe is not None and not (layer.moe.takes_native(rows, dtype) and layer.moe.routes_native(dtype)):
                 return None
             plans += [projection_plan(m, rows, dtype) for m in (layer.qkv, layer.o, *mlp)]
             plans += [Projection(DENSE, empty, None, None)] * (2 - len(mlp))  # sparse: set_moe below

@@ -169,14 +169,33 @@ class SparseMoE(nn.Module):
         from pdserve.engine.model import swiglu
         return self.shared_down(swiglu(self.shared_gate_up(x), self.native_ops))
 
+    def routes_native(self, dtype: torch.dtype) -> bool:
+        """Whether steps on the native experts' kernel route on the native router too (csrc/moe_experts.cpp's
+        moe_route: the softmax top-k routers, router and activations of one dtype); the decoder stack's check too."""
+        return (not self.gpt_oss and not self.deepseek and self.router_bias is None and self.router.dtype == dtype
+                and dtype in (torch.float32, torch.bfloat16))
+
+    def _route_native(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights fp32, chosen) [T, k] each from the native router, which also counts `routed`."""
+        weights = torch.empty(x.shape[0], self.top_k, dtype=torch.float32)
+        chosen = torch.empty(x.shape[0], self.top_k, dtype=torch.long)
+        self.native_ops.moe_route(weights, chosen, x, self.router, self.routed, bool(self.norm_topk_prob),
+                                  bool(self.round_router_weights))
+        return weights, chosen
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, chosen = self._routing(x)  # [T, k] each
-        ids = chosen.flatten()
-        self.routed.scatter_add_(0, ids, torch.ones_like(ids))
-        if self._takes_native(x, x.shape[0]):
-            out = self._native(x, weights, chosen)
+        if self._takes_native(x, x.shape[0]) and self.routes_native(x.dtype):
+            # the router, its softmax / top k / renormalisation and the load count in one native call, as the
+            # decoder stack calls it (its logits equal this path's bit for bit)
+            out = self._native(x, *self._route_native(x))
         else:
-            out = self._loop(x, weights, chosen)
+            weights, chosen = self._routing(x)  # [T, k] each
+            ids = chosen.flatten()
+            self.routed.scatter_add_(0, ids, torch.ones_like(ids))
+            if self._takes_native(x, x.shape[0]):
+                out = self._native(x, weights, chosen)
+            else:
+                out = self._loop(x, weights, chosen)
         if self.shared_gate_up is not None:
             out = out + self._shared(x)
         return out

@@ -165,10 +165,14 @@ def batch1_gemv_wanted(level: str, compute_dtype: torch.dtype, device: str, nati
     oneDNN's small-M linear. Measured on an AMD EPYC Zen 4 (level avx512_bf16, 2 threads; the bench model's
     projections + lm_head) at one row: 7.0-7.7 ms against 11.6-13.6 ms (1 thread: 9.6 vs 17.5). Twice the
     projections' memory, so it yields to the host's memory like dual storage (auto_weight_storage). On by default
-    at level avx512_bf16 only, where it was measured; AMX CPUs keep oneDNN unless PDSERVE_BATCH1_GEMV=1."""
+    at levels avx512_bf16 and amx, where it was measured: on an Intel Xeon model 207 (amx, 1 thread, shared box)
+    the MoE bench's batch-1 step (bench/moe_speed.py, whose attention projections and LM head these copies serve)
+    was 1.20x / 1.20x llama.cpp with them against 1.04x / 1.14x without, in runs alternating with each other, and
+    the attention half and LM head took 4.6 and 4.5 ms against 8.2-8.3 and 7.9-8.2 ms under another process's
+    memory traffic (oneDNN's small-M linear suffered most). Below avx512_bf16 there is no vdpbf16ps."""
     if not (native and device.startswith("cpu") and compute_dtype == torch.bfloat16) or env == "0":
         return False
-    return env == "1" or level == "avx512_bf16"
+    return env == "1" or level in ("avx512_bf16", "amx")
 
 
 def keep_batch1_gemv(model: nn.Module, level: str, compute_dtype: torch.dtype, device: str, native: bool,

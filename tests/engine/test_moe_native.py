@@ -85,6 +85,35 @@ def test_a_ranks_range_of_experts(ckpt):
     assert out[2].abs().max().item() == 0.0  # experts 0, 1, 6: none held here
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("norm,rounded", [(True, False), (False, True)])
+def test_native_router_matches_torch(ckpt, dtype, norm, rounded):
+    """moe_route (the native path's router: logits, fp32 softmax, top k, renormalisation, load counts) picks the
+    experts torch's ops pick, with weights within an fp32 / bf16 unit of theirs; a token's result does not depend on
+    the other tokens of the call."""
+    engine = Engine.from_pretrained(ckpt, EngineConfig(num_gpu_blocks=16, block_size=4, dtype=dtype))
+    moe = sparse_layer(engine)
+    moe.norm_topk_prob, moe.round_router_weights = norm, rounded
+    assert moe.routes_native(getattr(torch, dtype))
+    torch.manual_seed(2)
+    x = torch.randn(NATIVE_MAX_TOKENS, 64).to(getattr(torch, dtype))
+    want_w, want_c = route(moe, x)
+    before = moe.routed.clone()
+    got_w, got_c = moe._route_native(x)
+    assert got_w.dtype == torch.float32 and got_c.dtype == torch.long
+    # near ties (in bf16 the logits are rounded) may order two equal-looking experts differently: compare as sets
+    # wherever the weights are not tied
+    for t in range(x.shape[0]):
+        assert sorted(got_c[t].tolist()) == sorted(want_c[t].tolist()) or \
+            (want_w[t].float().unique().numel() < want_w.shape[1])
+    tol = 1e-6 if dtype == "float32" else 1e-2
+    assert (got_w - want_w.float()).abs().max().item() <= tol
+    assert (moe.routed - before).sum().item() == got_c.numel()
+    assert torch.equal(moe.routed - before, torch.bincount(got_c.flatten(), minlength=moe.routed.numel()))
+    one_w, one_c = moe._route_native(x[3:4].contiguous())  # batch invariance
+    assert torch.equal(one_w[0], got_w[3]) and torch.equal(one_c[0], got_c[3])
+
+
 def test_bad_shapes_named(ckpt):
     engine = Engine.from_pretrained(ckpt, EngineConfig(num_gpu_blocks=16, block_size=4))
     moe = sparse_layer(engine)
@@ -96,6 +125,12 @@ def test_bad_shapes_named(ckpt):
     with pytest.raises(ValueError, match="int64"):
         moe.native_ops.moe_experts(torch.empty(2, 64), x, torch.zeros(2, 3, dtype=torch.int32), torch.rand(2, 3),
                                    w13, None, w2, None, 0)
+    with pytest.raises(ValueError, match="moe_route: want x"):
+        moe.native_ops.moe_route(torch.empty(2, 3), torch.empty(2, 3, dtype=torch.long), x, moe.router.t(),
+                                 None, True, False)
+    with pytest.raises(ValueError, match="moe_route: routed"):
+        moe.native_ops.moe_route(torch.empty(2, 3), torch.empty(2, 3, dtype=torch.long), x, moe.router,
+                                 torch.zeros(3, dtype=torch.long), True, False)
 
 
 def test_which_layers_take_it(tmp_path, monkeypatch):

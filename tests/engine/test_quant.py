@@ -161,8 +161,9 @@ def test_weight_storage_choice():
 def test_batch1_gemv_choice():
     bf16, f32 = torch.bfloat16, torch.float32
     assert batch1_gemv_wanted("avx512_bf16", bf16, "cpu", True)  # measured there (Zen 4): on by default
-    assert not batch1_gemv_wanted("amx", bf16, "cpu", True)  # oneDNN's AMX path: not measured against, kept
-    assert batch1_gemv_wanted("amx", bf16, "cpu", True, "1")  # ... unless forced
+    assert batch1_gemv_wanted("amx", bf16, "cpu", True)  # measured there too (Intel model 207): on by default
+    assert not batch1_gemv_wanted("amx", bf16, "cpu", True, "0")  # ... unless forbidden
+    assert not batch1_gemv_wanted("avx512", bf16, "cpu", True)  # no vdpbf16ps: oneDNN
     assert not batch1_gemv_wanted("avx512_bf16", bf16, "cpu", True, "0")  # forbidden
     assert not batch1_gemv_wanted("avx512_bf16", f32, "cpu", True, "1")  # fp32 compute: dual storage's business
     assert not batch1_gemv_wanted("avx512_bf16", bf16, "cpu", False, "1")  # no native GEMV to run

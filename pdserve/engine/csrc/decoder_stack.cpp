@@ -7,6 +7,7 @@
 // at that size, and hands this class the resulting plan; a projection it cannot express keeps the Python loop.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/BFloat16.h>
 
 #include <stdexcept>
 #include <string>
@@ -58,33 +59,50 @@ at::Tensor optional_tensor(const at::Tensor& t) { return t.numel() ? t : at::Ten
 
 // model.RMSNorm's forward over a q or k head slice: the native kernel where the view is contiguous (one row), else
 // torch's, then written back into the fused qkv output, as DecoderLayer._attention does.
+// Contiguous: normalised in place (each row's sum of squares is taken before any of it is written), the values
+// the Python layer's out-of-place kernel and copy give.
 void head_norm_(at::Tensor heads, const at::Tensor& weight, double eps) {
-  at::Tensor normed;
   if (heads.is_contiguous()) {
-    normed = at::empty_like(heads);
-    rms_norm(normed, heads, weight, eps);
-  } else {
-    normed = at::rms_norm(heads, {weight.size(0)}, weight, eps);
+    rms_norm(heads, heads, weight, eps);
+    return;
   }
-  heads.copy_(normed);
+  heads.copy_(at::rms_norm(heads, {weight.size(0)}, weight, eps));
 }
 
-// A sparse layer's routed experts on the native kernel (moe.SparseMoE: _routing, _route, forward, _native), for the
-// softmax top-k routers (Qwen3-MoE, Mixtral): the same torch ops in the same order.
+// x += y over contiguous tensors of one dtype, each sum rounded once to it: torch's `x + y` (fp32 / bf16), without
+// its dispatch and allocation (~6 us a call at batch 1, two a layer).
+void residual_add_(at::Tensor& x, const at::Tensor& y) {
+  if (!y.is_contiguous() || y.sizes() != x.sizes() || y.scalar_type() != x.scalar_type()) {
+    x.add_(y);
+    return;
+  }
+  const int64_t n = x.numel();
+  if (x.scalar_type() == at::kBFloat16) {
+    c10::BFloat16* a = x.data_ptr<c10::BFloat16>();
+    const c10::BFloat16* b = y.data_ptr<c10::BFloat16>();
+    for (int64_t i = 0; i < n; ++i) a[i] = static_cast<c10::BFloat16>(static_cast<float>(a[i]) + static_cast<float>(b[i]));
+  } else if (x.scalar_type() == at::kFloat) {
+    float* a = x.data_ptr<float>();
+    const float* b = y.data_ptr<float>();
+    for (int64_t i = 0; i < n; ++i) a[i] += b[i];
+  } else {
+    x.add_(y);
+  }
+}
+
+// A sparse layer's routed experts on the native kernels (moe.SparseMoE.forward's native path: _route_native, then
+// _native), for the softmax top-k routers (Qwen3-MoE, Mixtral): the same calls in the same order.
 struct SparseLayer {
   at::Tensor router, routed, w13, s13, w2, s2;
   int64_t first = 0, top_k = 0;
   bool norm_topk_prob = false, round_weights = false;
 
   at::Tensor operator()(const at::Tensor& h) const {
-    at::Tensor probs = at::softmax(at::linear(h, router), -1, at::kFloat);
-    auto [weights, chosen] = probs.topk(top_k, -1);
-    if (norm_topk_prob) weights = weights / weights.sum(-1, true);
-    if (round_weights) weights = weights.to(h.scalar_type());
-    at::Tensor ids = chosen.flatten();
-    routed.scatter_add_(0, ids, at::ones_like(ids));
+    at::Tensor weights = at::empty({h.size(0), top_k}, h.options().dtype(at::kFloat));
+    at::Tensor chosen = at::empty({h.size(0), top_k}, h.options().dtype(at::kLong));
+    moe_route(weights, chosen, h, router, routed, norm_topk_prob, round_weights);
     at::Tensor out = at::empty_like(h);
-    moe_experts(out, h, chosen.contiguous(), weights.to(at::kFloat).contiguous(), w13,
+    moe_experts(out, h, chosen, weights, w13,
                 s13.defined() ? c10::optional<at::Tensor>(s13) : c10::nullopt, w2,
                 s2.defined() ? c10::optional<at::Tensor>(s2) : c10::nullopt, first);
     return out;
@@ -148,9 +166,10 @@ class DecoderStack {
     if (kv.dim() != 6 || kv.size(1) != num_layers())
       throw std::invalid_argument("DecoderStack: the KV pool's layer count disagrees with the model's");
     const int64_t t = x.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+    x = x.clone();  // the residual stream, added to in place from here on (the caller's x is not changed)
+    at::Tensor h = at::empty_like(x);  // each norm's output, consumed before the next norm writes it
     for (int64_t l = 0; l < num_layers(); ++l) {
       const Projection* p = &projections_[4 * l];
-      at::Tensor h = at::empty_like(x);
       rms_norm(h, x, norms_[2 * l], eps_);
       at::Tensor qkv = p[0](h);
       if (!qk_norms_.empty() && qk_norms_[2 * l].defined()) {
@@ -165,17 +184,16 @@ class DecoderStack {
       write_kv(kv, l, slot_blocks, slot_offsets, k, v);
       at::Tensor attn = at::empty_like(q);
       paged_decode_attention(attn, q, kv, l, rows, block_tables, context_lens, scale, sliding_window);
-      x = at::add(x, p[1](attn.reshape({t, q_size})));
-      h = at::empty_like(x);
+      residual_add_(x, p[1](attn.reshape({t, q_size})));
       rms_norm(h, x, norms_[2 * l + 1], eps_);
       if (!sparse_.empty() && sparse_[l].router.defined()) {
-        x = at::add(x, sparse_[l](h));
+        residual_add_(x, sparse_[l](h));
         continue;
       }
       at::Tensor gate_up = p[2](h);
       at::Tensor act = at::empty({t, gate_up.size(1) / 2}, gate_up.options());
       silu_and_mul(act, gate_up);
-      x = at::add(x, p[3](act));
+      residual_add_(x, p[3](act));
     }
     return x;
   }

@@ -45,6 +45,9 @@ inline vec widen(const float* p) { return vload(p); }
 #define PDSERVE_GEMV_SIMD 1
 #endif
 
+// How far ahead of the weight row being read the GEMVs prefetch (see dot_rows_w and dot_rows_dp below).
+constexpr int64_t kPrefetchBytes = 2048;
+
 inline float to_f(int8_t v) { return static_cast<float>(v); }
 inline float to_f(c10::BFloat16 v) { return static_cast<float>(v); }
 inline float to_f(float v) { return v; }
@@ -61,6 +64,10 @@ inline void dot_rows(float* dots, const float* x, const W* w, int64_t k) {
   for (int64_t r = 0; r < R; ++r)
     for (int64_t c = 0; c < C; ++c) acc[r][c] = vzero();
   for (; i + C * kLanes <= k; i += C * kLanes) {
+    // the weight row's stream 2 KiB ahead, every line of it (see kPrefetchBytes): rows are contiguous, so this
+    // runs on into the next row; a stack of expert rows read one at a time reads ~1.2-2.8x faster with it
+    for (int64_t b = 0; b < C * kLanes * int64_t(sizeof(W)); b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(w + i) + kPrefetchBytes + b, _MM_HINT_T0);
     vec wv[C];
     for (int64_t c = 0; c < C; ++c) wv[c] = widen(w + i + c * kLanes);
     for (int64_t r = 0; r < R; ++r)
@@ -99,7 +106,6 @@ inline void dot_rows(float* dots, const float* x, const W* w, int64_t k) {
 //   17-20 GB/s, one row at a time 38-41 GB/s (a plain read of the same bytes: 28-33). Zen's prefetchers follow one
 //   sequential stream; two rows 1.5 KiB apart, touched alternately, look like none. So AMD builds (kernels.py
 //   passes PDSERVE_CPU_AMD) take the AVX2 build's shape: one row, one cache line per iteration.
-constexpr int64_t kPrefetchBytes = 2048;
 #if defined(__AVX512F__) && defined(PDSERVE_CPU_AMD)
 constexpr int64_t kBatch1Rows = 1;
 template <typename W>
@@ -159,6 +165,8 @@ inline void dot_rows_dp(float* dots, const c10::BFloat16* x, const c10::BFloat16
   for (int64_t r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 64 <= k; i += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + i) + kPrefetchBytes, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + i) + kPrefetchBytes + 64, _MM_HINT_T0);
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + i), w1 = (__m512bh)_mm512_loadu_si512(w + i + 32);
     for (int64_t r = 0; r < R; ++r) {
       a[r][0] = _mm512_dpbf16_ps(a[r][0], (__m512bh)_mm512_loadu_si512(x + r * k + i), w0);

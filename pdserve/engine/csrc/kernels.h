@@ -21,3 +21,5 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tens
 void moe_experts(at::Tensor out, const at::Tensor& x, const at::Tensor& chosen, const at::Tensor& weights,
                  const at::Tensor& w13, const c10::optional<at::Tensor>& s13, const at::Tensor& w2,
                  const c10::optional<at::Tensor>& s2, int64_t first);
+void moe_route(at::Tensor weights, at::Tensor chosen, const at::Tensor& x, const at::Tensor& router,
+               const c10::optional<at::Tensor>& routed, bool norm_topk_prob, bool round_weights);

@@ -260,3 +260,82 @@ void moe_experts(at::Tensor out, const at::Tensor& x, const at::Tensor& chosen, 
     std::copy(acc.begin(), acc.end(), out.data_ptr<float>());
   }
 }
+
+// A softmax top-k router (Qwen3-MoE, Mixtral; moe.SparseMoE's native path and the decoder stack's sparse layers)
+// for a few tokens, in one call: per token the logits x . router[e] accumulated in fp32 and rounded to x's dtype
+// (as F.linear's output is), their softmax in fp32, the top k (descending; ties: the lower expert), renormalised to
+// sum to 1 (`norm_topk_prob`), rounded to x's dtype (`round_weights`); and routed[e] += 1 per choice. In torch that
+// is ~10 ops a layer, and torch's matmul of [1, 768] by a [768, 32] router costs ~50x its 49 KB (docs/engine.md).
+// A token's result does not depend on the others in the call (each row is the same serial computation).
+// weights [T, k] fp32 and chosen [T, k] int64 are written; x [T, H] and router [E, H] fp32 or bf16 (one dtype);
+// routed: int64 [E] or undefined.
+void moe_route(at::Tensor weights, at::Tensor chosen, const at::Tensor& x, const at::Tensor& router,
+               const c10::optional<at::Tensor>& routed, bool norm_topk_prob, bool round_weights) {
+  if (x.dim() != 2 || router.dim() != 2 || router.size(1) != x.size(1) || weights.dim() != 2 ||
+      weights.size(0) != x.size(0) || chosen.sizes() != weights.sizes() || weights.size(1) > router.size(0) ||
+      weights.size(1) < 1)
+    throw std::invalid_argument("moe_route: want x [T, H], router [E, H], weights and chosen [T, k] with k <= E");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&weights, &chosen, &x, &router})
+    if (!t->is_contiguous()) throw std::invalid_argument("moe_route: tensors must be contiguous");
+  if (weights.scalar_type() != at::kFloat || chosen.scalar_type() != at::kLong)
+    throw std::invalid_argument("moe_route: weights must be float32 and chosen int64");
+  if (router.scalar_type() != x.scalar_type() || (x.scalar_type() != at::kFloat && x.scalar_type() != at::kBFloat16))
+    throw std::invalid_argument("moe_route: x and router must both be float32 or both bfloat16");
+  const int64_t tokens = x.size(0), h = x.size(1), experts = router.size(0), k = weights.size(1);
+  int64_t* counts = nullptr;
+  if (routed && routed->defined()) {
+    if (routed->scalar_type() != at::kLong || routed->dim() != 1 || routed->size(0) != experts ||
+        !routed->is_contiguous())
+      throw std::invalid_argument("moe_route: routed must be contiguous int64 [E]");
+    counts = routed->data_ptr<int64_t>();
+  }
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  float* wout = weights.data_ptr<float>();
+  int64_t* cout = chosen.data_ptr<int64_t>();
+  at::parallel_for(0, tokens, 16, [&](int64_t b, int64_t e) {
+    std::vector<float> xf(h), p(experts);
+    std::vector<char> taken(experts);
+    for (int64_t t = b; t < e; ++t) {
+      if (bf16) {
+        const c10::BFloat16* xb = x.data_ptr<c10::BFloat16>() + t * h;
+        for (int64_t i = 0; i < h; ++i) xf[i] = static_cast<float>(xb[i]);
+      } else {
+        std::copy_n(x.data_ptr<float>() + t * h, h, xf.data());
+      }
+      float top = -INFINITY;
+      for (int64_t j = 0; j < experts; ++j) {
+        float d;
+        if (bf16) {
+          dot_rows<c10::BFloat16, 1>(&d, xf.data(), router.data_ptr<c10::BFloat16>() + j * h, h);
+          d = round_bf16(d);
+        } else {
+          dot_rows<float, 1>(&d, xf.data(), router.data_ptr<float>() + j * h, h);
+        }
+        p[j] = d;
+        top = std::max(top, d);
+      }
+      float sum = 0.f;
+      for (int64_t j = 0; j < experts; ++j) sum += (p[j] = std::exp(p[j] - top));
+      for (int64_t j = 0; j < experts; ++j) p[j] /= sum;
+      std::fill(taken.begin(), taken.end(), 0);
+      float* w = wout + t * k;
+      int64_t* c = cout + t * k;
+      float picked = 0.f;
+      for (int64_t i = 0; i < k; ++i) {
+        int64_t best = -1;
+        for (int64_t j = 0; j < experts; ++j)
+          if (!taken[j] && (best < 0 || p[j] > p[best])) best = j;
+        taken[best] = 1;
+        c[i] = best;
+        w[i] = p[best];
+        picked += p[best];
+      }
+      for (int64_t i = 0; i < k; ++i) {
+        if (norm_topk_prob) w[i] /= picked;
+        if (round_weights && bf16) w[i] = round_bf16(w[i]);
+      }
+    }
+  });
+  if (counts)
+    for (int64_t i = 0; i < tokens * k; ++i) ++counts[cout[i]];
+}
