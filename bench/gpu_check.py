@@ -3,8 +3,9 @@
     bash scripts/gpu_check.sh [--dry-run] [--budget-s 450]
 
 Lines (each PASS / FAIL / skipped: <why> / error: <what>):
-- greedy-{llama,qwen2}-{fp32,bf16}: greedy tokens of the engine on CUDA equal transformers' on CUDA (tiny random
-  checkpoints written here); in bf16 a sequence may differ from a near-tie on (TIE_ULPS).
+- greedy-{llama,qwen2,qwen3_moe}-{fp32,bf16}: greedy tokens of the engine on CUDA equal transformers' on CUDA (tiny
+  random checkpoints written here; qwen3_moe: 8 experts, top 2, so the sparse layers and the router run on the
+  device); in bf16 a sequence may differ from a near-tie on (TIE_ULPS).
 - decode-8b-b{1,64}: one decode forward of a random Llama-3-8B-shaped bf16 model (CUDA graph replay) at batch 1
   and 64, 1024-token contexts, against the HBM bound = (weight + KV bytes read) / device copy bandwidth, where
   the bandwidth is bytes read + written per second by a device-to-device copy. Targets <= 1.3x and <= 2x.
@@ -45,7 +46,7 @@ from bench.gpu_checks.sampler import check_sampler  # noqa: E402
 
 def plan(args, tmp: Path, deadline: float):
     box: dict = {}
-    for arch in ("llama", "qwen2"):
+    for arch in ("llama", "qwen2", "qwen3_moe"):
         for dt in ("float32", "bfloat16"):
             yield f"greedy-{arch}-{dt}", 20, (lambda a=arch, d=dt: check_greedy(tmp, a, d))
     yield f"decode-{harness.SHAPE}-b1", 120, lambda: check_decode(box, 1, 1.3)

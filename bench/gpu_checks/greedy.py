@@ -1,4 +1,4 @@
-"""greedy-{llama,qwen2}-{fp32,bf16}: the engine's greedy tokens on the device equal transformers'."""
+"""greedy-{llama,qwen2,qwen3_moe}-{fp32,bf16}: the engine's greedy tokens on the device equal transformers'."""
 from __future__ import annotations
 
 import random

@@ -8,7 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECKS = ["greedy-llama-float32", "greedy-llama-bfloat16", "greedy-qwen2-float32", "greedy-qwen2-bfloat16",
-          "decode-8b-b1", "decode-8b-b64", "mixed-vs-hf", "nixl-vram", "sampler-device"]
+          "greedy-qwen3_moe-float32", "greedy-qwen3_moe-bfloat16", "decode-8b-b1", "decode-8b-b64", "mixed-vs-hf", "nixl-vram", "sampler-device"]
 
 
 def run(*args: str) -> tuple[int, list[list[str]]]:
