@@ -40,7 +40,7 @@ from typing import Protocol
 
 import httpx
 
-from pdserve.services.leftovers import Leftovers, metric_sum, read_leftovers, scrape, settle
+from pdserve.services.leftovers import BLOCKS, Leftovers, metric_sum, read_leftovers, scrape, settle
 from pdserve.services.up_process import UpProcess
 
 MIGRATIONS = "pdserve_migrations_total"
@@ -197,8 +197,6 @@ class Deployment(Protocol):
 def _metrics(port: int) -> str:
     return scrape(f"http://127.0.0.1:{port}/metrics")
 
-
-_sum = metric_sum
 
 
 def gateway_migrations(metrics_urls: list[str]) -> float:
@@ -364,7 +362,7 @@ def fault(case: str, dep: ChaosDeployment):
         """The decode worker holding the most KV blocks right now: the fault finds streams in flight."""
         def held(w: dict) -> float:
             try:
-                return _sum(_metrics(w["metrics_port"]), "pdserve_kv_blocks_in_use")
+                return metric_sum(_metrics(w["metrics_port"]), BLOCKS)
             except Exception:
                 return -1.0
         return max(dep.workers("decode"), key=held)

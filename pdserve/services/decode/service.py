@@ -153,7 +153,8 @@ class DecodeSide:
     async def _probe(self, peer: str, region) -> None:
         try:
             got = await self._in_pool(probe_link, self.agent, region, min(5.0, self.transfer_timeout_s))
-        except (KVTransferError, KVLayoutMismatch, ValueError, RuntimeError) as e:
+        except Exception as e:  # as a pull's READ: NIXL's own exception classes are not RuntimeErrors
+            # (registering the staging buffer can raise them too); a failed self-test is a warning, not a crash
             log.warning("KV link self-test with %s failed: %s", peer, e)
             return
         self.pairs.probed(peer, got.latency_s, got.bytes_per_s)
