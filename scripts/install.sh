@@ -11,7 +11,11 @@ PY=${PYTHON:-python3}
 .venv/bin/python -c "import torch, pdserve; print('pdserve installed; torch', torch.__version__)"
 # Compile the engine's native CPU kernels now (~30 s, cached in ~/.cache/torch_extensions) instead of on first use.
 .venv/bin/python -c "from pdserve.engine.kernels import native_ops as n, native_unavailable_reason as r; n(); print('native kernels:', r() or 'built')"
-# The lab's link loss needs `nft` where the kernel has no netem (docs/lab.md); as root, install it if missing.
+# Where the kernel has no netem (docs/lab.md) the lab's link loss needs `nft` and its delay iptables' NFQUEUE target;
+# as root, install them if missing.
 if [ "$(id -u)" = 0 ] && ! command -v nft >/dev/null && command -v apt-get >/dev/null; then
   apt-get install -y -qq nftables >/dev/null 2>&1 || echo "nftables not installed: the lab refuses link loss"
+fi
+if [ "$(id -u)" = 0 ] && ! command -v iptables >/dev/null && command -v apt-get >/dev/null; then
+  apt-get install -y -qq iptables >/dev/null 2>&1 || echo "iptables not installed: the lab refuses link delay"
 fi

@@ -7,11 +7,12 @@ real TCP over real interfaces. (They still share the kernel, /dev/shm and proces
 what their programs send over the network, which is why the lab also tells UCX to use TCP only; cluster.py.)
 
 Shaping (`Link`): a token bucket (`tbf`) caps the rate on both ends of a host's veth pair, so traffic to and from the
-host is held to the link's rate. Delay and jitter need the `netem` queueing discipline; a kernel without it
-(`sch_netem` not built) cannot emulate them, and a `Link` asking for them is refused with that reason, never
-silently unshaped. Loss uses netem where the kernel has it; otherwise a random-drop rule of the packet filter
-(`nft`, `numgen random`) in the host's own namespace drops that share of the packets the host sends and of those
-it receives, as netem on both ends of the pair would. Without either, loss is refused the same way.
+host is held to the link's rate. Delay and jitter use the `netem` queueing discipline where the kernel has it;
+otherwise the packet filter queues the host's packets to a reader process that lets each go after its delay
+(`delay.py`: NFQUEUE, the same semantics: both directions delayed). Loss uses netem where the kernel has it;
+otherwise a random-drop rule of the packet filter (`nft`, `numgen random`) in the host's own namespace drops that
+share of the packets the host sends and of those it receives, as netem on both ends of the pair would. A `Link`
+this machine cannot emulate is refused with the reason, never run silently unshaped.
 """
 from __future__ import annotations
 
@@ -77,6 +78,7 @@ class Host:
     veth: str    # the interface inside the namespace
     peer: str    # its other end, on the bridge
     link: Link = field(default_factory=Link)
+    delayed: object | None = None  # delay.DelayedLink where delay runs without netem
 
     def exec_prefix(self) -> list[str]:
         """Run a command on this host."""
@@ -141,9 +143,13 @@ def _check_link(link: Link) -> None:
     """Refuse, with the reason, a link this machine cannot emulate (never run it unshaped)."""
     if not link.needs_netem or netem_available():
         return
-    if link.delay_ms or link.jitter_ms:
-        raise LabUnavailable("delay and jitter need the netem qdisc, which this kernel does not have (sch_netem); "
-                             "rate caps (tbf) and loss (nft) work without it")
+    from pdserve.lab import delay
+    if (link.delay_ms or link.jitter_ms) and not delay.available():
+        raise LabUnavailable("delay and jitter need the netem qdisc (this kernel has no sch_netem) or iptables' "
+                             "NFQUEUE target (scripts/install.sh installs iptables when root); rate caps (tbf) and "
+                             "loss (nft) work without them")
+    if not link.loss_pct:
+        return
     if not nft_available():
         raise LabUnavailable("loss needs the netem qdisc or the packet filter (`nft` with nf_tables numgen); this "
                              "machine has neither (scripts/install.sh installs nftables when root)")
@@ -260,8 +266,8 @@ class Network:
         _run(*inside, "ip", "link", "set", h.veth, "up")
         _run(*inside, "ip", "link", "set", "lo", "up")
         _run(*inside, "ip", "route", "add", "default", "via", self.gateway_ip)
+        self.hosts[name] = h  # before shaping: close() then stops what a failed shape started
         self.shape(h, link)
-        self.hosts[name] = h
         return h
 
     def shape(self, h: Host, link: Link) -> None:
@@ -269,6 +275,7 @@ class Network:
         toward it; loss without netem by the packet filter in the host's namespace."""
         _check_link(link)
         use_netem = link.needs_netem and netem_available()
+        self._shape_delay(h, link, use_netem)
         # both directions, each at an ingress: into the host on its veth, out of it on the bridge's end
         for prefix, dev, table in ((h.exec_prefix(), h.veth, "pdlab_loss"), ([], h.peer, f"pdlab_{h.peer}"[:30])):
             subprocess.run([*prefix, "nft", "delete", "table", "netdev", table], capture_output=True)
@@ -291,6 +298,14 @@ class Network:
             elif link.rate_bps:
                 _run(*prefix, "tc", "qdisc", "add", "dev", dev, "root", "tbf", *_tbf_args(link.rate_bps))
         h.link = link
+
+    def _shape_delay(self, h: Host, link: Link, use_netem: bool) -> None:
+        from pdserve.lab.delay import DelayedLink
+        if h.delayed is not None:
+            h.delayed.close()
+            h.delayed = None
+        if (link.delay_ms or link.jitter_ms) and not use_netem:
+            h.delayed = DelayedLink(h.exec_prefix(), h.veth, link.delay_ms, link.jitter_ms)
 
     def hold(self, hosts: list[Host], seconds: float) -> Held:
         """A delay spike without netem: every packet to or from `hosts` is held back for about `seconds`, then
@@ -358,6 +373,10 @@ class Network:
         _run("ip", "link", "set", h.peer, "down" if down else "up")
 
     def close(self) -> None:
+        for h in self.hosts.values():
+            if h.delayed is not None:
+                h.delayed.close()  # its process outlives the namespace otherwise
+                h.delayed = None
         while self._made:
             kind, name = self._made.pop()
             if kind == "netns":

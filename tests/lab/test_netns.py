@@ -24,21 +24,110 @@ def test_bad_link_specs_name_the_problem(bad):
         Link.parse(bad)
 
 
-def test_delay_without_netem_is_refused_not_ignored():
+def test_delay_nowhere_to_run_is_refused_not_ignored(monkeypatch):
+    """A machine with neither netem nor the packet filter's queue cannot delay: such a link is refused with the
+    reason, never run unshaped (a rate cap alone still works)."""
+    from pdserve.lab import delay, netns
     try:
         check_available()
     except LabUnavailable as e:
         pytest.skip(str(e))
-    if netem_available():
-        pytest.skip("this kernel has netem: delay is emulated")
+    monkeypatch.setattr(netns, "netem_available", lambda: False)
+    monkeypatch.setattr(delay, "available", lambda: False)
     with Network(tag="t0") as net:
-        with pytest.raises(LabUnavailable, match="netem"):
+        with pytest.raises(LabUnavailable, match="netem.*NFQUEUE"):
             net.add_host("h", Link(delay_ms=5))
         if not nft_available():
             with pytest.raises(LabUnavailable, match="loss"):
                 net.add_host("l", Link(loss_pct=5))
         h = net.add_host("g", Link(rate_bps=10**8))  # a rate cap needs only tbf
         assert h.link.rate_bps == 10**8
+
+
+def _echo_rtts(dst, port: int, n: int = 60) -> list[tuple[int, float]]:
+    """(index, round trip s) of `n` UDP datagrams sent every 5 ms from the client to an echo on host `dst`, in the
+    order the echoes came back."""
+    import socket
+    import subprocess
+    import sys
+    import threading
+    import time
+    srv = subprocess.Popen([*dst.exec_prefix(), sys.executable, "-c", _ECHO.format(ip=dst.ip, port=port)],
+                           stderr=subprocess.DEVNULL)
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.settimeout(0.3)
+        for _ in range(50):  # until the echo answers
+            s.sendto(b"-1", (dst.ip, port))
+            try:
+                s.recv(64)
+                break
+            except TimeoutError:
+                pass
+        time.sleep(0.3)  # late answers to the probes
+        s.setblocking(False)
+        while True:
+            try:
+                s.recv(64)
+            except BlockingIOError:
+                break
+        s.settimeout(1.0)
+        sent, got = {}, []
+
+        def receive():
+            try:
+                while len(got) < n:
+                    i = int(s.recv(64))
+                    if i >= 0:
+                        got.append((i, time.monotonic() - sent[i]))
+            except TimeoutError:
+                pass
+        rx = threading.Thread(target=receive)
+        rx.start()
+        for i in range(n):
+            sent[i] = time.monotonic()
+            s.sendto(str(i).encode(), (dst.ip, port))
+            time.sleep(0.005)
+        rx.join()
+        return got
+    finally:
+        s.close()
+        srv.kill()
+        srv.wait()
+
+
+def test_delay_and_jitter_hold_each_packet_both_ways_in_order():
+    """A 10 ms link (netem, or without it the NFQUEUE reader of lab/delay.py): a datagram to the host and its echo
+    back each cross the link, so the round trip gains 2 x 10 ms; with 5 ms of jitter the round trips spread over
+    [10, 30] ms yet come back in the order sent (the reader never lets a packet overtake another); reshaped to no
+    delay the round trip is back under a few ms and the reader is gone; none is lost throughout."""
+    from statistics import median
+    try:
+        check_available()
+    except LabUnavailable as e:
+        pytest.skip(str(e))
+    from pdserve.lab import delay
+    if not netem_available() and not delay.available():
+        pytest.skip("delay needs netem or iptables' NFQUEUE, neither is here")
+    with Network(tag="t5") as net:
+        h = net.add_host("h", Link(rate_bps=40 * 10**6))
+        base = median(r for _, r in _echo_rtts(h, 5330))
+        net.shape(h, Link(rate_bps=40 * 10**6, delay_ms=10))
+        reader = h.delayed
+        flat = _echo_rtts(h, 5331)
+        net.shape(h, Link(rate_bps=40 * 10**6, delay_ms=10, jitter_ms=5))
+        spread = _echo_rtts(h, 5332)
+        net.shape(h, Link(rate_bps=40 * 10**6))
+        after = median(r for _, r in _echo_rtts(h, 5333))
+    assert len(flat) == len(spread) == 60, (len(flat), len(spread))
+    rf = sorted(r for _, r in flat)
+    assert 0.0195 <= rf[0] and median(rf) <= 0.026 + base, (base, rf)
+    rs = sorted(r for _, r in spread)
+    assert 0.0095 <= rs[0] and rs[int(0.9 * 60)] - rs[int(0.1 * 60)] >= 0.004, rs  # spread by the jitter
+    assert [i for i, _ in spread] == list(range(60))  # in order
+    assert base < 0.005 and after < 0.005, (base, after)
+    if reader is not None:
+        assert reader.proc.poll() is not None  # reshaping stopped the reader
 
 
 def _connects(src, dst, port: int) -> bool:
