@@ -34,6 +34,12 @@ def add_args(p) -> None:
     p.add_argument("--cell-duration", type=float, default=6.0, help="seconds of arrivals per cell")
     p.add_argument("--min-requests-per-cell", type=int, default=12)
     p.add_argument("--requests-per-cell", type=int, default=None, help="fixed count (overrides --cell-duration)")
+    p.add_argument("--no-paired-ttft", action="store_true",
+                   help="skip the paired TTFT phase (every mode's deployment up at once, the isolated requests "
+                        "alternated between them) that the TTFT-overhead target prefers")
+    p.add_argument("--isolated-requests", type=int, default=9,
+                   help="requests sent one at a time per (prompt, output) before the cells: the unloaded TTFT the "
+                        "TTFT-overhead target compares (their p50) and the isolated ITL the interference ratio uses")
     p.add_argument("--modes", default="colocated,disagg,auto",
                    help="colocated, disagg (always P -> D) and auto (the router picks per request, same pools)")
     p.add_argument("--colocated-layout", choices=["1x2", "2x1"], default="1x2",
@@ -171,22 +177,25 @@ def _specs(a, plen: int, olen: int, rate: float, n: int, seed: int):
 
 def cell_specs(a, plen: int, olen: int, rate: float, ci: int | None):
     """Cell `ci`'s seeded schedule (a fresh seed per cell, the same in every mode: repeated prompts would hit the
-    prefix cache); `ci` None: the isolated request of (plen, olen)."""
+    prefix cache); `ci` None: the isolated requests of (plen, olen), distinct prompts, the same in every mode."""
     if ci is None:
-        return _specs(a, plen, olen, 0.0, 1, a.seed + 100_000 + 7 * plen + 13 * olen)
+        return _specs(a, plen, olen, 0.0, max(1, a.isolated_requests), a.seed + 100_000 + 7 * plen + 13 * olen)
     n = a.requests_per_cell or max(a.min_requests_per_cell, round(rate * a.cell_duration))
     return _specs(a, plen, olen, rate, n, a.seed + 1000 * (ci + 1))
 
 
 async def _isolated(target, a, plen, olen) -> dict:
-    """One request alone (after warm-up): the deployment's unloaded TTFT and decode ITL."""
+    """Requests one at a time (after warm-up): the deployment's unloaded TTFT and decode ITL. Their p50 over
+    several distinct prompts, so that one request's scheduling noise on a shared box (+-25 ms seen) is not read
+    as the deployment's overhead."""
     from pdserve.bench.runner import PointConfig, run_point
     s0 = a.seed + 100_000 + 7 * plen + 13 * olen  # distinct from the cells and from other (P, O)
     specs = cell_specs(a, plen, olen, 0.0, None)
-    pt = await run_point(target, specs, PointConfig(keep_records=False), MX.SLO(a.slo_ttft, a.slo_tpot),
+    pt = await run_point(target, specs, PointConfig(keep_records=False, concurrency=1), MX.SLO(a.slo_ttft, a.slo_tpot),
                          warmup=_specs(a, plen, olen, 0.0, 2, s0 + 1))
     L = pt["steady"]["latency"]
-    return {"ttft_s": L["ttft_s"].get("p50"), "itl_p50_s": L["itl_s"].get("p50"), "tpot_s": L["tpot_s"].get("p50")}
+    return {"ttft_s": L["ttft_s"].get("p50"), "ttft_p90_s": L["ttft_s"].get("p90"), "n": pt["steady"]["n_ok"],
+            "itl_p50_s": L["itl_s"].get("p50"), "tpot_s": L["tpot_s"].get("p50")}
 
 
 def _cell_row(pt: dict, iso: dict) -> dict:
@@ -479,6 +488,11 @@ def run_breakeven(a) -> int:
         if a.sim_costs and not a.no_sim:
             repredict(_original_args(meta.get("argv", [])), a.sim_costs, out, grid, slo, results)
     costs = sim_costs(a, modes, out, meta) if modes and not a.no_sim else None
+    if modes and not a.no_paired_ttft and "colocated" in modes and any(m.startswith("disagg") for m in modes):
+        from pdserve.bench import breakeven_paired
+        paired = breakeven_paired.measure(a, modes, sorted({(p, o) for p, o, _ in grid}))
+        for mode, iso in paired.items():
+            results.setdefault(mode, {})["isolated_paired"] = iso
     with Progress(not a.no_progress) as prog:
         for mode in modes:
             try:

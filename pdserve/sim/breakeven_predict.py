@@ -134,8 +134,8 @@ def predict_mode(costs: dict[int, LinearCostModel], mode: str, res: dict, grid, 
     lay = layout(mode, colocated_layout)
     cost = link_cost(costs[lay.threads], link_of(mode))
     blocks = num_blocks(cost, num_gpu_blocks)
-    over = step_overhead(cost, res.get("isolated", {}), lambda p, o: make_specs(p, o, 0.0, None), lay, slo, blocks,
-                         max_num_seqs)
+    lone = lambda p, o: make_specs(p, o, 0.0, None)[:1]  # noqa: E731 - one request: the isolated ones ran alone
+    over = step_overhead(cost, res.get("isolated", {}), lone, lay, slo, blocks, max_num_seqs)
     mcost = served(cost, over)
     for ci, (plen, olen, rate) in enumerate(grid):
         row = res.get("cells", {}).get(f"{plen}x{olen}x{rate:g}")

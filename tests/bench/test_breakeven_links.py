@@ -45,5 +45,6 @@ def test_replot_rebuilds_the_study_options_and_workloads_from_its_argv():
     one, again = cell_specs(a, 512, 16, 6.0, 3), cell_specs(a, 512, 16, 6.0, 3)
     assert [s.prompt for s in one] == [s.prompt for s in again] and len(one[0].prompt) == 512
     assert cell_specs(a, 512, 16, 6.0, 2)[0].prompt != one[0].prompt  # another cell, other prompts
-    (iso,) = cell_specs(a, 32, 16, 0.0, None)
-    assert len(iso.prompt) == 32 and iso.output_len == 16
+    iso = cell_specs(a, 32, 16, 0.0, None)  # the isolated requests, sent one at a time: distinct prompts
+    assert len(iso) == 9 and all(len(s.prompt) == 32 and s.output_len == 16 for s in iso)
+    assert len({tuple(s.prompt) for s in iso}) == 9
