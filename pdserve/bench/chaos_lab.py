@@ -22,6 +22,7 @@ LAB_FAULTS: dict[str, tuple[Callable[..., Awaitable[str]], float | None]] = {
     "link-down-mid-transfer": (faults.link_down_mid_transfer, 3.0),
     "loss-5pct": (faults.loss, 4.0),
     "delay-spike-200ms": (faults.delay_spike, None),
+    "delay-200ms-standing": (faults.standing_delay, 4.0),
     "asymmetric-partition": (faults.asymmetric_partition, 5.0),
     "router-redis-cut": (faults.router_redis_cut, 6.0),
     "decode-host-cut-10s": (faults.decode_host_cut, 10.0),

@@ -104,6 +104,21 @@ async def delay_spike(c: LabCluster, seconds: float = 0.2) -> str:
             "packets queued ~0.1 s before the release")
 
 
+async def standing_delay(c: LabCluster, delay_ms: float = 200.0, seconds: float = 4.0) -> str:
+    """Every worker host's link adds `delay_ms` to each packet, both ways (netem, or lab/delay.py where the kernel
+    has none), its rate cap kept, for `seconds` s: a KV pull from one worker host to another then waits 4 x
+    `delay_ms` per round trip, every streamed token 2 x `delay_ms` more."""
+    hosts = list(c.workers.values())
+    saved = {h.name: h.link for h in hosts}
+    try:
+        for h in hosts:
+            await asyncio.to_thread(c.net.shape, h, replace(saved[h.name], delay_ms=delay_ms))
+        await asyncio.sleep(seconds)
+    finally:
+        await _heal(lambda: [c.net.shape(h, saved[h.name]) for h in hosts])
+    return f"{len(hosts)} worker links delayed {delay_ms:g} ms each way for {seconds:g} s"
+
+
 async def asymmetric_partition(c: LabCluster, seconds: float = 5.0) -> str:
     """Every packet a decode host sends to a prefill host dropped, prefill -> decode untouched, for `seconds` s."""
     pairs = [(d, p) for d in hosts_of(c, "decode") for p in hosts_of(c, "prefill")]

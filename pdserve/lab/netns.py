@@ -19,6 +19,7 @@ from __future__ import annotations
 import fcntl
 import functools
 import ipaddress
+import itertools
 import os
 import shutil
 import subprocess
@@ -214,6 +215,7 @@ def _queued(devs: dict[str | None, list[str]]):
 
 
 _LOCK = "/tmp/pdserve-lab.lock"
+_NETWORKS = itertools.count()
 
 
 def _free_subnet() -> str:
@@ -235,7 +237,8 @@ class Network:
         processes (two test runs, a test run and `pdserve lab`) run side by side; names carry the pid for the
         same reason."""
         check_available()
-        self.tag = f"{tag or ''}{os.getpid() % 10000}"
+        n = next(_NETWORKS)  # a second lab in this process (the break-even's paired phase runs several at once)
+        self.tag = f"{tag or ''}{os.getpid() % 10000}{'' if n == 0 else chr(ord('a') + n % 26)}"
         self.bridge = f"pdl{self.tag}"
         self.hosts: dict[str, Host] = {}
         self._made: list[tuple[str, str]] = []  # ("link" | "netns", name) to remove, newest last

@@ -439,6 +439,23 @@ def test_a_200ms_delay_spike_on_the_worker_links_with_streams_in_flight(lab):
     assert out[6][3].startswith("disagg"), out[6]  # the long prompt crossed the held links
 
 
+def test_a_standing_delay_on_the_worker_links_with_streams_in_flight(lab):
+    """50 ms added to every packet each way on every worker host's link (netem, or the NFQUEUE reader of
+    lab/delay.py where the kernel has none), rates kept, while 6 streams and a long prompt's prefill or pull are in
+    flight, for the rest of their lives: a pull between two worker hosts then waits 4 x 50 ms per round trip.
+    Every request finishes by its deadline, nothing leaks, and the pulls show the delay."""
+    pulls0 = (_decode_sum(lab, "pdserve_kv_transfer_seconds_sum"), _decode_sum(lab, "pdserve_kv_transfer_seconds_count"))
+    slow = Link(rate_bps=RATE_BPS, delay_ms=50)
+    out = _faulty_links_with_streams_in_flight(
+        lab, lambda: [lab.net.shape(h, slow) for h in lab.workers.values()], "delay")
+    assert all(k == "done" for k, _, _, _ in out), out
+    assert out[6][3].startswith("disagg"), out[6]  # the long prompt crossed the delayed links
+    took = _decode_sum(lab, "pdserve_kv_transfer_seconds_sum") - pulls0[0]
+    n = _decode_sum(lab, "pdserve_kv_transfer_seconds_count") - pulls0[1]
+    print(f"delay: {n:.0f} pulls in {took:.2f} s")
+    assert n >= 1 and took >= 0.2, (n, took)  # at least one pull paid a delayed round trip
+
+
 def test_five_percent_loss_on_the_worker_links_with_streams_in_flight(lab):
     """5% of the packets dropped each way on every worker host's link (nft where netem is absent), while 6 streams
     and a long prompt's KV pull are in flight, for the rest of their lives: TCP retransmits, every request ends
