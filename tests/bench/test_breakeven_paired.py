@@ -25,11 +25,11 @@ def test_every_mode_the_same_prompts_alternated_and_rotated(monkeypatch):
     monkeypatch.setattr(breakeven, "start_mode", lambda a, m: (_Dep(m, log), {}))
     ttft = {"colocated": 0.030, "disagg@10gbit": 0.032, "auto@10gbit": 0.031}
 
-    async def fake(target, spec, slo):
-        mode = target.base_url.removeprefix("http://")
+    def fake(url, spec):
+        mode = url.removeprefix("http://")
         calls.append((mode, tuple(spec.prompt)))
-        return ttft[mode]
-    monkeypatch.setattr(breakeven_paired, "_ttft", fake)
+        return {"ttft": ttft[mode], "path": ttft[mode] - 0.025}
+    monkeypatch.setattr(breakeven_paired, "_one", fake)
     modes = list(ttft)
     out = breakeven_paired.measure(_args(), modes, [(32, 4)])
     measured = calls[2 * len(modes):]  # after two warm-up requests per mode
@@ -41,6 +41,7 @@ def test_every_mode_the_same_prompts_alternated_and_rotated(monkeypatch):
         assert [m for m, _ in turn] == modes[i % 3:] + modes[:i % 3]  # rotated: no mode always goes first
     for m in modes:
         assert out[m]["32x4"]["n"] == 6 and out[m]["32x4"]["ttft_s"] == pytest.approx(ttft[m])
+        assert out[m]["32x4"]["path_s"] == pytest.approx(ttft[m] - 0.025)
     assert sorted(x for _, x in log) == sorted(modes)
 
 
@@ -48,9 +49,9 @@ def test_deployments_are_stopped_when_a_request_fails(monkeypatch):
     log = []
     monkeypatch.setattr(breakeven, "start_mode", lambda a, m: (_Dep(m, log), {}))
 
-    async def boom(target, spec, slo):
+    def boom(url, spec):
         raise RuntimeError("gateway went away")
-    monkeypatch.setattr(breakeven_paired, "_ttft", boom)
+    monkeypatch.setattr(breakeven_paired, "_one", boom)
     with pytest.raises(RuntimeError):
         breakeven_paired.measure(_args(), ["colocated", "disagg"], [(32, 4)])
     assert sorted(x for _, x in log) == ["colocated", "disagg"]

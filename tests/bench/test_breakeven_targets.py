@@ -108,3 +108,11 @@ def test_ttft_overhead_from_the_isolated_requests_when_both_runs_have_enough():
     res["disagg@10gbit"]["isolated_paired"] = {"512x16": {"ttft_s": 0.0785, "n": 9}}
     (t1,) = T.ttft_targets(res, grid, "10gbit")
     assert t1["basis"] == "paired isolated p50, n=9" and t1["overhead_s"] == pytest.approx(0.0035) and t1["met"]
+    # with stage times: the verdict on the path around the engine (TTFT less queue and prefill), the whole kept
+    res["colocated"]["isolated_paired"]["512x16"]["path_s"] = 0.006
+    res["disagg@10gbit"]["isolated_paired"]["512x16"].update(ttft_s=0.0900, path_s=0.0075)
+    (t1,) = T.ttft_targets(res, grid, "10gbit")
+    assert t1["path_overhead_s"] == pytest.approx(0.0015) and t1["overhead_s"] == pytest.approx(0.0015)
+    assert t1["ttft_overhead_s"] == pytest.approx(0.015) and t1["met"]
+    line = T.lines({"ttft_overhead": {"rows": [t1]}, "auto_goodput": {"rows": []}, "unlabelled_fallback": {"rows": []}})
+    assert "path (TTFT less queue and prefill) 1.5 ms, whole TTFT 15.0 ms, vs budget" in line[0], line
