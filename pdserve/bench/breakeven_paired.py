@@ -2,9 +2,10 @@
 requests sent one at a time to each in turn.
 
 Why: the modes' cells run one deployment after another, minutes apart, and on a shared 2-core box the unloaded TTFT
-drifts between them by more than the overhead being measured (one run: the colocated deployment's isolated p50
-81 ms at P = 512, the disaggregated one's 122 ms twelve minutes later; the same two deployments side by side,
-requests alternated, differ by 1.9 / 5.4 / -5.6 ms at P = 32 / 256 / 512). Deployments that are up but idle cost
+drifts between them by more than the overhead being measured (one run, Intel model 207 under other jobs: the
+colocated deployment's isolated p50 81 ms at P = 512, the disaggregated one's 122 ms measured about a minute
+later; two such deployments on one host, requests alternated between them, differed by 1.9 / 5.4 / -5.6 ms at
+P = 32 / 256 / 512). Deployments that are up but idle cost
 nothing, so alternating request by request puts every mode under the same conditions. Each request goes to the
 modes in a rotated order, so no mode always follows another.
 
