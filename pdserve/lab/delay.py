@@ -161,20 +161,18 @@ QUEUE = 0  # NFQUEUE numbers are per network namespace: every host can use the s
 def available() -> bool:
     """Whether delay can be emulated here without netem: `iptables` (its NFQUEUE target; this kernel's nftables
     has no `queue` expression but runs xtables targets) and a bindable queue, tried in a scratch namespace."""
+    from pdserve.lab.netns import scratch_namespace
     if shutil.which("iptables") is None:
         return False
-    ns = f"pddq{os.getpid() % 100000}"
-    if subprocess.run(["ip", "netns", "add", ns], capture_output=True).returncode != 0:
-        return False
-    try:
-        r = subprocess.run(["ip", "netns", "exec", ns, "iptables", "-t", "mangle", "-A", "OUTPUT", "-o", "lo", "-j",
-                            "NFQUEUE", "--queue-num", str(QUEUE)], capture_output=True)
-        probe = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c",
-                                f"from pdserve.lab.delay import bind; bind({QUEUE})"], capture_output=True,
-                               env={**os.environ, "PYTHONPATH": _root()})
+    with scratch_namespace("pddq") as ns:
+        if ns is None:
+            return False
+        inside = ["ip", "netns", "exec", ns]
+        r = subprocess.run([*inside, "iptables", "-t", "mangle", "-A", "OUTPUT", "-o", "lo", "-j", "NFQUEUE",
+                            "--queue-num", str(QUEUE)], capture_output=True)
+        probe = subprocess.run([*inside, sys.executable, "-c", f"from pdserve.lab.delay import bind; bind({QUEUE})"],
+                               capture_output=True, env={**os.environ, "PYTHONPATH": _root()})
         return r.returncode == 0 and probe.returncode == 0
-    finally:
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
 def _root() -> str:

@@ -16,6 +16,7 @@ this machine cannot emulate is refused with the reason, never run silently unsha
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import ipaddress
@@ -113,19 +114,27 @@ def netem_available() -> bool:
         subprocess.run(["ip", "link", "del", name], capture_output=True)
 
 
+@contextlib.contextmanager
+def scratch_namespace(prefix: str):
+    """A network namespace to try something in, removed afterwards; None where one cannot be made."""
+    ns = f"{prefix}{os.getpid() % 100000}"
+    if subprocess.run(["ip", "netns", "add", ns], capture_output=True).returncode != 0:
+        yield None
+        return
+    try:
+        yield ns
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
 @functools.cache
 def nft_available() -> bool:
     """Whether the packet filter can drop at random here (`nft` installed and the kernel's nf_tables + numgen)."""
     if shutil.which("nft") is None:
         return False
-    ns = f"pdnf{os.getpid() % 100000}"
-    if subprocess.run(["ip", "netns", "add", ns], capture_output=True).returncode != 0:
-        return False
-    try:
-        return subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], input=_loss_rules(1.0), text=True,
-                              capture_output=True).returncode == 0
-    finally:
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    with scratch_namespace("pdnf") as ns:
+        return ns is not None and subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"],
+                                                 input=_loss_rules(1.0), text=True, capture_output=True).returncode == 0
 
 
 def _loss_rules(loss_pct: float, dev: str = "lo", table: str = "pdlab_loss") -> str:
