@@ -19,6 +19,10 @@ from itertools import accumulate
 import torch
 
 MIN_BUCKET = 16
+# Tokens one pass takes at most; longer steps go in slices of this many (a token's output does not depend on the
+# others'). Its buffers hold ~3 rows of H and 2 of I per (token, expert) pair: ~90 MB at 2048 tokens, top 8 and the
+# bench model's bf16 sizes, freed when the layer returns.
+MAX_TOKENS = 2048
 
 
 def bucket(rows: int) -> int:
@@ -55,6 +59,9 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor
                     w2: torch.Tensor, first: int, ops) -> torch.Tensor:
     """sum over each row's chosen experts held here of weight * down(silu(gate) * up): x [T, H] contiguous CPU,
     weights and chosen [T, k], w13 [E, 2I, H] and w2 [E, H, I] plain (x's dtype), `ops` the native kernels."""
+    if x.shape[0] > MAX_TOKENS:
+        return torch.cat([grouped_experts(x[i:i + MAX_TOKENS], weights[i:i + MAX_TOKENS], chosen[i:i + MAX_TOKENS],
+                                          w13, w2, first, ops) for i in range(0, x.shape[0], MAX_TOKENS)])
     src, pos, segments = plan(chosen, first, w13.shape[0])
     out = torch.empty_like(x)
     if not segments:

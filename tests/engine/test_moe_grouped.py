@@ -78,6 +78,20 @@ def test_matches_float64(ckpt, dtype, tol):
             assert (got - ref).abs().max().item() <= tol * max(ref.abs().max().item(), 1.0)
 
 
+def test_long_steps_go_in_slices(ckpt, monkeypatch):
+    """Past MAX_TOKENS a step runs in slices, as in one pass (within a bf16 unit: the GEMMs' shapes differ)."""
+    from pdserve.engine import moe_grouped
+    moe = sparse_layer(engine_of(ckpt, "bfloat16"))
+    w13, _, w2, _ = moe.stacked
+    x = torch.randn(100, 64).bfloat16()
+    weights, chosen = route(moe, x)
+    whole = grouped_experts(x, weights, chosen, w13, w2, 0, moe.native_ops)
+    monkeypatch.setattr(moe_grouped, "MAX_TOKENS", 33)
+    sliced = grouped_experts(x, weights, chosen, w13, w2, 0, moe.native_ops)
+    assert sliced.shape == whole.shape
+    assert (sliced.float() - whole.float()).abs().max().item() <= 1e-2 * max(whole.float().abs().max().item(), 1.0)
+
+
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 2e-2)])
 def test_layer_matches_transformers_block(ckpt, dtype, tol, monkeypatch):
     """The whole sparse layer (router, top-k, grouped experts) on a many-token chunk against transformers'
