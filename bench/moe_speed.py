@@ -1,6 +1,6 @@
 """Sparse MoE speed: pdserve's native MoE kernel against its Python expert loop, llama.cpp and transformers, one run.
 
-    python bench/moe_speed.py [--threads N] [--rounds 40] [--requests 16]
+    python bench/moe_speed.py [--threads N] [--rounds 40] [--requests 16] [--mixed-rounds 3]
 
 The model is a random Qwen3-MoE made with transformers' config class (sizes printed; ~100M parameters active a
 token of ~290M), saved in bf16. Batch-1 decode after a 256-token prompt, the steps interleaved round after round
@@ -10,8 +10,9 @@ call per step), `Python layers` (the same kernel from the Python layer loop: PDS
 loop` (PDSERVE_NATIVE_MOE=0: experts one by one in Python), all dtype=auto. llama.cpp (llama-cpp-python + gguf, optional) runs a bf16 GGUF written
 here from the same weights (arch qwen3moe: experts stacked as ffn_{gate,up,down}_exps, router ffn_gate_inp,
 q/k norms; Qwen3's rotate-half rope is llama.cpp's NEOX rope, so q/k are not permuted). Then the mixed workload
-(bench/engine_throughput.py's, fewer requests and shorter outputs to fit a 2-core box): pdserve against
-transformers' generate (length-sorted static batches). Prints the CPU's model name and flags (lscpu); figures hold
+(bench/engine_throughput.py's, fewer requests and shorter outputs to fit a 2-core box): pdserve, pdserve with
+prefill chunks' experts on the Python loop (PDSERVE_GROUPED_MOE=0) and transformers' generate (length-sorted static
+batches), one after another for --mixed-rounds rounds; medians. Prints the CPU's model name and flags (lscpu); figures hold
 for that CPU only.
 """
 from __future__ import annotations
@@ -34,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench.engine_throughput import run_engine, run_hf, set_threads  # noqa: E402
 from bench.quantization import env  # noqa: E402
 from pdserve.engine.decoder_stack import STACK_ENV  # noqa: E402
-from pdserve.engine.moe import NATIVE_MOE_ENV  # noqa: E402
+from pdserve.engine.moe import GROUPED_MOE_ENV, NATIVE_MOE_ENV  # noqa: E402
 
 SIZES = dict(vocab_size=32000, hidden_size=768, num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4,
              head_dim=64, moe_intermediate_size=384, intermediate_size=2048, num_experts=32, num_experts_per_tok=8,
@@ -200,17 +201,36 @@ def batch1(model_dir: Path, d: Path, rounds: int) -> None:
         print(f"  {name:24s} {s * 1e3:7.2f} ms {1 / s:7.1f} tok/s{vs}")
 
 
-def mixed(model_dir: Path, n: int, hf_batch: int, hf_dtypes: list[str]) -> None:
+MIXED = {"pdserve": {}, "pdserve, expert loop": {GROUPED_MOE_ENV: "0"}}  # the latter: prefill chunks' old path
+
+
+def mixed(model_dir: Path, n: int, hf_batch: int, hf_dtypes: list[str], rounds: int) -> None:
+    """`rounds` rounds, each pdserve (grouped prefill experts), pdserve with the expert loop (PDSERVE_GROUPED_MOE=0)
+    and transformers one after another, so load from other processes falls on all alike; medians over rounds."""
     rng = random.Random(0)
     reqs = [([rng.randrange(100, 32000) for _ in range(rng.randint(32, 256))], rng.randint(16, 64)) for _ in range(n)]
-    e_t, e_tok = run_engine(model_dir, reqs)
-    print(f"mixed workload ({n} requests, prompts 32-256, outputs 16-64): pdserve {e_tok / e_t:.1f} tok/s")
-    best = 0.0
-    for dt in hf_dtypes:
-        h_t, h_tok = run_hf(model_dir, reqs, hf_batch, getattr(torch, dt))
-        print(f"  transformers generate ({dt}, batch {hf_batch}, length-sorted): {h_tok / h_t:.1f} tok/s")
-        best = max(best, h_tok / h_t)
-    print(f"mixed workload: pdserve / best transformers = {e_tok / e_t / best:.2f}x")
+    rates, ratios = {}, []
+    for r in range(rounds):
+        for name, variables in MIXED.items():
+            with contextlib.ExitStack() as scope:
+                for var, value in variables.items():
+                    scope.enter_context(env(var, value))
+                e_t, e_tok = run_engine(model_dir, reqs)
+            rates.setdefault(name, []).append(e_tok / e_t)
+        for dt in hf_dtypes:
+            h_t, h_tok = run_hf(model_dir, reqs, hf_batch, getattr(torch, dt))
+            rates.setdefault(f"transformers generate ({dt}, batch {hf_batch}, length-sorted)", []).append(h_tok / h_t)
+        ratios.append(rates["pdserve"][-1] / max(v[-1] for k, v in rates.items() if k.startswith("transformers")))
+        print(f"round {r + 1}: " + "; ".join(f"{k} {v[-1]:.1f} tok/s" for k, v in rates.items())
+              + f"; pdserve / transformers {ratios[-1]:.2f}x")
+    med = {k: sorted(v)[len(v) // 2] for k, v in rates.items()}
+    best = max(v for k, v in med.items() if k.startswith("transformers"))
+    print(f"mixed workload ({n} requests, prompts 32-256, outputs 16-64), medians of {rounds} rounds:")
+    for k, v in med.items():
+        vs = f"  {v / best:.2f}x best transformers" if k.startswith("pdserve") else ""
+        print(f"  {k:60s} {v:7.1f} tok/s{vs}")
+    print(f"mixed workload: pdserve / best transformers = {med['pdserve'] / best:.2f}x (medians' ratio); "
+          f"median of the rounds' own ratios {sorted(ratios)[len(ratios) // 2]:.2f}x")
 
 
 def main() -> None:
@@ -221,6 +241,7 @@ def main() -> None:
     ap.add_argument("--hf-batch", type=int, default=8)
     ap.add_argument("--hf-dtypes", default="bfloat16", help="comma-separated; the best is the baseline")
     ap.add_argument("--skip-mixed", action="store_true")
+    ap.add_argument("--mixed-rounds", type=int, default=1, help="rounds of the mixed workload, engines alternating")
     args = ap.parse_args()
     set_threads(args.threads)
     describe_cpu()
@@ -228,7 +249,7 @@ def main() -> None:
         model_dir = build_model(Path(d) / "model")
         batch1(model_dir, Path(d), args.rounds)
         if not args.skip_mixed:
-            mixed(model_dir, args.requests, args.hf_batch, args.hf_dtypes.split(","))
+            mixed(model_dir, args.requests, args.hf_batch, args.hf_dtypes.split(","), args.mixed_rounds)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ KNOBS: dict[str, Knob] = {
     "PDSERVE_DECODER_STACK": Knob("1", "0: always the Python layer loop instead of the fused decoder stack", "engine"),
     "PDSERVE_NATIVE_MOE": Knob("1", "0: sparse MoE layers always loop over their experts in Python instead of the "
                                     "native kernel for small steps", "engine"),
+    "PDSERVE_GROUPED_MOE": Knob("1", "0: sparse MoE steps past the native kernel's size loop over their experts in "
+                                     "Python instead of the grouped GEMMs", "engine"),
     "PDSERVE_BF16_WEIGHTS": Knob("", "1: dtype=auto keeps a bf16 checkpoint's projections in bf16; 0: never",
                                  "engine"),
     "PDSERVE_BATCH1_GEMV": Knob("", "1 / 0: force / forbid the plain weight copies for small-batch GEMVs", "engine"),

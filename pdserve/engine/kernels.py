@@ -8,7 +8,8 @@ the pool for bf16 on AVX-512 (csrc/prefill_attention.cpp; SDPA stays the path el
 weights held narrower than the compute dtype, int8 or bf16 (csrc/weight_gemv.cpp; engine/quant.py), and a step's
 new K/V rows stored into the pool in one call (csrc/kv_write.cpp), and every decoder layer of a small all-decode
 step as one call over those kernels (csrc/decoder_stack.cpp; engine/decoder_stack.py), and a sparse MoE layer's
-routed experts for a decode-sized batch in one call (csrc/moe_experts.cpp; engine/moe.py).
+routed experts for a decode-sized batch in one call (csrc/moe_experts.cpp; engine/moe.py), and the weighted sum
+that closes a many-token step's grouped experts (csrc/moe_combine.cpp; engine/moe_grouped.py).
 Every kernel has a pure-torch twin in attention.py that the tests
 compare it against; when the build is impossible (no compiler, `PDSERVE_NATIVE_KERNELS=0`, a non-CPU device) the
 engine uses the twin and says so once in its log.
@@ -46,7 +47,8 @@ _failed: str | None = None
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("bindings.cpp", "paged_attention.cpp", "silu_and_mul.cpp", "norm_rope.cpp", "row_stats.cpp",
-           "prefill_attention.cpp", "weight_gemv.cpp", "kv_write.cpp", "decoder_stack.cpp", "moe_experts.cpp")
+           "prefill_attention.cpp", "weight_gemv.cpp", "kv_write.cpp", "decoder_stack.cpp", "moe_experts.cpp",
+           "moe_combine.cpp")
 # -march=native: the extension is built on the machine that runs it (the CPU's targets are part of the cache key).
 # Reassociation lets g++ vectorise the fp32 dot products and sums (no NaN/inf assumptions).
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",

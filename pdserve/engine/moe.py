@@ -13,16 +13,18 @@ and up interleaved column by column: they are split into the fused [gate | up] l
 DeepSeek-V3 routes by sigmoid scores in fp32 within the best groups of experts (`_route_grouped`) and adds shared
 experts every token takes.
 
-Two paths. Steps of up to NATIVE_MAX_TOKENS tokens on CPU with the native kernels run every routed expert in one
+Three paths. Steps of up to NATIVE_MAX_TOKENS tokens on CPU with the native kernels run every routed expert in one
 call (csrc/moe_experts.cpp: per (token, expert) pair the gate/up GEMV, silu(gate) * up, the down GEMV and the
 weighted sum, all hit experts' weight rows spread over the threads at once) over the experts' weights held stacked
 (`stack_experts`: [E, 2I, H] and [E, H, I], bf16 / fp32 / int8 with scales; each expert's module views its slice,
-so nothing is held twice). Larger steps (prefill chunks), gpt-oss (expert biases and the clamped gate), the
-deterministic mode (its tiles must not follow the row count) and `PDSERVE_NATIVE_MOE=0` take the loop: the experts
-one after another, each over the rows that chose it (a gather, two GEMMs, a scatter-add). With expert parallelism a
-rank holds a range of the experts (tp/shard.py) and both paths compute only those: over every token (the layer's
-all-reduce sums the ranks' shares) or, dispatched by all-to-all (tp/dispatch.py), over the rows other ranks send
-it (`dispatched`, `_rows`).
+so nothing is held twice). Larger steps (prefill chunks) on those stacked weights, bf16 or fp32, run grouped
+(moe_grouped.py: the pairs sorted by expert once, one GEMM per expert over its rows padded to a few shapes, one
+native weighted sum). int8 experts' large steps, gpt-oss (expert biases and the clamped gate), the deterministic
+mode (its tiles must not follow the row count), `PDSERVE_NATIVE_MOE=0` and `PDSERVE_GROUPED_MOE=0` take the loop:
+the experts one after another, each over the rows that chose it (a gather, two GEMMs, a scatter-add). With expert
+parallelism a rank holds a range of the experts (tp/shard.py) and every path computes only those: over every token
+(the layer's all-reduce sums the ranks' shares) or, dispatched by all-to-all (tp/dispatch.py), over the rows other
+ranks send it (`dispatched`, `_rows`: the native kernel or the loop).
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from torch import nn
 from pdserve import env_knobs
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.loader import take
+from pdserve.engine.moe_grouped import grouped_experts
 
 # How each architecture names a sparse layer's block, its router and its experts' gate, up and down projections.
 CHECKPOINT_NAMES = {
@@ -46,6 +49,7 @@ CHECKPOINT_NAMES = {
 # figure (quant.py), not yet tuned for experts (docs/engine.md, "Sparse MoE on the CPU").
 NATIVE_MAX_TOKENS = 32
 NATIVE_MOE_ENV = "PDSERVE_NATIVE_MOE"
+GROUPED_MOE_ENV = "PDSERVE_GROUPED_MOE"  # "0": steps past NATIVE_MAX_TOKENS keep the loop (comparisons)
 
 
 def _held(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -164,6 +168,14 @@ class SparseMoE(nn.Module):
         return (self.stacked is not None and self.native_ops is not None and not self.row_tile and x.dim() == 2
                 and rows <= NATIVE_MAX_TOKENS and x.is_contiguous() and x.device.type == "cpu")
 
+    def _takes_grouped(self, x: torch.Tensor) -> bool:
+        """Whether a step past the native kernel's size runs the experts grouped (moe_grouped.py): CPU, plain
+        stacked weights of x's dtype (not int8), not the deterministic mode (its tiles must not follow the row
+        count), PDSERVE_GROUPED_MOE not 0."""
+        return (self.stacked is not None and self.native_ops is not None and not self.row_tile and x.dim() == 2
+                and self.stacked[1] is None and self.stacked[0].dtype == x.dtype and x.is_contiguous()
+                and x.device.type == "cpu" and env_knobs.enabled(GROUPED_MOE_ENV))
+
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         """DeepSeek's shared experts: one dense SwiGLU MLP every token takes."""
         from pdserve.engine.model import swiglu
@@ -194,6 +206,9 @@ class SparseMoE(nn.Module):
             self.routed.scatter_add_(0, ids, torch.ones_like(ids))
             if self._takes_native(x, x.shape[0]):
                 out = self._native(x, weights, chosen)
+            elif self._takes_grouped(x):
+                w13, _, w2, _ = self.stacked
+                out = grouped_experts(x, weights, chosen, w13, w2, self.experts.start, self.native_ops)
             else:
                 out = self._loop(x, weights, chosen)
         if self.shared_gate_up is not None:

@@ -23,6 +23,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_route", &moe_route, "a softmax top-k router for a few tokens: weights, chosen experts, load counts",
         py::arg("weights"), py::arg("chosen"), py::arg("x"), py::arg("router"), py::arg("routed"),
         py::arg("norm_topk_prob"), py::arg("round_weights"));
+  m.def("moe_combine", &moe_combine, "a grouped MoE step's routing-weighted sum of each token's expert rows",
+        py::arg("out"), py::arg("y"), py::arg("pos"), py::arg("weights"));
   m.def("write_kv", &write_kv, "a step's new K/V rows stored at their pool slots (one layer)");
   m.def("argmax_logsumexp", &argmax_logsumexp, "per-row argmax (lowest index on ties) and log-sum-exp");
   bind_decoder_stack(m);

@@ -23,3 +23,4 @@ void moe_experts(at::Tensor out, const at::Tensor& x, const at::Tensor& chosen, 
                  const c10::optional<at::Tensor>& s2, int64_t first);
 void moe_route(at::Tensor weights, at::Tensor chosen, const at::Tensor& x, const at::Tensor& router,
                const c10::optional<at::Tensor>& routed, bool norm_topk_prob, bool round_weights);
+void moe_combine(at::Tensor out, const at::Tensor& y, const at::Tensor& pos, const at::Tensor& weights);
