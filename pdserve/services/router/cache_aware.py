@@ -49,6 +49,7 @@ class Scored:
     terms: dict[int, Terms]  # id(estimate) -> its spread terms; empty when no term is weighted
     keys: list[tuple]  # the request's spread keys (spread.py), recorded against the chosen worker
     device: dict[str, int]  # worker id -> its device-tier hit in tokens (a decode worker's side of a pair)
+    stalled: float = float("inf")  # the best local cost the stall cap dropped (cost.stalls_streams); inf: none
 
 
 class Policy:
@@ -127,8 +128,20 @@ class Policy:
         pairs = [self.cost.disagg(p, d, n, cached[p.rec.worker_id], device[d.rec.worker_id], out,
                                   recall[p.rec.worker_id])
                  for p, d in cands.pairs]
+        stalled = float("inf")  # the best local cost the stall cap dropped
+        if pairs and local:  # a choice between the two: no local prefill that would stall the streams there
+            local, stalled = self._stall_cap(local, min(e.cost for e in pairs))
         keys = self.spread.keys(req.namespace, req.prompt_token_ids)
-        return Scored(local, pairs, self._spread_terms(req, live, local + pairs, keys, out), keys, device)
+        return Scored(local, pairs, self._spread_terms(req, live, local + pairs, keys, out), keys, device, stalled)
+
+    def _stall_cap(self, local: list[Estimate], best_pair: float) -> tuple[list[Estimate], float]:
+        """The local estimates kept, and the best cost of those dropped: one that would stall its worker's streams
+        past the cap (cost.stalls_streams) is dropped unless disaggregating would cost over `local_stall_yield`
+        times as much (a link so slow that the pull outweighs the stall keeps a local prefill)."""
+        y = self.cost.p.local_stall_yield
+        drop = [e for e in local if self.cost.stalls_streams(e) and best_pair <= y * e.cost]
+        kept = [e for e in local if all(e is not d for d in drop)]
+        return kept, min((e.cost for e in drop), default=float("inf"))
 
     def _spread_terms(self, req: RouteInput, live: list[WorkerRecord], ests: list[Estimate], keys: list[tuple],
                       out: int) -> dict[int, Terms]:
@@ -155,12 +168,19 @@ class Policy:
                 ("local_forced" if mode in ("colocated", "local") else "local_only")
         elif not scored.local:
             kind, alt = "disagg", 0.0
-            reason = "disagg_forced" if mode == "disagg" else "disagg_only"
+            reason = "disagg_forced" if mode == "disagg" else self._capped_reason(scored.stalled, best_pair)
         elif best_pair + self.cost.p.disagg_margin_s < best_local:
             kind, reason, alt = "disagg", "disagg_faster", best_local
         else:
             kind, reason, alt = "local", "local_faster", best_pair
         return kind, reason, (0.0 if alt == float("inf") else alt)
+
+    def _capped_reason(self, stalled: float, best_pair: float) -> str:
+        """Disaggregated with no local candidate left: by its own cost, because the stall cap dropped the local
+        ones that were cheaper, or because there were none."""
+        if stalled == float("inf"):
+            return "disagg_only"
+        return "disagg_faster" if best_pair + self.cost.p.disagg_margin_s < stalled else "local_would_stall"
 
     def _pick(self, ests: list[Estimate]) -> Estimate:
         best = min(e.cost for e in ests)

@@ -84,6 +84,10 @@ class CostParams:
     work_weight: float = 1.0        # price of the prefill compute itself (capacity later arrivals queue behind)
     kv_knee: float = 0.8
     disagg_margin_s: float = 0.0    # extra gain required before disaggregating (on top of transfer + handoff)
+    # a local prefill may stall the streams decoding on its worker for at most this many of their steps (with what
+    # is already queued there) while a disaggregated placement exists; 0: no limit (docs/routing.md, "Stall cap")
+    local_stall_steps: float = 4.0
+    local_stall_yield: float = 2.0  # ... unless disaggregating would cost more than this many times the local
     tie_rel: float = 0.01           # candidates within 1% ...
     tie_abs_s: float = 0.001        # ... + 1 ms of the best are "near-equal": picked at random
 
@@ -183,6 +187,7 @@ class Estimate:
     interference_s: float
     transfer_s: float = 0.0
     extra_s: float = 0.0  # failure-domain, price and fairness terms (spread.py), 0 until the policy adds them
+    interference_compute_s: float = 0.0  # local: the prefill compute the worker's running streams wait for
 
     @property
     def cost(self) -> float:
@@ -205,6 +210,17 @@ class CostModel:
                                 + disk_blocks / pri.disk_recall_bytes_per_s)
         return min(copy, (host_blocks + disk_blocks) * w.block_size / w.rate)
 
+    def stalls_streams(self, e: Estimate) -> bool:
+        """Whether a local estimate would hold the streams decoding on its worker past the stall cap: its prefill
+        compute plus the prefill already queued there, against `local_stall_steps` of their decode step. The
+        latency sum below prices that stall as running x compute seconds, which a long queue at the prefill pool
+        outweighs; but each stall lands whole on every stream's next token, and a few of them break a TPOT SLO
+        (measured: docs/bench.md, auto at P = 512, 6/s)."""
+        w, cap = e.decode, self.p.local_stall_steps
+        if cap <= 0 or w.running <= 0:
+            return False
+        return w.queue_s + e.interference_compute_s > cap * w.step
+
     def local(self, w: WorkerCost, n_prompt: int, cached: int, out: int, recall_s: float = 0.0) -> Estimate:
         """`cached`: prompt tokens of w's prefix hit in any tier; `recall_s`: the offloaded part's recall."""
         uncached = n_prompt - cached
@@ -216,7 +232,7 @@ class CostModel:
         # per-request overhead is latency, not compute they wait for)
         compute = max(0, uncached) / w.rate
         interf = (self.p.interference_weight * w.running + self.p.work_weight) * compute
-        return Estimate("local", w, w, cached, ttft, e2e, interf)
+        return Estimate("local", w, w, cached, ttft, e2e, interf, interference_compute_s=compute)
 
     def disagg(self, p: WorkerCost, d: WorkerCost, n_prompt: int, cached_p: int, cached_d: int,
                out: int, recall_p_s: float = 0.0) -> Estimate:

@@ -12,6 +12,7 @@ from pdserve.services.metrics import router as M
 from pdserve.services.pb import common_pb2
 from pdserve.services.registry import WorkerRecord
 from pdserve.services.router.cache_aware import NoWorkers, Policy, RouteInput
+from pdserve.services.router.cost import CostParams
 from pdserve.services.router.prefix_index import IndexSync, PrefixIndex, chain_hashes
 from pdserve.sim.chats import ChatWorkload
 from pdserve.sim.cluster import Cluster, ClusterSpec
@@ -148,6 +149,29 @@ def test_auto_local_for_short_disagg_for_long_and_flips_with_bandwidth():
     assert pol.place(idle, req=RouteInput("l3", list(range(1, 4001)))).mode == "colocated"
     # disagg mode disaggregates regardless; colocated preference is honoured
     assert Policy("disagg").place(idle, req=RouteInput("x", list(range(1, 33)))).reason == "disagg_forced"
+
+
+def test_a_local_prefill_that_would_stall_the_streams_there_goes_to_the_prefill_pool():
+    """The overload the break-even found (docs/bench.md, auto at P = 512, 6/s): the prefill worker's queue is 1.6 s,
+    the decode worker runs 8 streams at 12 ms a step. A 512-token local prefill (0.10 s) costs 0.31 s + 9 x 0.10 s
+    of stall = 1.23 s against the pair's 2.02 s, so the latency sum prefers it, and every stream there loses 8 steps
+    at once. The stall cap (4 steps) sends it to the pair instead, and says so; with the prefill queue at 3.2 s the
+    pair would cost more than twice the local (`local_stall_yield`) and the local prefill stays."""
+    def pool(pending):
+        return [_rec("p0", "prefill", pending=pending, rate=5000.0),
+                _rec("d0", "decode", running=8, rate=5000.0, step=0.012, bw=10e9)]
+    req = RouteInput("r", list(range(1, 513)), max_tokens=16)
+    before = _count("local_would_stall", "disagg")
+    p = Policy("auto", rng=random.Random(0), inflight_ttl_s=0).place(pool(8000), req=req)
+    assert p.mode == "disagg" and p.reason == "local_would_stall", p.header()
+    assert _count("local_would_stall", "disagg") == before + 1
+    off = Policy("auto", params=CostParams(local_stall_steps=0), rng=random.Random(0), inflight_ttl_s=0)
+    assert off.place(pool(8000), req=req).reason == "local_faster"  # the latency sum alone
+    deep = Policy("auto", rng=random.Random(0), inflight_ttl_s=0).place(pool(16000), req=req)
+    assert deep.mode == "colocated" and deep.reason == "local_faster"
+    # a decode worker with nothing running has no streams to stall: local as before
+    idle = [_rec("p0", "prefill", pending=8000, rate=5000.0), _rec("d0", "decode", rate=5000.0, step=0.012, bw=10e9)]
+    assert Policy("auto", rng=random.Random(0), inflight_ttl_s=0).place(idle, req=req).mode == "colocated"
 
 
 def test_prefill_pool_down_degrades_loudly(caplog):
