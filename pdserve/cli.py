@@ -222,6 +222,9 @@ def _add_router(sub) -> None:
                          "never (colocated) (docs/routing.md)")
     rt.add_argument("--drain-timeout", type=nonneg_float, default=5.0,
                     help="SIGTERM: the process is gone this + 3 s later at most")
+    rt.add_argument("--local-stall-steps", type=nonneg_float, default=None, metavar="N",
+                    help="auto mode: a local prefill may stall the decode worker's running streams for at most N of "
+                         "their steps while a prefill worker could take it (default 4; 0: no cap; docs/routing.md)")
     rt.add_argument("--weights", type=weights_arg, default=None, metavar="K=V,...",
                     help="spread/price/fairness weights, e.g. zone=0.05,node=0.02,price=0,fairness=0 "
                          "(docs/routing.md, 'Failure domains, price and fairness')")
@@ -350,7 +353,8 @@ def _run(args: argparse.Namespace) -> int:
         asyncio.run(serve(args.host, args.port, args.redis_url, args.served_model_name, args.metrics_port,
                           args.heartbeat_ttl, args.mode, args.metrics_compat,
                           security=security, redis_auth=_redis_auth(args), drain_s=args.drain_timeout,
-                          weights=args.weights, placement=args.placement))
+                          weights=args.weights, placement=args.placement,
+                          local_stall_steps=args.local_stall_steps))
     elif args.command == "worker":
         from pdserve.services.worker import serve
         asyncio.run(serve(args))

@@ -73,6 +73,7 @@ class PolicyContext:
     mode: str = "auto"  # the cache-aware policy's auto | disagg | colocated
     index: PrefixIndex | None = None  # the prefix index (router: from Redis; simulator: from the replicas' events)
     weights: RouteWeights | None = None
+    local_stall_steps: float | None = None  # the cache-aware policy's stall cap (cost.py); None: its default
     rng: random.Random = field(default_factory=random.Random)
     clock: Callable[[], float] = time.time
     # The simulator's replicas by worker id: exact cache contents and queues no deployment can know. None in the

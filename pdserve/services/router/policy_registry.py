@@ -14,6 +14,7 @@ from typing import Callable
 
 from pdserve.services.router.baselines import LeastLoaded, RoundRobin
 from pdserve.services.router.cache_aware import Policy
+from pdserve.services.router.cost import CostParams
 from pdserve.services.router.placement import PlacementPolicy, PolicyContext
 
 Factory = Callable[[PolicyContext], PlacementPolicy]
@@ -48,6 +49,11 @@ def create(name: str, ctx: PolicyContext) -> PlacementPolicy:
     return entry.factory(ctx)
 
 
-register("cache-aware", lambda ctx: Policy(ctx.mode, ctx.index, rng=ctx.rng, clock=ctx.clock, weights=ctx.weights))
+def _cache_aware(ctx: PolicyContext) -> Policy:
+    params = CostParams() if ctx.local_stall_steps is None else CostParams(local_stall_steps=ctx.local_stall_steps)
+    return Policy(ctx.mode, ctx.index, params, rng=ctx.rng, clock=ctx.clock, weights=ctx.weights)
+
+
+register("cache-aware", _cache_aware)
 register("round-robin", lambda ctx: RoundRobin())
 register("least-loaded", lambda ctx: LeastLoaded(ctx.rng, ctx.clock))

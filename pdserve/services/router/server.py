@@ -26,12 +26,12 @@ log = logging.getLogger("pdserve.router")
 class RouterService(router_pb2_grpc.RouterServicer):
     def __init__(self, registry: Registry, view_ttl_s: float = 0.2, mode: str = "auto",
                  policy: PlacementPolicy | None = None, weights: dict[str, float] | None = None,
-                 placement: str = "cache-aware"):
+                 placement: str = "cache-aware", local_stall_steps: float | None = None):
         self.registry = registry
         self.sync = IndexSync(registry.r, registry.model)
         self.view = LiveView(registry, self.sync, refresh_s=view_ttl_s)
         self.policy = policy or policy_registry.create(
-            placement, PolicyContext(mode, self.sync.index, RouteWeights.of(weights)))
+            placement, PolicyContext(mode, self.sync.index, RouteWeights.of(weights), local_stall_steps))
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -87,7 +87,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
 async def serve(host: str, port: int, redis_url: str, model: str, metrics_port: int | None = None,
                 ttl_s: float = 3.0, mode: str = "auto", metrics_compat: str | None = None,
                 security: InternalSecurity = NONE, redis_auth: RedisAuth = NO_AUTH, drain_s: float = 5.0,
-                weights: dict[str, float] | None = None, placement: str = "cache-aware") -> None:
+                weights: dict[str, float] | None = None, placement: str = "cache-aware",
+                local_stall_steps: float | None = None) -> None:
     """`security` must be what grpc_util.configure was given (the CLI does both): it keys the registry HMAC.
     SIGTERM: NOT_SERVING, in-flight Route calls get min(2, drain_s) s, and the process is gone by drain_s + grace
     (procutil.exit_deadline) even if Redis, which its teardown talks to, is not there."""
@@ -98,7 +99,8 @@ async def serve(host: str, port: int, redis_url: str, model: str, metrics_port: 
     registry = Registry(redis_url, model, ttl_s=ttl_s, auth=redis_auth, key=security.registry_key())
     await registry.r.ping()  # fail fast with a clear error when Redis is not there
     server, hs = make_server([ROUTER_SERVICE])
-    svc = RouterService(registry, mode=mode, weights=weights, placement=placement)
+    svc = RouterService(registry, mode=mode, weights=weights, placement=placement,
+                        local_stall_steps=local_stall_steps)
     await svc.start()
     router_pb2_grpc.add_RouterServicer_to_server(svc, server)
     listen(server, f"{host}:{port}")
