@@ -130,16 +130,19 @@ class Policy:
                  for p, d in cands.pairs]
         stalled = float("inf")  # the best local cost the stall cap dropped
         if pairs and local:  # a choice between the two: no local prefill that would stall the streams there
-            local, stalled = self._stall_cap(local, min(e.cost for e in pairs))
+            local, stalled = self._stall_cap(local, min(pairs, key=lambda e: e.cost))
         keys = self.spread.keys(req.namespace, req.prompt_token_ids)
         return Scored(local, pairs, self._spread_terms(req, live, local + pairs, keys, out), keys, device, stalled)
 
-    def _stall_cap(self, local: list[Estimate], best_pair: float) -> tuple[list[Estimate], float]:
+    def _stall_cap(self, local: list[Estimate], best_pair: Estimate) -> tuple[list[Estimate], float]:
         """The local estimates kept, and the best cost of those dropped: one that would stall its worker's streams
-        past the cap (cost.stalls_streams) is dropped unless disaggregating would cost over `local_stall_yield`
-        times as much (a link so slow that the pull outweighs the stall keeps a local prefill)."""
+        past the cap (cost.stalls_streams) is dropped unless the best pair's KV pull alone would take longer than
+        `local_stall_yield` x that stall summed over the streams (a link so slow that the pull outweighs it). A
+        long queue at the prefill pool is no reason to keep it: that is overload, and moving prefills onto the
+        decode worker then trades every stream's TPOT for one request's TTFT."""
         y = self.cost.p.local_stall_yield
-        drop = [e for e in local if self.cost.stalls_streams(e) and best_pair <= y * e.cost]
+        drop = [e for e in local if self.cost.stalls_streams(e)
+                and best_pair.transfer_s <= y * e.interference_compute_s * e.decode.running]
         kept = [e for e in local if all(e is not d for d in drop)]
         return kept, min((e.cost for e in drop), default=float("inf"))
 

@@ -87,7 +87,7 @@ class CostParams:
     # a local prefill may stall the streams decoding on its worker for at most this many of their steps (with what
     # is already queued there) while a disaggregated placement exists; 0: no limit (docs/routing.md, "Stall cap")
     local_stall_steps: float = 4.0
-    local_stall_yield: float = 2.0  # ... unless disaggregating would cost more than this many times the local
+    local_stall_yield: float = 1.0  # ... unless the pair's KV pull alone takes longer than this x the summed stall
     tie_rel: float = 0.01           # candidates within 1% ...
     tie_abs_s: float = 0.001        # ... + 1 ms of the best are "near-equal": picked at random
 

@@ -155,11 +155,12 @@ def test_a_local_prefill_that_would_stall_the_streams_there_goes_to_the_prefill_
     """The overload the break-even found (docs/bench.md, auto at P = 512, 6/s): the prefill worker's queue is 1.6 s,
     the decode worker runs 8 streams at 12 ms a step. A 512-token local prefill (0.10 s) costs 0.31 s + 9 x 0.10 s
     of stall = 1.23 s against the pair's 2.02 s, so the latency sum prefers it, and every stream there loses 8 steps
-    at once. The stall cap (4 steps) sends it to the pair instead, and says so; with the prefill queue at 3.2 s the
-    pair would cost more than twice the local (`local_stall_yield`) and the local prefill stays."""
-    def pool(pending):
+    at once. The stall cap (4 steps) sends it to the pair instead, and says so, also with the prefill queue at
+    3.2 s (overload is no reason to stall the streams); a link so slow that the pull alone (2.1 s) outlasts the
+    stall summed over the streams (8 x 0.10 s) keeps the local prefill (`local_stall_yield`)."""
+    def pool(pending, bw=10e9):
         return [_rec("p0", "prefill", pending=pending, rate=5000.0),
-                _rec("d0", "decode", running=8, rate=5000.0, step=0.012, bw=10e9)]
+                _rec("d0", "decode", running=8, rate=5000.0, step=0.012, bw=bw)]
     req = RouteInput("r", list(range(1, 513)), max_tokens=16)
     before = _count("local_would_stall", "disagg")
     p = Policy("auto", rng=random.Random(0), inflight_ttl_s=0).place(pool(8000), req=req)
@@ -168,7 +169,9 @@ def test_a_local_prefill_that_would_stall_the_streams_there_goes_to_the_prefill_
     off = Policy("auto", params=CostParams(local_stall_steps=0), rng=random.Random(0), inflight_ttl_s=0)
     assert off.place(pool(8000), req=req).reason == "local_faster"  # the latency sum alone
     deep = Policy("auto", rng=random.Random(0), inflight_ttl_s=0).place(pool(16000), req=req)
-    assert deep.mode == "colocated" and deep.reason == "local_faster"
+    assert deep.mode == "disagg" and deep.reason == "local_would_stall"
+    slow = Policy("auto", rng=random.Random(0), inflight_ttl_s=0).place(pool(0, bw=32e6), req=req)  # 64 MiB: 2.1 s
+    assert slow.mode == "colocated" and slow.reason == "local_faster"
     # a decode worker with nothing running has no streams to stall: local as before
     idle = [_rec("p0", "prefill", pending=8000, rate=5000.0), _rec("d0", "decode", rate=5000.0, step=0.012, bw=10e9)]
     assert Policy("auto", rng=random.Random(0), inflight_ttl_s=0).place(idle, req=req).mode == "colocated"
