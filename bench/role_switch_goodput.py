@@ -5,7 +5,8 @@ replayed open loop by `pdserve bench`'s load generator, once per deployment:
 - static: `--mode disagg --prefill P --decode 4-P` for P = 1..3 (the best chosen in hindsight by goodput);
 - colocated: `--mode colocated --workers 4`;
 - switching: starts at 2P+2D; every `--interval` s the controller (the simulator's, planner/switch_control.py: the split
-  the last interval's arrivals ask for, confirmed over `--confirm` intervals, the cost model from `--costs`) moves
+  the last interval's arrivals ask for by `--sizing`, confirmed over `--confirm` intervals, the cost model from
+  `--costs`) moves
   workers by their SwitchRole RPC (what `pdserve worker-role` and the planner call). Per switch: decision -> the RPC
   returned (the worker registered in its new role; routers see it at their next view refresh, <= 0.2 s).
 
@@ -31,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from pdserve.bench.client import LoadGen, Target  # noqa: E402
 from pdserve.bench.metrics import SLO, summarize  # noqa: E402
-from pdserve.planner.switch_control import PoolShape, split_for  # noqa: E402
+from pdserve.planner.switch_control import PoolShape, pool_work, split_for, split_needed  # noqa: E402
 from pdserve.services.up_process import UpProcess  # noqa: E402
 from pdserve.sim.shift_trace import Phase, phase_bounds, shift_trace  # noqa: E402
 
@@ -65,7 +66,7 @@ class Switcher:
             now = time.perf_counter() - t0
             window = [s for s in self.specs if now - self.a.interval < s.arrival <= now]
             cur = self.count("prefill")
-            want = split_for(window, self.cost, self.shape, WORKERS, self.a.slo_tpot) if window else cur
+            want = self._want(window, cur) if window else cur
             asked = asked + 1 if want != cur else 0
             if asked < self.a.confirm:
                 continue
@@ -74,6 +75,13 @@ class Switcher:
             movers = [w for w, (r, _) in self.workers.items() if r == src][:abs(want - cur)]
             d0 = time.perf_counter()
             await asyncio.gather(*(self._switch(w, dst, t0, d0) for w in movers))
+
+    def _want(self, window, cur: int) -> int:
+        if self.a.sizing == "share":
+            return split_for(window, self.cost, self.shape, WORKERS, self.a.slo_tpot)
+        pre, dec = pool_work(window, self.cost, self.shape, self.a.slo_tpot)
+        per = self.a.interval * self.a.target_util
+        return split_needed(pre / per, dec / per, cur, WORKERS)
 
     async def _switch(self, wid: str, dst: str, t0: float, d0: float) -> None:
         from pdserve.services.role_cli import switch
@@ -136,6 +144,8 @@ def main() -> int:
     ap.add_argument("--slo-tpot", type=float, default=0.1)
     ap.add_argument("--interval", type=float, default=2.0)
     ap.add_argument("--confirm", type=int, default=2)
+    ap.add_argument("--sizing", choices=("need", "share"), default="need", help="planner/switch_control.py")
+    ap.add_argument("--target-util", type=float, default=0.8)
     ap.add_argument("--handoff", choices=("drain", "migrate"), default="drain",
                     help="a switching decode worker's streams: finished there, or moved by the gateway's migration")
     ap.add_argument("--seed", type=int, default=0)

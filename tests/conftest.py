@@ -146,7 +146,8 @@ SLOW = {
     "tests/services/worker/test_kv_pair_metrics.py",
     "tests/services/test_redis_conn.py", "tests/services/test_supervisor.py", "tests/kv_transfer/test_tp_transfer.py",
     "tests/kv_transfer/test_kv_transfer.py", "tests/sim/test_cluster.py", "tests/sim/test_validate.py",
-    "tests/planner/test_policy_sim.py", "tests/bench/test_cli_mock.py", "tests/bench/test_coordinated_omission.py",
+    "tests/planner/test_policy_sim.py", "tests/sim/test_switch_control.py", "tests/bench/test_cli_mock.py",
+    "tests/bench/test_coordinated_omission.py",
     # >= ~25 s each on the 2-core box at load average 14-20 (docs/testing.md, "Where the time goes")
     "tests/sim/test_real_scheduler.py", "tests/sim/test_report.py", "tests/bench/test_host_overhead.py",
     "tests/bench/test_gpu_check.py", "tests/services/gateway/test_big_answers.py",

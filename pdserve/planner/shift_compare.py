@@ -130,7 +130,9 @@ def compare(st: ShiftSetup, log=lambda *_: None) -> dict:
     best, statics = best_static(st, log)
     bg = max(best["goodput_req_per_s"], 1e-12)
     first = by_handoff[st.handoffs[0]]
+    ceiling = len(st.trace) / (st.bounds[-1][2] - st.bounds[0][1])  # every request within its SLO
     return {"workers": st.workers, "requests": len(st.trace), "switching": first, "best_static": best,
+            "ceiling_req_per_s": ceiling, "ceiling_over_best_static": ceiling / bg,
             "colocated": co, "statics": statics,
             "switching_over_best_static": first["goodput_req_per_s"] / bg,
             "switching_by_handoff": by_handoff,

@@ -10,10 +10,24 @@ fits the KV pool and `max_num_seqs`), divided by that batch. Equal utilisation o
 simulated capacities amount to under a steady load, without its sweeps of simulations (too slow to rerun every
 interval of a 64-worker trace here).
 
+Which split the controller asks for (`sizing`):
+
+- `need` (default): each pool needs its work at `target_util` (the workers it keeps busy, over the utilisation that
+  leaves a queue room); any split in [prefill need, total - decode need] serves both, so the controller keeps the
+  split it has while it lies in that band and otherwise moves the fewest workers that bring it in (`split_needed`).
+  Where no split serves both (the band is empty), it asks for the work's share as `share` does. Either way a
+  split within `overload_band` x total workers (less one) of the one asked for stays. A move goes as far as every
+  confirming interval asked; a pool short of its work even fully busy moves at once, without confirmation.
+- `share` (what the controller did first, kept to measure against): every interval the work's share
+  (`split_for`), whatever the split it has. It sized the idle pool down to its own small work: at 64 workers on the
+  shift trace 61P+3D in the long phase, whose 3 decode workers then took the second chat phase's first seconds of
+  streams alone (docs/planner.md, "Switching at 64 workers").
+
 As the planner's guard rails (guard_rails.py), a change is made once `confirm` consecutive intervals asked for it.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from pdserve.planner.guard_rails import PoolVerdict
@@ -31,6 +45,9 @@ class ControlSpec:
     slo_ttft: float = 0.5
     slo_tpot: float = 0.05
     handoff: str = "drain"         # a switching decode worker's streams: finished there, or migrated (role_switch.py)
+    sizing: str = "need"           # need | share (module docstring)
+    target_util: float = 0.8       # `need`: the busy share of a pool's workers it is sized for
+    overload_band: float = 1 / 16  # `need`, no split serves both: the least move, as a share of all workers
 
 
 @dataclass
@@ -78,6 +95,20 @@ def split_for(specs, cost, shape: PoolShape, total: int, slo_tpot: float) -> int
     return min(total - 1, max(1, round(total * pre / (pre + dec))))
 
 
+def split_needed(need_p: float, need_d: float, cur: int, total: int, band: float = 1 / 16) -> int:
+    """Prefill workers of `total` after the fewest moves from `cur` that give each pool its need (workers, at the
+    target utilisation: module docstring); where no split does, the needs' share. Either way `cur` stays while it is
+    within `band` x total workers of what is asked, less one (64 workers: 3; up to 23 workers: 0): at 64 workers
+    an interval's noise moves a pool's need by a worker or two, which is no cause to drain one."""
+    slack = max(1, round(total * band)) - 1
+    lo = max(1, math.ceil(need_p - 1e-9))
+    hi = min(total - 1, total - math.ceil(need_d - 1e-9))
+    if lo <= hi:
+        return cur if lo - slack <= cur <= hi + slack else min(max(cur, lo), hi)
+    share = min(total - 1, max(1, round(total * need_p / (need_p + need_d))))
+    return share if abs(share - cur) > slack else cur
+
+
 @dataclass
 class SplitController:
     cluster: object
@@ -86,7 +117,7 @@ class SplitController:
     specs: list                      # the trace (arrival-ordered): what the gateway will have seen by each tick
     end_s: float
     switcher: SimSwitcher = None
-    asked: int = 0
+    asks: list = field(default_factory=list)   # the splits asked for since the last one that kept `cur`
     history: list = field(default_factory=list)  # (time, target prefill, prefill serving or bound)
     _next: int = 0
 
@@ -111,16 +142,30 @@ class SplitController:
         window = self._window(c.now)
         total = len(c.replicas)
         cur = self._prefill_bound()
-        want = split_for(window, c.cost, self.shape, total, sp.slo_tpot) if window else cur
-        self.asked = self.asked + 1 if want != cur else 0
+        want, urgent = self._want(window, cur, total) if window else (cur, False)
+        same_way = [w for w in self.asks if sp.sizing == "share" or (w > cur) == (want > cur)]
+        self.asks = [] if want == cur else same_way + [want]
         self.history.append((c.now, want, cur))
-        if self.asked >= sp.confirm:
-            self.asked = 0
+        if self.asks and (urgent or len(self.asks) >= sp.confirm):
+            # `need`: as far as every confirming interval asked (one interval's noise does not overshoot)
+            to = min(self.asks[-sp.confirm:], key=lambda w: abs(w - cur)) if sp.sizing == "need" else want
+            self.asks = []
             out_mean = sum(s.output_len for s in window) / len(window)
-            self._move([PoolVerdict("prefill", cur, want, "split"), PoolVerdict("decode", total - cur, total - want,
-                                                                                 "split")], out_mean)
+            self._move([PoolVerdict("prefill", cur, to, "split"), PoolVerdict("decode", total - cur, total - to,
+                                                                               "split")], out_mean)
         if c.now + sp.interval_s < self.end_s:
             c._at(c.now + sp.interval_s, self.tick)
+
+    def _want(self, window: list, cur: int, total: int) -> tuple[int, bool]:
+        """The split asked for, and whether it is urgent: a pool short of its work even fully busy (`need`: that
+        is a shift of the load, not an interval's noise, so it moves without waiting for `confirm` intervals)."""
+        c, sp = self.cluster, self.spec
+        if sp.sizing == "share":
+            return split_for(window, c.cost, self.shape, total, sp.slo_tpot), False
+        pre, dec = pool_work(window, c.cost, self.shape, sp.slo_tpot)
+        per = sp.interval_s * sp.target_util
+        want = split_needed(pre / per, dec / per, cur, total, sp.overload_band)
+        return want, pre / sp.interval_s > cur or dec / sp.interval_s > total - cur
 
     def _move(self, verdicts: list[PoolVerdict], output_mean: float) -> None:
         sp = self.spec

@@ -30,6 +30,16 @@ CHAT = Phase("chat", 30.0, 12.0, (32, 128), (64, 192))
 LONG = Phase("long", 30.0, 2.0, (512, 1024), (8, 24))
 SIM_PHASES = (CHAT, LONG, CHAT)
 
+# `--trace heavy`: the same kinds of request, heavier and longer, sized for the profile of the built-in model
+# measured on the Intel model 207 (docs/planner.md, "Switching at 64 workers": a 768-token prefill ~0.13 s). Each
+# phase alone keeps about 65-70% of the workers busy, but the long phase's prefill work (~0.68 of all workers) and
+# the chat phase's decode work (~0.52) add up to more than all of them: no static split serves both phases, where
+# on `shift` (SIM_PHASES) a split of 64 workers serves every request and the ratio to it is capped at ~1.0.
+HEAVY_CHAT = Phase("chat", 60.0, 30.0, (32, 128), (64, 192))
+HEAVY_LONG = Phase("long", 60.0, 5.0, (512, 1024), (8, 24))
+HEAVY_PHASES = (HEAVY_CHAT, HEAVY_LONG, HEAVY_CHAT)
+TRACES = {"shift": SIM_PHASES, "heavy": HEAVY_PHASES}
+
 
 def shift_trace(workers: int, phases=SIM_PHASES, seed: int = 0, vocab: int = 32000,
                 time_scale: float = 1.0) -> list[RequestSpec]:
