@@ -23,8 +23,8 @@ def add_lab_parser(sub) -> None:
     p.add_argument("--prefill", type=positive_int, default=1, help="prefill hosts")
     p.add_argument("--decode", type=positive_int, default=1, help="decode hosts")
     p.add_argument("--link", type=_link, default="", metavar="RATE[,delay=MS,jitter=MS,loss=PCT]",
-                   help="every worker host's link, e.g. 10gbit or 100mbit (delay/jitter need the kernel's netem; "
-                        "loss takes netem or the packet filter, nft); default: unshaped")
+                   help="every worker host's link, e.g. 10gbit or 100mbit,delay=2ms (delay/jitter: netem, else "
+                        "iptables' NFQUEUE; loss: netem, else nft); default: unshaped")
     p.add_argument("--num-gpu-blocks", type=nonneg_int, default=0, help="KV blocks per worker (0: the engine's)")
     p.add_argument("--heartbeat-ttl", type=positive_float, default=3.0,
                    help="the router's and every worker's registry TTL, seconds (how fast a cut host leaves the pool)")
