@@ -158,23 +158,28 @@ class SparseMoE(nn.Module):
             scores = F.linear(inp, weight, bias)
         return self._route(scores, x.dtype)
 
+    def _kernels_ready(self) -> bool:
+        """Stacked experts and the native kernels, outside the deterministic mode: what both native paths need."""
+        return self.stacked is not None and self.native_ops is not None and not self.row_tile
+
+    @staticmethod
+    def _cpu_rows(x: torch.Tensor) -> bool:
+        return x.dim() == 2 and x.is_contiguous() and x.device.type == "cpu"
+
     def takes_native(self, rows: int, dtype: torch.dtype) -> bool:
         """Whether a step of `rows` contiguous CPU rows runs this layer's experts on the native kernel (the decoder
         stack's check, decoder_stack.py)."""
-        return (self.stacked is not None and self.native_ops is not None and not self.row_tile
-                and rows <= NATIVE_MAX_TOKENS and dtype in (torch.float32, torch.bfloat16))
+        return self._kernels_ready() and rows <= NATIVE_MAX_TOKENS and dtype in (torch.float32, torch.bfloat16)
 
     def _takes_native(self, x: torch.Tensor, rows: int) -> bool:
-        return (self.stacked is not None and self.native_ops is not None and not self.row_tile and x.dim() == 2
-                and rows <= NATIVE_MAX_TOKENS and x.is_contiguous() and x.device.type == "cpu")
+        return self._kernels_ready() and rows <= NATIVE_MAX_TOKENS and self._cpu_rows(x)
 
     def _takes_grouped(self, x: torch.Tensor) -> bool:
         """Whether a step past the native kernel's size runs the experts grouped (moe_grouped.py): CPU, plain
         stacked weights of x's dtype (not int8), not the deterministic mode (its tiles must not follow the row
         count), PDSERVE_GROUPED_MOE not 0."""
-        return (self.stacked is not None and self.native_ops is not None and not self.row_tile and x.dim() == 2
-                and self.stacked[1] is None and self.stacked[0].dtype == x.dtype and x.is_contiguous()
-                and x.device.type == "cpu" and env_knobs.enabled(GROUPED_MOE_ENV))
+        return (self._kernels_ready() and self._cpu_rows(x) and self.stacked[1] is None
+                and self.stacked[0].dtype == x.dtype and env_knobs.enabled(GROUPED_MOE_ENV))
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         """DeepSeek's shared experts: one dense SwiGLU MLP every token takes."""
