@@ -66,12 +66,17 @@ def _kv_bytes(cells: dict, keys: list[str]) -> float | None:
     return b / n if n else None
 
 
+def _isolated(col: dict, dis: dict, field: str, key: str) -> tuple[dict, dict, int]:
+    """Both runs' `field` entry for `key` (`isolated_paired` or `isolated`) and the smaller of their counts."""
+    ci, di = (r.get(field, {}).get(key) or {} for r in (col, dis))
+    return ci, di, min(ci.get("n") or 0, di.get("n") or 0)
+
+
 def _ttft_pair(col: dict, dis: dict, plen: int, olen: int, keys: list[str]):
     """(colocated TTFT p50, disaggregated TTFT p50, basis): the paired isolated requests, else each run's own,
     where both have enough of them; else the lightest-load cell both measured; None when neither is there."""
     for field, name in (("isolated_paired", "paired isolated p50"), ("isolated", "isolated p50")):
-        ci, di = (r.get(field, {}).get(f"{plen}x{olen}") or {} for r in (col, dis))
-        n = min(ci.get("n") or 0, di.get("n") or 0)
+        ci, di, n = _isolated(col, dis, field, f"{plen}x{olen}")
         if n >= MIN_ISOLATED and None not in (ci.get("ttft_s"), di.get("ttft_s")):
             return ci["ttft_s"], di["ttft_s"], f"{name}, n={n}"
     cc, dc = col.get("cells", {}), dis.get("cells", {})
@@ -82,8 +87,8 @@ def _ttft_pair(col: dict, dis: dict, plen: int, olen: int, keys: list[str]):
 
 
 def _path_pair(col: dict, dis: dict, plen: int, olen: int):
-    ci, di = (r.get("isolated_paired", {}).get(f"{plen}x{olen}") or {} for r in (col, dis))
-    if min(ci.get("n") or 0, di.get("n") or 0) < MIN_ISOLATED or None in (ci.get("path_s"), di.get("path_s")):
+    ci, di, n = _isolated(col, dis, "isolated_paired", f"{plen}x{olen}")
+    if n < MIN_ISOLATED or None in (ci.get("path_s"), di.get("path_s")):
         return None
     return ci["path_s"], di["path_s"]
 
