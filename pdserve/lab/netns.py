@@ -313,6 +313,9 @@ class Network:
 
     def _shape_delay(self, h: Host, link: Link, use_netem: bool) -> None:
         from pdserve.lab.delay import DelayedLink
+        if h.delayed is not None and not use_netem and (link.delay_ms, link.jitter_ms) == (h.link.delay_ms,
+                                                                                         h.link.jitter_ms):
+            return  # the same delay (a fault changing the loss or the rate): the reader and its queue stay
         if h.delayed is not None:
             h.delayed.close()
             h.delayed = None

@@ -114,6 +114,9 @@ def test_delay_and_jitter_hold_each_packet_both_ways_in_order():
         base = median(r for _, r in _echo_rtts(h, 5330))
         net.shape(h, Link(rate_bps=40 * 10**6, delay_ms=10))
         reader = h.delayed
+        net.shape(h, Link(rate_bps=20 * 10**6, delay_ms=10))  # another rate, the same delay: the same reader
+        net.shape(h, Link(rate_bps=40 * 10**6, delay_ms=10))
+        assert h.delayed is reader
         flat = _echo_rtts(h, 5331)
         net.shape(h, Link(rate_bps=40 * 10**6, delay_ms=10, jitter_ms=5))
         spread = _echo_rtts(h, 5332)
