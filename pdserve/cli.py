@@ -173,6 +173,10 @@ def _add_up(sub) -> None:
     d.add_argument("--switch-handoff", choices=("migrate", "drain"), default=None,
                    help="passed to every worker: a role switch's streams finish first or migrate "
                         "(default: the worker's, drain)")
+    d.add_argument("--worker-cpus", type=positive_float, default=None,
+                   help="cap every worker at this many CPUs (a cgroup quota; root): each worker becomes a host of "
+                        "its own size, as on a cluster, instead of all sharing this machine's cores "
+                        "(docs/planner.md, Role switching measured)")
     add_engine(up.add_argument_group("engine (every worker)"))
     _add_lifecycle(up.add_argument_group("admission and limits (gateway)"), redis_url=False)
     _add_grammar(up.add_argument_group("guided output"), worker=True)

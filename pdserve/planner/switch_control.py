@@ -110,6 +110,42 @@ def split_needed(need_p: float, need_d: float, cur: int, total: int, band: float
 
 
 @dataclass
+class SplitDecider:
+    """The controller's decision, shared by the simulated cluster (SplitController) and a live deployment
+    (bench/role_switch_goodput.py): once per interval, given that interval's arrivals and the prefill workers
+    serving or bound for prefill, the split to move to now, or None."""
+    spec: ControlSpec
+    shape: PoolShape
+    cost: object
+    asks: list = field(default_factory=list)   # the splits asked for since the last one that kept `cur`
+    history: list = field(default_factory=list)  # (time, target prefill, prefill serving or bound)
+
+    def decide(self, now: float, window: list, cur: int, total: int) -> int | None:
+        sp = self.spec
+        want, urgent = self._want(window, cur, total) if window else (cur, False)
+        same_way = [w for w in self.asks if sp.sizing == "share" or (w > cur) == (want > cur)]
+        self.asks = [] if want == cur else same_way + [want]
+        self.history.append((now, want, cur))
+        if not self.asks or not (urgent or len(self.asks) >= sp.confirm):
+            return None
+        # `need`: as far as every confirming interval asked (one interval's noise does not overshoot)
+        to = min(self.asks[-sp.confirm:], key=lambda w: abs(w - cur)) if sp.sizing == "need" else want
+        self.asks = []
+        return to
+
+    def _want(self, window: list, cur: int, total: int) -> tuple[int, bool]:
+        """The split asked for, and whether it is urgent: a pool short of its work even fully busy (`need`: that
+        is a shift of the load, not an interval's noise, so it moves without waiting for `confirm` intervals)."""
+        sp = self.spec
+        if sp.sizing == "share":
+            return split_for(window, self.cost, self.shape, total, sp.slo_tpot), False
+        pre, dec = pool_work(window, self.cost, self.shape, sp.slo_tpot)
+        per = sp.interval_s * sp.target_util
+        want = split_needed(pre / per, dec / per, cur, total, sp.overload_band)
+        return want, pre / sp.interval_s > cur or dec / sp.interval_s > total - cur
+
+
+@dataclass
 class SplitController:
     cluster: object
     spec: ControlSpec
@@ -117,13 +153,17 @@ class SplitController:
     specs: list                      # the trace (arrival-ordered): what the gateway will have seen by each tick
     end_s: float
     switcher: SimSwitcher = None
-    asks: list = field(default_factory=list)   # the splits asked for since the last one that kept `cur`
-    history: list = field(default_factory=list)  # (time, target prefill, prefill serving or bound)
+    decider: SplitDecider = None
     _next: int = 0
 
     def __post_init__(self):
         self.switcher = self.switcher or SimSwitcher(self.cluster, handoff=self.spec.handoff)
+        self.decider = self.decider or SplitDecider(self.spec, self.shape, self.cluster.cost)
         self.cluster._at(self.spec.interval_s, self.tick)
+
+    @property
+    def history(self) -> list:
+        return self.decider.history
 
     def _window(self, now: float) -> list:
         i = self._next
@@ -142,30 +182,13 @@ class SplitController:
         window = self._window(c.now)
         total = len(c.replicas)
         cur = self._prefill_bound()
-        want, urgent = self._want(window, cur, total) if window else (cur, False)
-        same_way = [w for w in self.asks if sp.sizing == "share" or (w > cur) == (want > cur)]
-        self.asks = [] if want == cur else same_way + [want]
-        self.history.append((c.now, want, cur))
-        if self.asks and (urgent or len(self.asks) >= sp.confirm):
-            # `need`: as far as every confirming interval asked (one interval's noise does not overshoot)
-            to = min(self.asks[-sp.confirm:], key=lambda w: abs(w - cur)) if sp.sizing == "need" else want
-            self.asks = []
+        to = self.decider.decide(c.now, window, cur, total)
+        if to is not None:
             out_mean = sum(s.output_len for s in window) / len(window)
             self._move([PoolVerdict("prefill", cur, to, "split"), PoolVerdict("decode", total - cur, total - to,
                                                                                "split")], out_mean)
         if c.now + sp.interval_s < self.end_s:
             c._at(c.now + sp.interval_s, self.tick)
-
-    def _want(self, window: list, cur: int, total: int) -> tuple[int, bool]:
-        """The split asked for, and whether it is urgent: a pool short of its work even fully busy (`need`: that
-        is a shift of the load, not an interval's noise, so it moves without waiting for `confirm` intervals)."""
-        c, sp = self.cluster, self.spec
-        if sp.sizing == "share":
-            return split_for(window, c.cost, self.shape, total, sp.slo_tpot), False
-        pre, dec = pool_work(window, c.cost, self.shape, sp.slo_tpot)
-        per = sp.interval_s * sp.target_util
-        want = split_needed(pre / per, dec / per, cur, total, sp.overload_band)
-        return want, pre / sp.interval_s > cur or dec / sp.interval_s > total - cur
 
     def _move(self, verdicts: list[PoolVerdict], output_mean: float) -> None:
         sp = self.spec

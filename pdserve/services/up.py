@@ -166,6 +166,7 @@ def up(args, start_planner: StartPlanner | None = None) -> int:
     planner = None
     stopping = {"flag": False}
     generated = close_by_default(args)
+    capped, capped_names = _capper(args)
 
     def on_signal(signum, frame):
         stopping["flag"] = True
@@ -183,7 +184,7 @@ def up(args, start_planner: StartPlanner | None = None) -> int:
         routers = _start_routers(d, args, [*pdserve, "router", *common], redis_url)
         roles, tp, ep = _pools(args)
         if not args.threads:  # split the host's cores between the ranks rather than oversubscribe them
-            eng += ["--threads", str(max(1, (os.cpu_count() or 1) // max(1, sum(max(tp[r], ep[r]) for r in roles))))]
+            eng += ["--threads", str(_default_threads(args, roles, tp, ep))]
         if (args.device or "cpu") == "cpu":
             _build_kernels_once(d)
         started = iter(range(1 << 30))
@@ -191,12 +192,12 @@ def up(args, start_planner: StartPlanner | None = None) -> int:
         def start_worker(role: str) -> Child:
             i, port, mport = next(started), free_port(), free_port()
             wid = f"{role}-{i}-{port}"
-            return d.start(wid, [*pdserve, "worker", *common, *eng, "--role", role,
+            return d.start(wid, capped(wid, [*pdserve, "worker", *common, *eng, "--role", role,
                                  "--tensor-parallel-size", str(tp[role]), "--expert-parallel-size", str(ep[role]),
                                  "--port", str(port), "--worker-id", wid,
                                  "--redis-url", redis_url, "--metrics-port", str(mport),
                                  "--heartbeat-ttl", str(args.heartbeat_ttl), "--lease-ttl", str(args.lease_ttl),
-                                 *_grammar_flags(args, worker=True), *_worker_flags(args)],
+                                 *_grammar_flags(args, worker=True), *_worker_flags(args)]),
                            {"role": role, "port": port, "metrics_port": mport, "worker_id": wid})
 
         for role in roles:
@@ -217,6 +218,9 @@ def up(args, start_planner: StartPlanner | None = None) -> int:
         return _supervise(d, planner, stopping)
     finally:
         _stop(d, planner, generated, args.drain_timeout)
+        if capped_names:
+            from pdserve.services.cpu_share import remove_groups
+            remove_groups(capped_names)
 
 
 def _preflight(args, start_planner: StartPlanner | None) -> str | None:
@@ -316,6 +320,29 @@ def _common_flags(args) -> list[str]:
     if args.drain_timeout is not None:
         common += ["--drain-timeout", str(args.drain_timeout)]
     return common
+
+
+def _default_threads(args, roles, tp, ep) -> int:
+    """Torch threads per rank: a capped worker's own CPUs (`--worker-cpus`), else the host's cores split between
+    the ranks rather than oversubscribed."""
+    if getattr(args, "worker_cpus", None):
+        return max(1, round(args.worker_cpus))
+    return max(1, (os.cpu_count() or 1) // max(1, sum(max(tp[r], ep[r]) for r in roles)))
+
+
+def _capper(args) -> tuple[Callable[[str, list[str]], list[str]], list[str]]:
+    """(`capped(name, argv)`, the names it capped): a worker's command capped at `--worker-cpus` in a cgroup of its
+    own where that is given (`up` removes the groups once its children stop), the command as it is otherwise."""
+    cores = getattr(args, "worker_cpus", None)
+    names: list[str] = []
+    if not cores:
+        return (lambda name, argv: argv), names
+    from pdserve.services import cpu_share
+
+    def capped(name: str, argv: list[str]) -> list[str]:
+        names.append(name)
+        return cpu_share.wrap(argv, name, cores)
+    return capped, names
 
 
 def _worker_flags(args) -> list[str]:
