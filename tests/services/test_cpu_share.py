@@ -72,3 +72,4 @@ def test_up_refuses_more_cpus_per_worker_than_the_machine_has():
                         str((os.cpu_count() or 1) * 2), "--port", "0"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, r.stderr
     assert "--worker-cpus" in r.stderr and "more than this machine" in r.stderr
+
