@@ -10,6 +10,11 @@ replayed open loop by `pdserve bench`'s load generator, once per deployment:
   workers by their SwitchRole RPC (what `pdserve worker-role` and the planner call). Per switch: decision -> the RPC
   returned (the worker registered in its new role; routers see it at their next view refresh, <= 0.2 s).
 
+`--trace hosts --worker-cpus 0.25 --max-num-seqs 8`: every worker capped at a quarter of a core (`up --worker-cpus`),
+so that each is a fixed unit of capacity as on a cluster; the trace sized for such workers (HOSTS_PHASES). Every
+deployment first gets an uncounted warm-up (`_warm`), and the controller's profile is scaled to what the warm-up
+showed (`ObservedCost`).
+
 Goodput (requests meeting both SLOs per second) and attainment, overall and per phase; every request's outcome is
 counted, failures by their error (an overloaded split's admission rejections and timeouts are the deployment
 answering as designed; any other error is a defect).
