@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from pdserve.bench.breakeven import cpu_name  # noqa: E402
 from pdserve.bench.client import LoadGen, Target  # noqa: E402
-from pdserve.bench.metrics import SLO, summarize  # noqa: E402
+from pdserve.bench.metrics import SLO, summarize, tpot  # noqa: E402
 from pdserve.planner.switch_control import ControlSpec, PoolShape, SplitDecider, decode_batch  # noqa: E402
 from pdserve.services.up_process import UpProcess  # noqa: E402
 from pdserve.sim.costmodel import StepShape  # noqa: E402
@@ -142,7 +142,6 @@ class ObservedCost:
 
 
 def observed_cost(cost, records, shape: PoolShape, slo_tpot: float) -> ObservedCost:
-    from pdserve.bench.metrics import tpot
     pre, dec = [], []
     for r in records:
         if not r.ok or not r.prompt_tokens:
@@ -183,8 +182,8 @@ async def _drive(up: UpProcess, specs, slo: SLO, switcher: Switcher | None, end_
     if switcher is not None and a.observed_cost and warm:
         d = switcher.decider
         d.cost = observed_cost(d.cost, warm, d.shape, a.slo_tpot)
-        print(f"controller cost scaled to the warm-up: prefill x{switcher.decider.cost.prefill:.2f}, decode "
-              f"x{switcher.decider.cost.decode:.2f}", flush=True)
+        print(f"controller cost scaled to the warm-up: prefill x{d.cost.prefill:.2f}, decode x{d.cost.decode:.2f}",
+              flush=True)
     t0 = time.perf_counter()
     tasks = [gen.run_open(specs, drain_timeout_s=60.0)]
     if switcher is not None:

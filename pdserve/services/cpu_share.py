@@ -46,6 +46,15 @@ def cpu_root() -> tuple[str, Path] | None:
     return None
 
 
+def out_of_range(cores: float) -> str | None:
+    """Why `cores` is no share of this machine (None where it is one)."""
+    if cores > (os.cpu_count() or 1):
+        return f"{cores} is more than this machine's {os.cpu_count()} CPUs"
+    if cores < 0.01:
+        return f"{cores} is below the 0.01 CPU the kernel's smallest quota allows here"
+    return None
+
+
 def why_not() -> str | None:
     """Why a CPU cap cannot be set here (None where it can)."""
     if os.geteuid() != 0:
@@ -57,8 +66,8 @@ def why_not() -> str | None:
 
 def group(name: str, cores: float) -> Path:
     """The group `name`, made if missing, capped at `cores` CPUs."""
-    if not 0.01 <= cores <= (os.cpu_count() or 1):
-        raise ValueError(f"cores must be in [0.01, {os.cpu_count()}] (got {cores})")
+    if (bad := out_of_range(cores)) is not None:
+        raise ValueError(f"cores must be in [0.01, {os.cpu_count()}]: {bad}")
     found = cpu_root()
     if found is None:
         raise RuntimeError(why_not() or "no cgroup cpu controller")
@@ -78,9 +87,9 @@ def group(name: str, cores: float) -> Path:
     return g
 
 
-def enter(g: Path, pid: int = 0) -> None:
-    """Move process `pid` (0: the caller) with all its threads into group `g`."""
-    (g / "cgroup.procs").write_text(str(pid or os.getpid()))
+def enter(g: Path) -> None:
+    """Move the calling process, with all its threads, into group `g`."""
+    (g / "cgroup.procs").write_text(str(os.getpid()))
 
 
 def remove_groups(names) -> None:

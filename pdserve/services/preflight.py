@@ -168,13 +168,13 @@ def check_up(args) -> Problem | None:
         if why:
             return Problem(why, "see docs/planner.md")
     if getattr(args, "worker_cpus", None):
-        from pdserve.services.cpu_share import why_not
+        from pdserve.services.cpu_share import out_of_range, why_not
         why = why_not()
         if why:
             return Problem(f"--worker-cpus {args.worker_cpus}: {why}", "run as root, or leave --worker-cpus out")
-        if args.worker_cpus > (os.cpu_count() or 1):
-            return Problem(f"--worker-cpus {args.worker_cpus} is more than this machine's {os.cpu_count()} CPUs",
-                           "give each worker at most the machine's CPUs")
+        bad = out_of_range(args.worker_cpus)
+        if bad:
+            return Problem(f"--worker-cpus {bad}", "give each worker between 0.01 CPU and the machine's CPUs")
     if args.grpc_port and args.grpc_port == args.port:
         return Problem(f"--port and --grpc-port are both {args.port}", "give the gateway two different ports")
     return (check_model(args.model) or check_tp_degrees(args) or check_port("--port", args.host, args.port)

@@ -192,13 +192,14 @@ def up(args, start_planner: StartPlanner | None = None) -> int:
         def start_worker(role: str) -> Child:
             i, port, mport = next(started), free_port(), free_port()
             wid = f"{role}-{i}-{port}"
-            return d.start(wid, capped(wid, [*pdserve, "worker", *common, *eng, "--role", role,
-                                 "--tensor-parallel-size", str(tp[role]), "--expert-parallel-size", str(ep[role]),
-                                 "--port", str(port), "--worker-id", wid,
-                                 "--redis-url", redis_url, "--metrics-port", str(mport),
-                                 "--heartbeat-ttl", str(args.heartbeat_ttl), "--lease-ttl", str(args.lease_ttl),
-                                 *_grammar_flags(args, worker=True), *_worker_flags(args)]),
-                           {"role": role, "port": port, "metrics_port": mport, "worker_id": wid})
+            argv = [*pdserve, "worker", *common, *eng, "--role", role,
+                    "--tensor-parallel-size", str(tp[role]), "--expert-parallel-size", str(ep[role]),
+                    "--port", str(port), "--worker-id", wid,
+                    "--redis-url", redis_url, "--metrics-port", str(mport),
+                    "--heartbeat-ttl", str(args.heartbeat_ttl), "--lease-ttl", str(args.lease_ttl),
+                    *_grammar_flags(args, worker=True), *_worker_flags(args)]
+            return d.start(wid, capped(wid, argv), {"role": role, "port": port, "metrics_port": mport,
+                                                    "worker_id": wid})
 
         for role in roles:
             start_worker(role)
