@@ -9,7 +9,8 @@ catch-all for errors.
   line is logged per request.
 * Request heads over `max_header_bytes` get 431 and the connection is closed. h11's own limit
   (`h11_max_incomplete_event_size`, set to the same number in server.py) only sees a head that is still
-  incomplete; one that arrives whole in a single read passes it at any size (100 KB was accepted).
+  incomplete; one that arrives whole in a single read passes it at any size (100 KB was accepted). A head h11
+  refuses gets the same 431 (protocol.py), so TCP's split of it into reads does not change the answer.
 * Any 5xx response but the gateway's deliberate 503 / 504 carries `Connection: close`, so the server closes the
   connection after it, in order, and the client knows not to reuse it. Before, an unhandled exception sent a 500
   without it and then dropped the keep-alive connection, so the client's next request on it failed. A 503 (no

@@ -9,7 +9,10 @@ still open after 40 s. Here:
   line + headers) must be complete within `header_timeout_s`, or the client gets 408 and the connection closes;
 * when a response is complete while the client is still sending the request body (the app answered without
   reading it all: 401, 413, 408), the connection closes instead of waiting for the rest of the body, which a
-  trickling client would never finish.
+  trickling client would never finish;
+* a head that outgrows `h11_max_incomplete_event_size` before it is complete gets the same 431 the guard gives a
+  complete head over the limit (guard.py), not uvicorn's plain-text 400: which of the two sees a big head depends on
+  how TCP split it into reads, and the client must not be able to tell.
 
 The body's own deadline is the ingress gate's (ingress.read_body, 408): the app knows when it reads one.
 """
@@ -19,6 +22,8 @@ import asyncio
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from pdserve.services.gateway.guard import error_response
 
 _TIMEOUT_RESPONSE = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 
@@ -45,6 +50,19 @@ class GuardedH11Protocol(H11Protocol):
         super().on_response_complete()
         if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
             self.transport.close()
+
+    def send_400_response(self, msg: str) -> None:
+        buffered, _ = self.conn.trailing_data
+        limit = self.config.h11_max_incomplete_event_size
+        if len(buffered) <= limit:  # a malformed head, not a big one: uvicorn's 400
+            super().send_400_response(msg)
+            return
+        start, body = error_response(431, f"request headers exceed the limit of {limit} bytes",
+                                     "invalid_request_error", "request_header_fields_too_large")
+        head = b"".join(k + b": " + v + b"\r\n" for k, v in start["headers"])
+        self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\n" + head
+                             + b"connection: close\r\n\r\n" + body)
+        self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_timer()
