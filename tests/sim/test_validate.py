@@ -5,7 +5,9 @@ scheduler config, compare mean TTFT and mean TPOT.
 Tolerance: |sim - real| / real <= 50% per metric, at light load (no queueing, so a step-time error is not
 amplified by the queue). This box has 2 cores shared with other jobs: a step can take 2-3x longer when a
 neighbour runs, and the profile and the run see different neighbours. The measured error at light load on a
-quiet box is ~5-20% (docs/sim.md); one retry (re-profile, re-run) absorbs a burst of contention.
+quiet box is ~5-20% (docs/sim.md), but these steps take 1-30 ms, so one stall of a few ms moves a mean by tens of
+percent: on a Sapphire Rapids box, 4 attempts in a row gave a worst error of -51%, -31%, +31%, +17%. Up to two
+retries (re-profile, re-run) absorb that; a model off by more than 50% fails all three.
 """
 from __future__ import annotations
 
@@ -32,7 +34,8 @@ def _attempt():
 
 def test_predicted_vs_measured_small_run():
     torch.set_num_threads(1)
-    errs, rows = _attempt()
-    if any(e is None or abs(e) > TOL for e in errs.values()):
+    for _ in range(3):
         errs, rows = _attempt()
+        if all(e is not None and abs(e) <= TOL for e in errs.values()):
+            break
     assert all(e is not None and abs(e) <= TOL for e in errs.values()), (errs, rows)
