@@ -332,11 +332,6 @@ class Admission:
         self._released = asyncio.Event()
         self._renewer: asyncio.Task | None = None
 
-    @property
-    def queue_full(self) -> bool:
-        """No room in this replica's queue: a request that does not fit at once is REJECTED (no_fit)."""
-        return self.queued >= self.max_queue
-
     def start(self) -> None:
         if self._renewer is None:
             self._renewer = asyncio.get_running_loop().create_task(self._renew_forever())

@@ -97,13 +97,8 @@ class RequestHandler:
         """Where the request will run, asked before admission (spec §0.1: the cache lookup comes before the
         reservation): the route the dispatcher takes first, and the placed worker's prefix-cache hit that
         admission pins instead of reserving anew (prefix_pins.hit_of: disaggregated, the decode worker's hit). Only
-        with admission and one prompt (several are placed one by one, each where it fits).
-
-        Not while the admission queue is full: a request that does not fit at once is then rejected, and a
-        rejection is owed within ~100 ms (docs/reliability.md), which a router round trip on cores busy with 3x
-        their capacity can take by itself. Judged without the hit, its reservation is the whole prompt: never
-        more admitted than with it, only a cached prompt that would just have fit turned away at overload."""
-        if self.life.admission is None or len(call.prompts) != 1 or self.life.admission.queue_full:
+        with admission and one prompt (several are placed one by one, each where it fits)."""
+        if self.life.admission is None or len(call.prompts) != 1:
             return None, None
         prompt, params = call.prompts[0], call.params
         route = await self.disp.route(rid, len(prompt), rec.tenant.namespace, [], prompt, params.max_tokens or 0,

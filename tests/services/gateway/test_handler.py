@@ -4,6 +4,8 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+import pytest
+
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.services.admission import Admission
 from pdserve.services.gateway.handler import RequestHandler
@@ -30,15 +32,12 @@ def _placement(queued: int, max_queue: int = 3):
     return asyncio.run(h._placement(rec, "r1", call)), disp.routed
 
 
-def test_placement_asks_the_router_and_brings_the_hit_while_the_queue_has_room():
-    (route, hit), routed = _placement(queued=2)
+@pytest.mark.parametrize("queued,max_queue", [(2, 3), (0, 0), (3, 3)])
+def test_placement_asks_the_router_and_brings_the_hit_whatever_the_queue(queued, max_queue):
+    """Also with no room to queue: there a request is admitted only if it fits at once, and its hit decides that
+    (skipping the placement at a full queue, tried once to spare rejections a router call, admitted none of
+    tests/e2e/test_admission_prefix_hits.py's four requests behind a cached prefix under `--admission-queue 0`)."""
+    (route, hit), routed = _placement(queued, max_queue)
     assert routed == 1 and route.both.worker_id == "w-0"
     assert hit is not None and hit.worker_id == "w-0" and hit.cached_tokens == 16
 
-
-def test_a_full_queue_skips_the_router_call_before_admission():
-    """At a full queue a request that does not fit is rejected at once: it must not wait for a router round trip
-    first (the rejection-latency bound of tests/e2e/test_overload.py); admission then judges it on the whole
-    prompt, which never admits more than the hit would."""
-    (route, hit), routed = _placement(queued=3)
-    assert (route, hit, routed) == (None, None, 0)
