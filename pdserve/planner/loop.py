@@ -80,10 +80,14 @@ class PlannerConfig:
 
 
 class Planner:
-    def __init__(self, cfg: PlannerConfig, connector, metrics_urls: Callable[[], list[str]]):
+    def __init__(self, cfg: PlannerConfig, connector, metrics_urls: Callable[[], list[str]],
+                 scrape_bearer: str | None = None):
+        """`scrape_bearer`: sent with every scrape (the local planner's internal token, which its gateway's
+        /metrics accepts); None for URLs an operator named, which the token must not reach."""
         from pdserve.services.internal_security import InternalSecurity
         from pdserve.sim.costmodel import LinearCostModel, load_cost_model
         self.cfg, self.connector, self.metrics_urls = cfg, connector, metrics_urls
+        self.scrape_bearer = scrape_bearer
         self.key = InternalSecurity.from_files(cfg.internal_token_file).registry_key()
         self.base_cost = load_cost_model(cfg.costs_file) if cfg.costs_file else LinearCostModel()
         self.predictor = TrendPredictor(window=cfg.window)
@@ -112,7 +116,7 @@ class Planner:
         stage = "scrape"
         t0 = time.monotonic()
         try:
-            snap = await asyncio.to_thread(scrape.fetch, self.metrics_urls())
+            snap = await asyncio.to_thread(scrape.fetch, self.metrics_urls(), bearer=self.scrape_bearer)
             if self.prev is None:
                 self.prev = snap
                 self.snaps.append(snap)

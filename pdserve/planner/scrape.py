@@ -95,12 +95,15 @@ def parse(text: str, snap: Snapshot) -> None:
                     setattr(snap, name, getattr(snap, name) + v)
 
 
-def fetch(urls: list[str], timeout_s: float = 3.0) -> Snapshot:
-    """Scrape every URL; one that does not answer is skipped with a warning (a worker may be stopping)."""
+def fetch(urls: list[str], timeout_s: float = 3.0, bearer: str | None = None) -> Snapshot:
+    """Scrape every URL; one that does not answer is skipped with a warning (a worker may be stopping). `bearer`:
+    sent as `Authorization: Bearer`, for a gateway whose /metrics asks for a key (the local planner's internal
+    token)."""
     snap = Snapshot(t=time.monotonic())
+    headers = {"Authorization": f"Bearer {bearer}"} if bearer else {}
     for url in urls:
         try:
-            with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout_s) as r:
                 parse(r.read().decode(), snap)
         except Exception as e:  # noqa: BLE001 - a missing page lowers what we see, it does not stop the loop
             log.warning("planner: scrape %s failed: %s", url, e)

@@ -88,7 +88,7 @@ class Load:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pdserve", "bench", "run", "--base-url", self.base_url, "--rate", "3",
              "--duration", str(SEGMENT_S), "--prompt-len", "32", "--output-len", "24", "--out", str(d),
-             "--no-progress", "--seed", str(len(self.dirs))], env=self.env, stdout=subprocess.PIPE,
+             "--no-progress", "--seed", str(len(self.dirs)), "--api-key", "sk-load"], env=self.env, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True)
 
     def _check(self) -> None:
@@ -107,10 +107,19 @@ class Load:
             self.proc.wait()
 
 
+# API keys on, as a closed deployment runs: the planner must still see the gateway's rate and latencies (it reads
+# /metrics with the internal token; with no key it saw none and never grew)
+KEYS = "tenants:\n  load: {keys: [sk-load]}\n  ops: {keys: [sk-ops], permissions: [metrics]}\n"
+OPS = {"Authorization": "Bearer sk-ops"}
+
+
 def test_planner_grows_both_pools_under_load_and_drains_after(tmp_path, monkeypatch):
     env = _env(tmp_path / "state")
     monkeypatch.setenv("PDSERVE_STATE_DIR", env["PDSERVE_STATE_DIR"])
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(KEYS)
     up = UpProcess(["--model", "builtin", "--num-gpu-blocks", "256", "--mode", "disagg", "--planner",
+                    "--api-keys-file", str(keys),
                     "--planner-interval", "5", "--min-decode", "1", "--max-decode", "2", "--min-prefill", "1",
                     "--max-prefill", "2", "--slo-tpot", "0.002", "--slo-ttft", "0.001", "--scale-down-cooldown", "5",
                     "--planner-window", "2"], env, ready_timeout=150)
@@ -157,7 +166,7 @@ def test_planner_grows_both_pools_under_load_and_drains_after(tmp_path, monkeypa
         # 2. the router sends them work: their engines finish requests while the load lasts
         served = dict.fromkeys(pools, 0.0)
         in_router = {w["id"] for w in gather(argparse.Namespace(
-            url=up.base_url, redis_url=None, model=None, api_key=None, internal_token_file=None,
+            url=up.base_url, redis_url=None, model=None, api_key="sk-ops", internal_token_file=None,
             redis_password_file=None, redis_ca_file=None))["workers"]}
         end = time.monotonic() + 60
         while time.monotonic() < end and not served["decode"]:
@@ -206,7 +215,7 @@ def test_planner_grows_both_pools_under_load_and_drains_after(tmp_path, monkeypa
             assert all(p["current"] - p["desired"] == 1 for _, p in downs)  # one step per interval
 
         # the gateway's /status (`pdserve status --url`) says the same, the planner's record included
-        gw = gather(argparse.Namespace(url=up.base_url, redis_url=None, model=None, api_key=None,
+        gw = gather(argparse.Namespace(url=up.base_url, redis_url=None, model=None, api_key="sk-ops",
                                        internal_token_file=None, redis_password_file=None, redis_ca_file=None))
         assert sorted((w["id"], w["role"], w["healthy"]) for w in gw["workers"]) == sorted(
             (w["id"], w["role"], True) for w in cli["workers"])
@@ -214,7 +223,7 @@ def test_planner_grows_both_pools_under_load_and_drains_after(tmp_path, monkeypa
 
         # 4. no request failed: every bench record ok, and the gateway counted no other terminal state
         assert recs and all(r["ok"] for r in recs), [r["error"] for r in recs if not r["ok"]][:5]
-        with urllib.request.urlopen(up.base_url + "/metrics", timeout=5) as r:
+        with urllib.request.urlopen(urllib.request.Request(up.base_url + "/metrics", headers=OPS), timeout=5) as r:
             page = r.read().decode()
         total = sum(samples(page, "pdserve_requests_terminal_total"))
         assert total >= len(recs)

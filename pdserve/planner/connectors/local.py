@@ -179,12 +179,14 @@ def start_in_up(args, supervisor: Supervisor, start_worker: Callable[[str], Chil
     from pdserve.services.grpc_util import configure
     from pdserve.services.internal_security import InternalSecurity
     # role switches call the workers' SwitchRole: authenticated like every internal RPC
-    configure(InternalSecurity.from_files(args.internal_token_file, args.tls_cert, args.tls_key, args.tls_ca,
-                                          args.tls_server_name))
+    sec = InternalSecurity.from_files(args.internal_token_file, args.tls_cert, args.tls_key, args.tls_ca,
+                                      args.tls_server_name)
+    configure(sec)
     conn = LocalConnector(supervisor, start_worker, state=state)
     cfg = PlannerConfig.from_args(args, redis_url=state["redis_url"])
     gateway = state["base_url"]
-    planner = Planner(cfg, conn, lambda: [gateway + "/metrics", *conn.metrics_urls()])
+    # the token: with API keys on, the gateway's /metrics asks for one, and without it the planner saw no rate
+    planner = Planner(cfg, conn, lambda: [gateway + "/metrics", *conn.metrics_urls()], scrape_bearer=sec.token)
     port = free_port()
     exposition.serve(exposition.exposition(PLANNER, {"model": args.served_model_name}), port, "127.0.0.1")
     lp = LocalPlanner(planner, conn, port)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 from dataclasses import dataclass, field
@@ -81,6 +82,8 @@ class GatewayConfig:
     # internal security (docs/services.md, Trust model): Redis AUTH/TLS, and the registry HMAC key
     redis_auth: RedisAuth = NO_AUTH
     registry_key: bytes | None = None
+    # the deployment's own components (the planner) read /metrics with the internal token; None: no such reader
+    internal_token: str | None = None
     tool_call_parser: str | None = None  # the model's tool call format; None: detected from its chat template
     default_max_tokens: int | None = None  # a body without max_tokens: at most this many (None: the context left)
     max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES  # an answer's log-prob values at most (params.py)
@@ -393,9 +396,13 @@ def _info_routes(g: Gateway) -> None:
 
     @app.get("/metrics")
     async def metrics(request: Request):
-        # every tenant's name and counts: only for a key with the `metrics` permission (docs/admission.md,
-        # "Trust model"); a scraper inside the cluster can use --metrics-port instead
-        tenant = life.gate.tenants.authenticate(IngressGate.api_key(request.headers))
+        # every tenant's name and counts: only for a key with the `metrics` permission, or the internal token that
+        # already lets its holder register a worker (docs/admission.md, "Trust model"); a scraper inside the
+        # cluster can use --metrics-port instead
+        key = IngressGate.api_key(request.headers)
+        if cfg.internal_token and key and hmac.compare_digest(key.encode(), cfg.internal_token.encode()):
+            return PlainTextResponse(generate_latest(g.metrics).decode(), media_type=CONTENT_TYPE_LATEST)
+        tenant = life.gate.tenants.authenticate(key)
         if tenant is None:
             return _error_response(APIError(401, "missing or invalid API key", "authentication_error",
                                             code="invalid_api_key"))

@@ -72,6 +72,7 @@ async def serve(args) -> None:
         reservation_lease_s=args.reservation_lease, max_header_bytes=args.max_header_bytes,
         header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout, metrics_compat=args.metrics_compat,
         redis_auth=RedisAuth.from_args(args), registry_key=security().registry_key(),
+        internal_token=security().token,
         tool_call_parser=args.tool_call_parser, default_max_tokens=args.default_max_tokens,
         max_logprob_entries=args.max_logprob_entries,
         migration_limit=args.migration_limit, require_disagg=bool(args.require_disagg), grammar_limits=limits_from_args(args), host=args.host,

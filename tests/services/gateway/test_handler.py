@@ -34,9 +34,8 @@ def _placement(queued: int, max_queue: int = 3):
 
 @pytest.mark.parametrize("queued,max_queue", [(2, 3), (0, 0), (3, 3)])
 def test_placement_asks_the_router_and_brings_the_hit_whatever_the_queue(queued, max_queue):
-    """Also with no room to queue: there a request is admitted only if it fits at once, and its hit decides that
-    (skipping the placement at a full queue, tried once to spare rejections a router call, admitted none of
-    tests/e2e/test_admission_prefix_hits.py's four requests behind a cached prefix under `--admission-queue 0`)."""
+    """Also with no room to queue: a request is then admitted only if it fits at once, and its hit decides that
+    (tests/e2e/test_admission_prefix_hits.py: four requests behind a cached prefix under `--admission-queue 0`)."""
     (route, hit), routed = _placement(queued, max_queue)
     assert routed == 1 and route.both.worker_id == "w-0"
     assert hit is not None and hit.worker_id == "w-0" and hit.cached_tokens == 16

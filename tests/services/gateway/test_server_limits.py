@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[3]
 HEADER_TIMEOUT = 1.0
 BODY_TIMEOUT = 1.0
 KEYS = "tenants:\n  plain: {keys: [sk-plain]}\n"
+TOKEN = "internal-token-for-the-planner-0123456789"
 
 
 def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
@@ -47,12 +48,15 @@ def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
 def gateway(tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "keys.yaml"
     keys.write_text(KEYS)
+    token = keys.parent / "token"
+    token.write_text(TOKEN)
     port, mport = free_port(), free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PDSERVE_LOG_LEVEL": "WARNING"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve", "gateway", "--model", "builtin", "--port", str(port),
          "--router", "127.0.0.1:1", "--api-keys-file", str(keys), "--header-timeout", str(HEADER_TIMEOUT),
-         "--body-timeout", str(BODY_TIMEOUT), "--max-header-bytes", str(16 << 10), "--metrics-port", str(mport)],
+         "--body-timeout", str(BODY_TIMEOUT), "--max-header-bytes", str(16 << 10), "--metrics-port", str(mport),
+         "--internal-token-file", str(token)],
         env=env, cwd=str(ROOT))
     try:
         _wait_http(f"http://127.0.0.1:{port}/v1/models", proc)
@@ -264,6 +268,24 @@ def test_metrics_need_a_permission_on_the_api_port_and_none_on_the_metrics_port(
     r = httpx.get(f"http://127.0.0.1:{port}/metrics", headers={"Authorization": "Bearer sk-plain"})
     assert r.status_code == 403
     assert "pdserve_" in httpx.get(f"http://127.0.0.1:{mport}/metrics").text
+
+
+def test_the_internal_token_reads_the_api_ports_metrics_for_the_local_planner(gateway):
+    """With API keys on, `up --planner` scraped the gateway's /metrics without a key (401) and sized its pools with
+    no request rate; it now sends the deployment's internal token, which the gateway takes for /metrics only."""
+    from pdserve.planner import scrape
+    port, _ = gateway
+    url = f"http://127.0.0.1:{port}/metrics"
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "builtin", "prompt": "a"},
+                   headers={"Authorization": "Bearer sk-plain"})
+    assert r.status_code == 503  # no router: a terminal request the gateway counts
+    assert httpx.get(url, headers={"Authorization": f"Bearer {TOKEN[:-1]}x"}).status_code == 401
+    assert httpx.get(url, headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
+    assert scrape.fetch([url]).finished == 0  # refused: nothing seen
+    assert scrape.fetch([url], bearer=TOKEN).finished >= 1
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "builtin", "prompt": "a"},
+                   headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 401  # the token is no API key: it reads metrics, it does not serve requests
 
 
 def test_an_unhandled_error_is_a_500_that_closes_the_connection():
