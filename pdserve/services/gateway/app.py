@@ -396,17 +396,23 @@ def _info_routes(g: Gateway) -> None:
 
     @app.get("/metrics")
     async def metrics(request: Request):
-        # every tenant's name and counts: only for a key with the `metrics` permission, or the internal token that
-        # already lets its holder register a worker (docs/admission.md, "Trust model"); a scraper inside the
-        # cluster can use --metrics-port instead
-        key = IngressGate.api_key(request.headers)
-        if cfg.internal_token and key and hmac.compare_digest(key.encode(), cfg.internal_token.encode()):
-            return PlainTextResponse(generate_latest(g.metrics).decode(), media_type=CONTENT_TYPE_LATEST)
-        tenant = life.gate.tenants.authenticate(key)
-        if tenant is None:
-            return _error_response(APIError(401, "missing or invalid API key", "authentication_error",
-                                            code="invalid_api_key"))
-        if not tenant.can("metrics"):
-            return _error_response(APIError(403, "this API key may not read metrics", "permission_error",
-                                            code="permission_denied"))
+        refused = _metrics_refusal(cfg.internal_token, life.gate.tenants, IngressGate.api_key(request.headers))
+        if refused is not None:
+            return refused
         return PlainTextResponse(generate_latest(g.metrics).decode(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _metrics_refusal(internal_token: str | None, tenants, key: str | None) -> Response | None:
+    """/metrics on the API port lists every tenant's name and counts: only for a key with the `metrics`
+    permission, or the internal token, whose holder can already register a worker (docs/admission.md, "Trust
+    model"). None: allowed. A scraper inside the cluster can use --metrics-port instead."""
+    if internal_token and key and hmac.compare_digest(key.encode(), internal_token.encode()):
+        return None
+    tenant = tenants.authenticate(key)
+    if tenant is None:
+        return _error_response(APIError(401, "missing or invalid API key", "authentication_error",
+                                        code="invalid_api_key"))
+    if not tenant.can("metrics"):
+        return _error_response(APIError(403, "this API key may not read metrics", "permission_error",
+                                        code="permission_denied"))
+    return None
